@@ -1,0 +1,28 @@
+"""batchfit: which batch size should I train with? Traced, measured and reported."""
+
+from batchfit.devices import CATALOG, Device, get_device, parse_size
+from batchfit.errors import (BatchfitError, ModelSpecError, OptionError, SizeError, TraceError,
+                             UnknownGPUError, UsageError)
+from batchfit.estimate import EstimateResult, estimate
+from batchfit.specs import load_workload
+from batchfit.workload import StepOptions, Workload
+
+__all__ = [
+    "CATALOG",
+    "BatchfitError",
+    "Device",
+    "EstimateResult",
+    "ModelSpecError",
+    "OptionError",
+    "SizeError",
+    "StepOptions",
+    "TraceError",
+    "UnknownGPUError",
+    "UsageError",
+    "Workload",
+    "estimate",
+    "get_device",
+    "load_workload",
+    "parse_size",
+]
+__version__ = "0.1.0"

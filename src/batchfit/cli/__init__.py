@@ -1,0 +1,1 @@
+"""The ``batchfit`` command line: thin Typer commands over the library."""

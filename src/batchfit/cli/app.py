@@ -1,0 +1,27 @@
+"""The ``batchfit`` app: one line per command, the logic lives in the library."""
+
+from __future__ import annotations
+
+import typer
+
+from batchfit.cli.estimate import EXAMPLES, estimate_command
+from batchfit.cli.gpus import gpus_command, zoo_command
+
+app = typer.Typer(
+    name="batchfit",
+    help="Which batch size should I train with? Traced, measured and reported.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command("estimate", epilog=EXAMPLES)(estimate_command)
+app.command("gpus")(gpus_command)
+app.command("zoo")(zoo_command)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""``batchfit estimate``: predict peak memory and the largest batch, with no GPU."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from batchfit.cli.common import (echo_json, err, handle_errors, is_stdout, parse_batch_sizes,
+                                 quiet_if_stdout, target_device)
+from batchfit.devices import GiB
+from batchfit.estimate import DEFAULT_MAX_BATCH, estimate
+from batchfit.report import write_estimate_report
+from batchfit.specs import SPEC_HELP, load_workload
+from batchfit.workload import StepOptions
+
+EXAMPLES = """
+Examples:
+
+  batchfit estimate gpt-tinystories-22m --gpu rtx4090-24gb
+
+  batchfit estimate hf:llama-3.1-8b --gpu h100-80gb --seq-len 8192 --precision bf16-mixed --checkpointing full
+
+  batchfit estimate my_model.py:workload --gpu-memory 48GiB --batch-sizes 64,128,192 --json out.json --out report/
+"""
+
+
+@handle_errors
+def estimate_command(
+    model: Annotated[str, typer.Argument(help=f"What to train: {SPEC_HELP}.", show_default=False)],
+    gpu: Annotated[str | None, typer.Option(help="GPU from the catalog (`batchfit gpus`), e.g. h100-80gb.")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="Any GPU by its memory, e.g. 24GiB or 80GB.")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sample (default: the model's).")] = None,
+    precision: Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights) or bf16 (pure).")] = "fp32",
+    optimizer: Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor.")] = None,
+    checkpointing: Annotated[str, typer.Option(help="Activation checkpointing: none or full (every block).")] = "none",
+    freeze: Annotated[list[str] | None, typer.Option(help="Freeze parameters matching this glob (repeatable), e.g. 'model.layers.*'.")] = None,
+    train_only: Annotated[list[str] | None, typer.Option(help="Train only parameters matching this glob (repeatable), e.g. '*lora*'.")] = None,
+    accumulation_steps: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
+    batch_sizes: Annotated[str | None, typer.Option(help="Also trace these batch sizes, e.g. 8,16,32.")] = None,
+    target_util: Annotated[float, typer.Option(help="Fraction of usable memory to plan for.")] = 0.9,
+    multiple_of: Annotated[int, typer.Option(help="Batch sizes must be multiples of this, e.g. 8.")] = 1,
+    max_batch: Annotated[int, typer.Option(help="Never consider batches above this.")] = DEFAULT_MAX_BATCH,
+    json_path: Annotated[str | None, typer.Option("--json", help="Write estimate.json here too ('-' for stdout).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Report folder (report.md, memory.png, estimate.json).")] = None,
+) -> None:
+    """Predict peak training memory and the largest batch that fits a GPU, without a GPU.
+
+    Runs two real training steps of the model on fake tensors (no memory, no compute),
+    counting every byte as the CUDA caching allocator would, at a few batch sizes; fits the
+    memory curve; and confirms the largest batch by tracing it and the next size up.
+    """
+    device = target_device(gpu, gpu_memory)
+    options = StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
+                          frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
+                          accumulation_steps=accumulation_steps)
+    sizes = parse_batch_sizes(batch_sizes)
+    workload = load_workload(model, seq_len=seq_len)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=err, transient=True) as progress:
+        task = progress.add_task("starting", total=None)
+        result = estimate(workload, device=device, options=options, batch_sizes=sizes,
+                          target_util=target_util, multiple_of=multiple_of, max_batch=max_batch,
+                          progress=lambda message: progress.update(task, description=message))
+    folder = out or Path("reports") / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{result.workload}-{device.name}")
+    paths = write_estimate_report(result, folder)
+    if json_path and is_stdout(json_path):
+        echo_json(json.dumps(result.to_json(), indent=2) + "\n")
+    elif json_path:
+        Path(json_path).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    _print_summary(result, quiet_if_stdout(json_path), paths["md"])
+
+
+def _print_summary(result, console, report_path: Path) -> None:
+    table = Table(title=f"{result.workload} on {result.device.display_name} (traced)", title_justify="left")
+    for column in ("batch", "peak GiB", "fits", "peak in"):
+        table.add_column(column, justify="right" if column != "peak in" else "left")
+    for p in result.points:
+        table.add_row(str(p.batch_size), f"{p.peak_bytes / GiB:.2f}",
+                      "yes" if p.peak_bytes <= result.capacity_bytes else "no", p.phase)
+    console.print(table)
+    console.print(f"parameters {result.params:,} ({result.trainable_params:,} trainable); "
+                  f"usable memory {result.capacity_bytes / GiB:.2f} GiB")
+    if result.max_batch_size:
+        console.print(f"[bold green]max batch size {result.max_batch_size}[/], "
+                      f"{result.max_batch_size_at_target} at {result.target_util:.0%}")
+    else:
+        console.print(f"[bold red]batch {result.points[0].batch_size} does not fit[/]: "
+                      f"it needs {result.points[0].peak_bytes / GiB:.2f} GiB")
+        for s in result.suggestions:
+            console.print(f"  {'fits' if s.fits else 'no  '} {s.peak_bytes / GiB:7.2f} GiB  {s.change} "
+                          f"({s.option}; {s.source.split(':')[0]})")
+    console.print(f"report: {report_path}")

@@ -1,0 +1,47 @@
+"""``batchfit gpus`` and ``batchfit zoo``: what batchfit knows about."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from batchfit.cli.common import out
+from batchfit.devices import CATALOG, GiB
+
+
+def gpus_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the catalog as JSON.")] = False,
+) -> None:
+    """List the GPU catalog: names for --gpu, memory, bf16 TFLOP/s, bandwidth."""
+    if as_json:
+        print(json.dumps([d.to_json() for d in CATALOG.values()], indent=2))
+        return
+    table = Table(title="GPU catalog (use the name with --gpu)", title_justify="left")
+    table.add_column("name", no_wrap=True)  # copied into --gpu: never wrapped
+    table.add_column("GPU")
+    for column in ("total GiB", "usable GiB", "bf16 TFLOP/s", "GB/s"):
+        table.add_column(column, justify="right")
+    for d in CATALOG.values():
+        table.add_row(d.name, d.display_name, f"{d.total_bytes / GiB:.1f}", f"{d.usable_bytes / GiB:.1f}",
+                      f"{d.bf16_tflops:g}", f"{d.bandwidth_gb_per_s:g}")
+    out.print(table)
+    out.print("usable = total - 512 MiB CUDA context (assumed); any other GPU: --gpu-memory 24GiB")
+
+
+def zoo_command() -> None:
+    """List the built-in models (and the hf: configs shipped with batchfit)."""
+    from batchfit.zoo import ZOO
+    from batchfit.zoo.hf import CONFIGS
+
+    table = Table(title="Built-in models (MODEL argument)", title_justify="left")
+    table.add_column("name", no_wrap=True)
+    table.add_column("what")
+    for name, factory in ZOO.items():
+        table.add_row(name, factory().description)
+    for name in CONFIGS:
+        table.add_row(f"hf:{name}", "transformers config shipped with batchfit (needs batchfit[hf])")
+    out.print(table)
+    out.print("your own: my_model.py:function returning a batchfit.Workload; hf:path/to/config.json")

@@ -1,0 +1,46 @@
+"""The exceptions batchfit raises, as a tree.
+
+    BatchfitError                 anything batchfit reports as one line (exit code 1)
+    ├── UsageError                the user typed something we cannot use (exit code 2)
+    │   ├── ModelSpecError        MODEL is not a zoo name, hf:<name|config.json>, or file.py:fn
+    │   ├── UnknownGPUError       --gpu is not in the catalog (a close match is suggested)
+    │   ├── SizeError             '48GiB' style sizes that do not parse
+    │   └── OptionError           a value out of range or options that contradict each other
+    └── TraceError                the training step cannot run on fake tensors (names the op)
+
+Every message says what to type instead; the CLI prints it on one line.
+"""
+
+from __future__ import annotations
+
+
+class BatchfitError(Exception):
+    """Base class: a problem batchfit can explain in one line."""
+
+    exit_code = 1
+
+
+class UsageError(BatchfitError):
+    """Bad input from the user: the message says what to type instead."""
+
+    exit_code = 2
+
+
+class ModelSpecError(UsageError):
+    """MODEL could not be resolved to a Workload."""
+
+
+class UnknownGPUError(UsageError):
+    """The GPU name is not in the catalog."""
+
+
+class SizeError(UsageError):
+    """A memory size such as '48GiB' could not be parsed."""
+
+
+class OptionError(UsageError):
+    """An option value is out of range, or two options contradict each other."""
+
+
+class TraceError(BatchfitError):
+    """The training step could not run on fake tensors."""

@@ -1,0 +1,243 @@
+"""``batchfit estimate``: predict peak training memory and the largest batch, with no GPU.
+
+1. Trace the step at two batch sizes (fake tensors, CUDA's rounding and kernels).
+2. Fit the memory curve (one line per phase, the step's peak is their envelope).
+3. Solve for the largest batch under the capacity and under the target, and confirm each
+   by tracing it and the next size up (``guided_search``): the answer is always traced.
+4. If not even the smallest batch fits, say what it needs and what would make it fit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from batchfit.devices import Device
+from batchfit.errors import OptionError
+from batchfit.search import Trial, guided_search
+from batchfit.trace.curve import MemoryCurve, fit_curve
+from batchfit.trace.session import TracePoint, TraceSession
+from batchfit.workload import StepOptions, Workload
+
+DEFAULT_MAX_BATCH = 1 << 16
+
+
+@dataclass
+class EstimatePoint:
+    """One traced batch size."""
+
+    batch_size: int
+    peak_bytes: int
+    """Traced peak plus the cuBLAS workspace: what max_memory_allocated() would show."""
+    breakdown: dict[str, int]
+    phase: str
+    peak_by_phase: dict[str, int]
+    top: list[dict]
+
+    def to_json(self) -> dict:
+        return {"batch_size": self.batch_size, "peak_bytes": self.peak_bytes,
+                "breakdown": self.breakdown, "phase": self.phase,
+                "peak_by_phase": self.peak_by_phase, "largest_tensors": self.top}
+
+
+@dataclass
+class Suggestion:
+    """A change that lowers the peak at the smallest batch, with how we know its effect."""
+
+    change: str
+    option: str
+    peak_bytes: int
+    saving_bytes: int
+    fits: bool
+    source: str
+    """'traced' (we ran the step with the change) or 'computed: <formula>'."""
+
+
+@dataclass
+class EstimateResult:
+    workload: str
+    description: str
+    tokens_per_sample: int | None
+    device: Device
+    options: StepOptions
+    params: int
+    trainable_params: int
+    points: list[EstimatePoint]
+    curve: MemoryCurve
+    target_util: float
+    multiple_of: int
+    max_batch_size: int
+    max_batch_size_at_target: int
+    capped: bool
+    trace_seconds: float
+    traces: int
+    suggestions: list[Suggestion] = field(default_factory=list)
+    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    torch_version: str = torch.__version__
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.device.usable_bytes
+
+    @property
+    def target_bytes(self) -> int:
+        return int(self.target_util * self.device.usable_bytes)
+
+    def point(self, batch_size: int) -> EstimatePoint | None:
+        return next((p for p in self.points if p.batch_size == batch_size), None)
+
+    def headroom_bytes(self, batch_size: int) -> int | None:
+        point = self.point(batch_size)
+        return None if point is None else self.capacity_bytes - point.peak_bytes
+
+    def to_json(self) -> dict:
+        best = self.max_batch_size
+        return {
+            "source": "traced",
+            "workload": self.workload,
+            "description": self.description,
+            "tokens_per_sample": self.tokens_per_sample,
+            "device": self.device.to_json(),
+            "options": self.options.to_json(),
+            "params": self.params,
+            "trainable_params": self.trainable_params,
+            "points": [p.to_json() for p in self.points],
+            "fit": self.curve.to_json(max(best, max(p.batch_size for p in self.points))),
+            "target_util": self.target_util,
+            "multiple_of": self.multiple_of,
+            "capacity_bytes": self.capacity_bytes,
+            "target_bytes": self.target_bytes,
+            "max_batch_size": best,
+            "max_batch_size_at_target": self.max_batch_size_at_target,
+            "capped": self.capped,
+            "peak_bytes_at_max": self.point(best).peak_bytes if best else None,
+            "headroom_bytes": self.headroom_bytes(best) if best else None,
+            "suggestions": [vars(s) for s in self.suggestions],
+            "trace_seconds": round(self.trace_seconds, 2),
+            "traces": self.traces,
+            "created": self.created,
+            "torch_version": self.torch_version,
+        }
+
+
+def _validate(target_util: float, multiple_of: int, batch_sizes: list[int] | None, max_batch: int) -> None:
+    if not 0 < target_util <= 1:
+        raise OptionError(f"--target-util must be in (0, 1], e.g. 0.9; got {target_util}")
+    if multiple_of < 1:
+        raise OptionError(f"--multiple-of must be 1 or more, got {multiple_of}")
+    if max_batch < multiple_of:
+        raise OptionError(f"--max-batch ({max_batch}) must be at least --multiple-of ({multiple_of})")
+    for b in batch_sizes or []:
+        if b < 1:
+            raise OptionError(f"batch sizes must be 1 or more, got {b}: e.g. --batch-sizes 8,16,32")
+
+
+def estimate(workload: Workload, *, device: Device, options: StepOptions | None = None,
+             batch_sizes: list[int] | None = None, target_util: float = 0.9, multiple_of: int = 1,
+             max_batch: int = DEFAULT_MAX_BATCH, suggest: bool = True,
+             progress: Callable[[str], None] | None = None) -> EstimateResult:
+    """Trace ``workload`` and find the largest batch that fits ``device``."""
+    options = options or StepOptions()
+    _validate(target_util, multiple_of, batch_sizes, max_batch)
+    say = progress or (lambda message: None)
+    started = time.perf_counter()
+    say(f"building {workload.name} on fake tensors")
+    session = TraceSession(workload, options)
+    points: dict[int, EstimatePoint] = {}
+
+    def trace(batch_size: int) -> EstimatePoint:
+        if batch_size not in points:
+            say(f"tracing batch size {batch_size}")
+            points[batch_size] = _point(session.trace(batch_size), device.workspace_bytes)
+        return points[batch_size]
+
+    def curve() -> MemoryCurve:
+        return fit_curve({b: p.peak_by_phase for b, p in points.items()})
+
+    try:
+        for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
+            trace(b)
+        answers = []
+        for limit in (device.usable_bytes, int(target_util * device.usable_bytes)):
+            def probe(b: int, limit: int = limit) -> Trial:
+                peak = trace(b).peak_bytes
+                return Trial(b, peak <= limit, peak)
+
+            known = [Trial(b, p.peak_bytes <= limit, p.peak_bytes) for b, p in points.items()]
+            answers.append(guided_search(
+                probe, lambda trials, limit=limit: curve().max_batch_size(limit, multiple_of),
+                multiple_of=multiple_of, cap=max_batch, known=known))
+        suggestions = (_suggestions(workload, options, device, points[min(points)], say)
+                       if suggest and answers[0].max_batch_size == 0 else [])
+    finally:
+        session.close()
+    return EstimateResult(
+        workload=workload.name, description=workload.description,
+        tokens_per_sample=workload.tokens_per_sample, device=device, options=options,
+        params=session.params, trainable_params=session.trainable_params,
+        points=[points[b] for b in sorted(points)], curve=curve(), target_util=target_util,
+        multiple_of=multiple_of, max_batch_size=answers[0].max_batch_size,
+        max_batch_size_at_target=answers[1].max_batch_size, capped=answers[0].capped,
+        trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions,
+    )
+
+
+def _point(traced: TracePoint, workspace_bytes: int) -> EstimatePoint:
+    snap = traced.snapshot
+    breakdown = {**snap.breakdown, "workspace": workspace_bytes}
+    return EstimatePoint(
+        batch_size=traced.batch_size, peak_bytes=snap.peak_bytes + workspace_bytes,
+        breakdown=breakdown, phase=snap.phase,
+        peak_by_phase={k: v + workspace_bytes for k, v in snap.peak_by_phase.items()},
+        top=snap.top,
+    )
+
+
+SHARDING_GPUS = (2, 4, 8, 16, 32, 64)
+
+
+def _suggestions(workload: Workload, options: StepOptions, device: Device,
+                 smallest: EstimatePoint, say: Callable[[str], None]) -> list[Suggestion]:
+    """What would make the smallest batch fit: traced where it is a step option, else computed."""
+    capacity = device.usable_bytes
+    out: list[Suggestion] = []
+    peak, parts = smallest.peak_bytes, smallest.breakdown
+
+    def traced(change: str, option: str, **changes) -> None:
+        say(f"tracing batch size {smallest.batch_size} with {option}")
+        alt = StepOptions(**{**options.to_json(), **changes})
+        try:
+            session = TraceSession(workload, alt)
+        except OptionError:
+            return  # not applicable to this model (no block stack to checkpoint, say)
+        try:
+            new = session.trace(smallest.batch_size).snapshot.peak_bytes + device.workspace_bytes
+        finally:
+            session.close()
+        out.append(Suggestion(change, option, new, peak - new, new <= capacity, "traced"))
+
+    def computed(change: str, option: str, saving: float, formula: str) -> None:
+        new = int(peak - saving)
+        out.append(Suggestion(change, option, new, int(saving), new <= capacity, f"computed: {formula}"))
+
+    if options.precision != "bf16":
+        traced("bf16 weights, gradients and optimizer state", "--precision bf16", precision="bf16")
+    if options.checkpointing == "none":
+        traced("activation checkpointing of every block", "--checkpointing full", checkpointing="full")
+    state = parts["optimizer_state"]
+    computed("8-bit optimizer state (bitsandbytes AdamW8bit)", "optimizer=bnb.optim.AdamW8bit",
+             state * 3 / 4, "optimizer_state x 3/4 (1 byte per value instead of 4)")
+    computed("train adapters only (LoRA), base frozen", "--train-only '*lora*'",
+             parts["gradients"] + state, "gradients + optimizer_state at the peak (the adapters' own are ~1%)")
+    sharded = parts["parameters"] + parts["gradients"] + state
+    for gpus in SHARDING_GPUS:
+        saving = sharded * (1 - 1 / gpus)
+        if peak - saving <= capacity or gpus == SHARDING_GPUS[-1]:
+            computed(f"shard over {gpus} GPUs (FSDP / ZeRO-3)", f"{gpus} GPUs", saving,
+                     f"(parameters + gradients + optimizer_state) x (1 - 1/{gpus})")
+            break
+    return out

@@ -1,0 +1,100 @@
+"""Markdown reports: a result in, text out."""
+
+from __future__ import annotations
+
+from batchfit.devices import GiB, format_bytes
+
+KNOWN_LIMITS = """\
+- Traced on fake tensors with CUDA's rules mirrored: 512-byte allocation rounding, CUDA's
+  autocast op table and weight-cast cache, the foreach optimizer path, fused attention
+  (output + fp32 log-sum-exp saved, never T x T scores), optimizer step counters on the host.
+- Not counted: scratch memory that kernels allocate inside themselves (flash attention's
+  backward accumulator, cuDNN workspaces), the NCCL buffers of multi-GPU runs, and
+  fragmentation: the CUDA allocator reserves more than it allocates (see `batchfit bench`).
+- The CUDA context is an assumption (512 MiB), not a measurement; the cuBLAS workspace is
+  PyTorch's default (2 handles x 32 MiB on Hopper, 2 x 8 MiB before).
+"""
+
+
+def _gib(n: float | None) -> str:
+    return "—" if n is None else f"{n / GiB:.2f}"
+
+
+def estimate_markdown(result, plot_name: str = "memory.png") -> str:
+    r = result
+    d = r.device
+    best = r.max_batch_size
+    lines = [f"# Batch size estimate: {r.workload} on {d.display_name}", ""]
+    lines += ["## Summary", ""]
+    if best:
+        peak = r.point(best).peak_bytes
+        lines += [
+            f"- **Largest batch that fits: {best}** (traced at {best} and {best + r.multiple_of}"
+            f"{'; the cap, not shown to fail above' if r.capped else ''})",
+            f"- **At {r.target_util:.0%} of usable memory: {r.max_batch_size_at_target}**",
+            f"- Peak memory at {best}: {_gib(peak)} GiB of {_gib(r.capacity_bytes)} GiB usable "
+            f"({peak / r.capacity_bytes:.1%}); headroom {_gib(r.capacity_bytes - peak)} GiB",
+        ]
+    else:
+        small = r.points[0]
+        lines += [
+            f"- **Even batch {small.batch_size} does not fit**: it needs {_gib(small.peak_bytes)} GiB, "
+            f"{_gib(r.capacity_bytes)} GiB are usable (peak in the {small.phase} phase).",
+        ]
+    lines += [
+        f"- Parameters: {r.params:,} ({r.trainable_params:,} trainable)",
+        "- Source: **traced** on fake tensors (no GPU was used); every figure below is traced "
+        "unless it says computed.",
+        "",
+        f"![peak memory vs batch size]({plot_name})",
+        "",
+        "## Configuration",
+        "",
+        "| | |", "|---|---|",
+        f"| Model | `{r.workload}`: {r.description} |",
+        f"| Tokens per sample | {r.tokens_per_sample or '—'} |",
+        f"| Precision | {r.options.precision} |",
+        f"| Optimizer | {r.options.optimizer or 'the workload’s (AdamW by default)'} |",
+        f"| Activation checkpointing | {r.options.checkpointing} |",
+        f"| Gradient accumulation | {r.options.accumulation_steps} micro-batches |",
+        f"| Frozen / train-only | {', '.join(r.options.frozen) or '—'} / {', '.join(r.options.trainable) or '—'} |",
+        f"| GPU | {d.display_name}: {_gib(d.total_bytes)} GiB total, {_gib(d.context_bytes)} GiB CUDA "
+        f"context (assumed), {_gib(d.usable_bytes)} GiB usable |",
+        f"| Batch sizes | multiples of {r.multiple_of} |",
+        f"| Traced with | torch {r.torch_version}, {r.traces} traced batch sizes in {r.trace_seconds:.1f} s |",
+        "",
+        "## Peak memory by batch size (GiB)",
+        "",
+        "| batch | peak | fits | phase | parameters | gradients | optimizer | activations | temporaries | inputs | workspace |",
+        "|---:|---:|:-:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in r.points:
+        b = p.breakdown
+        fits = "yes" if p.peak_bytes <= r.capacity_bytes else "no"
+        lines.append(
+            f"| {p.batch_size} | {_gib(p.peak_bytes)} | {fits} | {p.phase} | {_gib(b['parameters'])} | "
+            f"{_gib(b['gradients'])} | {_gib(b['optimizer_state'])} | {_gib(b['activations'])} | "
+            f"{_gib(b['temporaries'])} | {_gib(b['inputs'])} | {_gib(b['workspace'])} |"
+        )
+    fit = r.curve.to_json(max(best, r.points[-1].batch_size))
+    lines += ["", "## Memory curve", "",
+              f"Fitted: peak = {format_bytes(fit['fixed_bytes'])} + {format_bytes(fit['bytes_per_sample'])} "
+              "per sample, where the steepest phase dominates. By range of batch sizes:", "",
+              "| batches | dominant phase | fixed | per sample |", "|---|---|---:|---:|"]
+    for piece in fit["pieces"]:
+        lines.append(f"| {piece['from_batch']}–{piece['to_batch']} | {piece['phase']} | "
+                     f"{format_bytes(piece['fixed_bytes'])} | {format_bytes(piece['bytes_per_sample'])} |")
+    peak_point = r.point(best) if best else r.points[0]
+    lines += ["", f"## Largest tensors at the peak (batch {peak_point.batch_size})", "",
+              "| size | shape | dtype | kind | made by | in module |", "|---:|---|---|---|---|---|"]
+    for t in peak_point.top:
+        lines.append(f"| {format_bytes(t['bytes'])} | {tuple(t['shape'])} | {t['dtype']} | {t['category']} | "
+                     f"`{t['op']}` ({t['phase']}) | {t['module'] or '—'} |")
+    if r.suggestions:
+        lines += ["", f"## What would make batch {r.points[0].batch_size} fit", "",
+                  "| change | how | peak | saving | fits | source |", "|---|---|---:|---:|:-:|---|"]
+        for s in r.suggestions:
+            lines.append(f"| {s.change} | `{s.option}` | {_gib(s.peak_bytes)} GiB | {_gib(s.saving_bytes)} GiB | "
+                         f"{'yes' if s.fits else 'no'} | {s.source} |")
+    lines += ["", "## Known limits", "", KNOWN_LIMITS]
+    return "\n".join(lines)

@@ -1,0 +1,41 @@
+"""Plots: a result in, a PNG out. matplotlib's Agg backend, nothing shown on screen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from batchfit.devices import GiB  # noqa: E402
+
+
+def memory_plot(result, path: Path) -> None:
+    """Peak memory vs batch size: traced points, the fitted curve, capacity and target lines."""
+    points = result.points
+    top_batch = max([p.batch_size for p in points] + [result.max_batch_size, 1])
+    xs = list(range(1, int(top_batch * 1.1) + 2))
+    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
+    ax.plot(xs, [result.curve.peak_bytes(x) / GiB for x in xs], color="tab:blue", lw=1.5,
+            label="fitted curve (max over phases)")
+    ax.scatter([p.batch_size for p in points], [p.peak_bytes / GiB for p in points],
+               color="tab:blue", zorder=3, label="traced peak")
+    ax.axhline(result.capacity_bytes / GiB, color="tab:red", ls="-", lw=1,
+               label=f"usable capacity {result.capacity_bytes / GiB:.1f} GiB")
+    ax.axhline(result.target_bytes / GiB, color="tab:orange", ls="--", lw=1,
+               label=f"target {result.target_util:.0%}")
+    if result.max_batch_size:
+        best = result.point(result.max_batch_size)
+        ax.annotate(f"max batch {result.max_batch_size}", (best.batch_size, best.peak_bytes / GiB),
+                    textcoords="offset points", xytext=(-90, 12), arrowprops={"arrowstyle": "->"})
+    ax.set_xlabel("batch size (samples per step)")
+    ax.set_ylabel("peak memory allocated (GiB)")
+    ax.set_title(f"{result.workload} on {result.device.display_name} (traced)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

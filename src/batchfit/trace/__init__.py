@@ -1,0 +1,1 @@
+"""Tracing a training step on fake tensors: memory tracker, CUDA mirrors, curve fit."""

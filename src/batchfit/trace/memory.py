@@ -1,0 +1,220 @@
+"""Count the bytes a training step would hold on a CUDA device, from fake tensors.
+
+Every storage an aten op creates is counted the way PyTorch's CUDA caching allocator
+counts it in ``memory_allocated()``: its size rounded up to 512 bytes (``kMinBlockSize``
+in CUDACachingAllocator.cpp), and released when the last tensor using it dies. Views and
+in-place ops share a storage and cost nothing. The tracker keeps one record per storage,
+so the live set at the peak can be rebuilt and labelled afterwards.
+
+Labels, in order: parameters (and buffers), gradients and optimizer state by ownership at
+the end of the step; otherwise by the phase that made the tensor: inputs, activations
+(forward), temporaries (backward and optimizer step), other (model construction).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+CUDA_BLOCK_BYTES = 512
+CATEGORIES: tuple[str, ...] = (
+    "parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "other",
+)
+_PHASE_CATEGORY = {"inputs": "inputs", "forward": "activations", "backward": "temporaries",
+                   "optimizer": "temporaries", "idle": "temporaries", "setup": "other"}
+
+
+def rounded(nbytes: int, block: int = CUDA_BLOCK_BYTES) -> int:
+    """Bytes an allocator that rounds to ``block`` hands out for a request of ``nbytes``."""
+    return -(-nbytes // block) * block if nbytes > 0 else 0
+
+
+@dataclass
+class Allocation:
+    seq: int
+    nbytes: int
+    phase: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    module: str | None
+    role: str | None = None
+    freed_seq: int | None = None
+
+    @property
+    def category(self) -> str:
+        return self.role or _PHASE_CATEGORY.get(self.phase, "other")
+
+
+@dataclass
+class Snapshot:
+    """The peak of one traced step."""
+
+    peak_bytes: int
+    phase: str
+    breakdown: dict[str, int]
+    top: list[dict] = field(default_factory=list)
+    peak_by_phase: dict[str, int] = field(default_factory=dict)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """A dispatch mode that keeps the live and peak bytes of everything ops allocate.
+
+    With ``capacity_bytes`` it behaves like a GPU of that size: an allocation that takes the
+    live bytes past it raises ``torch.OutOfMemoryError`` (the virtual device).
+    """
+
+    def __init__(self, *, capacity_bytes: int | None = None, round_bytes: int = CUDA_BLOCK_BYTES,
+                 host_optimizer_scalars: bool = True) -> None:
+        super().__init__()
+        self.round_bytes = round_bytes
+        self.capacity_bytes = capacity_bytes
+        # CUDA optimizers keep 'step' counters on the host unless fused or capturable.
+        self.host_optimizer_scalars = host_optimizer_scalars
+        self.current_phase = "setup"
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._seq = 0
+        self._peak_seq = 0
+        self._peak_phase = "setup"
+        self._peak_by_phase: dict[str, int] = {}
+        self._live: dict[int, Allocation] = {}
+        self._host: set[int] = set()
+        self._window: list[Allocation] = []
+        self._module_names: dict[int, str] = {}
+        self._module_stack: list[str] = []
+        self._hooks: list = []
+
+    # --- the step's hooks (batchfit.step.StepHooks) ------------------------------------
+    def phase(self, name: str) -> None:
+        self.current_phase = name
+        self._peak_by_phase[name] = max(self._peak_by_phase.get(name, 0), self.live_bytes)
+
+    def before_zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.label(model, optimizer)
+
+    def label(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Mark the storages of parameters, gradients and optimizer state by ownership."""
+        owned = [("parameters", t) for t in (*model.parameters(), *model.buffers())]
+        owned += [("gradients", p.grad) for p in model.parameters() if p.grad is not None]
+        if optimizer is not None:
+            owned += [("optimizer_state", t) for state in optimizer.state.values()
+                      for t in state.values() if isinstance(t, torch.Tensor)]
+        for role, tensor in owned:
+            record = self._live.get(id(tensor.untyped_storage()))
+            if record is not None:
+                record.role = role
+
+    # --- module names, for "which module made the biggest tensors" ----------------------
+    def watch_modules(self, model: nn.Module) -> None:
+        self._module_names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+        if not self._hooks:
+            hooks = nn.modules.module
+            self._hooks = [hooks.register_module_forward_pre_hook(self._enter_module),
+                           hooks.register_module_forward_hook(self._leave_module)]
+
+    def _enter_module(self, module, args):
+        self._module_stack.append(self._module_names.get(id(module), type(module).__name__))
+
+    def _leave_module(self, module, args, output):
+        if self._module_stack:
+            self._module_stack.pop()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # --- counting ------------------------------------------------------------------------
+    def start_window(self) -> None:
+        """Start measuring a new step: the peak restarts from what is live now."""
+        self.peak_bytes = self.live_bytes
+        self._peak_seq = self._seq
+        self._peak_phase = self.current_phase
+        self._peak_by_phase = {}
+        self._window = list(self._live.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._maybe_track(tensor, func, inputs)
+        return out
+
+    def _is_host(self, tensor: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+        """Would this tensor live on the host in a CUDA run? Outputs of host tensors do, and
+        so do the optimizer's scalar step counters (made from nothing or from a constant)."""
+        storages = [id(t.untyped_storage()) for t in inputs]
+        if any(key in self._live for key in storages):
+            return False
+        if any(key in self._host for key in storages):
+            return True
+        return (self.host_optimizer_scalars and self.current_phase == "optimizer"
+                and tensor.numel() <= 1)
+
+    def _maybe_track(self, tensor: torch.Tensor, func, inputs: list[torch.Tensor]) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._live or key in self._host:
+            return
+        if self._is_host(tensor, inputs):
+            self._host.add(key)
+            weakref.finalize(storage, self._host.discard, key).atexit = False
+            return
+        nbytes = rounded(storage.nbytes(), self.round_bytes)
+        if nbytes == 0:
+            return
+        self._seq += 1
+        record = Allocation(
+            seq=self._seq, nbytes=nbytes, phase=self.current_phase, op=str(func.overloadpacket.__name__),
+            shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."),
+            module=self._module_stack[-1] if self._module_stack else None,
+        )
+        self._live[key] = record
+        self._window.append(record)
+        weakref.finalize(storage, self._free, key).atexit = False
+        self.live_bytes += nbytes
+        phase = self.current_phase
+        self._peak_by_phase[phase] = max(self._peak_by_phase.get(phase, 0), self.live_bytes)
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self._peak_seq = self._seq
+            self._peak_phase = self.current_phase
+        if self.capacity_bytes is not None and self.live_bytes > self.capacity_bytes:
+            raise torch.OutOfMemoryError(
+                f"virtual device out of memory: tried to allocate {nbytes} bytes with "
+                f"{self.live_bytes - nbytes} of {self.capacity_bytes} bytes in use"
+            )
+
+    def _free(self, key: int) -> None:
+        record = self._live.pop(key, None)
+        if record is not None:
+            self._seq += 1
+            record.freed_seq = self._seq
+            self.live_bytes -= record.nbytes
+
+    # --- the answer ----------------------------------------------------------------------
+    def snapshot(self, top_n: int = 10) -> Snapshot:
+        """The peak since start_window(), with its breakdown and largest tensors."""
+        seq = self._peak_seq
+        live = [r for r in self._window
+                if r.seq <= seq and (r.freed_seq is None or r.freed_seq > seq)]
+        breakdown = dict.fromkeys(CATEGORIES, 0)
+        for record in live:
+            breakdown[record.category] += record.nbytes
+        top = sorted(live, key=lambda r: r.nbytes, reverse=True)[:top_n]
+        return Snapshot(
+            peak_bytes=self.peak_bytes,
+            phase=self._peak_phase,
+            breakdown=breakdown,
+            top=[{"bytes": r.nbytes, "shape": list(r.shape), "dtype": r.dtype,
+                  "category": r.category, "op": r.op, "module": r.module, "phase": r.phase}
+                 for r in top],
+            peak_by_phase=dict(self._peak_by_phase),
+        )

@@ -1,0 +1,97 @@
+"""Trace training steps of a Workload on fake tensors, one batch size at a time.
+
+The model and optimizer are built once, on fake tensors (no memory, no compute). The
+first step creates the optimizer state; every measured step after it starts from the same
+state (parameters, optimizer state, no gradients), so its peak is what the second and every
+later step of a real run would reach at that batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from batchfit.errors import BatchfitError, TraceError
+from batchfit.step import TrainingStep
+from batchfit.trace.cuda_attention import CudaAttention
+from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot
+from batchfit.workload import StepOptions, Workload
+
+_CANNOT_FAKE = (
+    fake_tensor.DataDependentOutputException,
+    fake_tensor.DynamicOutputShapeException,
+    fake_tensor.UnsupportedOperatorException,
+)
+
+
+@dataclass
+class TracePoint:
+    batch_size: int
+    snapshot: Snapshot
+
+
+class TraceSession:
+    """A Workload built on fake tensors, traced at one batch size after another."""
+
+    def __init__(self, workload: Workload, options: StepOptions, *,
+                 capacity_bytes: int | None = None, cuda_semantics: bool = True) -> None:
+        """``cuda_semantics=False`` traces what a CPU step does instead (for checking the
+        tracer against a real CPU step): CPU autocast, CPU optimizer defaults, no rounding."""
+        self.workload = workload
+        self.options = options
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.cuda_semantics = cuda_semantics
+        self.tracker = MemoryTracker(capacity_bytes=capacity_bytes,
+                                     round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
+        self._warm = False
+        with self._tracing("building the model"):
+            self.step = TrainingStep(workload, options, torch.device("cpu"),
+                                     cuda_semantics=cuda_semantics)
+        self.tracker.host_optimizer_scalars = not any(
+            g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
+        )
+        self.tracker.watch_modules(self.step.model)
+        params = list(self.step.model.parameters())
+        self.params = sum(p.numel() for p in params)
+        self.trainable_params = sum(p.numel() for p in params if p.requires_grad)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in params)
+
+    @contextlib.contextmanager
+    def _tracing(self, what: str) -> Iterator[None]:
+        try:
+            attention = CudaAttention() if self.cuda_semantics else contextlib.nullcontext()
+            with self.fake_mode, self.tracker, attention:
+                yield
+        except (torch.OutOfMemoryError, BatchfitError):
+            raise
+        except _CANNOT_FAKE as error:
+            op = getattr(error, "func", error)
+            raise TraceError(
+                f"{self.workload.name} cannot be traced: {op} has an output that depends on "
+                "tensor values, which fake tensors do not have. Keep such ops (.item(), "
+                "nonzero, boolean masks) out of the training step, or measure on a GPU with "
+                "`batchfit probe --device cuda`"
+            ) from error
+        except Exception as error:  # the user's code failed: say where and what
+            raise TraceError(
+                f"the training step of {self.workload.name} failed on fake tensors while "
+                f"{what}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            ) from error
+
+    def trace(self, batch_size: int) -> TracePoint:
+        """The peak memory of one optimizer step at ``batch_size``, as a CUDA device would hold it."""
+        with self._tracing(f"running a step at batch size {batch_size}"):
+            if not self._warm:
+                self.step.run(batch_size, hooks=self.tracker)  # creates the optimizer state
+                self._warm = True
+            self.tracker.start_window()
+            self.step.run(batch_size, hooks=self.tracker)
+            return TracePoint(batch_size, self.tracker.snapshot())
+
+    def close(self) -> None:
+        self.tracker.close()

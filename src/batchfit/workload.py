@@ -1,0 +1,91 @@
+"""The Workload (what to train) and the StepOptions (how to train it).
+
+A Workload is the contract every engine uses: the tracer, the probe and the bench call the
+same four functions, only on different tensors (fake, virtual-capped or real).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from batchfit.errors import OptionError
+
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor")
+CHECKPOINTING: tuple[str, ...] = ("none", "full")
+
+
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW with PyTorch's defaults: on CUDA it takes the foreach path."""
+    return torch.optim.AdamW(params, lr=3e-4)
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """A model and its training step, as four functions batchfit can call on any device."""
+
+    name: str
+    """Shown in reports, e.g. 'gpt2-124m'."""
+    build_model: Callable[[], nn.Module]
+    """Builds the model on the CPU (or on fake tensors); batchfit moves it to the device."""
+    make_batch: Callable[[int, torch.device], Any]
+    """(batch_size, device) -> the batch one step consumes."""
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    """(model, batch) -> scalar loss."""
+    build_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = default_optimizer
+    """(trainable params) -> optimizer; AdamW by default."""
+    tokens_per_sample: int | None = None
+    """Tokens in one sample (sequence length), for tokens/s; None when not a sequence model."""
+    description: str = ""
+    """One line for reports: architecture, size, sequence length."""
+
+
+@dataclass(kw_only=True)
+class StepOptions:
+    """How the step runs, separate from what it trains."""
+
+    precision: Precision = "fp32"
+    """fp32; bf16-mixed / fp16-mixed (fp32 weights, autocast); bf16 (weights and states in bf16)."""
+    optimizer: str | None = None
+    """Override the Workload's optimizer: one of adamw, adam, sgd, sgd-momentum, adafactor."""
+    checkpointing: str = "none"
+    """Activation checkpointing: none, or full (recompute every block of the model's main stack)."""
+    frozen: tuple[str, ...] = ()
+    """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
+    trainable: tuple[str, ...] = ()
+    """If given, only parameters matching these glob patterns train (e.g. adapters)."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    set_to_none: bool = True
+    """zero_grad(set_to_none=...) after each optimizer step."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form notes carried into reports."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise OptionError(
+                f"unknown precision '{self.precision}': use one of {', '.join(PRECISIONS)}"
+            )
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise OptionError(
+                f"unknown optimizer '{self.optimizer}': use one of {', '.join(OPTIMIZERS)}"
+            )
+        if self.checkpointing not in CHECKPOINTING:
+            raise OptionError(
+                f"unknown checkpointing '{self.checkpointing}': use none or full"
+            )
+        if self.accumulation_steps < 1:
+            raise OptionError(
+                f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"
+            )
+        self.frozen = tuple(self.frozen)
+        self.trainable = tuple(self.trainable)
+
+    def to_json(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,73 @@
+"""Built-in workloads: real architectures at real sizes, built with no weights.
+
+``ZOO`` maps a name to a factory ``(seq_len: int | None) -> Workload``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchfit.workload import Workload
+from batchfit.zoo.recurrent import RecurrentConfig, RecurrentLM
+from batchfit.zoo.transformer import Transformer, TransformerConfig
+
+
+def language_model_workload(*, name: str, build_model: Callable[[], nn.Module], vocab_size: int,
+                            seq_len: int, description: str) -> Workload:
+    """Next-token prediction on random tokens: ``model(idx) -> logits``, cross-entropy loss."""
+
+    def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
+        y = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
+        return x, y
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = model(x)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+    return Workload(name=name, build_model=build_model, make_batch=make_batch, loss_fn=loss_fn,
+                    tokens_per_sample=seq_len, description=description)
+
+
+def _transformer(name: str, description: str, default_seq_len: int, **config):
+    def factory(seq_len: int | None = None) -> Workload:
+        cfg = TransformerConfig(seq_len=seq_len or default_seq_len, **config)
+        return language_model_workload(
+            name=name, build_model=lambda: Transformer(cfg), vocab_size=cfg.vocab_size,
+            seq_len=cfg.seq_len, description=f"{description}, seq {cfg.seq_len}",
+        )
+
+    return factory
+
+
+def _byte_elman(seq_len: int | None = None) -> Workload:
+    cfg = RecurrentConfig(seq_len=seq_len or 512)
+    return language_model_workload(
+        name="byte-elman-400m", build_model=lambda: RecurrentLM(cfg), vocab_size=cfg.vocab_size,
+        seq_len=cfg.seq_len,
+        description=f"byte-level gated Elman RNN (seed 000), d {cfg.d_model}, "
+                    f"{cfg.n_layers} layers, vocab 256, seq {cfg.seq_len}",
+    )
+
+
+ZOO: dict[str, Callable[..., Workload]] = {
+    "gpt-tinystories-22m": _transformer(
+        "gpt-tinystories-22m", "Llama-style GPT of seed 002: d 512, 4 layers, 16 heads, FFN 1344, "
+        "vocab 10000", 256,
+        vocab_size=10000, d_model=512, n_layers=4, n_heads=16, d_ff=1344, llama=True,
+        tied_embeddings=False),
+    "gpt2-124m": _transformer(
+        "gpt2-124m", "GPT-2 small (nanoGPT): d 768, 12 layers, 12 heads, vocab 50257", 1024,
+        vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072),
+    "llama-1b": _transformer(
+        "llama-1b", "Llama-3.2-1B-shaped: d 2048, 16 layers, 32 heads (8 KV), FFN 8192, "
+        "vocab 128256, tied", 2048,
+        vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
+        llama=True, tied_embeddings=True),
+    "byte-elman-400m": _byte_elman,
+}

@@ -1,0 +1,102 @@
+"""Hugging Face ``transformers`` models built from their config, with no weights, no network.
+
+``hf:<name>`` uses the config numbers shipped below (copied from each model's public
+``config.json``); ``hf:path/to/config.json`` reads a config file. The model is built with
+``AutoModelFor*.from_config`` and PyTorch's SDPA attention, as it trains on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from batchfit.errors import ModelSpecError
+from batchfit.workload import Workload
+
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+               max_position_embeddings=131072, hidden_act="silu", attention_bias=False)
+
+CONFIGS: dict[str, dict] = {
+    "gpt2-124m": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768,
+                      n_layer=12, n_head=12),
+    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         tie_word_embeddings=True),
+    "llama-3.2-3b": dict(_LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                         tie_word_embeddings=True),
+    "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         tie_word_embeddings=False),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
+                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, max_position_embeddings=32768, rope_theta=1e6,
+                       sliding_window=None, tie_word_embeddings=False),
+    "bert-large": dict(model_type="bert", vocab_size=30522, hidden_size=1024, num_hidden_layers=24,
+                       num_attention_heads=16, intermediate_size=4096, max_position_embeddings=512,
+                       architectures=["BertForMaskedLM"]),
+}
+ALIASES = {"gpt2": "gpt2-124m", "bert-large-uncased": "bert-large", "llama-3.1-8b-instruct": "llama-3.1-8b",
+           "mistral-7b-v0.3": "mistral-7b", "qwen2.5-7b-instruct": "qwen2.5-7b"}
+DEFAULT_SEQ_LEN = 2048
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSpecError(
+            "hf: models need the transformers package: pip install 'batchfit[hf]'"
+        ) from None
+    return transformers
+
+
+def hf_workload(target: str, seq_len: int | None = None) -> Workload:
+    """A Workload for ``hf:<target>``: a shipped config name or a config.json path."""
+    path = Path(target)
+    key = ALIASES.get(target.lower().split("/")[-1], target.lower().split("/")[-1])
+    if key in CONFIGS:
+        config_dict, name = dict(CONFIGS[key]), f"hf:{key}"
+    elif path.suffix == ".json" or path.is_dir():
+        file = path / "config.json" if path.is_dir() else path
+        if not file.exists():
+            raise ModelSpecError(f"no config file at '{file}': give the path of a config.json")
+        config_dict, name = json.loads(file.read_text()), f"hf:{file}"
+    else:
+        raise ModelSpecError(
+            f"unknown hf model '{target}': use one of {', '.join(sorted(CONFIGS))}, "
+            "or hf:path/to/config.json"
+        )
+    transformers = _transformers()
+    model_type = config_dict.pop("model_type", None)
+    if model_type is None:
+        raise ModelSpecError(f"{name} has no model_type: it is not a transformers config.json")
+    config = transformers.AutoConfig.for_model(model_type, **config_dict)
+    config.use_cache = False
+    masked = any("MaskedLM" in a for a in (getattr(config, "architectures", None) or []))
+    max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    seq = seq_len or min(max_len or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
+    if max_len and seq > max_len:
+        raise ModelSpecError(f"--seq-len {seq} is longer than {name} allows ({max_len})")
+    auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
+
+    def build_model() -> nn.Module:
+        return auto.from_config(config, attn_implementation="sdpa")
+
+    def make_batch(batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, config.vocab_size, (batch_size, seq), device=device)
+        return {"input_ids": ids, "labels": ids}
+
+    def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(**batch).loss
+
+    kind = "masked LM" if masked else "causal LM"
+    return Workload(name=name, build_model=build_model, make_batch=make_batch, loss_fn=loss_fn,
+                    tokens_per_sample=seq, description=f"transformers {model_type} {kind}, seq {seq}")

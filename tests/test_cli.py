@@ -1,0 +1,99 @@
+"""The CLI as a user runs it: reports written, bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from batchfit.cli.app import app
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_estimate_writes_the_report(tmp_path):
+    out = tmp_path / "report"
+    result = run("estimate", "gpt-tinystories-22m", "--gpu", "rtx4090-24gb", "--seq-len", "64",
+                 "--out", str(out), "--json", str(tmp_path / "e.json"))
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in out.iterdir()} == {"report.md", "memory.png", "estimate.json"}
+    data = json.loads((tmp_path / "e.json").read_text())
+    assert data["max_batch_size"] > 0
+    assert "## Peak memory by batch size" in (out / "report.md").read_text()
+    assert (out / "memory.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_json_to_stdout_is_pure_json(tmp_path):
+    result = runner.invoke(app, ["estimate", "gpt-tinystories-22m", "--gpu-memory", "8GiB", "--seq-len", "64",
+                                 "--json", "-", "--out", str(tmp_path)])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["device"]["name"] == "custom"
+
+
+def test_user_workload_from_a_file(tmp_path):
+    (tmp_path / "my_model.py").write_text(
+        "import torch\nfrom torch import nn\nfrom batchfit import Workload\n"
+        "def workload():\n"
+        "    return Workload(name='mine', build_model=lambda: nn.Linear(64, 64),\n"
+        "                    make_batch=lambda b, d: torch.randn(b, 64, device=d),\n"
+        "                    loss_fn=lambda m, x: m(x).sum())\n")
+    result = run("estimate", f"{tmp_path}/my_model.py:workload", "--gpu-memory", "1GiB", "--max-batch", "4096",
+                 "--out", str(tmp_path / "r"))
+    assert result.exit_code == 0, result.output
+    assert "max batch size 4096" in result.output
+
+
+BAD_INPUT = [
+    (["estimate", "gpt-tinystories", "--gpu", "t4-16gb"], "did you mean 'gpt-tinystories-22m'"),
+    (["estimate", "hf:llama-9b", "--gpu", "t4-16gb"], "unknown hf model"),
+    (["estimate", "nowhere.py:workload", "--gpu", "t4-16gb"], "no file 'nowhere.py'"),
+    (["estimate", "gpt2-124m", "--gpu", "h100"], None),  # an alias: fine, see below
+    (["estimate", "gpt2-124m", "--gpu", "h100-80"], "did you mean 'h100-80gb'"),
+    (["estimate", "gpt2-124m", "--gpu-memory", "24"], "24GiB"),
+    (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--gpu-memory", "16GiB"], "not both"),
+    (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--precision", "bfloat16"], "bf16-mixed"),
+    (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--optimizer", "lion"], "adamw"),
+    (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--batch-sizes", "8;16"], "8,16,32"),
+    (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--target-util", "90"], "0.9"),
+    (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--seq-len", "0"], "--seq-len"),
+    (["estimate", "hf:gpt2", "--gpu", "t4-16gb", "--seq-len", "4096"], "longer than"),
+    (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--freeze", "nothing.*"], "matches no parameter"),
+    (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--accumulation-steps", "0"], "1 or more"),
+]
+
+
+@pytest.mark.parametrize("args,message", [case for case in BAD_INPUT if case[1]])
+def test_bad_input_is_one_line_and_exit_code_2(args, message):
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    error_lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_model_that_cannot_be_traced_names_the_op(tmp_path):
+    (tmp_path / "dyn.py").write_text(
+        "import torch\nfrom torch import nn\nfrom batchfit import Workload\n"
+        "def workload():\n"
+        "    return Workload(name='dyn', build_model=lambda: nn.Linear(8, 8),\n"
+        "                    make_batch=lambda b, d: torch.randn(b, 8, device=d),\n"
+        "                    loss_fn=lambda m, x: m(x)[m(x) > 0].sum())\n")
+    result = run("estimate", f"{tmp_path}/dyn.py:workload", "--gpu", "t4-16gb", "--out", str(tmp_path / "r"))
+    assert result.exit_code == 1
+    assert "nonzero" in result.output and "cannot be traced" in result.output
+
+
+def test_gpus_and_zoo_list_what_is_known():
+    assert "rtx6000ada-48gb" in run("gpus").output
+    assert json.loads(run("gpus", "--json").output)[0]["name"] == "h100-80gb"
+    assert "byte-elman-400m" in run("zoo").output
+
+
+def test_help_teaches_with_examples():
+    result = run("estimate", "--help")
+    assert "batchfit estimate hf:llama-3.1-8b" in result.output

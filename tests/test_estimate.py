@@ -1,0 +1,65 @@
+"""batchfit.estimate end to end on CPU: the answer is traced, and the edges are answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchfit import estimate, get_device, load_workload
+from batchfit.devices import GiB, custom_device
+from batchfit.errors import OptionError
+from batchfit.workload import StepOptions
+
+
+@pytest.fixture(scope="module")
+def tiny_on_4090():
+    return estimate(load_workload("gpt-tinystories-22m", seq_len=128), device=get_device("rtx4090-24gb"))
+
+
+def test_max_batch_is_traced_and_the_next_size_is_not_fitting(tiny_on_4090):
+    r = tiny_on_4090
+    best = r.max_batch_size
+    assert best > 0
+    assert r.point(best).peak_bytes <= r.capacity_bytes < r.point(best + 1).peak_bytes
+    at_target = r.max_batch_size_at_target
+    assert r.point(at_target).peak_bytes <= r.target_bytes < r.point(at_target + 1).peak_bytes
+
+
+def test_json_has_the_documented_keys(tiny_on_4090):
+    j = tiny_on_4090.to_json()
+    for key in ("params", "trainable_params", "points", "fit", "max_batch_size", "device",
+                "max_batch_size_at_target", "headroom_bytes", "source"):
+        assert key in j
+    assert j["params"] == 22_696_448  # seed 002's count
+    point = j["points"][0]
+    assert {"batch_size", "peak_bytes", "breakdown", "phase"} <= set(point)
+    assert sum(point["breakdown"].values()) == point["peak_bytes"]
+
+
+def test_multiple_of_is_respected():
+    r = estimate(load_workload("gpt-tinystories-22m", seq_len=128), device=get_device("t4-16gb"), multiple_of=8)
+    assert r.max_batch_size % 8 == 0 and all(p.batch_size % 8 == 0 for p in r.points)
+    assert r.point(r.max_batch_size + 8).peak_bytes > r.capacity_bytes
+
+
+def test_batch_one_not_fitting_is_an_answer_with_suggestions(mlp):
+    r = estimate(mlp, device=custom_device(int(0.6 * GiB)))
+    assert r.max_batch_size == 0
+    changes = {s.option: s for s in r.suggestions}
+    assert changes["--precision bf16"].source == "traced"
+    assert changes["--precision bf16"].peak_bytes < r.points[0].peak_bytes
+    assert any(s.fits for s in r.suggestions)
+    assert r.to_json()["max_batch_size"] == 0
+
+
+@pytest.mark.parametrize("kwargs", [{"target_util": 0}, {"target_util": 1.5}, {"multiple_of": 0},
+                                    {"batch_sizes": [0, 8]}])
+def test_bad_options_say_what_to_type(mlp, kwargs):
+    with pytest.raises(OptionError):
+        estimate(mlp, device=get_device("t4-16gb"), **kwargs)
+
+
+def test_step_options_validate():
+    with pytest.raises(OptionError, match="bf16-mixed"):
+        StepOptions(precision="bfloat16")
+    with pytest.raises(OptionError, match="none or full"):
+        StepOptions(checkpointing="some")
