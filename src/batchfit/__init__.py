@@ -4,6 +4,8 @@ from batchfit.devices import CATALOG, Device, get_device, parse_size
 from batchfit.errors import (BatchfitError, ModelSpecError, OptionError, SizeError, TraceError,
                              UnknownGPUError, UsageError)
 from batchfit.estimate import EstimateResult, estimate
+from batchfit.probe.find import ProbeResult, find_max_batch
+from batchfit.probe.runner import parse_target
 from batchfit.specs import load_workload
 from batchfit.workload import StepOptions, Workload
 
@@ -14,6 +16,7 @@ __all__ = [
     "EstimateResult",
     "ModelSpecError",
     "OptionError",
+    "ProbeResult",
     "SizeError",
     "StepOptions",
     "TraceError",
@@ -21,8 +24,10 @@ __all__ = [
     "UsageError",
     "Workload",
     "estimate",
+    "find_max_batch",
     "get_device",
     "load_workload",
     "parse_size",
+    "parse_target",
 ]
 __version__ = "0.1.0"

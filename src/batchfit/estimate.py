@@ -18,7 +18,7 @@ import torch
 
 from batchfit.devices import Device
 from batchfit.errors import OptionError
-from batchfit.search import Trial, guided_search
+from batchfit.search import Trial, guided
 from batchfit.trace.curve import MemoryCurve, fit_curve
 from batchfit.trace.session import TracePoint, TraceSession
 from batchfit.workload import StepOptions, Workload
@@ -165,12 +165,12 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         for limit in (device.usable_bytes, int(target_util * device.usable_bytes)):
             def probe(b: int, limit: int = limit) -> Trial:
                 peak = trace(b).peak_bytes
-                return Trial(b, peak <= limit, peak)
+                return Trial(b, "ok" if peak <= limit else "oom", peak_allocated_bytes=peak)
 
-            known = [Trial(b, p.peak_bytes <= limit, p.peak_bytes) for b, p in points.items()]
-            answers.append(guided_search(
+            known = [probe(b) for b in points]
+            answers.append(guided(
                 probe, lambda trials, limit=limit: curve().max_batch_size(limit, multiple_of),
-                multiple_of=multiple_of, cap=max_batch, known=known))
+                lo=multiple_of, hi=max_batch, multiple_of=multiple_of, known=known))
         suggestions = (_suggestions(workload, options, device, points[min(points)], say)
                        if suggest and answers[0].max_batch_size == 0 else [])
     finally:

@@ -6,6 +6,8 @@ import typer
 
 from batchfit.cli.estimate import EXAMPLES, estimate_command
 from batchfit.cli.gpus import gpus_command, zoo_command
+from batchfit.cli.probe import EXAMPLES as PROBE_EXAMPLES
+from batchfit.cli.probe import probe_command
 
 app = typer.Typer(
     name="batchfit",
@@ -15,6 +17,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command("estimate", epilog=EXAMPLES)(estimate_command)
+app.command("probe", epilog=PROBE_EXAMPLES)(probe_command)
 app.command("gpus")(gpus_command)
 app.command("zoo")(zoo_command)
 

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from batchfit.cli.common import (echo_json, err, handle_errors, is_stdout, parse_batch_sizes,
-                                 quiet_if_stdout, target_device)
+from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, FreezeOpt, JsonOpt, ModelArg, MultipleOfOpt,
+                                 OptimizerOpt, OutOpt, PrecisionOpt, SeqLenOpt, TargetUtilOpt, TrainOnlyOpt,
+                                 handle_errors, parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
+                                 step_options, target_device, write_json)
 from batchfit.devices import GiB
 from batchfit.estimate import DEFAULT_MAX_BATCH, estimate
 from batchfit.report import write_estimate_report
-from batchfit.specs import SPEC_HELP, load_workload
-from batchfit.workload import StepOptions
+from batchfit.specs import load_workload
 
 EXAMPLES = """
 Examples:
@@ -32,22 +30,22 @@ Examples:
 
 @handle_errors
 def estimate_command(
-    model: Annotated[str, typer.Argument(help=f"What to train: {SPEC_HELP}.", show_default=False)],
+    model: ModelArg,
     gpu: Annotated[str | None, typer.Option(help="GPU from the catalog (`batchfit gpus`), e.g. h100-80gb.")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="Any GPU by its memory, e.g. 24GiB or 80GB.")] = None,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sample (default: the model's).")] = None,
-    precision: Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights) or bf16 (pure).")] = "fp32",
-    optimizer: Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor.")] = None,
-    checkpointing: Annotated[str, typer.Option(help="Activation checkpointing: none or full (every block).")] = "none",
-    freeze: Annotated[list[str] | None, typer.Option(help="Freeze parameters matching this glob (repeatable), e.g. 'model.layers.*'.")] = None,
-    train_only: Annotated[list[str] | None, typer.Option(help="Train only parameters matching this glob (repeatable), e.g. '*lora*'.")] = None,
-    accumulation_steps: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
+    seq_len: SeqLenOpt = None,
+    precision: PrecisionOpt = "fp32",
+    optimizer: OptimizerOpt = None,
+    checkpointing: CheckpointingOpt = "none",
+    freeze: FreezeOpt = None,
+    train_only: TrainOnlyOpt = None,
+    accumulation_steps: AccumulationOpt = 1,
     batch_sizes: Annotated[str | None, typer.Option(help="Also trace these batch sizes, e.g. 8,16,32.")] = None,
-    target_util: Annotated[float, typer.Option(help="Fraction of usable memory to plan for.")] = 0.9,
-    multiple_of: Annotated[int, typer.Option(help="Batch sizes must be multiples of this, e.g. 8.")] = 1,
+    target_util: TargetUtilOpt = 0.9,
+    multiple_of: MultipleOfOpt = 1,
     max_batch: Annotated[int, typer.Option(help="Never consider batches above this.")] = DEFAULT_MAX_BATCH,
-    json_path: Annotated[str | None, typer.Option("--json", help="Write estimate.json here too ('-' for stdout).")] = None,
-    out: Annotated[Path | None, typer.Option(help="Report folder (report.md, memory.png, estimate.json).")] = None,
+    json_path: JsonOpt = None,
+    out: OutOpt = None,
 ) -> None:
     """Predict peak training memory and the largest batch that fits a GPU, without a GPU.
 
@@ -56,23 +54,14 @@ def estimate_command(
     memory curve; and confirms the largest batch by tracing it and the next size up.
     """
     device = target_device(gpu, gpu_memory)
-    options = StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
-                          frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
-                          accumulation_steps=accumulation_steps)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
     sizes = parse_batch_sizes(batch_sizes)
     workload = load_workload(model, seq_len=seq_len)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=err, transient=True) as progress:
-        task = progress.add_task("starting", total=None)
-        result = estimate(workload, device=device, options=options, batch_sizes=sizes,
-                          target_util=target_util, multiple_of=multiple_of, max_batch=max_batch,
-                          progress=lambda message: progress.update(task, description=message))
-    folder = out or Path("reports") / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{result.workload}-{device.name}")
-    paths = write_estimate_report(result, folder)
-    if json_path and is_stdout(json_path):
-        echo_json(json.dumps(result.to_json(), indent=2) + "\n")
-    elif json_path:
-        Path(json_path).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    with progress_line() as say:
+        result = estimate(workload, device=device, options=options, batch_sizes=sizes, target_util=target_util,
+                          multiple_of=multiple_of, max_batch=max_batch, progress=say)
+    paths = write_estimate_report(result, report_folder(out, "estimate", result.workload, device.name))
+    write_json(json_path, result.to_json())
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
 
 

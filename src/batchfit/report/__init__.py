@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from batchfit.report.markdown import estimate_markdown
-from batchfit.report.plots import memory_plot
+from batchfit.report.plots import memory_plot, probe_plot
+from batchfit.report.probe_markdown import probe_markdown
+
+
+def write_report(out_dir: Path, json_name: str, data: dict, markdown: Callable[[], str],
+                 plot: Callable[[Path], None] | None) -> dict[str, Path]:
+    """Write ``json_name``, memory.png (when there is a plot) and report.md into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / json_name, "md": out_dir / "report.md"}
+    paths["json"].write_text(json.dumps(data, indent=2) + "\n")
+    if plot is not None:
+        paths["png"] = out_dir / "memory.png"
+        plot(paths["png"])
+    paths["md"].write_text(markdown())
+    return paths
 
 
 def write_estimate_report(result, out_dir: Path) -> dict[str, Path]:
-    """Write report.md, memory.png and estimate.json into ``out_dir``; return their paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "estimate.json", "png": out_dir / "memory.png",
-             "md": out_dir / "report.md"}
-    paths["json"].write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    memory_plot(result, paths["png"])
-    paths["md"].write_text(estimate_markdown(result, plot_name=paths["png"].name))
-    return paths
+    return write_report(out_dir, "estimate.json", result.to_json(), lambda: estimate_markdown(result),
+                        lambda path: memory_plot(result, path))
+
+
+def write_probe_report(result, out_dir: Path) -> dict[str, Path]:
+    plot = (lambda path: probe_plot(result, path)) if result.target.device is not None else None
+    return write_report(out_dir, "probe.json", result.to_json(), lambda: probe_markdown(result), plot)

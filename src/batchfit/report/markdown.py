@@ -16,7 +16,7 @@ KNOWN_LIMITS = """\
 """
 
 
-def _gib(n: float | None) -> str:
+def gib(n: float | None) -> str:
     return "—" if n is None else f"{n / GiB:.2f}"
 
 
@@ -32,14 +32,14 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
             f"- **Largest batch that fits: {best}** (traced at {best} and {best + r.multiple_of}"
             f"{'; the cap, not shown to fail above' if r.capped else ''})",
             f"- **At {r.target_util:.0%} of usable memory: {r.max_batch_size_at_target}**",
-            f"- Peak memory at {best}: {_gib(peak)} GiB of {_gib(r.capacity_bytes)} GiB usable "
-            f"({peak / r.capacity_bytes:.1%}); headroom {_gib(r.capacity_bytes - peak)} GiB",
+            f"- Peak memory at {best}: {gib(peak)} GiB of {gib(r.capacity_bytes)} GiB usable "
+            f"({peak / r.capacity_bytes:.1%}); headroom {gib(r.capacity_bytes - peak)} GiB",
         ]
     else:
         small = r.points[0]
         lines += [
-            f"- **Even batch {small.batch_size} does not fit**: it needs {_gib(small.peak_bytes)} GiB, "
-            f"{_gib(r.capacity_bytes)} GiB are usable (peak in the {small.phase} phase).",
+            f"- **Even batch {small.batch_size} does not fit**: it needs {gib(small.peak_bytes)} GiB, "
+            f"{gib(r.capacity_bytes)} GiB are usable (peak in the {small.phase} phase).",
         ]
     lines += [
         f"- Parameters: {r.params:,} ({r.trainable_params:,} trainable)",
@@ -58,8 +58,8 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
         f"| Activation checkpointing | {r.options.checkpointing} |",
         f"| Gradient accumulation | {r.options.accumulation_steps} micro-batches |",
         f"| Frozen / train-only | {', '.join(r.options.frozen) or '—'} / {', '.join(r.options.trainable) or '—'} |",
-        f"| GPU | {d.display_name}: {_gib(d.total_bytes)} GiB total, {_gib(d.context_bytes)} GiB CUDA "
-        f"context (assumed), {_gib(d.usable_bytes)} GiB usable |",
+        f"| GPU | {d.display_name}: {gib(d.total_bytes)} GiB total, {gib(d.context_bytes)} GiB CUDA "
+        f"context (assumed), {gib(d.usable_bytes)} GiB usable |",
         f"| Batch sizes | multiples of {r.multiple_of} |",
         f"| Traced with | torch {r.torch_version}, {r.traces} traced batch sizes in {r.trace_seconds:.1f} s |",
         "",
@@ -72,9 +72,9 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
         b = p.breakdown
         fits = "yes" if p.peak_bytes <= r.capacity_bytes else "no"
         lines.append(
-            f"| {p.batch_size} | {_gib(p.peak_bytes)} | {fits} | {p.phase} | {_gib(b['parameters'])} | "
-            f"{_gib(b['gradients'])} | {_gib(b['optimizer_state'])} | {_gib(b['activations'])} | "
-            f"{_gib(b['temporaries'])} | {_gib(b['inputs'])} | {_gib(b['workspace'])} |"
+            f"| {p.batch_size} | {gib(p.peak_bytes)} | {fits} | {p.phase} | {gib(b['parameters'])} | "
+            f"{gib(b['gradients'])} | {gib(b['optimizer_state'])} | {gib(b['activations'])} | "
+            f"{gib(b['temporaries'])} | {gib(b['inputs'])} | {gib(b['workspace'])} |"
         )
     fit = r.curve.to_json(max(best, r.points[-1].batch_size))
     lines += ["", "## Memory curve", "",
@@ -94,7 +94,7 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
         lines += ["", f"## What would make batch {r.points[0].batch_size} fit", "",
                   "| change | how | peak | saving | fits | source |", "|---|---|---:|---:|:-:|---|"]
         for s in r.suggestions:
-            lines.append(f"| {s.change} | `{s.option}` | {_gib(s.peak_bytes)} GiB | {_gib(s.saving_bytes)} GiB | "
+            lines.append(f"| {s.change} | `{s.option}` | {gib(s.peak_bytes)} GiB | {gib(s.saving_bytes)} GiB | "
                          f"{'yes' if s.fits else 'no'} | {s.source} |")
     lines += ["", "## Known limits", "", KNOWN_LIMITS]
     return "\n".join(lines)

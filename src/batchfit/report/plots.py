@@ -39,3 +39,40 @@ def memory_plot(result, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def probe_plot(result, path: Path) -> None:
+    """Measured (or virtual) peaks of the probes, failures at the top, capacity and target."""
+    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
+    capacity = result.capacity_bytes / GiB
+    ok = [t for t in result.trials if t.fits and t.peak_allocated_bytes]
+    failed = [t for t in result.trials if not t.fits]
+    predicted = sorted((t.batch_size, t.predicted_bytes) for t in result.trials if t.predicted_bytes)
+    if predicted and result.target.kind == "cuda":
+        ax.plot([b for b, _ in predicted], [p / GiB for _, p in predicted], color="tab:gray", ls=":",
+                label="traced prediction")
+    ax.scatter([t.batch_size for t in ok], [t.peak_allocated_bytes / GiB for t in ok], color="tab:blue",
+               zorder=3, label="fit (peak allocated)")
+    reserved = [t for t in ok if t.peak_reserved_bytes]
+    if reserved:
+        ax.scatter([t.batch_size for t in reserved], [t.peak_reserved_bytes / GiB for t in reserved],
+                   color="tab:cyan", marker="^", zorder=3, label="peak reserved")
+    ax.scatter([t.batch_size for t in failed], [capacity] * len(failed), color="tab:red", marker="x", s=60,
+               zorder=4, label="out of memory / error")
+    ax.axhline(capacity, color="tab:red", lw=1, label=f"usable capacity {capacity:.1f} GiB")
+    ax.axhline(result.target_util * capacity, color="tab:orange", ls="--", lw=1,
+               label=f"target {result.target_util:.0%}")
+    for i, t in enumerate(result.trials, 1):
+        y = t.peak_allocated_bytes / GiB if t.peak_allocated_bytes else capacity
+        ax.annotate(str(i), (t.batch_size, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    source = "virtual, traced" if result.target.kind == "virtual" else "measured"
+    ax.set_title(f"{result.workload}: probes ({result.policy}, {source})")
+    ax.set_xlabel("batch size (samples per step)")
+    ax.set_ylabel("GiB")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -187,9 +187,10 @@ class MemoryTracker(TorchDispatchMode):
             self._peak_seq = self._seq
             self._peak_phase = self.current_phase
         if self.capacity_bytes is not None and self.live_bytes > self.capacity_bytes:
+            gib = 2**30
             raise torch.OutOfMemoryError(
-                f"virtual device out of memory: tried to allocate {nbytes} bytes with "
-                f"{self.live_bytes - nbytes} of {self.capacity_bytes} bytes in use"
+                f"virtual device out of memory: tried to allocate {nbytes / gib:.2f} GiB with "
+                f"{(self.live_bytes - nbytes) / gib:.2f} GiB of {self.capacity_bytes / gib:.2f} GiB in use"
             )
 
     def _free(self, key: int) -> None:

@@ -1,0 +1,98 @@
+"""``batchfit probe``: find the largest batch that really fits, in few probes, safely."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, FreezeOpt, JsonOpt, ModelArg, MultipleOfOpt,
+                                 OptimizerOpt, OutOpt, PrecisionOpt, SeqLenOpt, TargetUtilOpt, TrainOnlyOpt,
+                                 handle_errors, progress_line, quiet_if_stdout, report_folder, step_options,
+                                 write_json)
+from batchfit.devices import GiB
+from batchfit.probe.find import find_max_batch
+from batchfit.probe.ranks import rank
+from batchfit.probe.runner import DEVICE_HELP, parse_target
+from batchfit.report import write_probe_report
+from batchfit.search import POLICIES
+from batchfit.specs import load_workload
+
+EXAMPLES = """
+Examples:
+
+  batchfit probe gpt-tinystories-22m --device cuda
+
+  batchfit probe my_model.py:workload --device virtual:rtx6000ada-48gb --multiple-of 16
+
+  batchfit probe hf:gpt2-124m --device cuda --policy binsearch --isolate --out report/
+
+  torchrun --nproc-per-node 8 -m batchfit.cli.app probe hf:llama-3.2-1b --device cuda
+"""
+
+
+@handle_errors
+def probe_command(
+    model: ModelArg,
+    device: Annotated[str, typer.Option(help=f"Where to probe: {DEVICE_HELP}.")] = "virtual:h100-80gb",
+    policy: Annotated[str, typer.Option(help=f"Search policy: {', '.join(POLICIES)}.")] = "guided",
+    seq_len: SeqLenOpt = None,
+    precision: PrecisionOpt = "fp32",
+    optimizer: OptimizerOpt = None,
+    checkpointing: CheckpointingOpt = "none",
+    freeze: FreezeOpt = None,
+    train_only: TrainOnlyOpt = None,
+    accumulation_steps: AccumulationOpt = 1,
+    multiple_of: MultipleOfOpt = 1,
+    min_batch: Annotated[int, typer.Option("--min", help="Smallest batch size to probe.")] = 1,
+    max_batch: Annotated[int, typer.Option("--max", help="Largest batch size to probe (the cap).")] = 4096,
+    steps: Annotated[int, typer.Option(help="Training steps per probe (at least 2: the second has optimizer state).")] = 2,
+    isolate: Annotated[bool, typer.Option(help="Run each probe in a fresh process.")] = False,
+    stop_on_nan: Annotated[bool, typer.Option(help="Treat a NaN or infinite loss as an error that stops the search.")] = False,
+    target_util: TargetUtilOpt = 0.9,
+    global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step you want: adds the gradient accumulation that reaches it.")] = None,
+    json_path: JsonOpt = None,
+    out: OutOpt = None,
+) -> None:
+    """Find the largest batch that really fits: run real training steps, few probes, safely.
+
+    Every probe builds the model fresh and runs full training steps (forward, backward,
+    optimizer step). Only out-of-memory counts as "does not fit": any other error stops the
+    search and is reported as itself, with the probes before it kept. The answer is always a
+    batch size that ran, with the next size up shown to fail (or the cap).
+    """
+    target = parse_target(device)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
+    workload = load_workload(model, seq_len=seq_len)
+    with progress_line() as say:
+        result = find_max_batch(workload, target=target, options=options, policy=policy, multiple_of=multiple_of,
+                                smallest=min_batch, largest=max_batch, steps=steps, isolate=isolate, spec=model,
+                                seq_len=seq_len, stop_on_nan=stop_on_nan, target_util=target_util,
+                                global_batch=global_batch, progress=say)
+    if rank() != 0:  # every rank probed; one writes
+        return
+    paths = write_probe_report(result, report_folder(out, "probe", result.workload, target.spec))
+    write_json(json_path, result.to_json())
+    _print_summary(result, quiet_if_stdout(json_path), paths["md"])
+    if result.stopped_by:
+        raise typer.Exit(1)
+
+
+def _print_summary(result, console, report_path: Path) -> None:
+    table = Table(title=f"{result.workload}: probes on {result.target.spec} ({result.policy})", title_justify="left")
+    for column in ("#", "batch", "status", "peak alloc GiB", "error"):
+        table.add_column(column, justify="right" if column in ("#", "batch", "peak alloc GiB") else "left")
+    for i, t in enumerate(result.trials, 1):
+        peak = f"{t.peak_allocated_bytes / GiB:.2f}" if t.peak_allocated_bytes else "—"
+        table.add_row(str(i), str(t.batch_size), t.status, peak, t.error or "")
+    console.print(table)
+    if result.stopped_by:
+        console.print(f"[bold red]stopped:[/] batch {result.stopped_by.batch_size} failed with "
+                      f"{result.stopped_by.error} (not out of memory)")
+    exact = "exact" if result.search and result.search.exact else "not shown to be the largest"
+    console.print(f"[bold green]max batch size {result.max_batch_size}[/] ({exact})")
+    for rec in result.recommendations:
+        console.print(f"  {rec.name:13s} {rec.batch_size:6d}  x{rec.accumulation_steps}  {rec.why}")
+    console.print(f"report: {report_path}")

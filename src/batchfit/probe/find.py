@@ -1,0 +1,258 @@
+"""``batchfit probe``: find the largest batch that really fits, in few probes, safely.
+
+1. (guided) Trace the step on fake tensors at two batch sizes and predict the maximum.
+2. Run a policy (a pure function of a probe callable): every probe builds the workload
+   fresh, runs real steps (or virtual ones), and is cleaned up before the next.
+3. A probe that fails with anything but out-of-memory stops the search: the trials so far
+   are kept and reported with that error, never called out of memory.
+4. Recommend only batch sizes that were probed (or that are smaller than one that was).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from batchfit import search
+from batchfit.errors import OptionError
+from batchfit.probe import ranks
+from batchfit.probe.runner import Target, probe_isolated, probe_once
+from batchfit.search import SearchResult, Trial
+from batchfit.trace.curve import fit_line
+from batchfit.workload import StepOptions, Workload
+
+CONSERVATIVE_UTIL = 0.75
+
+
+class SearchStopped(Exception):
+    """A probe failed with something other than out-of-memory."""
+
+    def __init__(self, trial: Trial) -> None:
+        super().__init__(trial.error)
+        self.trial = trial
+
+
+@dataclass
+class Recommendation:
+    name: str
+    batch_size: int
+    peak_allocated_bytes: int | None
+    why: str
+    accumulation_steps: int = 1
+
+
+@dataclass
+class ProbeResult:
+    workload: str
+    description: str
+    tokens_per_sample: int | None
+    target: Target
+    options: StepOptions
+    policy: str
+    multiple_of: int
+    smallest: int
+    largest: int
+    search: SearchResult | None
+    trials: list[Trial]
+    """Every probe in order: the search's, then the ones that confirm a recommendation."""
+    recommendations: list[Recommendation]
+    target_util: float
+    global_batch: int | None
+    seconds: float
+    world_size: int = 1
+    stopped_by: Trial | None = None
+    """The trial whose error stopped the search (then max_batch_size is what was found before)."""
+    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    torch_version: str = torch.__version__
+
+    @property
+    def max_batch_size(self) -> int:
+        fits = [t.batch_size for t in self.trials if t.fits]
+        return self.search.max_batch_size if self.search else max(fits, default=0)
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self.target.device.usable_bytes if self.target.device else None
+
+    def trial(self, batch_size: int) -> Trial | None:
+        return next((t for t in self.trials if t.batch_size == batch_size), None)
+
+    def measured_line(self) -> tuple[float, float] | None:
+        """(fixed bytes, bytes per sample) fitted to the measured peaks of the probes that fit."""
+        points = [(t.batch_size, t.peak_allocated_bytes) for t in self.trials if t.fits and t.peak_allocated_bytes]
+        if len({b for b, _ in points}) < 2:
+            return None
+        line = fit_line("measured", points)
+        return line.fixed_bytes, line.bytes_per_sample
+
+    def to_json(self) -> dict:
+        best = self.trial(self.max_batch_size)
+        line = self.measured_line()
+        return {
+            "source": "traced (virtual device)" if self.target.kind == "virtual" else f"measured ({self.target.kind})",
+            "workload": self.workload, "description": self.description,
+            "tokens_per_sample": self.tokens_per_sample,
+            "device": {"spec": self.target.spec, **(self.target.device.to_json() if self.target.device else {})},
+            "options": self.options.to_json(), "policy": self.policy, "multiple_of": self.multiple_of,
+            "min": self.smallest, "max": self.largest,
+            "max_batch_size": self.max_batch_size,
+            "exact": self.search.exact if self.search else False,
+            "next_size": self.search.next_size if self.search else None,
+            "capped": self.search.capped if self.search else False,
+            "search_probes": len(self.search.trials) if self.search else len(self.trials),
+            "peak_allocated_bytes_at_max": best.peak_allocated_bytes if best else None,
+            "peak_reserved_bytes_at_max": best.peak_reserved_bytes if best else None,
+            "capacity_bytes": self.capacity_bytes,
+            "memory_per_sample_bytes": round(line[1]) if line else None,
+            "fixed_bytes": round(line[0]) if line else None,
+            "trials": [t.to_json() for t in self.trials],
+            "recommendations": [vars(r) for r in self.recommendations],
+            "target_util": self.target_util, "global_batch": self.global_batch,
+            "stopped_by": self.stopped_by.to_json() if self.stopped_by else None,
+            "seconds": round(self.seconds, 2), "world_size": self.world_size,
+            "created": self.created, "torch_version": self.torch_version,
+        }
+
+
+def _validate(policy: str, multiple_of: int, smallest: int, largest: int, steps: int, target_util: float,
+              global_batch: int | None) -> None:
+    if policy not in search.POLICIES:
+        raise OptionError(f"unknown --policy '{policy}': use one of {', '.join(search.POLICIES)}")
+    if multiple_of < 1 or smallest < 1 or largest < smallest:
+        raise OptionError(f"need 1 <= --min <= --max and --multiple-of >= 1 (got min {smallest}, "
+                          f"max {largest}, multiple-of {multiple_of})")
+    if steps < 2:
+        raise OptionError(f"--steps must be at least 2 (the second step has optimizer state), got {steps}")
+    if not 0 < target_util <= 1:
+        raise OptionError(f"--target-util must be in (0, 1], e.g. 0.9; got {target_util}")
+    if global_batch is not None and global_batch < 1:
+        raise OptionError(f"--global-batch must be 1 or more, got {global_batch}")
+
+
+class _Predictor:
+    """The tracer's answer, then corrected by the peaks measured so far (for ``guided``)."""
+
+    def __init__(self, workload: Workload, options: StepOptions, target: Target, capacity: int,
+                 multiple_of: int, largest: int, say: Callable[[str], None]) -> None:
+        from batchfit.estimate import estimate
+
+        say("tracing the step on fake tensors to predict")
+        self.estimate = estimate(workload, device=target.device, options=options, multiple_of=multiple_of,
+                                 max_batch=largest, suggest=False)
+        self.capacity = capacity
+
+    def predicted_bytes(self, batch_size: int) -> int:
+        point = self.estimate.point(batch_size)
+        return point.peak_bytes if point else int(self.estimate.curve.peak_bytes(batch_size))
+
+    def __call__(self, trials: list[Trial]) -> int:
+        measured = sorted((t.batch_size, t.peak_allocated_bytes) for t in trials if t.fits and t.peak_allocated_bytes)
+        slope = max(line.bytes_per_sample for line in self.estimate.curve.lines)
+        if len(measured) >= 2:  # a secant through the two largest measured peaks
+            line = fit_line("measured", measured[-2:])
+            guess = (self.capacity - line.fixed_bytes) / line.bytes_per_sample if line.bytes_per_sample else 1 << 30
+        elif measured and slope:  # the traced slope through the one measured peak
+            b, peak = measured[-1]
+            guess = b + (self.capacity - peak) / slope
+        elif trials:  # only failures so far: step 5% below the smallest, to measure a peak
+            guess = 0.95 * min(t.batch_size for t in trials)
+        else:
+            guess = self.estimate.max_batch_size
+        return ranks.agree_min(int(guess))
+
+
+def find_max_batch(workload: Workload, *, target: Target, options: StepOptions | None = None,
+                   policy: str = "guided", multiple_of: int = 1, smallest: int = 1, largest: int = 1 << 16,
+                   steps: int = 2, isolate: bool = False, spec: str | None = None, seq_len: int | None = None,
+                   stop_on_nan: bool = False, target_util: float = 0.9, global_batch: int | None = None,
+                   progress: Callable[[str], None] | None = None) -> ProbeResult:
+    """Probe ``workload`` on ``target`` and return the largest batch that ran."""
+    options = options or StepOptions()
+    _validate(policy, multiple_of, smallest, largest, steps, target_util, global_batch)
+    if isolate and spec is None:
+        raise OptionError("--isolate rebuilds the workload in a fresh process from its MODEL spec: pass spec=")
+    say = progress or (lambda message: None)
+    ranks.init_ranks(cuda=target.kind == "cuda")
+    started = time.perf_counter()
+    # Every decision uses the smallest usable memory of all ranks, so all ranks decide alike.
+    capacity = ranks.agree_min(target.device.usable_bytes) if target.device else None
+    predictor = (_Predictor(workload, options, target, capacity, multiple_of, largest, say)
+                 if target.device is not None and (policy == "guided" or target.kind == "cuda") else None)
+    trials: list[Trial] = []
+
+    def probe(batch_size: int) -> Trial:
+        say(f"probe {len(trials) + 1}: batch size {batch_size}")
+        if isolate:
+            trial = probe_isolated(spec, seq_len, options, target, batch_size, steps=steps, stop_on_nan=stop_on_nan)
+        else:
+            trial = probe_once(workload, options, target, batch_size, steps=steps, stop_on_nan=stop_on_nan)
+        trial = ranks.agree(trial)
+        if predictor is not None:
+            trial = Trial(**{**trial.to_json(), "predicted_bytes": predictor.predicted_bytes(batch_size)})
+        trials.append(trial)
+        if trial.status == "error":
+            raise SearchStopped(trial)
+        return trial
+
+    bounds = {"lo": smallest, "hi": largest, "multiple_of": multiple_of}
+    result, stopped = None, None
+    try:
+        if policy == "guided":
+            result = search.guided(probe, predictor or (lambda trials: largest), **bounds)
+        else:
+            result = getattr(search, policy)(probe, **bounds)
+        recommendations = _recommend(result, probe, trials, capacity, target_util, global_batch, bounds)
+    except SearchStopped as stop:
+        stopped, recommendations = stop.trial, []
+    return ProbeResult(
+        workload=workload.name, description=workload.description, tokens_per_sample=workload.tokens_per_sample,
+        target=target, options=options, policy=policy, multiple_of=multiple_of, smallest=smallest,
+        largest=largest, search=result, trials=trials, recommendations=recommendations,
+        target_util=target_util, global_batch=global_batch, seconds=time.perf_counter() - started,
+        world_size=ranks.world_size(), stopped_by=stopped,
+    )
+
+
+def _recommend(result: SearchResult, probe: Callable[[int], Trial], trials: list[Trial], capacity: int | None,
+               target_util: float, global_batch: int | None, bounds: dict) -> list[Recommendation]:
+    best = result.max_batch_size
+    if not best:
+        return []
+    best_trial = next(t for t in trials if t.batch_size == best) if any(t.batch_size == best for t in trials) else None
+    peak = best_trial.peak_allocated_bytes if best_trial else None
+    out = [Recommendation("maximum", best, peak, "the largest batch that ran")]
+    if capacity and peak:
+        for name, util in (("production", target_util), ("conservative", CONSERVATIVE_UTIL)):
+            limit = int(util * capacity)
+
+            def under(trial: Trial, limit: int = limit) -> Trial:
+                fits = trial.fits and (trial.peak_allocated_bytes or 0) <= limit
+                return Trial(trial.batch_size, "ok" if fits else "oom", peak_allocated_bytes=trial.peak_allocated_bytes)
+
+            def predict(seen: list[Trial], limit: int = limit) -> int:
+                measured = sorted((t.batch_size, t.peak_allocated_bytes) for t in trials
+                                  if t.fits and t.peak_allocated_bytes)
+                line = fit_line("measured", measured[-2:]) if len(measured) >= 2 else None
+                if line is None or not line.bytes_per_sample:
+                    return best
+                return int((limit - line.fixed_bytes) / line.bytes_per_sample)
+
+            found = search.guided(lambda b, under=under: under(probe(b)), predict,
+                                  known=[under(t) for t in trials], **{**bounds, "hi": best})
+            if found.max_batch_size:
+                b = found.max_batch_size
+                b_peak = next(t.peak_allocated_bytes for t in trials if t.batch_size == b)
+                out.append(Recommendation(name, b, b_peak, f"the largest probed batch under {util:.0%} of usable memory"))
+    if global_batch:
+        micro_cap = max(r.batch_size for r in out if r.name in ("production", "maximum") and
+                        (r.name == "production" or len(out) == 1))
+        micro = max(d for d in range(1, min(micro_cap, global_batch) + 1) if global_batch % d == 0)
+        out.append(Recommendation("global batch", micro, None,
+                                  f"{global_batch} samples per optimizer step as {global_batch // micro} micro-batches "
+                                  f"of {micro} (no larger than {micro_cap}, which ran)",
+                                  accumulation_steps=global_batch // micro))
+    return out

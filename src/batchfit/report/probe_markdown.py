@@ -1,0 +1,88 @@
+"""The probe report: a ProbeResult in, Markdown out."""
+
+from __future__ import annotations
+
+from batchfit.devices import format_bytes
+from batchfit.report.markdown import gib
+
+
+def _source(result) -> str:
+    if result.target.kind == "virtual":
+        return ("**traced** (virtual device: the step runs on fake tensors with the GPU's usable capacity; "
+                "no GPU was used)")
+    if result.target.kind == "cuda":
+        return "**measured** on the GPU (`torch.cuda.max_memory_allocated` / `max_memory_reserved`, reset per probe)"
+    return "**measured** on the CPU (step times only: no memory figures)"
+
+
+def probe_markdown(result, plot_name: str = "memory.png") -> str:
+    r = result
+    best = r.max_batch_size
+    best_trial = r.trial(best)
+    capacity = r.capacity_bytes
+    device_name = r.target.device.display_name if r.target.device else "CPU"
+    lines = [f"# Largest batch: {r.workload} on {device_name}", "", "## Summary", ""]
+    if r.stopped_by:
+        t = r.stopped_by
+        lines += [f"- **The search stopped at batch {t.batch_size} with an error that is not out of memory:** "
+                  f"`{t.error}`. Fix it and run again; the probes before it are kept below.", ""]
+    if best:
+        exact = r.search and r.search.exact
+        above = ("the cap (--max)" if r.search and r.search.capped else
+                 f"{r.search.next_size} failed" if r.search and r.search.next_size else "nothing above was probed")
+        lines += [f"- **Maximum batch size: {best}** ({'exact' if exact else 'not shown to be the largest'}: {above})"]
+        if best_trial and best_trial.peak_allocated_bytes and capacity:
+            peak = best_trial.peak_allocated_bytes
+            lines += [f"- Peak memory at {best}: {gib(peak)} GiB allocated"
+                      + (f", {gib(best_trial.peak_reserved_bytes)} GiB reserved" if best_trial.peak_reserved_bytes else "")
+                      + f", of {gib(capacity)} GiB usable ({peak / capacity:.1%}); headroom {gib(capacity - peak)} GiB"]
+    elif not r.stopped_by:
+        lines += [f"- **Not even batch {r.smallest} fits** on this device."]
+    lines += [f"- Policy `{r.policy}`: {len(r.search.trials) if r.search else len(r.trials)} search probes, "
+              f"{len(r.trials)} in all, {r.seconds:.1f} s" + (f", {r.world_size} ranks agreeing" if r.world_size > 1 else ""),
+              f"- Source: {_source(r)}", ""]
+    if r.target.device:
+        lines += [f"![memory vs batch size]({plot_name})", ""]
+    lines += ["## Configuration", "", "| | |", "|---|---|",
+              f"| Model | `{r.workload}`: {r.description} |",
+              f"| Device | `{r.target.spec}`" + (f": {device_name}, {gib(r.target.device.total_bytes)} GiB total, "
+                                                   f"{gib(capacity)} GiB usable |" if r.target.device else " |"),
+              f"| Precision / checkpointing | {r.options.precision} / {r.options.checkpointing} |",
+              f"| Batch sizes | {r.smallest} to {r.largest}, multiples of {r.multiple_of} |",
+              f"| Torch | {r.torch_version} |", "",
+              "## Search", "",
+              "| # | batch | status | peak allocated GiB | peak reserved GiB | predicted GiB | loss | step s | error |",
+              "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    search_count = len(r.search.trials) if r.search else len(r.trials)
+    for i, t in enumerate(r.trials, 1):
+        label = str(i) if i <= search_count else f"{i} (confirm)"
+        loss = f"{t.loss:.4f}" if t.loss is not None else "—"
+        step = f"{t.step_time_s:.3f}" if t.step_time_s is not None else "—"
+        lines.append(f"| {label} | {t.batch_size} | {t.status} | {gib(t.peak_allocated_bytes)} | "
+                     f"{gib(t.peak_reserved_bytes)} | {gib(t.predicted_bytes)} | {loss} | {step} | {t.error or ''} |")
+    line = r.measured_line()
+    if line:
+        lines += ["", "## Memory per sample", "",
+                  f"A line through the measured peaks of the probes that fit: **{format_bytes(line[1])} per sample** "
+                  f"on top of {format_bytes(line[0])} fixed."]
+    predicted = [t for t in r.trials if t.predicted_bytes and t.peak_allocated_bytes and r.target.kind == "cuda"]
+    if predicted:
+        lines += ["", "## Predicted (traced) vs measured", "", "| batch | traced GiB | measured GiB | error |",
+                  "|---:|---:|---:|---:|"]
+        for t in predicted:
+            error = (t.predicted_bytes - t.peak_allocated_bytes) / t.peak_allocated_bytes
+            lines.append(f"| {t.batch_size} | {gib(t.predicted_bytes)} | {gib(t.peak_allocated_bytes)} | {error:+.1%} |")
+    if best_trial and r.tokens_per_sample:
+        tokens = best * r.tokens_per_sample
+        lines += ["", "## Throughput implication", "", f"- Tokens per batch at {best}: {tokens:,}"]
+        if best_trial.step_time_s:
+            lines += [f"- Time per batch (last probe step, measured): {best_trial.step_time_s:.3f} s",
+                      f"- Tokens per second: {tokens / best_trial.step_time_s:,.0f}"]
+        else:
+            lines += ["- Time per batch: not measured on a virtual device (use `--device cuda`, or `batchfit bench`)"]
+    if r.recommendations:
+        lines += ["", "## Recommendations", "", "| setting | batch size | accumulation | peak allocated GiB | why |",
+                  "|---|---:|---:|---:|---|"]
+        for rec in r.recommendations:
+            lines.append(f"| {rec.name} | {rec.batch_size} | {rec.accumulation_steps} | {gib(rec.peak_allocated_bytes)} | {rec.why} |")
+    return "\n".join(lines) + "\n"

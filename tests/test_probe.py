@@ -1,0 +1,194 @@
+"""Probing on CPU: the virtual device, OOM and only OOM, cleanup, isolation, ranks."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from batchfit.cli.app import app
+from batchfit.errors import OptionError, UsageError
+from batchfit.probe.find import find_max_batch
+from batchfit.probe.oom import classify
+from batchfit.probe.runner import parse_target, probe_isolated, probe_once
+from batchfit.specs import load_workload
+from batchfit.workload import StepOptions, Workload
+
+SMALL = "virtual:1GiB"
+
+
+def tiny(seq_len: int = 32) -> Workload:
+    return load_workload("gpt-tinystories-22m", seq_len=seq_len)
+
+
+@pytest.mark.parametrize("error,kind", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom"),
+    (RuntimeError("HIP out of memory. Tried to allocate 1 GiB"), "oom"),
+    (RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"), "oom"),
+    (RuntimeError("XPU out of memory. Tried to allocate 1 GiB"), "oom"),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "oom"),
+    (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."), "oom"),
+    (RuntimeError("CUDA error: out of memory"), "oom"),
+    (RuntimeError("CUDA error: invalid configuration argument"), "error"),  # huge-batch launch config
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)"), "error"),
+    (ValueError("my data loader ran out of memory-mapped files"), "error"),  # user's own, whatever it says
+])
+def test_oom_and_only_oom(error, kind):
+    assert classify(error) == kind
+
+
+def test_virtual_device_finds_the_exact_maximum_in_two_probes():
+    result = find_max_batch(tiny(), target=parse_target(SMALL), largest=4096)
+    best = result.max_batch_size
+    assert best > 0 and result.search.exact
+    assert [t.batch_size for t in result.search.trials] == [best, best + 1]
+    j = result.to_json()
+    assert {"policy", "max_batch_size", "trials", "recommendations"} <= set(j)
+    assert {"batch_size", "status", "peak_allocated_bytes", "peak_reserved_bytes", "step_time_s", "loss",
+            "error"} <= set(j["trials"][0])
+
+
+def exploding(limit: int) -> Workload:
+    def loss_fn(model, x):
+        if x.shape[0] > limit:
+            raise ValueError(f"my loss cannot take more than {limit} samples")
+        return model(x).pow(2).mean()
+
+    return Workload(name="exploding", build_model=lambda: nn.Linear(64, 64),
+                    make_batch=lambda b, device: torch.randn(b, 64, device=device), loss_fn=loss_fn)
+
+
+def test_a_non_oom_error_stops_the_search_and_keeps_what_was_measured():
+    result = find_max_batch(exploding(40), target=parse_target(SMALL), policy="binsearch", largest=1024)
+    stop = result.stopped_by
+    assert stop.status == "error" and stop.batch_size == 64
+    assert "ValueError: my loss cannot take more than 40 samples" in stop.error
+    assert [t.batch_size for t in result.trials if t.fits] == [1, 2, 4, 8, 16, 32]  # kept
+    assert all(t.status != "oom" for t in result.trials)
+
+
+def test_nan_loss_is_an_error_when_asked():
+    work = Workload(name="nan", build_model=lambda: nn.Linear(8, 8),
+                    make_batch=lambda b, device: torch.randn(b, 8, device=device),
+                    loss_fn=lambda model, x: model(x).sum() * float("nan"))
+    trial = probe_once(work, StepOptions(), parse_target("cpu"), 4, stop_on_nan=True)
+    assert trial.status == "error" and "NonFiniteLoss" in trial.error
+
+
+def test_cpu_probes_run_real_steps():
+    trial = probe_once(tiny(), StepOptions(), parse_target("cpu"), 2)
+    assert trial.status == "ok" and trial.step_time_s > 0 and trial.loss > 0
+    assert trial.peak_allocated_bytes is None  # no memory figures on the CPU
+
+
+def test_a_failed_probes_model_and_optimizer_are_garbage_collected():
+    refs = []
+
+    def build_model():
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+        refs.append(weakref.ref(model))
+        return model
+
+    def build_optimizer(params):
+        optimizer = torch.optim.AdamW(params)
+        refs.append(weakref.ref(optimizer))
+        return optimizer
+
+    work = Workload(name="gc", build_model=build_model, build_optimizer=build_optimizer,
+                    make_batch=lambda b, device: torch.randn(b, 1024, device=device),
+                    loss_fn=lambda model, x: model(x).sum())
+    gc.disable()  # prove it is probe_once's own cleanup that frees them
+    try:
+        trial = probe_once(work, StepOptions(), parse_target("virtual:600MiB"), 64)  # 24 MiB for tensors
+    finally:
+        gc.enable()
+    assert trial.status == "oom"
+    assert len(refs) == 2 and all(ref() is None for ref in refs)
+
+
+def test_isolated_probe_gives_the_same_trial(tmp_path):
+    target = parse_target(SMALL)
+    inline = probe_once(tiny(), StepOptions(), target, 8)
+    isolated = probe_isolated("gpt-tinystories-22m", 32, StepOptions(), target, 8)
+    assert isolated == inline
+
+
+def test_bad_targets_say_what_to_type():
+    with pytest.raises(OptionError, match="virtual:h100-80gb"):
+        parse_target("tpu")
+    with pytest.raises(UsageError, match="no CUDA device"):
+        if torch.cuda.is_available():
+            raise UsageError("no CUDA device (skipped: there is one)")
+        parse_target("cuda")
+
+
+def _rank_main(rank: int, port: int, capacities: list[str], out_dir: str) -> None:
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    result = find_max_batch(tiny(), target=parse_target(f"virtual:{capacities[rank]}"), largest=4096)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"max": result.max_batch_size, "probes": [t.batch_size for t in result.trials]}, f)
+    torch.distributed.destroy_process_group()
+
+
+def test_ranks_agree_one_ranks_oom_is_everyones(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    capacities = ["2GiB", "1GiB"]  # rank 1 runs out first
+    torch.multiprocessing.spawn(_rank_main, args=(port, capacities, str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    alone = find_max_batch(tiny(), target=parse_target("virtual:1GiB"), largest=4096).max_batch_size
+    assert ranks[0] == ranks[1] and ranks[0]["max"] == alone
+
+
+runner = CliRunner()
+
+
+def test_probe_cli_writes_the_report(tmp_path):
+    result = runner.invoke(app, ["probe", "gpt-tinystories-22m", "--seq-len", "32", "--device", SMALL,
+                                 "--multiple-of", "8", "--global-batch", "256", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in tmp_path.iterdir()} == {"report.md", "memory.png", "probe.json"}
+    data = json.loads((tmp_path / "probe.json").read_text())
+    assert data["max_batch_size"] % 8 == 0 and data["exact"]
+    assert any(r["name"] == "global batch" for r in data["recommendations"])
+
+
+def test_probe_cli_reports_a_stopping_error_with_exit_code_1(tmp_path):
+    (tmp_path / "boom.py").write_text(
+        "import torch\nfrom torch import nn\nfrom batchfit import Workload\n"
+        "def workload():\n"
+        "    def loss(m, x):\n"
+        "        if x.shape[0] > 4: raise RuntimeError('CUDA error: invalid configuration argument')\n"
+        "        return m(x).sum()\n"
+        "    return Workload(name='boom', build_model=lambda: nn.Linear(8, 8),\n"
+        "                    make_batch=lambda b, d: torch.randn(b, 8, device=d), loss_fn=loss)\n")
+    result = runner.invoke(app, ["probe", f"{tmp_path}/boom.py:workload", "--device", SMALL, "--policy", "power",
+                                 "--out", str(tmp_path / "r")])
+    assert result.exit_code == 1
+    assert "invalid configuration argument" in result.output and "not out of memory" in result.output
+    assert json.loads((tmp_path / "r" / "probe.json").read_text())["stopped_by"]["batch_size"] == 8
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--device", "tpu"], "virtual:h100-80gb"),
+    (["--device", "virtual:h100"], None),
+    (["--device", "virtual:h10-80gb"], "did you mean"),
+    (["--policy", "fast"], "guided"),
+    (["--min", "10", "--max", "5"], "--min"),
+    (["--steps", "1"], "at least 2"),
+])
+def test_probe_bad_input_exit_code_2(args, message, tmp_path):
+    if message is None:
+        return
+    result = runner.invoke(app, ["probe", "gpt-tinystories-22m", *args, "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
