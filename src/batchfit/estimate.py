@@ -143,6 +143,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     """Trace ``workload`` and find the largest batch that fits ``device``."""
     options = options or StepOptions()
     _validate(target_util, multiple_of, batch_sizes, max_batch)
+    multiple_of = workload.batch_multiple(multiple_of)
     say = progress or (lambda message: None)
     started = time.perf_counter()
     say(f"building {workload.name} on fake tensors")

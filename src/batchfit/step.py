@@ -21,7 +21,7 @@ from batchfit.errors import OptionError
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.workload import StepOptions, Workload
 
-PHASES: tuple[str, ...] = ("inputs", "forward", "backward", "optimizer")
+PHASES: tuple[str, ...] = ("inputs", "generate", "forward", "backward", "optimizer")
 
 
 class StepHooks(Protocol):
@@ -176,6 +176,10 @@ class TrainingStep:
         for _ in range(accumulation):
             hooks.phase("inputs")
             batch = self.workload.make_batch(batch_size, self.device)
+            if self.workload.generate is not None:
+                hooks.phase("generate")
+                with torch.no_grad(), forward_autocast():
+                    batch = self.workload.generate(self.model, batch)
             hooks.phase("forward")
             with forward_autocast():
                 loss = self.workload.loss_fn(self.model, batch)

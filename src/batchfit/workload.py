@@ -6,6 +6,7 @@ same four functions, only on different tensors (fake, virtual-capped or real).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -44,6 +45,15 @@ class Workload:
     """Tokens in one sample (sequence length), for tokens/s; None when not a sequence model."""
     description: str = ""
     """One line for reports: architecture, size, sequence length."""
+    generate: Callable[[nn.Module, Any], Any] | None = None
+    """(model, batch) -> batch: a generation phase before the update (RL rollouts with a KV
+    cache, as GRPO has); runs under torch.no_grad() and the step's autocast."""
+    group_size: int | None = None
+    """The batch must be a multiple of this (GRPO's completions per prompt)."""
+
+    def batch_multiple(self, multiple_of: int = 1) -> int:
+        """The granularity of batch sizes: ``multiple_of`` and the group size, both."""
+        return math.lcm(multiple_of, self.group_size or 1)
 
 
 @dataclass(kw_only=True)

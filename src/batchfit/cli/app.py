@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from batchfit.cli.bench import EXAMPLES as BENCH_EXAMPLES
+from batchfit.cli.bench import bench_command
 from batchfit.cli.estimate import EXAMPLES, estimate_command
 from batchfit.cli.gpus import gpus_command, zoo_command
 from batchfit.cli.probe import EXAMPLES as PROBE_EXAMPLES
@@ -18,6 +20,7 @@ app = typer.Typer(
 )
 app.command("estimate", epilog=EXAMPLES)(estimate_command)
 app.command("probe", epilog=PROBE_EXAMPLES)(probe_command)
+app.command("bench", epilog=BENCH_EXAMPLES)(bench_command)
 app.command("gpus")(gpus_command)
 app.command("zoo")(zoo_command)
 

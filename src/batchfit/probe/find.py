@@ -173,6 +173,7 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     """Probe ``workload`` on ``target`` and return the largest batch that ran."""
     options = options or StepOptions()
     _validate(policy, multiple_of, smallest, largest, steps, target_util, global_batch)
+    multiple_of = workload.batch_multiple(multiple_of)
     if isolate and spec is None:
         raise OptionError("--isolate rebuilds the workload in a fresh process from its MODEL spec: pass spec=")
     say = progress or (lambda message: None)

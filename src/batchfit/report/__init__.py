@@ -6,19 +6,20 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from batchfit.report.bench_markdown import bench_markdown
 from batchfit.report.markdown import estimate_markdown
-from batchfit.report.plots import memory_plot, probe_plot
+from batchfit.report.plots import memory_plot, probe_plot, throughput_plot
 from batchfit.report.probe_markdown import probe_markdown
 
 
 def write_report(out_dir: Path, json_name: str, data: dict, markdown: Callable[[], str],
-                 plot: Callable[[Path], None] | None) -> dict[str, Path]:
-    """Write ``json_name``, memory.png (when there is a plot) and report.md into ``out_dir``."""
+                 plot: Callable[[Path], None] | None, plot_name: str = "memory.png") -> dict[str, Path]:
+    """Write ``json_name``, the plot (when there is one) and report.md into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / json_name, "md": out_dir / "report.md"}
     paths["json"].write_text(json.dumps(data, indent=2) + "\n")
     if plot is not None:
-        paths["png"] = out_dir / "memory.png"
+        paths["png"] = out_dir / plot_name
         plot(paths["png"])
     paths["md"].write_text(markdown())
     return paths
@@ -32,3 +33,8 @@ def write_estimate_report(result, out_dir: Path) -> dict[str, Path]:
 def write_probe_report(result, out_dir: Path) -> dict[str, Path]:
     plot = (lambda path: probe_plot(result, path)) if result.target.device is not None else None
     return write_report(out_dir, "probe.json", result.to_json(), lambda: probe_markdown(result), plot)
+
+
+def write_bench_report(result, out_dir: Path) -> dict[str, Path]:
+    return write_report(out_dir, "bench.json", result.to_json(), lambda: bench_markdown(result),
+                        lambda path: throughput_plot(result, path), plot_name="throughput.png")

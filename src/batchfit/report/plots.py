@@ -76,3 +76,37 @@ def probe_plot(result, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def throughput_plot(result, path: Path) -> None:
+    """Tokens/s (or samples/s) and memory against batch size, side by side."""
+    rows = [r for r in result.rows if r.status == "ok"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=120)
+    xs = [r.batch_size for r in rows]
+    speed = [r.tokens_per_s or r.samples_per_s for r in rows]
+    if any(s is not None for s in speed):
+        unit = "tokens/s" if rows and rows[0].tokens_per_s else "samples/s"
+        left.plot(xs, speed, marker="o", color="tab:green")
+        left.set_ylabel(unit)
+    else:
+        left.text(0.5, 0.5, "not timed (virtual device)", ha="center", va="center", transform=left.transAxes)
+    left.set_xlabel("batch size")
+    left.set_title("throughput")
+    left.grid(alpha=0.3)
+    right.plot(xs, [r.peak_allocated_bytes / GiB if r.peak_allocated_bytes else None for r in rows], marker="o",
+               label="peak allocated")
+    if any(r.peak_reserved_bytes for r in rows):
+        right.plot(xs, [r.peak_reserved_bytes / GiB if r.peak_reserved_bytes else None for r in rows], marker="^",
+                   label="peak reserved")
+    if result.target.device:
+        right.axhline(result.target.device.usable_bytes / GiB, color="tab:red", lw=1, label="usable capacity")
+    right.set_xlabel("batch size")
+    right.set_ylabel("GiB")
+    right.set_title("memory")
+    right.set_ylim(bottom=0)
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.suptitle(f"{result.workload} on {result.target.spec}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

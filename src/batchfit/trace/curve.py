@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-FIT_PHASES: tuple[str, ...] = ("inputs", "forward", "backward", "optimizer")
+FIT_PHASES: tuple[str, ...] = ("inputs", "generate", "forward", "backward", "optimizer")
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ from torch.utils._pytree import tree_leaves
 
 CUDA_BLOCK_BYTES = 512
 CATEGORIES: tuple[str, ...] = (
-    "parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "other",
+    "parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "generation",
+    "other",
 )
-_PHASE_CATEGORY = {"inputs": "inputs", "forward": "activations", "backward": "temporaries",
+_PHASE_CATEGORY = {"inputs": "inputs", "generate": "generation", "forward": "activations", "backward": "temporaries",
                    "optimizer": "temporaries", "idle": "temporaries", "setup": "other"}
 
 
@@ -87,6 +88,8 @@ class MemoryTracker(TorchDispatchMode):
         self._host: set[int] = set()
         self._window: list[Allocation] = []
         self._module_names: dict[int, str] = {}
+        # ('malloc', seq, requested bytes) / ('free', seq, 0): for the caching allocator model
+        self.events: list[tuple[str, int, int]] = []
         self._module_stack: list[str] = []
         self._hooks: list = []
 
@@ -178,6 +181,7 @@ class MemoryTracker(TorchDispatchMode):
         )
         self._live[key] = record
         self._window.append(record)
+        self.events.append(("malloc", self._seq, storage.nbytes()))
         weakref.finalize(storage, self._free, key).atexit = False
         self.live_bytes += nbytes
         phase = self.current_phase
@@ -196,6 +200,7 @@ class MemoryTracker(TorchDispatchMode):
     def _free(self, key: int) -> None:
         record = self._live.pop(key, None)
         if record is not None:
+            self.events.append(("free", record.seq, 0))
             self._seq += 1
             record.freed_seq = self._seq
             self.live_bytes -= record.nbytes

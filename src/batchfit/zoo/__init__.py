@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchfit.workload import Workload
+from batchfit.zoo.grpo import grpo_workload
 from batchfit.zoo.recurrent import RecurrentConfig, RecurrentLM
 from batchfit.zoo.transformer import Transformer, TransformerConfig
 
@@ -70,4 +71,5 @@ ZOO: dict[str, Callable[..., Workload]] = {
         vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
         llama=True, tied_embeddings=True),
     "byte-elman-400m": _byte_elman,
+    "grpo-gpt2-124m": grpo_workload,
 }

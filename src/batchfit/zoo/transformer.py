@@ -39,7 +39,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: dict | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1
@@ -49,10 +50,14 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:  # generation: the KV cache grows by t positions, as HF's DynamicCache
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
         if self.n_kv_heads != self.n_heads:  # grouped-query attention, as HF's repeat_kv
             repeat = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] == k.shape[2])
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -63,9 +68,8 @@ def rope_tables(seq_len: int, head_dim: int, theta: float = 500000.0) -> tuple[t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (..., T, head_dim) by the tables already cut to its T positions."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    t = x.shape[-2]
-    cos, sin = cos[:t], sin[:t]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
@@ -90,8 +94,8 @@ class Block(nn.Module):
         norm = (lambda: nn.RMSNorm(cfg.d_model)) if cfg.llama else (lambda: nn.LayerNorm(cfg.d_model))
         self.norm1, self.attn, self.norm2, self.mlp = norm(), Attention(cfg), norm(), MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope)
+    def forward(self, x: torch.Tensor, rope=None, cache: dict | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, cache)
         return x + self.mlp(self.norm2(x))
 
 
@@ -115,13 +119,15 @@ class Transformer(nn.Module):
                 std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
                 nn.init.normal_(p, std=std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, caches: list[dict] | None = None, start: int = 0) -> torch.Tensor:
+        """Logits for ``idx``; with ``caches`` (one dict per block), positions start at ``start``."""
         x = self.embed(idx)
+        t = idx.shape[1]
         rope = None
         if self.pos is not None:
-            x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            x = x + self.pos(torch.arange(start, start + t, device=idx.device))
         else:
-            rope = (self.rope_cos, self.rope_sin)
-        for block in self.blocks:
-            x = block(x, rope)
+            rope = (self.rope_cos[start:start + t], self.rope_sin[start:start + t])
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, caches[i] if caches is not None else None)
         return self.head(self.norm(x))

@@ -1,0 +1,348 @@
+"""``batchfit bench``: throughput, allocated and reserved memory, phases, growth and leaks.
+
+Per batch size:
+- **time** (cuda, cpu): ``warmup`` burn-in steps, then ``steps`` timed steps, the device
+  synchronised around each; median and spread (min, max). On a virtual device nothing is
+  timed and the time columns stay empty.
+- **memory**: measured on cuda (``max_memory_allocated`` / ``max_memory_reserved``); traced
+  elsewhere, with reserved memory from replaying the traced allocations through the model
+  of the CUDA caching allocator (``trace/allocator.py``).
+- **FLOPs** per step: PyTorch's FlopCounterMode on the traced step; MFU against the device's
+  dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from batchfit.probe.oom import classify, describe
+from batchfit.probe.runner import Target, release
+from batchfit.step import TrainingStep
+from batchfit.trace.allocator import replay
+from batchfit.trace.curve import fit_line
+from batchfit.trace.session import TraceSession
+from batchfit.workload import StepOptions, Workload
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# The traced step runs attention on the CPU flash kernel (as CUDA's fused ones save the
+# same tensors); the flop counter knows the CUDA kernels only, so count it as they are.
+_FLOPS = {
+    _FLASH_CPU: lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
+    _FLASH_CPU_BACKWARD: lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v),
+}
+
+
+@dataclass
+class BenchRow:
+    batch_size: int
+    status: str
+    source: str
+    """'measured' (cuda: memory and time), 'traced' (virtual: memory only), 'cpu time' (time only)."""
+    step_time_s: float | None = None
+    step_time_min_s: float | None = None
+    step_time_max_s: float | None = None
+    samples_per_s: float | None = None
+    samples_per_min: float | None = None
+    tokens_per_s: float | None = None
+    flops_per_step: int | None = None
+    mfu: float | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    reserved_expandable_bytes: int | None = None
+    """Traced reserved peak with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."""
+    phase_peak_bytes: dict[str, int] = field(default_factory=dict)
+    phase_time_s: dict[str, float] = field(default_factory=dict)
+    top: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Leak:
+    steps: int
+    allocated_bytes: list[int]
+    bytes_per_step: float
+    leaking: bool
+    where: list[dict]
+    """For traced runs: what the surviving allocations are (op, phase, module, bytes)."""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class _Timer:
+    """Step hooks that time each phase (synchronising a GPU at each boundary)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.times, self._phase, self._start = cuda, {}, None, 0.0
+
+    def phase(self, name: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if self._phase is not None:
+            self.times[self._phase] = self.times.get(self._phase, 0.0) + now - self._start
+        self._phase, self._start = (None if name == "idle" else name), now
+
+    def before_zero_grad(self, model, optimizer) -> None:
+        pass
+
+
+def _traced(workload: Workload, options: StepOptions, batch_size: int, target: Target) -> dict:
+    """Trace one batch size in a fresh session: memory, phases, allocator replay, FLOPs."""
+    device = target.device
+    session = TraceSession(workload, options)
+    try:
+        point = session.trace(batch_size)  # two steps: the second is measured
+        events = [("malloc", -1, device.workspace_bytes // 2), ("malloc", -2, device.workspace_bytes // 2)]
+        events += session.tracker.events  # cuBLAS workspaces first, then everything the step did
+        reserved = replay(events).peak_reserved_bytes
+        expandable = replay(events, expandable_segments=True).peak_reserved_bytes
+        with session.fake_mode, FlopCounterMode(display=False, custom_mapping=_FLOPS) as counter:
+            session.step.run(batch_size)
+        flops = counter.get_total_flops()
+    finally:
+        session.close()
+    snap = point.snapshot
+    return {"allocated": snap.peak_bytes + device.workspace_bytes, "reserved": reserved, "expandable": expandable,
+            "phases": {k: v + device.workspace_bytes for k, v in snap.peak_by_phase.items() if k != "idle"},
+            "top": snap.top, "flops": flops}
+
+
+def _timed(workload: Workload, options: StepOptions, target: Target, batch_size: int, steps: int,
+           warmup: int) -> dict:
+    cuda = target.kind == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    step = TrainingStep(workload, options, target.torch_device)
+    for _ in range(warmup):
+        step.run(batch_size)
+    times, timer = [], _Timer(cuda)
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        step.run(batch_size, hooks=timer)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    out = {"times": times, "phase_time_s": {k: v / steps for k, v in timer.times.items()}}
+    if cuda:
+        out.update(allocated=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved())
+    return out
+
+
+def bench_row(workload: Workload, options: StepOptions, target: Target, batch_size: int, *,
+              steps: int = 10, warmup: int = 3) -> BenchRow:
+    """One batch size: traced memory and FLOPs always (when a GPU is known), timed on cuda/cpu."""
+    traced, timed, failure = None, None, None
+    try:
+        if target.device is not None:
+            traced = _traced(workload, options, batch_size, target)
+        if target.kind != "virtual":
+            timed = _timed(workload, options, target, batch_size, steps, warmup)
+    except Exception as error:  # noqa: BLE001 - reported in the row, classified
+        failure = (classify(error), describe(error))
+    release(target)
+    if failure:
+        return BenchRow(batch_size, failure[0], "—", error=failure[1])
+    if traced and traced["allocated"] > target.device.usable_bytes and target.kind == "virtual":
+        return BenchRow(batch_size, "oom", "traced", peak_allocated_bytes=traced["allocated"],
+                        error="the traced peak exceeds the device's usable memory")
+    row = BenchRow(batch_size, "ok", {"cuda": "measured", "virtual": "traced", "cpu": "cpu time"}[target.kind])
+    if traced:
+        row.peak_allocated_bytes, row.peak_reserved_bytes = traced["allocated"], traced["reserved"]
+        row.reserved_expandable_bytes = traced["expandable"]
+        row.phase_peak_bytes, row.top, row.flops_per_step = traced["phases"], traced["top"], traced["flops"]
+    if timed:
+        times = timed["times"]
+        row.step_time_s, row.step_time_min_s, row.step_time_max_s = statistics.median(times), min(times), max(times)
+        row.samples_per_s = batch_size / row.step_time_s
+        row.samples_per_min = 60 * row.samples_per_s
+        row.tokens_per_s = row.samples_per_s * workload.tokens_per_sample if workload.tokens_per_sample else None
+        row.phase_time_s = timed["phase_time_s"]
+        if target.kind == "cuda":
+            row.peak_allocated_bytes, row.peak_reserved_bytes = timed["allocated"], timed["reserved"]
+            if row.flops_per_step and target.device.bf16_tflops:
+                row.mfu = row.flops_per_step / row.step_time_s / (target.device.bf16_tflops * 1e12)
+    return row
+
+
+def leak_check(workload: Workload, options: StepOptions, target: Target, batch_size: int, steps: int) -> Leak:
+    """Run ``steps`` steps and fit allocated memory after each against the step number."""
+    where: list[dict] = []
+    if target.kind == "cuda":
+        step = TrainingStep(workload, options, target.torch_device)
+        allocated = []
+        for _ in range(steps):
+            step.run(batch_size)
+            torch.cuda.synchronize()
+            allocated.append(torch.cuda.memory_allocated())
+        del step
+    else:  # traced: the tracker sees every storage that survives a step, and who made it
+        session = TraceSession(workload, options)
+        allocated = []
+        try:
+            with session._tracing("checking for leaks"):
+                for i in range(steps):
+                    if i == 2:
+                        survivors_from = session.tracker._seq
+                    session.step.run(batch_size, hooks=session.tracker)
+                    allocated.append(session.tracker.live_bytes)
+            grown: dict[tuple, int] = {}
+            for record in session.tracker._live.values():
+                if steps > 2 and record.seq > survivors_from:
+                    key = (record.op, record.phase, record.module)
+                    grown[key] = grown.get(key, 0) + record.nbytes
+            where = [{"op": op, "phase": phase, "module": module, "bytes": n}
+                     for (op, phase, module), n in sorted(grown.items(), key=lambda kv: -kv[1])[:5]]
+        finally:
+            session.close()
+    release(target)
+    settled = list(enumerate(allocated))[2:]  # the first steps create optimizer state and caches
+    slope = fit_line("leak", settled).bytes_per_sample if len(settled) >= 2 else 0.0
+    growth = allocated[-1] - allocated[min(2, len(allocated) - 1)]
+    leaking = slope >= 256 and growth >= 256 * max(len(settled) - 1, 1)
+    return Leak(steps, allocated, slope, leaking, where if leaking else [])
+
+
+TIERS = (("maximum", 1.0), ("aggressive", 0.95), ("default", 0.85), ("conservative", 0.70))
+
+
+@dataclass
+class Tier:
+    name: str
+    util: float
+    batch_size: int
+    headroom_bytes: int
+    tokens_per_s: float | None
+    samples_per_s: float | None
+
+
+def tiers(rows: list[BenchRow], capacity: int) -> list[Tier]:
+    """Per tier, the largest benched batch whose reserved (else allocated) peak fits under it."""
+    out = []
+    for name, util in TIERS:
+        fitting = [r for r in rows if r.status == "ok" and (r.peak_reserved_bytes or r.peak_allocated_bytes or math.inf)
+                   <= util * capacity]
+        if fitting:
+            best = max(fitting, key=lambda r: r.batch_size)
+            used = best.peak_reserved_bytes or best.peak_allocated_bytes
+            out.append(Tier(name, util, best.batch_size, capacity - used, best.tokens_per_s, best.samples_per_s))
+    return out
+
+
+def breakpoints(rows: list[BenchRow], threshold: float = 0.25) -> list[dict]:
+    """Where memory per sample changes by more than ``threshold``, and what dominates each side."""
+    ok = [r for r in rows if r.status == "ok" and r.peak_allocated_bytes]
+    slopes = [((b.peak_allocated_bytes - a.peak_allocated_bytes) / (b.batch_size - a.batch_size), a, b)
+              for a, b in zip(ok, ok[1:])]
+    out = []
+    for (before, a, b), (after, _, c) in zip(slopes, slopes[1:]):
+        base = max(abs(before), 1.0)
+        if abs(after - before) / base > threshold:
+            out.append({
+                "between": [a.batch_size, c.batch_size], "at": b.batch_size,
+                "bytes_per_sample_before": round(before), "bytes_per_sample_after": round(after),
+                "phase_before": max(a.phase_peak_bytes, key=a.phase_peak_bytes.get) if a.phase_peak_bytes else None,
+                "phase_after": max(c.phase_peak_bytes, key=c.phase_peak_bytes.get) if c.phase_peak_bytes else None,
+                "largest_after": c.top[:3],
+            })
+    return out
+
+
+@dataclass
+class BenchResult:
+    workload: str
+    description: str
+    tokens_per_sample: int | None
+    target: Target
+    options: StepOptions
+    rows: list[BenchRow]
+    tiers: list[Tier]
+    breakpoints: list[dict]
+    hints: list[str]
+    leak: Leak | None
+    steps: int
+    warmup: int
+    seconds: float
+    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    torch_version: str = torch.__version__
+
+    def to_json(self) -> dict:
+        return {
+            "workload": self.workload, "description": self.description, "tokens_per_sample": self.tokens_per_sample,
+            "device": {"spec": self.target.spec, **(self.target.device.to_json() if self.target.device else {})},
+            "options": self.options.to_json(), "steps": self.steps, "warmup": self.warmup,
+            "rows": [r.to_json() for r in self.rows], "tiers": [asdict(t) for t in self.tiers],
+            "breakpoints": self.breakpoints, "hints": self.hints,
+            "leak": self.leak.to_json() if self.leak else None,
+            "seconds": round(self.seconds, 1), "created": self.created, "torch_version": self.torch_version,
+        }
+
+
+def _hints(rows: list[BenchRow], leak: Leak | None, points: list[dict]) -> list[str]:
+    hints = []
+    wasteful = [r for r in rows if r.peak_reserved_bytes and r.peak_allocated_bytes and r.reserved_expandable_bytes]
+    worst = max(wasteful, key=lambda r: r.peak_reserved_bytes - r.peak_allocated_bytes, default=None)
+    if worst is not None:
+        waste = worst.peak_reserved_bytes - worst.peak_allocated_bytes
+        if waste >= max(0.1 * worst.peak_reserved_bytes, 256 * 2**20) and worst.reserved_expandable_bytes < worst.peak_reserved_bytes:
+            hints.append(
+                f"batch {worst.batch_size}: {waste / 2**30:.2f} GiB reserved but not allocated (fragmentation); "
+                f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is traced to reserve "
+                f"{worst.reserved_expandable_bytes / 2**30:.2f} GiB instead of {worst.peak_reserved_bytes / 2**30:.2f} GiB")
+    if leak and leak.leaking:
+        top = leak.where[0] if leak.where else None
+        place = f": {top['op']} in the {top['phase']} phase" + (f" ({top['module']})" if top["module"] else "") if top else ""
+        hints.append(f"memory grows by {leak.bytes_per_step:,.0f} bytes per step{place}; keep .item() of losses, "
+                     "not the tensors, and do not keep tensors that hold the graph across steps")
+    for point in points:
+        hints.append(f"memory per sample changes at batch ~{point['at']}: {point['bytes_per_sample_before'] / 2**20:.1f} -> "
+                     f"{point['bytes_per_sample_after'] / 2**20:.1f} MiB/sample; the peak moves from the "
+                     f"{point['phase_before']} phase to the {point['phase_after']} phase")
+    return hints
+
+
+def bench(workload: Workload, *, target: Target, options: StepOptions | None = None, batch_sizes: list[int],
+          steps: int = 10, warmup: int = 3, leak_check_steps: int | None = None,
+          progress: Callable[[str], None] | None = None) -> BenchResult:
+    options = options or StepOptions()
+    say = progress or (lambda message: None)
+    group = workload.batch_multiple()
+    bad = [b for b in batch_sizes if b < 1 or b % group]
+    if bad:
+        from batchfit.errors import OptionError
+
+        raise OptionError(f"batch sizes must be positive multiples of the group size {group}; got {bad}")
+    started = time.perf_counter()
+    rows = []
+    for b in sorted(set(batch_sizes)):
+        say(f"batch size {b}" + (" (traced)" if target.kind == "virtual" else f" ({warmup} + {steps} steps)"))
+        rows.append(bench_row(workload, options, target, b, steps=steps, warmup=warmup))
+        if rows[-1].status == "error":
+            break  # not out of memory: larger batches will not tell more
+    leak = None
+    if leak_check_steps:
+        small = min((r.batch_size for r in rows if r.status == "ok"), default=min(batch_sizes))
+        say(f"leak check: {leak_check_steps} steps at batch size {small}")
+        leak = leak_check(workload, options, target, small, leak_check_steps)
+    points = breakpoints(rows)
+    capacity = target.device.usable_bytes if target.device else None
+    return BenchResult(
+        workload=workload.name, description=workload.description, tokens_per_sample=workload.tokens_per_sample,
+        target=target, options=options, rows=rows, tiers=tiers(rows, capacity) if capacity else [],
+        breakpoints=points, hints=_hints(rows, leak, points), leak=leak, steps=steps, warmup=warmup,
+        seconds=time.perf_counter() - started,
+    )

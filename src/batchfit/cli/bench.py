@@ -1,0 +1,88 @@
+"""``batchfit bench``: throughput, reserved memory, phases, non-linear growth and leaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from batchfit.bench import bench
+from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, FreezeOpt, JsonOpt, ModelArg, OptimizerOpt,
+                                 OutOpt, PrecisionOpt, SeqLenOpt, TrainOnlyOpt, handle_errors, parse_batch_sizes,
+                                 progress_line, quiet_if_stdout, report_folder, step_options, write_json)
+from batchfit.devices import GiB
+from batchfit.probe.runner import DEVICE_HELP, parse_target
+from batchfit.report import write_bench_report
+from batchfit.specs import load_workload
+
+EXAMPLES = """
+Examples:
+
+  batchfit bench gpt2-124m --device cuda --batch-sizes 8,16,32,48,64
+
+  batchfit bench my_grpo.py:workload --device cuda --leak-check --steps 200
+
+  batchfit bench gpt-tinystories-22m --device virtual:rtx4090-24gb     # predicted, no GPU
+"""
+
+
+@handle_errors
+def bench_command(
+    model: ModelArg,
+    device: Annotated[str, typer.Option(help=f"Where to run: {DEVICE_HELP}.")] = "virtual:h100-80gb",
+    batch_sizes: Annotated[str, typer.Option(help="Batch sizes to bench, e.g. 8,16,32,64.")] = "8,16,32,64",
+    seq_len: SeqLenOpt = None,
+    precision: PrecisionOpt = "fp32",
+    optimizer: OptimizerOpt = None,
+    checkpointing: CheckpointingOpt = "none",
+    freeze: FreezeOpt = None,
+    train_only: TrainOnlyOpt = None,
+    accumulation_steps: AccumulationOpt = 1,
+    steps: Annotated[int, typer.Option(help="Timed steps per batch size (with --leak-check: steps to watch).")] = 10,
+    warmup: Annotated[int, typer.Option(help="Burn-in steps before timing.")] = 3,
+    leak_check: Annotated[bool, typer.Option(help="Watch allocated memory over --steps steps and say if it grows.")] = False,
+    json_path: JsonOpt = None,
+    out: OutOpt = None,
+) -> None:
+    """Measure throughput (tokens/s, samples/s, MFU), allocated and reserved memory per batch size.
+
+    On cuda everything is measured. On a virtual device memory is traced and reserved memory
+    predicted with a model of the CUDA caching allocator; nothing is timed. Phases (a
+    generation phase before the update, as in GRPO) are reported separately.
+    """
+    from batchfit.errors import OptionError
+
+    if steps < 1 or warmup < 0:
+        raise OptionError("--steps must be 1 or more and --warmup 0 or more, e.g. --steps 10 --warmup 3")
+    target = parse_target(device)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
+    sizes = parse_batch_sizes(batch_sizes)
+    workload = load_workload(model, seq_len=seq_len)
+    with progress_line() as say:
+        result = bench(workload, target=target, options=options, batch_sizes=sizes, steps=steps, warmup=warmup,
+                       leak_check_steps=steps if leak_check else None, progress=say)
+    paths = write_bench_report(result, report_folder(out, "bench", result.workload, target.spec))
+    write_json(json_path, result.to_json())
+    _print_summary(result, quiet_if_stdout(json_path), paths["md"])
+
+
+def _print_summary(result, console, report_path: Path) -> None:
+    table = Table(title=f"{result.workload} on {result.target.spec}", title_justify="left")
+    for column in ("batch", "status", "step s", "tokens/s", "MFU", "alloc GiB", "reserved GiB", "source"):
+        table.add_column(column, justify="left" if column in ("status", "source") else "right")
+    for r in result.rows:
+        table.add_row(str(r.batch_size), r.status, f"{r.step_time_s:.3f}" if r.step_time_s else "—",
+                      f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "—", f"{r.mfu:.1%}" if r.mfu is not None else "—",
+                      f"{r.peak_allocated_bytes / GiB:.2f}" if r.peak_allocated_bytes else "—",
+                      f"{r.peak_reserved_bytes / GiB:.2f}" if r.peak_reserved_bytes else "—", r.source)
+    console.print(table)
+    for t in result.tiers:
+        console.print(f"  {t.name:12s} batch {t.batch_size:6d}  headroom {t.headroom_bytes / GiB:.2f} GiB")
+    if result.leak:
+        verdict = "[bold red]leaking[/]" if result.leak.leaking else "[green]no leak[/]"
+        console.print(f"leak check: {verdict} ({result.leak.bytes_per_step:,.0f} bytes/step)")
+    for hint in result.hints:
+        console.print(f"[yellow]hint:[/] {hint}")
+    console.print(f"report: {report_path}")
