@@ -129,14 +129,19 @@ def guided(probe: Probe, predict: Callable[[list[Trial]], int], *, lo: int = 1, 
     return book.result()
 
 
-def binsearch(probe: Probe, *, lo: int = 1, hi: int = 1 << 16, multiple_of: int = 1,
-              known: list[Trial] = ()) -> SearchResult:
-    """Lightning's ``binsearch``: double from ``lo`` until out of memory, then bisect."""
-    book = _Book(probe, lo, hi, multiple_of, known)
+def _double_until_oom(book: _Book) -> None:
+    """Lightning's first stage: lo, 2 lo, 4 lo, ... until one does not fit (or the cap)."""
     size = book.lo
     while book.fail is None and book.fit < book.hi:
         book.run(size)
         size = size * 2
+
+
+def binsearch(probe: Probe, *, lo: int = 1, hi: int = 1 << 16, multiple_of: int = 1,
+              known: list[Trial] = ()) -> SearchResult:
+    """Lightning's ``binsearch``: double from ``lo`` until out of memory, then bisect."""
+    book = _Book(probe, lo, hi, multiple_of, known)
+    _double_until_oom(book)
     book.bisect()
     return book.result()
 
@@ -145,10 +150,7 @@ def power(probe: Probe, *, lo: int = 1, hi: int = 1 << 16, multiple_of: int = 1,
           known: list[Trial] = ()) -> SearchResult:
     """Lightning's ``power``: double from ``lo`` until out of memory; keep the last that fit."""
     book = _Book(probe, lo, hi, multiple_of, known)
-    size = book.lo
-    while book.fail is None and book.fit < book.hi:
-        book.run(size)
-        size = size * 2
+    _double_until_oom(book)
     return book.result()
 
 

@@ -12,6 +12,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 from batchfit.devices import GiB  # noqa: E402
 
 
+def _finish(fig, ax, path: Path, title: str, ylabel: str) -> None:
+    """Memory against batch size, both axes from zero; save and close."""
+    ax.set_title(title)
+    ax.set_xlabel("batch size (samples per step)")
+    ax.set_ylabel(ylabel)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def memory_plot(result, path: Path) -> None:
     """Peak memory vs batch size: traced points, the fitted curve, capacity and target lines."""
     points = result.points
@@ -30,15 +44,8 @@ def memory_plot(result, path: Path) -> None:
         best = result.point(result.max_batch_size)
         ax.annotate(f"max batch {result.max_batch_size}", (best.batch_size, best.peak_bytes / GiB),
                     textcoords="offset points", xytext=(-90, 12), arrowprops={"arrowstyle": "->"})
-    ax.set_xlabel("batch size (samples per step)")
-    ax.set_ylabel("peak memory allocated (GiB)")
-    ax.set_title(f"{result.workload} on {result.device.display_name} (traced)")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _finish(fig, ax, path, f"{result.workload} on {result.device.display_name} (traced)",
+            "peak memory allocated (GiB)")
 
 
 def probe_plot(result, path: Path) -> None:
@@ -66,16 +73,7 @@ def probe_plot(result, path: Path) -> None:
         y = t.peak_allocated_bytes / GiB if t.peak_allocated_bytes else capacity
         ax.annotate(str(i), (t.batch_size, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     source = "virtual, traced" if result.target.kind == "virtual" else "measured"
-    ax.set_title(f"{result.workload}: probes ({result.policy}, {source})")
-    ax.set_xlabel("batch size (samples per step)")
-    ax.set_ylabel("GiB")
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _finish(fig, ax, path, f"{result.workload}: probes ({result.policy}, {source})", "GiB")
 
 
 def throughput_plot(result, path: Path) -> None:
