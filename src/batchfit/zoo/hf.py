@@ -88,7 +88,10 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
     auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
 
     def build_model() -> nn.Module:
-        return auto.from_config(config, attn_implementation="sdpa")
+        model = auto.from_config(config, attn_implementation="sdpa")
+        if not masked:  # GPT-2's class name does not tell transformers which loss it uses
+            model.loss_type = "ForCausalLM"
+        return model
 
     def make_batch(batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:
         ids = torch.randint(0, config.vocab_size, (batch_size, seq), device=device)
