@@ -192,19 +192,14 @@ def leak_check(workload: Workload, options: StepOptions, target: Target, batch_s
         del step
     else:  # traced: the tracker sees every storage that survives a step, and who made it
         session = TraceSession(workload, options)
-        allocated = []
         try:
-            with session._tracing("checking for leaks"):
-                for i in range(steps):
-                    if i == 2:
-                        survivors_from = session.tracker._seq
-                    session.step.run(batch_size, hooks=session.tracker)
-                    allocated.append(session.tracker.live_bytes)
+            allocated = session.run_steps(batch_size, min(steps, 2))  # optimizer state, caches
+            clock = session.tracker.clock
+            allocated += session.run_steps(batch_size, steps - len(allocated))
             grown: dict[tuple, int] = {}
-            for record in session.tracker._live.values():
-                if steps > 2 and record.seq > survivors_from:
-                    key = (record.op, record.phase, record.module)
-                    grown[key] = grown.get(key, 0) + record.nbytes
+            for record in session.tracker.alive_since(clock):
+                key = (record.op, record.phase, record.module)
+                grown[key] = grown.get(key, 0) + record.nbytes
             where = [{"op": op, "phase": phase, "module": module, "bytes": n}
                      for (op, phase, module), n in sorted(grown.items(), key=lambda kv: -kv[1])[:5]]
         finally:

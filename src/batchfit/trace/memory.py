@@ -205,6 +205,15 @@ class MemoryTracker(TorchDispatchMode):
             record.freed_seq = self._seq
             self.live_bytes -= record.nbytes
 
+    @property
+    def clock(self) -> int:
+        """A counter that every allocation and free moves on."""
+        return self._seq
+
+    def alive_since(self, clock: int) -> list[Allocation]:
+        """Allocations made after ``clock`` that are still alive."""
+        return [record for record in self._live.values() if record.seq > clock]
+
     # --- the answer ----------------------------------------------------------------------
     def snapshot(self, top_n: int = 10) -> Snapshot:
         """The peak since start_window(), with its breakdown and largest tensors."""

@@ -49,7 +49,7 @@ class TraceSession:
         self.tracker = MemoryTracker(capacity_bytes=capacity_bytes,
                                      round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
         self._warm = False
-        with self._tracing("building the model"):
+        with self.tracing("building the model"):
             self.step = TrainingStep(workload, options, torch.device("cpu"),
                                      cuda_semantics=cuda_semantics)
         self.tracker.host_optimizer_scalars = not any(
@@ -62,7 +62,8 @@ class TraceSession:
         self.param_bytes = sum(p.numel() * p.element_size() for p in params)
 
     @contextlib.contextmanager
-    def _tracing(self, what: str) -> Iterator[None]:
+    def tracing(self, what: str) -> Iterator[None]:
+        """Fake tensors, the tracker and CUDA's attention; errors name ``what`` was being done."""
         try:
             attention = CudaAttention() if self.cuda_semantics else contextlib.nullcontext()
             with self.fake_mode, self.tracker, attention:
@@ -85,13 +86,22 @@ class TraceSession:
 
     def trace(self, batch_size: int) -> TracePoint:
         """The peak memory of one optimizer step at ``batch_size``, as a CUDA device would hold it."""
-        with self._tracing(f"running a step at batch size {batch_size}"):
+        with self.tracing(f"running a step at batch size {batch_size}"):
             if not self._warm:
                 self.step.run(batch_size, hooks=self.tracker)  # creates the optimizer state
                 self._warm = True
             self.tracker.start_window()
             self.step.run(batch_size, hooks=self.tracker)
             return TracePoint(batch_size, self.tracker.snapshot())
+
+    def run_steps(self, batch_size: int, steps: int) -> list[int]:
+        """Run ``steps`` more steps; the bytes alive after each (for the leak check)."""
+        live = []
+        with self.tracing(f"running {steps} steps at batch size {batch_size}"):
+            for _ in range(steps):
+                self.step.run(batch_size, hooks=self.tracker)
+                live.append(self.tracker.live_bytes)
+        return live
 
     def close(self) -> None:
         self.tracker.close()
