@@ -223,7 +223,7 @@ def _recommend(result: SearchResult, probe: Callable[[int], Trial], trials: list
     best = result.max_batch_size
     if not best:
         return []
-    best_trial = next(t for t in trials if t.batch_size == best) if any(t.batch_size == best for t in trials) else None
+    best_trial = next((t for t in trials if t.batch_size == best), None)
     peak = best_trial.peak_allocated_bytes if best_trial else None
     out = [Recommendation("maximum", best, peak, "the largest batch that ran")]
     if capacity and peak:
@@ -249,11 +249,16 @@ def _recommend(result: SearchResult, probe: Callable[[int], Trial], trials: list
                 b_peak = next(t.peak_allocated_bytes for t in trials if t.batch_size == b)
                 out.append(Recommendation(name, b, b_peak, f"the largest probed batch under {util:.0%} of usable memory"))
     if global_batch:
-        micro_cap = max(r.batch_size for r in out if r.name in ("production", "maximum") and
-                        (r.name == "production" or len(out) == 1))
-        micro = max(d for d in range(1, min(micro_cap, global_batch) + 1) if global_batch % d == 0)
-        out.append(Recommendation("global batch", micro, None,
-                                  f"{global_batch} samples per optimizer step as {global_batch // micro} micro-batches "
-                                  f"of {micro} (no larger than {micro_cap}, which ran)",
-                                  accumulation_steps=global_batch // micro))
+        micro_cap = next((r.batch_size for r in out if r.name == "production"), best)
+        m = bounds["multiple_of"]
+        micros = [d for d in range(m, min(micro_cap, global_batch) + 1, m) if global_batch % d == 0]
+        if micros:
+            micro = micros[-1]
+            out.append(Recommendation("global batch", micro, None,
+                                      f"{global_batch} samples per optimizer step as {global_batch // micro} "
+                                      f"micro-batches of {micro} (no larger than {micro_cap}, which ran)",
+                                      accumulation_steps=global_batch // micro))
+        else:
+            out.append(Recommendation("global batch", 0, None, f"no multiple of {m} up to {micro_cap} divides "
+                                      f"{global_batch}: choose a global batch that is a multiple of {m}"))
     return out
