@@ -69,7 +69,8 @@ def bench_command(
 
 
 def _print_summary(result, console, report_path: Path) -> None:
-    table = Table(title=f"{result.workload} on {result.target.spec}", title_justify="left")
+    console.print(f"[bold]{result.workload} on {result.target.spec}[/]")
+    table = Table()
     for column in ("batch", "status", "step s", "tokens/s", "MFU", "alloc GiB", "reserved GiB", "source"):
         table.add_column(column, justify="left" if column in ("status", "source") else "right")
     for r in result.rows:

@@ -66,7 +66,8 @@ def estimate_command(
 
 
 def _print_summary(result, console, report_path: Path) -> None:
-    table = Table(title=f"{result.workload} on {result.device.display_name} (traced)", title_justify="left")
+    console.print(f"[bold]{result.workload} on {result.device.display_name} (traced)[/]")
+    table = Table()
     for column in ("batch", "peak GiB", "fits", "peak in"):
         table.add_column(column, justify="right" if column != "peak in" else "left")
     for p in result.points:

@@ -81,7 +81,8 @@ def probe_command(
 
 
 def _print_summary(result, console, report_path: Path) -> None:
-    table = Table(title=f"{result.workload}: probes on {result.target.spec} ({result.policy})", title_justify="left")
+    console.print(f"[bold]{result.workload}: probes on {result.target.spec} ({result.policy})[/]")
+    table = Table()
     for column in ("#", "batch", "status", "peak alloc GiB", "error"):
         table.add_column(column, justify="right" if column in ("#", "batch", "peak alloc GiB") else "left")
     for i, t in enumerate(result.trials, 1):
