@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from batchfit.report.markdown import gib
+from batchfit.step import PHASES
 
 
 def _num(x: float | None, fmt: str = ",.0f") -> str:
@@ -38,7 +39,8 @@ def bench_markdown(result, plot_name: str = "throughput.png") -> str:
             f"{_num(row.mfu * 100 if row.mfu is not None else None, '.1f')}{'%' if row.mfu is not None else ''} | "
             f"{gib(row.peak_allocated_bytes)} | {gib(row.peak_reserved_bytes)} | {gib(row.reserved_expandable_bytes)} | "
             f"{row.source}{': ' + row.error if row.error else ''} |")
-    phases = sorted({p for row in r.rows for p in (*row.phase_peak_bytes, *row.phase_time_s)})
+    seen = {p for row in r.rows for p in (*row.phase_peak_bytes, *row.phase_time_s)}
+    phases = [p for p in PHASES if p in seen]  # in the order the step runs them
     if phases:
         lines += ["", "## By phase", "", "Peak memory (GiB) in each phase of the step" +
                   (", and mean time (s) per step" if any(row.phase_time_s for row in r.rows) else "") + ":", "",
