@@ -205,3 +205,9 @@ def test_global_batch_accumulation_respects_the_granularity():
     assert (recs["global batch"].batch_size, recs["global batch"].accumulation_steps) == (64, 8)  # 64 | 512, <= 96
     recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 100, {"lo": 8, "hi": 4096, "multiple_of": 8})}
     assert recs["global batch"].batch_size == 0 and "multiple of 8" in recs["global batch"].why
+
+
+def test_guided_on_cpu_grows_from_the_smallest_size():
+    result = find_max_batch(tiny(8), target=parse_target("cpu"), largest=4)
+    assert [t.batch_size for t in result.trials] == [1, 2, 4]  # never starts at the cap on a CPU
+    assert result.max_batch_size == 4 and result.search.capped

@@ -202,8 +202,10 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     bounds = {"lo": smallest, "hi": largest, "multiple_of": multiple_of}
     result, stopped = None, None
     try:
-        if policy == "guided":
-            result = search.guided(probe, predictor or (lambda trials: largest), **bounds)
+        if policy == "guided" and predictor is not None:
+            result = search.guided(probe, predictor, **bounds)
+        elif policy == "guided":  # nothing to predict for (cpu): grow gently, as binsearch does
+            result = search.binsearch(probe, **bounds)
         else:
             result = getattr(search, policy)(probe, **bounds)
         recommendations = _recommend(result, probe, trials, capacity, target_util, global_batch, bounds)

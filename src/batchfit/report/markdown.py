@@ -65,17 +65,17 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
         "",
         "## Peak memory by batch size (GiB)",
         "",
-        "| batch | peak | fits | phase | parameters | gradients | optimizer | activations | temporaries | inputs | workspace |",
-        "|---:|---:|:-:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    # The categories that hold anything, in a fixed order (generation only for RL workloads).
+    kinds = [k for k in ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs",
+                         "generation", "other", "workspace")
+             if k in ("parameters", "activations") or any(p.breakdown.get(k) for p in r.points)]
+    lines += ["| batch | peak | fits | phase | " + " | ".join(k.replace("_", " ") for k in kinds) + " |",
+              "|---:|---:|:-:|---|" + "---:|" * len(kinds)]
     for p in r.points:
-        b = p.breakdown
         fits = "yes" if p.peak_bytes <= r.capacity_bytes else "no"
-        lines.append(
-            f"| {p.batch_size} | {gib(p.peak_bytes)} | {fits} | {p.phase} | {gib(b['parameters'])} | "
-            f"{gib(b['gradients'])} | {gib(b['optimizer_state'])} | {gib(b['activations'])} | "
-            f"{gib(b['temporaries'])} | {gib(b['inputs'])} | {gib(b['workspace'])} |"
-        )
+        lines.append(f"| {p.batch_size} | {gib(p.peak_bytes)} | {fits} | {p.phase} | "
+                     + " | ".join(gib(p.breakdown.get(k, 0)) for k in kinds) + " |")
     fit = r.curve.to_json(max(best, r.points[-1].batch_size))
     lines += ["", "## Memory curve", "",
               f"Fitted: peak = {format_bytes(fit['fixed_bytes'])} + {format_bytes(fit['bytes_per_sample'])} "
