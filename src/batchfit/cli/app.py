@@ -18,6 +18,25 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from batchfit import __version__
+
+        print(f"batchfit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Which batch size should I train with? Traced, measured and reported.
+
+    estimate: predict without a GPU. probe: find the largest batch that runs. bench: time it.
+    """
+
+
 app.command("estimate", epilog=EXAMPLES)(estimate_command)
 app.command("probe", epilog=PROBE_EXAMPLES)(probe_command)
 app.command("bench", epilog=BENCH_EXAMPLES)(bench_command)
