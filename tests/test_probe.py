@@ -135,6 +135,7 @@ def _rank_main(rank: int, port: int, capacities: list[str], out_dir: str) -> Non
     result = find_max_batch(tiny(), target=parse_target(f"virtual:{capacities[rank]}"), largest=4096)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"max": result.max_batch_size, "probes": [t.batch_size for t in result.trials]}, f)
+    torch.distributed.barrier()  # neither rank tears the group down while the other still uses it
     torch.distributed.destroy_process_group()
 
 
