@@ -66,7 +66,7 @@ def main() -> None:
             predict_s = time.perf_counter() - started
             runs = {policy: run_policy(policy, workload, target, options, predictor) for policy in search.POLICIES}
             truth = runs["binsearch"]["max_batch_size"]  # exact by construction (bisection)
-            for policy, run in runs.items():
+            for run in runs.values():
                 run["found_true_max"] = run["max_batch_size"] == truth
             rows.append({"model": model, "gpu": gpu, "true_max": truth, "guided_predict_s": round(predict_s, 1),
                          "policies": runs})

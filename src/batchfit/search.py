@@ -12,9 +12,8 @@ are, Lightning's ``power`` and Accelerate's ``halving`` usually are not, and say
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -187,7 +186,3 @@ def linear(probe: Probe, *, lo: int = 1, hi: int = 1 << 16, multiple_of: int = 1
 
 POLICIES = ("guided", "power", "binsearch", "halving", "linear")
 
-
-def log2_probes(hi: int) -> int:
-    """An upper bound on bisection probes below ``hi``, for tests and reports."""
-    return math.ceil(math.log2(max(hi, 2))) + 2

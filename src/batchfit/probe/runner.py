@@ -54,7 +54,7 @@ def parse_target(text: str) -> Target:
     kind, _, rest = text.strip().partition(":")
     if kind == "virtual":
         if not rest:
-            raise OptionError(f"--device virtual needs a GPU: e.g. virtual:h100-80gb or virtual:24GiB")
+            raise OptionError("--device virtual needs a GPU: e.g. virtual:h100-80gb or virtual:24GiB")
         device = custom_device(parse_size(rest)) if rest[0].isdigit() else get_device(rest)
         return Target("virtual", device, text)
     if kind == "cuda":

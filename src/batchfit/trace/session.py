@@ -59,7 +59,6 @@ class TraceSession:
         params = list(self.step.model.parameters())
         self.params = sum(p.numel() for p in params)
         self.trainable_params = sum(p.numel() for p in params if p.requires_grad)
-        self.param_bytes = sum(p.numel() * p.element_size() for p in params)
 
     @contextlib.contextmanager
     def tracing(self, what: str) -> Iterator[None]:
