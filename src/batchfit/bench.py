@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from batchfit.estimate import allocated_point
 from batchfit.probe.oom import classify, describe
 from batchfit.probe.runner import Target, release
 from batchfit.step import TrainingStep
@@ -102,9 +103,8 @@ class _Timer:
 def _traced(workload: Workload, options: StepOptions, batch_size: int, target: Target) -> dict:
     """Trace one batch size in a fresh session: memory, phases, allocator replay, FLOPs."""
     device = target.device
-    session = TraceSession(workload, options)
-    try:
-        point = session.trace(batch_size)  # two steps: the second is measured
+    with TraceSession(workload, options) as session:
+        point = allocated_point(session.trace(batch_size), device.workspace_bytes)  # the second step
         events = [("malloc", -1, device.workspace_bytes // 2), ("malloc", -2, device.workspace_bytes // 2)]
         events += session.tracker.events  # cuBLAS workspaces first, then everything the step did
         reserved = replay(events).peak_reserved_bytes
@@ -112,12 +112,9 @@ def _traced(workload: Workload, options: StepOptions, batch_size: int, target: T
         with session.fake_mode, FlopCounterMode(display=False, custom_mapping=_FLOPS) as counter:
             session.step.run(batch_size)
         flops = counter.get_total_flops()
-    finally:
-        session.close()
-    snap = point.snapshot
-    return {"allocated": snap.peak_bytes + device.workspace_bytes, "reserved": reserved, "expandable": expandable,
-            "phases": {k: v + device.workspace_bytes for k, v in snap.peak_by_phase.items() if k != "idle"},
-            "top": snap.top, "flops": flops}
+    return {"allocated": point.peak_bytes, "reserved": reserved, "expandable": expandable,
+            "phases": {k: v for k, v in point.peak_by_phase.items() if k != "idle"},
+            "top": point.top, "flops": flops}
 
 
 def _timed(workload: Workload, options: StepOptions, target: Target, batch_size: int, steps: int,
@@ -191,8 +188,7 @@ def leak_check(workload: Workload, options: StepOptions, target: Target, batch_s
             allocated.append(torch.cuda.memory_allocated())
         del step
     else:  # traced: the tracker sees every storage that survives a step, and who made it
-        session = TraceSession(workload, options)
-        try:
+        with TraceSession(workload, options) as session:
             allocated = session.run_steps(batch_size, min(steps, 2))  # optimizer state, caches
             clock = session.tracker.clock
             allocated += session.run_steps(batch_size, steps - len(allocated))
@@ -202,8 +198,6 @@ def leak_check(workload: Workload, options: StepOptions, target: Target, batch_s
                 grown[key] = grown.get(key, 0) + record.nbytes
             where = [{"op": op, "phase": phase, "module": module, "bytes": n}
                      for (op, phase, module), n in sorted(grown.items(), key=lambda kv: -kv[1])[:5]]
-        finally:
-            session.close()
     release(target)
     settled = list(enumerate(allocated))[2:]  # the first steps create optimizer state and caches
     slope = fit_line("leak", settled).bytes_per_sample if len(settled) >= 2 else 0.0

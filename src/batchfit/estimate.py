@@ -153,13 +153,13 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     def trace(batch_size: int) -> EstimatePoint:
         if batch_size not in points:
             say(f"tracing batch size {batch_size}")
-            points[batch_size] = _point(session.trace(batch_size), device.workspace_bytes)
+            points[batch_size] = allocated_point(session.trace(batch_size), device.workspace_bytes)
         return points[batch_size]
 
     def curve() -> MemoryCurve:
         return fit_curve({b: p.peak_by_phase for b, p in points.items()})
 
-    try:
+    with session:
         for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
             trace(b)
         answers = []
@@ -174,8 +174,6 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
                 lo=multiple_of, hi=max_batch, multiple_of=multiple_of, known=known))
         suggestions = (_suggestions(workload, options, device, points[min(points)], say)
                        if suggest and answers[0].max_batch_size == 0 else [])
-    finally:
-        session.close()
     return EstimateResult(
         workload=workload.name, description=workload.description,
         tokens_per_sample=workload.tokens_per_sample, device=device, options=options,
@@ -187,7 +185,8 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     )
 
 
-def _point(traced: TracePoint, workspace_bytes: int) -> EstimatePoint:
+def allocated_point(traced: TracePoint, workspace_bytes: int) -> EstimatePoint:
+    """A traced step as ``max_memory_allocated()`` would show it: plus the cuBLAS workspace."""
     snap = traced.snapshot
     breakdown = {**snap.breakdown, "workspace": workspace_bytes}
     return EstimatePoint(
@@ -215,10 +214,8 @@ def _suggestions(workload: Workload, options: StepOptions, device: Device,
             session = TraceSession(workload, alt)
         except OptionError:
             return  # not applicable to this model (no block stack to checkpoint, say)
-        try:
-            new = session.trace(smallest.batch_size).snapshot.peak_bytes + device.workspace_bytes
-        finally:
-            session.close()
+        with session:
+            new = allocated_point(session.trace(smallest.batch_size), device.workspace_bytes).peak_bytes
         out.append(Suggestion(change, option, new, peak - new, new <= capacity, "traced"))
 
     def computed(change: str, option: str, saving: float, formula: str) -> None:

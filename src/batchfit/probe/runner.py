@@ -23,6 +23,7 @@ import torch
 
 from batchfit.devices import Device, detect_cuda_device, get_device, parse_size, custom_device
 from batchfit.errors import OptionError, UsageError
+from batchfit.estimate import allocated_point
 from batchfit.probe.oom import NonFiniteLoss, classify, describe
 from batchfit.search import Trial
 from batchfit.step import TrainingStep
@@ -72,12 +73,9 @@ def _run_steps(workload: Workload, options: StepOptions, target: Target, batch_s
                steps: int, stop_on_nan: bool) -> Trial:
     if target.kind == "virtual":
         device = target.device
-        session = TraceSession(workload, options, capacity_bytes=device.usable_bytes - device.workspace_bytes)
-        try:
-            peak = session.trace(batch_size).snapshot.peak_bytes + device.workspace_bytes
-        finally:
-            session.close()
-        return Trial(batch_size, "ok", peak_allocated_bytes=peak)
+        with TraceSession(workload, options, capacity_bytes=device.usable_bytes - device.workspace_bytes) as session:
+            point = allocated_point(session.trace(batch_size), device.workspace_bytes)
+        return Trial(batch_size, "ok", peak_allocated_bytes=point.peak_bytes)
     cuda = target.kind == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(target.index)

@@ -104,3 +104,9 @@ class TraceSession:
 
     def close(self) -> None:
         self.tracker.close()
+
+    def __enter__(self) -> TraceSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
