@@ -18,11 +18,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
 
 from batchfit.errors import OptionError
+from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.workload import StepOptions, Workload
-
-PHASES: tuple[str, ...] = ("inputs", "generate", "forward", "backward", "optimizer")
-
 
 class StepHooks(Protocol):
     def phase(self, name: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batchfit.report.markdown import gib
-from batchfit.step import PHASES
+from batchfit.phases import PHASES
 
 
 def _num(x: float | None, fmt: str = ",.0f") -> str:

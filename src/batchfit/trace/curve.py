@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-FIT_PHASES: tuple[str, ...] = ("inputs", "generate", "forward", "backward", "optimizer")
+from batchfit.phases import PHASES
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def fit_curve(points: dict[int, dict[str, int]]) -> MemoryCurve:
     batch 1 and 2 by 10% and more at batch 600.
     """
     lines = []
-    for phase in FIT_PHASES:
+    for phase in PHASES:
         series = [(b, peaks[phase]) for b, peaks in sorted(points.items()) if phase in peaks]
         if series:
             lines.append(fit_line(phase, series[-2:]))

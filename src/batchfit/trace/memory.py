@@ -21,13 +21,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from batchfit.phases import CATEGORY_OF_PHASE
+
 CUDA_BLOCK_BYTES = 512
 CATEGORIES: tuple[str, ...] = (
     "parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "generation",
     "other",
 )
-_PHASE_CATEGORY = {"inputs": "inputs", "generate": "generation", "forward": "activations", "backward": "temporaries",
-                   "optimizer": "temporaries", "idle": "temporaries", "setup": "other"}
 
 
 def rounded(nbytes: int, block: int = CUDA_BLOCK_BYTES) -> int:
@@ -49,7 +49,7 @@ class Allocation:
 
     @property
     def category(self) -> str:
-        return self.role or _PHASE_CATEGORY.get(self.phase, "other")
+        return self.role or CATEGORY_OF_PHASE.get(self.phase, "other")
 
 
 @dataclass
