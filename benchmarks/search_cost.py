@@ -19,7 +19,8 @@ from _common import write_result
 
 from batchfit import search
 from batchfit.probe.find import _Predictor
-from batchfit.probe.runner import parse_target, probe_once
+from batchfit.probe.runner import probe_once
+from batchfit.targets import parse_target
 from batchfit.search import Trial
 from batchfit.workload import StepOptions
 from batchfit.zoo import ZOO

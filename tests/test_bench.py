@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from batchfit.bench import BenchRow, bench, breakpoints, leak_check, tiers
 from batchfit.cli.app import app
 from batchfit.errors import OptionError
-from batchfit.probe.runner import parse_target
+from batchfit.targets import parse_target
 from batchfit.specs import load_workload
 from batchfit.workload import StepOptions, Workload
 
@@ -45,10 +45,32 @@ def test_cpu_bench_times_real_steps():
     result = bench(load_workload("gpt-tinystories-22m", seq_len=32), target=parse_target("cpu"), batch_sizes=[2],
                    steps=2, warmup=1)
     row = result.rows[0]
-    assert row.source == "cpu time" and row.step_time_min_s <= row.step_time_s <= row.step_time_max_s
+    assert row.source == "cpu time, traced memory" and row.step_time_min_s <= row.step_time_s <= row.step_time_max_s
     assert row.tokens_per_s == pytest.approx(2 * 32 / row.step_time_s)
     assert {"forward", "backward", "optimizer"} <= set(row.phase_time_s)
-    assert row.peak_allocated_bytes is None
+
+
+def test_cpu_bench_fills_traced_memory_and_flops(mlp):
+    """On --device cpu the memory columns are the CPU step's traced peak (no allocator, so no
+    reserved figure) and FLOPs come from the traced step: both worked out by hand."""
+    row = bench(mlp, target=parse_target("cpu"), batch_sizes=[8], steps=1, warmup=0).rows[0]
+    # Linear(1024, 4096) -> ReLU -> Linear(4096, 1024): forward 2 x 2*B*1024*4096; backward:
+    # both weight gradients (2 x 2*B*1024*4096) and the hidden activation's (2*B*4096*1024);
+    # the input needs no gradient.
+    assert row.flops_per_step == 10 * 8 * 1024 * 4096
+    params = 1024 * 4096 * 2 + 4096 + 1024
+    # peak in the optimizer step of fp32 AdamW (CPU: per-parameter loop, no 512 B rounding):
+    # parameters, gradients and two moments, at least
+    assert row.peak_allocated_bytes >= 4 * params * 4
+    assert row.peak_reserved_bytes is None
+
+
+def test_throughput_counts_every_micro_batch(mlp):
+    """A step of N accumulated micro-batches processes N x batch samples (issue: N times too low)."""
+    row = bench(mlp, target=parse_target("cpu"), batch_sizes=[4], steps=2, warmup=0,
+                options=StepOptions(accumulation_steps=3)).rows[0]
+    assert row.samples_per_s == pytest.approx(4 * 3 / row.step_time_s)
+    assert row.flops_per_step == 3 * 10 * 4 * 1024 * 4096
 
 
 def test_generation_phase_and_group_size():

@@ -55,7 +55,7 @@ BAD_INPUT = [
     (["estimate", "gpt2-124m", "--gpu", "h100"], None),  # an alias: fine, see below
     (["estimate", "gpt2-124m", "--gpu", "h100-80"], "did you mean 'h100-80gb'"),
     (["estimate", "gpt2-124m", "--gpu-memory", "24"], "24GiB"),
-    (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--gpu-memory", "16GiB"], "not both"),
+    (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--gpu-memory", "16GiB"], "give one of --gpu / --gpu-memory"),
     (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--precision", "bfloat16"], "bf16-mixed"),
     (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--optimizer", "lion"], "adamw"),
     (["estimate", "gpt2-124m", "--gpu", "t4-16gb", "--batch-sizes", "8;16"], "8,16,32"),

@@ -63,3 +63,19 @@ def test_step_options_validate():
         StepOptions(precision="bfloat16")
     with pytest.raises(OptionError, match="none or full"):
         StepOptions(checkpointing="some")
+
+
+def test_a_model_built_outside_build_model_is_an_error_not_zero_bytes():
+    """build_model=lambda: model hands the tracer real tensors it never saw being made."""
+    import torch
+    from torch import nn
+
+    from batchfit.errors import ModelSpecError
+    from batchfit.workload import Workload
+
+    model = nn.Linear(64, 64)
+    work = Workload(name="prebuilt", build_model=lambda: model,
+                    make_batch=lambda b, device: torch.randn(b, 64, device=device),
+                    loss_fn=lambda m, x: m(x).sum())
+    with pytest.raises(ModelSpecError, match="construct the model inside build_model"):
+        estimate(work, device=get_device("t4-16gb"))

@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 from batchfit.cli.app import app
 from batchfit.errors import OptionError, UsageError
 from batchfit.probe.find import find_max_batch
-from batchfit.probe.oom import classify
-from batchfit.probe.runner import parse_target, probe_isolated, probe_once
+from batchfit.oom import classify
+from batchfit.probe.runner import probe_isolated, probe_once
+from batchfit.targets import parse_target
 from batchfit.specs import load_workload
 from batchfit.workload import StepOptions, Workload
 
@@ -36,6 +37,9 @@ def tiny(seq_len: int = 32) -> Workload:
     (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "oom"),
     (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."), "oom"),
     (RuntimeError("CUDA error: out of memory"), "oom"),
+    # torch >= 2.8: a failed allocation inside a kernel arrives as AcceleratorError
+    (torch.AcceleratorError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), "oom"),
+    (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), "error"),
     (RuntimeError("CUDA error: invalid configuration argument"), "error"),  # huge-batch launch config
     (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)"), "error"),
     (ValueError("my data loader ran out of memory-mapped files"), "error"),  # user's own, whatever it says
@@ -53,6 +57,44 @@ def test_virtual_device_finds_the_exact_maximum_in_two_probes():
     assert {"policy", "max_batch_size", "trials", "recommendations"} <= set(j)
     assert {"batch_size", "status", "peak_allocated_bytes", "peak_reserved_bytes", "step_time_s", "loss",
             "error"} <= set(j["trials"][0])
+
+
+def test_tiers_are_predicted_with_at_most_one_extra_probe():
+    """On a virtual device the search finds the maximum in two probes; the production and
+    conservative tiers come from the measured line, and only one more probe is made."""
+    result = find_max_batch(tiny(), target=parse_target("virtual:2GiB"), largest=4096)
+    assert len(result.trials) <= len(result.search.trials) + 1
+    tiers = {r.name: r for r in result.recommendations}
+    capacity = result.capacity_bytes
+    for name, util in (("production", 0.9), ("conservative", 0.75)):
+        tier = tiers[name]
+        assert tier.batch_size < result.max_batch_size
+        assert tier.peak_allocated_bytes <= util * capacity  # probed, or predicted by the line
+        assert tier.source in ("probed", "predicted")
+        assert ("not probed" in tier.why) == (tier.source == "predicted")
+
+
+def test_verify_tiers_probes_every_tier():
+    result = find_max_batch(tiny(), target=parse_target("virtual:2GiB"), largest=4096, verify_tiers=True)
+    tiers = [r for r in result.recommendations if r.name in ("production", "conservative")]
+    assert len(tiers) == 2
+    for tier in tiers:
+        trial = result.trial(tier.batch_size)
+        assert tier.source == "probed" and trial is not None and trial.fits
+        util = result.target_util if tier.name == "production" else 0.75
+        assert trial.peak_allocated_bytes <= util * result.capacity_bytes
+        above = result.trial(tier.batch_size + result.multiple_of)  # shown to be the largest
+        assert above is not None and (not above.fits or above.peak_allocated_bytes > util * result.capacity_bytes)
+
+
+def test_isolated_probe_sends_back_the_childs_error():
+    trial = probe_isolated("no_such_model_anywhere", None, StepOptions(), parse_target(SMALL), 8)
+    assert trial.status == "error" and "unknown model 'no_such_model_anywhere'" in trial.error
+
+
+def test_isolated_probe_times_out_instead_of_hanging():
+    trial = probe_isolated("gpt-tinystories-22m", 32, StepOptions(), parse_target(SMALL), 8, timeout_s=0.01)
+    assert trial.status == "error" and "did not answer within 0.01 s" in trial.error
 
 
 def exploding(limit: int) -> Workload:

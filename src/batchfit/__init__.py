@@ -5,8 +5,8 @@ from batchfit.errors import (BatchfitError, ModelSpecError, OptionError, SizeErr
                              UnknownGPUError, UsageError)
 from batchfit.estimate import EstimateResult, estimate
 from batchfit.probe.find import ProbeResult, find_max_batch
-from batchfit.probe.runner import parse_target
 from batchfit.specs import load_workload
+from batchfit.targets import Target, parse_target, resolve_target
 from batchfit.workload import StepOptions, Workload
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "ProbeResult",
     "SizeError",
     "StepOptions",
+    "Target",
     "TraceError",
     "UnknownGPUError",
     "UsageError",
@@ -29,5 +30,6 @@ __all__ = [
     "load_workload",
     "parse_size",
     "parse_target",
+    "resolve_target",
 ]
 __version__ = "0.1.0"

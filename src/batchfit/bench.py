@@ -8,7 +8,8 @@ Per batch size:
   elsewhere, with reserved memory from replaying the traced allocations through the model
   of the CUDA caching allocator (``trace/allocator.py``).
 - **FLOPs** per step: PyTorch's FlopCounterMode on the traced step; MFU against the device's
-  dense bf16 peak.
+  dense peak for the run's precision (fp32 runs: the fp32 peak), counting recomputation
+  when activation checkpointing is on (then it is HFU, and the row says so).
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from batchfit.estimate import allocated_point
-from batchfit.probe.oom import classify, describe
-from batchfit.probe.runner import Target, release
+from batchfit.devices import Device
+from batchfit.errors import OptionError
+from batchfit.oom import classify, describe
 from batchfit.step import TrainingStep
+from batchfit.targets import Target
+from batchfit.timing import run_timed_steps
 from batchfit.trace.allocator import replay
 from batchfit.trace.curve import fit_line
+from batchfit.trace.point import allocated_point
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 
@@ -42,12 +46,18 @@ _FLOPS = {
 }
 
 
+PHASE_STEPS = 3
+"""Extra steps, after the timed ones, that time each phase."""
+
+
 @dataclass
 class BenchRow:
     batch_size: int
     status: str
     source: str
-    """'measured' (cuda: memory and time), 'traced' (virtual: memory only), 'cpu time' (time only)."""
+    """'measured' (cuda: memory and time), 'traced' (virtual: memory only), or 'cpu time,
+    traced memory' (cpu: time measured; memory traced, as a GPU named with --gpu or else as
+    the CPU step allocates)."""
     step_time_s: float | None = None
     step_time_min_s: float | None = None
     step_time_max_s: float | None = None
@@ -56,6 +66,10 @@ class BenchRow:
     tokens_per_s: float | None = None
     flops_per_step: int | None = None
     mfu: float | None = None
+    """FLOPs per step / step time / the device's dense peak for the run's precision."""
+    flops_include_recompute: bool = False
+    """With activation checkpointing the counted FLOPs include the recomputed forward, so
+    the MFU column is then a hardware FLOPs utilisation (HFU)."""
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     reserved_expandable_bytes: int | None = None
@@ -82,15 +96,16 @@ class Leak:
         return asdict(self)
 
 
-class _Timer:
-    """Step hooks that time each phase (synchronising a GPU at each boundary)."""
+class _PhaseTimer:
+    """Step hooks that time each phase, synchronising a GPU at each boundary: used only in
+    extra steps after the timed ones, so the step time and MFU are measured without them."""
 
-    def __init__(self, cuda: bool) -> None:
-        self.cuda, self.times, self._phase, self._start = cuda, {}, None, 0.0
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.times, self._phase, self._start = device, {}, None, 0.0
 
     def phase(self, name: str) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         if self._phase is not None:
             self.times[self._phase] = self.times.get(self._phase, 0.0) + now - self._start
@@ -100,15 +115,22 @@ class _Timer:
         pass
 
 
-def _traced(workload: Workload, options: StepOptions, batch_size: int, target: Target) -> dict:
-    """Trace one batch size in a fresh session: memory, phases, allocator replay, FLOPs."""
-    device = target.device
-    with TraceSession(workload, options) as session:
-        point = allocated_point(session.trace(batch_size), device.workspace_bytes)  # the second step
-        events = [("malloc", -1, device.workspace_bytes // 2), ("malloc", -2, device.workspace_bytes // 2)]
-        events += session.tracker.events  # cuBLAS workspaces first, then everything the step did
-        reserved = replay(events).peak_reserved_bytes
-        expandable = replay(events, expandable_segments=True).peak_reserved_bytes
+def _traced(workload: Workload, options: StepOptions, batch_size: int, device: Device | None) -> dict:
+    """Trace one batch size in a fresh session: memory, phases, allocator replay, FLOPs.
+
+    For a GPU (``device``) the step is traced as CUDA runs it and reserved memory comes from
+    the allocator model; with no GPU named (``--device cpu``) it is traced as the CPU runs
+    it, which has no caching allocator and so no reserved figure.
+    """
+    workspace = device.workspace_bytes if device else 0
+    with TraceSession(workload, options, cuda_semantics=device is not None) as session:
+        point = allocated_point(session.trace(batch_size), workspace)  # the second step
+        reserved = expandable = None
+        if device is not None:
+            events = [("malloc", -1, workspace // 2), ("malloc", -2, workspace // 2)]
+            events += session.tracker.events  # cuBLAS workspaces first, then everything the step did
+            reserved = replay(events).peak_reserved_bytes
+            expandable = replay(events, expandable_segments=True).peak_reserved_bytes
         with session.fake_mode, FlopCounterMode(display=False, custom_mapping=_FLOPS) as counter:
             session.step.run(batch_size)
         flops = counter.get_total_flops()
@@ -119,60 +141,54 @@ def _traced(workload: Workload, options: StepOptions, batch_size: int, target: T
 
 def _timed(workload: Workload, options: StepOptions, target: Target, batch_size: int, steps: int,
            warmup: int) -> dict:
-    cuda = target.kind == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    """Whole steps timed with no syncs inside them; then the phases, timed in extra steps."""
     step = TrainingStep(workload, options, target.torch_device)
-    for _ in range(warmup):
-        step.run(batch_size)
-    times, timer = [], _Timer(cuda)
-    for _ in range(steps):
-        if cuda:
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        step.run(batch_size, hooks=timer)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    out = {"times": times, "phase_time_s": {k: v / steps for k, v in timer.times.items()}}
-    if cuda:
-        out.update(allocated=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved())
-    return out
+    whole = run_timed_steps(step, batch_size, steps=steps, warmup=warmup)
+    timer = _PhaseTimer(target.torch_device)
+    phase_steps = min(steps, PHASE_STEPS)
+    run_timed_steps(step, batch_size, steps=phase_steps, hooks=timer)
+    return {"times": whole.times_s, "phase_time_s": {k: v / phase_steps for k, v in timer.times.items()},
+            "allocated": whole.peak_allocated_bytes, "reserved": whole.peak_reserved_bytes}
 
 
 def bench_row(workload: Workload, options: StepOptions, target: Target, batch_size: int, *,
               steps: int = 10, warmup: int = 3) -> BenchRow:
-    """One batch size: traced memory and FLOPs always (when a GPU is known), timed on cuda/cpu."""
+    """One batch size: traced memory and FLOPs always, timed on cuda and cpu.
+
+    ``batch_size`` is the micro-batch: a step runs ``options.accumulation_steps`` of them,
+    so a step processes ``batch_size x accumulation_steps`` samples.
+    """
     traced, timed, failure = None, None, None
     try:
-        if target.device is not None:
-            traced = _traced(workload, options, batch_size, target)
+        traced = _traced(workload, options, batch_size, target.device)
         if target.kind != "virtual":
             timed = _timed(workload, options, target, batch_size, steps, warmup)
     except Exception as error:  # noqa: BLE001 - reported in the row, classified
         failure = (classify(error), describe(error))
-    release(target)
+    target.release()  # out of the except block: the failed step's tensors can go now
     if failure:
         return BenchRow(batch_size, failure[0], "—", error=failure[1])
-    if traced and traced["allocated"] > target.device.usable_bytes and target.kind == "virtual":
+    if target.kind == "virtual" and traced["allocated"] > target.device.usable_bytes:
         return BenchRow(batch_size, "oom", "traced", peak_allocated_bytes=traced["allocated"],
                         error="the traced peak exceeds the device's usable memory")
-    row = BenchRow(batch_size, "ok", {"cuda": "measured", "virtual": "traced", "cpu": "cpu time"}[target.kind])
-    if traced:
-        row.peak_allocated_bytes, row.peak_reserved_bytes = traced["allocated"], traced["reserved"]
-        row.reserved_expandable_bytes = traced["expandable"]
-        row.phase_peak_bytes, row.top, row.flops_per_step = traced["phases"], traced["top"], traced["flops"]
+    source = {"cuda": "measured", "virtual": "traced", "cpu": "cpu time, traced memory"}[target.kind]
+    row = BenchRow(batch_size, "ok", source, flops_include_recompute=options.checkpointing != "none")
+    row.peak_allocated_bytes, row.peak_reserved_bytes = traced["allocated"], traced["reserved"]
+    row.reserved_expandable_bytes = traced["expandable"]
+    row.phase_peak_bytes, row.top, row.flops_per_step = traced["phases"], traced["top"], traced["flops"]
     if timed:
         times = timed["times"]
         row.step_time_s, row.step_time_min_s, row.step_time_max_s = statistics.median(times), min(times), max(times)
-        row.samples_per_s = batch_size / row.step_time_s
+        row.samples_per_s = batch_size * options.accumulation_steps / row.step_time_s
         row.samples_per_min = 60 * row.samples_per_s
         row.tokens_per_s = row.samples_per_s * workload.tokens_per_sample if workload.tokens_per_sample else None
         row.phase_time_s = timed["phase_time_s"]
         if target.kind == "cuda":
             row.peak_allocated_bytes, row.peak_reserved_bytes = timed["allocated"], timed["reserved"]
-            if row.flops_per_step and target.device.bf16_tflops:
-                row.mfu = row.flops_per_step / row.step_time_s / (target.device.bf16_tflops * 1e12)
+            row.reserved_expandable_bytes = None  # measured: the traced what-if does not apply
+            peak_tflops = target.device.peak_tflops(options.precision)
+            if row.flops_per_step and peak_tflops:
+                row.mfu = row.flops_per_step / row.step_time_s / (peak_tflops * 1e12)
     return row
 
 
@@ -184,8 +200,8 @@ def leak_check(workload: Workload, options: StepOptions, target: Target, batch_s
         allocated = []
         for _ in range(steps):
             step.run(batch_size)
-            torch.cuda.synchronize()
-            allocated.append(torch.cuda.memory_allocated())
+            torch.cuda.synchronize(target.torch_device)
+            allocated.append(torch.cuda.memory_allocated(target.torch_device))
         del step
     else:  # traced: the tracker sees every storage that survives a step, and who made it
         with TraceSession(workload, options) as session:
@@ -198,7 +214,7 @@ def leak_check(workload: Workload, options: StepOptions, target: Target, batch_s
                 grown[key] = grown.get(key, 0) + record.nbytes
             where = [{"op": op, "phase": phase, "module": module, "bytes": n}
                      for (op, phase, module), n in sorted(grown.items(), key=lambda kv: -kv[1])[:5]]
-    release(target)
+    target.release()
     settled = list(enumerate(allocated))[2:]  # the first steps create optimizer state and caches
     slope = fit_line("leak", settled).bytes_per_sample if len(settled) >= 2 else 0.0
     growth = allocated[-1] - allocated[min(2, len(allocated) - 1)]
@@ -312,8 +328,6 @@ def bench(workload: Workload, *, target: Target, options: StepOptions | None = N
     group = workload.batch_multiple()
     bad = [b for b in batch_sizes if b < 1 or b % group]
     if bad:
-        from batchfit.errors import OptionError
-
         raise OptionError(f"batch sizes must be positive multiples of the group size {group}; got {bad}")
     started = time.perf_counter()
     rows = []

@@ -18,30 +18,12 @@ import torch
 
 from batchfit.devices import Device
 from batchfit.errors import OptionError
-from batchfit.search import Trial, guided
-from batchfit.trace.curve import MemoryCurve, fit_curve
-from batchfit.trace.session import TracePoint, TraceSession
+from batchfit.trace.curve import MemoryCurve
+from batchfit.trace.point import MemoryPoint, TracedCurve, allocated_point
+from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 
 DEFAULT_MAX_BATCH = 1 << 16
-
-
-@dataclass
-class EstimatePoint:
-    """One traced batch size."""
-
-    batch_size: int
-    peak_bytes: int
-    """Traced peak plus the cuBLAS workspace: what max_memory_allocated() would show."""
-    breakdown: dict[str, int]
-    phase: str
-    peak_by_phase: dict[str, int]
-    top: list[dict]
-
-    def to_json(self) -> dict:
-        return {"batch_size": self.batch_size, "peak_bytes": self.peak_bytes,
-                "breakdown": self.breakdown, "phase": self.phase,
-                "peak_by_phase": self.peak_by_phase, "largest_tensors": self.top}
 
 
 @dataclass
@@ -66,7 +48,7 @@ class EstimateResult:
     options: StepOptions
     params: int
     trainable_params: int
-    points: list[EstimatePoint]
+    points: list[MemoryPoint]
     curve: MemoryCurve
     target_util: float
     multiple_of: int
@@ -87,7 +69,7 @@ class EstimateResult:
     def target_bytes(self) -> int:
         return int(self.target_util * self.device.usable_bytes)
 
-    def point(self, batch_size: int) -> EstimatePoint | None:
+    def point(self, batch_size: int) -> MemoryPoint | None:
         return next((p for p in self.points if p.batch_size == batch_size), None)
 
     def headroom_bytes(self, batch_size: int) -> int | None:
@@ -146,54 +128,23 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     multiple_of = workload.batch_multiple(multiple_of)
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    say(f"building {workload.name} on fake tensors")
-    session = TraceSession(workload, options)
-    points: dict[int, EstimatePoint] = {}
-
-    def trace(batch_size: int) -> EstimatePoint:
-        if batch_size not in points:
-            say(f"tracing batch size {batch_size}")
-            points[batch_size] = allocated_point(session.trace(batch_size), device.workspace_bytes)
-        return points[batch_size]
-
-    def curve() -> MemoryCurve:
-        return fit_curve({b: p.peak_by_phase for b, p in points.items()})
-
-    with session:
+    with TracedCurve(workload, options, device, say) as traced:
         for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
-            trace(b)
-        answers = []
-        for limit in (device.usable_bytes, int(target_util * device.usable_bytes)):
-            def probe(b: int, limit: int = limit) -> Trial:
-                peak = trace(b).peak_bytes
-                return Trial(b, "ok" if peak <= limit else "oom", peak_allocated_bytes=peak)
-
-            known = [probe(b) for b in points]
-            answers.append(guided(
-                probe, lambda trials, limit=limit: curve().max_batch_size(limit, multiple_of),
-                lo=multiple_of, hi=max_batch, multiple_of=multiple_of, known=known))
+            traced.point(b)
+        answers = [traced.max_batch(limit, lo=multiple_of, hi=max_batch, multiple_of=multiple_of)
+                   for limit in (device.usable_bytes, int(target_util * device.usable_bytes))]
+        points = traced.points
         suggestions = (_suggestions(workload, options, device, points[min(points)], say)
                        if suggest and answers[0].max_batch_size == 0 else [])
+    session = traced.session
     return EstimateResult(
         workload=workload.name, description=workload.description,
         tokens_per_sample=workload.tokens_per_sample, device=device, options=options,
         params=session.params, trainable_params=session.trainable_params,
-        points=[points[b] for b in sorted(points)], curve=curve(), target_util=target_util,
+        points=[points[b] for b in sorted(points)], curve=traced.curve(), target_util=target_util,
         multiple_of=multiple_of, max_batch_size=answers[0].max_batch_size,
         max_batch_size_at_target=answers[1].max_batch_size, capped=answers[0].capped,
         trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions,
-    )
-
-
-def allocated_point(traced: TracePoint, workspace_bytes: int) -> EstimatePoint:
-    """A traced step as ``max_memory_allocated()`` would show it: plus the cuBLAS workspace."""
-    snap = traced.snapshot
-    breakdown = {**snap.breakdown, "workspace": workspace_bytes}
-    return EstimatePoint(
-        batch_size=traced.batch_size, peak_bytes=snap.peak_bytes + workspace_bytes,
-        breakdown=breakdown, phase=snap.phase,
-        peak_by_phase={k: v + workspace_bytes for k, v in snap.peak_by_phase.items()},
-        top=snap.top,
     )
 
 
@@ -201,7 +152,7 @@ SHARDING_GPUS = (2, 4, 8, 16, 32, 64)
 
 
 def _suggestions(workload: Workload, options: StepOptions, device: Device,
-                 smallest: EstimatePoint, say: Callable[[str], None]) -> list[Suggestion]:
+                 smallest: MemoryPoint, say: Callable[[str], None]) -> list[Suggestion]:
     """What would make the smallest batch fit: traced where it is a step option, else computed."""
     capacity = device.usable_bytes
     out: list[Suggestion] = []
@@ -216,9 +167,12 @@ def _suggestions(workload: Workload, options: StepOptions, device: Device,
             return  # not applicable to this model (no block stack to checkpoint, say)
         with session:
             new = allocated_point(session.trace(smallest.batch_size), device.workspace_bytes).peak_bytes
-        out.append(Suggestion(change, option, new, peak - new, new <= capacity, "traced"))
+        if new < peak:  # a change that saves nothing is not a suggestion
+            out.append(Suggestion(change, option, new, peak - new, new <= capacity, "traced"))
 
     def computed(change: str, option: str, saving: float, formula: str) -> None:
+        if saving <= 0:
+            return
         new = int(peak - saving)
         out.append(Suggestion(change, option, new, int(saving), new <= capacity, f"computed: {formula}"))
 
@@ -231,11 +185,16 @@ def _suggestions(workload: Workload, options: StepOptions, device: Device,
              state * 3 / 4, "optimizer_state x 3/4 (1 byte per value instead of 4)")
     computed("train adapters only (LoRA), base frozen", "--train-only '*lora*'",
              parts["gradients"] + state, "gradients + optimizer_state at the peak (the adapters' own are ~1%)")
-    sharded = parts["parameters"] + parts["gradients"] + state
+    # Everything per parameter shards: at an optimizer-step peak the step's temporaries are
+    # per-parameter too (foreach scratch), so they shard with the state they update.
+    per_param = ["parameters", "gradients", "optimizer_state"]
+    if smallest.phase == "optimizer":
+        per_param.append("temporaries")
+    sharded = sum(parts[name] for name in per_param)
     for gpus in SHARDING_GPUS:
         saving = sharded * (1 - 1 / gpus)
         if peak - saving <= capacity or gpus == SHARDING_GPUS[-1]:
             computed(f"shard over {gpus} GPUs (FSDP / ZeRO-3)", f"{gpus} GPUs", saving,
-                     f"(parameters + gradients + optimizer_state) x (1 - 1/{gpus})")
+                     f"({' + '.join(per_param)}) x (1 - 1/{gpus})")
             break
     return out

@@ -19,7 +19,6 @@ from torch.utils.checkpoint import checkpoint
 
 from batchfit.errors import OptionError
 from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
-from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.workload import StepOptions, Workload
 
 class StepHooks(Protocol):
@@ -117,16 +116,21 @@ def _apply_freezing(model: nn.Module, options: StepOptions) -> None:
 
 
 class TrainingStep:
-    """A model and optimizer built from a Workload, ready to run optimizer steps."""
+    """A model and optimizer built from a Workload, ready to run optimizer steps.
 
-    def __init__(self, workload: Workload, options: StepOptions, device: torch.device,
-                 *, cuda_semantics: bool | None = None) -> None:
+    The step knows nothing about who watches it: an engine passes ``hooks`` to :meth:`run`,
+    and the tracer installs its CUDA mirrors by replacing :attr:`step_context` and
+    :attr:`forward_autocast` (see ``trace/session.py``).
+    """
+
+    def __init__(self, workload: Workload, options: StepOptions, device: torch.device) -> None:
         self.workload = workload
         self.options = options
         self.device = device
-        # On fake CPU tensors we mirror what CUDA would do (autocast table, foreach path).
-        self.cuda_semantics = device.type == "cuda" if cuda_semantics is None else cuda_semantics
-        model = workload.build_model()
+        # Built directly on the target device: a model built on the CPU first would need its
+        # whole fp32 copy in host memory (32 GB for an 8B model) before moving.
+        with device:
+            model = workload.build_model()
         dtype = torch.bfloat16 if options.precision == "bf16" else None
         self.model = move_module(model, device, dtype)
         _apply_freezing(self.model, options)
@@ -138,37 +142,24 @@ class TrainingStep:
             raise OptionError("every parameter is frozen: loosen --freeze or --train-only")
         self.optimizer = (build_optimizer(options.optimizer, params) if options.optimizer
                           else workload.build_optimizer(params))
-        if self.cuda_semantics and device.type != "cuda":
-            self._use_cuda_optimizer_defaults()
         self.scaler = None
         if options.precision == "fp16-mixed" and device.type == "cuda":
             self.scaler = torch.amp.GradScaler("cuda")
-
-    def _use_cuda_optimizer_defaults(self) -> None:
-        # PyTorch picks foreach=True for CUDA tensors when the user left it unset; on CPU
-        # (and fake) tensors it picks the per-parameter loop, which needs less scratch memory.
-        for group in self.optimizer.param_groups:
-            if group.get("foreach", "absent") is None and not group.get("fused"):
-                group["foreach"] = True
-
-    def _autocast(self) -> tuple[contextlib.AbstractContextManager, Callable]:
-        """(context for the whole step, factory of the forward pass's autocast region)."""
-        precision = self.options.precision
-        if precision not in ("bf16-mixed", "fp16-mixed"):
-            return contextlib.nullcontext(), contextlib.nullcontext
-        dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
-        if self.cuda_semantics and self.device.type != "cuda":
-            mirror = CudaAutocast(dtype)  # CUDA's autocast table on fake CPU tensors
-            return mirror, mirror.forward
-        return contextlib.nullcontext(), lambda: torch.autocast(self.device.type, dtype=dtype)
+        self.step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        """Entered around each whole step (the tracer's CUDA autocast mirror lives here)."""
+        self.forward_autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        """The autocast region of the forward pass (and generation)."""
+        if options.precision in ("bf16-mixed", "fp16-mixed"):
+            dtype = torch.bfloat16 if options.precision == "bf16-mixed" else torch.float16
+            self.forward_autocast = lambda: torch.autocast(device.type, dtype=dtype)
 
     def run(self, batch_size: int, hooks: StepHooks | None = None) -> torch.Tensor:
         """One optimizer step over ``accumulation_steps`` micro-batches; returns the last loss."""
-        step_context, forward_autocast = self._autocast()
-        with step_context:
-            return self._run(batch_size, hooks or NoHooks(), forward_autocast)
+        with self.step_context():
+            return self._run(batch_size, hooks or NoHooks())
 
-    def _run(self, batch_size: int, hooks: StepHooks, forward_autocast: Callable) -> torch.Tensor:
+    def _run(self, batch_size: int, hooks: StepHooks) -> torch.Tensor:
+        forward_autocast = self.forward_autocast
         accumulation = self.options.accumulation_steps
         loss = None
         for _ in range(accumulation):

@@ -9,11 +9,11 @@ import typer
 from rich.table import Table
 
 from batchfit.bench import bench
-from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, FreezeOpt, JsonOpt, ModelArg, OptimizerOpt,
-                                 OutOpt, PrecisionOpt, SeqLenOpt, TrainOnlyOpt, handle_errors, parse_batch_sizes,
-                                 progress_line, quiet_if_stdout, report_folder, step_options, write_json)
+from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
+                                 JsonOpt, ModelArg, OptimizerOpt, OutOpt, PrecisionOpt, SeqLenOpt,
+                                 TrainOnlyOpt, command_target, handle_errors, parse_batch_sizes, progress_line,
+                                 quiet_if_stdout, report_folder, step_options, write_json)
 from batchfit.devices import GiB
-from batchfit.probe.runner import DEVICE_HELP, parse_target
 from batchfit.report import write_bench_report
 from batchfit.specs import load_workload
 
@@ -31,7 +31,9 @@ Examples:
 @handle_errors
 def bench_command(
     model: ModelArg,
-    device: Annotated[str, typer.Option(help=f"Where to run: {DEVICE_HELP}.")] = "virtual:h100-80gb",
+    device: DeviceOpt = None,
+    gpu: GpuOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes to bench, e.g. 8,16,32,64.")] = "8,16,32,64",
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "fp32",
@@ -56,7 +58,7 @@ def bench_command(
 
     if steps < 1 or warmup < 0:
         raise OptionError("--steps must be 1 or more and --warmup 0 or more, e.g. --steps 10 --warmup 3")
-    target = parse_target(device)
+    target = command_target(gpu, gpu_memory, device)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
     sizes = parse_batch_sizes(batch_sizes)
     workload = load_workload(model, seq_len=seq_len)

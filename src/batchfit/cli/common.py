@@ -14,16 +14,16 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from batchfit.devices import CATALOG, Device, custom_device, detect_cuda_device, get_device, parse_size
 from batchfit.errors import BatchfitError, OptionError
 from batchfit.specs import SPEC_HELP
+from batchfit.targets import DEVICE_HELP, Target, resolve_target
 from batchfit.workload import StepOptions
 
 err = Console(stderr=True)
 out = Console()
-DEFAULT_GPU = "h100-80gb"
 
 
 def handle_errors(command: Callable) -> Callable:
@@ -36,7 +36,7 @@ def handle_errors(command: Callable) -> Callable:
         except BatchfitError as error:
             if os.environ.get("BATCHFIT_DEBUG"):
                 raise
-            err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
             err.print("[dim]set BATCHFIT_DEBUG=1 for a traceback[/]")
             raise typer.Exit(error.exit_code) from None
 
@@ -55,21 +55,11 @@ def parse_batch_sizes(text: str | None) -> list[int] | None:
     return sizes
 
 
-def target_device(gpu: str | None, gpu_memory: str | None) -> Device:
-    """--gpu from the catalog, --gpu-memory for any card, else the real GPU, else an H100."""
-    if gpu and gpu_memory:
-        raise OptionError("give --gpu or --gpu-memory, not both")
-    if gpu_memory:
-        return custom_device(parse_size(gpu_memory))
-    if gpu:
-        return get_device(gpu)
-    import torch
-
-    if torch.cuda.is_available():
-        return detect_cuda_device()
-    err.print(f"[dim]no --gpu given and no GPU here: sizing for {DEFAULT_GPU} "
-              f"(choose with --gpu, see `batchfit gpus`)[/]")
-    return CATALOG[DEFAULT_GPU]
+def command_target(gpu: str | None, gpu_memory: str | None, device: str | None) -> Target:
+    """The device options every command shares (``batchfit.targets``), saying which device
+    was chosen when none was named."""
+    return resolve_target(gpu=gpu, gpu_memory=gpu_memory, device=device,
+                          say=lambda message: err.print(f"[dim]{escape(message)}[/]"))
 
 
 def is_stdout(path: str | None) -> bool:
@@ -82,6 +72,9 @@ def quiet_if_stdout(path: str | None) -> Console:
 
 
 # --- options shared by the commands that run a training step ------------------------------
+GpuOpt = Annotated[str | None, typer.Option(help="GPU from the catalog (`batchfit gpus`), traced, e.g. h100-80gb.")]
+GpuMemoryOpt = Annotated[str | None, typer.Option(help="Any GPU by its memory, traced, e.g. 24GiB or 80GB.")]
+DeviceOpt = Annotated[str | None, typer.Option(help=f"Where to run: {DEVICE_HELP}. Default: the GPU here, else a traced H100.")]
 ModelArg = Annotated[str, typer.Argument(help=f"What to train: {SPEC_HELP}.", show_default=False)]
 SeqLenOpt = Annotated[int | None, typer.Option(help="Tokens per sample (default: the model's).")]
 PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights) or bf16 (pure).")]

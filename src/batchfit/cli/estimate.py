@@ -8,11 +8,13 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, FreezeOpt, JsonOpt, ModelArg, MultipleOfOpt,
-                                 OptimizerOpt, OutOpt, PrecisionOpt, SeqLenOpt, TargetUtilOpt, TrainOnlyOpt,
-                                 handle_errors, parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
-                                 step_options, target_device, write_json)
+from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
+                                 JsonOpt, ModelArg, MultipleOfOpt, OptimizerOpt, OutOpt, PrecisionOpt,
+                                 SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, command_target, handle_errors,
+                                 parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
+                                 step_options, write_json)
 from batchfit.devices import GiB
+from batchfit.errors import OptionError
 from batchfit.estimate import DEFAULT_MAX_BATCH, estimate
 from batchfit.report import write_estimate_report
 from batchfit.specs import load_workload
@@ -31,8 +33,9 @@ Examples:
 @handle_errors
 def estimate_command(
     model: ModelArg,
-    gpu: Annotated[str | None, typer.Option(help="GPU from the catalog (`batchfit gpus`), e.g. h100-80gb.")] = None,
-    gpu_memory: Annotated[str | None, typer.Option(help="Any GPU by its memory, e.g. 24GiB or 80GB.")] = None,
+    gpu: GpuOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+    device: DeviceOpt = None,
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = None,
@@ -53,7 +56,11 @@ def estimate_command(
     counting every byte as the CUDA caching allocator would, at a few batch sizes; fits the
     memory curve; and confirms the largest batch by tracing it and the next size up.
     """
-    device = target_device(gpu, gpu_memory)
+    target = command_target(gpu, gpu_memory, device)
+    if target.device is None:
+        raise OptionError("estimate sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb), "
+                          "--gpu-memory 24GiB or --device cuda")
+    device = target.device
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
     sizes = parse_batch_sizes(batch_sizes)
     workload = load_workload(model, seq_len=seq_len)

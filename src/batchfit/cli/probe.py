@@ -8,14 +8,13 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, FreezeOpt, JsonOpt, ModelArg, MultipleOfOpt,
-                                 OptimizerOpt, OutOpt, PrecisionOpt, SeqLenOpt, TargetUtilOpt, TrainOnlyOpt,
-                                 handle_errors, progress_line, quiet_if_stdout, report_folder, step_options,
-                                 write_json)
+from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
+                                 JsonOpt, ModelArg, MultipleOfOpt, OptimizerOpt, OutOpt, PrecisionOpt,
+                                 SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, command_target, handle_errors,
+                                 progress_line, quiet_if_stdout, report_folder, step_options, write_json)
 from batchfit.devices import GiB
 from batchfit.probe.find import find_max_batch
 from batchfit.probe.ranks import rank
-from batchfit.probe.runner import DEVICE_HELP, parse_target
 from batchfit.report import write_probe_report
 from batchfit.search import POLICIES
 from batchfit.specs import load_workload
@@ -36,7 +35,9 @@ Examples:
 @handle_errors
 def probe_command(
     model: ModelArg,
-    device: Annotated[str, typer.Option(help=f"Where to probe: {DEVICE_HELP}.")] = "virtual:h100-80gb",
+    device: DeviceOpt = None,
+    gpu: GpuOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     policy: Annotated[str, typer.Option(help=f"Search policy: {', '.join(POLICIES)}.")] = "guided",
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "fp32",
@@ -52,6 +53,7 @@ def probe_command(
     isolate: Annotated[bool, typer.Option(help="Run each probe in a fresh process.")] = False,
     stop_on_nan: Annotated[bool, typer.Option(help="Treat a NaN or infinite loss as an error that stops the search.")] = False,
     target_util: TargetUtilOpt = 0.9,
+    verify_tiers: Annotated[bool, typer.Option(help="Probe the production and conservative tiers too (default: predicted from the measured line, one extra probe).")] = False,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step you want: adds the gradient accumulation that reaches it.")] = None,
     json_path: JsonOpt = None,
     out: OutOpt = None,
@@ -63,14 +65,14 @@ def probe_command(
     search and is reported as itself, with the probes before it kept. The answer is always a
     batch size that ran, with the next size up shown to fail (or the cap).
     """
-    target = parse_target(device)
+    target = command_target(gpu, gpu_memory, device)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
     workload = load_workload(model, seq_len=seq_len)
     with progress_line() as say:
         result = find_max_batch(workload, target=target, options=options, policy=policy, multiple_of=multiple_of,
                                 smallest=min_batch, largest=max_batch, steps=steps, isolate=isolate, spec=model,
                                 seq_len=seq_len, stop_on_nan=stop_on_nan, target_util=target_util,
-                                global_batch=global_batch, progress=say)
+                                global_batch=global_batch, verify_tiers=verify_tiers, progress=say)
     if rank() != 0:  # every rank probed; one writes
         return
     paths = write_probe_report(result, report_folder(out, "probe", result.workload, target.spec))

@@ -5,7 +5,10 @@
    fresh, runs real steps (or virtual ones), and is cleaned up before the next.
 3. A probe that fails with anything but out-of-memory stops the search: the trials so far
    are kept and reported with that error, never called out of memory.
-4. Recommend only batch sizes that were probed (or that are smaller than one that was).
+4. Recommend the maximum that ran; the tiers under ``--target-util`` and 75% come from the
+   measured line (the probes already made, else the traced slope through the one measured
+   peak) and say so ("predicted"); one extra probe checks the production tier, and
+   ``verify_tiers`` probes every tier.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import torch
 from batchfit import search
 from batchfit.errors import OptionError
 from batchfit.probe import ranks
-from batchfit.probe.runner import Target, probe_isolated, probe_once
+from batchfit.probe.runner import probe_isolated, probe_once
 from batchfit.search import SearchResult, Trial
-from batchfit.trace.curve import fit_line
+from batchfit.targets import Target
+from batchfit.trace.curve import Line, secant
+from batchfit.trace.point import TracedCurve
 from batchfit.workload import StepOptions, Workload
 
 CONSERVATIVE_UTIL = 0.75
@@ -43,6 +48,8 @@ class Recommendation:
     peak_allocated_bytes: int | None
     why: str
     accumulation_steps: int = 1
+    source: str = "probed"
+    """'probed' (this batch size ran) or 'predicted' (from the measured line; not run)."""
 
 
 @dataclass
@@ -86,7 +93,7 @@ class ProbeResult:
         points = [(t.batch_size, t.peak_allocated_bytes) for t in self.trials if t.fits and t.peak_allocated_bytes]
         if len({b for b, _ in points}) < 2:
             return None
-        line = fit_line("measured", points)
+        line = secant("measured", points)
         return line.fixed_bytes, line.bytes_per_sample
 
     def to_json(self) -> dict:
@@ -138,39 +145,57 @@ class _Predictor:
 
     def __init__(self, workload: Workload, options: StepOptions, target: Target, capacity: int,
                  multiple_of: int, largest: int, say: Callable[[str], None]) -> None:
-        from batchfit.estimate import estimate
-
         say("tracing the step on fake tensors to predict")
-        self.estimate = estimate(workload, device=target.device, options=options, multiple_of=multiple_of,
-                                 max_batch=largest, suggest=False)
+        with TracedCurve(workload, options, target.device) as traced:
+            for b in (multiple_of, 2 * multiple_of):
+                traced.point(b)
+            self.traced_max = traced.max_batch(target.device.usable_bytes, lo=multiple_of, hi=largest,
+                                               multiple_of=multiple_of).max_batch_size
+            self.points, self.curve = dict(traced.points), traced.curve()
         self.capacity = capacity
 
+    @property
+    def slope(self) -> float:
+        """The traced bytes per sample of the steepest phase."""
+        return max(line.bytes_per_sample for line in self.curve.lines)
+
     def predicted_bytes(self, batch_size: int) -> int:
-        point = self.estimate.point(batch_size)
-        return point.peak_bytes if point else int(self.estimate.curve.peak_bytes(batch_size))
+        point = self.points.get(batch_size)
+        return point.peak_bytes if point else int(self.curve.peak_bytes(batch_size))
 
     def __call__(self, trials: list[Trial]) -> int:
-        measured = sorted((t.batch_size, t.peak_allocated_bytes) for t in trials if t.fits and t.peak_allocated_bytes)
-        slope = max(line.bytes_per_sample for line in self.estimate.curve.lines)
-        if len(measured) >= 2:  # a secant through the two largest measured peaks
-            line = fit_line("measured", measured[-2:])
-            guess = (self.capacity - line.fixed_bytes) / line.bytes_per_sample if line.bytes_per_sample else 1 << 30
-        elif measured and slope:  # the traced slope through the one measured peak
-            b, peak = measured[-1]
-            guess = b + (self.capacity - peak) / slope
+        line = measured_line(trials, self.slope)
+        if line is not None and line.bytes_per_sample:
+            guess = (self.capacity - line.fixed_bytes) / line.bytes_per_sample
         elif trials:  # only failures so far: step 5% below the smallest, to measure a peak
             guess = 0.95 * min(t.batch_size for t in trials)
         else:
-            guess = self.estimate.max_batch_size
+            guess = self.traced_max
         return ranks.agree_min(int(guess))
+
+
+def measured_line(trials: list[Trial], traced_slope: float | None = None) -> Line | None:
+    """Peak bytes against batch size from the probes that fit: the secant through the two
+    largest, else the traced slope through the one measured peak, else None."""
+    measured = sorted((t.batch_size, t.peak_allocated_bytes) for t in trials if t.fits and t.peak_allocated_bytes)
+    if len({b for b, _ in measured}) >= 2:
+        return secant("measured", measured)
+    if measured and traced_slope:
+        b, peak = measured[-1]
+        return Line("measured + traced slope", peak - traced_slope * b, traced_slope)
+    return None
 
 
 def find_max_batch(workload: Workload, *, target: Target, options: StepOptions | None = None,
                    policy: str = "guided", multiple_of: int = 1, smallest: int = 1, largest: int = 1 << 16,
                    steps: int = 2, isolate: bool = False, spec: str | None = None, seq_len: int | None = None,
                    stop_on_nan: bool = False, target_util: float = 0.9, global_batch: int | None = None,
-                   progress: Callable[[str], None] | None = None) -> ProbeResult:
-    """Probe ``workload`` on ``target`` and return the largest batch that ran."""
+                   verify_tiers: bool = False, progress: Callable[[str], None] | None = None) -> ProbeResult:
+    """Probe ``workload`` on ``target`` and return the largest batch that ran.
+
+    ``verify_tiers`` probes every recommended tier; by default they are predicted from the
+    measured line and at most one extra probe checks the production tier.
+    """
     options = options or StepOptions()
     _validate(policy, multiple_of, smallest, largest, steps, target_util, global_batch)
     multiple_of = workload.batch_multiple(multiple_of)
@@ -181,8 +206,9 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     started = time.perf_counter()
     # Every decision uses the smallest usable memory of all ranks, so all ranks decide alike.
     capacity = ranks.agree_min(target.device.usable_bytes) if target.device else None
+    # A CPU run has no GPU memory to predict (its probes measure no peaks).
     predictor = (_Predictor(workload, options, target, capacity, multiple_of, largest, say)
-                 if target.device is not None and (policy == "guided" or target.kind == "cuda") else None)
+                 if target.kind in ("virtual", "cuda") and (policy == "guided" or target.kind == "cuda") else None)
     trials: list[Trial] = []
 
     def probe(batch_size: int) -> Trial:
@@ -208,7 +234,9 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
             result = search.binsearch(probe, **bounds)
         else:
             result = getattr(search, policy)(probe, **bounds)
-        recommendations = _recommend(result, probe, trials, capacity, target_util, global_batch, bounds)
+        slope = predictor.slope if predictor else None
+        recommendations = _recommend(result, probe, trials, capacity, target_util, global_batch, bounds,
+                                     slope, verify_tiers)
     except SearchStopped as stop:
         stopped, recommendations = stop.trial, []
     return ProbeResult(
@@ -221,46 +249,79 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
 
 
 def _recommend(result: SearchResult, probe: Callable[[int], Trial], trials: list[Trial], capacity: int | None,
-               target_util: float, global_batch: int | None, bounds: dict) -> list[Recommendation]:
+               target_util: float, global_batch: int | None, bounds: dict, traced_slope: float | None = None,
+               verify_tiers: bool = False) -> list[Recommendation]:
     best = result.max_batch_size
     if not best:
         return []
     best_trial = next((t for t in trials if t.batch_size == best), None)
     peak = best_trial.peak_allocated_bytes if best_trial else None
     out = [Recommendation("maximum", best, peak, "the largest batch that ran")]
+    m = bounds["multiple_of"]
     if capacity and peak:
+        extra_probes = 0
         for name, util in (("production", target_util), ("conservative", CONSERVATIVE_UTIL)):
             limit = int(util * capacity)
-
-            def under(trial: Trial, limit: int = limit) -> Trial:
-                fits = trial.fits and (trial.peak_allocated_bytes or 0) <= limit
-                return Trial(trial.batch_size, "ok" if fits else "oom", peak_allocated_bytes=trial.peak_allocated_bytes)
-
-            def predict(seen: list[Trial], limit: int = limit) -> int:
-                measured = sorted((t.batch_size, t.peak_allocated_bytes) for t in trials
-                                  if t.fits and t.peak_allocated_bytes)
-                line = fit_line("measured", measured[-2:]) if len(measured) >= 2 else None
-                if line is None or not line.bytes_per_sample:
-                    return best
-                return int((limit - line.fixed_bytes) / line.bytes_per_sample)
-
-            found = search.guided(lambda b, under=under: under(probe(b)), predict,
-                                  known=[under(t) for t in trials], **{**bounds, "hi": best})
-            if found.max_batch_size:
-                b = found.max_batch_size
-                b_peak = next(t.peak_allocated_bytes for t in trials if t.batch_size == b)
-                out.append(Recommendation(name, b, b_peak, f"the largest probed batch under {util:.0%} of usable memory"))
+            why = f"the largest batch under {util:.0%} of usable memory"
+            if verify_tiers:  # search under the limit until the next size up is shown to exceed it
+                found = search.guided(lambda b, limit=limit: _under(probe(b), limit),
+                                      lambda seen, limit=limit: _predict_under(limit, trials, traced_slope, best, m),
+                                      known=[_under(t, limit) for t in trials], **{**bounds, "hi": best})
+                ran = next((t for t in trials if t.batch_size == found.max_batch_size), None)
+                if ran:
+                    out.append(Recommendation(name, ran.batch_size, ran.peak_allocated_bytes, why + " (probed)"))
+                continue
+            tier = _tier(name, why, limit, trials, traced_slope, bounds["lo"], best, m)
+            if tier and tier.source == "predicted" and extra_probes == 0:
+                # One extra probe in all: the production tier, the one to train with.
+                extra_probes += 1
+                probe(tier.batch_size)
+                tier = _tier(name, why, limit, trials, traced_slope, bounds["lo"], best, m)
+            if tier:
+                out.append(tier)
     if global_batch:
         micro_cap = next((r.batch_size for r in out if r.name == "production"), best)
-        m = bounds["multiple_of"]
         micros = [d for d in range(m, min(micro_cap, global_batch) + 1, m) if global_batch % d == 0]
         if micros:
             micro = micros[-1]
             out.append(Recommendation("global batch", micro, None,
                                       f"{global_batch} samples per optimizer step as {global_batch // micro} "
-                                      f"micro-batches of {micro} (no larger than {micro_cap}, which ran)",
+                                      f"micro-batches of {micro} (no larger than {micro_cap})",
                                       accumulation_steps=global_batch // micro))
         else:
             out.append(Recommendation("global batch", 0, None, f"no multiple of {m} up to {micro_cap} divides "
                                       f"{global_batch}: choose a global batch that is a multiple of {m}"))
     return out
+
+
+def _under(trial: Trial, limit: int) -> Trial:
+    """A trial as 'fits under ``limit``' rather than 'fits the device'."""
+    fits = trial.fits and (trial.peak_allocated_bytes or 0) <= limit
+    return Trial(trial.batch_size, "ok" if fits else "oom", peak_allocated_bytes=trial.peak_allocated_bytes)
+
+
+def _predict_under(limit: int, trials: list[Trial], traced_slope: float | None, best: int, m: int) -> int:
+    """The measured line's largest multiple of ``m`` under ``limit``, below any size known to
+    exceed it and no larger than the maximum (0 when the line cannot say)."""
+    line = measured_line(trials, traced_slope)
+    if line is None or not line.bytes_per_sample:
+        return 0
+    predicted = min(int((limit - line.fixed_bytes) / line.bytes_per_sample) // m * m, best)
+    failed_above = min((t.batch_size for t in trials if not _under(t, limit).fits), default=None)
+    return predicted if failed_above is None else min(predicted, failed_above - m)
+
+
+def _tier(name: str, why: str, limit: int, trials: list[Trial], traced_slope: float | None, lo: int,
+          best: int, m: int) -> Recommendation | None:
+    """The largest batch under ``limit``: a probed one when the measured line says no
+    larger size fits, else the line's prediction (labelled predicted)."""
+    probed = max((t for t in trials if _under(t, limit).fits), key=lambda t: t.batch_size, default=None)
+    predicted = _predict_under(limit, trials, traced_slope, best, m)
+    if probed and predicted <= probed.batch_size:
+        return Recommendation(name, probed.batch_size, probed.peak_allocated_bytes, why + " (probed)")
+    if predicted < lo:
+        return None
+    line = measured_line(trials, traced_slope)
+    return Recommendation(name, predicted, int(line.at(predicted)),
+                          why + f", predicted from the measured line ({line.bytes_per_sample / 2**20:.1f} MiB "
+                          "per sample); not probed", source="predicted")

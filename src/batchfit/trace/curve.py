@@ -40,6 +40,17 @@ def fit_line(phase: str, points: list[tuple[int, int]]) -> Line:
     return Line(phase, mean_y - slope * mean_x, slope)
 
 
+def secant(phase: str, points: list[tuple[int, int]]) -> Line:
+    """The line through the two largest batch sizes of ``points`` (one point: flat).
+
+    Near the largest batches, not through all of them: at tiny batches the moment a phase
+    peaks can differ (fixed costs dominate), which bends a least-squares line fitted from
+    batch 1 and 2 by 10% and more at batch 600. The tracer's curve, the probe's measured
+    line and its tiers all extrapolate with this one rule.
+    """
+    return fit_line(phase, sorted(points)[-2:])
+
+
 @dataclass(frozen=True)
 class MemoryCurve:
     """The upper envelope of one line per phase."""
@@ -89,15 +100,10 @@ class MemoryCurve:
 
 
 def fit_curve(points: dict[int, dict[str, int]]) -> MemoryCurve:
-    """One line per phase through its two largest traced batch sizes.
-
-    A secant near the largest batches, not a fit through all of them: at tiny batches the
-    moment a phase peaks can differ (fixed costs dominate), which bends a line fitted from
-    batch 1 and 2 by 10% and more at batch 600.
-    """
+    """One line per phase through its two largest traced batch sizes (:func:`secant`)."""
     lines = []
     for phase in PHASES:
         series = [(b, peaks[phase]) for b, peaks in sorted(points.items()) if phase in peaks]
         if series:
-            lines.append(fit_line(phase, series[-2:]))
+            lines.append(secant(phase, series))
     return MemoryCurve(tuple(lines))

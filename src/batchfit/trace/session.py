@@ -16,9 +16,10 @@ import torch
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from batchfit.errors import BatchfitError, TraceError
+from batchfit.errors import BatchfitError, ModelSpecError, TraceError
 from batchfit.step import TrainingStep
 from batchfit.trace.cuda_attention import CudaAttention
+from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot
 from batchfit.workload import StepOptions, Workload
 
@@ -33,6 +34,36 @@ _CANNOT_FAKE = (
 class TracePoint:
     batch_size: int
     snapshot: Snapshot
+
+
+def install_cuda_mirrors(step: TrainingStep) -> None:
+    """Make a step on fake CPU tensors allocate what it would on a CUDA device.
+
+    Installed around the step, not inside it: the optimizer takes the path PyTorch picks for
+    CUDA tensors, and mixed precision casts by CUDA's autocast table.
+    """
+    # PyTorch picks foreach=True for CUDA tensors when the user left it unset; on CPU (and
+    # fake) tensors it picks the per-parameter loop, which needs less scratch memory.
+    for group in step.optimizer.param_groups:
+        if group.get("foreach", "absent") is None and not group.get("fused"):
+            group["foreach"] = True
+    precision = step.options.precision
+    if precision in ("bf16-mixed", "fp16-mixed"):
+        mirror = CudaAutocast(torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
+        step.step_context, step.forward_autocast = (lambda: mirror), mirror.forward
+
+
+def _require_fake_parameters(step: TrainingStep, name: str) -> None:
+    """A model built before the trace began holds real tensors that the tracker never saw
+    being made: it would be traced as 0 bytes of parameters. Say so instead."""
+    real = [n for n, t in (*step.model.named_parameters(), *step.model.named_buffers())
+            if not isinstance(t, fake_tensor.FakeTensor)]
+    if real:
+        raise ModelSpecError(
+            f"{name}: build_model returned a model that was built before batchfit called it "
+            f"({len(real)} tensors such as '{real[0]}' already existed), so its memory cannot be "
+            "traced: construct the model inside build_model, e.g. build_model=lambda: MyModel(config)"
+        )
 
 
 class TraceSession:
@@ -50,8 +81,10 @@ class TraceSession:
                                      round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
         self._warm = False
         with self.tracing("building the model"):
-            self.step = TrainingStep(workload, options, torch.device("cpu"),
-                                     cuda_semantics=cuda_semantics)
+            self.step = TrainingStep(workload, options, torch.device("cpu"))
+        _require_fake_parameters(self.step, workload.name)
+        if cuda_semantics:
+            install_cuda_mirrors(self.step)
         self.tracker.host_optimizer_scalars = not any(
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
