@@ -9,11 +9,15 @@ GPT-2 at seq 1024 that is gigabytes a layer that a GPU never holds.
 While tracing, :class:`CudaAttention` replaces SDPA's composite kernel (the one that picks a
 backend) with one that picks as CUDA does: PyTorch's CPU flash kernel, whose saved tensors
 (output + logsumexp) match the CUDA fused kernels, or the math path for head sizes the fused
-kernels refuse. It is a dispatcher registration, below autocast (which has already cast the
-inputs) and above autograd, so activation-checkpointing recomputation sees it too.
+kernels refuse. Grouped-query calls (``enable_gqa=True``, Llama-3's 8 K/V heads for 32 Q
+heads) keep K/V unexpanded on the flash path, as CUDA's flash kernel does, and go to the
+math path (K/V repeated to Q's heads) where CUDA's fused kernels refuse them. It is a
+dispatcher registration, below autocast (which has already cast the inputs) and above
+autograd, so activation-checkpointing recomputation sees it too.
 
 Known limit: the fused backward kernels allocate scratch of their own (flash attention's
-fp32 dq accumulator) that no op returns; it is not counted.
+fp32 dq accumulator; with GQA, dK/dV at Q's head count before they are summed per group)
+that no op returns; it is not counted.
 """
 
 from __future__ import annotations
@@ -32,16 +36,30 @@ def cuda_would_fuse(query: torch.Tensor) -> bool:
     return query.shape[-1] % 8 == 0
 
 
+def cuda_flash_takes_gqa(query: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
+    """Whether CUDA runs a grouped-query call (``enable_gqa=True``, fewer K/V heads) fused.
+
+    Only flash attention reads K/V with fewer heads than Q (``can_use_flash_attention`` in
+    ``cuda/sdp_utils.cpp`` checks heads with GQA allowed); the memory-efficient kernel of
+    the released versions refuses it, so a masked, fp32 or head-size > 256 GQA call runs
+    the math path. Flash takes no mask and only fp16/bf16 (compute capability >= 8.0).
+    """
+    return (cuda_would_fuse(query) and query.shape[-1] <= 256 and attn_mask is None
+            and query.dtype in (torch.float16, torch.bfloat16))
+
+
 def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                      scale=None, enable_gqa=False):
-    if cuda_would_fuse(query):
+    grouped = enable_gqa and key.shape[-3] != query.shape[-3]
+    fused = cuda_flash_takes_gqa(query, attn_mask) if grouped else cuda_would_fuse(query)
+    if fused:
+        # K/V go in with their own (fewer) heads, as CUDA's flash kernel reads them: it
+        # saves them unexpanded, plus the output and an fp32 logsumexp of Q's heads.
         out, _ = _FLASH_CPU(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
         return out
-    if enable_gqa and key.shape[-3] != query.shape[-3]:
-        repeat = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    # The math path repeats K/V to Q's heads itself (pre_process_group_query_attention_input).
     return _MATH(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                 is_causal=is_causal, scale=scale)[0]
+                 is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)[0]
 
 
 class CudaAttention:

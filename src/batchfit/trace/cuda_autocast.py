@@ -2,16 +2,27 @@
 
 The tracer runs on fake CPU tensors, because this CPU build of PyTorch cannot fake CUDA
 tensors past their creation. CPU autocast and CUDA autocast cast different ops: on CUDA,
-``softmax``, ``log_softmax``, ``layer_norm`` and ``rms_norm`` run in fp32 (so the logits of a
-language model become an fp32 tensor inside the loss), on CPU they stay in bf16. Since that
-changes the bytes of the largest tensors of a step, :class:`CudaAutocast` swaps the
-CPU autocast table for CUDA's for the duration of a trace.
+``softmax``, ``log_softmax``, ``layer_norm``, ``rms_norm``, ``norm`` and ``sum`` give fp32
+(so the logits of a language model become an fp32 tensor inside the loss), on CPU they stay
+in bf16; CUDA refuses ``binary_cross_entropy`` outright. Since that changes the bytes of the
+largest tensors of a step, :class:`CudaAutocast` runs CUDA's table for the duration of a trace.
 
-The op lists are read from ``ATen/autocast_mode.h`` of the installed PyTorch (the same
-macros that build the CUDA table), so they follow the user's PyTorch version. Each policy
-does what ``WrapFunction_`` in ``aten/src/ATen/autocast_mode.h`` does for CUDA, including
-the cast cache of fp32 leaf tensors that require grad (the model weights).
-Use :class:`CudaAutocast` around a whole training step.
+Which ops: the dispatcher's ``AutocastCUDA`` registrations of the installed PyTorch (they
+exist in the CPU build too). Which policy each has: the macros of ``ATen/autocast_mode.h``
+(the same ones that build the CUDA table) plus the few registrations that
+``aten/src/ATen/autocast_mode.cpp`` makes by hand (``cudnn_convolution*``; ``norm``'s
+fp32_append_dtype via ``AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE``; ``binary_cross_entropy``,
+banned). :func:`not_mirrored` lists what is registered but has no policy here, with the reason.
+Each policy does what ``WrapFunction_`` in ``autocast_mode.h`` does for CUDA, including the
+cast cache of fp32 leaf tensors that require grad (the model weights).
+
+How: the kernels are registered once per process on a dispatch key that no tensor carries,
+``AutocastIPU`` (Graphcore's; it sorts above ``AutocastCPU``, so it runs first). Entering
+:class:`CudaAutocast` adds that key to the thread's dispatch keys; leaving removes it. CPU
+autocast's own kernels are never replaced, so outside a trace it behaves exactly as before,
+and entering the mirror costs two thread-local flag flips. The mirror's kernels act only
+while CPU autocast is on (``forward()``, and checkpointing's recomputation, which turns CPU
+autocast back on as it was in forward), and then keep CPU autocast's kernels out of the way.
 """
 
 from __future__ import annotations
@@ -19,48 +30,126 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 _HEADER = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
-_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+_MIRROR_KEY = torch._C.DispatchKey.AutocastIPU
+_CPU_KEY = torch._C.DispatchKey.AutocastCPU
+_BOTH_KEYS = torch._C.DispatchKeySet(_MIRROR_KEY) | torch._C.DispatchKeySet(_CPU_KEY)
 
-# Used when the header is not shipped (some builds strip include/): PyTorch 2.13's lists.
-_FALLBACK = {
-    "AT_FORALL_LOWER_PRECISION_FP": "conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d "
-    "conv_transpose3d convolution _convolution prelu addmm addmv addr matmul einsum mm mv "
-    "linalg_vecdot linear addbmm baddbmm bmm chain_matmul linalg_multi_dot lstm_cell gru_cell "
-    "rnn_tanh_cell rnn_relu_cell _scaled_dot_product_flash_attention scaled_dot_product_attention",
-    "AT_FORALL_FP32": "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan "
-    "pow softplus layer_norm native_layer_norm rms_norm group_norm frobenius_norm nuclear_norm "
-    "cosine_similarity poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d "
-    "hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss margin_ranking_loss "
-    "multilabel_margin_loss soft_margin_loss triplet_margin_loss multi_margin_loss "
-    "binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp",
-    "AT_FORALL_FP32_SET_OPT_DTYPE": "prod softmax log_softmax cumprod cumsum linalg_vector_norm "
-    "linalg_matrix_norm sum",
-    "AT_FORALL_PROMOTE": "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put "
-    "tensordot scatter_add",
+_MACRO_POLICIES = {
+    "AT_FORALL_LOWER_PRECISION_FP": "lower_precision_fp",
+    "AT_FORALL_FP32": "fp32",
+    "AT_FORALL_FP32_SET_OPT_DTYPE": "fp32_set_opt_dtype",
+    "AT_FORALL_PROMOTE": "promote",
 }
+
+# Registered for AutocastCUDA in autocast_mode.cpp itself, outside the header's macros.
+_CPP_POLICIES = {
+    "aten::cudnn_convolution": "lower_precision_fp",
+    "aten::cudnn_convolution_transpose": "lower_precision_fp",
+    "aten::binary_cross_entropy": "banned",
+}
+
+# PyTorch 2.13's header, for builds that do not ship include/ (one string per macro).
+_FALLBACK = {
+    "lower_precision_fp": "_convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc "
+    "conv_transpose1d conv_transpose2d.input conv_transpose3d.input convolution prelu addmm addmv "
+    "addr matmul einsum mm mv linalg_vecdot linear addbmm baddbmm bmm chain_matmul "
+    "linalg_multi_dot _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell "
+    "rnn_relu_cell _scaled_dot_product_flash_attention scaled_dot_product_attention",
+    "fp32": "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan "
+    "pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar softplus layer_norm native_layer_norm rms_norm "
+    "group_norm frobenius_norm.dim nuclear_norm nuclear_norm.dim cosine_similarity poisson_nll_loss "
+    "cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div l1_loss smooth_l1_loss "
+    "huber_loss mse_loss margin_ranking_loss multilabel_margin_loss soft_margin_loss "
+    "triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits dist pdist cdist renorm "
+    "logsumexp upsample_nearest1d _upsample_nearest_exact1d upsample_nearest2d "
+    "_upsample_nearest_exact2d upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d "
+    "upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d "
+    "_upsample_bicubic2d_aa",
+    "fp32_set_opt_dtype": "prod prod.dim_int softmax.int log_softmax.int cumprod cumsum "
+    "linalg_vector_norm linalg_matrix_norm linalg_matrix_norm.str_ord sum sum.dim_IntList",
+    "fp32_append_dtype": "norm.Scalar norm.ScalarOpt_dim",
+    "promote": "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot "
+    "scatter_add",
+}
+
+# What CUDA raises (binary_cross_entropy_banned in autocast_mode.cpp), word for word.
+BCE_BANNED_MESSAGE = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+    "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+    "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+    "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+    "safe to autocast."
+)
+
+
+def _header_policies(text: str) -> dict[str, str]:
+    """``{'aten::op.overload': policy}`` from the macros of ``autocast_mode.h``."""
+    policies = {}
+    for macro, policy in _MACRO_POLICIES.items():
+        body = re.search(rf"#define {macro}\(_\)(.*?)\n\n", text, re.S)
+        for name, overload in re.findall(r"_\((\w+)(?:,\s*(\w+))?\)", body.group(1) if body else ""):
+            policies[f"aten::{name}.{overload}" if overload else f"aten::{name}"] = policy
+    body = re.search(r"#define AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE\(_\)(.*?)\n\n", text, re.S)
+    for entry in (body.group(1).replace("\\\n", " ").split("_(ADD_NS(")[1:] if body else []):
+        found = re.search(r'"([\w.]+)".*,\s*(\w+)\)', entry, re.S)
+        if found:
+            policies[f"aten::{found.group(1)}"] = found.group(2)
+    return policies
+
+
+def _fallback_policies() -> dict[str, str]:
+    return {f"aten::{op}": policy for policy, ops in _FALLBACK.items() for op in ops.split()}
 
 
 @functools.cache
-def cuda_op_lists() -> dict[str, frozenset[str]]:
-    """The CUDA autocast op names by policy, read from the installed PyTorch's header."""
-    text = _HEADER.read_text() if _HEADER.exists() else ""
-    lists = {}
-    for macro, fallback in _FALLBACK.items():
-        found = re.search(rf"#define {macro}\(_\)(.*?)\n\n", text, re.S)
-        names = re.findall(r"_\(([a-z_0-9]+)", found.group(1)) if found else fallback.split()
-        lists[macro] = frozenset(names)
-    return lists
+def _known_policies() -> dict[str, str]:
+    parsed = _header_policies(_HEADER.read_text()) if _HEADER.exists() else {}
+    return {**_fallback_policies(), **parsed, **_CPP_POLICIES}
+
+
+@functools.cache
+def cuda_autocast_policies() -> dict[str, str]:
+    """The policy of each op that CUDA autocast handles in the installed PyTorch.
+
+    Keys are the dispatcher's names (``aten::softmax.int``; no overload means ``default``),
+    values one of ``lower_precision_fp``, ``fp32``, ``fp32_set_opt_dtype``,
+    ``fp32_append_dtype``, ``promote``, ``banned``.
+    """
+    known = _known_policies()
+    registered = torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")
+    return {op: known[op] for op in sorted(registered) if op in known and _resolve(op)}
+
+
+@functools.cache
+def not_mirrored() -> dict[str, str]:
+    """CUDA autocast registrations the mirror leaves alone, and why."""
+    known, skipped = _known_policies(), {}
+    for op in sorted(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")):
+        if not op.startswith("aten::"):
+            skipped[op] = ("registered by another library with a policy of its own; "
+                           "its CPU autocast kernel, if any, runs instead")
+        elif op not in known:
+            skipped[op] = ("no policy known to batchfit for this PyTorch version; CPU autocast's "
+                           "rule applies (add it to cuda_autocast.py)")
+        elif _resolve(op) is None:
+            skipped[op] = "not callable from Python in this build"
+    return skipped
+
+
+def _resolve(qualified: str) -> torch._ops.OpOverload | None:
+    name, _, overload = qualified.removeprefix("aten::").partition(".")
+    return getattr(getattr(torch.ops.aten, name, None), overload or "default", None)
 
 
 def _eligible(t: object) -> bool:
+    """CUDA's ``is_eligible``: floating point and not double (the device is taken as CUDA)."""
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
 
 
@@ -69,12 +158,14 @@ class _CastCache:
 
     def __init__(self) -> None:
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.enabled = True
+        self.enabled = False
 
     def cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if t.dtype == dtype:
             return t
-        cacheable = self.enabled and dtype != torch.float32 and t.is_leaf and t.requires_grad
+        # cached_cast's test: a cast to the low dtype, of an fp32 leaf (not a view) that requires grad
+        cacheable = (self.enabled and dtype != torch.float32 and t.dtype == torch.float32
+                     and t.is_leaf and t.requires_grad and not t._is_view())
         if cacheable and id(t) in self.copies:
             return self.copies[id(t)][1]
         copy = t.to(dtype)
@@ -83,46 +174,104 @@ class _CastCache:
         return copy
 
 
-def _policy_kernel(op: torch._ops.OpOverload, policy: str, low: torch.dtype, cache: _CastCache):
-    dtype_index = next(
-        (i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None
-    )
+_active: list[CudaAutocast] = []
+_NO_CACHE = _CastCache()
 
-    def kernel(*args, **kwargs):
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-            if policy == "lower":
-                cast = lambda t: cache.cast(t, low) if _eligible(t) else t  # noqa: E731
-                return op(*tree_map(cast, args), **tree_map(cast, kwargs))
-            if policy == "fp32":
-                cast = lambda t: t.float() if _eligible(t) else t  # noqa: E731
-                return op(*tree_map(cast, args), **tree_map(cast, kwargs))
-            if policy == "fp32_opt_dtype":
-                # CUDA calls the op with dtype=float32 when none was given: the output is fp32,
-                # the input is read as it is (no fp32 copy of it is made).
-                if args and _eligible(args[0]) and dtype_index is not None:
-                    given = args[dtype_index] if dtype_index < len(args) else kwargs.get("dtype")
-                    if given is None:
-                        if dtype_index < len(args):
-                            args = (*args[:dtype_index], torch.float32, *args[dtype_index + 1 :])
-                        else:
-                            kwargs = {**kwargs, "dtype": torch.float32}
-                return op(*args, **kwargs)
-            # promote: every floating tensor to the widest floating dtype among them
-            leaves = [t for t in (*args, *kwargs.values()) if _eligible(t)]
-            widest = functools.reduce(torch.promote_types, (t.dtype for t in leaves), low)
-            cast = lambda t: t.to(widest) if _eligible(t) else t  # noqa: E731
-            return op(*tree_map(cast, args), **tree_map(cast, kwargs))
+
+def _cast_all(args, kwargs, to: Callable[[torch.Tensor], torch.Tensor]):
+    cast = lambda t: to(t) if _eligible(t) else t  # noqa: E731
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+def _policy_call(op, policy: str, args: tuple, kwargs: dict) -> object:
+    """What CUDA's wrapper does for ``policy`` (autocast keys already excluded)."""
+    low = torch.get_autocast_dtype("cpu")
+    if policy == "lower_precision_fp":
+        cache = _active[-1].cache if _active else _NO_CACHE
+        args, kwargs = _cast_all(args, kwargs, lambda t: cache.cast(t, low))
+        return op(*args, **kwargs)
+    if policy == "fp32":
+        args, kwargs = _cast_all(args, kwargs, lambda t: t.float())
+        return op(*args, **kwargs)
+    if policy == "fp32_set_opt_dtype":
+        # The output dtype becomes fp32 when none was given; the input is read as it is.
+        names = [a.name for a in op._schema.arguments]
+        if args and _eligible(args[0]) and "dtype" in names:
+            at = names.index("dtype")
+            if at < len(args) and args[at] is None:
+                args = (*args[:at], torch.float32, *args[at + 1:])
+            elif at >= len(args) and kwargs.get("dtype") is None:
+                kwargs = {**kwargs, "dtype": torch.float32}
+        return op(*args, **kwargs)
+    if policy == "fp32_append_dtype":
+        # norm(x, p) becomes norm(x, p, dtype=fp32): the overload that takes a dtype.
+        out_dtype = torch.float32 if _eligible(args[0]) else args[0].dtype
+        return _with_dtype_overload(op)(*args, **kwargs, dtype=out_dtype)
+    if policy == "promote":
+        widest = low
+        for t in tree_leaves((args, kwargs)):
+            if not _eligible(t) or t.dtype == widest:
+                continue
+            if t.dtype != torch.float32 and widest != torch.float32:
+                raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
+            widest = torch.float32
+        args, kwargs = _cast_all(args, kwargs, lambda t: t.to(widest))
+        return op(*args, **kwargs)
+    if policy == "banned":
+        raise RuntimeError(BCE_BANNED_MESSAGE)
+    raise ValueError(f"unknown autocast policy {policy!r}")
+
+
+@functools.cache
+def _with_dtype_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
+    """The overload of ``op``'s packet whose arguments are ``op``'s plus ``dtype``."""
+    names = [a.name for a in op._schema.arguments] + ["dtype"]
+    packet = getattr(torch.ops.aten, op._schema.name.removeprefix("aten::"))
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        if [a.name for a in candidate._schema.arguments] == names:
+            return candidate
+    raise RuntimeError(f"{op} has no overload with a dtype argument to append fp32 to")
+
+
+def _mirror_kernel(op: torch._ops.OpOverload, policy: str):
+    def kernel(keyset, *args, **kwargs):
+        # Off outside forward: CPU autocast's flag is what checkpointing saves and restores.
+        # (The keyset cannot tell: it drops AutocastCPU for ops CPU autocast has no kernel for.)
+        if not torch.is_autocast_enabled("cpu"):
+            return op.redispatch(keyset.remove(_MIRROR_KEY), *args, **kwargs)
+        # As CUDA's wrappers do, the op and everything it calls run with autocast off.
+        with torch._C._ExcludeDispatchKeyGuard(_BOTH_KEYS):
+            return _policy_call(op, policy, args, kwargs)
 
     return kernel
 
 
-def _overloads(name: str) -> Iterator[torch._ops.OpOverload]:
-    packet = getattr(torch.ops.aten, name, None)
-    if packet is None:
-        return
-    for overload in packet.overloads():
-        if "out" not in overload:  # autocast never wraps the out= variants
-            yield getattr(packet, overload)
+def _skip_cpu_autocast_kernel(op: torch._ops.OpOverload):
+    # An op that CPU autocast casts and CUDA autocast does not: run it past both keys, so a
+    # composite one (cross_entropy_loss) decomposes into ops that meet CUDA's table again.
+    def kernel(keyset, *args, **kwargs):
+        return op.redispatch(keyset.remove(_MIRROR_KEY).remove(_CPU_KEY), *args, **kwargs)
+
+    return kernel
+
+
+@functools.cache
+def _install() -> tuple[torch.library.Library, torch.library.Library]:
+    """Register the mirror's kernels, once per process; they act only where the key is on."""
+    lib = torch.library.Library("aten", "IMPL")
+    fallback = torch.library.Library("_", "IMPL")
+    # Ops with no kernel of ours go straight on (no tensor carries the key by itself).
+    fallback.fallback(torch.library.fallthrough_kernel, _MIRROR_KEY.name)
+    policies = cuda_autocast_policies()
+    for qualified, policy in policies.items():
+        lib.impl(_resolve(qualified), _mirror_kernel(_resolve(qualified), policy),
+                 _MIRROR_KEY.name, with_keyset=True)
+    for qualified in sorted(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")):
+        op = _resolve(qualified) if qualified.startswith("aten::") else None
+        if op is not None and qualified not in policies:
+            lib.impl(op, _skip_cpu_autocast_kernel(op), _MIRROR_KEY.name, with_keyset=True)
+    return lib, fallback
 
 
 class CudaAutocast:
@@ -138,44 +287,31 @@ class CudaAutocast:
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.cache = _CastCache()
-        self._lib: torch.library.Library | None = None
+        self._saved_tls: tuple[bool, bool] | None = None
 
     def __enter__(self) -> CudaAutocast:
-        lists = cuda_op_lists()
-        policies = {
-            "lower": lists["AT_FORALL_LOWER_PRECISION_FP"],
-            "fp32": lists["AT_FORALL_FP32"],
-            "fp32_opt_dtype": lists["AT_FORALL_FP32_SET_OPT_DTYPE"],
-            "promote": lists["AT_FORALL_PROMOTE"],
-        }
-        cuda_names = set().union(*policies.values())
-        self._lib = lib = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-            for policy, names in policies.items():
-                for name in sorted(names):
-                    for op in _overloads(name):
-                        lib.impl(op, _policy_kernel(op, policy, self.dtype, self.cache), "AutocastCPU")
-            # Ops that CPU autocast casts but CUDA autocast leaves alone fall through, so
-            # composite ones (cross_entropy_loss) decompose into ops that CUDA does cast.
-            for qualified in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"):
-                name, _, overload = qualified.removeprefix("aten::").partition(".")
-                if name not in cuda_names and hasattr(torch.ops.aten, name):
-                    op = getattr(getattr(torch.ops.aten, name), overload or "default")
-                    lib.impl(op, torch.library.fallthrough_kernel, "AutocastCPU")
+        _install()
+        self._saved_tls = (torch._C._dispatch_tls_is_dispatch_key_included(_MIRROR_KEY),
+                           torch._C._dispatch_tls_is_dispatch_key_excluded(_MIRROR_KEY))
+        # Autocast keys start excluded for every thread; the mirror's must be let in too.
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_MIRROR_KEY, False)
+        torch._C._dispatch_tls_set_dispatch_key_included(_MIRROR_KEY, True)
+        _active.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _active.remove(self)
         self.cache.copies.clear()
-        if self._lib is not None:
-            self._lib._destroy()
-            self._lib = None
+        included, excluded = self._saved_tls
+        torch._C._dispatch_tls_set_dispatch_key_included(_MIRROR_KEY, included)
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_MIRROR_KEY, excluded)
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         """The autocast region of the forward pass."""
         self.cache.enabled = True
         try:
+            # CPU autocast's own cache stays off: the mirror keeps CUDA's.
             with torch.autocast("cpu", dtype=self.dtype, cache_enabled=False):
                 yield
         finally:
