@@ -19,8 +19,7 @@ import torch
 from batchfit.devices import Device
 from batchfit.errors import OptionError
 from batchfit.trace.curve import MemoryCurve
-from batchfit.trace.point import MemoryPoint, TracedCurve, allocated_point
-from batchfit.trace.session import TraceSession
+from batchfit.trace.point import MemoryPoint, TracedCurve
 from batchfit.workload import StepOptions, Workload
 
 DEFAULT_MAX_BATCH = 1 << 16
@@ -58,6 +57,10 @@ class EstimateResult:
     trace_seconds: float
     traces: int
     suggestions: list[Suggestion] = field(default_factory=list)
+    depth_blocks: int | None = None
+    """When set, the points were traced at depths 1, 2, 3 of this many blocks and extrapolated
+    (exactly: the three lay on one line), except the batch sizes in ``full_traces``."""
+    full_traces: list[int] = field(default_factory=list)
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
 
@@ -101,6 +104,8 @@ class EstimateResult:
             "suggestions": [vars(s) for s in self.suggestions],
             "trace_seconds": round(self.trace_seconds, 2),
             "traces": self.traces,
+            "traced_by_depth": ({"blocks": self.depth_blocks, "depths": [1, 2, 3],
+                                 "full_traces": self.full_traces} if self.depth_blocks else None),
             "created": self.created,
             "torch_version": self.torch_version,
         }
@@ -136,15 +141,15 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         points = traced.points
         suggestions = (_suggestions(workload, options, device, points[min(points)], say)
                        if suggest and answers[0].max_batch_size == 0 else [])
-    session = traced.session
     return EstimateResult(
         workload=workload.name, description=workload.description,
         tokens_per_sample=workload.tokens_per_sample, device=device, options=options,
-        params=session.params, trainable_params=session.trainable_params,
+        params=traced.params, trainable_params=traced.trainable_params,
         points=[points[b] for b in sorted(points)], curve=traced.curve(), target_util=target_util,
         multiple_of=multiple_of, max_batch_size=answers[0].max_batch_size,
         max_batch_size_at_target=answers[1].max_batch_size, capped=answers[0].capped,
         trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions,
+        depth_blocks=traced.blocks, full_traces=traced.full_traces,
     )
 
 
@@ -162,11 +167,11 @@ def _suggestions(workload: Workload, options: StepOptions, device: Device,
         say(f"tracing batch size {smallest.batch_size} with {option}")
         alt = StepOptions(**{**options.to_json(), **changes})
         try:
-            session = TraceSession(workload, alt)
+            traced_alt = TracedCurve(workload, alt, device)
         except OptionError:
             return  # not applicable to this model (no block stack to checkpoint, say)
-        with session:
-            new = allocated_point(session.trace(smallest.batch_size), device.workspace_bytes).peak_bytes
+        with traced_alt:
+            new = traced_alt.point(smallest.batch_size).peak_bytes
         if new < peak:  # a change that saves nothing is not a suggestion
             out.append(Suggestion(change, option, new, peak - new, new <= capacity, "traced"))
 

@@ -61,6 +61,8 @@ class Snapshot:
     breakdown: dict[str, int]
     top: list[dict] = field(default_factory=list)
     peak_by_phase: dict[str, int] = field(default_factory=dict)
+    breakdown_by_phase: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The breakdown at each phase's own peak."""
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -84,6 +86,7 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_seq = 0
         self._peak_phase = "setup"
         self._peak_by_phase: dict[str, int] = {}
+        self._peak_seq_by_phase: dict[str, int] = {}
         self._live: dict[int, Allocation] = {}
         self._host: set[int] = set()
         self._window: list[Allocation] = []
@@ -96,7 +99,13 @@ class MemoryTracker(TorchDispatchMode):
     # --- the step's hooks (batchfit.step.StepHooks) ------------------------------------
     def phase(self, name: str) -> None:
         self.current_phase = name
-        self._peak_by_phase[name] = max(self._peak_by_phase.get(name, 0), self.live_bytes)
+        self._note_phase_peak()
+
+    def _note_phase_peak(self) -> None:
+        phase = self.current_phase
+        if self.live_bytes > self._peak_by_phase.get(phase, -1):
+            self._peak_by_phase[phase] = self.live_bytes
+            self._peak_seq_by_phase[phase] = self._seq
 
     def before_zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.label(model, optimizer)
@@ -140,6 +149,7 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_seq = self._seq
         self._peak_phase = self.current_phase
         self._peak_by_phase = {}
+        self._peak_seq_by_phase = {}
         self._window = list(self._live.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -184,8 +194,7 @@ class MemoryTracker(TorchDispatchMode):
         self.events.append(("malloc", self._seq, storage.nbytes()))
         weakref.finalize(storage, self._free, key).atexit = False
         self.live_bytes += nbytes
-        phase = self.current_phase
-        self._peak_by_phase[phase] = max(self._peak_by_phase.get(phase, 0), self.live_bytes)
+        self._note_phase_peak()
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self._peak_seq = self._seq
@@ -215,21 +224,29 @@ class MemoryTracker(TorchDispatchMode):
         return [record for record in self._live.values() if record.seq > clock]
 
     # --- the answer ----------------------------------------------------------------------
-    def snapshot(self, top_n: int = 10) -> Snapshot:
-        """The peak since start_window(), with its breakdown and largest tensors."""
-        seq = self._peak_seq
-        live = [r for r in self._window
-                if r.seq <= seq and (r.freed_seq is None or r.freed_seq > seq)]
+    def _live_at(self, seq: int) -> list[Allocation]:
+        """What was alive right after event ``seq`` of the current window."""
+        return [r for r in self._window if r.seq <= seq and (r.freed_seq is None or r.freed_seq > seq)]
+
+    @staticmethod
+    def _breakdown(live: list[Allocation]) -> dict[str, int]:
         breakdown = dict.fromkeys(CATEGORIES, 0)
         for record in live:
             breakdown[record.category] += record.nbytes
+        return breakdown
+
+    def snapshot(self, top_n: int = 10) -> Snapshot:
+        """The peak since start_window(), with its breakdown and largest tensors."""
+        live = self._live_at(self._peak_seq)
         top = sorted(live, key=lambda r: r.nbytes, reverse=True)[:top_n]
         return Snapshot(
             peak_bytes=self.peak_bytes,
             phase=self._peak_phase,
-            breakdown=breakdown,
+            breakdown=self._breakdown(live),
             top=[{"bytes": r.nbytes, "shape": list(r.shape), "dtype": r.dtype,
                   "category": r.category, "op": r.op, "module": r.module, "phase": r.phase}
                  for r in top],
             peak_by_phase=dict(self._peak_by_phase),
+            breakdown_by_phase={phase: self._breakdown(self._live_at(seq))
+                                for phase, seq in self._peak_seq_by_phase.items()},
         )

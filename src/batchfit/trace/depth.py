@@ -1,0 +1,97 @@
+"""Trace a deep model at three small depths and extrapolate to its full depth, exactly.
+
+A model whose main stack is ``L`` identical blocks (every transformer) holds, at each phase's
+peak, a fixed part (embeddings, head, logits, the loss) plus ``L`` times what one block adds
+(its parameters, gradients, optimizer state, saved activations). So each phase's peak, and
+each category of its breakdown, is affine in ``L``. Tracing a 32-layer model is 32 layers'
+worth of fake-tensor dispatch; tracing it at depths 1, 2 and 3 is 6, and gives the same
+bytes at depth 32 when the three depths lie on one line, which is checked, byte for byte,
+for every phase and category. When they do not (a model whose blocks differ in what they
+keep), the caller traces the full model instead.
+
+Depth 3 is the check: two depths always fit a line, the third shows that it is one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TypeVar
+
+from torch import nn
+
+from batchfit.step import block_list
+from batchfit.workload import Workload
+
+Point = TypeVar("Point")  # a trace.point.MemoryPoint
+
+DEPTHS: tuple[int, int, int] = (1, 2, 3)
+MIN_BLOCKS = 6
+"""Below this many blocks the full trace is about as cheap as three shallow ones."""
+
+
+class Depth:
+    """What building a truncated model learnt about the full one."""
+
+    def __init__(self) -> None:
+        self.blocks: int | None = None
+        """Blocks in the full model's main stack; None when it has no stack of identical blocks."""
+
+
+def identical_blocks(model: nn.Module) -> nn.ModuleList | None:
+    """The main stack when its blocks are one class with parameters of the same shapes."""
+    blocks = block_list(model)
+    if blocks is None:
+        return None
+    shapes = {tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters()) for block in blocks}
+    return blocks if len(shapes) == 1 else None
+
+
+def at_depth(workload: Workload, depth: int, seen: Depth) -> Workload:
+    """The same workload with only the first ``depth`` blocks of its main stack.
+
+    The model is built whole and cut (building on fake tensors costs no memory), so any
+    model with a ModuleList of identical blocks works, HF and user models alike.
+    """
+
+    def build_model() -> nn.Module:
+        model = workload.build_model()
+        blocks = identical_blocks(model)
+        seen.blocks = len(blocks) if blocks is not None else None
+        if blocks is not None and len(blocks) >= MIN_BLOCKS:
+            del blocks[depth:]
+        return model
+
+    return replace(workload, build_model=build_model)
+
+
+def line_at(values: list[int], depth: int) -> int | None:
+    """The value at ``depth`` of the line through depths 1, 2, 3; None if they are not on one."""
+    v1, v2, v3 = values
+    if v3 - v2 != v2 - v1:
+        return None
+    return v1 + (depth - 1) * (v2 - v1)
+
+
+def extrapolate(points: list[Point], depth: int) -> Point | None:
+    """The point at ``depth`` from points traced at depths 1, 2, 3, or None when memory is
+    not exactly affine in depth (then trace the full model).
+
+    Each phase's peak, and the breakdown at it, is extrapolated on its own line; the step's
+    peak is the largest phase at ``depth``, which need not be the largest at depth 3 (a deep
+    model's optimizer step outgrows the backward's logits).
+    """
+    phases = set(points[0].peak_by_phase)
+    if any(set(p.peak_by_phase) != phases or set(p.breakdown_by_phase) != phases for p in points):
+        return None
+    by_phase = {k: line_at([p.peak_by_phase[k] for p in points], depth) for k in phases}
+    breakdown_by_phase = {}
+    for phase in phases:
+        categories = points[0].breakdown_by_phase[phase]
+        breakdown_by_phase[phase] = {c: line_at([p.breakdown_by_phase[phase].get(c, 0) for p in points], depth)
+                                     for c in categories}
+    if None in by_phase.values() or any(None in b.values() for b in breakdown_by_phase.values()):
+        return None
+    phase = max(by_phase, key=by_phase.get)
+    # the largest tensors of the deepest trace: one block's tensors have the same sizes at any depth
+    return replace(points[-1], peak_bytes=by_phase[phase], phase=phase, breakdown=breakdown_by_phase[phase],
+                   peak_by_phase=by_phase, breakdown_by_phase=breakdown_by_phase)
