@@ -58,7 +58,7 @@ def _scan_backward_(grad: torch.Tensor, v: torch.Tensor, w_h: torch.Tensor) -> N
     carry = torch.zeros_like(grad[0])  # dL/dh_t through h_{t+1}
     one = v.new_ones(())
     for v_t, grad_t in zip(reversed(v.unbind(0)), reversed(grad.unbind(0))):
-        tanh_v = torch.tanh(v_t)  # recomputed from v, as the kernel does
+        tanh_v = torch.tanh(v_t)  # from the kept pre-activation, as a kernel recomputes it
         grad_t.add_(carry).mul_(torch.addcmul(one, tanh_v, tanh_v, value=-1))  # tanh' = 1 - tanh^2
         carry = grad_t @ w_h
 
