@@ -1,7 +1,8 @@
 """Turning a MODEL spec into a Workload.
 
     gpt2-124m                a zoo name            (batchfit.zoo.ZOO)
-    hf:llama-3.1-8b          a shipped transformers config, or hf:path/to/config.json
+    hf:llama-3.1-8b          a shipped transformers config, hf:path/to/config.json, or
+                             hf:path/to/folder (a model folder with a config.json)
     my_model.py:workload     a function in a file that returns a Workload
     my_pkg.models:workload   a function in an importable module
 """
@@ -13,13 +14,15 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import traceback
 from pathlib import Path
+from types import ModuleType
 
-from batchfit.errors import ModelSpecError
+from batchfit.errors import BatchfitError, ModelSpecError
 from batchfit.workload import Workload
 from batchfit.zoo import ZOO
 
-SPEC_HELP = "a zoo name (batchfit zoo), hf:<name> or hf:config.json, or file.py:function"
+SPEC_HELP = "a zoo name (batchfit zoo), hf:<name>, hf:config.json or hf:folder, or file.py:function"
 
 
 def load_workload(spec: str, *, seq_len: int | None = None) -> Workload:
@@ -46,26 +49,101 @@ def _user_workload(spec: str, seq_len: int | None) -> Workload:
     target, _, fn_name = spec.rpartition(":")
     if not fn_name.isidentifier():
         raise ModelSpecError(f"'{spec}': after the colon comes a function name, e.g. my_model.py:workload")
+    module, file = _load_module(target)
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ModelSpecError(f"'{target}' has no function '{fn_name}'")
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: call it and see
+        parameters = {}
+    accepts_seq_len = "seq_len" in parameters
+    if seq_len is not None and not accepts_seq_len:
+        raise ModelSpecError(f"--seq-len was given but {fn_name}() takes no seq_len argument: add one or drop --seq-len")
+    passed = {"seq_len"} if accepts_seq_len and seq_len is not None else set()
+    required = [p.name for p in parameters.values()
+                if p.default is p.empty and p.name not in passed
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if required:
+        line = getattr(getattr(fn, "__code__", None), "co_firstlineno", "?")
+        raise ModelSpecError(
+            f"{file}:{line}: {fn_name}() needs the argument '{required[0]}', but batchfit calls it "
+            f"with none (seq_len only with --seq-len): give '{required[0]}' a default"
+        )
+    try:
+        workload = fn(seq_len=seq_len) if passed else fn()
+    except BatchfitError:
+        raise
+    except Exception as error:  # the user's code failed: point at their line, not ours
+        raise ModelSpecError(
+            f"{_where(error, file)}: {_first_line(error)} (raised in {fn_name}()): fix that line"
+        ) from error
+    if not isinstance(workload, Workload):
+        raise ModelSpecError(f"{spec} returned {type(workload).__name__}, not a batchfit.Workload")
+    return workload
+
+
+def _load_module(target: str) -> tuple[ModuleType, str]:
+    """Import ``target`` (a .py path or a module name); returns the module and its file."""
     if target.endswith(".py"):
         path = Path(target)
         if not path.exists():
             raise ModelSpecError(f"no file '{target}': give the path of a .py file, e.g. ./my_model.py:workload")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
-        sys.modules.setdefault(path.stem, module)
-        module_spec.loader.exec_module(module)
-    else:
+        added = sys.modules.setdefault(path.stem, module) is module
         try:
-            module = importlib.import_module(target)
-        except ImportError as error:
-            raise ModelSpecError(f"cannot import '{target}' ({error}): use file.py:function or module:function") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ModelSpecError(f"'{target}' has no function '{fn_name}'")
-    accepts_seq_len = "seq_len" in inspect.signature(fn).parameters
-    if seq_len is not None and not accepts_seq_len:
-        raise ModelSpecError(f"--seq-len was given but {fn_name}() takes no seq_len argument: add one or drop --seq-len")
-    workload = fn(seq_len=seq_len) if accepts_seq_len and seq_len is not None else fn()
-    if not isinstance(workload, Workload):
-        raise ModelSpecError(f"{spec} returned {type(workload).__name__}, not a batchfit.Workload")
-    return workload
+            module_spec.loader.exec_module(module)
+        except Exception as error:
+            if added:  # as Python's import does: no half-run module left behind
+                sys.modules.pop(path.stem, None)
+            raise _load_error(error, target, target) from error
+        return module, target
+    try:
+        module_spec = importlib.util.find_spec(target)  # imports the parent packages
+    except ModuleNotFoundError as error:
+        if error.name and (target + ".").startswith(error.name + "."):  # a package on the path is missing
+            raise ModelSpecError(
+                f"cannot import '{target}' ({error}): use file.py:function or module:function"
+            ) from None
+        raise _load_error(error, target, target) from error
+    except ValueError as error:
+        raise ModelSpecError(f"cannot import '{target}' ({error}): use file.py:function or module:function") from None
+    except Exception as error:  # a parent package's __init__ failed
+        raise _load_error(error, target, target) from error
+    if module_spec is None:
+        raise ModelSpecError(f"cannot import '{target}': no such module; use file.py:function or module:function")
+    file = module_spec.origin or target
+    try:
+        return importlib.import_module(target), file
+    except Exception as error:
+        raise _load_error(error, file, target) from error
+
+
+def _load_error(error: Exception, file: str, target: str) -> ModelSpecError:
+    """A failure while running the user's module, as one line that names their file and line."""
+    if isinstance(error, SyntaxError):  # compile() raised it: the place is on the error, not the traceback
+        name = error.filename or file
+        if Path(name).resolve() == Path(file).resolve():
+            name = file  # as the user typed it
+        where = f"{name}:{error.lineno or '?'}"
+        return ModelSpecError(f"{where}: SyntaxError: {error.msg}: fix that line")
+    fix = "install that module or fix the import" if isinstance(error, ImportError) else "fix that line"
+    return ModelSpecError(f"{_where(error, file)}: {_first_line(error)} (raised while importing "
+                          f"{target}): {fix}")
+
+
+def _where(error: BaseException, file: str) -> str:
+    """file:line of the innermost traceback frame in ``file`` (the user's line, even when the
+    error came from a library it called), else of the innermost frame outside importlib."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<")]
+    wanted = Path(file).resolve()
+    mine = [f for f in frames if Path(f.filename).resolve() == wanted]
+    if mine:
+        return f"{file}:{mine[-1].lineno}"
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else file
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

@@ -47,19 +47,21 @@ def _transformer(name: str, description: str, default_seq_len: int, **config):
 
 
 def _byte_elman(seq_len: int | None = None) -> Workload:
+    # Seed 000's model: E1, LadderLM(level=1, dim=3584, depth=6) of github.com/ekg/elman.
     cfg = RecurrentConfig(seq_len=seq_len or 512)
     return language_model_workload(
         name="byte-elman-400m", build_model=lambda: RecurrentLM(cfg), vocab_size=cfg.vocab_size,
         seq_len=cfg.seq_len,
-        description=f"byte-level gated Elman RNN (seed 000), d {cfg.d_model}, "
-                    f"{cfg.n_layers} layers, vocab 256, seq {cfg.seq_len}",
+        description=f"byte-level Elman RNN with Mamba-style output gating, 386M parameters: "
+                    f"d {cfg.d_model}, {cfg.n_layers} layers, dense tanh recurrence, vocab 256, seq {cfg.seq_len}",
     )
 
 
 ZOO: dict[str, Callable[..., Workload]] = {
+    # Seed 002's model (its table gives 22,696,448 parameters).
     "gpt-tinystories-22m": _transformer(
-        "gpt-tinystories-22m", "Llama-style GPT of seed 002: d 512, 4 layers, 16 heads, FFN 1344, "
-        "vocab 10000", 256,
+        "gpt-tinystories-22m", "Llama-style GPT for TinyStories: d 512, 4 layers, 16 heads, FFN 1344, "
+        "vocab 10000, untied", 256,
         vocab_size=10000, d_model=512, n_layers=4, n_heads=16, d_ff=1344, llama=True,
         tied_embeddings=False),
     "gpt2-124m": _transformer(
@@ -71,5 +73,5 @@ ZOO: dict[str, Callable[..., Workload]] = {
         vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
         llama=True, tied_embeddings=True),
     "byte-elman-400m": _byte_elman,
-    "grpo-gpt2-124m": grpo_workload,
+    "grpo-gpt2-124m": grpo_workload,  # the RL step of seed 003
 }

@@ -1,4 +1,4 @@
-"""A GRPO-like RL step in the spirit of seed 003: generate, then update the policy.
+"""A GRPO-like RL step (the job of seed 003): generate, then update the policy.
 
 The policy is GPT-2 small; a frozen copy is the reference model for the KL term. Each step
 generates ``max_new_tokens`` tokens greedily for every prompt with a KV cache (the cache
@@ -70,6 +70,7 @@ def grpo_workload(seq_len: int | None = None, *, prompt_len: int = 32, group_siz
     return Workload(
         name="grpo-gpt2-124m", build_model=lambda: PolicyAndReference(cfg), make_batch=make_batch,
         loss_fn=loss_fn, generate=generate, group_size=group_size, tokens_per_sample=prompt_len + max_new_tokens,
-        description=f"GRPO-like RL step (seed 003): GPT-2 small policy + frozen reference, group {group_size}, "
+        description=f"GRPO RL step: generate, then update a GPT-2 small policy against a frozen reference; "
+                    f"group {group_size}, "
                     f"{prompt_len}-token prompts, {max_new_tokens} new tokens with a KV cache",
     )

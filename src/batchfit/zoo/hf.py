@@ -1,12 +1,14 @@
 """Hugging Face ``transformers`` models built from their config, with no weights, no network.
 
 ``hf:<name>`` uses the config numbers shipped below (copied from each model's public
-``config.json``); ``hf:path/to/config.json`` reads a config file. The model is built with
+``config.json``); ``hf:path/to/config.json`` reads a config file, and ``hf:path/to/folder``
+the folder's ``config.json`` (a downloaded model). The model is built with
 ``AutoModelFor*.from_config`` and PyTorch's SDPA attention, as it trains on a GPU.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 
@@ -48,6 +50,18 @@ ALIASES = {"gpt2": "gpt2-124m", "bert-large-uncased": "bert-large", "llama-3.1-8
 DEFAULT_SEQ_LEN = 2048
 
 
+def _read_config(file: Path) -> dict:
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ModelSpecError(f"{file}:{error.lineno}: not valid JSON ({error.msg}, column {error.colno}): "
+                             "fix the file") from None
+    if not isinstance(config, dict):
+        raise ModelSpecError(f"{file} holds a JSON {type(config).__name__}, not an object: "
+                             "give a transformers config.json")
+    return config
+
+
 def _transformers():
     try:
         import transformers
@@ -59,16 +73,25 @@ def _transformers():
 
 
 def hf_workload(target: str, seq_len: int | None = None) -> Workload:
-    """A Workload for ``hf:<target>``: a shipped config name or a config.json path."""
-    path = Path(target)
+    """A Workload for ``hf:<target>``: a config.json path, a model folder, or a shipped config name.
+
+    A path that exists wins over a shipped name (a folder named ``llama-3.1-8b`` is read, not
+    replaced by the shipped Llama 3.1 8B). A hub id such as ``meta-llama/Llama-3.1-8B`` that
+    is no local path finds the shipped config by its last segment.
+    """
+    path = Path(target).expanduser()
     key = ALIASES.get(target.lower().split("/")[-1], target.lower().split("/")[-1])
-    if key in CONFIGS:
-        config_dict, name = dict(CONFIGS[key]), f"hf:{key}"
-    elif path.suffix == ".json" or path.is_dir():
+    if path.exists():
         file = path / "config.json" if path.is_dir() else path
-        if not file.exists():
-            raise ModelSpecError(f"no config file at '{file}': give the path of a config.json")
-        config_dict, name = json.loads(file.read_text()), f"hf:{file}"
+        if not file.is_file():
+            raise ModelSpecError(f"the folder '{target}' has no config.json: give a model folder that has one, "
+                                 "or the path of a config.json")
+        config_dict, name = _read_config(file), f"hf:{file}"
+    elif path.suffix == ".json" or target.startswith(("/", ".", "~")):
+        raise ModelSpecError(f"no file or folder '{target}': give the path of a config.json or of a model "
+                             f"folder holding one, or a shipped name ({', '.join(sorted(CONFIGS))})")
+    elif key in CONFIGS:
+        config_dict, name = dict(CONFIGS[key]), f"hf:{key}"
     else:
         raise ModelSpecError(
             f"unknown hf model '{target}': use one of {', '.join(sorted(CONFIGS))}, "
@@ -78,7 +101,21 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
     model_type = config_dict.pop("model_type", None)
     if model_type is None:
         raise ModelSpecError(f"{name} has no model_type: it is not a transformers config.json")
-    config = transformers.AutoConfig.for_model(model_type, **config_dict)
+    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+        # transformers' own error lists every model type it knows (hundreds): name a few.
+        close = difflib.get_close_matches(str(model_type), list(transformers.CONFIG_MAPPING.keys()), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ModelSpecError(
+            f"model_type '{model_type}' in {name[3:]} is not a transformers model type: {hint}"
+            f"e.g. llama, gpt2, qwen2, mistral, bert (a transformers newer than {transformers.__version__} "
+            "may know it)"
+        )
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **config_dict)
+    except Exception as error:  # a value transformers rejects: say which config, in one line
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise ModelSpecError(f"transformers rejects the config {name[3:]}: {type(error).__name__}: {first}: "
+                             "fix the config") from error
     config.use_cache = False
     masked = any("MaskedLM" in a for a in (getattr(config, "architectures", None) or []))
     max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
