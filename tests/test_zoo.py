@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from batchfit.devices import get_device
-from batchfit.estimate import allocated_point
+from batchfit.trace.point import allocated_point
 from batchfit.specs import load_workload
 from batchfit.step import TrainingStep
 from batchfit.trace.session import TraceSession
