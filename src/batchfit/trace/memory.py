@@ -14,6 +14,7 @@ the end of the step; otherwise by the phase that made the tensor: inputs, activa
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -93,6 +94,10 @@ class MemoryTracker(TorchDispatchMode):
         self._module_names: dict[int, str] = {}
         # ('malloc', seq, requested bytes) / ('free', seq, 0): for the caching allocator model
         self.events: list[tuple[str, int, int]] = []
+        self.window_event = 0
+        """Index in ``events`` where the current window (the measured step) starts."""
+        self.on_event: Callable[[str, int, int], None] | None = None
+        """Called with each event as it happens (the allocator model of the virtual device)."""
         self._module_stack: list[str] = []
         self._hooks: list = []
 
@@ -151,6 +156,7 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_by_phase = {}
         self._peak_seq_by_phase = {}
         self._window = list(self._live.values())
+        self.window_event = len(self.events)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -184,6 +190,8 @@ class MemoryTracker(TorchDispatchMode):
         if nbytes == 0:
             return
         self._seq += 1
+        if self.on_event is not None:  # first: it may raise out of memory, and then nothing was allocated
+            self.on_event("malloc", self._seq, storage.nbytes())
         record = Allocation(
             seq=self._seq, nbytes=nbytes, phase=self.current_phase, op=str(func.overloadpacket.__name__),
             shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."),
@@ -210,6 +218,8 @@ class MemoryTracker(TorchDispatchMode):
         record = self._live.pop(key, None)
         if record is not None:
             self.events.append(("free", record.seq, 0))
+            if self.on_event is not None:
+                self.on_event("free", record.seq, 0)
             self._seq += 1
             record.freed_seq = self._seq
             self.live_bytes -= record.nbytes
