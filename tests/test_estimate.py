@@ -79,3 +79,20 @@ def test_a_model_built_outside_build_model_is_an_error_not_zero_bytes():
                     loss_fn=lambda m, x: m(x).sum())
     with pytest.raises(ModelSpecError, match="construct the model inside build_model"):
         estimate(work, device=get_device("t4-16gb"))
+
+
+def test_recurrent_layers_are_named_as_a_known_limit():
+    """LSTM/GRU trace the CPU kernels, not cuDNN's: the result says so (issue 8 item 18)."""
+    import torch
+    from torch import nn
+
+    from batchfit.workload import Workload
+
+    work = Workload(name="lstm", build_model=lambda: nn.LSTM(32, 64, batch_first=True),
+                    make_batch=lambda b, device: torch.randn(b, 16, 32, device=device),
+                    loss_fn=lambda m, x: m(x)[0].sum())
+    result = estimate(work, device=get_device("t4-16gb"), max_batch=64)
+    assert len(result.known_limits) == 1 and "LSTM" in result.known_limits[0] and "cuDNN" in result.known_limits[0]
+    assert result.to_json()["known_limits"] == result.known_limits
+    assert estimate(load_workload("gpt-tinystories-22m", seq_len=16), device=get_device("t4-16gb"),
+                    max_batch=8).known_limits == []

@@ -61,6 +61,8 @@ class EstimateResult:
     """When set, the points were traced at depths 1, 2, 3 of this many blocks and extrapolated
     (exactly: the three lay on one line), except the batch sizes in ``full_traces``."""
     full_traces: list[int] = field(default_factory=list)
+    known_limits: list[str] = field(default_factory=list)
+    """What this model runs that the trace does not mirror (beyond docs/tracing.md's list)."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
 
@@ -102,6 +104,7 @@ class EstimateResult:
             "peak_bytes_at_max": self.point(best).peak_bytes if best else None,
             "headroom_bytes": self.headroom_bytes(best) if best else None,
             "suggestions": [vars(s) for s in self.suggestions],
+            "known_limits": self.known_limits,
             "trace_seconds": round(self.trace_seconds, 2),
             "traces": self.traces,
             "traced_by_depth": ({"blocks": self.depth_blocks, "depths": [1, 2, 3],
@@ -139,6 +142,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         answers = [traced.max_batch(limit, lo=multiple_of, hi=max_batch, multiple_of=multiple_of)
                    for limit in (device.usable_bytes, int(target_util * device.usable_bytes))]
         points = traced.points
+        known_limits = traced.known_limits
         suggestions = (_suggestions(workload, options, device, points[min(points)], say)
                        if suggest and answers[0].max_batch_size == 0 else [])
     return EstimateResult(
@@ -149,7 +153,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         multiple_of=multiple_of, max_batch_size=answers[0].max_batch_size,
         max_batch_size_at_target=answers[1].max_batch_size, capped=answers[0].capped,
         trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions,
-        depth_blocks=traced.blocks, full_traces=traced.full_traces,
+        depth_blocks=traced.blocks, full_traces=traced.full_traces, known_limits=known_limits,
     )
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from torch import nn
+
 from batchfit.devices import Device
 from batchfit.search import SearchResult, Trial, guided
 from batchfit.trace import depth
@@ -79,6 +81,17 @@ class TracedCurve:
                                        for d in depth.DEPTHS[1:]]
         else:  # nothing was cut: the first session is the whole model
             self._full = first
+
+    @property
+    def known_limits(self) -> list[str]:
+        """What this model runs that the trace does not mirror, in words for the report."""
+        session = self._full or self._shallow[0]
+        recurrent = sorted({type(m).__name__ for m in session.step.model.modules() if isinstance(m, nn.RNNBase)})
+        if not recurrent:
+            return []
+        return [f"{', '.join(recurrent)} layers are traced with the CPU kernels (mkldnn_rnn_layer, or a loop "
+                "of cells): on a GPU cuDNN runs them and keeps its own workspace and reserve space, which "
+                "this trace does not count"]
 
     @property
     def by_depth(self) -> bool:
