@@ -1,45 +1,99 @@
 """A model of PyTorch's CUDA caching allocator, to predict reserved memory without a GPU.
 
-Replays a sequence of allocations and frees (from the tracer) with the rules of
-``c10/cuda/CUDACachingAllocator.cpp``:
+The tracer feeds it allocations as they happen (``malloc(ident, nbytes)``, ``free(ident)``)
+or ``replay`` feeds it a finished event list; ``stats`` says what is allocated and reserved
+at any moment. The rules are those of ``c10/cuda/CUDACachingAllocator.cpp``
+(``DeviceCachingAllocator``; each function named below is one of its methods):
 
-- every request is rounded up to a multiple of 512 bytes (``kMinBlockSize``);
-- requests up to 1 MiB (``kSmallSize``) come from the small pool, larger ones from the large;
-- a request is served by the smallest free block of its pool that is large enough (best fit);
+- ``round_size``: a request is rounded up to 512 bytes (``kMinBlockSize``), or to the next
+  of ``roundup_power2_divisions`` steps between two powers of two when that is configured;
+- ``get_pool``: rounded requests up to 1 MiB (``kSmallSize``) use the small pool, others the large;
+- ``get_free_block``: the smallest free block of the pool that is large enough (best fit);
   with ``max_split_size`` set, blocks of that size or more serve only requests of that size
-  or more, and then only blocks less than 20 MiB larger than the request;
-- the block is split when the rest is worth keeping: 512 bytes or more in the small pool,
-  more than 1 MiB in the large pool (and only for requests under ``max_split_size``);
-- with no free block to use, a new segment is reserved (cudaMalloc): 2 MiB for small
-  requests, 20 MiB for requests under 10 MiB, else the request rounded up to 2 MiB;
-- a freed block merges with free neighbours in its segment; segments stay reserved
-  (until ``empty_cache()``, which a training step does not call).
+  or more, and only when less than ``max_non_split_rounding`` (20 MiB) larger than the request;
+- ``should_split``: the rest of the block becomes a free block when it is 512 bytes or more
+  (small pool, or any pool with expandable segments), or more than 1 MiB for a request
+  under ``max_split_size`` (large pool);
+- ``get_allocation_size``: with no free block to use a segment is reserved (cudaMalloc):
+  2 MiB for small requests, 20 MiB under 10 MiB, else the request rounded up to 2 MiB;
+- ``free_block`` / ``try_merge_blocks``: a freed block merges with its free neighbours;
+  segments stay reserved until the allocator needs room.
 
-With ``expandable_segments`` each pool has one segment that grows at its end, mapping
-memory in pages (2 MiB small, 20 MiB large) only when the free space at its end is too
-short, so freed memory is reused and fragmentation between segments disappears.
-Pure Python, no torch.
+Running out (``malloc``): when the new segment would take reserved memory past
+``capacity_bytes``, the allocator first frees cached memory and retries, in the C++ order:
+``garbage_collect_cached_blocks`` (only with ``garbage_collection_threshold`` *and* a
+``set_per_process_memory_fraction`` limit, ``allowed_bytes`` here), then
+``release_available_cached_blocks`` (only with ``max_split_size`` set: the smallest whole
+cached segment of at least max(request, max_split_size), else the largest oversize ones
+until enough), then ``release_cached_blocks`` (every whole cached segment, and every free
+page of expandable segments). Only then ``AllocatorOutOfMemory``.
+
+With ``expandable_segments`` each pool has one segment that grows: pages (2 MiB small,
+20 MiB large) are mapped where the request fits at the lowest address
+(``find_expandable_block``, ``map_block``), and running out unmaps every free page
+(``unmap_block``) before retrying. Pure Python, no torch: the tracer turns
+``AllocatorOutOfMemory`` into ``torch.OutOfMemoryError``.
+
+Not modelled (each changes reserved memory only in programs that use it): several streams
+and ``record_stream`` (cross-stream blocks wait for events), CUDA graph private pools,
+``FreeMemoryCallback``s (CUDA IPC), the address space limit of an expandable segment (the
+real one is 1.125x the GPU's memory; here it never runs out), and ``cudaMallocAsync``.
 """
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left, insort
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
-MIN_BLOCK = 512
-SMALL_SIZE = 1 << 20
-SMALL_BUFFER = 2 << 20
-LARGE_BUFFER = 20 << 20
-MIN_LARGE_ALLOC = 10 << 20
-ROUND_LARGE = 2 << 20
+from batchfit.errors import OptionError
+
+MIN_BLOCK = 512                 # kMinBlockSize
+SMALL_SIZE = 1 << 20            # kSmallSize: largest small-pool request
+SMALL_BUFFER = 2 << 20          # kSmallBuffer: small segment, and small expandable page
+LARGE_BUFFER = 20 << 20         # kLargeBuffer: 20 MiB segment, and large expandable page
+MIN_LARGE_ALLOC = 10 << 20      # kMinLargeAlloc
+ROUND_LARGE = 2 << 20           # kRoundLarge
+MiB = 1 << 20
+ROUNDUP_INTERVALS = 16          # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB, one per power of two
+_NO_LIMIT = 1 << 64             # SIZE_MAX: max_split_size unset
+# Expandable segments live far above the plain segments' addresses; their bases and their
+# (never exhausted) address space are multiples of both page sizes so pages line up.
+_EXPANDABLE_SPACE = LARGE_BUFFER << 30
+_EXPANDABLE_BASE = _EXPANDABLE_SPACE << 4
 
 
-def round_size(size: int) -> int:
-    return MIN_BLOCK if size < MIN_BLOCK else -(-size // MIN_BLOCK) * MIN_BLOCK
+# --- sizes ----------------------------------------------------------------------------------
+def _interval(size: int) -> int:
+    """AcceleratorAllocatorConfig::roundup_power2_divisions: the 1 MiB..64 GiB interval of ``size``."""
+    return min(max(size.bit_length() - 1 - 20, 0), ROUNDUP_INTERVALS - 1)
+
+
+def _roundup_power2_next_division(size: int, divisions: int) -> int:
+    """The next of ``divisions`` equal steps between the powers of two around ``size``."""
+    if size & (size - 1) == 0:
+        return size
+    floor = 1 << (size.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    below = size & ~(step - 1)
+    return size if below == size else below + step
+
+
+def round_size(size: int, roundup_power2_divisions: tuple[int, ...] = ()) -> int:
+    """Bytes a request of ``size`` takes (DeviceCachingAllocator::round_size)."""
+    if size < MIN_BLOCK:
+        return MIN_BLOCK
+    divisions = roundup_power2_divisions[_interval(size)] if roundup_power2_divisions else 0
+    if divisions > 1 and size > MIN_BLOCK * divisions:
+        return _roundup_power2_next_division(size, divisions)
+    return -(-size // MIN_BLOCK) * MIN_BLOCK
 
 
 def segment_size(size: int) -> int:
-    """cudaMalloc size for a request of ``size`` (already rounded) with no free block."""
+    """cudaMalloc size for a request of ``size`` (already rounded) with no free block (get_allocation_size)."""
     if size <= SMALL_SIZE:
         return SMALL_BUFFER
     if size < MIN_LARGE_ALLOC:
@@ -47,148 +101,610 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(eq=False)
+def format_size(nbytes: int) -> str:
+    """c10's format_size, so messages read like the real allocator's."""
+    if nbytes <= 1024:
+        return f"{nbytes} bytes"
+    if nbytes <= 1 << 20:
+        return f"{nbytes / 1024:.2f} KiB"
+    if nbytes <= 1 << 30:
+        return f"{nbytes / (1 << 20):.2f} MiB"
+    return f"{nbytes / (1 << 30):.2f} GiB"
+
+
+# --- configuration --------------------------------------------------------------------------
+_BACKENDS = ("native", "cudaMallocAsync")
+# Keys the real parsers accept that do not change device memory (pinned host memory, locking).
+_IGNORED_KEYS = frozenset({
+    "release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register", "pinned_num_register_threads", "pinned_reserve_segment_size_mb",
+    "pinned_use_background_threads", "graph_capture_record_stream_reuse",
+})
+_KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
+         "roundup_power2_divisions", "expandable_segments", "backend")
+# Newest first: c10/core/AllocatorConfig.cpp reads the first one that is set, and only it.
+ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def _is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(kw_only=True, frozen=True)
+class AllocatorConfig:
+    """The caching allocator's settings, as ``PYTORCH_ALLOC_CONF`` sets them."""
+
+    max_split_size_bytes: int | None = None
+    """Cached blocks this large or larger are never split (max_split_size_mb); None: no limit."""
+    max_non_split_rounding_bytes: int = LARGE_BUFFER
+    """How much larger than a request of max_split_size or more a cached block may be (max_non_split_rounding_mb)."""
+    expandable_segments: bool = False
+    """One growing segment per pool instead of one cudaMalloc per new segment."""
+    garbage_collection_threshold: float = 0.0
+    """Above this fraction of set_per_process_memory_fraction's limit, free old cached segments; 0: never."""
+    roundup_power2_divisions: tuple[int, ...] = (0,) * ROUNDUP_INTERVALS
+    """Steps between two powers of two that requests round up to, per interval 1 MiB, 2 MiB, .. >= 32 GiB; 0/1: none."""
+    backend: str = "native"
+    """'native' (this model) or 'cudaMallocAsync' (not modelled: reserved memory is the driver's)."""
+
+    def __post_init__(self) -> None:
+        if self.max_split_size_bytes is not None and self.max_split_size_bytes < LARGE_BUFFER:
+            raise OptionError(f"max_split_size_mb must be >= {LARGE_BUFFER // MiB}, e.g. max_split_size_mb:128")
+        if self.max_non_split_rounding_bytes < LARGE_BUFFER:
+            raise OptionError(f"max_non_split_rounding_mb must be >= {LARGE_BUFFER // MiB}, "
+                              "e.g. max_non_split_rounding_mb:64")
+        if self.garbage_collection_threshold != 0.0 and not 0.0 < self.garbage_collection_threshold < 1.0:
+            raise OptionError("garbage_collection_threshold must be between 0 and 1 (exclusive), "
+                              "e.g. garbage_collection_threshold:0.6")
+        divisions = self.roundup_power2_divisions
+        if len(divisions) != ROUNDUP_INTERVALS or any(d != 0 and not _is_power_of_2(d) for d in divisions):
+            raise OptionError("roundup_power2_divisions takes powers of two (or 0), e.g. "
+                              "roundup_power2_divisions:4 or roundup_power2_divisions:[256:1,512:2,>:4]")
+        if self.backend not in _BACKENDS:
+            raise OptionError(f"backend must be native or cudaMallocAsync, not {self.backend!r}, e.g. backend:native")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> AllocatorConfig:
+        """The settings the user's training run would get: the first of ``ENV_VARS`` that is set.
+
+        PyTorch with ``c10/core/AllocatorConfig.cpp`` reads PYTORCH_ALLOC_CONF and ignores
+        PYTORCH_CUDA_ALLOC_CONF (deprecated) when both are set; older versions read only
+        PYTORCH_CUDA_ALLOC_CONF, so a user of those who sets both gets the other one.
+        """
+        for name in ENV_VARS:
+            text = environ.get(name)
+            if text is not None:
+                return parse_alloc_conf(text, source=name)
+        return cls()
+
+
+def _tokens(text: str) -> list[str]:
+    """ConfigTokenizer: split on , : [ ] (kept as tokens), drop whitespace."""
+    tokens: list[str] = []
+    word = ""
+    for ch in text:
+        if ch in ",:[]":
+            if word:
+                tokens.append(word)
+                word = ""
+            tokens.append(ch)
+        elif not ch.isspace():
+            word += ch
+    if word:
+        tokens.append(word)
+    return tokens
+
+
+def parse_alloc_conf(text: str, *, source: str = "PYTORCH_ALLOC_CONF") -> AllocatorConfig:
+    """Read ``max_split_size_mb:128,expandable_segments:True,...`` as PyTorch does.
+
+    Bad input raises ``OptionError`` naming the key and an example of what to write.
+    """
+    tokens = _tokens(text)
+    settings: dict[str, object] = {}
+
+    def token(i: int, what: str) -> str:
+        if i >= len(tokens):
+            raise OptionError(f"{source} ends early: expected {what}, e.g. max_split_size_mb:128")
+        return tokens[i]
+
+    def colon(i: int, key: str) -> None:
+        if token(i, f"':' after {key}") != ":":
+            raise OptionError(f"{source}: expected ':' after {key}, e.g. {key}:{_EXAMPLES.get(key, 'True')}")
+
+    def integer(word: str, key: str) -> int:
+        try:
+            return int(word)
+        except ValueError:
+            raise OptionError(f"{key} takes a whole number, not {word!r}, e.g. {key}:{_EXAMPLES[key]}") from None
+
+    i = 0
+    while i < len(tokens):
+        key = tokens[i]
+        if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+            colon(i + 1, key)
+            mb = integer(token(i + 2, f"a value for {key}"), key)
+            if mb < LARGE_BUFFER // MiB:
+                raise OptionError(f"{key} must be >= {LARGE_BUFFER // MiB}, e.g. {key}:{_EXAMPLES[key]}")
+            name = "max_split_size_bytes" if key == "max_split_size_mb" else "max_non_split_rounding_bytes"
+            settings[name] = mb * MiB
+            i += 2
+        elif key == "garbage_collection_threshold":
+            colon(i + 1, key)
+            word = token(i + 2, f"a value for {key}")
+            try:
+                value = float(word)
+            except ValueError:
+                value = -1.0
+            if not 0.0 < value < 1.0:
+                raise OptionError(f"{key} must be between 0 and 1 (exclusive), not {word!r}, "
+                                  f"e.g. {key}:{_EXAMPLES[key]}")
+            settings["garbage_collection_threshold"] = value
+            i += 2
+        elif key == "roundup_power2_divisions":
+            colon(i + 1, key)
+            settings["roundup_power2_divisions"], i = _parse_divisions(tokens, i + 2, token, integer)
+        elif key == "expandable_segments":
+            colon(i + 1, key)
+            word = token(i + 2, f"True or False for {key}")
+            if word not in ("True", "False"):  # ConfigTokenizer::toBool: exactly these two
+                raise OptionError(f"{key} takes True or False (capitalised), not {word!r}, "
+                                  f"e.g. {key}:True")
+            settings["expandable_segments"] = word == "True"
+            i += 2
+        elif key == "backend":
+            colon(i + 1, key)
+            word = token(i + 2, f"a value for {key}")
+            if word not in _BACKENDS:
+                raise OptionError(f"backend must be native or cudaMallocAsync, not {word!r}, e.g. backend:native")
+            settings["backend"] = word
+            i += 2
+        elif key in _IGNORED_KEYS:
+            colon(i + 1, key)
+            i += 2
+            if token(i, f"a value for {key}") == "[":
+                while token(i, "']'") != "]":
+                    i += 1
+        else:
+            raise OptionError(f"unknown key {key!r} in {source}={text!r}; the allocator reads "
+                              + ", ".join(_KEYS) + ", e.g. expandable_segments:True")
+        i += 1
+        if i < len(tokens):
+            if tokens[i] != ",":
+                raise OptionError(f"{source}: expected ',' between settings, not {tokens[i]!r}, "
+                                  "e.g. max_split_size_mb:128,expandable_segments:True")
+            i += 1
+    return AllocatorConfig(**settings)  # type: ignore[arg-type]
+
+
+_EXAMPLES = {"max_split_size_mb": "128", "max_non_split_rounding_mb": "64",
+             "garbage_collection_threshold": "0.6", "roundup_power2_divisions": "[256:1,512:2,>:4]",
+             "expandable_segments": "True", "backend": "native"}
+
+
+def _parse_divisions(tokens: list[str], i: int, token: Callable[[int, str], str],
+                     integer: Callable[[str, str], int]) -> tuple[tuple[int, ...], int]:
+    """AcceleratorAllocatorConfig::parseRoundUpPower2Divisions; returns (divisions, last index used)."""
+    key = "roundup_power2_divisions"
+    bad = OptionError(f"{key} takes powers of two (or 0 to switch an interval off), "
+                      f"e.g. {key}:4 or {key}:[256:1,512:2,>:4]")
+    first = token(i, f"a value for {key}")
+    if first != "[":  # one number for every interval
+        value = integer(first, key)
+        if not _is_power_of_2(value):
+            raise bad
+        return (value,) * ROUNDUP_INTERVALS, i
+    divisions = [0] * ROUNDUP_INTERVALS
+    first_value, last_index = True, 0
+    i += 1
+    while token(i, "']'") != "]":
+        bound = tokens[i]
+        if token(i + 1, "':'") != ":":
+            raise bad
+        value = integer(token(i + 2, "a number of divisions"), key)
+        if value != 0 and not _is_power_of_2(value):
+            raise bad
+        if bound == ">":  # every interval after the last one named
+            divisions[last_index + 1:] = [value] * (ROUNDUP_INTERVALS - last_index - 1)
+        else:
+            mb = integer(bound, key)
+            if not _is_power_of_2(mb):
+                raise OptionError(f"{key}: interval bounds are powers of two in MB, not {bound!r}, "
+                                  f"e.g. {key}:[256:1,512:2,>:4]")
+            index = min(mb.bit_length() - 1, ROUNDUP_INTERVALS - 1)
+            if first_value:  # the first bound also covers every smaller interval
+                divisions[:index] = [value] * index
+                first_value = False
+            divisions[index] = value
+            last_index = index
+        i += 3
+        if token(i, "']'") == ",":
+            i += 1
+    return tuple(divisions), i
+
+
+# --- the allocator --------------------------------------------------------------------------
+class AllocatorOutOfMemory(Exception):
+    """The modelled allocator could not find room even after freeing its cache.
+
+    ``segment_bytes`` is what the message calls the allocation: like the real allocator,
+    the size of the segment it tried to reserve (20 MiB for a 4 MiB request), not the request.
+    """
+
+    def __init__(self, *, requested_bytes: int, segment_bytes: int, reserved_bytes: int,
+                 allocated_bytes: int, capacity_bytes: int) -> None:
+        self.requested_bytes = requested_bytes
+        self.segment_bytes = segment_bytes
+        self.reserved_bytes = reserved_bytes
+        self.allocated_bytes = allocated_bytes
+        self.capacity_bytes = capacity_bytes
+        free_bytes = max(capacity_bytes - reserved_bytes, 0)
+        super().__init__(
+            f"CUDA out of memory (batchfit's allocator model). Tried to allocate {format_size(segment_bytes)} "
+            f"(a request of {format_size(requested_bytes)}; {format_size(capacity_bytes)} for PyTorch; "
+            f"{format_size(allocated_bytes)} already allocated; {format_size(free_bytes)} free; "
+            f"{format_size(reserved_bytes)} reserved in total by PyTorch). If reserved but unallocated "
+            "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+        )
+
+
+@dataclass(eq=False, slots=True)
 class Block:
+    """A piece of a segment: allocated, free (cached), or (expandable segments) not mapped."""
+
+    addr: int
     size: int
     small: bool
-    free: bool = True
+    expandable: bool = False
+    allocated: bool = False
+    mapped: bool = True
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
-    serial: int = 0
+    gc_base: int = 0  # the pool's get_free_block count when the block became free (its age's zero)
 
-    def key(self) -> tuple[int, int]:
-        return (self.size, self.serial)
+    @property
+    def whole(self) -> bool:
+        """The block is its entire segment (Block::is_split is false), so cudaFree can return it."""
+        return self.prev is None and self.next is None
 
 
 @dataclass
 class AllocatorStats:
+    """torch.cuda.memory_stats' numbers for the modelled device, current and peak."""
+
     allocated_bytes: int = 0
     reserved_bytes: int = 0
     peak_allocated_bytes: int = 0
     peak_reserved_bytes: int = 0
     segments: int = 0
+    num_alloc_retries: int = 0
+    """cudaMalloc retried after freeing every cached segment (torch.cuda.memory_stats' name)."""
 
     @property
     def fragmentation_bytes(self) -> int:
-        """Reserved but not allocated, at the reserved peak's end state (what the cache holds)."""
+        """Reserved but not allocated, now (what the cache holds)."""
         return self.reserved_bytes - self.allocated_bytes
 
 
 class CachingAllocator:
-    """Replay ``malloc(id, size)`` / ``free(id)`` and read the reserved memory."""
+    """``malloc(ident, nbytes)`` / ``free(ident)`` as they happen; ``stats`` at any moment.
 
-    def __init__(self, *, max_split_size: int | None = None, expandable_segments: bool = False) -> None:
-        self.max_split = max_split_size or (1 << 62)
-        self.expandable = expandable_segments
+    ``capacity_bytes`` is what cudaMalloc can hand out in all (the GPU's memory less the CUDA
+    context); None never runs out. ``allowed_bytes`` is the limit
+    ``torch.cuda.set_per_process_memory_fraction`` sets (fraction x total memory), the only
+    setting under which ``garbage_collection_threshold`` acts.
+    """
+
+    def __init__(self, capacity_bytes: int | None = None, config: AllocatorConfig | None = None, *,
+                 allowed_bytes: int | None = None) -> None:
+        self.config = config if config is not None else AllocatorConfig()
+        self.capacity_bytes = capacity_bytes
+        self.allowed_bytes = allowed_bytes
         self.stats = AllocatorStats()
+        self._max_split = self.config.max_split_size_bytes or _NO_LIMIT
+        self._expandable = self.config.expandable_segments
+        self._gc = self.config.garbage_collection_threshold > 0 and allowed_bytes is not None
+        # per pool (key: small?): free mapped blocks by (size, addr); unmapped blocks by addr
         self._free: dict[bool, list[tuple[int, int, Block]]] = {True: [], False: []}
+        self._unmapped: dict[bool, list[tuple[int, Block]]] = {True: [], False: []}
+        self._free_block_calls = {True: 0, False: 0}  # get_free_blocks_call_count, for block ages
         self._blocks: dict[int, Block] = {}
-        self._serial = 0
-        self._tail: dict[bool, Block | None] = {True: None, False: None}  # expandable: last block per pool
-
-    # --- free lists ------------------------------------------------------------------------
-    def _add_free(self, block: Block) -> None:
-        block.free = True
-        insort(self._free[block.small], (block.size, block.serial, block))
-
-    def _remove_free(self, block: Block) -> None:
-        pool = self._free[block.small]
-        del pool[bisect_left(pool, (block.size, block.serial))]
-
-    def _new_block(self, size: int, small: bool) -> Block:
-        self._serial += 1
-        return Block(size, small, serial=self._serial)
-
-    def _best_fit(self, size: int, small: bool) -> Block | None:
-        pool = self._free[small]
-        i = bisect_left(pool, (size, -1))
-        while i < len(pool):
-            block = pool[i][2]
-            if size < self.max_split <= block.size:
-                return None  # oversize blocks serve only oversize requests
-            if size >= self.max_split and block.size >= size + LARGE_BUFFER:
-                return None
-            return block
-        return None
+        self._next_addr = 0
+        self._next_expandable = _EXPANDABLE_BASE
 
     # --- the two operations ----------------------------------------------------------------
     def malloc(self, ident: int, nbytes: int) -> None:
-        size = round_size(nbytes)
+        """DeviceCachingAllocator::malloc for one tensor's storage."""
+        size = round_size(nbytes, self.config.roundup_power2_divisions)
         small = size <= SMALL_SIZE
-        block = self._best_fit(size, small)
-        if block is not None:
-            self._remove_free(block)
-        elif self.expandable:
-            block = self._grow(size, small)
-        else:
-            block = self._new_block(segment_size(size), small)
-            self._reserve(block.size)
-        remaining = block.size - size
-        if remaining >= MIN_BLOCK if small else (remaining > SMALL_SIZE and size < self.max_split):
-            rest = self._new_block(remaining, small)
-            rest.prev, rest.next = block, block.next
-            if block.next:
-                block.next.prev = rest
-            block.next, block.size = rest, size
-            if self._tail[small] is block:
-                self._tail[small] = rest
+        alloc_size = segment_size(size)
+        block = self._get_free_block(size, small)
+        if block is None:
+            if self._gc:
+                self._garbage_collect_cached_blocks()
+            block = (self._alloc_block(size, alloc_size, small)
+                     or (self._release_available_cached_blocks(size, small)
+                         and self._alloc_block(size, alloc_size, small))
+                     or (self._release_cached_blocks()
+                         and self._alloc_block(size, alloc_size, small, retry=True)))
+            if not block:
+                limit = min(x for x in (self.capacity_bytes, self.allowed_bytes) if x is not None)
+                raise AllocatorOutOfMemory(
+                    requested_bytes=nbytes, segment_bytes=alloc_size, reserved_bytes=self.stats.reserved_bytes,
+                    allocated_bytes=self.stats.allocated_bytes, capacity_bytes=limit)
+        if self._should_split(block, size):
+            rest = Block(block.addr + size, block.size - size, small, block.expandable)
+            self._link(block, rest, block.next)
+            block.size = size
             self._add_free(rest)
-        block.free = False
+        block.allocated = True
         self._blocks[ident] = block
         self.stats.allocated_bytes += block.size
         self.stats.peak_allocated_bytes = max(self.stats.peak_allocated_bytes, self.stats.allocated_bytes)
 
     def free(self, ident: int) -> None:
+        """DeviceCachingAllocator::free: back to the cache, merged with free neighbours."""
         block = self._blocks.pop(ident)
         self.stats.allocated_bytes -= block.size
-        if block.next is not None and block.next.free:
-            self._remove_free(block.next)
-            self._absorb(block, block.next)
-        if block.prev is not None and block.prev.free:
-            self._remove_free(block.prev)
-            block = self._absorb(block.prev, block)
+        block.allocated = False
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and not neighbour.allocated and neighbour.mapped:
+                self._remove_free(neighbour)
+                self._merge(block, neighbour)
         self._add_free(block)
 
-    # --- segments --------------------------------------------------------------------------
-    def _reserve(self, size: int) -> None:
-        self.stats.reserved_bytes += size
-        self.stats.segments += 1
-        self.stats.peak_reserved_bytes = max(self.stats.peak_reserved_bytes, self.stats.reserved_bytes)
+    # --- rules -----------------------------------------------------------------------------
+    def _should_split(self, block: Block, size: int) -> bool:
+        """should_split: with expandable segments any 512 bytes left over become a block."""
+        remaining = block.size - size
+        if block.small or self._expandable:
+            return remaining >= MIN_BLOCK
+        return size < self._max_split and remaining > SMALL_SIZE
 
-    def _absorb(self, left: Block, right: Block) -> Block:
-        """Merge ``right`` into its neighbour ``left`` in the same segment."""
-        left.size += right.size
-        left.next = right.next
-        if right.next is not None:
-            right.next.prev = left
-        if self._tail[left.small] is right:
-            self._tail[left.small] = left
-        return left
-
-    def _grow(self, size: int, small: bool) -> Block:
-        """Expandable segments: map pages at the pool's end until the request fits there."""
-        page = SMALL_BUFFER if small else LARGE_BUFFER
-        tail = self._tail[small]
-        at_end = tail.size if tail is not None and tail.free else 0
-        extra = -(-(size - at_end) // page) * page
-        self.stats.reserved_bytes += extra
-        self.stats.peak_reserved_bytes = max(self.stats.peak_reserved_bytes, self.stats.reserved_bytes)
-        if at_end:
-            self._remove_free(tail)
-            tail.size += extra
-            return tail
-        block = self._new_block(extra, small)
-        if tail is not None:
-            block.prev, tail.next = tail, block
-        else:
-            self.stats.segments += 1
-        self._tail[small] = block
+    def _get_free_block(self, size: int, small: bool) -> Block | None:
+        """get_free_block: best fit, except that oversize blocks serve only near-size oversize requests."""
+        pool = self._free[small]
+        if self._gc:
+            self._free_block_calls[small] += 1
+        i = bisect_left(pool, (size, -1))
+        if i == len(pool):
+            return None
+        if self._expandable:
+            # A free block followed by unmapped space counts as the size it could grow to, so
+            # a block that cannot grow is preferred when one is large enough.
+            while i + 1 < len(pool) and _growable_size(pool[i + 1][2]) < _growable_size(pool[i][2]):
+                i += 1
+        block = pool[i][2]
+        if size < self._max_split <= block.size:
+            return None
+        if size >= self._max_split and block.size >= size + self.config.max_non_split_rounding_bytes:
+            return None
+        del pool[i]
         return block
 
+    # --- reserving -------------------------------------------------------------------------
+    def _alloc_block(self, size: int, alloc_size: int, small: bool, retry: bool = False) -> Block | None:
+        """alloc_block: a new segment (cudaMalloc), or pages mapped into the expandable one."""
+        if retry:
+            self.stats.num_alloc_retries += 1
+        # the fraction limit is checked against alloc_size even for expandable segments
+        if self.allowed_bytes is not None and self.stats.reserved_bytes + alloc_size > self.allowed_bytes:
+            return None
+        if self._expandable:
+            return self._try_allocate_expandable_block(size, small)
+        if not self._fits(alloc_size):
+            return None
+        block = Block(self._next_addr, alloc_size, small)
+        self._next_addr += alloc_size
+        self.stats.segments += 1
+        self._reserve(alloc_size)
+        return block
 
-def replay(events: list[tuple[str, int, int]], **config) -> AllocatorStats:
-    """Replay ('malloc', id, nbytes) / ('free', id, 0) events; return the allocator's stats."""
-    allocator = CachingAllocator(**config)
+    def _fits(self, nbytes: int) -> bool:
+        return self.capacity_bytes is None or self.stats.reserved_bytes + nbytes <= self.capacity_bytes
+
+    def _reserve(self, nbytes: int) -> None:
+        self.stats.reserved_bytes += nbytes
+        self.stats.peak_reserved_bytes = max(self.stats.peak_reserved_bytes, self.stats.reserved_bytes)
+
+    def _try_allocate_expandable_block(self, size: int, small: bool) -> Block | None:
+        """try_allocate_expandable_block: map pages until a free run of ``size`` bytes exists."""
+        candidate = self._find_expandable_block(size, small)
+        if not candidate.mapped:
+            candidate = self._map_block(candidate, min(candidate.size, size))
+            if candidate is None:
+                return None
+        while candidate.size < size:  # a free block followed by unmapped space
+            candidate = self._map_block(candidate.next, min(size - candidate.size, candidate.next.size))
+            if candidate is None:
+                return None
+        self._remove_free(candidate)
+        return candidate
+
+    def _find_expandable_block(self, size: int, small: bool) -> Block:
+        """find_expandable_block: the lowest address where free and unmapped space add up to ``size``."""
+        for _, gap in self._unmapped[small]:
+            start = gap.prev if gap.prev is not None and not gap.prev.allocated else gap
+            room, block = 0, start
+            while room < size and block is not None and not block.allocated:
+                room += block.size
+                block = block.next
+            if room >= size:
+                return start
+        # No segment yet (or every unmapped run is too short, which an unbounded address space never is)
+        gap = Block(self._next_expandable, _EXPANDABLE_SPACE, small, expandable=True, mapped=False)
+        self._next_expandable += _EXPANDABLE_SPACE
+        insort(self._unmapped[small], (gap.addr, gap))
+        self.stats.segments += 1
+        return gap
+
+    def _map_block(self, gap: Block, nbytes: int) -> Block | None:
+        """map_block: back the start of an unmapped block with whole pages; None when they do not fit."""
+        page = SMALL_BUFFER if gap.small else LARGE_BUFFER
+        mapped = -(-nbytes // page) * page
+        if not self._fits(mapped):  # cuMemCreate fails; the pages of this call are released
+            return None
+        self._remove_unmapped(gap)
+        gap.mapped = True
+        if mapped < gap.size:
+            rest = Block(gap.addr + mapped, gap.size - mapped, gap.small, expandable=True, mapped=False)
+            self._link(gap, rest, gap.next)
+            insort(self._unmapped[gap.small], (rest.addr, rest))
+            gap.size = mapped
+        for neighbour in (gap.prev, gap.next):
+            if neighbour is not None and not neighbour.allocated and neighbour.mapped:
+                self._remove_free(neighbour)
+                self._merge(gap, neighbour)
+        self._add_free(gap)
+        self._reserve(mapped)
+        return gap
+
+    # --- giving memory back ----------------------------------------------------------------
+    def _release_block(self, block: Block) -> None:
+        """release_block: cudaFree a whole cached segment."""
+        self._remove_free(block)
+        self.stats.reserved_bytes -= block.size
+        self.stats.segments -= 1
+
+    def _release_available_cached_blocks(self, size: int, small: bool) -> bool:
+        """release_available_cached_blocks: free oversize cached segments, only enough for the request.
+
+        Only with max_split_size set. Every free block of max_split_size or more is a whole
+        segment (requests under it never get such a block, requests over it never split it),
+        so each can be cudaFree'd. With expandable segments the C++ would try to cudaFree a
+        piece of an expandable segment (an internal assert); the model skips this step.
+        """
+        if self._max_split == _NO_LIMIT or self._expandable:
+            return False
+        pool = self._free[small]
+        key = max(size, self._max_split)
+        i = bisect_left(pool, (key, -1))
+        if i < len(pool):
+            self._release_block(pool[i][2])  # the smallest one that is large enough
+            return True
+        released = 0
+        while pool and released < key and pool[-1][0] >= self._max_split:  # else largest first
+            released += pool[-1][0]
+            self._release_block(pool[-1][2])
+        return released >= key
+
+    def _release_cached_blocks(self) -> bool:
+        """release_cached_blocks (what empty_cache does): every whole cached segment, every free page."""
+        for small in (False, True):
+            to_unmap = []
+            for _, _, block in list(self._free[small]):
+                if block.expandable:
+                    to_unmap.append(block)
+                elif block.whole:
+                    self._release_block(block)
+            for block in to_unmap:
+                self._unmap_block(block)
+                if block.whole:  # release_expandable_segment: nothing of it is mapped any more
+                    self._remove_unmapped(block)
+                    self.stats.segments -= 1
+        return True
+
+    def _unmap_block(self, block: Block) -> None:
+        """unmap_block: return the whole pages inside a free block; slivers at its ends stay free."""
+        page = SMALL_BUFFER if block.small else LARGE_BUFFER
+        lo = -(-block.addr // page) * page
+        hi = (block.addr + block.size) // page * page
+        if lo >= hi:
+            return
+        self._remove_free(block)
+        if lo > block.addr:
+            before = Block(block.addr, lo - block.addr, block.small, expandable=True)
+            self._link(block.prev, before, block)
+            self._add_free(before)
+        if hi < block.addr + block.size:
+            after = Block(hi, block.addr + block.size - hi, block.small, expandable=True)
+            self._link(block, after, block.next)
+            self._add_free(after)
+        block.addr, block.size, block.mapped = lo, hi - lo, False
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and not neighbour.mapped:
+                self._remove_unmapped(neighbour)
+                self._merge(block, neighbour)
+        insort(self._unmapped[block.small], (block.addr, block))
+        self.stats.reserved_bytes -= hi - lo
+
+    def _garbage_collect_cached_blocks(self) -> None:
+        """garbage_collect_cached_blocks: above threshold x allowed, free whole large segments
+        that have waited in the cache at least the average age (in get_free_block calls)."""
+        threshold_bytes = int(self.config.garbage_collection_threshold * self.allowed_bytes)
+        if self.stats.reserved_bytes <= threshold_bytes:
+            return
+        target = self.stats.reserved_bytes - threshold_bytes
+        now = self._free_block_calls[False]
+        ages = [now - b.gc_base for _, _, b in self._free[False] if b.whole]
+        total_age, count = sum(ages), len(ages)
+        reclaimed, freed = 0, True
+        while reclaimed < target and freed and count > 0:
+            age_threshold = total_age / count
+            freed = False
+            # frees every old enough block, not just enough of them, so GC runs seldom
+            for _, _, block in list(self._free[False]):
+                if block.whole and now - block.gc_base >= age_threshold:
+                    freed = True
+                    reclaimed += block.size
+                    total_age -= now - block.gc_base
+                    count -= 1
+                    self._release_block(block)
+
+    # --- bookkeeping -----------------------------------------------------------------------
+    def _add_free(self, block: Block) -> None:
+        block.gc_base = self._free_block_calls[block.small]
+        insort(self._free[block.small], (block.size, block.addr, block))
+
+    def _remove_free(self, block: Block) -> None:
+        pool = self._free[block.small]
+        del pool[bisect_left(pool, (block.size, block.addr))]
+
+    def _remove_unmapped(self, block: Block) -> None:
+        gaps = self._unmapped[block.small]
+        del gaps[bisect_left(gaps, (block.addr,))]
+
+    @staticmethod
+    def _link(before: Block | None, block: Block, after: Block | None) -> None:
+        """Put ``block`` between its neighbours in the segment."""
+        block.prev, block.next = before, after
+        if before is not None:
+            before.next = block
+        if after is not None:
+            after.prev = block
+
+    @staticmethod
+    def _merge(dst: Block, src: Block) -> None:
+        """try_merge_blocks: ``dst`` absorbs its neighbour ``src`` (already out of its list)."""
+        if src is dst.prev:
+            dst.addr, dst.prev = src.addr, src.prev
+            if src.prev is not None:
+                src.prev.next = dst
+        else:
+            dst.next = src.next
+            if src.next is not None:
+                src.next.prev = dst
+        dst.size += src.size
+
+
+def _growable_size(block: Block) -> int:
+    """get_free_block's expandable_size: the block plus the unmapped space right after it."""
+    after = block.next
+    return block.size + (after.size if after is not None and not after.mapped else 0)
+
+
+def replay(events: Iterable[tuple[str, int, int]], *, capacity_bytes: int | None = None,
+           config: AllocatorConfig | None = None, expandable_segments: bool | None = None) -> AllocatorStats:
+    """Replay ('malloc', id, nbytes) / ('free', id, 0) events; return the allocator's stats.
+
+    ``expandable_segments`` overrides ``config``'s (a shorthand for the common comparison).
+    With ``capacity_bytes`` the allocator frees its cache where the real one would, and
+    raises ``AllocatorOutOfMemory`` where the real one would.
+    """
+    config = config if config is not None else AllocatorConfig()
+    if expandable_segments is not None:
+        config = replace(config, expandable_segments=expandable_segments)
+    allocator = CachingAllocator(capacity_bytes, config)
     for kind, ident, nbytes in events:
         if kind == "malloc":
             allocator.malloc(ident, nbytes)
