@@ -15,13 +15,31 @@ def tiny_on_4090():
     return estimate(load_workload("gpt-tinystories-22m", seq_len=128), device=get_device("rtx4090-24gb"))
 
 
+def _fails(point, limit_bytes: int) -> bool:
+    """Does not fit under a reserved limit: the allocator model ran out, or reserved (or, where
+    allocated alone already exceeds the limit, allocated) passes it."""
+    return point.reserved_oom is not None or max(point.peak_bytes, point.peak_reserved_bytes or 0) > limit_bytes
+
+
 def test_max_batch_is_traced_and_the_next_size_is_not_fitting(tiny_on_4090):
+    """Default limit: reserved memory, replayed through the allocator model."""
     r = tiny_on_4090
+    assert r.limit == "reserved"
+    for best, limit in ((r.max_batch_size, r.capacity_bytes), (r.max_batch_size_at_target, r.target_bytes)):
+        assert best > 0
+        point = r.point(best)
+        assert point.peak_bytes <= point.peak_reserved_bytes <= limit and point.reserved_oom is None
+        assert _fails(r.point(best + 1), limit)
+
+
+def test_allocated_limit_is_the_allocated_peak():
+    r = estimate(load_workload("gpt-tinystories-22m", seq_len=128), device=get_device("rtx4090-24gb"),
+                 limit="allocated")
     best = r.max_batch_size
-    assert best > 0
     assert r.point(best).peak_bytes <= r.capacity_bytes < r.point(best + 1).peak_bytes
-    at_target = r.max_batch_size_at_target
-    assert r.point(at_target).peak_bytes <= r.target_bytes < r.point(at_target + 1).peak_bytes
+    assert r.point(best).peak_reserved_bytes is None  # nothing replayed: allocated decides
+    reserved = estimate(load_workload("gpt-tinystories-22m", seq_len=128), device=get_device("rtx4090-24gb"))
+    assert reserved.max_batch_size <= best  # reserved >= allocated, so never a larger batch
 
 
 def test_json_has_the_documented_keys(tiny_on_4090):
@@ -38,7 +56,7 @@ def test_json_has_the_documented_keys(tiny_on_4090):
 def test_multiple_of_is_respected():
     r = estimate(load_workload("gpt-tinystories-22m", seq_len=128), device=get_device("t4-16gb"), multiple_of=8)
     assert r.max_batch_size % 8 == 0 and all(p.batch_size % 8 == 0 for p in r.points)
-    assert r.point(r.max_batch_size + 8).peak_bytes > r.capacity_bytes
+    assert _fails(r.point(r.max_batch_size + 8), r.capacity_bytes)
 
 
 def test_batch_one_not_fitting_is_an_answer_with_suggestions(mlp):

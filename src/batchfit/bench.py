@@ -5,8 +5,11 @@ Per batch size:
   synchronised around each; median and spread (min, max). On a virtual device nothing is
   timed and the time columns stay empty.
 - **memory**: measured on cuda (``max_memory_allocated`` / ``max_memory_reserved``); traced
-  elsewhere, with reserved memory from replaying the traced allocations through the model
-  of the CUDA caching allocator (``trace/allocator.py``).
+  elsewhere, with reserved memory from replaying the traced allocations of a fresh process
+  (build, first and second step) through the model of the CUDA caching allocator
+  (``trace/allocator.py``, with the user's ``PYTORCH_ALLOC_CONF``), which frees its cache and
+  retries before it runs out, as the real one does; a virtual row whose step cannot reserve
+  its memory is out of memory.
 - **FLOPs** per step: PyTorch's FlopCounterMode on the traced step; MFU against the device's
   dense peak for the run's precision (fp32 runs: the fp32 peak), counting recomputation
   when activation checkpointing is on (then it is HFU, and the row says so).
@@ -19,7 +22,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -30,9 +33,9 @@ from batchfit.oom import classify, describe
 from batchfit.step import TrainingStep
 from batchfit.targets import Target
 from batchfit.timing import run_timed_steps
-from batchfit.trace.allocator import replay
+from batchfit.trace.allocator import AllocatorConfig
 from batchfit.trace.curve import fit_line
-from batchfit.trace.point import allocated_point
+from batchfit.trace.point import allocated_point, replay_reserved
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 
@@ -125,16 +128,15 @@ def _traced(workload: Workload, options: StepOptions, batch_size: int, device: D
     workspace = device.workspace_bytes if device else 0
     with TraceSession(workload, options, cuda_semantics=device is not None) as session:
         point = allocated_point(session.trace(batch_size), workspace)  # the second step
-        reserved = expandable = None
-        if device is not None:
-            events = [("malloc", -1, workspace // 2), ("malloc", -2, workspace // 2)]
-            events += session.tracker.events  # cuBLAS workspaces first, then everything the step did
-            reserved = replay(events).peak_reserved_bytes
-            expandable = replay(events, expandable_segments=True).peak_reserved_bytes
+        reserved = expandable = reserved_oom = None
+        if device is not None:  # the whole fresh process: build, first step, second step
+            config = AllocatorConfig.from_env()
+            reserved, reserved_oom = replay_reserved(session.tracker.events, device, config)
+            expandable, _ = replay_reserved(session.tracker.events, device, replace(config, expandable_segments=True))
         with session.fake_mode, FlopCounterMode(display=False, custom_mapping=_FLOPS) as counter:
             session.step.run(batch_size)
         flops = counter.get_total_flops()
-    return {"allocated": point.peak_bytes, "reserved": reserved, "expandable": expandable,
+    return {"allocated": point.peak_bytes, "reserved": reserved, "expandable": expandable, "reserved_oom": reserved_oom,
             "phases": {k: v for k, v in point.peak_by_phase.items() if k != "idle"},
             "top": point.top, "flops": flops}
 
@@ -171,6 +173,9 @@ def bench_row(workload: Workload, options: StepOptions, target: Target, batch_si
     if target.kind == "virtual" and traced["allocated"] > target.device.usable_bytes:
         return BenchRow(batch_size, "oom", "traced", peak_allocated_bytes=traced["allocated"],
                         error="the traced peak exceeds the device's usable memory")
+    if target.kind == "virtual" and traced["reserved_oom"]:
+        return BenchRow(batch_size, "oom", "traced", peak_allocated_bytes=traced["allocated"],
+                        reserved_expandable_bytes=traced["expandable"], error=traced["reserved_oom"])
     source = {"cuda": "measured", "virtual": "traced", "cpu": "cpu time, traced memory"}[target.kind]
     row = BenchRow(batch_size, "ok", source, flops_include_recompute=options.checkpointing != "none")
     row.peak_allocated_bytes, row.peak_reserved_bytes = traced["allocated"], traced["reserved"]

@@ -23,6 +23,7 @@ from batchfit.trace.point import MemoryPoint, TracedCurve
 from batchfit.workload import StepOptions, Workload
 
 DEFAULT_MAX_BATCH = 1 << 16
+LIMITS: tuple[str, ...] = ("reserved", "allocated")
 
 
 @dataclass
@@ -62,6 +63,8 @@ class EstimateResult:
     (exactly: the three lay on one line), except the batch sizes in ``full_traces``."""
     full_traces: list[int] = field(default_factory=list)
     known_limits: list[str] = field(default_factory=list)
+    limit: str = "reserved"
+    """What had to fit: 'reserved' (max_memory_reserved, allocator model) or 'allocated'."""
     """What this model runs that the trace does not mirror (beyond docs/tracing.md's list)."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
@@ -101,7 +104,9 @@ class EstimateResult:
             "max_batch_size": best,
             "max_batch_size_at_target": self.max_batch_size_at_target,
             "capped": self.capped,
+            "limit": self.limit,
             "peak_bytes_at_max": self.point(best).peak_bytes if best else None,
+            "peak_reserved_bytes_at_max": self.point(best).peak_reserved_bytes if best else None,
             "headroom_bytes": self.headroom_bytes(best) if best else None,
             "suggestions": [vars(s) for s in self.suggestions],
             "known_limits": self.known_limits,
@@ -128,19 +133,27 @@ def _validate(target_util: float, multiple_of: int, batch_sizes: list[int] | Non
 
 def estimate(workload: Workload, *, device: Device, options: StepOptions | None = None,
              batch_sizes: list[int] | None = None, target_util: float = 0.9, multiple_of: int = 1,
-             max_batch: int = DEFAULT_MAX_BATCH, suggest: bool = True,
+             max_batch: int = DEFAULT_MAX_BATCH, suggest: bool = True, limit: str = "reserved",
              progress: Callable[[str], None] | None = None) -> EstimateResult:
-    """Trace ``workload`` and find the largest batch that fits ``device``."""
+    """Trace ``workload`` and find the largest batch that fits ``device``.
+
+    ``limit`` is what must stay under the usable memory: ``reserved`` (default: what the
+    CUDA caching allocator reserves, fragmentation included; a GPU runs out when it cannot
+    reserve a segment) or ``allocated`` (what tensors hold, ``max_memory_allocated``).
+    """
     options = options or StepOptions()
     _validate(target_util, multiple_of, batch_sizes, max_batch)
+    if limit not in LIMITS:
+        raise OptionError(f"unknown --limit '{limit}': use reserved (what a GPU runs out of) or allocated")
     multiple_of = workload.batch_multiple(multiple_of)
     say = progress or (lambda message: None)
     started = time.perf_counter()
     with TracedCurve(workload, options, device, say) as traced:
         for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
             traced.point(b)
-        answers = [traced.max_batch(limit, lo=multiple_of, hi=max_batch, multiple_of=multiple_of)
-                   for limit in (device.usable_bytes, int(target_util * device.usable_bytes))]
+        answers = [traced.max_batch(limit_bytes, lo=multiple_of, hi=max_batch, multiple_of=multiple_of,
+                                    reserved=limit == "reserved")
+                   for limit_bytes in (device.usable_bytes, int(target_util * device.usable_bytes))]
         points = traced.points
         known_limits = traced.known_limits
         suggestions = (_suggestions(workload, options, device, points[min(points)], say)
@@ -152,7 +165,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         points=[points[b] for b in sorted(points)], curve=traced.curve(), target_util=target_util,
         multiple_of=multiple_of, max_batch_size=answers[0].max_batch_size,
         max_batch_size_at_target=answers[1].max_batch_size, capped=answers[0].capped,
-        trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions,
+        trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions, limit=limit,
         depth_blocks=traced.blocks, full_traces=traced.full_traces, known_limits=known_limits,
     )
 

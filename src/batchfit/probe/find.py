@@ -71,6 +71,9 @@ class ProbeResult:
     global_batch: int | None
     seconds: float
     world_size: int = 1
+    limit: str = "reserved"
+    """What ran out on a virtual device: 'reserved' (allocator model) or 'allocated'; a real GPU
+    runs out of what it runs out of."""
     stopped_by: Trial | None = None
     """The trial whose error stopped the search (then max_batch_size is what was found before)."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
@@ -120,6 +123,7 @@ class ProbeResult:
             "recommendations": [vars(r) for r in self.recommendations],
             "target_util": self.target_util, "global_batch": self.global_batch,
             "stopped_by": self.stopped_by.to_json() if self.stopped_by else None,
+            "limit": self.limit if self.target.kind == "virtual" else None,
             "seconds": round(self.seconds, 2), "world_size": self.world_size,
             "created": self.created, "torch_version": self.torch_version,
         }
@@ -144,13 +148,13 @@ class _Predictor:
     """The tracer's answer, then corrected by the peaks measured so far (for ``guided``)."""
 
     def __init__(self, workload: Workload, options: StepOptions, target: Target, capacity: int,
-                 multiple_of: int, largest: int, say: Callable[[str], None]) -> None:
+                 multiple_of: int, largest: int, reserved: bool, say: Callable[[str], None]) -> None:
         say("tracing the step on fake tensors to predict")
-        with TracedCurve(workload, options, target.device) as traced:
+        with TracedCurve(workload, options, target.device, say) as traced:
             for b in (multiple_of, 2 * multiple_of):
                 traced.point(b)
             self.traced_max = traced.max_batch(target.device.usable_bytes, lo=multiple_of, hi=largest,
-                                               multiple_of=multiple_of).max_batch_size
+                                               multiple_of=multiple_of, reserved=reserved).max_batch_size
             self.points, self.curve = dict(traced.points), traced.curve()
         self.capacity = capacity
 
@@ -164,6 +168,11 @@ class _Predictor:
         return point.peak_bytes if point else int(self.curve.peak_bytes(batch_size))
 
     def __call__(self, trials: list[Trial]) -> int:
+        # While the device agrees with the trace (sizes up to the traced maximum fit, larger
+        # ones do not), keep to the traced maximum: guided then probes it and the next size up.
+        agrees = all(t.fits == (t.batch_size <= self.traced_max) for t in trials)
+        if agrees:
+            return ranks.agree_min(self.traced_max)
         line = measured_line(trials, self.slope)
         if line is not None and line.bytes_per_sample:
             guess = (self.capacity - line.fixed_bytes) / line.bytes_per_sample
@@ -174,10 +183,16 @@ class _Predictor:
         return ranks.agree_min(int(guess))
 
 
+def peak_of(trial: Trial) -> int | None:
+    """The peak that decides whether a batch fits: reserved where it is known (a GPU runs out
+    when it cannot reserve a segment), else allocated."""
+    return trial.peak_reserved_bytes or trial.peak_allocated_bytes
+
+
 def measured_line(trials: list[Trial], traced_slope: float | None = None) -> Line | None:
     """Peak bytes against batch size from the probes that fit: the secant through the two
     largest, else the traced slope through the one measured peak, else None."""
-    measured = sorted((t.batch_size, t.peak_allocated_bytes) for t in trials if t.fits and t.peak_allocated_bytes)
+    measured = sorted((t.batch_size, peak_of(t)) for t in trials if t.fits and peak_of(t))
     if len({b for b, _ in measured}) >= 2:
         return secant("measured", measured)
     if measured and traced_slope:
@@ -190,7 +205,8 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
                    policy: str = "guided", multiple_of: int = 1, smallest: int = 1, largest: int = 1 << 16,
                    steps: int = 2, isolate: bool = False, spec: str | None = None, seq_len: int | None = None,
                    stop_on_nan: bool = False, target_util: float = 0.9, global_batch: int | None = None,
-                   verify_tiers: bool = False, progress: Callable[[str], None] | None = None) -> ProbeResult:
+                   verify_tiers: bool = False, limit: str = "reserved",
+                   progress: Callable[[str], None] | None = None) -> ProbeResult:
     """Probe ``workload`` on ``target`` and return the largest batch that ran.
 
     ``verify_tiers`` probes every recommended tier; by default they are predicted from the
@@ -198,6 +214,8 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     """
     options = options or StepOptions()
     _validate(policy, multiple_of, smallest, largest, steps, target_util, global_batch)
+    if limit not in ("reserved", "allocated"):
+        raise OptionError(f"unknown --limit '{limit}': use reserved (what a GPU runs out of) or allocated")
     multiple_of = workload.batch_multiple(multiple_of)
     if isolate and spec is None:
         raise OptionError("--isolate rebuilds the workload in a fresh process from its MODEL spec: pass spec=")
@@ -207,16 +225,18 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     # Every decision uses the smallest usable memory of all ranks, so all ranks decide alike.
     capacity = ranks.agree_min(target.device.usable_bytes) if target.device else None
     # A CPU run has no GPU memory to predict (its probes measure no peaks).
-    predictor = (_Predictor(workload, options, target, capacity, multiple_of, largest, say)
+    predictor = (_Predictor(workload, options, target, capacity, multiple_of, largest, limit == "reserved", say)
                  if target.kind in ("virtual", "cuda") and (policy == "guided" or target.kind == "cuda") else None)
     trials: list[Trial] = []
 
     def probe(batch_size: int) -> Trial:
         say(f"probe {len(trials) + 1}: batch size {batch_size}")
         if isolate:
-            trial = probe_isolated(spec, seq_len, options, target, batch_size, steps=steps, stop_on_nan=stop_on_nan)
+            trial = probe_isolated(spec, seq_len, options, target, batch_size, steps=steps, stop_on_nan=stop_on_nan,
+                                   limit=limit)
         else:
-            trial = probe_once(workload, options, target, batch_size, steps=steps, stop_on_nan=stop_on_nan)
+            trial = probe_once(workload, options, target, batch_size, steps=steps, stop_on_nan=stop_on_nan,
+                               limit=limit)
         trial = ranks.agree(trial)
         if predictor is not None:
             trial = Trial(**{**trial.to_json(), "predicted_bytes": predictor.predicted_bytes(batch_size)})
@@ -244,7 +264,7 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
         target=target, options=options, policy=policy, multiple_of=multiple_of, smallest=smallest,
         largest=largest, search=result, trials=trials, recommendations=recommendations,
         target_util=target_util, global_batch=global_batch, seconds=time.perf_counter() - started,
-        world_size=ranks.world_size(), stopped_by=stopped,
+        world_size=ranks.world_size(), stopped_by=stopped, limit=limit,
     )
 
 
@@ -296,8 +316,9 @@ def _recommend(result: SearchResult, probe: Callable[[int], Trial], trials: list
 
 def _under(trial: Trial, limit: int) -> Trial:
     """A trial as 'fits under ``limit``' rather than 'fits the device'."""
-    fits = trial.fits and (trial.peak_allocated_bytes or 0) <= limit
-    return Trial(trial.batch_size, "ok" if fits else "oom", peak_allocated_bytes=trial.peak_allocated_bytes)
+    fits = trial.fits and (peak_of(trial) or 0) <= limit
+    return Trial(trial.batch_size, "ok" if fits else "oom", peak_allocated_bytes=trial.peak_allocated_bytes,
+                 peak_reserved_bytes=trial.peak_reserved_bytes)
 
 
 def _predict_under(limit: int, trials: list[Trial], traced_slope: float | None, best: int, m: int) -> int:

@@ -2,7 +2,9 @@
 
 Devices: ``cuda`` / ``cuda:N`` (real: peak statistics reset per probe), ``virtual:<gpu>``
 or ``virtual:<size>`` (the traced step with the GPU's usable capacity; it raises
-``torch.OutOfMemoryError`` past it, so the search cannot tell it from a real GPU) and
+``torch.OutOfMemoryError`` where the caching allocator could not reserve a segment after
+freeing its cache (``limit='reserved'``, as a GPU runs out) or where allocated bytes pass
+the capacity (``limit='allocated'``), so the search cannot tell it from a real GPU) and
 ``cpu`` (real steps, for development: no memory figures).
 
 A failed probe is cleaned up *outside* its ``except`` block: the exception's traceback holds
@@ -20,7 +22,7 @@ from batchfit.search import Trial
 from batchfit.step import TrainingStep
 from batchfit.targets import Target, parse_target
 from batchfit.timing import run_timed_steps
-from batchfit.trace.point import allocated_point
+from batchfit.trace.point import allocated_point, run_out_at_reserved
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 
@@ -28,9 +30,15 @@ DEFAULT_ISOLATED_TIMEOUT_S = 1800.0
 
 
 def _run_steps(workload: Workload, options: StepOptions, target: Target, batch_size: int,
-               steps: int, stop_on_nan: bool) -> Trial:
+               steps: int, stop_on_nan: bool, limit: str) -> Trial:
     if target.kind == "virtual":
         device = target.device
+        if limit == "reserved":  # out of memory where the caching allocator cannot reserve a segment
+            with TraceSession(workload, options) as session:
+                allocator = run_out_at_reserved(session, device)
+                point = allocated_point(session.trace(batch_size), device.workspace_bytes)
+            return Trial(batch_size, "ok", peak_allocated_bytes=point.peak_bytes,
+                         peak_reserved_bytes=allocator.stats.peak_reserved_bytes)
         with TraceSession(workload, options, capacity_bytes=device.usable_bytes - device.workspace_bytes) as session:
             point = allocated_point(session.trace(batch_size), device.workspace_bytes)
         return Trial(batch_size, "ok", peak_allocated_bytes=point.peak_bytes)
@@ -42,10 +50,10 @@ def _run_steps(workload: Workload, options: StepOptions, target: Target, batch_s
 
 
 def probe_once(workload: Workload, options: StepOptions, target: Target, batch_size: int, *,
-               steps: int = 2, stop_on_nan: bool = False) -> Trial:
+               steps: int = 2, stop_on_nan: bool = False, limit: str = "reserved") -> Trial:
     """Run ``steps`` training steps at ``batch_size``; never raises for OOM or a failed step."""
     try:
-        trial = _run_steps(workload, options, target, batch_size, steps, stop_on_nan)
+        trial = _run_steps(workload, options, target, batch_size, steps, stop_on_nan, limit)
     except Exception as error:  # noqa: BLE001 - every failure becomes a Trial, classified
         trial = Trial(batch_size, classify(error), error=describe(error))
     # Out of the except block: the exception and its traceback are gone, so the failed
@@ -55,20 +63,20 @@ def probe_once(workload: Workload, options: StepOptions, target: Target, batch_s
 
 
 def _isolated_child(connection, spec: str, seq_len: int | None, options: dict, target_spec: str,
-                    batch_size: int, steps: int, stop_on_nan: bool) -> None:
+                    batch_size: int, steps: int, stop_on_nan: bool, limit: str) -> None:
     try:
         from batchfit.specs import load_workload
 
         workload = load_workload(spec, seq_len=seq_len)
         trial = probe_once(workload, StepOptions(**options), parse_target(target_spec), batch_size,
-                           steps=steps, stop_on_nan=stop_on_nan)
+                           steps=steps, stop_on_nan=stop_on_nan, limit=limit)
     except BaseException as error:  # noqa: BLE001 - loading failed: send the reason, not silence
         trial = Trial(batch_size, "error", error=f"in the probe process: {describe(error)}")
     connection.send(trial.to_json())
 
 
 def probe_isolated(spec: str, seq_len: int | None, options: StepOptions, target: Target, batch_size: int, *,
-                   steps: int = 2, stop_on_nan: bool = False,
+                   steps: int = 2, stop_on_nan: bool = False, limit: str = "reserved",
                    timeout_s: float = DEFAULT_ISOLATED_TIMEOUT_S) -> Trial:
     """The same probe in a fresh spawned process: a crashed or fragmented allocator cannot
     poison the next probe. The workload is rebuilt there from its MODEL spec. A child that
@@ -77,7 +85,7 @@ def probe_isolated(spec: str, seq_len: int | None, options: StepOptions, target:
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=_isolated_child, args=(send, spec, seq_len, options.to_json(), target.spec,
-                                                          batch_size, steps, stop_on_nan))
+                                                          batch_size, steps, stop_on_nan, limit))
     child.start()
     send.close()
     data, answered = None, False

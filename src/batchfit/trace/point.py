@@ -1,9 +1,13 @@
 """The point measurement every engine shares: a traced step as a GPU would report it.
 
 ``MemoryPoint`` is one traced batch size as ``torch.cuda.max_memory_allocated()`` would show
-it (the step's tensors plus the cuBLAS workspaces). ``TracedCurve`` traces a workload at the
-batch sizes asked for, fits the memory curve through them, and finds the largest batch
-under a limit by tracing it and the next size up, so every answer is a traced one.
+it (the step's tensors plus the cuBLAS workspaces), and, where asked, as
+``max_memory_reserved()`` would: the traced allocations of a fresh process at that batch
+size (model build, first step, second step) replayed through the model of the CUDA caching
+allocator (``trace/allocator.py``), which frees its cache and retries before it runs out,
+as the real one does. ``TracedCurve`` traces a workload at the batch sizes asked for, fits
+the memory curve through them, and finds the largest batch under a limit by tracing it and
+the next size up, so every answer is a traced one.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+import torch
+
 from batchfit.devices import Device
+from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided
 from batchfit.trace import depth
 from batchfit.trace.curve import MemoryCurve, fit_curve
@@ -34,9 +41,14 @@ class MemoryPoint:
     top: list[dict]
     breakdown_by_phase: dict[str, dict[str, int]] = field(default_factory=dict)
     """The breakdown at each phase's own peak (``breakdown`` is the one at the step's peak)."""
+    peak_reserved_bytes: int | None = None
+    """What max_memory_reserved() would show (allocator model); None when not replayed."""
+    reserved_oom: str | None = None
+    """The allocator model's out-of-memory message, when the step cannot reserve its memory."""
 
     def to_json(self) -> dict:
         return {"batch_size": self.batch_size, "peak_bytes": self.peak_bytes,
+                "peak_reserved_bytes": self.peak_reserved_bytes, "reserved_oom": self.reserved_oom,
                 "breakdown": self.breakdown, "phase": self.phase,
                 "peak_by_phase": self.peak_by_phase, "largest_tensors": self.top}
 
@@ -51,6 +63,58 @@ def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
         top=snap.top,
         breakdown_by_phase={k: {**v, "workspace": workspace_bytes} for k, v in snap.breakdown_by_phase.items()},
     )
+
+
+def new_allocator(device: Device, config: AllocatorConfig | None = None) -> CachingAllocator:
+    """The allocator model of ``device`` as a training process finds it: the cuBLAS workspaces
+    (allocated through the caching allocator, before the step's tensors) already taken."""
+    allocator = CachingAllocator(device.usable_bytes, config if config is not None else AllocatorConfig.from_env())
+    allocator.malloc(-1, device.workspace_bytes // 2)
+    allocator.malloc(-2, device.workspace_bytes - device.workspace_bytes // 2)
+    return allocator
+
+
+def replay_reserved(events: list[tuple[str, int, int]], device: Device,
+                    config: AllocatorConfig | None = None) -> tuple[int | None, str | None]:
+    """(peak reserved bytes, None), or (None, the out-of-memory message) when the allocator
+    model runs out even after freeing its cache."""
+    allocator = new_allocator(device, config)
+    try:
+        for kind, ident, nbytes in events:
+            if kind == "malloc":
+                allocator.malloc(ident, nbytes)
+            else:
+                allocator.free(ident)
+    except AllocatorOutOfMemory as error:
+        return None, str(error)
+    return allocator.stats.peak_reserved_bytes, None
+
+
+def run_out_at_reserved(session: TraceSession, device: Device, config: AllocatorConfig | None = None) -> CachingAllocator:
+    """Make ``session`` a virtual ``device`` that runs out where the caching allocator would:
+    the allocator model is fed every allocation as it happens, and raises
+    ``torch.OutOfMemoryError`` when it cannot reserve a segment after freeing its cache."""
+    allocator = new_allocator(device, config)
+    for kind, ident, nbytes in session.tracker.events:  # what building the model allocated
+        if kind == "malloc":
+            allocator.malloc(ident, nbytes)
+        else:
+            allocator.free(ident)
+
+    def on_event(kind: str, ident: int, nbytes: int) -> None:
+        message = None
+        try:
+            if kind == "malloc":
+                allocator.malloc(ident, nbytes)
+            else:
+                allocator.free(ident)
+        except AllocatorOutOfMemory as error:
+            message = str(error)
+        if message is not None:  # raised outside the except block: the traceback holds no frames to free
+            raise torch.OutOfMemoryError(f"virtual device: {message}")
+
+    session.tracker.on_event = on_event
+    return allocator
 
 
 class TracedCurve:
@@ -130,20 +194,64 @@ class TracedCurve:
         self.points[batch_size] = found
         return found
 
+    def reserved(self, batch_size: int) -> MemoryPoint:
+        """The point with its reserved peak: a fresh process at ``batch_size``, traced whole
+        (reserved memory is not affine in depth: segments are reused and split), replayed
+        through the allocator model from the model's build to the end of the second step."""
+        point = self.point(batch_size)
+        if point.peak_reserved_bytes is None and point.reserved_oom is None:
+            self.say(f"tracing batch size {batch_size} whole for reserved memory")
+            with TraceSession(self.workload, self.options) as session:
+                session.trace(batch_size)
+                events = session.tracker.events
+            point.peak_reserved_bytes, point.reserved_oom = replay_reserved(events, self.device)
+        return point
+
     def curve(self) -> MemoryCurve:
         return fit_curve({b: p.peak_by_phase for b, p in self.points.items()})
 
-    def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int) -> SearchResult:
+    def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
+                  reserved: bool = False) -> SearchResult:
         """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak is under
-        ``limit_bytes``: the curve predicts it, tracing it and the next size up confirms it."""
+        ``limit_bytes``: the curve predicts it, tracing it and the next size up confirms it.
 
-        def probe(batch_size: int) -> Trial:
+        With ``reserved`` the peak is the reserved one (``max_memory_reserved``). Reserved is
+        never less than allocated, so the search first finds the allocated answer (cheap: by
+        depth) and then looks for the reserved one at or below it, where each probe is a
+        whole-model trace replayed through the allocator model.
+        """
+
+        def allocated_probe(batch_size: int) -> Trial:
             peak = self.point(batch_size).peak_bytes
             return Trial(batch_size, "ok" if peak <= limit_bytes else "oom", peak_allocated_bytes=peak)
 
-        known = [probe(b) for b in self.points]
-        return guided(probe, lambda trials: self.curve().max_batch_size(limit_bytes, multiple_of),
-                      lo=lo, hi=hi, multiple_of=multiple_of, known=known)
+        known = [allocated_probe(b) for b in self.points]
+        found = guided(allocated_probe, lambda trials: self.curve().max_batch_size(limit_bytes, multiple_of),
+                       lo=lo, hi=hi, multiple_of=multiple_of, known=known)
+        if not reserved or not found.max_batch_size:
+            return found
+
+        def reserved_probe(batch_size: int) -> Trial:
+            point = self.reserved(batch_size)
+            fits = point.reserved_oom is None and point.peak_reserved_bytes <= limit_bytes
+            return Trial(batch_size, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes,
+                         peak_reserved_bytes=point.peak_reserved_bytes)
+
+        def predict(trials: list[Trial]) -> int:
+            # Reserved = allocated + what the cache holds beyond it: take that overhead from the
+            # largest size whose reserved peak is known, and solve the allocated curve for the rest.
+            replayed = [t for t in trials if t.peak_reserved_bytes is not None]
+            if not replayed:
+                return found.max_batch_size
+            last = max(replayed, key=lambda t: t.batch_size)
+            overhead = last.peak_reserved_bytes - last.peak_allocated_bytes
+            return self.curve().max_batch_size(limit_bytes - overhead, multiple_of)
+
+        above = [Trial(found.next_size, "oom")] if found.next_size else []  # fails allocated: fails reserved
+        result = guided(reserved_probe, predict, lo=lo, hi=found.max_batch_size, multiple_of=multiple_of,
+                        known=above)
+        result.capped = found.capped and result.max_batch_size == found.max_batch_size  # capped by hi, not by us
+        return result
 
     def close(self) -> None:
         for session in [*self._shallow, *([self._full] if self._full else [])]:
