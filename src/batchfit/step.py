@@ -120,10 +120,13 @@ class TrainingStep:
 
     The step knows nothing about who watches it: an engine passes ``hooks`` to :meth:`run`,
     and the tracer installs its CUDA mirrors by replacing :attr:`step_context` and
-    :attr:`forward_autocast` (see ``trace/session.py``).
+    :attr:`forward_autocast` (see ``trace/session.py``). Nor does it know about distribution:
+    ``wrap`` (``batchfit.parallel.step_wrapper``) turns the model into what a multi-GPU run
+    trains (DDP, FSDP2) and :attr:`model` is what it returns.
     """
 
-    def __init__(self, workload: Workload, options: StepOptions, device: torch.device) -> None:
+    def __init__(self, workload: Workload, options: StepOptions, device: torch.device, *,
+                 wrap: Callable[[nn.Module], nn.Module] | None = None) -> None:
         self.workload = workload
         self.options = options
         self.device = device
@@ -137,6 +140,11 @@ class TrainingStep:
         if options.checkpointing == "full":
             # Fake tensors cannot snapshot the CPU generator; dropout-free steps do not need it.
             _checkpoint_blocks(self.model, preserve_rng_state=device.type == "cuda")
+        if wrap is not None:
+            # After freezing and checkpointing (they name and patch the plain model's modules),
+            # before the optimizer: FSDP2 replaces the parameters with their shards, and the
+            # optimizer (and its state) must be built over those.
+            self.model = wrap(self.model)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise OptionError("every parameter is frozen: loosen --freeze or --train-only")

@@ -13,6 +13,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, command_target, handle_errors,
                                  progress_line, quiet_if_stdout, report_folder, step_options, write_json)
 from batchfit.devices import GiB
+from batchfit.parallel import STRATEGIES
 from batchfit.probe.find import find_max_batch
 from batchfit.probe.ranks import rank
 from batchfit.report import write_probe_report
@@ -28,7 +29,7 @@ Examples:
 
   batchfit probe hf:gpt2-124m --device cuda --policy binsearch --isolate --out report/
 
-  torchrun --nproc-per-node 8 -m batchfit.cli.app probe hf:llama-3.2-1b --device cuda
+  torchrun --nproc-per-node 8 -m batchfit.cli.app probe hf:llama-3.2-1b --device cuda --strategy fsdp
 """
 
 
@@ -55,6 +56,7 @@ def probe_command(
     target_util: TargetUtilOpt = 0.9,
     verify_tiers: Annotated[bool, typer.Option(help="Probe the production and conservative tiers too (default: predicted from the measured line, one extra probe).")] = False,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step you want: adds the gradient accumulation that reaches it.")] = None,
+    strategy: Annotated[str | None, typer.Option(help=f"Under torchrun, how each rank wraps the model: {', '.join(STRATEGIES)} (default ddp; not on virtual devices).")] = None,
     json_path: JsonOpt = None,
     out: OutOpt = None,
 ) -> None:
@@ -72,7 +74,8 @@ def probe_command(
         result = find_max_batch(workload, target=target, options=options, policy=policy, multiple_of=multiple_of,
                                 smallest=min_batch, largest=max_batch, steps=steps, isolate=isolate, spec=model,
                                 seq_len=seq_len, stop_on_nan=stop_on_nan, target_util=target_util,
-                                global_batch=global_batch, verify_tiers=verify_tiers, progress=say)
+                                global_batch=global_batch, verify_tiers=verify_tiers, strategy=strategy,
+                                progress=say)
     if rank() != 0:  # every rank probed; one writes
         return
     paths = write_probe_report(result, report_folder(out, "probe", result.workload, target.spec))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchfit import search
+from batchfit import parallel, search
 from batchfit.errors import OptionError
 from batchfit.probe import ranks
 from batchfit.probe.runner import probe_isolated, probe_once
@@ -74,6 +74,8 @@ class ProbeResult:
     limit: str = "reserved"
     """What ran out on a virtual device: 'reserved' (allocator model) or 'allocated'; a real GPU
     runs out of what it runs out of."""
+    strategy: str | None = None
+    """How each rank's step was wrapped ('ddp', 'fsdp'); None: the single-GPU step on every rank."""
     stopped_by: Trial | None = None
     """The trial whose error stopped the search (then max_batch_size is what was found before)."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
@@ -124,7 +126,7 @@ class ProbeResult:
             "target_util": self.target_util, "global_batch": self.global_batch,
             "stopped_by": self.stopped_by.to_json() if self.stopped_by else None,
             "limit": self.limit if self.target.kind == "virtual" else None,
-            "seconds": round(self.seconds, 2), "world_size": self.world_size,
+            "seconds": round(self.seconds, 2), "world_size": self.world_size, "strategy": self.strategy,
             "created": self.created, "torch_version": self.torch_version,
         }
 
@@ -205,12 +207,14 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
                    policy: str = "guided", multiple_of: int = 1, smallest: int = 1, largest: int = 1 << 16,
                    steps: int = 2, isolate: bool = False, spec: str | None = None, seq_len: int | None = None,
                    stop_on_nan: bool = False, target_util: float = 0.9, global_batch: int | None = None,
-                   verify_tiers: bool = False, limit: str = "reserved",
+                   verify_tiers: bool = False, limit: str = "reserved", strategy: str | None = None,
                    progress: Callable[[str], None] | None = None) -> ProbeResult:
     """Probe ``workload`` on ``target`` and return the largest batch that ran.
 
     ``verify_tiers`` probes every recommended tier; by default they are predicted from the
-    measured line and at most one extra probe checks the production tier.
+    measured line and at most one extra probe checks the production tier. ``strategy``
+    ('ddp', 'fsdp'; under torchrun on a real device the default is 'ddp') wraps each rank's
+    model as a multi-GPU run would (``batchfit.parallel``).
     """
     options = options or StepOptions()
     _validate(policy, multiple_of, smallest, largest, steps, target_util, global_batch)
@@ -220,7 +224,11 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     if isolate and spec is None:
         raise OptionError("--isolate rebuilds the workload in a fresh process from its MODEL spec: pass spec=")
     say = progress or (lambda message: None)
+    target = ranks.local_target(target)
+    strategy = parallel.choose_strategy(strategy, virtual=target.kind == "virtual",
+                                        world_size=ranks.world_size(), isolate=isolate)
     ranks.init_ranks(cuda=target.kind == "cuda")
+    wrap = parallel.step_wrapper(strategy, target.torch_device)
     started = time.perf_counter()
     # Every decision uses the smallest usable memory of all ranks, so all ranks decide alike.
     capacity = ranks.agree_min(target.device.usable_bytes) if target.device else None
@@ -236,7 +244,7 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
                                    limit=limit)
         else:
             trial = probe_once(workload, options, target, batch_size, steps=steps, stop_on_nan=stop_on_nan,
-                               limit=limit)
+                               limit=limit, wrap=wrap)
         trial = ranks.agree(trial)
         if predictor is not None:
             trial = Trial(**{**trial.to_json(), "predicted_bytes": predictor.predicted_bytes(batch_size)})
@@ -264,7 +272,7 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
         target=target, options=options, policy=policy, multiple_of=multiple_of, smallest=smallest,
         largest=largest, search=result, trials=trials, recommendations=recommendations,
         target_util=target_util, global_batch=global_batch, seconds=time.perf_counter() - started,
-        world_size=ranks.world_size(), stopped_by=stopped, limit=limit,
+        world_size=ranks.world_size(), strategy=strategy, stopped_by=stopped, limit=limit,
     )
 
 

@@ -16,6 +16,9 @@ memory can only be freed once the exception is gone (Lightning's batch finder fr
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Callable
+
+from torch import nn
 
 from batchfit.oom import classify, describe
 from batchfit.search import Trial
@@ -30,7 +33,7 @@ DEFAULT_ISOLATED_TIMEOUT_S = 1800.0
 
 
 def _run_steps(workload: Workload, options: StepOptions, target: Target, batch_size: int,
-               steps: int, stop_on_nan: bool, limit: str) -> Trial:
+               steps: int, stop_on_nan: bool, limit: str, wrap: Callable[[nn.Module], nn.Module] | None) -> Trial:
     if target.kind == "virtual":
         device = target.device
         if limit == "reserved":  # out of memory where the caching allocator cannot reserve a segment
@@ -42,7 +45,7 @@ def _run_steps(workload: Workload, options: StepOptions, target: Target, batch_s
         with TraceSession(workload, options, capacity_bytes=device.usable_bytes - device.workspace_bytes) as session:
             point = allocated_point(session.trace(batch_size), device.workspace_bytes)
         return Trial(batch_size, "ok", peak_allocated_bytes=point.peak_bytes)
-    step = TrainingStep(workload, options, target.torch_device)
+    step = TrainingStep(workload, options, target.torch_device, wrap=wrap)
     # The first step carries one-off costs (cuBLAS handles, kernel loading): time the last.
     timed = run_timed_steps(step, batch_size, steps=1, warmup=steps - 1, stop_on_nan=stop_on_nan)
     return Trial(batch_size, "ok", peak_allocated_bytes=timed.peak_allocated_bytes,
@@ -50,10 +53,13 @@ def _run_steps(workload: Workload, options: StepOptions, target: Target, batch_s
 
 
 def probe_once(workload: Workload, options: StepOptions, target: Target, batch_size: int, *,
-               steps: int = 2, stop_on_nan: bool = False, limit: str = "reserved") -> Trial:
-    """Run ``steps`` training steps at ``batch_size``; never raises for OOM or a failed step."""
+               steps: int = 2, stop_on_nan: bool = False, limit: str = "reserved",
+               wrap: Callable[[nn.Module], nn.Module] | None = None) -> Trial:
+    """Run ``steps`` training steps at ``batch_size``; never raises for OOM or a failed step.
+
+    ``wrap`` (``batchfit.parallel.step_wrapper``) makes the model what a multi-GPU run trains."""
     try:
-        trial = _run_steps(workload, options, target, batch_size, steps, stop_on_nan, limit)
+        trial = _run_steps(workload, options, target, batch_size, steps, stop_on_nan, limit, wrap)
     except Exception as error:  # noqa: BLE001 - every failure becomes a Trial, classified
         trial = Trial(batch_size, classify(error), error=describe(error))
     # Out of the except block: the exception and its traceback are gone, so the failed
