@@ -114,3 +114,20 @@ def test_recurrent_layers_are_named_as_a_known_limit():
     assert result.to_json()["known_limits"] == result.known_limits
     assert estimate(load_workload("gpt-tinystories-22m", seq_len=16), device=get_device("t4-16gb"),
                     max_batch=8).known_limits == []
+
+
+def test_multiple_of_with_a_known_size_off_the_grid_ends():
+    """`estimate --multiple-of 8 --batch-sizes 8,21` with 21 too large used to loop forever."""
+    import threading
+
+    # gpt2-124m at seq 256 (traced on a T4 profile): batch 16 peaks at 6.42 GB, batch 21 at 7.95 GB,
+    # so 7.2 GB of usable memory fits 16 and not 21.
+    device = custom_device(int(7.2e9) + 512 * 2**20)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(estimate(
+        load_workload("gpt2-124m", seq_len=256), device=device, batch_sizes=[8, 21], multiple_of=8,
+        limit="allocated", suggest=False)), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert results, "estimate did not end"
+    assert results[0].max_batch_size == 16

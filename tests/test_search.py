@@ -79,3 +79,41 @@ def test_every_policy_answers_with_a_size_that_ran_and_a_failure_or_the_cap_abov
         assert result.next_size in seen and result.next_size > limit  # shown to fail
     if policy in ("guided", "binsearch", "linear"):
         assert result.exact
+
+
+@st.composite
+def known_trials(draw):
+    """A true maximum and known trials consistent with it, on and off the grid, some outside [lo, hi]."""
+    limit = draw(st.integers(0, 3000))
+    sizes = draw(st.lists(st.integers(1, 5000), max_size=6))
+    return limit, [Trial(b, "ok" if b <= limit else "oom") for b in sizes]
+
+
+@pytest.mark.parametrize("policy", search.POLICIES)
+@given(case=known_trials(), m=st.sampled_from([1, 4, 8, 16]), lo=st.integers(1, 64), hi=st.integers(64, 4000))
+def test_known_trials_end_the_search_on_the_grid(policy, case, m, lo, hi):
+    limit, known = case
+    seen: list[int] = []
+    result = POLICY_CALLS[policy](threshold_probe(limit, seen), lo=lo, hi=hi, multiple_of=m, known=known)
+    low = max(-(-lo // m) * m, m)
+    top = max(hi // m * m, low)
+    assert len(seen) == len(set(seen)) and all(b % m == 0 for b in seen)
+    assert all(b not in seen for b in (t.batch_size for t in known))  # never re-probes what it knew
+    if policy in ("guided", "binsearch", "linear"):
+        assert result.exact
+        assert result.max_batch_size == (min(limit // m * m, top) if limit >= low else 0)
+
+
+def test_a_known_failure_off_the_grid_does_not_hang():
+    """The issue: --multiple-of 8 --batch-sizes 8,21 with 21 too large looped forever."""
+    seen: list[int] = []
+    result = guided(threshold_probe(16, seen), lambda trials: 100, lo=8, hi=4096, multiple_of=8,
+                    known=[Trial(8, "ok"), Trial(21, "oom")])
+    assert result.max_batch_size == 16 and result.exact and seen == [16]
+
+
+def test_a_policy_that_makes_no_progress_raises():
+    book = search._Book(threshold_probe(10, []), 1, 100, 1, known=[Trial(5, "ok")])
+    with pytest.raises(search.NoProgress, match="decided"):
+        for _ in range(search._Book.IDLE_LIMIT + 1):
+            book.run(3)  # already known to fit: asking again and again is a policy bug

@@ -47,7 +47,8 @@ class SearchResult:
     trials: list[Trial]
     """The probes this search made, in order."""
     next_size: int | None
-    """The smallest probed size above the answer that did not fit; None if none was probed."""
+    """The smallest size above the answer known not to fit: probed, or implied by a known
+    failure at an off-grid size (21 failed, so 24 fails); None if none is known."""
     capped: bool
     """The answer is the largest size allowed (--max), so nothing above it was needed."""
     multiple_of: int = 1
@@ -64,8 +65,20 @@ class SearchResult:
 Probe = Callable[[int], Trial]
 
 
+class NoProgress(RuntimeError):
+    """A policy kept asking for sizes whose outcome was already known: a bug, not a search."""
+
+
 class _Book:
-    """What a policy has learnt so far; every probe goes through it."""
+    """What a policy has learnt so far; every probe goes through it.
+
+    Memory grows with the batch size, so one trial decides many sizes: a fit at b means
+    every size up to b fits, a failure at b means every size from b on fails. Known trials
+    (and every probe) are read that way, onto the grid of multiples of ``m``.
+    """
+
+    IDLE_LIMIT = 64
+    """Requests in a row whose outcome was already known before a policy is stopped."""
 
     def __init__(self, probe: Probe, lo: int, hi: int, m: int, known: list[Trial] = ()) -> None:
         self.probe, self.m = probe, m
@@ -73,17 +86,26 @@ class _Book:
         self.hi = max(hi // m * m, self.lo)
         self.trials: list[Trial] = []
         self.all = list(known)
-        self.fit = max((t.batch_size for t in known if t.fits and t.batch_size % m == 0
-                        and self.lo <= t.batch_size <= self.hi), default=0)
-        self.fail = min((t.batch_size for t in known if not t.fits and t.batch_size > self.fit), default=None)
+        self._idle = 0
+        # A known fit at 21 with m = 8 shows 16 fits; a known failure at 21 shows 24 fails.
+        fits = [min(t.batch_size // m * m, self.hi) for t in known if t.fits and t.batch_size >= self.lo]
+        fails = [max(-(-t.batch_size // m) * m, self.lo) for t in known if not t.fits]
+        self.fit = max(fits, default=0)
+        self.fail = min((b for b in fails if b > self.fit and b <= self.hi), default=None)
 
     def run(self, batch_size: int) -> Trial:
         batch_size = min(max(batch_size // self.m * self.m, self.lo), self.hi)
-        known = next((t for t in self.all if t.batch_size == batch_size), None)
-        trial = known or self.probe(batch_size)
-        if known is None:
-            self.trials.append(trial)
-            self.all.append(trial)
+        if batch_size <= self.fit or (self.fail is not None and batch_size >= self.fail):
+            self._idle += 1
+            if self._idle > self.IDLE_LIMIT:
+                raise NoProgress(f"the search asked {self._idle} times in a row for sizes it had decided "
+                                 f"(largest fit {self.fit}, smallest failure {self.fail}, multiple of {self.m})")
+            known = next((t for t in self.all if t.batch_size == batch_size), None)
+            return known or Trial(batch_size, "ok" if batch_size <= self.fit else "oom")
+        self._idle = 0
+        trial = self.probe(batch_size)
+        self.trials.append(trial)
+        self.all.append(trial)
         if trial.fits:
             self.fit = max(self.fit, batch_size)
         elif self.fail is None or batch_size < self.fail:
