@@ -1,8 +1,13 @@
 """The GPU catalog, memory sizes such as '48GiB', and the real device.
 
 Capacity figures are ``memory.total`` as ``nvidia-smi`` (``rocm-smi`` for the MI300X) prints
-it for each card, in MiB; TFLOP/s are the vendors' dense (no sparsity) bf16 tensor-core
-figures (fp16 where the card has no bf16) and bandwidths are the vendors' datasheet numbers.
+it for each card, in MiB; TFLOP/s are the vendors' dense (no sparsity) datasheet figures:
+``bf16_tflops`` the bf16 tensor-core peak (fp16 where the card has no bf16: V100, T4) and
+``fp32_tflops`` the plain fp32 (CUDA core) peak, which is what an fp32 PyTorch run uses
+(``torch.backends.cuda.matmul.allow_tf32`` is False by default since PyTorch 1.12);
+bandwidths are the vendors' datasheet numbers. Sources: NVIDIA H100, H200, A100, A10, L4,
+L40S, RTX 6000 Ada, V100 and T4 datasheets, the Ada Lovelace architecture whitepaper
+(RTX 4090), AMD's MI300X data sheet.
 
 What a training process can hand to tensors is less than the total: the CUDA context and
 the kernels PyTorch loads take memory outside the caching allocator (``context_bytes``),
@@ -55,7 +60,11 @@ class Device:
     workspace_bytes: int = cublas_workspace_bytes(9)
     """cuBLAS workspaces one training step allocates inside PyTorch's allocator."""
     bf16_tflops: float | None = None
-    """Dense bf16 (or fp16) tensor TFLOP/s, for MFU."""
+    """Dense bf16 (or fp16, where the card has no bf16) tensor TFLOP/s, for MFU."""
+    fp32_tflops: float | None = None
+    """Dense fp32 TFLOP/s without tensor cores (what an fp32 PyTorch run gets by default)."""
+    supports_bf16: bool = True
+    """The card has bf16 tensor cores (V100 and T4 do fp16 only)."""
     bandwidth_gb_per_s: float | None = None
     """Memory bandwidth in GB/s (10**9 bytes)."""
     source: str = "catalog"
@@ -66,17 +75,32 @@ class Device:
         """What the caching allocator can hand out: total minus the context."""
         return self.total_bytes - self.context_bytes
 
+    def peak_tflops(self, precision: str) -> float | None:
+        """The dense peak a run at ``precision`` can reach, for MFU; None when unknown.
+
+        fp32 runs use the fp32 (CUDA core) peak; fp16-mixed the fp16 tensor peak; bf16 and
+        bf16-mixed the bf16 tensor peak, None on cards without bf16 tensor cores (there bf16
+        is emulated, and an MFU against the fp16 peak would flatter it).
+        """
+        if precision == "fp32":
+            return self.fp32_tflops
+        if precision.startswith("bf16") and not self.supports_bf16:
+            return None
+        return self.bf16_tflops
+
     def to_json(self) -> dict:
         return {**asdict(self), "usable_bytes": self.usable_bytes}
 
 
-def _gpu(name, display, mib, tflops, bandwidth_gb_per_s, cc_major) -> Device:
+def _gpu(name, display, mib, tflops, fp32_tflops, bandwidth_gb_per_s, cc_major, bf16=True) -> Device:
     return Device(
         name=name,
         display_name=display,
         total_bytes=mib * MiB,
         workspace_bytes=cublas_workspace_bytes(cc_major),
         bf16_tflops=tflops,
+        fp32_tflops=fp32_tflops,
+        supports_bf16=bf16,
         bandwidth_gb_per_s=bandwidth_gb_per_s,
     )
 
@@ -84,35 +108,67 @@ def _gpu(name, display, mib, tflops, bandwidth_gb_per_s, cc_major) -> Device:
 CATALOG: dict[str, Device] = {
     d.name: d
     for d in [
-        _gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", 81559, 989.0, 3350, 9),
-        _gpu("h100-pcie-80gb", "NVIDIA H100 PCIe 80GB", 81559, 756.0, 2000, 9),
-        _gpu("h200-141gb", "NVIDIA H200 141GB HBM3e", 143771, 989.0, 4800, 9),
-        _gpu("a100-80gb", "NVIDIA A100 80GB", 81920, 312.0, 2039, 8),
-        _gpu("a100-40gb", "NVIDIA A100 40GB", 40960, 312.0, 1555, 8),
-        _gpu("a10g-24gb", "NVIDIA A10G", 23028, 70.0, 600, 8),
-        _gpu("l4-24gb", "NVIDIA L4", 23034, 121.0, 300, 8),
-        _gpu("l40s-48gb", "NVIDIA L40S", 46068, 362.0, 864, 8),
-        _gpu("rtx4090-24gb", "NVIDIA GeForce RTX 4090", 24564, 165.0, 1008, 8),
-        _gpu("rtx6000ada-48gb", "NVIDIA RTX 6000 Ada Generation", 49140, 364.0, 960, 8),
-        _gpu("v100-16gb", "NVIDIA Tesla V100 16GB (fp16)", 16160, 125.0, 900, 7),
-        _gpu("v100-32gb", "NVIDIA Tesla V100 32GB (fp16)", 32510, 125.0, 900, 7),
-        _gpu("t4-16gb", "NVIDIA Tesla T4 (fp16)", 15360, 65.0, 320, 7),
-        _gpu("mi300x-192gb", "AMD Instinct MI300X", 196592, 1307.0, 5300, 9),
+        _gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", 81559, 989.0, 67.0, 3350, 9),
+        _gpu("h100-pcie-80gb", "NVIDIA H100 PCIe 80GB", 81559, 756.0, 51.0, 2000, 9),
+        _gpu("h200-141gb", "NVIDIA H200 141GB HBM3e", 143771, 989.0, 67.0, 4800, 9),
+        _gpu("a100-80gb", "NVIDIA A100 80GB", 81920, 312.0, 19.5, 2039, 8),
+        _gpu("a100-40gb", "NVIDIA A100 40GB", 40960, 312.0, 19.5, 1555, 8),
+        _gpu("a10g-24gb", "NVIDIA A10G", 23028, 70.0, 31.2, 600, 8),
+        _gpu("l4-24gb", "NVIDIA L4", 23034, 121.0, 30.3, 300, 8),
+        _gpu("l40s-48gb", "NVIDIA L40S", 46068, 362.0, 91.6, 864, 8),
+        _gpu("rtx4090-24gb", "NVIDIA GeForce RTX 4090", 24564, 165.0, 82.6, 1008, 8),
+        _gpu("rtx6000ada-48gb", "NVIDIA RTX 6000 Ada Generation", 49140, 364.0, 91.1, 960, 8),
+        _gpu("v100-16gb", "NVIDIA Tesla V100 16GB", 16160, 125.0, 15.7, 900, 7, bf16=False),
+        _gpu("v100-32gb", "NVIDIA Tesla V100 32GB", 32510, 125.0, 15.7, 900, 7, bf16=False),
+        _gpu("t4-16gb", "NVIDIA Tesla T4", 15360, 65.0, 8.1, 320, 7, bf16=False),
+        _gpu("mi300x-192gb", "AMD Instinct MI300X", 196592, 1307.0, 163.4, 5300, 9),
     ]
 }
 
-ALIASES = {"h100": "h100-80gb", "h100-sxm-80gb": "h100-80gb", "h200": "h200-141gb",
-           "a100": "a100-80gb", "rtx6000-ada-48gb": "rtx6000ada-48gb", "4090": "rtx4090-24gb"}
+
+def _squash(text: str) -> str:
+    """The part of a GPU name that identifies it: lower case, no vendor, no separators.
+    'NVIDIA H100 80GB', 'h100_80gb' and 'H100-80GB' are all 'h10080gb'."""
+    key = re.sub(r"[\s_\-]+", "", text.strip().lower())
+    for vendor in ("nvidia", "amd", "geforce", "tesla", "instinct"):
+        key = key.removeprefix(vendor)
+    return key
+
+
+def _aliases(name: str) -> set[str]:
+    """One rule for every entry: its name, its name without the memory ('t4'), and without
+    an 'rtx' prefix ('4090'); all squashed."""
+    family = re.sub(r"-\d+gb$", "", name)
+    keys = {name, family}
+    keys |= {k.removeprefix("rtx") for k in keys if k.startswith("rtx")}
+    return {_squash(k) for k in keys}
+
+
+_BY_ALIAS: dict[str, list[str]] = {}
+for _name in CATALOG:
+    for _alias in _aliases(_name):
+        _BY_ALIAS.setdefault(_alias, []).append(_name)
+
+
+def _letters(key: str) -> str:
+    """The family's letters ('h' for h100, 'v' for v100, 'rtx' for rtx4090), to keep
+    suggestions within a family."""
+    return re.match(r"[a-z]*", key).group(0)
 
 
 def get_device(name: str) -> Device:
-    """Look a GPU up by catalog name, case-insensitive; suggest the closest on a typo."""
-    key = name.strip().lower()
-    key = ALIASES.get(key, key)
-    if key in CATALOG:
-        return CATALOG[key]
-    close = difflib.get_close_matches(key, [*CATALOG, *ALIASES], n=1, cutoff=0.5)
-    hint = f"did you mean '{ALIASES.get(close[0], close[0])}'? " if close else ""
+    """Look a GPU up by catalog name or alias (``t4``, ``rtx4090``, ``4090``, ``H100 80GB``);
+    refuse an alias that names several cards; suggest the closest in the same family."""
+    key = _squash(name)
+    found = _BY_ALIAS.get(key, [])
+    if len(found) == 1:
+        return CATALOG[found[0]]
+    if found:
+        raise UnknownGPUError(f"'{name}' is ambiguous: {' or '.join(found)}; give the full name, e.g. --gpu {found[0]}")
+    family = [n for n in CATALOG if _letters(_squash(n)) == _letters(key)] or list(CATALOG)
+    by_key = {_squash(n): n for n in family}
+    close = [by_key[k] for k in difflib.get_close_matches(key, by_key, n=2, cutoff=0.5)]
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     raise UnknownGPUError(
         f"unknown GPU '{name}': {hint}run `batchfit gpus` for the catalog, "
         "or give the capacity with --gpu-memory 24GiB"
@@ -137,6 +193,11 @@ def parse_size(text: str) -> int:
 
 def custom_device(total_bytes: int) -> Device:
     """A GPU known only by its capacity (--gpu-memory); assumes a current NVIDIA card."""
+    least = DEFAULT_CONTEXT_BYTES + cublas_workspace_bytes(9)
+    if total_bytes <= least:
+        raise SizeError(
+            f"--gpu-memory {format_bytes(total_bytes)} leaves no usable memory ({format_bytes(DEFAULT_CONTEXT_BYTES)} "
+            "go to the CUDA context, 64 MiB to cuBLAS): give the card's total, e.g. --gpu-memory 24GiB")
     return Device(name="custom", display_name=f"GPU with {format_bytes(total_bytes)}",
                   total_bytes=total_bytes, source="user")
 
@@ -148,6 +209,14 @@ def detect_cuda_device(index: int = 0) -> Device:
     props = torch.cuda.get_device_properties(index)
     return Device(name="cuda", display_name=props.name, total_bytes=props.total_memory,
                   workspace_bytes=cublas_workspace_bytes(props.major), source="measured")
+
+
+def precision_warning(device: Device, precision: str) -> str | None:
+    """One line to print when ``precision`` does not suit ``device``; None when it does."""
+    if precision.startswith("bf16") and not device.supports_bf16:
+        return (f"{device.name} has no bf16 tensor cores: bf16 runs emulated and slowly there; "
+                "use --precision fp16-mixed")
+    return None
 
 
 def format_bytes(n: float) -> str:
