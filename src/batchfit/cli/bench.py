@@ -6,13 +6,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from batchfit.bench import bench
 from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
-                                 JsonOpt, ModelArg, OptimizerOpt, OutOpt, PrecisionOpt, SeqLenOpt,
-                                 TrainOnlyOpt, command_target, handle_errors, parse_batch_sizes, progress_line,
-                                 quiet_if_stdout, report_folder, step_options, write_json)
+                                 JsonOpt, ModelArg, OptimizerOpt, PrecisionOpt, SeqLenOpt, TrainOnlyOpt,
+                                 check_outputs, command_target, flag, handle_errors, out_option,
+                                 parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
+                                 step_options, warn_about_precision, write_json)
 from batchfit.devices import GiB
 from batchfit.report import write_bench_report
 from batchfit.specs import load_workload
@@ -22,7 +24,7 @@ Examples:
 
   batchfit bench gpt2-124m --device cuda --batch-sizes 8,16,32,48,64
 
-  batchfit bench my_grpo.py:workload --device cuda --leak-check --steps 200
+  batchfit bench grpo-gpt2-124m --device cuda --batch-sizes 8,16,32 --leak-check --steps 200
 
   batchfit bench gpt-tinystories-22m --device virtual:rtx4090-24gb     # predicted, no GPU
 """
@@ -44,9 +46,9 @@ def bench_command(
     accumulation_steps: AccumulationOpt = 1,
     steps: Annotated[int, typer.Option(help="Timed steps per batch size (with --leak-check: steps to watch).")] = 10,
     warmup: Annotated[int, typer.Option(help="Burn-in steps before timing.")] = 3,
-    leak_check: Annotated[bool, typer.Option(help="Watch allocated memory over --steps steps and say if it grows.")] = False,
+    leak_check: Annotated[bool, flag("--leak-check", "Watch allocated memory over --steps steps and say if it grows.")] = False,
     json_path: JsonOpt = None,
-    out: OutOpt = None,
+    out: Annotated[Path | None, out_option("report.md, throughput.png, bench.json")] = None,
 ) -> None:
     """Measure throughput (tokens/s, samples/s, MFU), allocated and reserved memory per batch size.
 
@@ -58,20 +60,22 @@ def bench_command(
 
     if steps < 1 or warmup < 0:
         raise OptionError("--steps must be 1 or more and --warmup 0 or more, e.g. --steps 10 --warmup 3")
+    check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
+    warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
     sizes = parse_batch_sizes(batch_sizes)
     workload = load_workload(model, seq_len=seq_len)
-    with progress_line() as say:
+    with progress_line(total=len(set(sizes)) + (1 if leak_check else 0)) as say:
         result = bench(workload, target=target, options=options, batch_sizes=sizes, steps=steps, warmup=warmup,
                        leak_check_steps=steps if leak_check else None, progress=say)
-    paths = write_bench_report(result, report_folder(out, "bench", result.workload, target.spec))
+    paths = write_bench_report(result, report_folder(out, "bench", result.workload, target, options, seq_len))
     write_json(json_path, result.to_json())
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
 
 
 def _print_summary(result, console, report_path: Path) -> None:
-    console.print(f"[bold]{result.workload} on {result.target.spec}[/]")
+    console.print(f"[bold]{escape(result.workload)} on {escape(result.target.spec)}, {result.options.precision}[/]")
     table = Table()
     for column in ("batch", "status", "step s", "tokens/s", "MFU", "alloc GiB", "reserved GiB", "source"):
         table.add_column(column, justify="left" if column in ("status", "source") else "right")
@@ -87,5 +91,5 @@ def _print_summary(result, console, report_path: Path) -> None:
         verdict = "[bold red]leaking[/]" if result.leak.leaking else "[green]no leak[/]"
         console.print(f"leak check: {verdict} ({result.leak.bytes_per_step:,.0f} bytes/step)")
     for hint in result.hints:
-        console.print(f"[yellow]hint:[/] {hint}")
+        console.print(f"[yellow]hint:[/] {escape(hint)}")
     console.print(f"report: {report_path}")

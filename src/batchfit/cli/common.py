@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
@@ -17,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from batchfit.devices import precision_warning
 from batchfit.errors import BatchfitError, OptionError
 from batchfit.specs import SPEC_HELP
 from batchfit.targets import DEVICE_HELP, Target, resolve_target
@@ -86,19 +88,73 @@ AccumulationOpt = Annotated[int, typer.Option(help="Micro-batches per optimizer 
 TargetUtilOpt = Annotated[float, typer.Option(help="Fraction of usable memory to plan for.")]
 MultipleOfOpt = Annotated[int, typer.Option(help="Batch sizes must be multiples of this, e.g. 8.")]
 JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON result here too ('-' for stdout).")]
-OutOpt = Annotated[Path | None, typer.Option(help="Report folder (report.md, memory.png, the JSON).")]
+LimitOpt = Annotated[str, typer.Option(help="What must fit: reserved (what a GPU runs out of: the caching allocator's "
+                                            "segments, fragmentation included) or allocated (tensors only).")]
+
+
+def out_option(files: str) -> object:
+    """--out, naming the files this command writes."""
+    return typer.Option(help=f"Report folder ({files}); default reports/<command>-<model>-<device>[-<options>]/.")
+
+
+def flag(name: str, help: str) -> object:
+    """A plain on/off flag (no '<bool>' in --help)."""
+    return typer.Option(name, help=help, metavar="")
 
 
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
                  train_only: list[str] | None, accumulation_steps: int) -> StepOptions:
+    if freeze and train_only:
+        err.print("[dim]--train-only picks the parameters that train; --freeze then freezes some of those[/]")
     return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
                        frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
                        accumulation_steps=accumulation_steps)
 
 
-def report_folder(out: Path | None, command: str, workload: str, device: str) -> Path:
-    """--out, or reports/<command>-<model>-<device>/."""
-    return out or Path("reports") / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{command}-{workload}-{device}")
+def warn_about_precision(target: Target, precision: str) -> None:
+    """bf16 on a card without bf16 tensor cores runs, emulated and slowly: say so once."""
+    warning = precision_warning(target.device, precision) if target.device else None
+    if warning:
+        err.print(f"[yellow]warning:[/] {escape(warning)}")
+
+
+def check_outputs(json_path: str | None, out: Path | None) -> None:
+    """Refuse output paths that cannot be written *before* any work, so no result is lost."""
+    if json_path and not is_stdout(json_path):
+        parent = Path(json_path).parent
+        if not parent.is_dir():
+            raise OptionError(f"--json {json_path}: the folder '{parent}' does not exist; create it or "
+                              "write elsewhere, e.g. --json result.json")
+        if Path(json_path).is_dir():
+            raise OptionError(f"--json {json_path} is a folder: give a file name, e.g. --json {json_path}/result.json")
+    if out is not None and out.exists() and not out.is_dir():
+        raise OptionError(f"--out {out} is a file: --out takes a folder for the report, e.g. --out report/")
+
+
+def report_folder(out: Path | None, command: str, workload: str, target: Target, options: StepOptions,
+                  seq_len: int | None = None) -> Path:
+    """--out, or reports/<command>-<model>-<device>[-<what differs from the defaults>]/.
+
+    Runs that differ only in options get their own folder (an fp16-mixed run does not
+    overwrite the fp32 one); the device is named as typed (``24GiB``, ``t4-16gb``, ``cuda``).
+    """
+    if out is not None:
+        return out
+    default = StepOptions()
+    parts = [command, workload, target.spec.removeprefix("virtual:")]
+    if seq_len:
+        parts.append(f"seq{seq_len}")
+    for name in ("precision", "optimizer", "checkpointing"):
+        value = getattr(options, name)
+        if value != getattr(default, name):
+            parts.append(f"ckpt-{value}" if name == "checkpointing" else str(value))
+    if options.accumulation_steps != 1:
+        parts.append(f"accum{options.accumulation_steps}")
+    if options.frozen:
+        parts.append("freeze-" + "+".join(options.frozen))
+    if options.trainable:
+        parts.append("train-" + "+".join(options.trainable))
+    return Path("reports") / re.sub(r"[^A-Za-z0-9_.+-]+", "_", "-".join(parts))
 
 
 def write_json(json_path: str | None, data: dict) -> None:
@@ -113,9 +169,31 @@ def write_json(json_path: str | None, data: dict) -> None:
 
 
 @contextlib.contextmanager
-def progress_line() -> Iterator[Callable[[str], None]]:
-    """A spinner with the current step and the elapsed time, on stderr; gone when done."""
+def progress_line(total: int | None = None, stream: Console | None = None) -> Iterator[Callable[[str], None]]:
+    """What the engine is doing, on stderr: a spinner in a terminal; one plain line per stage
+    when stderr is a pipe or a log (so a CI log shows progress as it happens). With ``total``
+    (stages the command knows it will run), each stage shows '[k/total, ETA s]'."""
+    console = stream or err
+    started = time.perf_counter()
+    done = 0
+
+    def counted(message: str) -> str:
+        nonlocal done
+        if total is None:
+            return message
+        done += 1
+        elapsed = time.perf_counter() - started
+        eta = f", ETA {elapsed / (done - 1) * (total - done + 1):.0f} s" if done > 1 else ""
+        return f"{message} [{done}/{total}{eta}]"
+
+    if not console.is_terminal:
+        def say(message: str) -> None:
+            console.print(f"[{time.perf_counter() - started:6.1f} s] {escape(counted(message))}",
+                          highlight=False, soft_wrap=True)
+
+        yield say
+        return
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=err, transient=True) as progress:
+                  console=console, transient=True) as progress:
         task = progress.add_task("starting", total=None)
-        yield lambda message: progress.update(task, description=message)
+        yield lambda message: progress.update(task, description=escape(counted(message)))

@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
-                                 JsonOpt, ModelArg, MultipleOfOpt, OptimizerOpt, OutOpt, PrecisionOpt,
-                                 SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, command_target, handle_errors,
-                                 parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
-                                 step_options, write_json)
+                                 JsonOpt, LimitOpt, ModelArg, MultipleOfOpt, OptimizerOpt, PrecisionOpt,
+                                 SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
+                                 handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
+                                 report_folder, step_options, warn_about_precision, write_json)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.estimate import DEFAULT_MAX_BATCH, estimate
@@ -26,7 +27,9 @@ Examples:
 
   batchfit estimate hf:llama-3.1-8b --gpu h100-80gb --seq-len 8192 --precision bf16-mixed --checkpointing full
 
-  batchfit estimate my_model.py:workload --gpu-memory 48GiB --batch-sizes 64,128,192 --json out.json --out report/
+  batchfit estimate gpt2-124m --gpu-memory 48GiB --batch-sizes 64,128,192 --json out.json --out report/
+
+  batchfit estimate gpt2-124m --gpu t4 --precision fp16-mixed --limit allocated
 """
 
 
@@ -48,7 +51,8 @@ def estimate_command(
     multiple_of: MultipleOfOpt = 1,
     max_batch: Annotated[int, typer.Option(help="Never consider batches above this.")] = DEFAULT_MAX_BATCH,
     json_path: JsonOpt = None,
-    out: OutOpt = None,
+    limit: LimitOpt = "reserved",
+    out: Annotated[Path | None, out_option("report.md, memory.png, estimate.json")] = None,
 ) -> None:
     """Predict peak training memory and the largest batch that fits a GPU, without a GPU.
 
@@ -56,24 +60,27 @@ def estimate_command(
     counting every byte as the CUDA caching allocator would, at a few batch sizes; fits the
     memory curve; and confirms the largest batch by tracing it and the next size up.
     """
+    check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
     if target.device is None:
         raise OptionError("estimate sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb), "
                           "--gpu-memory 24GiB or --device cuda")
     device = target.device
+    warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
     sizes = parse_batch_sizes(batch_sizes)
     workload = load_workload(model, seq_len=seq_len)
     with progress_line() as say:
         result = estimate(workload, device=device, options=options, batch_sizes=sizes, target_util=target_util,
-                          multiple_of=multiple_of, max_batch=max_batch, progress=say)
-    paths = write_estimate_report(result, report_folder(out, "estimate", result.workload, device.name))
+                          multiple_of=multiple_of, max_batch=max_batch, limit=limit, progress=say)
+    paths = write_estimate_report(result, report_folder(out, "estimate", result.workload, target, options, seq_len))
     write_json(json_path, result.to_json())
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
 
 
 def _print_summary(result, console, report_path: Path) -> None:
-    console.print(f"[bold]{result.workload} on {result.device.display_name} (traced)[/]")
+    console.print(f"[bold]{escape(result.workload)} on {escape(result.device.display_name)}, "
+                  f"{result.options.precision} (traced)[/]")
     table = Table()
     for column in ("batch", "peak GiB", "fits", "peak in"):
         table.add_column(column, justify="right" if column != "peak in" else "left")
@@ -84,12 +91,15 @@ def _print_summary(result, console, report_path: Path) -> None:
     console.print(f"parameters {result.params:,} ({result.trainable_params:,} trainable); "
                   f"usable memory {result.capacity_bytes / GiB:.2f} GiB")
     if result.max_batch_size:
-        console.print(f"[bold green]max batch size {result.max_batch_size}[/], "
+        reserved = result.point(result.max_batch_size).peak_reserved_bytes
+        under = (f"reserved {reserved / GiB:.2f} GiB (allocator model)" if reserved
+                 else f"allocated {result.point(result.max_batch_size).peak_bytes / GiB:.2f} GiB")
+        console.print(f"[bold green]max batch size {result.max_batch_size}[/] ({under}), "
                       f"{result.max_batch_size_at_target} at {result.target_util:.0%}")
     else:
         console.print(f"[bold red]batch {result.points[0].batch_size} does not fit[/]: "
                       f"it needs {result.points[0].peak_bytes / GiB:.2f} GiB")
         for s in result.suggestions:
-            console.print(f"  {'fits' if s.fits else 'no  '} {s.peak_bytes / GiB:7.2f} GiB  {s.change} "
-                          f"({s.option}; {s.source.split(':')[0]})")
+            console.print(escape(f"  {'fits' if s.fits else 'no  '} {s.peak_bytes / GiB:7.2f} GiB  {s.change} "
+                                 f"({s.option}; {s.source.split(':')[0]})"))
     console.print(f"report: {report_path}")

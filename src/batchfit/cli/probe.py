@@ -6,12 +6,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
-                                 JsonOpt, ModelArg, MultipleOfOpt, OptimizerOpt, OutOpt, PrecisionOpt,
-                                 SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, command_target, handle_errors,
-                                 progress_line, quiet_if_stdout, report_folder, step_options, write_json)
+                                 JsonOpt, LimitOpt, ModelArg, MultipleOfOpt, OptimizerOpt, PrecisionOpt,
+                                 SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target, flag,
+                                 handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
+                                 step_options, warn_about_precision, write_json)
 from batchfit.devices import GiB
 from batchfit.parallel import STRATEGIES
 from batchfit.probe.find import find_max_batch
@@ -51,14 +53,15 @@ def probe_command(
     min_batch: Annotated[int, typer.Option("--min", help="Smallest batch size to probe.")] = 1,
     max_batch: Annotated[int, typer.Option("--max", help="Largest batch size to probe (the cap).")] = 4096,
     steps: Annotated[int, typer.Option(help="Training steps per probe (at least 2: the second has optimizer state).")] = 2,
-    isolate: Annotated[bool, typer.Option(help="Run each probe in a fresh process.")] = False,
-    stop_on_nan: Annotated[bool, typer.Option(help="Treat a NaN or infinite loss as an error that stops the search.")] = False,
+    isolate: Annotated[bool, flag("--isolate", "Run each probe in a fresh process.")] = False,
+    stop_on_nan: Annotated[bool, flag("--stop-on-nan", "Treat a NaN or infinite loss as an error that stops the search.")] = False,
     target_util: TargetUtilOpt = 0.9,
-    verify_tiers: Annotated[bool, typer.Option(help="Probe the production and conservative tiers too (default: predicted from the measured line, one extra probe).")] = False,
+    verify_tiers: Annotated[bool, flag("--verify-tiers", "Probe the production and conservative tiers too (default: predicted from the measured line, one extra probe).")] = False,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step you want: adds the gradient accumulation that reaches it.")] = None,
     strategy: Annotated[str | None, typer.Option(help=f"Under torchrun, how each rank wraps the model: {', '.join(STRATEGIES)} (default ddp; not on virtual devices).")] = None,
     json_path: JsonOpt = None,
-    out: OutOpt = None,
+    limit: LimitOpt = "reserved",
+    out: Annotated[Path | None, out_option("report.md, memory.png, probe.json")] = None,
 ) -> None:
     """Find the largest batch that really fits: run real training steps, few probes, safely.
 
@@ -67,18 +70,20 @@ def probe_command(
     search and is reported as itself, with the probes before it kept. The answer is always a
     batch size that ran, with the next size up shown to fail (or the cap).
     """
+    check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
+    warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
     workload = load_workload(model, seq_len=seq_len)
     with progress_line() as say:
         result = find_max_batch(workload, target=target, options=options, policy=policy, multiple_of=multiple_of,
                                 smallest=min_batch, largest=max_batch, steps=steps, isolate=isolate, spec=model,
                                 seq_len=seq_len, stop_on_nan=stop_on_nan, target_util=target_util,
-                                global_batch=global_batch, verify_tiers=verify_tiers, strategy=strategy,
+                                global_batch=global_batch, verify_tiers=verify_tiers, limit=limit, strategy=strategy,
                                 progress=say)
     if rank() != 0:  # every rank probed; one writes
         return
-    paths = write_probe_report(result, report_folder(out, "probe", result.workload, target.spec))
+    paths = write_probe_report(result, report_folder(out, "probe", result.workload, target, options, seq_len))
     write_json(json_path, result.to_json())
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
     if result.stopped_by:
@@ -86,19 +91,22 @@ def probe_command(
 
 
 def _print_summary(result, console, report_path: Path) -> None:
-    console.print(f"[bold]{result.workload}: probes on {result.target.spec} ({result.policy})[/]")
+    console.print(f"[bold]{escape(result.workload)}: probes on {escape(result.target.spec)}, "
+                  f"{result.options.precision} ({result.policy})[/]")
     table = Table()
     for column in ("#", "batch", "status", "peak alloc GiB", "error"):
         table.add_column(column, justify="right" if column in ("#", "batch", "peak alloc GiB") else "left")
     for i, t in enumerate(result.trials, 1):
         peak = f"{t.peak_allocated_bytes / GiB:.2f}" if t.peak_allocated_bytes else "—"
-        table.add_row(str(i), str(t.batch_size), t.status, peak, t.error or "")
+        table.add_row(str(i), str(t.batch_size), t.status, peak, escape(t.error or ""))
     console.print(table)
     if result.stopped_by:
         console.print(f"[bold red]stopped:[/] batch {result.stopped_by.batch_size} failed with "
-                      f"{result.stopped_by.error} (not out of memory)")
-    exact = "exact" if result.search and result.search.exact else "not shown to be the largest"
+                      f"{escape(result.stopped_by.error)} (not out of memory)")
+    search = result.search
+    exact = ("capped: the largest size allowed, --max" if search and search.capped
+             else "exact" if search and search.exact else "not shown to be the largest")
     console.print(f"[bold green]max batch size {result.max_batch_size}[/] ({exact})")
     for rec in result.recommendations:
-        console.print(f"  {rec.name:13s} {rec.batch_size:6d}  x{rec.accumulation_steps}  {rec.why}")
+        console.print(escape(f"  {rec.name:13s} {rec.batch_size:6d}  x{rec.accumulation_steps}  {rec.why}"))
     console.print(f"report: {report_path}")

@@ -1,0 +1,102 @@
+"""What a new user trips over (issue 8): output paths, markup, folders, --help, progress, warnings."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from batchfit.cli import common
+from batchfit.cli.app import app
+from batchfit.targets import parse_target
+from batchfit.workload import StepOptions
+
+runner = CliRunner()
+MODEL = ["gpt-tinystories-22m", "--seq-len", "16"]
+
+
+def _no_work(monkeypatch):
+    """Fail loudly if any engine starts: the bad path must be refused before the work."""
+    def boom(*args, **kwargs):
+        raise AssertionError("the engine ran before the output paths were checked")
+
+    for module, name in (("batchfit.cli.estimate", "estimate"), ("batchfit.cli.probe", "find_max_batch"),
+                         ("batchfit.cli.bench", "bench")):
+        monkeypatch.setattr(f"{module}.{name}", boom)
+
+
+@pytest.mark.parametrize("command", ["estimate", "probe", "bench"])
+def test_output_paths_are_checked_before_any_work(command, tmp_path, monkeypatch):
+    _no_work(monkeypatch)
+    device = ["--gpu", "t4-16gb"]
+    missing = runner.invoke(app, [command, *MODEL, *device, "--json", str(tmp_path / "no" / "x.json")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("mine")
+    clash = runner.invoke(app, [command, *MODEL, *device, "--out", str(a_file)])
+    assert clash.exit_code == 2 and "is a file" in clash.output and a_file.read_text() == "mine"
+
+
+def test_markup_in_messages_is_printed_as_written(monkeypatch):
+    from batchfit.errors import ModelSpecError
+
+    def refuse(*args, **kwargs):
+        raise ModelSpecError("hf: models need the transformers package: pip install 'batchfit[hf]'")
+
+    monkeypatch.setattr("batchfit.cli.estimate.load_workload", refuse)
+    result = runner.invoke(app, ["estimate", "hf:gpt2-124m", "--gpu", "t4"])
+    assert result.exit_code == 2 and "pip install 'batchfit[hf]'" in result.output
+
+
+def test_report_folders_differ_by_options():
+    target = parse_target("virtual:24GiB")
+    plain = common.report_folder(None, "estimate", "gpt2-124m", target, StepOptions())
+    mixed = common.report_folder(None, "estimate", "gpt2-124m", target, StepOptions(precision="fp16-mixed"))
+    assert plain == Path("reports/estimate-gpt2-124m-24GiB")
+    assert mixed == Path("reports/estimate-gpt2-124m-24GiB-fp16-mixed")
+    ckpt = common.report_folder(None, "probe", "hf:llama-3.1-8b", parse_target("virtual:h100-80gb"),
+                                StepOptions(checkpointing="full", accumulation_steps=4), seq_len=8192)
+    assert ckpt == Path("reports/probe-hf_llama-3.1-8b-h100-80gb-seq8192-ckpt-full-accum4")
+
+
+@pytest.mark.parametrize("command,files", [("estimate", "estimate.json"), ("probe", "probe.json"),
+                                           ("bench", "throughput.png")])
+def test_help_teaches_and_names_the_files(command, files):
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    flags = [line for line in result.output.splitlines() if line.strip("│ ").startswith("--") and "--help" not in line]
+    assert not any("<bool>" in line for line in flags)
+    assert files in result.output and "my_grpo.py" not in result.output
+
+
+def test_progress_is_a_line_per_stage_in_a_log():
+    stream = io.StringIO()
+    console = Console(file=stream, force_terminal=False, width=200)
+    with common.progress_line(total=2, stream=console) as say:
+        say("batch size 8 (traced)")
+        say("batch size 16 (traced)")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].endswith("batch size 8 (traced) [1/2]") and "[2/2, ETA" in lines[1]
+
+
+def test_bf16_on_a_t4_warns_once(monkeypatch):
+    _no_work(monkeypatch)  # the warning comes before the work (which then fails in the fake engine)
+    result = runner.invoke(app, ["estimate", *MODEL, "--gpu", "t4", "--precision", "bf16-mixed"])
+    assert result.output.count("no bf16 tensor cores") == 1
+
+
+def test_probe_without_a_device_says_which_it_chose(tmp_path):
+    result = runner.invoke(app, ["probe", *MODEL, "--max", "4", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "no --gpu or --device given" in result.output and "h100-80gb" in result.output
+
+
+def test_freeze_with_train_only_says_which_wins(tmp_path):
+    result = runner.invoke(app, ["estimate", *MODEL, "--gpu", "t4", "--train-only", "blocks.*",
+                                 "--freeze", "blocks.0.*", "--max-batch", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "--train-only picks the parameters that train; --freeze then freezes some" in result.output
