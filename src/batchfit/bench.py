@@ -18,7 +18,6 @@ Per batch size:
 from __future__ import annotations
 
 import datetime
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from batchfit.errors import OptionError
 from batchfit.oom import classify, describe
 from batchfit.step import TrainingStep
 from batchfit.targets import Target
+from batchfit.tiers import Tier, tiers
 from batchfit.timing import run_timed_steps
 from batchfit.trace.allocator import AllocatorConfig
 from batchfit.trace.curve import fit_line
@@ -225,32 +225,6 @@ def leak_check(workload: Workload, options: StepOptions, target: Target, batch_s
     growth = allocated[-1] - allocated[min(2, len(allocated) - 1)]
     leaking = slope >= 256 and growth >= 256 * max(len(settled) - 1, 1)
     return Leak(steps, allocated, slope, leaking, where if leaking else [])
-
-
-TIERS = (("maximum", 1.0), ("aggressive", 0.95), ("default", 0.85), ("conservative", 0.70))
-
-
-@dataclass
-class Tier:
-    name: str
-    util: float
-    batch_size: int
-    headroom_bytes: int
-    tokens_per_s: float | None
-    samples_per_s: float | None
-
-
-def tiers(rows: list[BenchRow], capacity: int) -> list[Tier]:
-    """Per tier, the largest benched batch whose reserved (else allocated) peak fits under it."""
-    out = []
-    for name, util in TIERS:
-        fitting = [r for r in rows if r.status == "ok" and (r.peak_reserved_bytes or r.peak_allocated_bytes or math.inf)
-                   <= util * capacity]
-        if fitting:
-            best = max(fitting, key=lambda r: r.batch_size)
-            used = best.peak_reserved_bytes or best.peak_allocated_bytes
-            out.append(Tier(name, util, best.batch_size, capacity - used, best.tokens_per_s, best.samples_per_s))
-    return out
 
 
 def breakpoints(rows: list[BenchRow], threshold: float = 0.25) -> list[dict]:

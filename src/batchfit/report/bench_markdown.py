@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from batchfit.report.markdown import gib
 from batchfit.phases import PHASES
+from batchfit.tiers import TIERS
 
 
 def _num(x: float | None, fmt: str = ",.0f") -> str:
@@ -70,12 +71,17 @@ def bench_markdown(result, plot_name: str = "throughput.png") -> str:
         for w in leak.where:
             lines.append(f"- grows in `{w['op']}` ({w['phase']}{', ' + w['module'] if w['module'] else ''}): "
                          f"{w['bytes']:,} bytes still alive")
-    if r.tiers:
+    if r.target.device is not None:
         lines += ["", "## Tiers", "", "From the benched batch sizes only (reserved memory where known):", "",
                   "| tier | memory used ≤ | batch | headroom GiB | tokens/s | samples/s |", "|---|---:|---:|---:|---:|---:|"]
-        for t in r.tiers:
-            lines.append(f"| {t.name} | {t.util:.0%} | {t.batch_size} | {gib(t.headroom_bytes)} | "
-                         f"{_num(t.tokens_per_s)} | {_num(t.samples_per_s, ',.1f')} |")
+        found = {t.name: t for t in r.tiers}
+        for name, util in TIERS:
+            t = found.get(name)
+            if t is None:  # say so, rather than drop the row
+                lines.append(f"| {name} | {util:.0%} | — | — | — | no benched size fits under {util:.0%} of usable memory |")
+            else:
+                lines.append(f"| {t.name} | {t.util:.0%} | {t.batch_size} | {gib(t.headroom_bytes)} | "
+                             f"{_num(t.tokens_per_s)} | {_num(t.samples_per_s, ',.1f')} |")
     if r.hints:
         lines += ["", "## Troubleshooting", ""] + [f"- {h}" for h in r.hints]
     return "\n".join(lines) + "\n"

@@ -9,8 +9,10 @@ KNOWN_LIMITS = """\
   autocast op table and weight-cast cache, the foreach optimizer path, fused attention
   (output + fp32 log-sum-exp saved, never T x T scores), optimizer step counters on the host.
 - Not counted: scratch memory that kernels allocate inside themselves (flash attention's
-  backward accumulator, cuDNN workspaces), the NCCL buffers of multi-GPU runs, and
-  fragmentation: the CUDA allocator reserves more than it allocates (see `batchfit bench`).
+  backward accumulator, cuDNN workspaces) and the NCCL buffers of multi-GPU runs.
+- Reserved memory comes from a model of the CUDA caching allocator (segments, splitting,
+  freeing the cache and retrying before an out-of-memory), not yet compared with a GPU's
+  `max_memory_reserved()`; it ignores several streams and CUDA graphs.
 - The CUDA context is an assumption (512 MiB), not a measurement; the cuBLAS workspace is
   PyTorch's default (2 handles x 32 MiB on Hopper, 2 x 8 MiB before).
 """
@@ -24,16 +26,23 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
     r = result
     d = r.device
     best = r.max_batch_size
-    lines = [f"# Batch size estimate: {r.workload} on {d.display_name}", ""]
+    lines = [f"# Batch size estimate: {r.workload} on {d.display_name}, {r.options.precision}", ""]
+    limit = ("**reserved** memory (what the CUDA caching allocator holds, fragmentation included; a GPU runs "
+             "out when it cannot reserve a segment), replayed through the allocator model"
+             if r.limit == "reserved" else "**allocated** memory (`max_memory_allocated`, tensors only)")
     lines += ["## Summary", ""]
     if best:
-        peak = r.point(best).peak_bytes
+        at_best = r.point(best)
+        peak = at_best.peak_reserved_bytes or at_best.peak_bytes
+        what = "reserved" if at_best.peak_reserved_bytes else "allocated"
         lines += [
             f"- **Largest batch that fits: {best}** (traced at {best} and {best + r.multiple_of}"
-            f"{'; the cap, not shown to fail above' if r.capped else ''})",
+            f"{'; the cap (--max-batch), not shown to fail above' if r.capped else ''})",
             f"- **At {r.target_util:.0%} of usable memory: {r.max_batch_size_at_target}**",
-            f"- Peak memory at {best}: {gib(peak)} GiB of {gib(r.capacity_bytes)} GiB usable "
-            f"({peak / r.capacity_bytes:.1%}); headroom {gib(r.capacity_bytes - peak)} GiB",
+            f"- What had to fit: {limit}",
+            f"- Peak at {best}: {gib(peak)} GiB {what} of {gib(r.capacity_bytes)} GiB usable "
+            f"({peak / r.capacity_bytes:.1%}; {gib(at_best.peak_bytes)} GiB allocated); "
+            f"headroom {gib(r.capacity_bytes - peak)} GiB",
         ]
     else:
         small = r.points[0]
@@ -61,7 +70,9 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
         f"| GPU | {d.display_name}: {gib(d.total_bytes)} GiB total, {gib(d.context_bytes)} GiB CUDA "
         f"context (assumed), {gib(d.usable_bytes)} GiB usable |",
         f"| Batch sizes | multiples of {r.multiple_of} |",
-        f"| Traced with | torch {r.torch_version}, {r.traces} traced batch sizes in {r.trace_seconds:.1f} s |",
+        f"| Traced with | torch {r.torch_version}, {r.traces} traced batch sizes in {r.trace_seconds:.1f} s"
+        + (f"; at depths 1, 2, 3 of {r.depth_blocks} blocks, extrapolated exactly (byte for byte affine)"
+           if r.depth_blocks else "") + " |",
         "",
         "## Peak memory by batch size (GiB)",
         "",
@@ -70,16 +81,20 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
     kinds = [k for k in ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs",
                          "generation", "other", "workspace")
              if k in ("parameters", "activations") or any(p.breakdown.get(k) for p in r.points)]
-    lines += ["| batch | peak | fits | phase | " + " | ".join(k.replace("_", " ") for k in kinds) + " |",
-              "|---:|---:|:-:|---|" + "---:|" * len(kinds)]
+    lines += ["| batch | peak allocated | reserved | fits | phase | "
+              + " | ".join(k.replace("_", " ") for k in kinds) + " |",
+              "|---:|---:|---:|:-:|---|" + "---:|" * len(kinds)]
     for p in r.points:
-        fits = "yes" if p.peak_bytes <= r.capacity_bytes else "no"
-        lines.append(f"| {p.batch_size} | {gib(p.peak_bytes)} | {fits} | {p.phase} | "
+        if p.reserved_oom:
+            fits = "no (cannot reserve)"
+        else:
+            fits = "yes" if max(p.peak_bytes, p.peak_reserved_bytes or 0) <= r.capacity_bytes else "no"
+        lines.append(f"| {p.batch_size} | {gib(p.peak_bytes)} | {gib(p.peak_reserved_bytes)} | {fits} | {p.phase} | "
                      + " | ".join(gib(p.breakdown.get(k, 0)) for k in kinds) + " |")
     fit = r.curve.to_json(max(best, r.points[-1].batch_size))
-    lines += ["", "## Memory curve", "",
-              f"Fitted: peak = {format_bytes(fit['fixed_bytes'])} + {format_bytes(fit['bytes_per_sample'])} "
-              "per sample, where the steepest phase dominates. By range of batch sizes:", "",
+    lines += ["", "## Memory curve (allocated)", "",
+              "Each phase's peak is a line in the batch size; the step's peak is the largest of them, "
+              "so the curve is made of pieces, each where one phase dominates:", "",
               "| batches | dominant phase | fixed | per sample |", "|---|---|---:|---:|"]
     for piece in fit["pieces"]:
         lines.append(f"| {piece['from_batch']}–{piece['to_batch']} | {piece['phase']} | "
@@ -97,4 +112,5 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
             lines.append(f"| {s.change} | `{s.option}` | {gib(s.peak_bytes)} GiB | {gib(s.saving_bytes)} GiB | "
                          f"{'yes' if s.fits else 'no'} | {s.source} |")
     lines += ["", "## Known limits", "", KNOWN_LIMITS]
+    lines += [f"- {limit_text}" for limit_text in getattr(r, "known_limits", [])]
     return "\n".join(lines)

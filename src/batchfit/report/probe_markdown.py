@@ -21,16 +21,20 @@ def probe_markdown(result, plot_name: str = "memory.png") -> str:
     best_trial = r.trial(best)
     capacity = r.capacity_bytes
     device_name = r.target.device.display_name if r.target.device else "CPU"
-    lines = [f"# Largest batch: {r.workload} on {device_name}", "", "## Summary", ""]
+    lines = [f"# Largest batch: {r.workload} on {device_name}, {r.options.precision}", "", "## Summary", ""]
     if r.stopped_by:
         t = r.stopped_by
         lines += [f"- **The search stopped at batch {t.batch_size} with an error that is not out of memory:** "
                   f"`{t.error}`. Fix it and run again; the probes before it are kept below.", ""]
     if best:
-        exact = r.search and r.search.exact
-        above = ("the cap (--max)" if r.search and r.search.capped else
-                 f"{r.search.next_size} failed" if r.search and r.search.next_size else "nothing above was probed")
-        lines += [f"- **Maximum batch size: {best}** ({'exact' if exact else 'not shown to be the largest'}: {above})"]
+        if r.search and r.search.capped:
+            verdict = "capped: the largest size allowed, --max; larger sizes were not tried"
+        elif r.search and r.search.exact:
+            verdict = f"exact: {r.search.next_size} did not fit"
+        else:
+            verdict = ("not shown to be the largest: " + (f"{r.search.next_size} failed" if r.search and r.search.next_size
+                                                          else "nothing above was probed"))
+        lines += [f"- **Maximum batch size: {best}** ({verdict})"]
         if best_trial and best_trial.peak_allocated_bytes and capacity:
             peak = best_trial.peak_allocated_bytes
             lines += [f"- Peak memory at {best}: {gib(peak)} GiB allocated"
@@ -62,8 +66,9 @@ def probe_markdown(result, plot_name: str = "memory.png") -> str:
                      f"{gib(t.peak_reserved_bytes)} | {gib(t.predicted_bytes)} | {loss} | {step} | {t.error or ''} |")
     line = r.measured_line()
     if line:
+        peaks = "traced peaks (virtual device)" if r.target.kind == "virtual" else "measured peaks"
         lines += ["", "## Memory per sample", "",
-                  f"A line through the measured peaks of the probes that fit: **{format_bytes(line[1])} per sample** "
+                  f"A line through the {peaks} allocated by the probes that fit: **{format_bytes(line[1])} per sample** "
                   f"on top of {format_bytes(line[0])} fixed."]
     predicted = [t for t in r.trials if t.predicted_bytes and t.peak_allocated_bytes and r.target.kind == "cuda"]
     if predicted:
@@ -81,8 +86,9 @@ def probe_markdown(result, plot_name: str = "memory.png") -> str:
         else:
             lines += ["- Time per batch: not measured on a virtual device (use `--device cuda`, or `batchfit bench`)"]
     if r.recommendations:
-        lines += ["", "## Recommendations", "", "| setting | batch size | accumulation | peak allocated GiB | why |",
-                  "|---|---:|---:|---:|---|"]
+        lines += ["", "## Recommendations", "", "| setting | batch size | accumulation | peak allocated GiB | source | why |",
+                  "|---|---:|---:|---:|---|---|"]
         for rec in r.recommendations:
-            lines.append(f"| {rec.name} | {rec.batch_size} | {rec.accumulation_steps} | {gib(rec.peak_allocated_bytes)} | {rec.why} |")
+            lines.append(f"| {rec.name} | {rec.batch_size} | {rec.accumulation_steps} | {gib(rec.peak_allocated_bytes)} | "
+                         f"{getattr(rec, 'source', 'probed')} | {rec.why} |")
     return "\n".join(lines) + "\n"
