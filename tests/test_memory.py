@@ -93,3 +93,63 @@ def test_traced_peak_matches_the_profilers_memory_timeline(mlp, batch_size, tmp_
     traced = TraceSession(mlp, StepOptions(), cuda_semantics=False).trace(batch_size).snapshot.peak_bytes
     measured = _profiled_peak(mlp, batch_size, tmp_path)
     assert abs(traced - measured) / measured < 0.02
+
+
+def test_adafactor_state_is_row_and_column_factors(mlp):
+    """torch's Adafactor reads its step counter and norms with .item(); traced, its state is
+    a row and a column factor per matrix (not R x C) and a full second moment per vector."""
+    from batchfit import estimate, get_device
+
+    r = estimate(mlp, device=get_device("t4-16gb"), options=StepOptions(optimizer="adafactor"), max_batch=4,
+                 limit="allocated")
+    block = 512  # each fp32 factor is its own storage, rounded to 512 B
+    rounded = lambda n: -(-4 * n // block) * block  # noqa: E731
+    # Linear(1024, 4096): weight (4096, 1024) -> rows 4096 + cols 1024; bias 4096
+    # Linear(4096, 1024): weight (1024, 4096) -> rows 1024 + cols 4096; bias 1024
+    expected = sum(rounded(n) for n in (4096, 1024, 4096, 1024, 4096, 1024))
+    assert r.points[0].breakdown["optimizer_state"] == expected == 61440
+
+
+def test_a_shape_error_is_one_line_naming_the_users_line(tmp_path, capfd):
+    from batchfit import estimate, get_device
+    from batchfit.errors import TraceError
+    from batchfit.specs import load_workload
+
+    (tmp_path / "bad.py").write_text(
+        "import torch\nfrom torch import nn\nfrom batchfit import Workload\n\n"
+        "def workload():\n"
+        "    return Workload(name='bad', build_model=lambda: nn.Linear(8, 8),\n"
+        "                    make_batch=lambda b, device: torch.randn(b, 9, device=device),\n"
+        "                    loss_fn=lambda m, x: m(x).sum())\n")
+    with pytest.raises(TraceError) as error:
+        estimate(load_workload(f"{tmp_path}/bad.py:workload"), device=get_device("t4-16gb"))
+    assert f"bad.py:8" in str(error.value) and "same reduction dim" in str(error.value)
+    assert capfd.readouterr().err == ""  # no fake-tensor log before the clean error
+
+
+def test_module_hooks_live_only_inside_the_trace(mlp):
+    from torch.nn.modules import module
+
+    before = (len(module._global_forward_pre_hooks), len(module._global_forward_hooks))
+    session = TraceSession(mlp, StepOptions())
+    session.trace(2)
+    assert (len(module._global_forward_pre_hooks), len(module._global_forward_hooks)) == before
+    session.trace(4)
+    made_in_forward = {r.module for r in session.tracker._window if r.phase == "forward" and r.role is None}
+    assert made_in_forward <= {"0", "1", "2", None} and {"0", "1"} & made_in_forward
+    session.close()
+
+
+def test_parameters_gradients_and_state_are_named_by_their_parameter():
+    """A (128256, 4096) state tensor of Llama was attributed to layers.0.mlp.down_proj (the module
+    running at the time); now every owned tensor names its parameter."""
+    work = Workload(name="lm", build_model=lambda: nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64),
+                                                                 nn.Linear(64, 1000)),
+                    make_batch=lambda b, device: torch.randint(0, 1000, (b, 8), device=device),
+                    loss_fn=lambda m, x: m(x).float().logsumexp(-1).mean())
+    top = TraceSession(work, StepOptions()).trace(2).snapshot.top
+    by_shape = {(t["category"], tuple(t["shape"])): t["module"] for t in top}
+    assert by_shape[("parameters", (1000, 64))] in ("0.weight", "2.weight")
+    assert by_shape[("optimizer_state", (1000, 64))] in ("0.weight", "2.weight")
+    assert all(t["module"].endswith((".weight", ".bias")) for t in top
+               if t["category"] in ("parameters", "gradients", "optimizer_state"))

@@ -103,3 +103,21 @@ def test_byte_elman_traces_like_seed_000(seed_000_trace):
     assert seed_000_trace[64] / GiB == pytest.approx(14.80, rel=0.05)
     per_sample = (seed_000_trace[192] - seed_000_trace[64]) / 128 / GiB
     assert per_sample == pytest.approx((41.06 - 14.80) / 128, rel=0.05)
+
+
+def test_hf_llama_traces_causal_gqa_attention_as_on_a_gpu(monkeypatch):
+    """On fake tensors transformers could not tell the batch is unpacked and built a [B,1,T,T]
+    mask with K/V repeated per head; a GPU run uses is_causal and native GQA."""
+    import batchfit.trace.cuda_attention as attention
+
+    calls = []
+    original = attention._sdpa_as_on_cuda
+
+    def spy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        calls.append((key.shape[-3], attn_mask is None, is_causal, enable_gqa))
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(attention, "_sdpa_as_on_cuda", spy)
+    TraceSession(load_workload("hf:llama-3.2-1b", seq_len=32), StepOptions(precision="bf16-mixed")).trace(1)
+    assert calls and all(call == (8, True, True, True) for call in calls)  # 8 KV heads, no mask

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from batchfit.phases import CATEGORY_OF_PHASE
 
 CUDA_BLOCK_BYTES = 512
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 CATEGORIES: tuple[str, ...] = (
     "parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "generation",
     "other",
@@ -116,24 +117,39 @@ class MemoryTracker(TorchDispatchMode):
         self.label(model, optimizer)
 
     def label(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Mark the storages of parameters, gradients and optimizer state by ownership."""
-        owned = [("parameters", t) for t in (*model.parameters(), *model.buffers())]
-        owned += [("gradients", p.grad) for p in model.parameters() if p.grad is not None]
+        """Mark the storages of parameters, gradients and optimizer state by ownership, and name
+        each by the parameter it belongs to ('model.embed_tokens.weight'): the module that
+        happened to be running when an optimizer made its state says nothing about it."""
+        params = dict(model.named_parameters())
+        name_of = {id(p): name for name, p in params.items()}
+        owned = [("parameters", name, t) for name, t in (*params.items(), *model.named_buffers())]
+        owned += [("gradients", name, p.grad) for name, p in params.items() if p.grad is not None]
         if optimizer is not None:
-            owned += [("optimizer_state", t) for state in optimizer.state.values()
+            owned += [("optimizer_state", name_of.get(id(p)), t) for p, state in optimizer.state.items()
                       for t in state.values() if isinstance(t, torch.Tensor)]
-        for role, tensor in owned:
+        for role, name, tensor in owned:
             record = self._live.get(id(tensor.untyped_storage()))
             if record is not None:
                 record.role = role
+                record.module = name or record.module
 
     # --- module names, for "which module made the biggest tensors" ----------------------
     def watch_modules(self, model: nn.Module) -> None:
+        """Name the modules of ``model``; their forward is followed only while the tracker is
+        entered (global module hooks live exactly as long as the ``with`` block)."""
         self._module_names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
-        if not self._hooks:
+
+    def __enter__(self) -> MemoryTracker:
+        self._module_stack = []  # a forward that raised last time leaves nothing behind
+        if self._module_names and not self._hooks:
             hooks = nn.modules.module
             self._hooks = [hooks.register_module_forward_pre_hook(self._enter_module),
-                           hooks.register_module_forward_hook(self._leave_module)]
+                           hooks.register_module_forward_hook(self._leave_module, always_call=True)]
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        return super().__exit__(*exc)
 
     def _enter_module(self, module, args):
         self._module_stack.append(self._module_names.get(id(module), type(module).__name__))
@@ -159,6 +175,13 @@ class MemoryTracker(TorchDispatchMode):
         self.window_event = len(self.events)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _LOCAL_SCALAR and self.current_phase == "optimizer":
+            # An optimizer that reads a scalar back to the host (Adafactor: its step counter and
+            # the norms it clips by, via .item()) only uses it in arithmetic on the values, never
+            # to decide what to allocate; fake tensors have no value, so answer 1.0, which keeps
+            # its arithmetic finite (e.g. step ** -0.8). Anywhere else .item() stays an error:
+            # there it may decide shapes.
+            return 1.0 if args[0].is_floating_point() else 1
         out = func(*args, **(kwargs or {}))
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         for tensor in tree_leaves(out):

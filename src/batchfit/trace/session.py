@@ -9,8 +9,11 @@ later step of a real run would reach at that batch size.
 from __future__ import annotations
 
 import contextlib
+import logging
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch._subclasses import fake_tensor
@@ -34,6 +37,43 @@ _CANNOT_FAKE = (
 class TracePoint:
     batch_size: int
     snapshot: Snapshot
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """A failing op logs its whole traceback from fake_tensor.py before raising; the error is
+    reported once, as one line, so the log is silenced while tracing (and restored after)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+_LIBRARIES = (Path(torch.__file__).parent, Path(__file__).parents[1], Path(contextlib.__file__).parent)
+
+
+def _user_line(error: BaseException) -> str | None:
+    """file:line of the innermost frame in the user's code (not torch, batchfit or Python's
+    own library, nor an installed package), where a shape error or a typo really is."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = Path(frame.filename)
+        if frame.filename.startswith("<") or "site-packages" in path.parts:
+            continue
+        if not any(path.is_relative_to(library) for library in _LIBRARIES):
+            return f"{frame.filename}:{frame.lineno}"
+    return None
+
+
+def _message(error: BaseException) -> str:
+    """The error's type and first line, and a line that says what to do instead when there is one
+    (autocast's refusal of binary_cross_entropy names its replacement on a later line)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    advice = next((line for line in lines[1:] if "use " in line.lower() or "instead" in line.lower()), None)
+    return f"{text} ({advice})" if advice else text
 
 
 def install_cuda_mirrors(step: TrainingStep) -> None:
@@ -98,7 +138,7 @@ class TraceSession:
         """Fake tensors, the tracker and CUDA's attention; errors name ``what`` was being done."""
         try:
             attention = CudaAttention() if self.cuda_semantics else contextlib.nullcontext()
-            with self.fake_mode, self.tracker, attention:
+            with self.fake_mode, self.tracker, attention, _quiet_fake_tensor_log():
                 yield
         except (torch.OutOfMemoryError, BatchfitError):
             raise
@@ -111,9 +151,10 @@ class TraceSession:
                 "`batchfit probe --device cuda`"
             ) from error
         except Exception as error:  # the user's code failed: say where and what
+            where = _user_line(error)
             raise TraceError(
                 f"the training step of {self.workload.name} failed on fake tensors while "
-                f"{what}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                f"{what}{f' at {where}' if where else ''}: {_message(error)}"
             ) from error
 
     def trace(self, batch_size: int) -> TracePoint:

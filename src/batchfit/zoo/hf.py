@@ -9,7 +9,9 @@ the folder's ``config.json`` (a downloaded model). The model is built with
 from __future__ import annotations
 
 import difflib
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -70,6 +72,25 @@ def _transformers():
             "hf: models need the transformers package: pip install 'batchfit[hf]'"
         ) from None
     return transformers
+
+
+@contextlib.contextmanager
+def _unpacked_sequences(transformers) -> Iterator[None]:
+    """These batches pass no position_ids, so the model numbers positions 0..T-1 itself: no
+    sequence is packed. On a GPU transformers reads that from the tensor values and then runs
+    SDPA with ``is_causal`` and native GQA; on fake tensors it cannot read values, assumes
+    packing, and builds a [B, 1, T, T] mask with K/V repeated per query head, which a GPU run
+    never holds. Answer its question as the values would."""
+    masking = getattr(getattr(transformers, "masking_utils", None), "find_packed_sequence_indices", None)
+    if masking is None:  # a transformers without packed-sequence detection
+        yield
+        return
+    module = transformers.masking_utils
+    module.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        module.find_packed_sequence_indices = masking
 
 
 def hf_workload(target: str, seq_len: int | None = None) -> Workload:
@@ -135,7 +156,8 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
         return {"input_ids": ids, "labels": ids}
 
     def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model(**batch).loss
+        with _unpacked_sequences(transformers):
+            return model(**batch).loss
 
     kind = "masked LM" if masked else "causal LM"
     return Workload(name=name, build_model=build_model, make_batch=make_batch, loss_fn=loss_fn,
