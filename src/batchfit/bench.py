@@ -131,8 +131,8 @@ def _traced(workload: Workload, options: StepOptions, batch_size: int, device: D
         reserved = expandable = reserved_oom = None
         if device is not None:  # the whole fresh process: build, first step, second step
             config = AllocatorConfig.from_env()
-            reserved, reserved_oom = replay_reserved(session.tracker.events, device, config)
-            expandable, _ = replay_reserved(session.tracker.events, device, replace(config, expandable_segments=True))
+            reserved, reserved_oom, _ = replay_reserved(session.tracker.events, device, config)
+            expandable, _, _ = replay_reserved(session.tracker.events, device, replace(config, expandable_segments=True))
         with session.fake_mode, FlopCounterMode(display=False, custom_mapping=_FLOPS) as counter:
             session.step.run(batch_size)
         flops = counter.get_total_flops()

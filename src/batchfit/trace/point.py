@@ -45,6 +45,9 @@ class MemoryPoint:
     """What max_memory_reserved() would show (allocator model); None when not replayed."""
     reserved_oom: str | None = None
     """The allocator model's out-of-memory message, when the step cannot reserve its memory."""
+    reserved_ratio: float | None = None
+    """Reserved over allocated: at the peak, or (when it ran out) what it held and asked for
+    over what was allocated then; the search predicts the next size with it."""
 
     def to_json(self) -> dict:
         return {"batch_size": self.batch_size, "peak_bytes": self.peak_bytes,
@@ -75,9 +78,10 @@ def new_allocator(device: Device, config: AllocatorConfig | None = None) -> Cach
 
 
 def replay_reserved(events: list[tuple[str, int, int]], device: Device,
-                    config: AllocatorConfig | None = None) -> tuple[int | None, str | None]:
-    """(peak reserved bytes, None), or (None, the out-of-memory message) when the allocator
-    model runs out even after freeing its cache."""
+                    config: AllocatorConfig | None = None) -> tuple[int | None, str | None, float]:
+    """(peak reserved bytes, None, reserved/allocated), or (None, the out-of-memory message,
+    (reserved + the segment it asked for) / (allocated + the request)) when the allocator model
+    runs out even after freeing its cache."""
     allocator = new_allocator(device, config)
     try:
         for kind, ident, nbytes in events:
@@ -86,8 +90,10 @@ def replay_reserved(events: list[tuple[str, int, int]], device: Device,
             else:
                 allocator.free(ident)
     except AllocatorOutOfMemory as error:
-        return None, str(error)
-    return allocator.stats.peak_reserved_bytes, None
+        needed = (error.reserved_bytes + error.segment_bytes) / (error.allocated_bytes + error.requested_bytes)
+        return None, str(error), needed
+    stats = allocator.stats
+    return stats.peak_reserved_bytes, None, stats.peak_reserved_bytes / stats.peak_allocated_bytes
 
 
 def run_out_at_reserved(session: TraceSession, device: Device, config: AllocatorConfig | None = None) -> CachingAllocator:
@@ -204,7 +210,7 @@ class TracedCurve:
             with TraceSession(self.workload, self.options) as session:
                 session.trace(batch_size)
                 events = session.tracker.events
-            point.peak_reserved_bytes, point.reserved_oom = replay_reserved(events, self.device)
+            point.peak_reserved_bytes, point.reserved_oom, point.reserved_ratio = replay_reserved(events, self.device)
         return point
 
     def curve(self) -> MemoryCurve:
@@ -238,14 +244,14 @@ class TracedCurve:
                          peak_reserved_bytes=point.peak_reserved_bytes)
 
         def predict(trials: list[Trial]) -> int:
-            # Reserved = allocated + what the cache holds beyond it: take that overhead from the
-            # largest size whose reserved peak is known, and solve the allocated curve for the rest.
-            replayed = [t for t in trials if t.peak_reserved_bytes is not None]
-            if not replayed:
+            # Reserved grows with what is allocated (segments sized by the requests): take the
+            # ratio of the largest size replayed, and solve the allocated curve for limit / ratio.
+            ratios = [(t.batch_size, self.points[t.batch_size].reserved_ratio) for t in trials
+                      if t.batch_size in self.points and self.points[t.batch_size].reserved_ratio]
+            if not ratios:
                 return found.max_batch_size
-            last = max(replayed, key=lambda t: t.batch_size)
-            overhead = last.peak_reserved_bytes - last.peak_allocated_bytes
-            return self.curve().max_batch_size(limit_bytes - overhead, multiple_of)
+            ratio = max(ratios)[1]
+            return self.curve().max_batch_size(limit_bytes / ratio, multiple_of)
 
         above = [Trial(found.next_size, "oom")] if found.next_size else []  # fails allocated: fails reserved
         result = guided(reserved_probe, predict, lo=lo, hi=found.max_batch_size, multiple_of=multiple_of,
