@@ -27,6 +27,8 @@ CASES = [
     ("bf16-mixed", {"precision": "bf16-mixed"}),
     ("bf16-mixed + checkpointing full", {"precision": "bf16-mixed", "checkpointing": "full"}),
     ("bf16 + checkpointing full", {"precision": "bf16", "checkpointing": "full"}),
+    ("bf16 + checkpointing full, --limit allocated", {"precision": "bf16", "checkpointing": "full",
+                                                      "limit": "allocated"}),
 ]
 
 
@@ -51,7 +53,8 @@ def main() -> None:
         command_s, data = command_seconds(options)
         workload = load_workload("hf:llama-3.1-8b", seq_len=8192)
         started = time.perf_counter()
-        estimate(workload, device=device, options=StepOptions(**options))
+        step = {k: v for k, v in options.items() if k != "limit"}
+        estimate(workload, device=device, options=StepOptions(**step), limit=options.get("limit", "reserved"))
         in_process_s = time.perf_counter() - started
         rows.append({"options": label, "command": "batchfit estimate " + " ".join(MODEL + _flags(options)),
                      "command_s": round(command_s, 2), "in_process_s": round(in_process_s, 2),
