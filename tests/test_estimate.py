@@ -67,6 +67,22 @@ def test_batch_one_not_fitting_is_an_answer_with_suggestions(mlp):
     assert changes["--precision bf16"].peak_bytes < r.points[0].peak_bytes
     assert any(s.fits for s in r.suggestions)
     assert r.to_json()["max_batch_size"] == 0
+    # nothing that saves nothing: the MLP has no block stack, so no checkpointing row at all
+    assert all(s.saving_bytes > 0 for s in r.suggestions) and "--checkpointing full" not in changes
+
+
+def test_sharding_shards_every_per_parameter_category(mlp):
+    """The optimizer-step peak holds parameters, gradients, state and the foreach temporaries,
+    all per parameter: sharding over N GPUs divides all four (issue: temporaries were left whole)."""
+    r = estimate(mlp, device=custom_device(int(0.6 * GiB)))
+    smallest = r.points[0]
+    assert smallest.phase == "optimizer"
+    shard = next(s for s in r.suggestions if "shard over" in s.change)
+    gpus = int(shard.option.split()[0])
+    parts = smallest.breakdown
+    per_param = parts["parameters"] + parts["gradients"] + parts["optimizer_state"] + parts["temporaries"]
+    assert shard.saving_bytes == int(per_param * (1 - 1 / gpus))
+    assert "temporaries" in shard.source
 
 
 @pytest.mark.parametrize("kwargs", [{"target_util": 0}, {"target_util": 1.5}, {"multiple_of": 0},
