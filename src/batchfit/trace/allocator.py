@@ -229,6 +229,14 @@ class CachingAllocator:
         self.stats.allocated_bytes += block.size
         self.stats.peak_allocated_bytes = max(self.stats.peak_allocated_bytes, self.stats.allocated_bytes)
 
+    def apply(self, events: Iterable[tuple[str, int, int]]) -> None:
+        """Feed ('malloc', id, nbytes) / ('free', id, 0) events, in order."""
+        for kind, ident, nbytes in events:
+            if kind == "malloc":
+                self.malloc(ident, nbytes)
+            else:
+                self.free(ident)
+
     def free(self, ident: int) -> None:
         """DeviceCachingAllocator::free: back to the cache, merged with free neighbours."""
         block = self._blocks.pop(ident)
@@ -492,9 +500,5 @@ def replay(events: Iterable[tuple[str, int, int]], *, capacity_bytes: int | None
     if expandable_segments is not None:
         config = replace(config, expandable_segments=expandable_segments)
     allocator = CachingAllocator(capacity_bytes, config)
-    for kind, ident, nbytes in events:
-        if kind == "malloc":
-            allocator.malloc(ident, nbytes)
-        else:
-            allocator.free(ident)
+    allocator.apply(events)
     return allocator.stats

@@ -84,11 +84,7 @@ def replay_reserved(events: list[tuple[str, int, int]], device: Device,
     runs out even after freeing its cache."""
     allocator = new_allocator(device, config)
     try:
-        for kind, ident, nbytes in events:
-            if kind == "malloc":
-                allocator.malloc(ident, nbytes)
-            else:
-                allocator.free(ident)
+        allocator.apply(events)
     except AllocatorOutOfMemory as error:
         needed = (error.reserved_bytes + error.segment_bytes) / (error.allocated_bytes + error.requested_bytes)
         return None, str(error), needed
@@ -101,19 +97,12 @@ def run_out_at_reserved(session: TraceSession, device: Device, config: Allocator
     the allocator model is fed every allocation as it happens, and raises
     ``torch.OutOfMemoryError`` when it cannot reserve a segment after freeing its cache."""
     allocator = new_allocator(device, config)
-    for kind, ident, nbytes in session.tracker.events:  # what building the model allocated
-        if kind == "malloc":
-            allocator.malloc(ident, nbytes)
-        else:
-            allocator.free(ident)
+    allocator.apply(session.tracker.events)  # what building the model allocated
 
     def on_event(kind: str, ident: int, nbytes: int) -> None:
         message = None
         try:
-            if kind == "malloc":
-                allocator.malloc(ident, nbytes)
-            else:
-                allocator.free(ident)
+            allocator.apply([(kind, ident, nbytes)])
         except AllocatorOutOfMemory as error:
             message = str(error)
         if message is not None:  # raised outside the except block: the traceback holds no frames to free
