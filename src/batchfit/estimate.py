@@ -63,9 +63,9 @@ class EstimateResult:
     (exactly: the three lay on one line), except the batch sizes in ``full_traces``."""
     full_traces: list[int] = field(default_factory=list)
     known_limits: list[str] = field(default_factory=list)
+    """What this model runs that the trace does not mirror (beyond docs/tracing.md's list)."""
     limit: str = "reserved"
     """What had to fit: 'reserved' (max_memory_reserved, allocator model) or 'allocated'."""
-    """What this model runs that the trace does not mirror (beyond docs/tracing.md's list)."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
 
@@ -81,8 +81,9 @@ class EstimateResult:
         return next((p for p in self.points if p.batch_size == batch_size), None)
 
     def headroom_bytes(self, batch_size: int) -> int | None:
+        """Usable memory left at ``batch_size``: beyond reserved memory where it was replayed."""
         point = self.point(batch_size)
-        return None if point is None else self.capacity_bytes - point.peak_bytes
+        return None if point is None else self.capacity_bytes - (point.peak_reserved_bytes or point.peak_bytes)
 
     def to_json(self) -> dict:
         best = self.max_batch_size
