@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from batchfit import search
+from batchfit.devices import custom_device
+from batchfit.estimate import estimate
 from batchfit.search import Trial, guided
+from batchfit.trace.point import allocated_point
+from batchfit.trace.session import TraceSession
+from batchfit.workload import StepOptions
 from batchfit.trace.curve import fit_curve, fit_line
+from tests.conftest import mlp_workload
 
 
 def threshold_probe(limit: int, seen: list[int]):
@@ -81,39 +90,113 @@ def test_every_policy_answers_with_a_size_that_ran_and_a_failure_or_the_cap_abov
         assert result.exact
 
 
-@st.composite
-def known_trials(draw):
-    """A true maximum and known trials consistent with it, on and off the grid, some outside [lo, hi]."""
-    limit = draw(st.integers(0, 3000))
-    sizes = draw(st.lists(st.integers(1, 5000), max_size=6))
-    return limit, [Trial(b, "ok" if b <= limit else "oom") for b in sizes]
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail instead of hanging: a search that loops is interrupted by SIGALRM."""
+    def expire(signum, frame):
+        raise TimeoutError(f"did not end within {seconds} s: a search loops")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def on_grid(limit: int, m: int, lo: int, hi: int) -> tuple[int, int, int]:
+    """The smallest and largest allowed sizes, and the largest of them that fits."""
+    low = max(-(-lo // m) * m, m)
+    top = max(hi // m * m, low)
+    best = min(limit // m * m, top)
+    return low, top, best if best >= low else 0
 
 
 @pytest.mark.parametrize("policy", search.POLICIES)
-@given(case=known_trials(), m=st.sampled_from([1, 4, 8, 16]), lo=st.integers(1, 64), hi=st.integers(64, 4000))
-def test_known_trials_end_the_search_on_the_grid(policy, case, m, lo, hi):
-    limit, known = case
+@given(limit=st.integers(0, 3000), m=st.sampled_from([1, 3, 8, 16]), lo=st.integers(1, 64),
+       hi=st.integers(64, 4000), known_sizes=st.lists(st.integers(1, 6000), max_size=6))
+def test_known_trials_anywhere_end_the_search_with_the_true_maximum(policy, limit, m, lo, hi, known_sizes):
+    # Known trials agree with the probe (memory grows with the batch) but may lie off the
+    # grid of multiples of m and outside [lo, hi]: estimate passes the user's --batch-sizes.
+    known = [Trial(b, "ok" if b <= limit else "oom") for b in known_sizes]
     seen: list[int] = []
-    result = POLICY_CALLS[policy](threshold_probe(limit, seen), lo=lo, hi=hi, multiple_of=m, known=known)
-    low = max(-(-lo // m) * m, m)
-    top = max(hi // m * m, low)
-    assert len(seen) == len(set(seen)) and all(b % m == 0 for b in seen)
-    assert all(b not in seen for b in (t.batch_size for t in known))  # never re-probes what it knew
+    with deadline(5):
+        result = POLICY_CALLS[policy](threshold_probe(limit, seen), lo=lo, hi=hi, multiple_of=m, known=known)
+    low, top, true_max = on_grid(limit, m, lo, hi)
+    assert all(low <= b <= top and b % m == 0 for b in seen)
+    assert len(seen) == len(set(seen)) and not set(seen) & set(known_sizes)  # nothing run twice
+    best = result.max_batch_size
+    assert best <= true_max
+    if best:  # it ran (or was known to run) at exactly that size, and fit
+        assert best in seen or best in known_sizes
+    if not result.capped:
+        assert result.next_size is not None and result.next_size > limit  # shown to fail
     if policy in ("guided", "binsearch", "linear"):
-        assert result.exact
-        assert result.max_batch_size == (min(limit // m * m, top) if limit >= low else 0)
+        assert result.exact and best == true_max
 
 
-def test_a_known_failure_off_the_grid_does_not_hang():
-    """The issue: --multiple-of 8 --batch-sizes 8,21 with 21 too large looped forever."""
+def test_a_known_failure_off_the_grid_does_not_loop():
+    # Issue 7: --multiple-of 8 --batch-sizes 8,21 with 21 too big re-picked 8 forever,
+    # because the failure at 21 was kept off the grid (21 - 8 > 8: never closed). A failure
+    # at 21 means 24 fails too, so only 16 is left to try.
     seen: list[int] = []
-    result = guided(threshold_probe(16, seen), lambda trials: 100, lo=8, hi=4096, multiple_of=8,
-                    known=[Trial(8, "ok"), Trial(21, "oom")])
-    assert result.max_batch_size == 16 and result.exact and seen == [16]
+    with deadline(5):
+        result = guided(threshold_probe(16, seen), lambda trials: 13, lo=8, multiple_of=8,
+                        known=[Trial(8, "ok"), Trial(21, "oom")])
+    assert (result.max_batch_size, result.next_size, result.exact, seen) == (16, 24, True, [16])
 
 
-def test_a_policy_that_makes_no_progress_raises():
-    book = search._Book(threshold_probe(10, []), 1, 100, 1, known=[Trial(5, "ok")])
-    with pytest.raises(search.NoProgress, match="decided"):
-        for _ in range(search._Book.IDLE_LIMIT + 1):
-            book.run(3)  # already known to fit: asking again and again is a policy bug
+@pytest.mark.parametrize("policy", search.POLICIES)
+def test_every_policy_ends_on_the_issue_7_trials(policy):
+    seen: list[int] = []
+    with deadline(5):
+        result = POLICY_CALLS[policy](threshold_probe(16, seen), lo=8, multiple_of=8,
+                                      known=[Trial(8, "ok"), Trial(21, "oom")])
+    assert result.max_batch_size in (8, 16) and result.next_size in (16, 24) and len(seen) <= 2
+
+
+def test_a_fit_known_off_the_grid_is_run_before_it_is_the_answer():
+    # A fit at 21 implies 16 fits, but the answer must be a size that ran (estimate reads
+    # its traced peak): 16 is probed once, and nothing else is needed.
+    seen: list[int] = []
+    result = guided(threshold_probe(21, seen), lambda trials: 21, multiple_of=8,
+                    known=[Trial(21, "ok"), Trial(22, "oom")])
+    assert (result.max_batch_size, result.exact, seen) == (16, True, [16])
+
+
+def test_a_known_fit_the_probe_contradicts_is_not_the_answer():
+    # Memory should grow with the batch; if the probe says otherwise, trust what ran.
+    seen: list[int] = []
+    result = guided(threshold_probe(15, seen), lambda trials: 21, lo=8, multiple_of=8,
+                    known=[Trial(21, "ok"), Trial(22, "oom")])
+    assert (result.max_batch_size, result.next_size, result.exact, seen) == (0, 16, False, [16])
+
+
+def test_a_known_failure_below_the_smallest_size_means_nothing_fits():
+    seen: list[int] = []
+    result = search.binsearch(threshold_probe(3, seen), lo=8, multiple_of=8, known=[Trial(5, "oom")])
+    assert (result.max_batch_size, result.next_size, result.exact, seen) == (0, 8, True, [])
+
+
+def test_asking_for_a_size_already_known_is_an_internal_error():
+    book = search._Book(threshold_probe(100, []), 1, 1000, 8, known=[Trial(32, "ok"), Trial(64, "oom")])
+    for size in (8, 32, 64, 80):  # below the fit, the fit, the failure, above the failure
+        with pytest.raises(RuntimeError, match="already known"):
+            book.run(size)
+
+
+def test_estimate_with_batch_sizes_off_the_multiple_ends():
+    # batchfit estimate --multiple-of 8 --batch-sizes 8,21 on a device where 21 does not fit.
+    # A wide, shallow MLP: its activations (not its few weights) set the peak at these sizes.
+    workload = mlp_workload(d_in=4, d_hidden=16384)
+    device = custom_device(24 * 2**30)  # only its context and workspace sizes are read here
+    with TraceSession(workload, StepOptions()) as session:
+        peak = {b: allocated_point(session.trace(b), device.workspace_bytes).peak_bytes for b in (16, 21)}
+    assert peak[16] < peak[21]
+    # usable = total - context: choose it halfway between the peaks at 16 and 21.
+    device = custom_device(device.context_bytes + (peak[16] + peak[21]) // 2)
+    with deadline(60):
+        result = estimate(workload, device=device, batch_sizes=[8, 21], multiple_of=8, target_util=1.0,
+                          suggest=False, limit="allocated")  # the search is under test, not the allocator
+    assert result.max_batch_size == 16 and result.point(16).peak_bytes == peak[16]

@@ -4,8 +4,8 @@ A probe runs (or traces) one batch size and returns a Trial: ``ok``, ``oom`` or 
 Nothing here imports torch, so every policy is tested with synthetic probes. A policy only
 sees ``ok`` and ``oom``: the caller stops the search on ``error`` (raise from the probe).
 
-Every policy answers with a batch size it probed and that fit (or 0), and the smallest size
-above it that it probed and that did not fit (or the cap). The answer is *exact* when that
+Every policy answers with a batch size it probed (or was given as known) and that fit (or 0),
+and the smallest size above it known not to fit (or the cap). The answer is *exact* when that
 size is the next one up by ``multiple_of``; ``guided``, ``binsearch`` and ``linear`` always
 are, Lightning's ``power`` and Accelerate's ``halving`` usually are not, and say so.
 """
@@ -47,8 +47,8 @@ class SearchResult:
     trials: list[Trial]
     """The probes this search made, in order."""
     next_size: int | None
-    """The smallest size above the answer known not to fit: probed, or implied by a known
-    failure at an off-grid size (21 failed, so 24 fails); None if none is known."""
+    """The smallest size above the answer known not to fit: probed, or the multiple of
+    multiple_of at or above a known failure off that grid; None if none is known."""
     capped: bool
     """The answer is the largest size allowed (--max), so nothing above it was needed."""
     multiple_of: int = 1
@@ -65,52 +65,91 @@ class SearchResult:
 Probe = Callable[[int], Trial]
 
 
-class NoProgress(RuntimeError):
-    """A policy kept asking for sizes whose outcome was already known: a bug, not a search."""
-
-
 class _Book:
     """What a policy has learnt so far; every probe goes through it.
 
-    Memory grows with the batch size, so one trial decides many sizes: a fit at b means
-    every size up to b fits, a failure at b means every size from b on fails. Known trials
-    (and every probe) are read that way, onto the grid of multiples of ``m``.
+    Sizes live on the grid of multiples of ``m`` in [lo, hi]. ``fit`` is the largest grid
+    size known to fit (0: none) and ``fail`` the smallest above it known not to (None: none).
+    Every probe must be of a size strictly between them, so each one narrows the gap and a
+    policy that asks for a size it already knows raises instead of looping: every search
+    ends within as many probes as there are grid sizes.
     """
-
-    IDLE_LIMIT = 64
-    """Requests in a row whose outcome was already known before a policy is stopped."""
 
     def __init__(self, probe: Probe, lo: int, hi: int, m: int, known: list[Trial] = ()) -> None:
         self.probe, self.m = probe, m
         self.lo = max(-(-lo // m) * m, m)
         self.hi = max(hi // m * m, self.lo)
         self.trials: list[Trial] = []
+        """The probes this search made (known trials excluded)."""
         self.all = list(known)
-        self._idle = 0
-        # A known fit at 21 with m = 8 shows 16 fits; a known failure at 21 shows 24 fails.
-        fits = [min(t.batch_size // m * m, self.hi) for t in known if t.fits and t.batch_size >= self.lo]
-        fails = [max(-(-t.batch_size // m) * m, self.lo) for t in known if not t.fits]
-        self.fit = max(fits, default=0)
-        self.fail = min((b for b in fails if b > self.fit and b <= self.hi), default=None)
+        """Known trials and probes: what ``guided`` gives its predictor."""
+        self.ran: dict[int, Trial] = {}
+        """Grid sizes with a trial of exactly that size: the only possible answers."""
+        self.fits: set[int] = set()
+        self.fails: set[int] = set()
+        # Peak memory grows with the batch size, so a known trial says something about grid
+        # sizes it did not run: a fit at b means every size <= b fits (the grid size at or below
+        # b, or hi if b is above it), and a failure at b means every size >= b fails (the grid
+        # size at or above b, or lo if b is below it: then nothing fits). A fit known only this
+        # way is probed before it is given as the answer (``_confirm``).
+        for t in known:
+            b = t.batch_size
+            if t.fits and min(b // m * m, self.hi) >= self.lo:
+                self.fits.add(min(b // m * m, self.hi))
+            elif not t.fits and max(-(-b // m) * m, self.lo) <= self.hi:
+                self.fails.add(max(-(-b // m) * m, self.lo))
+            if b % m == 0 and self.lo <= b <= self.hi:
+                self.ran.setdefault(b, t)
+        for b, t in self.ran.items():
+            if not t.fits:
+                self._failed(b)
+        self._update()
+
+    def _failed(self, batch_size: int) -> None:
+        # What ran outweighs what is implied: a failure forgets the fits implied at or above
+        # it (known trials that contradict each other, or a probe that contradicts them).
+        self.fails.add(batch_size)
+        self.fits = {b for b in self.fits if b < batch_size or b in self.ran and self.ran[b].fits}
+
+    def _update(self) -> None:
+        # A failure at or below a size that fit contradicts monotonicity (a flaky probe, or
+        # known trials from elsewhere): trust what fit, as the answer must be a size that ran.
+        self.fit = max(self.fits, default=0)
+        self.fail = min((b for b in self.fails if b > self.fit), default=None)
+
+    def grid(self, batch_size: int) -> int:
+        """The grid size a policy means by ``batch_size``: rounded down, within [lo, hi]."""
+        return min(max(batch_size // self.m * self.m, self.lo), self.hi)
+
+    def unknown(self, batch_size: int) -> bool:
+        """Whether probing ``batch_size`` (a grid size) can teach anything."""
+        return self.fit < batch_size and (self.fail is None or batch_size < self.fail)
 
     def run(self, batch_size: int) -> Trial:
-        batch_size = min(max(batch_size // self.m * self.m, self.lo), self.hi)
-        if batch_size <= self.fit or (self.fail is not None and batch_size >= self.fail):
-            self._idle += 1
-            if self._idle > self.IDLE_LIMIT:
-                raise NoProgress(f"the search asked {self._idle} times in a row for sizes it had decided "
-                                 f"(largest fit {self.fit}, smallest failure {self.fail}, multiple of {self.m})")
-            known = next((t for t in self.all if t.batch_size == batch_size), None)
-            return known or Trial(batch_size, "ok" if batch_size <= self.fit else "oom")
-        self._idle = 0
+        batch_size = self.grid(batch_size)
+        if not self.unknown(batch_size):
+            raise RuntimeError(
+                f"internal error in the batch-size search: it asked for {batch_size}, whose outcome "
+                f"is already known (largest fit {self.fit}, smallest failure {self.fail}, lo {self.lo}, "
+                f"hi {self.hi}, multiple_of {self.m}, {len(self.trials)} probes); please report this")
+        return self._probe(batch_size)
+
+    def _probe(self, batch_size: int) -> Trial:
         trial = self.probe(batch_size)
         self.trials.append(trial)
         self.all.append(trial)
+        self.ran[batch_size] = trial
         if trial.fits:
-            self.fit = max(self.fit, batch_size)
-        elif self.fail is None or batch_size < self.fail:
-            self.fail = batch_size
+            self.fits.add(batch_size)
+        else:
+            self._failed(batch_size)
+        self._update()
         return trial
+
+    def _confirm(self) -> None:
+        """Probe the answer if it is only implied by a larger known fit off the grid."""
+        while self.fit and self.fit not in self.ran:  # each pass lowers fit or confirms it
+            self._probe(self.fit)
 
     def closed(self) -> bool:
         return self.fit >= self.hi or (self.fail is not None and self.fail - self.fit <= self.m) or (
@@ -118,7 +157,7 @@ class _Book:
 
     def bisect(self) -> None:
         """Bisect between the largest fit and the smallest failure until they are adjacent."""
-        while not self.closed():
+        while not self.closed():  # run() raises rather than repeat a size: this ends
             if self.fail is None:  # nothing failed yet: keep doubling
                 self.run(min(max(self.fit * 2, self.lo), self.hi))
                 continue
@@ -126,6 +165,7 @@ class _Book:
             self.run((low + self.fail) // 2 // self.m * self.m if self.fail - low > self.m else low + self.m)
 
     def result(self) -> SearchResult:
+        self._confirm()
         return SearchResult(self.fit, self.trials, self.fail, capped=self.fit >= self.hi,
                             multiple_of=self.m, smallest=self.lo)
 
@@ -140,7 +180,7 @@ def guided(probe: Probe, predict: Callable[[list[Trial]], int], *, lo: int = 1, 
     """
     book = _Book(probe, lo, hi, multiple_of, known)
     m = book.m
-    while not book.closed():
+    while not book.closed():  # open means fail - fit > m, so the size below lies between them
         if len(book.trials) >= trusted_predictions:
             book.bisect()
             break
@@ -154,7 +194,8 @@ def _double_until_oom(book: _Book) -> None:
     """Lightning's first stage: lo, 2 lo, 4 lo, ... until one does not fit (or the cap)."""
     size = book.lo
     while book.fail is None and book.fit < book.hi:
-        book.run(size)
+        if book.unknown(book.grid(size)):  # skip sizes already known to fit
+            book.run(size)
         size = size * 2
 
 
@@ -181,13 +222,14 @@ def halving(probe: Probe, *, lo: int = 1, hi: int = 1 << 16, multiple_of: int = 
     ``starting_batch_size``, here the cap by default) and multiply by 0.9 after each
     out-of-memory until one fits."""
     book = _Book(probe, lo, hi, multiple_of, known)
-    size = min(max(start or book.hi, book.lo), book.hi)
-    while True:
-        trial = book.run(size)
-        if trial.fits or size <= book.lo:
+    size = book.grid(start or book.hi)
+    while size > book.fit:  # a size known to fit ends it, as a probe that fits would
+        if book.unknown(size) and book.run(size).fits:
+            break
+        if size <= book.lo:
             break
         smaller = int(size * factor) // book.m * book.m
-        size = max(min(smaller, size - book.m), book.lo)
+        size = max(min(smaller, size - book.m), book.lo)  # always smaller: this ends
     return book.result()
 
 
@@ -196,9 +238,11 @@ def linear(probe: Probe, *, lo: int = 1, hi: int = 1 << 16, multiple_of: int = 1
     """Seed 000's search by hand: start at 64, add 16 until out of memory (halving the start
     while it does not fit), then step by ``multiple_of`` up from the last size that fit."""
     book = _Book(probe, lo, hi, multiple_of, known)
-    size = min(max(start, book.lo), book.hi)
-    while not book.run(size).fits and size > book.lo:  # the start did not fit: halve it
-        size = max(size // 2 // book.m * book.m, book.lo)
+    size = book.grid(start)
+    while size > book.fit:  # the start is not known to fit: try it, halving while it does not
+        if (book.unknown(size) and book.run(size).fits) or size <= book.lo:
+            break
+        size = book.grid(size // 2)  # always smaller while above lo: this ends
     while book.fail is None and book.fit < book.hi and book.fit:
         book.run(book.fit + max(step // book.m, 1) * book.m)
     while not book.closed():  # the fine search, one step at a time
