@@ -1,4 +1,4 @@
-"""Tracing at depths 1, 2, 3 and extrapolating gives the full trace's bytes, exactly."""
+"""Tracing at depths 2, 3, 4 and extrapolating gives the full trace's bytes, exactly."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ def test_by_depth_equals_the_full_trace(spec, options):
 
 
 def test_a_line_that_bends_is_not_extrapolated():
-    assert depth.line_at([10, 20, 30], 32) == 320
-    assert depth.line_at([10, 20, 31], 32) is None  # not affine: trace the whole model
+    assert depth.DEPTHS == (2, 3, 4)
+    assert depth.line_at([20, 30, 40], 32) == 320  # 10 bytes a block
+    assert depth.line_at([20, 30, 41], 32) is None  # not affine: trace the whole model
 
 
 def test_few_blocks_are_traced_whole(mlp):

@@ -19,6 +19,7 @@ import torch
 from batchfit.devices import Device
 from batchfit.errors import OptionError
 from batchfit.trace.curve import MemoryCurve
+from batchfit.trace.depth import DEPTHS
 from batchfit.trace.point import MemoryPoint, TracedCurve
 from batchfit.workload import StepOptions, Workload
 
@@ -59,9 +60,14 @@ class EstimateResult:
     traces: int
     suggestions: list[Suggestion] = field(default_factory=list)
     depth_blocks: int | None = None
-    """When set, the points were traced at depths 1, 2, 3 of this many blocks and extrapolated
+    """When set, the points were traced at depths 2, 3, 4 of this many blocks and extrapolated
     (exactly: the three lay on one line), except the batch sizes in ``full_traces``."""
     full_traces: list[int] = field(default_factory=list)
+    depths: tuple[int, ...] = DEPTHS
+    """The depths traced when ``depth_blocks`` is set."""
+    whole_reserved: list[int] = field(default_factory=list)
+    """Batch sizes whose reserved peak came from a whole-model trace; the others' allocation
+    streams were written from the depths' streams (``trace/stream.py``)."""
     known_limits: list[str] = field(default_factory=list)
     """What this model runs that the trace does not mirror (beyond docs/tracing.md's list)."""
     limit: str = "reserved"
@@ -113,8 +119,9 @@ class EstimateResult:
             "known_limits": self.known_limits,
             "trace_seconds": round(self.trace_seconds, 2),
             "traces": self.traces,
-            "traced_by_depth": ({"blocks": self.depth_blocks, "depths": [1, 2, 3],
-                                 "full_traces": self.full_traces} if self.depth_blocks else None),
+            "traced_by_depth": ({"blocks": self.depth_blocks, "depths": list(self.depths),
+                                 "full_traces": self.full_traces, "whole_reserved": self.whole_reserved}
+                                if self.depth_blocks else None),
             "created": self.created,
             "torch_version": self.torch_version,
         }
@@ -149,7 +156,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     multiple_of = workload.batch_multiple(multiple_of)
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    with TracedCurve(workload, options, device, say) as traced:
+    with TracedCurve(workload, options, device, say, keep_streams=limit == "reserved") as traced:
         for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
             traced.point(b)
         answers = [traced.max_batch(limit_bytes, lo=multiple_of, hi=max_batch, multiple_of=multiple_of,
@@ -167,7 +174,8 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         multiple_of=multiple_of, max_batch_size=answers[0].max_batch_size,
         max_batch_size_at_target=answers[1].max_batch_size, capped=answers[0].capped,
         trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions, limit=limit,
-        depth_blocks=traced.blocks, full_traces=traced.full_traces, known_limits=known_limits,
+        depth_blocks=traced.blocks, full_traces=traced.full_traces, whole_reserved=traced.whole_reserved,
+        known_limits=known_limits,
     )
 
 

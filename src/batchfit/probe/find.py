@@ -152,7 +152,7 @@ class _Predictor:
     def __init__(self, workload: Workload, options: StepOptions, target: Target, capacity: int,
                  multiple_of: int, largest: int, reserved: bool, say: Callable[[str], None]) -> None:
         say("tracing the step on fake tensors to predict")
-        with TracedCurve(workload, options, target.device, say) as traced:
+        with TracedCurve(workload, options, target.device, say, keep_streams=reserved) as traced:
             for b in (multiple_of, 2 * multiple_of):
                 traced.point(b)
             self.traced_max = traced.max_batch(target.device.usable_bytes, lo=multiple_of, hi=largest,

@@ -71,8 +71,12 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
         f"context (assumed), {gib(d.usable_bytes)} GiB usable |",
         f"| Batch sizes | multiples of {r.multiple_of} |",
         f"| Traced with | torch {r.torch_version}, {r.traces} traced batch sizes in {r.trace_seconds:.1f} s"
-        + (f"; at depths 1, 2, 3 of {r.depth_blocks} blocks, extrapolated exactly (byte for byte affine)"
-           if r.depth_blocks else "") + " |",
+        + (f"; at depths {', '.join(map(str, r.depths))} of {r.depth_blocks} blocks, extrapolated exactly "
+           "(byte for byte affine)" if r.depth_blocks else "")
+        + (f"; reserved peaks replayed from allocation streams written for {r.depth_blocks} blocks from the "
+           "depths' streams (checked event for event at the smaller depths)"
+           + (f", except batch sizes {', '.join(map(str, r.whole_reserved))} (traced whole)" if r.whole_reserved else "")
+           if r.depth_blocks and r.limit == "reserved" else "") + " |",
         "",
         "## Peak memory by batch size (GiB)",
         "",

@@ -4,12 +4,14 @@ A model whose main stack is ``L`` identical blocks (every transformer) holds, at
 peak, a fixed part (embeddings, head, logits, the loss) plus ``L`` times what one block adds
 (its parameters, gradients, optimizer state, saved activations). So each phase's peak, and
 each category of its breakdown, is affine in ``L``. Tracing a 32-layer model is 32 layers'
-worth of fake-tensor dispatch; tracing it at depths 1, 2 and 3 is 6, and gives the same
+worth of fake-tensor dispatch; tracing it at depths 2, 3 and 4 is 9, and gives the same
 bytes at depth 32 when the three depths lie on one line, which is checked, byte for byte,
 for every phase and category. When they do not (a model whose blocks differ in what they
 keep), the caller traces the full model instead.
 
-Depth 3 is the check: two depths always fit a line, the third shows that it is one.
+Two depths always fit a line, the third shows that it is one. The depths start at 2, not 1,
+because the allocation streams of the same three traces also give the full model's stream
+(``trace/stream.py``), which needs every loop over the blocks to have an interior copy.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from typing import TypeVar
 from torch import nn
 
 from batchfit.step import block_list
+from batchfit.trace.memory import active_tracker
 from batchfit.workload import Workload
 
 Point = TypeVar("Point")  # a trace.point.MemoryPoint
 
-DEPTHS: tuple[int, int, int] = (1, 2, 3)
-MIN_BLOCKS = 6
-"""Below this many blocks the full trace is about as cheap as three shallow ones."""
+DEPTHS: tuple[int, int, int] = (2, 3, 4)
+MIN_BLOCKS = 10
+"""Below this many blocks the full trace is about as cheap as the three shallow ones (9 blocks)."""
 
 
 class Depth:
@@ -35,6 +38,9 @@ class Depth:
     def __init__(self) -> None:
         self.blocks: int | None = None
         """Blocks in the full model's main stack; None when it has no stack of identical blocks."""
+        self.cuts: dict[int, tuple[int, int]] = {}
+        """By depth: the tracker's events (start, end) that freed the blocks cut away, which a
+        model built at that depth would never have allocated (``stream.without_cut``)."""
 
 
 def identical_blocks(model: nn.Module) -> nn.ModuleList | None:
@@ -58,22 +64,27 @@ def at_depth(workload: Workload, depth: int, seen: Depth) -> Workload:
         blocks = identical_blocks(model)
         seen.blocks = len(blocks) if blocks is not None else None
         if blocks is not None and len(blocks) >= MIN_BLOCKS:
+            tracker = active_tracker()
+            start = len(tracker.events) if tracker else 0
             del blocks[depth:]
+            if tracker is not None:
+                seen.cuts[depth] = (start, len(tracker.events))
         return model
 
     return replace(workload, build_model=build_model)
 
 
 def line_at(values: list[int], depth: int) -> int | None:
-    """The value at ``depth`` of the line through depths 1, 2, 3; None if they are not on one."""
+    """The value at ``depth`` of the line through the values at ``DEPTHS``; None if they are
+    not on one."""
     v1, v2, v3 = values
     if v3 - v2 != v2 - v1:
         return None
-    return v1 + (depth - 1) * (v2 - v1)
+    return v1 + (depth - DEPTHS[0]) * (v2 - v1)
 
 
 def extrapolate(points: list[Point], depth: int) -> Point | None:
-    """The point at ``depth`` from points traced at depths 1, 2, 3, or None when memory is
+    """The point at ``depth`` from points traced at ``DEPTHS``, or None when memory is
     not exactly affine in depth (then trace the full model).
 
     Each phase's peak, and the breakdown at it, is extrapolated on its own line; the step's

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 from batchfit.phases import CATEGORY_OF_PHASE
@@ -67,6 +67,11 @@ class Snapshot:
     """The breakdown at each phase's own peak."""
 
 
+def active_tracker() -> MemoryTracker | None:
+    """The tracker counting the ops that run now, if any (model code calls this while built)."""
+    return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, MemoryTracker)), None)
+
+
 class MemoryTracker(TorchDispatchMode):
     """A dispatch mode that keeps the live and peak bytes of everything ops allocate.
 
@@ -101,6 +106,10 @@ class MemoryTracker(TorchDispatchMode):
         """Called with each event as it happens (the allocator model of the virtual device)."""
         self._module_stack: list[str] = []
         self._hooks: list = []
+
+    def live_seqs(self) -> list[int]:
+        """The sequence numbers of the allocations alive now."""
+        return [record.seq for record in self._live.values()]
 
     # --- the step's hooks (batchfit.step.StepHooks) ------------------------------------
     def phase(self, name: str) -> None:

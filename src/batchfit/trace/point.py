@@ -22,7 +22,7 @@ import torch
 from batchfit.devices import Device
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided
-from batchfit.trace import depth
+from batchfit.trace import depth, stream
 from batchfit.trace.curve import MemoryCurve, fit_curve
 from batchfit.trace.session import TracePoint, TraceSession
 from batchfit.workload import StepOptions, Workload
@@ -115,14 +115,20 @@ def run_out_at_reserved(session: TraceSession, device: Device, config: Allocator
 class TracedCurve:
     """A workload on fake tensors, traced at batch sizes on demand (each size once).
 
-    A model with a deep stack of identical blocks is traced at depths 1, 2 and 3 and
+    A model with a deep stack of identical blocks is traced at depths 2, 3 and 4 and
     extrapolated to its full depth where the three lie exactly on a line (``trace/depth.py``),
     else traced whole: the same bytes, several times faster for a 32-layer model.
     """
 
     def __init__(self, workload: Workload, options: StepOptions, device: Device,
-                 say: Callable[[str], None] | None = None, *, by_depth: bool = True) -> None:
+                 say: Callable[[str], None] | None = None, *, by_depth: bool = True,
+                 keep_streams: bool = False) -> None:
+        """``keep_streams``: reserved peaks will be asked for, so every traced depth runs as a
+        fresh process and keeps its allocation stream (one more step per batch size, instead
+        of two more steps at each depth for each reserved peak)."""
         self.workload, self.options, self.device = workload, options, device
+        self.keep_streams = keep_streams
+        self._streams: dict[int, dict[int, list | None]] = {}
         self.say = say or (lambda message: None)
         self.say(f"building {workload.name} on fake tensors")
         self.points: dict[int, MemoryPoint] = {}
@@ -130,9 +136,11 @@ class TracedCurve:
         """Blocks of the full model, when traced by depth."""
         self.full_traces: list[int] = []
         """Batch sizes traced on the whole model (all of them unless traced by depth)."""
+        self.whole_reserved: list[int] = []
+        """Batch sizes whose reserved peak needed a whole-model trace (the stream was not regular)."""
         self._shallow: list[TraceSession] = []
         self._full: TraceSession | None = None
-        seen = depth.Depth()
+        self._seen = seen = depth.Depth()
         first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload, options)
         if by_depth and seen.blocks and seen.blocks >= depth.MIN_BLOCKS:
             self.blocks = seen.blocks
@@ -169,15 +177,20 @@ class TracedCurve:
     def trainable_params(self) -> int:
         return self._count("trainable_params")
 
-    def point(self, batch_size: int) -> MemoryPoint:
+    def point(self, batch_size: int, *, fresh: bool | None = None) -> MemoryPoint:
+        """The traced point at ``batch_size``. With ``fresh`` (default: ``keep_streams``) the
+        shallow depths trace as fresh processes and keep their allocation streams."""
         if batch_size in self.points:
             return self.points[batch_size]
+        fresh = self.keep_streams if fresh is None else fresh
         workspace = self.device.workspace_bytes
         found = None
         if self._shallow:
             self.say(f"tracing batch size {batch_size} at depths {', '.join(map(str, depth.DEPTHS))} "
                      f"of {self.blocks}")
-            shallow = [allocated_point(s.trace(batch_size), workspace) for s in self._shallow]
+            shallow = [allocated_point(s.trace(batch_size, fresh=fresh), workspace) for s in self._shallow]
+            if fresh:
+                self._streams[batch_size] = {d: s.fresh_stream for d, s in zip(depth.DEPTHS, self._shallow)}
             found = depth.extrapolate(shallow, self.blocks)
         if found is None:  # not traced by depth, or not affine in depth: the whole model
             if self._full is None:
@@ -190,17 +203,36 @@ class TracedCurve:
         return found
 
     def reserved(self, batch_size: int) -> MemoryPoint:
-        """The point with its reserved peak: a fresh process at ``batch_size``, traced whole
-        (reserved memory is not affine in depth: segments are reused and split), replayed
-        through the allocator model from the model's build to the end of the second step."""
+        """The point with its reserved peak: the allocation stream of a fresh process, from the
+        model's build to the end of the second step, replayed through the allocator model.
+
+        Reserved memory is not affine in depth (segments are reused and split), so the stream
+        must be the whole model's: written from the shallow traces' streams where they are
+        regular (``trace/stream.py``, checked event for event), else traced whole.
+        """
         point = self.point(batch_size)
         if point.peak_reserved_bytes is None and point.reserved_oom is None:
-            self.say(f"tracing batch size {batch_size} whole for reserved memory")
-            with TraceSession(self.workload, self.options) as session:
-                session.trace(batch_size)
-                events = session.tracker.events
+            events = self._extended_stream(batch_size) if self._shallow else None
+            point = self.points[batch_size]  # traced again, fresh, if its streams were not kept
+            if events is None:
+                self.say(f"tracing batch size {batch_size} whole for reserved memory")
+                with TraceSession(self.workload, self.options) as session:
+                    session.trace(batch_size)
+                    events = session.tracker.events
+                self.whole_reserved.append(batch_size)
             point.peak_reserved_bytes, point.reserved_oom, point.reserved_ratio = replay_reserved(events, self.device)
         return point
+
+    def _extended_stream(self, batch_size: int) -> list[tuple[str, int, int]] | None:
+        streams = self._streams.get(batch_size)
+        if streams is None:  # traced before streams were kept: trace the depths again, fresh
+            self.points.pop(batch_size)
+            self.point(batch_size, fresh=True)
+            streams = self._streams[batch_size]
+        if any(events is None for events in streams.values()):
+            return None
+        return stream.extend({d: stream.without_cut(events, self._seen.cuts.get(d))
+                              for d, events in streams.items()}, self.blocks)
 
     def curve(self) -> MemoryCurve:
         return fit_curve({b: p.peak_by_phase for b, p in self.points.items()})

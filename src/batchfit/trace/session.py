@@ -132,6 +132,11 @@ class TraceSession:
         params = list(self.step.model.parameters())
         self.params = sum(p.numel() for p in params)
         self.trainable_params = sum(p.numel() for p in params if p.requires_grad)
+        self.build_events = len(self.tracker.events)
+        """The tracker's events up to here are the model's build."""
+        self.build_seq = max(self.tracker.live_seqs(), default=0)
+        self.fresh_stream: list[tuple[str, int, int]] | None = None
+        """The allocation stream of the last ``trace(..., fresh=True)``."""
 
     @contextlib.contextmanager
     def tracing(self, what: str) -> Iterator[None]:
@@ -157,14 +162,30 @@ class TraceSession:
                 f"{what}{f' at {where}' if where else ''}: {_message(error)}"
             ) from error
 
-    def trace(self, batch_size: int) -> TracePoint:
-        """The peak memory of one optimizer step at ``batch_size``, as a CUDA device would hold it."""
+    def trace(self, batch_size: int, *, fresh: bool = False) -> TracePoint:
+        """The peak memory of one optimizer step at ``batch_size``, as a CUDA device would hold it.
+
+        With ``fresh`` the step runs as in a fresh process, after a first step that creates
+        the optimizer state, and :attr:`fresh_stream` is that process's allocation stream
+        (the build's events and the two steps'): what the caching allocator model replays.
+        It is None when something from earlier steps is still alive, which a fresh process
+        would not have.
+        """
         with self.tracing(f"running a step at batch size {batch_size}"):
-            if not self._warm:
+            if fresh:
+                self.step.optimizer.state.clear()  # as after the build: no state, no gradients
+                for p in self.step.model.parameters():
+                    p.grad = None
+                clean = all(seq <= self.build_seq for seq in self.tracker.live_seqs())
+            start = len(self.tracker.events)
+            if fresh or not self._warm:
                 self.step.run(batch_size, hooks=self.tracker)  # creates the optimizer state
                 self._warm = True
             self.tracker.start_window()
             self.step.run(batch_size, hooks=self.tracker)
+            if fresh:
+                self.fresh_stream = (self.tracker.events[:self.build_events] + self.tracker.events[start:]
+                                     if clean else None)
             return TracePoint(batch_size, self.tracker.snapshot())
 
     def run_steps(self, batch_size: int, steps: int) -> list[int]:

@@ -1,0 +1,272 @@
+"""Extend an allocation stream traced at three small depths to the model's full depth.
+
+Reserved memory is not affine in depth (the caching allocator reuses and splits segments),
+so it needs the whole allocation stream of a fresh process, replayed through the allocator
+model. Tracing a 32-layer model whole costs ten seconds; its stream can instead be written
+down from three shallow ones, because a stack of identical blocks makes a stream of
+*runs*: at each place where the step loops over the blocks (forward, recompute, backward,
+each foreach op of the optimizer over the blocks' parameters) the same events repeat once
+per block, and everything else (embeddings, head, loss) is the same at any depth.
+
+The stream at depth ``d + 1`` is the one at depth ``d`` with one more period inserted into
+each run. What ties the runs together is which allocation each free releases: block ``k``'s
+backward frees what block ``k``'s forward saved (in a run that goes the other way), block
+``k`` frees block ``k - 1``'s output, the last block's output is freed by the head. Each
+free is written as a rule that holds at every depth: the same copy index plus an offset, the
+mirrored copy index plus an offset, or a fixed allocation outside the runs; the first and the
+last copy of a run may have rules of their own (the edges of the stack). Rules are learnt at
+the largest depth (where every run has an interior) and narrowed by the middle one; the
+streams they write for the two smaller depths must be the traced ones, event for event. Anything else returns None, and the caller traces the
+model whole.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from dataclasses import dataclass
+
+Event = tuple[str, int, int]
+"""('malloc', ident, requested bytes) or ('free', ident, 0), as MemoryTracker records them."""
+
+
+@dataclass(frozen=True)
+class Run:
+    start: int
+    """Index of the run's first event in its stream."""
+    period: int
+    """Events per copy (one block's worth)."""
+    copies: int
+
+
+class NotRegular(Exception):
+    """The streams are not runs of identical blocks with depth-independent rules."""
+
+
+def _tokens(events: list[Event]) -> list[tuple[str, int]]:
+    """What the allocator sees of each event: a malloc of n bytes, or a free of n bytes."""
+    sizes: dict[int, int] = {}
+    tokens = []
+    for kind, ident, nbytes in events:
+        if kind == "malloc":
+            sizes[ident] = nbytes
+        tokens.append((kind, nbytes if kind == "malloc" else sizes[ident]))
+    return tokens
+
+
+def _canonical(events: list[Event]) -> list[tuple[str, int]]:
+    """A stream with its idents renamed in order of allocation: two equal canonical streams
+    drive the allocator model identically."""
+    order: dict[int, int] = {}
+    out = []
+    for kind, ident, nbytes in events:
+        if kind == "malloc":
+            order[ident] = len(order)
+            out.append((kind, nbytes))
+        else:
+            out.append((kind, order[ident]))
+    return out
+
+
+def _runs(shorter: list[tuple[str, int]], longer: list[tuple[str, int]]) -> list[Run]:
+    """The runs of ``longer``: where it has one more period than ``shorter``."""
+    runs = []
+    for tag, _, _, j1, j2 in difflib.SequenceMatcher(None, shorter, longer, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        if tag != "insert":
+            raise NotRegular("the deeper stream is not the shallower one with insertions")
+        period, start = j2 - j1, j1
+        while start > 0 and longer[start - 1] == longer[start - 1 + period]:
+            start -= 1  # the leftmost rotation: the same rule at every depth
+        end = start + period
+        while end < len(longer) and longer[end] == longer[end - period]:
+            end += 1
+        runs.append(Run(start, period, (end - start) // period))
+    if any(a.start + a.period * a.copies > b.start for a, b in zip(runs, runs[1:])):
+        raise NotRegular("runs overlap")
+    return runs
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A stream's layout: base events and runs in order, which every depth shares."""
+
+    layout: tuple[tuple[str, int], ...]
+    """('base', count of base events) and ('run', run number), in stream order."""
+    periods: tuple[tuple[tuple[str, int], ...], ...]
+    """Each run's period, as tokens."""
+    copies_offset: tuple[int, ...]
+    """Each run's copies minus the depth (a backward run may hold one block fewer)."""
+    base_tokens: tuple[tuple[str, int], ...]
+
+
+def _labels(events: list[Event], runs: list[Run], depth: int) -> tuple[_Shape, list[tuple]]:
+    """Each event's place: ('base', i) or ('run', run, copy, offset); and the stream's shape."""
+    tokens = _tokens(events)
+    labels: list[tuple] = [None] * len(events)  # type: ignore[list-item]
+    for r, run in enumerate(runs):
+        for i in range(run.period * run.copies):
+            labels[run.start + i] = ("run", r, i // run.period, i % run.period)
+    layout: list[tuple[str, int]] = []
+    base = 0
+    for i, label in enumerate(labels):
+        if label is None:
+            labels[i] = ("base", base)
+            base += 1
+            if layout and layout[-1][0] == "base":
+                layout[-1] = ("base", layout[-1][1] + 1)
+            else:
+                layout.append(("base", 1))
+        elif label[2] == 0 and label[3] == 0:
+            layout.append(("run", label[1]))
+    shape = _Shape(
+        layout=tuple(layout),
+        periods=tuple(tuple(tokens[run.start:run.start + run.period]) for run in runs),
+        copies_offset=tuple(run.copies - depth for run in runs),
+        base_tokens=tuple(t for t, label in zip(tokens, labels) if label[0] == "base"),
+    )
+    return shape, labels
+
+
+def _encodings(src: tuple, dst: tuple, copies: tuple[int, ...]) -> set[tuple]:
+    """Every depth-independent way to name the allocation ``dst`` that ``src`` frees."""
+    if dst[0] == "base":
+        return {("base", dst[1])}
+    _, run, k_dst, offset = dst
+    m = copies[run]
+    if src[0] == "base":
+        return {("first", run, offset, k_dst), ("last", run, offset, m - 1 - k_dst)}
+    k = src[2]
+    return {("same", run, offset, k_dst - k), ("mirror", run, offset, k_dst - (m - 1 - k))}
+
+
+def _rules(events: list[Event], labels: list[tuple], copies: tuple[int, ...]) -> dict[tuple, dict]:
+    """For each free slot (a base event, or an offset of a run), the encodings its frees
+    admit: ``interior`` for the run's copies, ``first``/``last`` for an edge that differs."""
+    where: dict[int, tuple] = {}
+    seen: dict[tuple, list[tuple[int, set]]] = {}
+    for (kind, ident, _), label in zip(events, labels):
+        if kind == "malloc":
+            where[ident] = label
+            continue
+        slot = label[:2] if label[0] == "base" else ("run", label[1], label[3])
+        seen.setdefault(slot, []).append((label[2] if label[0] == "run" else 0, _encodings(label, where[ident], copies)))
+    rules = {}
+    for slot, frees in seen.items():
+        if slot[0] == "base":
+            rules[slot] = {"interior": frees[0][1], "first": None, "last": None}
+            continue
+        n = copies[slot[1]]
+        counts = Counter(e for _, encodings in frees for e in encodings)
+        best = max(counts.values())
+        interior = {e for e, c in counts.items() if c == best}
+        edges = {k: enc for k, enc in frees if not enc & interior}
+        if set(edges) - {0, n - 1}:
+            raise NotRegular(f"a free rule breaks inside a run ({slot})")
+        rules[slot] = {"interior": interior, "first": edges.get(0), "last": edges.get(n - 1) if n > 1 else None}
+    return rules
+
+
+def _agree(smaller: dict[tuple, dict], larger: dict[tuple, dict]) -> dict[tuple, dict]:
+    """One encoding for each part of each rule: those of the larger depth (whose runs show
+    their interior), narrowed by what the smaller depth admits where several fit."""
+    if set(smaller) != set(larger):
+        raise NotRegular("the free slots differ between depths")
+    agreed = {}
+    for slot, rule in larger.items():
+        admitted = set().union(*(e for e in smaller[slot].values() if e))
+        agreed[slot] = {}
+        for part, encodings in rule.items():
+            if encodings is not None and len(encodings) > 1:
+                encodings = encodings & admitted
+            if encodings is not None and len(encodings) != 1:
+                raise NotRegular(f"{'no' if not encodings else 'more than one'} rule fits {slot}")
+            agreed[slot][part] = next(iter(encodings)) if encodings else None
+    return agreed
+
+
+def _write(shape: _Shape, rules: dict[tuple, dict], depth: int) -> list[Event]:
+    """The stream at ``depth``, its idents numbered in order of allocation."""
+    copies = tuple(depth + c for c in shape.copies_offset)
+    if min(copies, default=1) < 0:
+        raise NotRegular("a run would have fewer than no copies")
+    idents: dict[tuple, int] = {}  # live allocations by label
+    events: list[Event] = []
+
+    def malloc(label: tuple, nbytes: int) -> None:
+        idents[label] = len(events) + 1  # unique: one event per index
+        events.append(("malloc", idents[label], nbytes))
+
+    def free(encoding: tuple, k: int) -> None:
+        kind = encoding[0]
+        if kind == "base":
+            target = ("base", encoding[1])
+        else:
+            _, run, offset, value = encoding
+            m = copies[run]
+            k_dst = {"same": k + value, "mirror": m - 1 - k + value, "first": value, "last": m - 1 - value}[kind]
+            if not 0 <= k_dst < m:
+                raise NotRegular("a rule points outside its run")
+            target = ("run", run, k_dst, offset)
+        if target not in idents:
+            raise NotRegular("a rule frees what was never allocated")
+        events.append(("free", idents.pop(target), 0))
+
+    base = 0
+    for kind, value in shape.layout:
+        if kind == "base":
+            for i in range(base, base + value):
+                token = shape.base_tokens[i]
+                if token[0] == "malloc":
+                    malloc(("base", i), token[1])
+                else:
+                    free(rules[("base", i)]["interior"], 0)
+            base += value
+            continue
+        run, n = value, copies[value]
+        for k in range(n):
+            for offset, token in enumerate(shape.periods[run]):
+                if token[0] == "malloc":
+                    malloc(("run", run, k, offset), token[1])
+                    continue
+                rule = rules[("run", run, offset)]
+                edge = rule["first"] if k == 0 else rule["last"] if k == n - 1 else None
+                free(edge or rule["interior"], k)
+    return events
+
+
+def without_cut(events: list[Event], cut: tuple[int, int] | None) -> list[Event]:
+    """The stream of a model built at its cut depth: without the blocks cut away after the
+    build (``depth.at_depth``), whose allocations and frees a real build would not have."""
+    if cut is None:
+        return events
+    start, end = cut
+    gone = {ident for _, ident, _ in events[start:end]}
+    return [e for i, e in enumerate(events) if not (start <= i < end or e[1] in gone)]
+
+
+def extend(streams: dict[int, list[Event]], depth: int) -> list[Event] | None:
+    """The stream of the model at ``depth`` blocks from streams traced at three consecutive
+    small depths (fresh processes, cut blocks removed), or None when it cannot be written
+    from them exactly (the caller then traces the whole model)."""
+    d0, d1, d2 = sorted(streams)
+    if (d1, d2) != (d0 + 1, d0 + 2):
+        raise ValueError(f"three consecutive depths are needed, got {d0}, {d1}, {d2}")
+    tokens = {d: _tokens(streams[d]) for d in (d0, d1, d2)}
+    try:
+        shapes, rules = [], []
+        for d in (d1, d2):
+            runs = _runs(tokens[d - 1], tokens[d])
+            shape, labels = _labels(streams[d], runs, d)
+            shapes.append(shape)
+            rules.append(_rules(streams[d], labels, tuple(r.copies for r in runs)))
+        if shapes[0] != shapes[1]:
+            raise NotRegular("the two depths have different layouts")
+        agreed = _agree(*rules)
+        for d in (d0, d1):
+            if _canonical(_write(shapes[0], agreed, d)) != _canonical(streams[d]):
+                raise NotRegular(f"the rules do not write the stream traced at depth {d}")
+        return _write(shapes[0], agreed, depth)
+    except NotRegular:
+        return None
