@@ -41,7 +41,6 @@ process group's timeout ends the run, as it would without batchfit.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 from collections.abc import Callable
@@ -52,11 +51,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from batchfit.elastic_split import batch_size, split_batch, take_samples
+from batchfit.elastic_split import batch_size, live_workload, same_optimizer, size_micro_batch, split_batch
 from batchfit.errors import OptionError
 from batchfit.oom import classify, describe
 from batchfit.probe import ranks
-from batchfit.workload import StepOptions, Workload
+from batchfit.workload import StepOptions
 
 logger = logging.getLogger(__name__)
 
@@ -314,107 +313,8 @@ class ElasticStep:
         model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
         optimizer = self.optimizer
         workload = live_workload(model, batch, self.loss_fn, name=type(model).__name__,
-                                 build_optimizer=lambda params: type(optimizer)(params, **optimizer.defaults))
+                                 build_optimizer=lambda params: same_optimizer(optimizer, params))
         sized = size_micro_batch(workload, model=model, max_batch=total, multiple_of=self.multiple_of,
                                  target_util=self.target_util, gpu=self.gpu, gpu_memory=self.gpu_memory,
                                  options=self.options)
         return ranks.agree_min(max(sized.micro_batch, self.multiple_of))
-
-
-# -- a Workload from a live model, and the size it can take -------------------------------------------
-
-
-def fake_copy(model: nn.Module, keep: tuple[Any, ...] = ()) -> Callable[[], nn.Module]:
-    """A ``build_model`` that rebuilds ``model`` with fresh, uninitialised parameters and
-    buffers of the same shapes: fake tensors when the tracer calls it, real ones on the
-    device a probe builds on (``with device:``). ``keep`` are objects the copy shares
-    instead of copying (a trainer the module points back to)."""
-
-    def build() -> nn.Module:
-        memo: dict[int, Any] = {id(obj): obj for obj in keep}
-        memo.update({id(obj): None for obj in _back_references(model)})
-        for t in (*model.parameters(), *model.buffers()):
-            new = torch.empty(t.shape, dtype=t.dtype)
-            memo[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
-        return copy.deepcopy(model, memo)
-
-    return build
-
-
-def _back_references(model: nn.Module) -> list[Any]:
-    """What a module points back to and a copy must not drag along: a Lightning module's trainer."""
-    return [ref for m in model.modules() for ref in (getattr(m, "_trainer", None),) if ref is not None]
-
-
-def live_workload(model: nn.Module, sample_batch: Any, loss_fn: LossFn, *, name: str,
-                  build_optimizer: Callable | None = None, keep: tuple[Any, ...] = ()) -> Workload:
-    """A Workload of a model the user already built, fed with copies of ``sample_batch``'s samples."""
-    sample = sample_batch
-
-    def make_batch(n: int, device: torch.device) -> Any:
-        return _to(take_samples(sample, n), device)
-
-    extra = {"build_optimizer": build_optimizer} if build_optimizer is not None else {}
-    return Workload(name=name, build_model=fake_copy(model, keep), make_batch=make_batch, loss_fn=loss_fn,
-                    description=f"{name} as built by the user", **extra)
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if hasattr(batch, "to") and not isinstance(batch, nn.Module):  # BatchEncoding
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return type(batch)({k: _to(v, device) for k, v in batch.items()})
-    if isinstance(batch, (tuple, list)):
-        items = [_to(x, device) for x in batch]
-        return type(batch)(*items) if isinstance(batch, tuple) and hasattr(batch, "_fields") else type(batch)(items)
-    return batch
-
-
-@dataclass(frozen=True)
-class Sizing:
-    """The largest micro-batch for a device, and how it was found."""
-
-    micro_batch: int
-    """The largest micro-batch under target_util of the device's usable memory (0: none fits)."""
-    device_name: str
-    source: str
-    """'traced' (batchfit.estimate) or 'probed' (batchfit.find_max_batch)."""
-    peak_bytes: int | None
-    """The traced or measured peak at micro_batch."""
-    result: Any
-    """The EstimateResult or ProbeResult."""
-
-
-def size_micro_batch(workload: Workload, *, model: nn.Module, max_batch: int, multiple_of: int = 1,
-                     target_util: float = 0.9, gpu: str | None = None, gpu_memory: str | None = None,
-                     options: StepOptions | None = None, mode: str = "estimate",
-                     say: Callable[[str], None] | None = None) -> Sizing:
-    """The largest micro-batch of ``workload`` for the GPU ``model`` is on, else the GPU named by
-    ``gpu`` / ``gpu_memory``, else the one ``resolve_target`` assumes (and says so)."""
-    from batchfit.estimate import estimate
-    from batchfit.probe.find import find_max_batch
-    from batchfit.targets import resolve_target
-
-    if mode not in ("estimate", "probe"):
-        raise OptionError(f"unknown mode '{mode}': use estimate (traced, no GPU needed) or probe (measured)")
-    say = say or logger.info
-    param = next(model.parameters(), None)
-    here = f"cuda:{param.device.index or 0}" if param is not None and param.device.type == "cuda" else None
-    target = resolve_target(gpu=gpu, gpu_memory=gpu_memory, device=None if gpu or gpu_memory else here, say=say)
-    max_batch = max(max_batch, multiple_of)
-    if mode == "estimate":
-        result = estimate(workload, device=target.device, options=options, target_util=target_util,
-                          multiple_of=multiple_of, max_batch=max_batch, suggest=False)
-        best = result.max_batch_size_at_target
-        point = result.point(best) if best else None
-        return Sizing(best, target.device.display_name, "traced", point.peak_bytes if point else None, result)
-    result = find_max_batch(workload, target=target, options=options, multiple_of=multiple_of,
-                            largest=max_batch, target_util=target_util)
-    tier = next((r for r in result.recommendations if r.name == "production"), None)
-    best = tier.batch_size if tier else result.max_batch_size
-    trial = result.trial(best)
-    return Sizing(best, target.device.display_name if target.device else target.spec,
-                  "probed" if target.kind == "cuda" else "traced (virtual device)",
-                  trial.peak_allocated_bytes if trial else None, result)

@@ -1,4 +1,6 @@
-"""Cutting a batch into micro-batches, and a global batch into micro-batch x accumulation x ranks.
+"""Cutting a batch into micro-batches, a global batch into micro-batch x accumulation x ranks,
+and sizing the micro-batch of a model the user already built (``ElasticStep``, the Lightning
+and Hugging Face integrations all start from the same ``plan_global_batch``).
 
 A batch is a tensor, or a tuple / list / dict (``BatchEncoding`` and other mappings too) of
 them, nested as deep as the data loader made it. Every tensor with a first dimension is cut
@@ -7,18 +9,26 @@ along dim 0, and all of them must agree on how many samples there are: a batch w
 non-tensors with one entry per sample (the strings of a text batch) is cut the same way;
 anything else (a 0-dim tensor, a flag, a name) goes whole to every micro-batch.
 
-Pure functions of the batch, no state: ``ElasticStep`` and the integrations call them.
+The cutting is pure (functions of the batch, no state). The sizing traces a copy of the live
+model on fake tensors (``batchfit.estimate``) or probes it (``batchfit.find_max_batch``).
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from batchfit.errors import OptionError
+from batchfit.workload import StepOptions, Workload
+
+logger = logging.getLogger(__name__)
 
 
 def _leaves(batch: Any, where: str = "batch") -> Iterator[tuple[str, Any]]:
@@ -139,3 +149,161 @@ def split_global_batch(global_batch: int, max_micro_batch: int, *, world_size: i
     raise OptionError(f"no micro-batch of at most {max_micro_batch} samples (a multiple of {multiple_of}) divides "
                       f"the {per_rank} samples per device of global_batch {global_batch}: use a global_batch that "
                       f"is a multiple of {step}, e.g. {max(1, round(global_batch / step)) * step}")
+
+
+# -- a Workload from a live model, and the size it can take -------------------------------------------
+
+
+def fake_copy(model: nn.Module, keep: tuple[Any, ...] = ()) -> Callable[[], nn.Module]:
+    """A ``build_model`` that rebuilds ``model`` with fresh, uninitialised parameters and
+    buffers of the same shapes: fake tensors when the tracer calls it, real ones on the
+    device a probe builds on (``with device:``). ``keep`` are objects the copy shares
+    instead of copying (a trainer the module points back to)."""
+
+    def build() -> nn.Module:
+        memo: dict[int, Any] = {id(obj): obj for obj in keep}
+        memo.update({id(obj): None for obj in _back_references(model)})
+        for t in (*model.parameters(), *model.buffers()):
+            new = torch.empty(t.shape, dtype=t.dtype)
+            memo[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return copy.deepcopy(model, memo)
+
+    return build
+
+
+def _back_references(model: nn.Module) -> list[Any]:
+    """What a module points back to and a copy must not drag along: a Lightning module's trainer."""
+    return [ref for m in model.modules() for ref in (getattr(m, "_trainer", None),) if ref is not None]
+
+
+def live_workload(model: nn.Module, sample_batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor], *, name: str,
+                  build_optimizer: Callable | None = None, keep: tuple[Any, ...] = ()) -> Workload:
+    """A Workload of a model the user already built, fed with copies of ``sample_batch``'s samples."""
+    sample = sample_batch
+
+    def make_batch(n: int, device: torch.device) -> Any:
+        return to_device(take_samples(sample, n), device)
+
+    extra = {"build_optimizer": build_optimizer} if build_optimizer is not None else {}
+    return Workload(name=name, build_model=fake_copy(model, keep), make_batch=make_batch, loss_fn=loss_fn,
+                    description=f"{name} as built by the user", **extra)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with its tensors on ``device`` (containers kept)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if hasattr(batch, "to") and not isinstance(batch, nn.Module):  # BatchEncoding
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
+    if isinstance(batch, (tuple, list)):
+        items = [to_device(x, device) for x in batch]
+        return type(batch)(*items) if isinstance(batch, tuple) and hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
+def same_optimizer(optimizer: torch.optim.Optimizer, params) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class and settings over ``params`` (the copy's), for its
+    state's bytes. Only the settings its constructor takes: ``defaults`` also holds ones a base
+    class added (AdamW's hold Adam's ``decoupled_weight_decay``)."""
+    import inspect
+
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    return cls(params, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The largest micro-batch for a device, and how it was found."""
+
+    micro_batch: int
+    """The largest micro-batch under target_util of the device's usable memory (0: none fits)."""
+    device_name: str
+    source: str
+    """'traced' (batchfit.estimate) or 'probed' (batchfit.find_max_batch)."""
+    peak_bytes: int | None
+    """The traced or measured peak at micro_batch."""
+    result: Any
+    """The EstimateResult or ProbeResult."""
+
+
+def size_micro_batch(workload: Workload, *, model: nn.Module, max_batch: int, multiple_of: int = 1,
+                     target_util: float = 0.9, gpu: str | None = None, gpu_memory: str | None = None,
+                     options: StepOptions | None = None, mode: str = "estimate",
+                     say: Callable[[str], None] | None = None) -> Sizing:
+    """The largest micro-batch of ``workload`` for the GPU ``model`` is on, else the GPU named by
+    ``gpu`` / ``gpu_memory``, else the one ``resolve_target`` assumes (and says so)."""
+    from batchfit.estimate import estimate
+    from batchfit.probe.find import find_max_batch
+    from batchfit.targets import resolve_target
+
+    if mode not in ("estimate", "probe"):
+        raise OptionError(f"unknown mode '{mode}': use estimate (traced, no GPU needed) or probe (measured)")
+    say = say or logger.info
+    param = next(model.parameters(), None)
+    here = f"cuda:{param.device.index or 0}" if param is not None and param.device.type == "cuda" else None
+    target = resolve_target(gpu=gpu, gpu_memory=gpu_memory, device=None if gpu or gpu_memory else here, say=say)
+    max_batch = max(max_batch, multiple_of)
+    if mode == "estimate":
+        result = estimate(workload, device=target.device, options=options, target_util=target_util,
+                          multiple_of=multiple_of, max_batch=max_batch, suggest=False)
+        best = result.max_batch_size_at_target
+        point = result.point(best) if best else None
+        return Sizing(best, target.device.display_name, "traced", point.peak_bytes if point else None, result)
+    result = find_max_batch(workload, target=target, options=options, multiple_of=multiple_of,
+                            largest=max_batch, target_util=target_util)
+    tier = next((r for r in result.recommendations if r.name == "production"), None)
+    best = tier.batch_size if tier else result.max_batch_size
+    trial = result.trial(best)
+    return Sizing(best, target.device.display_name if target.device else target.spec,
+                  "probed" if target.kind == "cuda" else "traced (virtual device)",
+                  trial.peak_allocated_bytes if trial else None, result)
+
+
+@dataclass(frozen=True)
+class GlobalBatchPlan:
+    """A global batch as micro-batch x accumulation steps x devices, and the size that bounds it."""
+
+    global_batch: int
+    world_size: int
+    micro_batch: int
+    """Samples per micro-batch on each device (a data loader's batch_size)."""
+    accumulation_steps: int
+    sizing: Sizing
+
+    def describe(self) -> str:
+        return (f"global batch {self.global_batch} = micro-batch {self.micro_batch} x {self.accumulation_steps} "
+                f"accumulation step(s) x {self.world_size} device(s); the largest micro-batch under "
+                f"{self.sizing.result.target_util:.0%} of {self.sizing.device_name} is {self.sizing.micro_batch} "
+                f"({self.sizing.source})")
+
+    def write_report(self, folder) -> Any:
+        """Write the estimate's (or probe's) report into ``folder``; the path of its report.md."""
+        from pathlib import Path
+
+        from batchfit.report import write_estimate_report, write_probe_report
+
+        write = write_estimate_report if self.sizing.source == "traced" else write_probe_report
+        return write(self.sizing.result, Path(folder))["md"]
+
+
+def plan_global_batch(workload: Workload, *, model: nn.Module, global_batch: int, world_size: int = 1,
+                      multiple_of: int = 1, target_util: float = 0.9, gpu: str | None = None,
+                      gpu_memory: str | None = None, options: StepOptions | None = None, mode: str = "estimate",
+                      say: Callable[[str], None] | None = None) -> GlobalBatchPlan:
+    """Size the micro-batch (``size_micro_batch``), then split ``global_batch`` with it."""
+    if global_batch < 1 or world_size < 1:
+        raise OptionError(f"global_batch and the number of devices must be 1 or more, got {global_batch} "
+                          f"and {world_size}")
+    sizing = size_micro_batch(workload, model=model, max_batch=math.ceil(global_batch / world_size),
+                              multiple_of=multiple_of, target_util=target_util, gpu=gpu, gpu_memory=gpu_memory,
+                              options=options, mode=mode, say=say)
+    if sizing.micro_batch < 1:
+        raise OptionError(f"not even a micro-batch of {multiple_of} fits {target_util:.0%} of {sizing.device_name} "
+                          f"({sizing.source}): lower the memory of a sample (bf16-mixed precision, activation "
+                          "checkpointing), or name a larger GPU (gpu='h100-80gb')")
+    micro, accumulation = split_global_batch(global_batch, sizing.micro_batch, world_size=world_size,
+                                             multiple_of=multiple_of)
+    return GlobalBatchPlan(global_batch, world_size, micro, accumulation, sizing)
