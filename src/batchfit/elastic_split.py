@@ -231,10 +231,12 @@ class Sizing:
 
 def size_micro_batch(workload: Workload, *, model: nn.Module, max_batch: int, multiple_of: int = 1,
                      target_util: float = 0.9, gpu: str | None = None, gpu_memory: str | None = None,
-                     options: StepOptions | None = None, mode: str = "estimate",
+                     options: StepOptions | None = None, mode: str = "estimate", limit: str = "reserved",
                      say: Callable[[str], None] | None = None) -> Sizing:
     """The largest micro-batch of ``workload`` for the GPU ``model`` is on, else the GPU named by
-    ``gpu`` / ``gpu_memory``, else the one ``resolve_target`` assumes (and says so)."""
+    ``gpu`` / ``gpu_memory``, else the one ``resolve_target`` assumes (and says so). ``limit`` is
+    what must fit, as ``batchfit estimate --limit`` says: reserved (the caching allocator's
+    segments, what a GPU runs out of) or allocated (the tensors alone; fewer traces)."""
     from batchfit.estimate import estimate
     from batchfit.probe.find import find_max_batch
     from batchfit.targets import resolve_target
@@ -248,12 +250,12 @@ def size_micro_batch(workload: Workload, *, model: nn.Module, max_batch: int, mu
     max_batch = max(max_batch, multiple_of)
     if mode == "estimate":
         result = estimate(workload, device=target.device, options=options, target_util=target_util,
-                          multiple_of=multiple_of, max_batch=max_batch, suggest=False)
+                          multiple_of=multiple_of, max_batch=max_batch, suggest=False, limit=limit)
         best = result.max_batch_size_at_target
         point = result.point(best) if best else None
         return Sizing(best, target.device.display_name, "traced", point.peak_bytes if point else None, result)
     result = find_max_batch(workload, target=target, options=options, multiple_of=multiple_of,
-                            largest=max_batch, target_util=target_util)
+                            largest=max_batch, target_util=target_util, limit=limit)
     tier = next((r for r in result.recommendations if r.name == "production"), None)
     best = tier.batch_size if tier else result.max_batch_size
     trial = result.trial(best)
@@ -292,14 +294,14 @@ class GlobalBatchPlan:
 def plan_global_batch(workload: Workload, *, model: nn.Module, global_batch: int, world_size: int = 1,
                       multiple_of: int = 1, target_util: float = 0.9, gpu: str | None = None,
                       gpu_memory: str | None = None, options: StepOptions | None = None, mode: str = "estimate",
-                      say: Callable[[str], None] | None = None) -> GlobalBatchPlan:
+                      limit: str = "reserved", say: Callable[[str], None] | None = None) -> GlobalBatchPlan:
     """Size the micro-batch (``size_micro_batch``), then split ``global_batch`` with it."""
     if global_batch < 1 or world_size < 1:
         raise OptionError(f"global_batch and the number of devices must be 1 or more, got {global_batch} "
                           f"and {world_size}")
     sizing = size_micro_batch(workload, model=model, max_batch=math.ceil(global_batch / world_size),
                               multiple_of=multiple_of, target_util=target_util, gpu=gpu, gpu_memory=gpu_memory,
-                              options=options, mode=mode, say=say)
+                              options=options, mode=mode, limit=limit, say=say)
     if sizing.micro_batch < 1:
         raise OptionError(f"not even a micro-batch of {multiple_of} fits {target_util:.0%} of {sizing.device_name} "
                           f"({sizing.source}): lower the memory of a sample (bf16-mixed precision, activation "

@@ -52,12 +52,12 @@ class BatchFit(Callback):
 
     def __init__(self, global_batch: int, *, target_util: float = 0.9, mode: str = "estimate",
                  multiple_of: int = 1, gpu: str | None = None, gpu_memory: str | None = None,
-                 batch_size_attr: str = "batch_size", report: bool = True,
+                 limit: str = "reserved", batch_size_attr: str = "batch_size", report: bool = True,
                  report_dir: str | Path | None = None) -> None:
         if mode not in ("estimate", "probe"):
             raise OptionError(f"unknown mode '{mode}': use estimate (traced, no GPU needed) or probe (measured)")
         self.global_batch, self.target_util, self.mode = global_batch, target_util, mode
-        self.multiple_of, self.gpu, self.gpu_memory = multiple_of, gpu, gpu_memory
+        self.multiple_of, self.gpu, self.gpu_memory, self.limit = multiple_of, gpu, gpu_memory, limit
         self.batch_size_attr, self.report, self.report_dir = batch_size_attr, report, report_dir
         self.plan: GlobalBatchPlan | None = None
         """The decision, once ``setup`` ran."""
@@ -82,7 +82,7 @@ class BatchFit(Callback):
             self.plan = plan_global_batch(
                 lightning_workload(pl_module, sample), model=pl_module, global_batch=self.global_batch,
                 world_size=trainer.world_size, multiple_of=self.multiple_of, target_util=self.target_util,
-                gpu=self.gpu, gpu_memory=self.gpu_memory, options=options, mode=self.mode,
+                gpu=self.gpu, gpu_memory=self.gpu_memory, options=options, mode=self.mode, limit=self.limit,
                 say=lambda message: logger.info("BatchFit: %s", message))
         before = trainer.accumulate_grad_batches
         lightning_setattr(pl_module, self.batch_size_attr, self.plan.micro_batch)
