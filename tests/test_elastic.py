@@ -247,7 +247,8 @@ def test_split_keeps_the_batch_structure_and_every_sample_once():
 
 def test_split_batch_encoding():
     transformers = pytest.importorskip("transformers")
-    encoding = transformers.BatchEncoding({"input_ids": torch.arange(12).view(6, 2), "attention_mask": torch.ones(6, 2)})
+    encoding = transformers.BatchEncoding({"input_ids": torch.arange(12).view(6, 2),
+                                           "attention_mask": torch.ones(6, 2)})
     parts = split_batch(encoding, 4)
     assert [type(p) for p in parts] == [transformers.BatchEncoding] * 2
     assert [p["input_ids"].shape[0] for p in parts] == [4, 2]
@@ -302,3 +303,21 @@ def test_two_ddp_ranks_agree_when_only_one_runs_out(tmp_path):
     for r in ranks:
         for got, want in zip(r["params"], expected):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def load_example(name: str):
+    """An example script as a module, so its main() runs here as it runs from the command line."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_elastic_loop_example_runs_and_recovers_once():
+    infos = load_example("elastic_loop").main(steps=3)
+    assert [(i.micro_batch, i.accumulation_steps, i.oom_events) for i in infos] == [
+        (16, 6, 1), (16, 6, 0), (16, 6, 0)]

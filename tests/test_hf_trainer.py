@@ -90,3 +90,12 @@ def test_fit_training_args_then_the_trainer_trains_with_those_numbers(tmp_path, 
     # fit_training_args is the same decision, arguments only
     again = fit_training_args(tiny_gpt2(), args, global_batch=GLOBAL_BATCH, seq_len=SEQ, gpu_memory=GPU)
     assert (again.per_device_train_batch_size, again.gradient_accumulation_steps) == (micro, accumulation)
+
+
+def test_the_hf_example_runs(tmp_path):
+    pytest.importorskip("accelerate")
+    from test_elastic import load_example
+
+    args, trainer = load_example("hf_trainer").main(str(tmp_path))
+    assert trainer.state.global_step == 2
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size == 64

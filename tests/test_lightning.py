@@ -81,3 +81,12 @@ def test_import_batchfit_pulls_in_neither_lightning_nor_transformers():
     code = ("import sys, batchfit; heavy = [m for m in ('lightning', 'transformers') if m in sys.modules]; "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_lightning_example_runs(tmp_path):
+    from test_elastic import load_example
+
+    fit, trainer, data = load_example("lightning_batchfit").main(str(tmp_path))
+    assert trainer.global_step == 3
+    assert (data.batch_size, trainer.accumulate_grad_batches) == (fit.plan.micro_batch, fit.plan.accumulation_steps)
+    assert data.batch_size * trainer.accumulate_grad_batches == 256 and fit.report_path.exists()

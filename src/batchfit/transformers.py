@@ -111,7 +111,8 @@ def fit_training(model: nn.Module, args: Any, *, global_batch: int, seq_len: int
     workload = hf_model_workload(model, seq_len, _optimizer_builder(args, model))
     plan = plan_global_batch(workload, model=model, global_batch=global_batch, world_size=world_size,
                              multiple_of=multiple_of, target_util=target_util, gpu=gpu, gpu_memory=gpu_memory,
-                             options=options, mode=mode, limit=limit, say=lambda message: logger.info("batchfit: %s", message))
+                             options=options, mode=mode, limit=limit,
+                             say=lambda message: logger.info("batchfit: %s", message))
     changes = {"per_device_train_batch_size": plan.micro_batch, "gradient_accumulation_steps": plan.accumulation_steps}
     fitted = dataclasses.replace(args, **changes) if dataclasses.is_dataclass(args) else _with(args, changes)
     logger.info("batchfit: %s, %s%s: per_device_train_batch_size=%d, gradient_accumulation_steps=%d (%s)",
