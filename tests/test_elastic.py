@@ -321,3 +321,12 @@ def test_the_elastic_loop_example_runs_and_recovers_once():
     infos = load_example("elastic_loop").main(steps=3)
     assert [(i.micro_batch, i.accumulation_steps, i.oom_events) for i in infos] == [
         (16, 6, 1), (16, 6, 0), (16, 6, 0)]
+
+
+def test_an_oom_at_the_smallest_micro_batch_leaves_the_gradients_clean():
+    model = make_model()
+    ForcedOOM(model, limit=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.raises(torch.OutOfMemoryError, match="bf16-mixed"):
+        ElasticStep(model, optimizer, mse, micro_batch=2)(make_batches(1)[0])
+    assert all(p.grad is None for p in model.parameters())

@@ -105,13 +105,20 @@ class ElasticStep:
     ``Workload.loss_fn``). ``micro_batch=None`` starts from ``batchfit.estimate`` on the first
     batch: for the GPU the model is on, else for ``gpu`` / ``gpu_memory`` (a catalog name such
     as ``h100-80gb``, or ``24GiB``), else for a traced H100, which the log says.
+
+    ``multiple_of``: every micro-batch size it picks is a multiple of this (the last
+    micro-batch of a batch holds what is left). ``grow_after``: after this many clean steps,
+    double the micro-batch again, up to the first one (None: never). ``scaler``: a GradScaler
+    for fp16 autocast. ``max_grad_norm``: clip before the optimizer steps. ``target_util``,
+    ``options`` (precision, checkpointing) and ``limit`` are the estimate's, and the target of
+    a predicted shrink.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
                  micro_batch: int | None = None, multiple_of: int = 1, grow_after: int | None = None,
                  scaler: torch.amp.GradScaler | None = None, max_grad_norm: float | None = None,
                  target_util: float = 0.9, gpu: str | None = None, gpu_memory: str | None = None,
-                 options: StepOptions | None = None) -> None:
+                 options: StepOptions | None = None, limit: str = "reserved") -> None:
         if micro_batch is not None and micro_batch < 1:
             raise OptionError(f"micro_batch must be 1 or more (or None to estimate it), got {micro_batch}")
         if multiple_of < 1:
@@ -125,9 +132,10 @@ class ElasticStep:
         """The micro-batch the next step starts with (None until the first batch is estimated)."""
         self.multiple_of, self.grow_after, self.target_util = multiple_of, grow_after, target_util
         self.scaler, self.max_grad_norm = scaler, max_grad_norm
-        self.gpu, self.gpu_memory, self.options = gpu, gpu_memory, options
+        self.gpu, self.gpu_memory, self.options, self.limit = gpu, gpu_memory, options, limit
         self._ceiling = micro_batch  # growth never passes the first size
         self._clean_steps = 0
+        self._last_oom: str | None = None
         self.peaks_bytes: dict[int, int] = {}
         """Measured peak allocated bytes per micro-batch size that ran (CUDA only)."""
 
@@ -148,6 +156,11 @@ class ElasticStep:
             # pass accumulated, then shrink and redo the whole batch.
             failed.append(micro)
             self.optimizer.zero_grad(set_to_none=True)
+            if proposal < 1:
+                raise torch.OutOfMemoryError(
+                    f"ElasticStep: even a micro-batch of {micro} samples runs out of memory "
+                    f"({self._last_oom or 'on another rank'}): lower the memory of one sample (bf16-mixed "
+                    "precision, activation checkpointing) or shard the model (FSDP)")
             if self._cuda is not None:
                 torch.cuda.empty_cache()
             self.micro_batch = proposal
@@ -237,9 +250,8 @@ class ElasticStep:
     def _shrink(self, failed: int, message: str) -> int:
         m = self.multiple_of
         if failed <= m:
-            raise torch.OutOfMemoryError(
-                f"ElasticStep: even a micro-batch of {failed} samples runs out of memory ({message}); "
-                "lower the memory of one sample (precision, activation checkpointing) or shard the model")
+            self._last_oom = message
+            return 0  # nothing smaller to try: every rank raises once they agree on it
         predicted = None
         if self._cuda is not None:
             capacity = torch.cuda.get_device_properties(self._cuda).total_memory
@@ -316,5 +328,5 @@ class ElasticStep:
                                  build_optimizer=lambda params: same_optimizer(optimizer, params))
         sized = size_micro_batch(workload, model=model, max_batch=total, multiple_of=self.multiple_of,
                                  target_util=self.target_util, gpu=self.gpu, gpu_memory=self.gpu_memory,
-                                 options=self.options)
+                                 options=self.options, limit=self.limit)
         return ranks.agree_min(max(sized.micro_batch, self.multiple_of))
