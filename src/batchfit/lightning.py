@@ -25,10 +25,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+except ImportError as error:  # say what to install, not just what is missing
+    raise ImportError(f"batchfit.lightning needs Lightning: pip install 'batchfit[lightning]' ({error})") from error
 from torch import nn
 
 from batchfit.elastic_split import (GlobalBatchPlan, fake_copy, plan_global_batch, same_optimizer,

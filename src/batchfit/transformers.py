@@ -25,8 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
+
+try:
+    import transformers
+except ImportError as error:  # say what to install, not just what is missing
+    raise ImportError(f"batchfit.transformers needs transformers: pip install 'batchfit[hf]' ({error})") from error
 
 from batchfit.elastic_split import GlobalBatchPlan, fake_copy, plan_global_batch
 from batchfit.workload import StepOptions, Workload
