@@ -3,6 +3,7 @@
 from batchfit.devices import CATALOG, Device, get_device, parse_size
 from batchfit.errors import (BatchfitError, ModelSpecError, OptionError, SizeError, TraceError,
                              UnknownGPUError, UsageError)
+from batchfit.elastic import ElasticInfo, ElasticStep
 from batchfit.estimate import EstimateResult, estimate
 from batchfit.probe.find import ProbeResult, find_max_batch
 from batchfit.specs import load_workload
@@ -13,6 +14,8 @@ __all__ = [
     "CATALOG",
     "BatchfitError",
     "Device",
+    "ElasticInfo",
+    "ElasticStep",
     "EstimateResult",
     "ModelSpecError",
     "OptionError",
