@@ -209,6 +209,7 @@ def run_sweep(plan: Plan, progress: Callable[[str], None] | None = None) -> Swee
                                          "schedule": plan.schedule.to_json(), "workload": plan.workload.name,
                                          "description": plan.workload.description})
         specs = []
+        eval_batch = min([m for m in plan.micro_batches.values() if m] or [1])
         for b in config.batch_sizes:
             for lr in plan.lrs[b]:
                 run_id = store.add_run(b, lr, plan.steps[b])
@@ -217,7 +218,8 @@ def run_sweep(plan: Plan, progress: Callable[[str], None] | None = None) -> Swee
                 specs.append(RunSpec(run_id=run_id, batch_size=b, lr=lr, micro_batch=plan.micro_batches[b],
                                      budget=plan.budget, schedule=plan.schedule, seed=config.seed,
                                      eval_every=plan.eval_every, checkpoint_every=plan.checkpoint_every,
-                                     eval_samples=config.eval_samples, grad_clip=config.grad_clip,
+                                     eval_samples=config.eval_samples, eval_batch=eval_batch,
+                                     grad_clip=config.grad_clip,
                                      precision=config.precision))
     checkpoints = config.store.with_name(config.store.name + ".checkpoints")
     context = WorkerContext(model=config.model, seq_len=config.seq_len,

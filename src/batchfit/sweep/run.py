@@ -44,6 +44,10 @@ class RunSpec:
     """In the budget's unit: evaluate each time this much more has been trained on."""
     checkpoint_every: int
     eval_samples: int = 64
+    eval_batch: int | None = None
+    """Validation in pieces of this many samples, the same in every run of a sweep (so the
+    validation losses of two runs differ by their models, not by how the sum was split);
+    default the micro-batch."""
     grad_clip: float | None = 1.0
     precision: str = "fp32"
 
@@ -133,7 +137,7 @@ def train_run(workload: Workload, source: BatchSource, spec: RunSpec, store: Sto
     trainer = TrainingStep(workload, StepOptions(precision=spec.precision), device)
     model, optimizer = trainer.model, trainer.optimizer
     model.train()
-    evaluate = Evaluator(workload, source, micro, device, trainer.forward_autocast)
+    evaluate = Evaluator(workload, source, spec.eval_batch or micro, device, trainer.forward_autocast)
     path = checkpoint_path(checkpoints, spec.run_id)
     state = {"step": 0, "samples": 0, "train_sum": 0.0, "train_samples": 0, "best_val": math.inf,
              "initial_val": None, "last_train": None, "last_val": None, "seconds": 0.0}
