@@ -121,3 +121,20 @@ def test_lm_format_reads_the_model():
     assert (fmt.vocab_size, fmt.seq_len) == (10000, 32)
     x, y = fmt.to_batch(torch.arange(33).view(1, 33))
     assert x[0, 0] == 0 and y[0, 0] == 1 and x.shape == (1, 32)
+
+
+def test_bpe_trained_on_the_train_split_and_cached(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_corpus(folder / "a.txt", lines=200)
+    (folder / "b.jsonl").write_text('{"text": "Mia made a boat."}\n{"text": "Ben lost a cake."}\n')
+    said = []
+    first = tokenize(str(folder), tokenizer="bpe", vocab_size=300, cache_dir=tmp_path / "cache", progress=said.append)
+    assert any("training a byte-level BPE with 300 tokens" in s for s in said)
+    assert first.vocab_size <= 300 and first.tokenizer == "bpe-300"
+    assert int(max(first.train.max(), first.val.max())) < first.vocab_size
+    said.clear()
+    again = tokenize(str(folder), tokenizer="bpe", vocab_size=300, cache_dir=tmp_path / "cache", progress=said.append)
+    assert said == [f"tokens from the cache {tmp_path / 'cache' / first.key}"]
+    assert (again.key, len(again.train), len(again.val)) == (first.key, len(first.train), len(first.val))
+    assert len(first.val) < len(first.train) / 50  # 1% of the text is validation
