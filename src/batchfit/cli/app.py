@@ -8,8 +8,12 @@ from batchfit.cli.bench import EXAMPLES as BENCH_EXAMPLES
 from batchfit.cli.bench import bench_command
 from batchfit.cli.estimate import EXAMPLES, estimate_command
 from batchfit.cli.gpus import gpus_command, zoo_command
+from batchfit.cli.noise import EXAMPLES as NOISE_EXAMPLES
+from batchfit.cli.noise import noise_command
 from batchfit.cli.probe import EXAMPLES as PROBE_EXAMPLES
 from batchfit.cli.probe import probe_command
+from batchfit.cli.sweep import EXAMPLES as SWEEP_EXAMPLES
+from batchfit.cli.sweep import sweep_command
 
 app = typer.Typer(
     name="batchfit",
@@ -40,6 +44,8 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 app.command("estimate", epilog=EXAMPLES)(estimate_command)
 app.command("probe", epilog=PROBE_EXAMPLES)(probe_command)
 app.command("bench", epilog=BENCH_EXAMPLES)(bench_command)
+app.command("sweep", epilog=SWEEP_EXAMPLES)(sweep_command)
+app.command("noise", epilog=NOISE_EXAMPLES)(noise_command)
 app.command("gpus")(gpus_command)
 app.command("zoo")(zoo_command)
 

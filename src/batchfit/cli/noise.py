@@ -1,0 +1,95 @@
+"""``batchfit noise``: the gradient noise scale, a prediction of the critical batch size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from rich.markup import escape
+
+from batchfit.cli.common import (DeviceOpt, JsonOpt, ModelArg, SeqLenOpt, check_outputs, handle_errors, out_option,
+                                 parse_batch_sizes, progress_line, quiet_if_stdout, report_folder, write_json)
+from batchfit.cli.sweep import CacheDirOpt, DataOpt, SeedOpt, TokenizerOpt, ValFractionOpt, needs_data
+from batchfit.errors import OptionError, UsageError
+from batchfit.specs import load_workload
+from batchfit.targets import Target, parse_target
+from batchfit.workload import StepOptions
+
+EXAMPLES = """
+Examples:
+
+  batchfit noise gpt-tinystories-22m --data stories.txt --batch-sizes 8,128 --steps 300
+
+  batchfit noise my_model.py:workload --batch-sizes 8,128 --steps 0 --repeats 200
+"""
+
+
+@handle_errors
+def noise_command(
+    model: ModelArg,
+    batch_sizes: Annotated[str, typer.Option(help="Two batch sizes, small then big (a multiple of small), e.g. 8,128.",
+                                             show_default=False)],
+    steps: Annotated[int, typer.Option(help="Training steps to track it over (EMA); 0: at the initial parameters.")] = 0,
+    repeats: Annotated[int, typer.Option(help="With --steps 0: measurements to average.")] = 100,
+    ema: Annotated[float, typer.Option(help="EMA factor over steps (the interval uses the last 1/(1-ema) steps).")] = 0.95,
+    lr: Annotated[float | None, typer.Option(help="Learning rate of the tracking run (default: the optimizer's).")] = None,
+    data: DataOpt = None,
+    tokenizer: TokenizerOpt = "bpe",
+    val_fraction: ValFractionOpt = 0.01,
+    seq_len: SeqLenOpt = None,
+    seed: SeedOpt = 0,
+    device: DeviceOpt = None,
+    cache_dir: CacheDirOpt = None,
+    json_path: JsonOpt = None,
+    out: Annotated[Path | None, out_option("report.md, noise.json")] = None,
+) -> None:
+    """Measure the gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018).
+
+    Squared gradient norms at a small and a big batch give unbiased estimates of |G|^2 and
+    tr(Sigma); their averages over --repeats measurements (or an EMA over --steps training
+    steps) give B_simple, a prediction of the batch size beyond which bigger batches stop
+    paying for themselves. Minutes instead of a sweep's hours; a prediction, not a training run.
+    """
+    from batchfit.report.sweep_markdown import write_noise_report
+    from batchfit.sweep.data import BatchSource, lm_format, tokenize
+    from batchfit.sweep.noise import gradient_noise_scale
+
+    check_outputs(json_path, out)
+    sizes = parse_batch_sizes(batch_sizes)
+    if len(sizes) != 2:
+        raise OptionError(f"--batch-sizes takes two sizes for noise, small then big, e.g. 8,128; got {batch_sizes}")
+    where = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = parse_target(where)
+    if target.kind == "virtual":
+        raise OptionError("the noise scale needs real gradients: use --device cpu or --device cuda")
+    workload = load_workload(model, seq_len=seq_len)
+    tokens = None
+    if data is not None:
+        fmt = lm_format(workload)
+        if fmt is None:
+            raise UsageError(f"--data gives text, but {workload.name} is not a token language model: drop --data")
+    elif needs_data(model):
+        raise UsageError(f"{workload.name} is a language model: give --data (a text file, a folder or a datasets "
+                         "name), e.g. --data stories.txt")
+    with progress_line() as say:
+        if data is not None:
+            tokens = tokenize(data, tokenizer=tokenizer, vocab_size=fmt.vocab_size, val_fraction=val_fraction,
+                              cache_dir=cache_dir, progress=say)
+        source = BatchSource(workload, seed=seed, tokens=tokens)
+        result = gradient_noise_scale(workload, source, small=sizes[0], big=sizes[1], steps=steps, repeats=repeats,
+                                      ema_beta=ema, lr=lr, seed=seed, device=target.torch_device, progress=say)
+    data_json = result.to_json()
+    folder = report_folder(out, "noise", workload.name, Target(target.kind, None, target.spec), StepOptions(), seq_len)
+    paths = write_noise_report(data_json, folder)
+    write_json(json_path, data_json)
+    console = quiet_if_stdout(json_path)
+    low, high = data_json["b_simple_interval"]
+    if data_json["b_simple"] is not None:
+        interval = f" (90% interval {low:,.1f} to {high:,.1f})" if low is not None and high is not None else ""
+        console.print(f"[bold green]B_simple = {data_json['b_simple']:,.1f} samples[/]{interval}: the predicted "
+                      f"critical batch size")
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    console.print(f"report: {paths['md']}")

@@ -1,0 +1,216 @@
+"""The gradient noise scale: which batch size is worth its cost, predicted in minutes.
+
+McCandlish et al. (2018), "An Empirical Model of Large-Batch Training", appendix A: with the
+true gradient G and the per-sample gradient covariance Sigma, a batch of B samples gives a
+gradient whose squared norm has expectation
+
+    E|G_B|^2 = |G|^2 + tr(Sigma) / B.
+
+Two batch sizes B_small < B_big give two equations and the unbiased estimates
+
+    |G|^2     = (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+    tr(Sigma) = (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
+
+and the simple noise scale B_simple = tr(Sigma) / |G|^2, the batch size beyond which a
+larger batch stops buying proportionally fewer steps (the paper's critical batch
+B_crit ~ B_noise ~ B_simple). Both estimates are noisy, so the paper averages each over
+many measurements (an exponential moving average over training steps) before dividing.
+
+Here one measurement is one big batch of B_big samples made of k = B_big / B_small
+micro-batches of B_small: |G_small|^2 is the mean of the k micro-batch gradients' squared
+norms (each is an unbiased sample of it) and G_big is their mean, so one big batch costs
+one forward and backward per sample. The interval is a bootstrap of the ratio of the means
+(measurements resampled with replacement, its 5th and 95th percentiles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from batchfit.errors import OptionError
+from batchfit.sweep.data import BatchSource
+from batchfit.workload import Workload
+
+
+def unbiased(g_small_sq: float, g_big_sq: float, b_small: int, b_big: int) -> tuple[float, float]:
+    """(|G|^2, tr(Sigma)) from squared gradient norms at two batch sizes (appendix A)."""
+    g2 = (b_big * g_big_sq - b_small * g_small_sq) / (b_big - b_small)
+    trace = (g_small_sq - g_big_sq) / (1 / b_small - 1 / b_big)
+    return g2, trace
+
+
+def ratio_interval(g2: list[float], trace: list[float], *, resamples: int = 1000,
+                   seed: int = 0) -> tuple[float, float]:
+    """5th-95th percentile of mean(trace) / mean(g2) over bootstrap resamples."""
+    g2_a, tr_a = np.asarray(g2), np.asarray(trace)
+    if len(g2_a) < 2:
+        return (math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(g2_a), size=(resamples, len(g2_a)))
+    means_g2, means_tr = g2_a[picks].mean(axis=1), tr_a[picks].mean(axis=1)
+    ratios = np.sort(np.where(means_g2 > 0, means_tr / np.where(means_g2 > 0, means_g2, 1), np.inf))
+    # order statistics, not interpolation: a resample whose |G|^2 is not positive counts as infinite
+    return float(ratios[int(0.05 * (resamples - 1))]), float(ratios[int(round(0.95 * (resamples - 1)))])
+
+
+@dataclass
+class Measurement:
+    step: int
+    g_small_sq: float
+    g_big_sq: float
+    g2: float
+    trace: float
+    b_simple_ema: float | None = None
+
+
+@dataclass
+class NoiseResult:
+    workload: str
+    small: int
+    big: int
+    steps: int
+    repeats: int
+    ema_beta: float
+    measurements: list[Measurement]
+    b_simple: float
+    b_simple_interval: tuple[float, float]
+    g2: float
+    trace: float
+    tokens_per_sample: int | None
+    data: str
+    """'text', 'workload' or 'synthetic' (make_batch)."""
+    seconds: float
+    lr: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def critical_batch(self) -> float:
+        """The prediction: B_crit ~ B_simple (samples)."""
+        return self.b_simple
+
+    def to_json(self) -> dict:
+        return {
+            "workload": self.workload, "batch_sizes": [self.small, self.big], "steps": self.steps,
+            "repeats": self.repeats, "ema_beta": self.ema_beta, "lr": self.lr, "data": self.data,
+            "b_simple": _finite(self.b_simple), "b_simple_interval": [_finite(x) for x in self.b_simple_interval],
+            "b_simple_tokens": (_finite(self.b_simple * self.tokens_per_sample) if self.tokens_per_sample else None),
+            "gradient_norm_sq": self.g2, "trace_sigma": self.trace, "tokens_per_sample": self.tokens_per_sample,
+            "critical_batch_prediction": _finite(self.critical_batch), "seconds": round(self.seconds, 2),
+            "notes": self.notes, "measurements": [asdict(m) for m in self.measurements],
+        }
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def _check(small: int, big: int, steps: int, repeats: int, ema_beta: float) -> None:
+    if not 1 <= small < big:
+        raise OptionError(f"--batch-sizes for noise are two sizes, small then big, e.g. 8,128; got {small},{big}")
+    if big % small:
+        raise OptionError(f"the big batch ({big}) must be a multiple of the small one ({small}): it is made of "
+                          f"micro-batches of {small}; e.g. --batch-sizes {small},{big // small * small or small * 2}")
+    if steps < 0:
+        raise OptionError(f"--steps must be 0 (at the initial parameters) or more, got {steps}")
+    if steps == 0 and repeats < 2:
+        raise OptionError("--steps 0 averages --repeats measurements: give --repeats 2 or more, e.g. 100")
+    if not 0 <= ema_beta < 1:
+        raise OptionError(f"--ema must be in [0, 1), e.g. 0.95; got {ema_beta}")
+
+
+def measure_once(workload: Workload, model: torch.nn.Module, source: BatchSource, start: int, small: int,
+                 big: int, device: torch.device, autocast: Callable = contextlib.nullcontext
+                 ) -> tuple[float, float, list[torch.Tensor]]:
+    """(mean |g_i|^2 over the micro-batches, |mean g_i|^2, mean g_i per parameter) for the
+    big batch of samples ``start .. start + big - 1``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    k = big // small
+    sq_sum = 0.0
+    for i in range(k):
+        for p in params:
+            p.grad = None
+        with autocast():
+            loss = workload.loss_fn(model, source.train(start + i * small, small, device))
+        loss.backward()
+        sq = torch.zeros((), dtype=torch.float64, device=device)
+        for t, p in zip(total, params):
+            if p.grad is not None:
+                g = p.grad.float()
+                sq += g.double().pow(2).sum()
+                t += g
+        sq_sum += sq.item()
+    mean = [t / k for t in total]
+    big_sq = sum(m.double().pow(2).sum().item() for m in mean)
+    return sq_sum / k, big_sq, mean
+
+
+def gradient_noise_scale(workload: Workload, source: BatchSource, *, small: int, big: int, steps: int = 0,
+                         repeats: int = 100, ema_beta: float = 0.95, lr: float | None = None, seed: int = 0,
+                         device: torch.device | None = None, progress: Callable[[str], None] | None = None
+                         ) -> NoiseResult:
+    """B_simple at the initial parameters (``steps=0``: ``repeats`` measurements averaged), or
+    tracked over ``steps`` training steps on the big batch (an EMA of both estimates)."""
+    from batchfit.step import TrainingStep
+    from batchfit.workload import StepOptions
+
+    _check(small, big, steps, repeats, ema_beta)
+    say = progress or (lambda message: None)
+    device = device or torch.device("cpu")
+    started = time.perf_counter()
+    torch.manual_seed(seed)
+    trainer = TrainingStep(workload, StepOptions(), device)
+    model, optimizer = trainer.model, trainer.optimizer
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    model.train()
+    measurements: list[Measurement] = []
+    ema_g2 = ema_tr = 0.0
+    count = repeats if steps == 0 else steps
+    for n in range(count):
+        g_small_sq, g_big_sq, mean = measure_once(workload, model, source, n * big, small, big, device,
+                                                  trainer.forward_autocast)
+        g2, trace = unbiased(g_small_sq, g_big_sq, small, big)
+        ema_g2 = ema_beta * ema_g2 + (1 - ema_beta) * g2
+        ema_tr = ema_beta * ema_tr + (1 - ema_beta) * trace
+        # (the bias correction 1 - beta^n cancels in the ratio)
+        measurements.append(Measurement(n, g_small_sq, g_big_sq, g2, trace, ema_tr / ema_g2 if ema_g2 > 0 else None))
+        if steps:  # train on the big batch: its gradient is the mean of the micro-batches'
+            for p, g in zip((p for p in model.parameters() if p.requires_grad), mean):
+                p.grad = g.to(p.dtype)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if (n + 1) % max(1, count // 10) == 0 or n + 1 == count:
+            current = measurements[-1].b_simple_ema
+            say(f"noise scale: {'step' if steps else 'measurement'} {n + 1}/{count}, "
+                f"B_simple {current:,.1f}" if current else f"noise scale: {n + 1}/{count}")
+    if steps == 0:
+        window = measurements
+    else:  # the EMA's effective window: the last 1 / (1 - beta) steps
+        window = measurements[-max(2, round(1 / (1 - ema_beta))):]
+    g2_mean = float(np.mean([m.g2 for m in window]))
+    tr_mean = float(np.mean([m.trace for m in window]))
+    g2_final, tr_final = (g2_mean, tr_mean) if steps == 0 else (ema_g2, ema_tr)
+    notes = []
+    if g2_final <= 0:
+        b = math.inf
+        notes.append("the estimated |G|^2 is not positive: the gradient is buried in noise at these sizes; "
+                     "raise --repeats or the big batch size")
+    else:
+        b = tr_final / g2_final
+    interval = ratio_interval([m.g2 for m in window], [m.trace for m in window], seed=seed)
+    if source.kind == "synthetic":
+        notes.append("batches come from make_batch (synthetic data): the noise scale is that of random data")
+    return NoiseResult(workload=workload.name, small=small, big=big, steps=steps, repeats=repeats if steps == 0 else 1,
+                       ema_beta=ema_beta, measurements=measurements, b_simple=b, b_simple_interval=interval,
+                       g2=g2_final, trace=tr_final, tokens_per_sample=workload.tokens_per_sample,
+                       data=source.kind, seconds=time.perf_counter() - started,
+                       lr=optimizer.param_groups[0]["lr"] if steps else None, notes=notes)

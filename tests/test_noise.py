@@ -1,0 +1,90 @@
+"""The gradient noise scale recovers B_simple where it is known in closed form.
+
+Problem: loss(w; x) = |w - x|^2 / 2 with samples x ~ N(mu, Sigma), mu = (3, 4),
+Sigma = 50 I (2 x 2). The per-sample gradient is w - x: at w = 0 its mean is G = -mu and its
+covariance is Sigma, so |G|^2 = 9 + 16 = 25, tr(Sigma) = 100 and B_simple = 100 / 25 = 4.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from batchfit.errors import OptionError
+from batchfit.sweep.data import BatchSource
+from batchfit.sweep.noise import gradient_noise_scale, ratio_interval, unbiased
+from batchfit.workload import Workload
+
+MU = torch.tensor([3.0, 4.0])
+STD = math.sqrt(50.0)
+
+
+class Point(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2))
+
+
+def quadratic() -> Workload:
+    return Workload(name="quadratic", build_model=Point,
+                    make_batch=lambda b, device: MU + STD * torch.randn(b, 2, device=device),
+                    loss_fn=lambda model, x: 0.5 * (model.w - x).pow(2).sum(dim=1).mean(),
+                    build_optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_unbiased_estimators_invert_the_expected_norms():
+    # E|G_B|^2 = |G|^2 + tr(Sigma)/B: 25 + 100/8 = 37.5 and 25 + 100/128 = 25.78125
+    g2, trace = unbiased(37.5, 25.78125, 8, 128)
+    assert g2 == pytest.approx(25.0, abs=1e-12)
+    assert trace == pytest.approx(100.0, abs=1e-12)
+
+
+def test_noise_scale_recovers_a_known_b_simple_at_the_initial_point():
+    workload = quadratic()
+    result = gradient_noise_scale(workload, BatchSource(workload, seed=0), small=4, big=32, steps=0, repeats=200)
+    assert result.g2 == pytest.approx(25.0, rel=0.1)
+    assert result.trace == pytest.approx(100.0, rel=0.1)
+    assert result.b_simple == pytest.approx(4.0, rel=0.1)
+    low, high = result.b_simple_interval
+    assert low < 4.0 < high and high - low < 2.0
+    data = result.to_json()
+    assert data["b_simple"] == result.b_simple and len(data["measurements"]) == 200
+    assert data["data"] == "synthetic" and any("synthetic" in n for n in data["notes"])
+
+
+def test_noise_scale_grows_as_training_approaches_the_minimum():
+    # At the minimum G -> 0 while tr(Sigma) stays 100: B_simple = 100 / |w - mu|^2 grows.
+    workload = quadratic()
+    result = gradient_noise_scale(workload, BatchSource(workload, seed=0), small=2, big=32, steps=60, ema_beta=0.9)
+    assert len(result.measurements) == 60
+    assert result.trace == pytest.approx(100.0, rel=0.3)
+    assert result.b_simple > 4 * 4.0
+    assert result.lr == 0.1
+
+
+def test_bootstrap_interval_of_constant_measurements_is_a_point():
+    assert ratio_interval([25.0] * 5, [100.0] * 5) == (4.0, 4.0)
+
+
+@pytest.mark.parametrize("small, big, steps, repeats, message", [
+    (8, 100, 0, 10, "must be a multiple of the small one"),
+    (8, 8, 0, 10, "small then big"),
+    (8, 64, 0, 1, "--repeats 2 or more"),
+    (8, 64, -1, 10, "--steps must be 0"),
+])
+def test_bad_noise_options(small, big, steps, repeats, message):
+    workload = quadratic()
+    with pytest.raises(OptionError, match=message):
+        gradient_noise_scale(workload, BatchSource(workload, seed=0), small=small, big=big, steps=steps,
+                             repeats=repeats)

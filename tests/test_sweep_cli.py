@@ -1,0 +1,114 @@
+"""`batchfit sweep` and `batchfit noise` as a user types them: reports and JSON keys; bad
+input is one line, exit code 2, and the store is left as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from batchfit.cli.app import app
+from tests.test_sweep_helpers import write_corpus, write_tiny
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    return write_tiny(tmp_path), write_corpus(tmp_path / "stories.txt"), tmp_path
+
+
+@pytest.fixture(scope="module")
+def existing(tmp_path_factory):
+    """A store that holds a finished sweep (batch 4), made once; each test gets a copy."""
+    folder = tmp_path_factory.mktemp("existing")
+    spec, corpus = write_tiny(folder), write_corpus(folder / "stories.txt")
+    torch.set_num_threads(1)
+    assert sweep(spec, corpus, folder, "--batch-sizes", "4").exit_code == 0
+    return spec, corpus, folder
+
+
+def sweep(spec, corpus, tmp_path, *extra, cache=None):
+    args = ["sweep", spec, "--data", str(corpus), "--tokenizer", "bytes", "--batch-sizes", "2,4", "--tokens", "256",
+            "--eval-samples", "4", "--store", str(tmp_path / "sweep.db"), "--cache-dir", str(cache or tmp_path / "cache"),
+            "--device", "cpu", "--out", str(tmp_path / "report"), *extra]
+    return runner.invoke(app, args)
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+def test_sweep_writes_the_report_and_the_json(setup):
+    spec, corpus, tmp_path = setup
+    result = sweep(spec, corpus, tmp_path, "--lrs", "1e-3,3e-3", "--json", str(tmp_path / "s.json"))
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in (tmp_path / "report").iterdir()} == {"report.md", "sweep.json", "loss_vs_batch.png",
+                                                                 "curves.png"}
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert len(data["runs"]) == 4  # 2 batch sizes x 2 learning rates
+    for run in data["runs"]:
+        assert {"batch_size", "lr", "status", "steps", "tokens", "micro_batch", "accumulation_steps",
+                "initial_val_loss", "final_train_loss", "final_val_loss", "best_val_loss", "seconds"} <= set(run)
+        assert run["tokens"] == 256 and run["steps"] * run["batch_size"] * 16 == 256
+    assert data["best_batch_size"] in (2, 4)
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "| Batch Size | Status | Steps | Tokens | Training Time | Final Train Loss | Final Val Loss | " \
+           "Best Val Loss | Learning Rate |" in report
+    assert "Best for quality: batch size" in report
+    assert (tmp_path / "report" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_noise_json_keys(setup):
+    spec, corpus, tmp_path = setup
+    result = runner.invoke(app, ["noise", spec, "--data", str(corpus), "--tokenizer", "bytes", "--batch-sizes", "2,8",
+                                 "--steps", "3", "--cache-dir", str(tmp_path / "cache"), "--device", "cpu",
+                                 "--json", "-", "--out", str(tmp_path / "noise")])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert {"b_simple", "b_simple_interval", "measurements"} <= set(data)
+    assert len(data["b_simple_interval"]) == 2 and len(data["measurements"]) == 3
+    assert data["batch_sizes"] == [2, 8]
+
+
+BAD = [
+    (["sweep", "gpt-tinystories-22m", "--batch-sizes", "1,2", "--tokens", "1M"], "give --data"),
+    (["--tokens", "0"], "--tokens must be 1 or more"),
+    (["--batch-sizes", "2,64"], "batch size 64 is above the budget"),
+    (["--tokens", "100"], "not a whole number of steps"),
+    (["--executor", "slurm"], "unknown --executor 'slurm'"),
+    (["--tokens", "512"], "holds a different sweep (it differs in tokens)"),
+    (["--batch-sizes", "2"], "already holds this sweep: add --resume"),
+    (["noise", "gpt-tinystories-22m", "--batch-sizes", "8,128"], "give --data"),
+    (["noise", "SPEC", "--batch-sizes", "8,100"], "must be a multiple of the small one"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD)
+def test_bad_input_is_one_line_exit_2_and_the_store_is_untouched(existing, tmp_path, extra, message):
+    spec, corpus, folder = existing
+    store = tmp_path / "sweep.db"
+    shutil.copy(folder / "sweep.db", store)
+    before = digest(store)
+    if extra[0] in ("sweep", "noise"):
+        args = [a.replace("SPEC", spec) for a in extra] + ["--store", str(store)] * (extra[0] == "sweep")
+        result = runner.invoke(app, args + ["--device", "cpu", "--cache-dir", str(folder / "cache")])
+    else:
+        result = sweep(spec, corpus, tmp_path, *extra, cache=folder / "cache")
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in result.output.replace("\n", " "), result.output
+    assert "Traceback" not in result.output
+    assert digest(store) == before
