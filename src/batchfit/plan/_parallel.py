@@ -103,15 +103,22 @@ def _fake_allreduce_hook(on_bucket: Callable[[torch.Tensor], None] | None):
     return hook
 
 
+# What DDP's rebuild uses by default: a small first bucket (its gradients are ready first),
+# then 25 MiB buckets (dist._DEFAULT_FIRST_BUCKET_BYTES, nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB).
+_DDP_BUCKET_CAPS = [dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20, 25]
+
+
 class _BucketsAsBuilt:
     """DDP's reducer, except that it keeps the gradient buckets it was built with.
 
-    In the second step's forward DDP rebuilds its buckets in the order gradients became
-    ready in the first backward; the C++ rebuild reads an index tensor's values, which fake
-    tensors do not have. The rebuilt buckets hold the same gradients (every trainable
-    parameter once, under the same size caps), only in another order, so the steady step
-    holds the same bucket bytes; the rebuild's own moment, with the old and new buckets
-    alive together, happens once in a real run (step 2) and is not a steady step's peak."""
+    DDP first puts every gradient in one bucket, and in the second step's forward rebuilds
+    its buckets (1 MiB, then 25 MiB each) in the order gradients became ready in the first
+    backward; the C++ rebuild reads an index tensor's values, which fake tensors do not
+    have. The traced DDP is built with those caps from the start (``_DDP_BUCKET_CAPS``),
+    over the parameters in reverse (DDP's own approximation of the ready order): the same
+    gradients in buckets of the same sizes, so the steady step holds the same bucket bytes
+    and calls about as many all-reduces. The rebuild's own moment, with the old and new
+    buckets alive together, happens once in a real run (step 2), not in a steady step."""
 
     def __init__(self, reducer) -> None:
         object.__setattr__(self, "_reducer", reducer)
@@ -141,7 +148,7 @@ def apply_strategy(model: nn.Module, strategy, meshes: Meshes, *, precision: str
     if strategy.shard == "ddp":
         if fake:
             with _no_cross_rank_checks():
-                ddp = nn.parallel.DistributedDataParallel(model, init_sync=False)
+                ddp = nn.parallel.DistributedDataParallel(model, init_sync=False, bucket_cap_mb_list=_DDP_BUCKET_CAPS)
             ddp.register_comm_hook(None, _fake_allreduce_hook(on_bucket))
             ddp.reducer = _BucketsAsBuilt(ddp.reducer)
             return ddp

@@ -171,6 +171,27 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def _to_empty_keeping_ties(model):
+    """``model.to_empty(device="cpu")`` under the fake mode, with tied parameters still tied.
+
+    ``Module.to_empty`` replaces a meta parameter by a new Parameter when the new tensor's
+    type differs (a FakeTensor does), module by module, so a parameter two modules share
+    (GPT-2's embedding and head) would become two: each module gets back the first one."""
+    owners = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    model.to_empty(device="cpu")
+    for places in owners.values():
+        first_module, first_name = places[0]
+        shared = first_module._parameters[first_name]
+        for module, name in places[1:]:
+            if module._parameters[name] is not shared:
+                module._parameters[name] = shared
+    return model
+
+
 def _local_elements(tensor) -> int:
     return getattr(tensor, "_local_tensor", tensor).numel()
 
@@ -212,7 +233,7 @@ def trace_sharded(workload, options, device, strategy: Strategy, local_batch: in
         ddp = strategy.shard == "ddp"
         prepared = TrainingStep(workload, options, torch.device("meta"), wrap=None if ddp else shard).model
         params = sum(p.numel() for p in prepared.parameters())  # DTensors count their global size
-        built = dataclasses.replace(workload, build_model=lambda: prepared.to_empty(device="cpu"))
+        built = dataclasses.replace(workload, build_model=lambda: _to_empty_keeping_ties(prepared))
         prepared_options = dataclasses.replace(options, checkpointing="none")  # done on meta already
         with TraceSession(built, prepared_options, cuda_semantics=cuda_semantics, wrap=shard if ddp else None,
                           tracker=tracker) as session:

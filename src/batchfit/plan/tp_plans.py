@@ -7,9 +7,10 @@ torchtitan): in each block q/k/v and gate/up split by columns, o and down by row
 sequence-parallel (the residual stream between blocks holds 1/N of the sequence), the token
 embedding split by rows of the vocabulary (output sharded on the sequence), the head split
 by columns and gathered (every rank holds the whole logits, as the example's loss needs).
-GPT-2 and BERT get the same split of their blocks; their embeddings and heads stay whole on
-every rank (no sequence parallelism: their blocks add a LayerNorm'd residual that the
-example's plan does not cover).
+GPT-2 and BERT (and the zoo's GPT-2 blocks) get the same split of their blocks; their
+embeddings, norms and heads stay whole on every rank (no sequence parallelism), as
+replicated DTensors: the optimizer's foreach step refuses plain tensors and DTensors
+together, so no shipped plan leaves a plain parameter.
 
 Fused projections (the zoo's ``qkv`` and gate+up ``up``, GPT-2's ``c_attn``) split by
 columns as one matrix, and each attention module is told its local head counts: each rank
@@ -44,6 +45,43 @@ def _check_heads(name: str, heads: int, kv_heads: int, tp: int) -> None:
     if heads % tp or kv_heads % tp:
         raise OptionError(f"tp{tp} needs the attention heads of {name} ({heads} query, {kv_heads} key/value) "
                           f"to divide by {tp}: pick a tensor-parallel degree that divides {kv_heads}")
+
+
+def _replicate_rest(model: nn.Module, mesh) -> nn.Module:
+    """Every parameter the plan left whole becomes a replicated DTensor, as torchtitan's plans
+    leave none: an optimizer step over DTensors and plain tensors together (foreach, as on
+    CUDA) refuses the mix. A module holding such parameters takes plain tensors in (made
+    replicated DTensors) and gives plain tensors out, unless its caller already works in
+    DTensors (then it is one step of a larger replicated module)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    replicated: dict[int, nn.Parameter] = {}  # tied parameters stay tied
+    for module in model.modules():
+        own = [(name, p) for name, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        if not own:
+            continue
+        for name, param in own:
+            if id(param) not in replicated:
+                replicated[id(param)] = nn.Parameter(DTensor.from_local(param.data, mesh, [Replicate()], run_check=False),
+                                                     requires_grad=param.requires_grad)
+            module._parameters[name] = replicated[id(param)]
+        converted: list[bool] = []
+
+        def to_dtensor(module, args, kwargs, converted=converted):
+            plain = [isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in (*args, *kwargs.values())]
+            converted.append(any(plain))
+            wrap = lambda a: (DTensor.from_local(a, mesh, [Replicate()], run_check=False)  # noqa: E731
+                              if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a)
+            return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
+
+        def to_local(module, args, kwargs, output, converted=converted):
+            if converted.pop():
+                return output.to_local() if isinstance(output, DTensor) else output
+            return output
+
+        module.register_forward_pre_hook(to_dtensor, with_kwargs=True)
+        module.register_forward_hook(to_local, with_kwargs=True)
+    return model
 
 
 def _zoo_transformer(model: nn.Module, mesh) -> nn.Module:
@@ -83,7 +121,7 @@ def _zoo_transformer(model: nn.Module, mesh) -> nn.Module:
         block.attn.n_kv_heads //= tp
     if cfg.tied_embeddings and sequence_parallel:
         model.head.weight = model.embed.weight  # both split by vocabulary rows (Shard(0))
-    return model
+    return _replicate_rest(model, mesh)
 
 
 def _hf_decoder(model: nn.Module, mesh) -> nn.Module:
@@ -95,8 +133,10 @@ def _hf_decoder(model: nn.Module, mesh) -> nn.Module:
     config = model.config
     _check_heads(config.model_type, config.num_attention_heads,
                  getattr(config, "num_key_value_heads", None) or config.num_attention_heads, tp)
+    # The residual stream stays a DTensor (use_local_output=False): HF numbers the positions
+    # by the embedding output's sequence length, which must be the whole sequence's.
     parallelize_module(model, mesh, {
-        "model.embed_tokens": Rowwise(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.embed_tokens": Rowwise(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
         "model.norm": SequenceParallel(),
         "lm_head": Colwise(input_layouts=Shard(1), output_layouts=Replicate()),
     })
@@ -107,16 +147,16 @@ def _hf_decoder(model: nn.Module, mesh) -> nn.Module:
                                       desired_input_kwarg_layouts={"hidden_states": Replicate()},
                                       use_local_output=True),
             "self_attn.q_proj": Colwise(), "self_attn.k_proj": Colwise(), "self_attn.v_proj": Colwise(),
-            "self_attn.o_proj": Rowwise(output_layouts=Shard(1)),
+            "self_attn.o_proj": Rowwise(output_layouts=Shard(1), use_local_output=False),
             "post_attention_layernorm": SequenceParallel(),
             "mlp": PrepareInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                 use_local_output=True),
             "mlp.gate_proj": Colwise(), "mlp.up_proj": Colwise(),
-            "mlp.down_proj": Rowwise(output_layouts=Shard(1)),
+            "mlp.down_proj": Rowwise(output_layouts=Shard(1), use_local_output=False),
         })
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight  # both split by vocabulary rows
-    return model
+    return _replicate_rest(model, mesh)
 
 
 def _conv1d_as_linear(conv: nn.Module) -> nn.Linear:
@@ -145,7 +185,7 @@ def _hf_gpt2(model: nn.Module, mesh) -> nn.Module:
                                          "mlp.c_fc": Colwise(), "mlp.c_proj": Rowwise()})
         block.attn.split_size //= tp
         block.attn.num_heads //= tp
-    return model
+    return _replicate_rest(model, mesh)
 
 
 def _hf_bert(model: nn.Module, mesh) -> nn.Module:
@@ -162,7 +202,7 @@ def _hf_bert(model: nn.Module, mesh) -> nn.Module:
         attention = layer.attention.self
         attention.num_attention_heads //= tp
         attention.all_head_size //= tp
-    return model
+    return _replicate_rest(model, mesh)
 
 
 def tp_plan(model: nn.Module) -> Parallelize | None:
