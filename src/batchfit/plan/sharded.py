@@ -153,6 +153,11 @@ class ShardedPoint:
     """Parameter elements rank 0 holds."""
     phase: str = ""
     """The phase of the step in which the peak is reached."""
+    peak_by_phase: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Each phase's own peak (workspace included): with ``breakdown_by_phase``, what
+    ``trace.depth.extrapolate`` needs to extrapolate traces of a model cut to 1, 2, 3 blocks."""
+    breakdown_by_phase: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    """The breakdown at each phase's own peak."""
 
 
 @contextlib.contextmanager
@@ -251,4 +256,6 @@ def trace_sharded(workload, options, device, strategy: Strategy, local_batch: in
         breakdown={**snapshot.breakdown, "workspace": workspace}, flops=flops,
         collectives=tuple(collectives), params=params,
         params_per_rank=params_per_rank, phase=snapshot.phase,
+        peak_by_phase={k: v + workspace for k, v in snapshot.peak_by_phase.items()},
+        breakdown_by_phase={k: {**v, "workspace": workspace} for k, v in snapshot.breakdown_by_phase.items()},
     )
