@@ -137,6 +137,8 @@ class MemoryTracker(TorchDispatchMode):
             owned += [("optimizer_state", name_of.get(id(p)), t) for p, state in optimizer.state.items()
                       for t in state.values() if isinstance(t, torch.Tensor)]
         for role, name, tensor in owned:
+            # A DTensor (a sharded parameter, its gradient and state) holds its memory in its local shard.
+            tensor = getattr(tensor, "_local_tensor", tensor)
             record = self._live.get(id(tensor.untyped_storage()))
             if record is not None:
                 record.role = role
@@ -218,16 +220,22 @@ class MemoryTracker(TorchDispatchMode):
             self._host.add(key)
             weakref.finalize(storage, self._host.discard, key).atexit = False
             return
+        self.record(key, storage, op=str(func.overloadpacket.__name__), shape=tuple(tensor.shape),
+                    dtype=str(tensor.dtype).removeprefix("torch."))
+
+    def record(self, key: int, storage: torch.UntypedStorage, *, op: str, shape: tuple[int, ...], dtype: str,
+               role: str | None = None) -> Allocation | None:
+        """Count ``storage`` (keyed ``key``) as allocated now, at its current size; freed when it dies.
+        Also for storages given memory by ``resize_`` (FSDP2's gathered parameters)."""
         nbytes = rounded(storage.nbytes(), self.round_bytes)
         if nbytes == 0:
-            return
+            return None
         self._seq += 1
         if self.on_event is not None:  # first: it may raise out of memory, and then nothing was allocated
             self.on_event("malloc", self._seq, storage.nbytes())
         record = Allocation(
-            seq=self._seq, nbytes=nbytes, phase=self.current_phase, op=str(func.overloadpacket.__name__),
-            shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."),
-            module=self._module_stack[-1] if self._module_stack else None,
+            seq=self._seq, nbytes=nbytes, phase=self.current_phase, op=op, shape=shape, dtype=dtype,
+            module=self._module_stack[-1] if self._module_stack else None, role=role,
         )
         self._live[key] = record
         self._window.append(record)
@@ -245,6 +253,7 @@ class MemoryTracker(TorchDispatchMode):
                 f"virtual device out of memory: tried to allocate {nbytes / gib:.2f} GiB with "
                 f"{(self.live_bytes - nbytes) / gib:.2f} GiB of {self.capacity_bytes / gib:.2f} GiB in use"
             )
+        return record
 
     def _free(self, key: int) -> None:
         record = self._live.pop(key, None)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -97,7 +98,7 @@ def _require_fake_parameters(step: TrainingStep, name: str) -> None:
     """A model built before the trace began holds real tensors that the tracker never saw
     being made: it would be traced as 0 bytes of parameters. Say so instead."""
     real = [n for n, t in (*step.model.named_parameters(), *step.model.named_buffers())
-            if not isinstance(t, fake_tensor.FakeTensor)]
+            if not isinstance(getattr(t, "_local_tensor", t), fake_tensor.FakeTensor)]  # a DTensor: its shard
     if real:
         raise ModelSpecError(
             f"{name}: build_model returned a model that was built before batchfit called it "
@@ -110,18 +111,27 @@ class TraceSession:
     """A Workload built on fake tensors, traced at one batch size after another."""
 
     def __init__(self, workload: Workload, options: StepOptions, *,
-                 capacity_bytes: int | None = None, cuda_semantics: bool = True) -> None:
+                 capacity_bytes: int | None = None, cuda_semantics: bool = True,
+                 wrap: Callable[[nn.Module], nn.Module] | None = None,
+                 tracker: MemoryTracker | None = None, warmup_steps: int = 1) -> None:
         """``cuda_semantics=False`` traces what a CPU step does instead (for checking the
-        tracer against a real CPU step): CPU autocast, CPU optimizer defaults, no rounding."""
+        tracer against a real CPU step): CPU autocast, CPU optimizer defaults, no rounding.
+
+        ``wrap`` turns the model into what a multi-GPU run trains (``TrainingStep``'s wrap;
+        ``batchfit.plan`` wraps it on a fake process group), with a ``tracker`` (made for this
+        session: its rounding is the caller's) that sees what the wrap does; ``warmup_steps``
+        are run before the first measured step (DDP rebuilds its gradient buckets in the
+        second step's forward)."""
         self.workload = workload
         self.options = options
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.cuda_semantics = cuda_semantics
-        self.tracker = MemoryTracker(capacity_bytes=capacity_bytes,
-                                     round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
+        self.tracker = tracker or MemoryTracker(capacity_bytes=capacity_bytes,
+                                                round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
+        self.warmup_steps = warmup_steps
         self._warm = False
         with self.tracing("building the model"):
-            self.step = TrainingStep(workload, options, torch.device("cpu"))
+            self.step = TrainingStep(workload, options, torch.device("cpu"), wrap=wrap)
         _require_fake_parameters(self.step, workload.name)
         if cuda_semantics:
             install_cuda_mirrors(self.step)
@@ -179,7 +189,8 @@ class TraceSession:
                 clean = all(seq <= self.build_seq for seq in self.tracker.live_seqs())
             start = len(self.tracker.events)
             if fresh or not self._warm:
-                self.step.run(batch_size, hooks=self.tracker)  # creates the optimizer state
+                for _ in range(self.warmup_steps):
+                    self.step.run(batch_size, hooks=self.tracker)  # creates the optimizer state
                 self._warm = True
             self.tracker.start_window()
             self.step.run(batch_size, hooks=self.tracker)

@@ -1,0 +1,196 @@
+"""The memory tracker of a sharded step: what FSDP2, DDP and DTensor do that a plain step does not.
+
+``MemoryTracker`` counts a storage when an op creates it. Three things in a sharded step
+escape that, and this tracker sees them:
+
+- FSDP2 frees a block's gathered parameters by ``untyped_storage().resize_(0)`` and gives
+  them memory again by ``resize_(n)`` before the next all-gather copies into them: no op
+  creates a storage. ``UntypedStorage.resize_`` is wrapped while the tracker is entered (as
+  PyTorch's own ``torch/distributed/_tools/mem_tracker.py`` does) and each resize counts
+  as a free or an allocation.
+- DTensor (tensor parallelism, FSDP2's sharded parameters) is a tensor subclass: an op on
+  it is answered ``NotImplemented`` so that DTensor turns it into ops on the local shards,
+  which the tracker then sees and counts (as ``fsdp2_mem_tracker.py`` does).
+- ``_c10d_functional.wait_tensor`` returns its input on a real device; on fake tensors its
+  meta kernel returns a new tensor, which would be counted twice: the input is returned.
+
+Collective buffers get their own category, ``collective``: FSDP2's flat all-gather output
+and the gathered (unsharded) parameters copied out of it, the flat reduce-scatter input,
+and DDP's gradient buckets. Every collective rank 0 calls is recorded (op, group, bytes,
+phase) for the time model. TP's collectives return activations (an all-gathered sequence,
+an all-reduced block output): they keep the category of the phase that made them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401 - defines the fsdp:: ops
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
+
+from batchfit.trace.memory import CATEGORIES, MemoryTracker
+from torch.utils import flop_counter
+
+SHARDED_CATEGORIES: tuple[str, ...] = (*CATEGORIES[:-1], "collective", CATEGORIES[-1])
+
+_c10d = torch.ops.c10d
+_functional = torch.ops._c10d_functional
+_WAIT = _functional.wait_tensor.default
+_ALL_GATHER_COPY_IN = torch.ops.fsdp.all_gather_copy_in.default
+_CHUNK_CAT = torch.ops.fsdp.chunk_cat.default
+_aten = torch.ops.aten
+
+
+def _cpu_flash(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# torch.utils.flop_counter's formulas (matmuls, convolutions, the CUDA attention kernels),
+# and the same attention formulas for the CPU flash kernel the trace runs in their place.
+FLOP_FORMULAS = {
+    **flop_counter.flop_registry,
+    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+}
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    op: str
+    group_name: str
+    bytes: int
+    phase: str
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
+
+
+def _group_name(group) -> str:
+    """The name of a process group passed to a c10d op (a ScriptObject in the dispatcher)."""
+    if isinstance(group, str):
+        return group
+    if not isinstance(group, torch._C._distributed_c10d.ProcessGroup):
+        group = torch._C._distributed_c10d.ProcessGroup.unbox(group)
+    return group.group_name
+
+
+def _collective(func, args, kwargs) -> tuple[str, str, int] | None:
+    """(op, group name, payload bytes of the full tensor) of a collective call, else None.
+    Bytes are those of the whole (unsharded) tensor gathered or reduced, per call."""
+    packet = func._overloadpacket
+    if packet is _c10d._allgather_base_:  # (output, input, group, ...)
+        return "all_gather", _group_name(args[2]), _nbytes(args[0])
+    if packet is _c10d.allgather_:  # (output lists, inputs, group, ...)
+        return "all_gather", _group_name(args[2]), _nbytes(args[0])
+    if packet is _c10d._reduce_scatter_base_:  # (output, input, group, ...)
+        return "reduce_scatter", _group_name(args[2]), _nbytes(args[1])
+    if packet is _c10d.reduce_scatter_:  # (outputs, input lists, group, ...)
+        return "reduce_scatter", _group_name(args[2]), _nbytes(args[1])
+    if packet is _c10d.allreduce_:  # (tensors, group, ...)
+        return "all_reduce", _group_name(args[1]), _nbytes(args[0])
+    if packet is _c10d.broadcast_:  # (tensors, group, ...)
+        return "broadcast", _group_name(args[1]), _nbytes(args[0])
+    if packet is _functional.all_gather_into_tensor:  # (input, group_size, group_name)
+        return "all_gather", args[2], _nbytes(args[0]) * args[1]
+    if packet is _functional.reduce_scatter_tensor:  # (input, op, group_size, group_name)
+        return "reduce_scatter", args[3], _nbytes(args[0])
+    if packet is _functional.all_reduce:  # (input, op, group_name)
+        return "all_reduce", args[2], _nbytes(args[0])
+    if packet is _functional.all_to_all_single:  # (input, output splits, input splits, group_name)
+        return "all_to_all", args[3], _nbytes(args[0])
+    if packet is _functional.broadcast:  # (input, src, group_name)
+        return "broadcast", args[2], _nbytes(args[0])
+    return None
+
+
+class ShardedTracker(MemoryTracker):
+    """``MemoryTracker`` plus storage resizes, DTensor, and collectives (see the module docstring)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls: list[CollectiveCall] = []
+        """Every collective called since ``start_window()``."""
+        self.flops = 0
+        """FLOPs of the ops on this rank's (local) tensors since ``start_window()``, counted by
+        torch.utils.flop_counter's formulas: DTensor ops reach here as ops on the shards."""
+        self._resize = None
+        self._depth = 0
+
+    # --- storage resizes ----------------------------------------------------------------
+    def __enter__(self) -> ShardedTracker:
+        if self._depth == 0:
+            original = torch.UntypedStorage.resize_
+            self._resize = original
+
+            def resize_(storage: torch.UntypedStorage, size: int):
+                before = storage.nbytes()
+                out = original(storage, size)
+                self._resized(storage, before, size)
+                return out
+
+            torch.UntypedStorage.resize_ = resize_
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0 and self._resize is not None:
+            torch.UntypedStorage.resize_ = self._resize
+            self._resize = None
+        return super().__exit__(*exc)
+
+    def _resized(self, storage: torch.UntypedStorage, before: int, after: int) -> None:
+        key = id(storage)
+        if after == before:
+            return
+        if key in self._live:  # its memory is given back (or re-sized: counted anew below)
+            self._free(key)
+        if after > 0:
+            # FSDP2 gives memory back only to a gathered parameter (or its all-gather output).
+            self.record(key, storage, op="resize_", shape=(after,), dtype="uint8", role="collective")
+
+    # --- ops ----------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs the op on its local shards, which come back here
+        if func is _WAIT:
+            return args[0]
+        call = _collective(func, args, kwargs or {})
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if call is not None:
+            self.calls.append(CollectiveCall(*call, phase=self.current_phase))
+        formula = FLOP_FORMULAS.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+        if func is _ALL_GATHER_COPY_IN:  # (all-gather input, all-gather output): one flat buffer
+            self.mark_collective(out[1])
+        elif func is _CHUNK_CAT:  # the flat reduce-scatter input
+            self.mark_collective(args[3] if len(args) > 3 else (kwargs or {}).get("out"))
+        return out
+
+    def mark_collective(self, tensor: torch.Tensor | None) -> None:
+        """Label ``tensor``'s storage as a collective buffer (unless it is owned by then)."""
+        if tensor is None:
+            return
+        record = self._live.get(id(tensor.untyped_storage()))
+        if record is not None and record.role is None:
+            record.role = "collective"
+
+    def start_window(self) -> None:
+        super().start_window()
+        self.calls = []
+        self.flops = 0
+
+    @staticmethod
+    def _breakdown(live) -> dict[str, int]:
+        breakdown = dict.fromkeys(SHARDED_CATEGORIES, 0)
+        for record in live:
+            breakdown[record.category] += record.nbytes
+        return breakdown

@@ -1,0 +1,261 @@
+"""Rank 0 of a multi-GPU step, traced on one CPU: PyTorch's own DDP / FSDP2 / TP on a fake process group.
+
+``torch.distributed``'s "fake" backend answers every collective at once without moving data,
+for any world size, in one process. With it the model is wrapped exactly as a real run wraps
+it (``_parallel.apply_strategy``: DDP with its gradient buckets, FSDP2 ``fully_shard`` per
+block and at the root, HSDP on a 2-D mesh, DTensor tensor parallelism, FSDP + TP on a 2-D
+mesh), the step runs on fake tensors, and what rank 0 holds is counted by the tracer of
+``estimate`` plus what sharding adds (``_tracker.ShardedTracker``: FSDP2's storage resizes,
+DTensor shards, collective buffers, every collective call, FLOPs per rank).
+
+Strategy names:
+
+    ddp               DistributedDataParallel over all GPUs
+    fsdp              FSDP2, parameters resharded after forward (ZeRO-3)
+    fsdp-noreshard    FSDP2 keeping gathered parameters from forward to backward (ZeRO-2)
+    hsdp<R>           FSDP2 sharded within groups of world/R GPUs, replicated R times
+    tp<N>             tensor parallelism over all N GPUs (N must be the GPU count; for data
+                      parallelism over the rest, use fsdp+tp<N>)
+    fsdp+tp<N>        a 2-D mesh: TP over groups of N GPUs, FSDP2 across the groups
+
+On one GPU every strategy is the plain single-GPU step (``shard`` "none").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from batchfit.errors import OptionError
+
+SHARDS = ("none", "ddp", "fsdp", "fsdp-noreshard", "hsdp")
+MAX_AUTO_TP = 8
+"""'auto' tries TP degrees up to one node's GPUs (8): TP beyond a node's NVLink is rarely worth it."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    """As the user typed it, normalised: "ddp", "fsdp", "fsdp-noreshard", "hsdp2", "tp2", "fsdp+tp4"."""
+    world_size: int
+    """GPUs in all (nodes x GPUs per node)."""
+    dp: int
+    """Data-parallel degree (ranks that see different samples) = world_size // tp."""
+    tp: int
+    """Tensor-parallel degree (1 when none)."""
+    shard: str
+    """"none" (one GPU, no wrapper), "ddp", "fsdp", "fsdp-noreshard", "hsdp"."""
+    replicas: int = 1
+    """HSDP replica groups (hsdp<R>); 1 otherwise."""
+
+
+_NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|hsdp(\d+)|tp(\d+)|fsdp\+tp(\d+))$")
+_NAMES_HELP = "ddp, fsdp, fsdp-noreshard, hsdp<R>, tp<N>, fsdp+tp<N> or auto"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_strategy(text: str, world_size: int) -> Strategy:
+    """One strategy name on ``world_size`` GPUs (see the module docstring)."""
+    name = text.strip().lower().replace(" ", "")
+    match = _NAME.match(name)
+    if match is None:
+        raise OptionError(f"unknown strategy '{text.strip()}': use {_NAMES_HELP}, e.g. --strategies ddp,fsdp,fsdp+tp2")
+    if world_size < 1:
+        raise OptionError(f"the GPU count must be 1 or more, got {world_size}: e.g. --gpus 8")
+    hsdp, tp_only, fsdp_tp = (int(g) if g else None for g in match.groups()[1:])
+    good = [d for d in _divisors(world_size) if d > 1]
+    if hsdp is not None:
+        if hsdp < 1 or world_size % hsdp:
+            raise OptionError(f"{name} needs a replica count that divides the {world_size} GPUs: "
+                              f"use hsdp<R> with R in {', '.join(map(str, good)) or '(none: one GPU)'}")
+        if world_size == 1:
+            return Strategy(name, 1, 1, 1, "none")
+        return Strategy(name, world_size, world_size, 1, "hsdp", replicas=hsdp)
+    if tp_only is not None:
+        if tp_only != world_size:
+            other = f"tp{world_size}, or fsdp+tp{tp_only}" if tp_only > 1 and world_size % tp_only == 0 \
+                else f"tp{world_size}"
+            raise OptionError(f"{name} on {world_size} GPUs: tp<N> splits the model over all N GPUs; use {other}")
+        return Strategy(name, world_size, 1, tp_only, "none")
+    if fsdp_tp is not None:
+        if fsdp_tp < 1 or world_size % fsdp_tp:
+            raise OptionError(f"{name} needs a tensor-parallel degree that divides the {world_size} GPUs: "
+                              f"use fsdp+tp<N> with N in {', '.join(map(str, good)) or '(none: one GPU)'}")
+        if fsdp_tp == 1:
+            return parse_strategy("fsdp", world_size)
+        return Strategy(name, world_size, world_size // fsdp_tp, fsdp_tp, "fsdp")
+    if world_size == 1:
+        return Strategy(name, 1, 1, 1, "none")
+    return Strategy(name, world_size, world_size, 1, name)
+
+
+def parse_strategies(text: str, world_size: int) -> list[Strategy]:
+    """'ddp,fsdp,fsdp+tp2' or 'auto' (every strategy whose degrees divide ``world_size``).
+    Raises OptionError with one line saying what to type instead for an unknown name or a
+    degree that does not divide ``world_size`` (e.g. 'tp3' on 4 GPUs)."""
+    names = [n for n in text.split(",") if n.strip()]
+    if not names:
+        raise OptionError(f"no strategy given: use {_NAMES_HELP}")
+    if [n.strip().lower() for n in names] == ["auto"]:
+        names = ["ddp", "fsdp", "fsdp-noreshard"]
+        divisors = [d for d in _divisors(world_size) if 1 < d < world_size]
+        names += [f"hsdp{r}" for r in divisors]
+        if 1 < world_size <= MAX_AUTO_TP:
+            names.append(f"tp{world_size}")
+        names += [f"fsdp+tp{n}" for n in divisors if n <= MAX_AUTO_TP]
+    strategies: list[Strategy] = []
+    for name in names:
+        if name.strip().lower() == "auto":
+            raise OptionError("'auto' stands alone: --strategies auto, or a list such as ddp,fsdp")
+        strategy = parse_strategy(name, world_size)
+        if strategy not in strategies:
+            strategies.append(strategy)
+    return strategies
+
+
+@dataclass(frozen=True)
+class Collective:
+    op: str
+    """"all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all"."""
+    group: str
+    """"dp" or "tp"."""
+    group_size: int
+    """Ranks in the group."""
+    bytes: int
+    """Payload bytes of the full (unsharded) tensor the collective produces / reduces, per call."""
+    phase: str
+    """The batchfit.phases name in which it was called (forward, backward, optimizer, ...)."""
+
+
+@dataclass(frozen=True)
+class ShardedPoint:
+    strategy: Strategy
+    local_batch: int
+    peak_bytes: int
+    """Rank 0's peak allocated bytes of one steady-state step (CUDA 512-byte rounding), with the
+    cuBLAS workspace as ``estimate`` counts it (``breakdown['workspace']``)."""
+    breakdown: dict[str, int]
+    """Bytes by category at the peak: parameters, gradients, optimizer_state, activations,
+    temporaries, inputs, generation, collective, other, workspace."""
+    flops: int
+    """FLOPs rank 0 executes in one step (torch.utils.flop_counter's formulas on its shards)."""
+    collectives: tuple[Collective, ...]
+    """Every collective rank 0 called in one step, in order."""
+    params: int
+    """Parameters of the whole (unsharded) model."""
+    params_per_rank: int
+    """Parameter elements rank 0 holds."""
+    phase: str = ""
+    """The phase of the step in which the peak is reached."""
+    peak_by_phase: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Each phase's own peak (workspace included): with ``breakdown_by_phase``, what
+    ``trace.depth.extrapolate`` needs to extrapolate traces of a model cut to 1, 2, 3 blocks."""
+    breakdown_by_phase: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    """The breakdown at each phase's own peak."""
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks in this process, this process rank 0."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise OptionError("a torch.distributed process group is already running in this process: "
+                          "run batchfit plan outside torchrun (it simulates every rank itself)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _to_empty_keeping_ties(model):
+    """``model.to_empty(device="cpu")`` under the fake mode, with tied parameters still tied.
+
+    ``Module.to_empty`` replaces a meta parameter by a new Parameter when the new tensor's
+    type differs (a FakeTensor does), module by module, so a parameter two modules share
+    (GPT-2's embedding and head) would become two: each module gets back the first one."""
+    owners = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    model.to_empty(device="cpu")
+    for places in owners.values():
+        first_module, first_name = places[0]
+        shared = first_module._parameters[first_name]
+        for module, name in places[1:]:
+            if module._parameters[name] is not shared:
+                module._parameters[name] = shared
+    return model
+
+
+def _local_elements(tensor) -> int:
+    return getattr(tensor, "_local_tensor", tensor).numel()
+
+
+def trace_sharded(workload, options, device, strategy: Strategy, local_batch: int, *,
+                  cuda_semantics: bool = True) -> ShardedPoint:
+    """Trace rank 0 of ``strategy`` on a fake process group (one CPU process, fake tensors).
+
+    workload: batchfit.Workload; options: batchfit.StepOptions; device: batchfit.Device (its
+    cuBLAS workspace is added, as in ``estimate``). ``cuda_semantics=False`` traces what a CPU
+    step does instead (no rounding, CPU kernels), to compare with a real gloo run.
+    Raises OptionError('... has no tensor-parallel plan: ...') for TP on a model without one.
+    """
+    import torch
+
+    from batchfit.plan._parallel import apply_strategy, build_meshes
+    from batchfit.plan._tracker import ShardedTracker
+    from batchfit.plan.tp_plans import tp_plan
+    from batchfit.step import TrainingStep
+    from batchfit.trace.memory import CUDA_BLOCK_BYTES
+    from batchfit.trace.session import TraceSession
+
+    if local_batch < 1:
+        raise OptionError(f"the local batch must be 1 or more, got {local_batch}")
+    own_plan = getattr(workload, "parallelize", None)
+    with fake_world(strategy.world_size):
+        meshes = build_meshes(strategy)  # outside FakeTensorMode: the mesh holds real rank tables
+        tracker = ShardedTracker(round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
+
+        def shard(model):
+            return apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
+                                  parallelize=own_plan or tp_plan(model), on_bucket=tracker.mark_collective)
+
+        # TP and FSDP2 are applied to the model built on the meta device, outside FakeTensorMode
+        # (they build sub-meshes, which read rank tables), after the step's own preparation
+        # (precision, freezing, checkpointing): a TrainingStep on "meta" does exactly that.
+        # Its parameters get (fake) memory by to_empty inside the trace. DDP wraps a model
+        # that has memory, so it comes after, inside the trace.
+        ddp = strategy.shard == "ddp"
+        prepared = TrainingStep(workload, options, torch.device("meta"), wrap=None if ddp else shard).model
+        params = sum(p.numel() for p in prepared.parameters())  # DTensors count their global size
+        built = dataclasses.replace(workload, build_model=lambda: _to_empty_keeping_ties(prepared))
+        prepared_options = dataclasses.replace(options, checkpointing="none")  # done on meta already
+        with TraceSession(built, prepared_options, cuda_semantics=cuda_semantics, wrap=shard if ddp else None,
+                          tracker=tracker) as session:
+            snapshot = session.trace(local_batch).snapshot
+            params_per_rank = sum(_local_elements(p) for p in session.step.model.parameters())
+            calls = list(tracker.calls)
+            flops = tracker.flops
+    workspace = device.workspace_bytes if cuda_semantics else 0
+    collectives = []
+    for call in calls:
+        group, size = meshes.groups.get(call.group_name, ("dp", strategy.dp))
+        collectives.append(Collective(call.op, group, size, call.bytes, call.phase))
+    return ShardedPoint(
+        strategy=strategy, local_batch=local_batch, peak_bytes=snapshot.peak_bytes + workspace,
+        breakdown={**snapshot.breakdown, "workspace": workspace}, flops=flops,
+        collectives=tuple(collectives), params=params,
+        params_per_rank=params_per_rank, phase=snapshot.phase,
+        peak_by_phase={k: v + workspace for k, v in snapshot.peak_by_phase.items()},
+        breakdown_by_phase={k: {**v, "workspace": workspace} for k, v in snapshot.breakdown_by_phase.items()},
+    )

@@ -1,0 +1,284 @@
+"""Rank 0 of a sharded step traced on the fake process group, against real gloo runs on CPU.
+
+Truth without a GPU: real processes (2 and 4) on the CPU over gloo run the same strategy
+code (``plan/_parallel.py``) on real tensors; rank 0's peak in a steady step (the third:
+DDP rebuilds its buckets in the second) is measured by the torch profiler's memory
+timeline, independently of the tracer, and compared with ``trace_sharded`` at the same
+world size and local batch, traced with CPU semantics (no CUDA rounding, CPU kernels).
+Collective bytes are checked against the closed form, computed from parameter shapes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from batchfit.devices import get_device
+from batchfit.errors import OptionError
+from batchfit.plan.sharded import Collective, Strategy, parse_strategies, parse_strategy, trace_sharded
+from batchfit.step import TrainingStep
+from batchfit.workload import StepOptions, Workload
+from batchfit.zoo import language_model_workload
+from batchfit.zoo.transformer import Transformer, TransformerConfig
+
+# Llama blocks (RMSNorm, SwiGLU, RoPE, GQA), untied head: every parameter's first dimension
+# divides by 4, so FSDP shards are exact (no padding) on 2 and 4 ranks.
+CFG = TransformerConfig(vocab_size=512, seq_len=64, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256,
+                        llama=True, tied_embeddings=False)
+LOCAL_BATCH = 4
+OPTIONS = StepOptions()  # fp32, AdamW
+MEASURED = {2: ("ddp", "fsdp"), 4: ("fsdp+tp2",)}
+
+
+def tiny_workload() -> Workload:
+    return language_model_workload(name="tiny-llama", build_model=lambda: Transformer(CFG),
+                                   vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, description="tiny llama")
+
+
+# --- the real runs -----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _profiled_peak(step: TrainingStep, path: str) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        step.run(LOCAL_BATCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        prof.export_memory_timeline(path, device="cpu")
+    with open(path) as f:
+        _, sizes = json.load(f)
+    return max(sum(row) for row in sizes)
+
+
+def _gloo_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    from batchfit.plan._parallel import apply_strategy, build_meshes
+    from batchfit.plan.tp_plans import tp_plan
+
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    peaks = {}
+    for name in MEASURED[world_size]:
+        strategy = parse_strategy(name, world_size)
+        meshes = build_meshes(strategy)
+        torch.manual_seed(0)
+        step = TrainingStep(tiny_workload(), OPTIONS, torch.device("cpu"),
+                            wrap=lambda m: apply_strategy(m, strategy, meshes, precision=OPTIONS.precision,
+                                                          fake=False, parallelize=tp_plan(m)))
+        step.run(LOCAL_BATCH)
+        step.run(LOCAL_BATCH)  # DDP rebuilds its buckets here
+        if rank == 0:
+            peaks[name] = _profiled_peak(step, os.path.join(out_dir, f"timeline-{name}.json"))
+        else:
+            step.run(LOCAL_BATCH)
+        del step
+        dist.barrier()
+    if rank == 0:
+        with open(os.path.join(out_dir, "peaks.json"), "w") as f:
+            json.dump(peaks, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[int, dict[str, int]]:
+    """Rank 0's profiled peak of a steady step, by world size and strategy."""
+    out = {}
+    for world_size in MEASURED:
+        path = tmp_path_factory.mktemp(f"gloo{world_size}")
+        torch.multiprocessing.spawn(_gloo_main, args=(world_size, _free_port(), str(path)), nprocs=world_size,
+                                    join=True)
+        out[world_size] = json.loads((path / "peaks.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize("world_size,name", [(w, n) for w, names in MEASURED.items() for n in names])
+def test_traced_rank0_peak_matches_a_real_gloo_run(measured, world_size, name):
+    real = measured[world_size][name]
+    point = _trace(name, world_size)
+    assert point.breakdown["workspace"] == 0  # CPU semantics: no cuBLAS workspace, no rounding
+    assert abs(point.peak_bytes - real) / real < 0.02, (point.peak_bytes, real)
+
+
+# --- collective bytes, in closed form ----------------------------------------------------------
+# Parameter elements of the tiny model, from CFG by hand (head_dim 32; qkv holds 4 + 2 + 2 heads).
+BLOCK = (128 * 8 * 32) + (128 * 128) + (128 * 2 * 256) + (256 * 128) + 2 * 128  # qkv, proj, up (gate+up), down, norms
+ROOT = 512 * 128 + 128 + 128 * 512  # embedding, final norm, head
+TOTAL = ROOT + 2 * BLOCK
+assert (BLOCK, ROOT, TOTAL) == (147712, 131200, 426624)
+
+
+_TRACED: dict = {}
+
+
+def _trace(name: str, world_size: int, options: StepOptions = OPTIONS, workload: Workload | None = None):
+    """Rank 0 of ``name`` at LOCAL_BATCH with CPU semantics; the tiny model's traces are kept
+    (several tests read the same one)."""
+    key = (name, world_size, options.precision) if workload is None else None
+    if key in _TRACED:
+        return _TRACED[key]
+    point = trace_sharded(workload or tiny_workload(), options, get_device("h100-80gb"),
+                          parse_strategy(name, world_size), LOCAL_BATCH, cuda_semantics=False)
+    if key is not None:
+        _TRACED[key] = point
+    return point
+
+
+def _bytes(point, op: str, phase: str | None = None) -> list[int]:
+    return [c.bytes for c in point.collectives if c.op == op and (phase is None or c.phase == phase)]
+
+
+def test_fsdp_gathers_parameters_in_forward_and_backward_and_reduce_scatters_gradients():
+    point = _trace("fsdp", 2)
+    # Forward: the root group (embedding, norm, head), then each block. Backward: each block
+    # again (resharded after forward); the root kept its own. Gradients: one reduce-scatter per
+    # group, fp32 as the parameters. Every parameter divides by 2: no padding.
+    assert _bytes(point, "all_gather", "forward") == [4 * ROOT, 4 * BLOCK, 4 * BLOCK]
+    assert _bytes(point, "all_gather", "backward") == [4 * BLOCK, 4 * BLOCK]
+    assert _bytes(point, "reduce_scatter", "backward") == [4 * BLOCK, 4 * BLOCK, 4 * ROOT]
+    assert {(c.group, c.group_size) for c in point.collectives} == {("dp", 2)}
+    assert point.params == TOTAL and point.params_per_rank == TOTAL // 2
+    # The shards are what rank 0 keeps: 1/2 of the fp32 parameters (plus the RoPE tables,
+    # buffers FSDP leaves whole: 2 x 64 x 16 fp32), 2 x 1/2 of them as AdamW state.
+    assert point.breakdown["parameters"] == 4 * TOTAL // 2 + 2 * 64 * 16 * 4
+    assert point.breakdown["optimizer_state"] == 2 * 4 * TOTAL // 2
+    assert point.breakdown["collective"] > 0
+
+
+def test_fsdp_noreshard_gathers_once_and_bf16_mixed_gathers_bf16_and_reduces_fp32():
+    point = _trace("fsdp-noreshard", 4, StepOptions(precision="bf16-mixed"))
+    assert _bytes(point, "all_gather") == [2 * ROOT, 2 * BLOCK, 2 * BLOCK]  # all in forward
+    assert _bytes(point, "reduce_scatter") == [4 * BLOCK, 4 * BLOCK, 4 * ROOT]
+
+
+def test_hsdp_reduce_scatters_in_the_shard_group_and_all_reduces_across_replicas():
+    point = _trace("hsdp2", 4)  # 2 replicas of a 2-rank shard group
+    assert _bytes(point, "reduce_scatter") == [4 * BLOCK, 4 * BLOCK, 4 * ROOT]
+    assert _bytes(point, "all_reduce") == [4 * BLOCK // 2, 4 * BLOCK // 2, 4 * ROOT // 2]
+    assert {c.group_size for c in point.collectives} == {2}
+    assert point.params_per_rank == TOTAL // 2
+
+
+def test_ddp_all_reduces_every_gradient_once_in_buckets():
+    point = _trace("ddp", 2)
+    reduced = _bytes(point, "all_reduce", "backward")
+    assert sum(reduced) == 4 * TOTAL
+    # DDP's first bucket holds 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES), the next up to 25 MiB.
+    assert len(reduced) == 2 and reduced[0] <= 2**20 + 4 * 128 * 512
+    assert _bytes(point, "broadcast", "forward") == [2 * 64 * 16 * 4]  # the RoPE buffers, each forward
+    assert point.params_per_rank == TOTAL
+    # The buckets are their own category: one fp32 copy of every gradient.
+    assert point.breakdown["collective"] == 4 * TOTAL
+
+
+def test_flops_per_rank():
+    one = _trace("fsdp", 1)  # one GPU: the plain step
+    assert one.strategy.shard == "none" and one.collectives == ()
+    assert _trace("fsdp", 2).flops == one.flops  # data parallelism: each rank does the whole step
+    # Llama-style TP splits every matmul and attention head (the head too): half each.
+    tp = _trace("tp2", 2)
+    assert 2 * tp.flops == one.flops
+    assert {c.group for c in tp.collectives} == {"tp"}
+    # By hand: forward matmuls 2 x tokens x (parameters in linear layers), backward twice that;
+    # attention forward 4 x B x heads x T^2 x head_dim per block (QK^T and PV), backward 2.5
+    # times that (flop_counter's formula counts flash attention's recomputed QK^T).
+    tokens = LOCAL_BATCH * CFG.seq_len
+    linear = TOTAL - 512 * 128 - 128 - 2 * 2 * 128  # not the embedding, nor the norms
+    attention = 2 * 4 * LOCAL_BATCH * 4 * CFG.seq_len ** 2 * 32
+    assert one.flops == 3 * 2 * tokens * linear + 3.5 * attention
+
+
+def test_fsdp_tp_uses_both_groups():
+    point = _trace("fsdp+tp2", 4)
+    groups = {(c.group, c.group_size) for c in point.collectives}
+    assert groups == {("dp", 2), ("tp", 2)}
+    # The dp all-gathers move the TP shards: half of each block's parameters, by the norms
+    # (replicated over TP) and the q/k/v, gate/up, o, down splits.
+    assert _bytes(point, "all_gather", "forward")[1] == 4 * (BLOCK - 2 * 128) // 2 + 4 * 2 * 128
+
+
+# --- names and degrees -------------------------------------------------------------------------
+def test_strategy_names_and_degrees():
+    assert parse_strategies("ddp, fsdp,fsdp+tp2,hsdp2,fsdp-noreshard", 4) == [
+        Strategy("ddp", 4, 4, 1, "ddp"), Strategy("fsdp", 4, 4, 1, "fsdp"), Strategy("fsdp+tp2", 4, 2, 2, "fsdp"),
+        Strategy("hsdp2", 4, 4, 1, "hsdp", replicas=2), Strategy("fsdp-noreshard", 4, 4, 1, "fsdp-noreshard")]
+    assert parse_strategies("tp4,fsdp+tp4", 4) == [Strategy("tp4", 4, 1, 4, "none"), Strategy("fsdp+tp4", 4, 1, 4, "fsdp")]
+    assert parse_strategies("fsdp", 1) == [Strategy("fsdp", 1, 1, 1, "none")]
+    assert [s.name for s in parse_strategies("auto", 8)] == [
+        "ddp", "fsdp", "fsdp-noreshard", "hsdp2", "hsdp4", "tp8", "fsdp+tp2", "fsdp+tp4"]
+    for text, world_size, message in [("tp3", 4, "use tp4"), ("fsdp+tp3", 4, "N in 2, 4"), ("zero3", 4, "unknown strategy"),
+                                      ("hsdp3", 4, "R in 2, 4"), ("tp2", 4, "fsdp\\+tp2"), ("", 4, "no strategy"),
+                                      ("ddp", 0, "1 or more")]:
+        with pytest.raises(OptionError, match=message) as error:
+            parse_strategies(text, world_size)
+        assert "\n" not in str(error.value)
+
+
+def test_tp_on_a_model_without_a_plan_is_one_line():
+    mlp = Workload(name="mlp", build_model=lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)),
+                   make_batch=lambda b, device: torch.randn(b, 8, device=device), loss_fn=lambda m, x: m(x).pow(2).mean())
+    with pytest.raises(OptionError, match="has no tensor-parallel plan") as error:
+        _trace("tp2", 2, workload=mlp)
+    assert "\n" not in str(error.value)
+
+
+def test_a_workloads_own_parallelize_is_used():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def parallelize(model, mesh):
+        return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    mlp = Workload(name="mlp", build_model=lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)),
+                   make_batch=lambda b, device: torch.randn(b, 8, device=device), loss_fn=lambda m, x: m(x).pow(2).mean())
+    mlp.parallelize = parallelize  # the field the coordinator adds to Workload
+    point = _trace("tp2", 2, workload=mlp)
+    assert point.params == 8 * 16 + 16 + 16 * 8 + 8
+    assert point.params_per_rank == (8 * 16 + 16) // 2 + 16 * 8 // 2 + 8  # the row-split bias stays whole
+    assert [(c.op, c.group, c.bytes) for c in point.collectives if c.phase == "forward"] == [
+        ("all_reduce", "tp", LOCAL_BATCH * 8 * 4)]
+
+
+# --- HF architectures --------------------------------------------------------------------------
+HF_TINY = {
+    "llama": dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+    "gpt2": dict(model_type="gpt2", vocab_size=512, n_positions=128, n_embd=128, n_layer=2, n_head=4,
+                 bos_token_id=0, eos_token_id=0),
+    "bert": dict(model_type="bert", vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=256, max_position_embeddings=128, architectures=["BertForMaskedLM"]),
+}
+
+
+@pytest.mark.parametrize("model_type", list(HF_TINY))
+def test_hf_architectures_have_tp_plans(model_type, tmp_path):
+    """Mistral is Llama's module tree (the same plan); Qwen2 adds q/k/v biases."""
+    pytest.importorskip("transformers")
+    from batchfit.zoo.hf import hf_workload
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(HF_TINY[model_type]))
+    work = hf_workload(str(config), seq_len=32)
+    tp = _trace("tp2", 2, workload=work)
+    assert {(c.group, c.group_size) for c in tp.collectives} == {("tp", 2)}
+    assert tp.params / 2 <= tp.params_per_rank < tp.params  # the blocks split; GPT-2's, BERT's embeddings whole
+    if model_type == "llama":  # everything split, as in PyTorch's Llama example: half the FLOPs
+        assert 2 * tp.flops == _trace("fsdp", 1, workload=work).flops
+        norms = 2 * 2 * 128 + 128  # two per layer and the final one: replicated (sequence parallel)
+        assert tp.params_per_rank == (tp.params - norms) // 2 + norms
