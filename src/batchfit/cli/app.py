@@ -8,6 +8,8 @@ from batchfit.cli.bench import EXAMPLES as BENCH_EXAMPLES
 from batchfit.cli.bench import bench_command
 from batchfit.cli.estimate import EXAMPLES, estimate_command
 from batchfit.cli.gpus import gpus_command, zoo_command
+from batchfit.cli.plan import EXAMPLES as PLAN_EXAMPLES
+from batchfit.cli.plan import plan_command
 from batchfit.cli.probe import EXAMPLES as PROBE_EXAMPLES
 from batchfit.cli.probe import probe_command
 
@@ -40,6 +42,7 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 app.command("estimate", epilog=EXAMPLES)(estimate_command)
 app.command("probe", epilog=PROBE_EXAMPLES)(probe_command)
 app.command("bench", epilog=BENCH_EXAMPLES)(bench_command)
+app.command("plan", epilog=PLAN_EXAMPLES)(plan_command)
 app.command("gpus")(gpus_command)
 app.command("zoo")(zoo_command)
 
