@@ -164,6 +164,6 @@ def test_the_standin_keeps_to_the_real_contract():
         mine = [f.name for f in dataclasses.fields(globals()[name])]
         theirs = [f.name for f in dataclasses.fields(getattr(real, name))]
         assert set(mine) <= set(theirs), (name, mine, theirs)
-    assert list(inspect.signature(real.trace_sharded).parameters) == \
+    assert list(inspect.signature(real.trace_sharded).parameters)[:5] == \
         ["workload", "options", "device", "strategy", "local_batch"]
     assert list(inspect.signature(real.parse_strategies).parameters)[:2] == ["text", "world_size"]

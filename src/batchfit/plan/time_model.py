@@ -156,9 +156,10 @@ def group_span(collective, strategy) -> int:
     data-parallel shard group, then the replicas)."""
     if collective.group == "tp":
         return collective.group_size
-    if strategy.shard == "hsdp" and strategy.replicas > 1 and collective.group_size == strategy.dp // strategy.replicas:
+    if (strategy.shard == "hsdp" and strategy.replicas > 1 and collective.op != "all_reduce"
+            and collective.group_size == strategy.dp // strategy.replicas):
         return collective.group_size * strategy.tp  # the shard group inside one replica
-    return strategy.world_size
+    return strategy.world_size  # dp, and HSDP's all-reduce across the replicas
 
 
 def step_time(point, strategy, world: World, device: Device, precision: str, model: TimeModel,
