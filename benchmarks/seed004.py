@@ -44,6 +44,30 @@ SEED_004 = {
 SEED_MAX_GLOBAL = {28: (32, 32), 32: (32, 16), 36: (32, 16), 40: (32, 16), 44: (16, 8), 48: (16, 8)}
 
 
+DIFFERENCES = """
+## Differences explained
+
+- **The model is reconstructed**, not seed 004's code: its sizes fit d = 64 x heads, 3/4 x heads layers and an
+  untied 50,257-token vocabulary exactly (991,845,120 parameters at 28 heads against its "0.99B"), but its blocks,
+  kernels and loss are not known here; these are Llama blocks (SwiGLU, d_ff = 8d/3), AdamW for dana-star-mk4.
+- **Per sample the trace holds more** than seed 004 measured (28 heads: 4.98 against 3.66 GiB per local sample for
+  FSDP, 2.19 against 1.76 for FSDP+TP4); at local batch 1 it holds 0.66 GiB less. The fixed part differs by the
+  optimizer's state and what seed 004's "Peak Mem (GPU 0)" counts (allocated or reserved: it does not say). A
+  hypothesis for the slope, not checked: the logits of a 50,257 vocabulary at seq 2048 are 0.2 GiB per sample in
+  bf16 and 0.4 GiB more in fp32 for the loss (and as much again for their gradient); a fused or chunked
+  cross-entropy, or torch.compile, as many trainers use, keeps most of that away.
+- **Max global batch**: seed 004 ran powers of two up to 32 only, so its "32" is a lower bound; batchfit gives the
+  largest that fits, traced and confirmed (60 for FSDP, 34 for FSDP+TP4 at 28 heads), and with its larger slope
+  it is the conservative side of the truth.
+- **The same conclusion**: FSDP (tp=1) fits a larger global batch than FSDP+TP4 and is faster (computed 243K
+  against 158K tokens/s at global batch 512, 1.5x; seed 004: 1.5-2x), because TP's all-reduces sit between the
+  matmuls; and the recommended configuration is seed 004's: local batch 8 x 16 accumulation steps for 512.
+- **Days**: 0.9 computed at the assumed MFU 0.4 against seed 004's 2.1: its measured iter_dt implies an MFU of
+  6 x 0.99e9 x 108K tokens/s / (4 x 989 TFLOP/s) = 0.16; `--mfu 0.16` (or `--calibrate` from a `batchfit bench`
+  on the GPU) brings the computed days to ~2.3.
+"""
+
+
 def enoki(heads: int):
     d = 64 * heads
     cfg = TransformerConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=d, n_layers=3 * heads // 4, n_heads=heads,
@@ -98,7 +122,7 @@ def main() -> None:
                      f"{tp1['micro_batch']} x {tp1['accumulation_steps']} | "
                      f"{tp1['days']:.1f} |" if tp1["days"] is not None else "—")
     path = write_result("seed004", {"seconds": round(time.perf_counter() - started, 1), "rows": rows})
-    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n" + DIFFERENCES)
     print("\n".join(lines))
     print(f"wrote {path} and {path.with_suffix('.md').name} in {RESULTS}")
 
