@@ -9,6 +9,19 @@ bandwidths are the vendors' datasheet numbers. Sources: NVIDIA H100, H200, A100,
 L40S, RTX 6000 Ada, V100 and T4 datasheets, the Ada Lovelace architecture whitepaper
 (RTX 4090), AMD's MI300X data sheet.
 
+Interconnect (``batchfit plan``'s communication time) is per GPU and per direction, in GB/s:
+the vendors quote NVLink as the sum of both directions (H100 SXM "900 GB/s"), and a ring
+collective sends one way while it receives the other, so the catalog halves their figure.
+Within a node: NVLink 4 for H100/H200 SXM (900 GB/s), NVLink 3 for A100 SXM (600 GB/s),
+NVLink 2 for V100 SXM2 (300 GB/s), AMD Infinity Fabric for MI300X (7 links x 128 GB/s =
+896 GB/s), each from the card's datasheet; the PCIe cards talk over PCIe (Gen5 x16: 64 GB/s a
+way for the H100 PCIe, Gen4 x16: 32 GB/s, Gen3 x16: 16 GB/s for the T4), which is what they
+have without an NVLink bridge. Between nodes: one 400 Gb/s InfiniBand NDR adapter per GPU
+(50 GB/s) as in NVIDIA's DGX H100/H200 reference design, one 200 Gb/s HDR adapter per GPU
+(25 GB/s) as in DGX A100, and for the cards with no reference cluster design one 100 Gb/s
+link per GPU (12.5 GB/s), an assumption the report prints. Every figure can be overridden
+(``batchfit plan --intra-node-gb-per-s/--inter-node-gb-per-s``).
+
 What a training process can hand to tensors is less than the total: the CUDA context and
 the kernels PyTorch loads take memory outside the caching allocator (``context_bytes``),
 and cuBLAS keeps a workspace per handle inside it (``workspace_bytes``). Both are stated
@@ -69,6 +82,14 @@ class Device:
     """Memory bandwidth in GB/s (10**9 bytes)."""
     source: str = "catalog"
     """Where the numbers come from: catalog, user (--gpu-memory) or measured."""
+    intra_node_gb_per_s: float | None = None
+    """GPU-to-GPU bandwidth within a node, per GPU and per direction, GB/s (10**9 bytes)."""
+    intra_node_link: str | None = None
+    """What carries it, as the vendor names it (e.g. 'NVLink 4, 900 GB/s bidirectional')."""
+    inter_node_gb_per_s: float | None = None
+    """Bandwidth between nodes, per GPU and per direction, GB/s."""
+    inter_node_link: str | None = None
+    """What carries it (e.g. 'InfiniBand NDR 400 Gb/s per GPU, as DGX H100')."""
 
     @property
     def usable_bytes(self) -> int:
@@ -92,7 +113,21 @@ class Device:
         return {**asdict(self), "usable_bytes": self.usable_bytes}
 
 
-def _gpu(name, display, mib, tflops, fp32_tflops, bandwidth_gb_per_s, cc_major, bf16=True) -> Device:
+# (GB/s per direction, what the vendor calls it): see the module docstring for the sources.
+NVLINK4 = (450.0, "NVLink 4, 900 GB/s bidirectional")
+NVLINK3 = (300.0, "NVLink 3, 600 GB/s bidirectional")
+NVLINK2 = (150.0, "NVLink 2, 300 GB/s bidirectional")
+INFINITY_FABRIC = (448.0, "Infinity Fabric, 7 links x 128 GB/s bidirectional")
+PCIE5 = (64.0, "PCIe Gen5 x16, 128 GB/s bidirectional")
+PCIE4 = (32.0, "PCIe Gen4 x16, 64 GB/s bidirectional")
+PCIE3 = (16.0, "PCIe Gen3 x16, 32 GB/s bidirectional")
+IB_NDR = (50.0, "InfiniBand NDR 400 Gb/s per GPU (as DGX H100)")
+IB_HDR = (25.0, "InfiniBand HDR 200 Gb/s per GPU (as DGX A100)")
+NET_100G = (12.5, "100 Gb/s per GPU (assumed: no reference cluster design)")
+
+
+def _gpu(name, display, mib, tflops, fp32_tflops, bandwidth_gb_per_s, cc_major, bf16=True,
+         intra=PCIE4, inter=NET_100G) -> Device:
     return Device(
         name=name,
         display_name=display,
@@ -102,26 +137,30 @@ def _gpu(name, display, mib, tflops, fp32_tflops, bandwidth_gb_per_s, cc_major, 
         fp32_tflops=fp32_tflops,
         supports_bf16=bf16,
         bandwidth_gb_per_s=bandwidth_gb_per_s,
+        intra_node_gb_per_s=intra[0],
+        intra_node_link=intra[1],
+        inter_node_gb_per_s=inter[0],
+        inter_node_link=inter[1],
     )
 
 
 CATALOG: dict[str, Device] = {
     d.name: d
     for d in [
-        _gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", 81559, 989.0, 67.0, 3350, 9),
-        _gpu("h100-pcie-80gb", "NVIDIA H100 PCIe 80GB", 81559, 756.0, 51.0, 2000, 9),
-        _gpu("h200-141gb", "NVIDIA H200 141GB HBM3e", 143771, 989.0, 67.0, 4800, 9),
-        _gpu("a100-80gb", "NVIDIA A100 80GB", 81920, 312.0, 19.5, 2039, 8),
-        _gpu("a100-40gb", "NVIDIA A100 40GB", 40960, 312.0, 19.5, 1555, 8),
+        _gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", 81559, 989.0, 67.0, 3350, 9, intra=NVLINK4, inter=IB_NDR),
+        _gpu("h100-pcie-80gb", "NVIDIA H100 PCIe 80GB", 81559, 756.0, 51.0, 2000, 9, intra=PCIE5),
+        _gpu("h200-141gb", "NVIDIA H200 141GB HBM3e", 143771, 989.0, 67.0, 4800, 9, intra=NVLINK4, inter=IB_NDR),
+        _gpu("a100-80gb", "NVIDIA A100 80GB", 81920, 312.0, 19.5, 2039, 8, intra=NVLINK3, inter=IB_HDR),
+        _gpu("a100-40gb", "NVIDIA A100 40GB", 40960, 312.0, 19.5, 1555, 8, intra=NVLINK3, inter=IB_HDR),
         _gpu("a10g-24gb", "NVIDIA A10G", 23028, 70.0, 31.2, 600, 8),
         _gpu("l4-24gb", "NVIDIA L4", 23034, 121.0, 30.3, 300, 8),
         _gpu("l40s-48gb", "NVIDIA L40S", 46068, 362.0, 91.6, 864, 8),
         _gpu("rtx4090-24gb", "NVIDIA GeForce RTX 4090", 24564, 165.0, 82.6, 1008, 8),
         _gpu("rtx6000ada-48gb", "NVIDIA RTX 6000 Ada Generation", 49140, 364.0, 91.1, 960, 8),
-        _gpu("v100-16gb", "NVIDIA Tesla V100 16GB", 16160, 125.0, 15.7, 900, 7, bf16=False),
-        _gpu("v100-32gb", "NVIDIA Tesla V100 32GB", 32510, 125.0, 15.7, 900, 7, bf16=False),
-        _gpu("t4-16gb", "NVIDIA Tesla T4", 15360, 65.0, 8.1, 320, 7, bf16=False),
-        _gpu("mi300x-192gb", "AMD Instinct MI300X", 196592, 1307.0, 163.4, 5300, 9),
+        _gpu("v100-16gb", "NVIDIA Tesla V100 16GB", 16160, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2),
+        _gpu("v100-32gb", "NVIDIA Tesla V100 32GB", 32510, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2),
+        _gpu("t4-16gb", "NVIDIA Tesla T4", 15360, 65.0, 8.1, 320, 7, bf16=False, intra=PCIE3),
+        _gpu("mi300x-192gb", "AMD Instinct MI300X", 196592, 1307.0, 163.4, 5300, 9, intra=INFINITY_FABRIC),
     ]
 }
 

@@ -10,6 +10,8 @@ from batchfit.cli.estimate import EXAMPLES, estimate_command
 from batchfit.cli.gpus import gpus_command, zoo_command
 from batchfit.cli.noise import EXAMPLES as NOISE_EXAMPLES
 from batchfit.cli.noise import noise_command
+from batchfit.cli.plan import EXAMPLES as PLAN_EXAMPLES
+from batchfit.cli.plan import plan_command
 from batchfit.cli.probe import EXAMPLES as PROBE_EXAMPLES
 from batchfit.cli.probe import probe_command
 from batchfit.cli.sweep import EXAMPLES as SWEEP_EXAMPLES
@@ -44,6 +46,7 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 app.command("estimate", epilog=EXAMPLES)(estimate_command)
 app.command("probe", epilog=PROBE_EXAMPLES)(probe_command)
 app.command("bench", epilog=BENCH_EXAMPLES)(bench_command)
+app.command("plan", epilog=PLAN_EXAMPLES)(plan_command)
 app.command("sweep", epilog=SWEEP_EXAMPLES)(sweep_command)
 app.command("noise", epilog=NOISE_EXAMPLES)(noise_command)
 app.command("gpus")(gpus_command)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchfit.workload import Workload
+from batchfit.zoo.frozen_pair import frozen_pair, frozen_pair_tiny
 from batchfit.zoo.grpo import grpo_workload
 from batchfit.zoo.recurrent import RecurrentConfig, RecurrentLM
 from batchfit.zoo.transformer import Transformer, TransformerConfig
@@ -74,4 +75,6 @@ ZOO: dict[str, Callable[..., Workload]] = {
         llama=True, tied_embeddings=True),
     "byte-elman-400m": _byte_elman,
     "grpo-gpt2-124m": grpo_workload,  # the RL step of seed 003
+    "frozen-pair": frozen_pair,  # seed 001: frozen Llama-3.1-8B + Qwen2.5-7B, trainable encoder + adapters
+    "frozen-pair-tiny": frozen_pair_tiny,  # the same wiring, small enough for CI
 }

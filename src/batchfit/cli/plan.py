@@ -1,0 +1,138 @@
+"""``batchfit plan``: per-GPU memory, max global batch, time and a launch config for many GPUs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg,
+                                 MultipleOfOpt, OptimizerOpt, PrecisionOpt, SeqLenOpt, TargetUtilOpt, TrainOnlyOpt,
+                                 check_outputs, command_target, handle_errors, out_option, parse_batch_sizes,
+                                 progress_line, quiet_if_stdout, report_folder, step_options, warn_about_precision,
+                                 write_json)
+from batchfit.devices import GiB
+from batchfit.errors import OptionError
+from batchfit.plan.emit import parse_emit, write_emit
+from batchfit.plan.engine import DEFAULT_MAX_BATCH, DEFAULT_STRATEGIES, plan
+from batchfit.plan.time_model import TimeModel, calibrated
+from batchfit.plan.world import parse_tokens, parse_worlds
+from batchfit.report.plan_markdown import write_plan_report
+from batchfit.specs import load_workload
+
+EXAMPLES = """
+Examples:
+
+  batchfit plan hf:llama-3.1-8b --gpu h100-80gb --gpus 8 --seq-len 8192 --precision bf16-mixed --checkpointing full --strategies ddp,fsdp,fsdp+tp2,fsdp+tp4 --global-batch 512 --tokens chinchilla
+
+  batchfit plan frozen-pair --gpu h100-80gb --gpus 1,2,3,4 --strategies ddp --precision bf16-mixed --target-util 0.8 --emit config.yaml
+
+  batchfit plan hf:qwen2.5-7b --gpu a100-80gb --nodes 2 --gpus-per-node 8 --strategies auto --precision bf16-mixed
+"""
+
+
+@handle_errors
+def plan_command(
+    model: ModelArg,
+    gpu: GpuOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+    device: DeviceOpt = None,
+    gpus: Annotated[str | None, typer.Option(help="GPUs: a count (8) or counts for a table by GPU count (1,2,3,4); "
+                                                  "above 8, nodes of 8.")] = None,
+    nodes: Annotated[int | None, typer.Option(help="Nodes (with --gpus-per-node): multi-node plans.")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(help="GPUs in each node.")] = None,
+    strategies: Annotated[str, typer.Option(help="Comma-separated: ddp, fsdp, fsdp-noreshard, hsdp<R>, tp<N>, "
+                                                 "fsdp+tp<N>; or auto (every one whose degrees divide the GPUs).")]
+    = DEFAULT_STRATEGIES,
+    global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step over all GPUs; the plan picks "
+                                                          "micro-batch x accumulation to reach it.")] = None,
+    tokens: Annotated[str | None, typer.Option(help="Tokens to train on, for days: a count (2e11) or chinchilla "
+                                                    "(20 x parameters).")] = None,
+    seq_len: SeqLenOpt = None,
+    precision: PrecisionOpt = "fp32",
+    optimizer: OptimizerOpt = None,
+    checkpointing: CheckpointingOpt = "none",
+    freeze: FreezeOpt = None,
+    train_only: TrainOnlyOpt = None,
+    batch_sizes: Annotated[str | None, typer.Option(help="Also trace these local batch sizes, e.g. 1,2,4.")] = None,
+    target_util: TargetUtilOpt = 0.9,
+    multiple_of: MultipleOfOpt = 1,
+    max_batch: Annotated[int, typer.Option(help="Never consider local batches above this.")] = DEFAULT_MAX_BATCH,
+    mfu: Annotated[float | None, typer.Option(help="Model FLOPs utilisation for the computed time (default 0.4, "
+                                                   "assumed).")] = None,
+    calibrate: Annotated[Path | None, typer.Option(help="Take the MFU from `batchfit bench --device cuda --json` "
+                                                        "output.")] = None,
+    intra_node_gb_per_s: Annotated[float | None, typer.Option(help="GPU-to-GPU GB/s within a node, per direction "
+                                                                   "(default: the GPU catalog's).")] = None,
+    inter_node_gb_per_s: Annotated[float | None, typer.Option(help="GB/s per GPU between nodes, per direction "
+                                                                   "(default: the GPU catalog's).")] = None,
+    emit: Annotated[list[str] | None, typer.Option(help="Write the recommended configuration: FILE (YAML + torchrun "
+                                                        "line) or accelerate:FILE (Accelerate config); repeatable.")]
+    = None,
+    json_path: JsonOpt = None,
+    out: Annotated[Path | None, out_option("report.md, plan.png, plan.json")] = None,
+) -> None:
+    """Plan a multi-GPU run: memory per GPU, max global batch, step time and a launch config.
+
+    Traces rank 0's real sharded step (DDP, FSDP2, HSDP, TP, FSDP+TP: PyTorch's own code on a
+    fake process group, fake tensors, no GPU) at a few local batch sizes for every strategy and
+    GPU count, finds the largest local batch that fits (traced and confirmed), the micro-batch
+    and accumulation that reach --global-batch, and computes step time from the FLOPs and
+    collective bytes the trace counted.
+    """
+    check_outputs(json_path, out)
+    emits = [parse_emit(text) for text in emit or []]
+    if mfu is not None and calibrate is not None:
+        raise OptionError("give --mfu or --calibrate, not both: --calibrate takes the MFU from a bench run")
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, 1)
+    time_model = (calibrated(calibrate, precision) if calibrate is not None
+                  else TimeModel(mfu=mfu, mfu_source="set by the user (--mfu)") if mfu is not None else TimeModel())
+    time_model = TimeModel(mfu=time_model.mfu, mfu_source=time_model.mfu_source,
+                           intra_node_gb_per_s=intra_node_gb_per_s, inter_node_gb_per_s=inter_node_gb_per_s)
+    worlds = parse_worlds(gpus, nodes, gpus_per_node)
+    parse_tokens(tokens)  # a bad --tokens is one line before any trace
+    sizes = parse_batch_sizes(batch_sizes)
+    target = command_target(gpu, gpu_memory, device)
+    if target.device is None:
+        raise OptionError("plan sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb) or --gpu-memory 80GiB")
+    warn_about_precision(target, precision)
+    workload = load_workload(model, seq_len=seq_len)
+    with progress_line() as say:
+        result = plan(workload, device=target.device, worlds=worlds, options=options, strategies=strategies,
+                      global_batch=global_batch, tokens=tokens, batch_sizes=sizes, target_util=target_util,
+                      multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say)
+    folder = report_folder(out, "plan", result.workload, target, options, seq_len)
+    paths = write_plan_report(result, folder)
+    written = [write_emit(kind, path, result) for kind, path in emits]
+    write_json(json_path, result.to_json())
+    _print_summary(result, quiet_if_stdout(json_path), paths["md"], written)
+
+
+def _print_summary(result, console, report_path: Path, written: list[Path]) -> None:
+    console.print(f"[bold]{escape(result.workload)} on {escape(result.device.display_name)}, "
+                  f"{result.options.precision} (memory traced, time computed)[/]")
+    table = Table()
+    for column in ("GPUs", "strategy", "max local", "max global", "micro x accum", "GiB at micro", "step s",
+                   "tokens/s", "days"):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for p in result.plans:
+        if p.skipped:
+            table.add_row(str(p.gpus), p.strategy, "skipped", "", "", "", "", "", "")
+            continue
+        table.add_row(
+            str(p.gpus), p.strategy, str(p.max_local_batch), str(p.max_global_batch),
+            f"{p.micro_batch} x {p.accumulation_steps}" if p.fits else "does not fit",
+            f"{p.peak_bytes_at_micro / GiB:.1f}" if p.peak_bytes_at_micro else "—",
+            f"{p.step_time_s:.2f}" if p.step_time_s else "—",
+            f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "—",
+            f"{p.days:.1f}" if p.days is not None else "—")
+    console.print(table)
+    for best in result.recommended:
+        console.print(f"[bold green]{best.gpus} GPU{'s' if best.gpus > 1 else ''}: {best.strategy}[/], micro-batch "
+                      f"{best.micro_batch} x {best.accumulation_steps} accumulation = global batch {best.global_batch}")
+    for path in written:
+        console.print(f"wrote {path}")
+    console.print(f"report: {report_path}")

@@ -1,0 +1,129 @@
+"""``--emit``: the recommended configuration as files a trainer reads.
+
+    --emit config.yaml             seed 001's ``training.batch_config`` shape, one entry per GPU
+                                   count, each with its ``torchrun`` command line
+    --emit accelerate:fsdp.yaml    an Accelerate config (``accelerate launch --config_file``)
+                                   for the recommended DDP / FSDP2 / HSDP run
+
+Pure Python (PyYAML), no torch: a PlanResult in, text out.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from batchfit.errors import OptionError
+
+EMIT_HELP = "FILE (YAML + torchrun line) or accelerate:FILE"
+SCRIPT = "train.py"
+"""The training script in the torchrun line: batchfit cannot know it; the YAML says to replace it."""
+
+
+def parse_emit(text: str) -> tuple[str, Path]:
+    """'config.yaml' -> ('yaml', path); 'accelerate:fsdp.yaml' -> ('accelerate', path).
+    The folder must exist: refused before any trace, so no result is lost."""
+    kind, _, rest = text.partition(":")
+    kind, path = ("accelerate", Path(rest)) if kind == "accelerate" else ("yaml", Path(text))
+    if not str(path) or str(path) == ".":
+        raise OptionError(f"--emit {text}: give a file, e.g. --emit config.yaml or --emit accelerate:fsdp.yaml")
+    if not path.parent.is_dir():
+        raise OptionError(f"--emit {text}: the folder '{path.parent}' does not exist; create it or write elsewhere")
+    if path.is_dir():
+        raise OptionError(f"--emit {text} is a folder: give a file name, e.g. --emit {path}/config.yaml")
+    return kind, path
+
+
+def torchrun_line(p, script: str = SCRIPT) -> str:
+    """How to launch ``p`` (a StrategyPlan): one process per GPU on each node."""
+    per_node = p.gpus // p.nodes
+    if p.nodes == 1:
+        return f"torchrun --standalone --nnodes 1 --nproc-per-node {per_node} {script}"
+    return (f"torchrun --nnodes {p.nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+            f"--rdzv-endpoint $MASTER_ADDR:29500 {script}")
+
+
+def _entry_name(result, p) -> str:
+    family = re.sub(r"-\d+gb$", "", result.device.name).replace("-", "_")
+    return f"{family}_{p.gpus}gpu" + (f"_{p.nodes}node" if p.nodes > 1 else "")
+
+
+def config_yaml(result) -> str:
+    """Seed 001's ``config.yaml`` shape: ``training.batch_config.<gpu>_<n>gpu`` entries."""
+    if not result.recommended:
+        raise OptionError("no strategy fits, so there is nothing to emit: see the report's 'what would make it fit'")
+    entries = {}
+    for p in result.recommended:
+        entries[_entry_name(result, p)] = {
+            "batch_size": p.micro_batch,
+            "gradient_accumulation_steps": p.accumulation_steps,
+            "effective_batch_size": p.global_batch,
+            "world_size": p.gpus,
+            "nodes": p.nodes,
+            "strategy": p.strategy,
+            "data_parallel": p.dp,
+            "tensor_parallel": p.tp,
+            "elastic_target_util": result.target_util,
+            "peak_gib_per_gpu": round(p.peak_bytes_at_micro / 2**30, 2),
+            "launch": torchrun_line(p),
+        }
+    head = (f"# batchfit plan: {result.workload} on {result.device.display_name}, {result.options.precision}.\n"
+            "# batch_size is per GPU (the micro-batch); effective_batch_size = batch_size x data_parallel x\n"
+            f"# gradient_accumulation_steps. Memory traced, not measured. Replace {SCRIPT} in launch with your script.\n")
+    return head + yaml.safe_dump({"training": {"batch_config": entries}}, sort_keys=False)
+
+
+ACCELERATE_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
+
+
+def accelerate_yaml(result) -> str:
+    """An Accelerate config for the recommended run on the largest GPU count: FSDP2 for the
+    fsdp strategies, HSDP and TP (the last two through Accelerate's ``parallelism_config``, its
+    replicate / shard / tp sizes), MULTI_GPU for DDP."""
+    if not result.recommended:
+        raise OptionError("no strategy fits, so there is nothing to emit: see the report's 'what would make it fit'")
+    p = result.recommended[-1]
+    config = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": ("NO" if p.gpus == 1 else "MULTI_GPU" if p.shard in ("ddp", "none") and p.tp == 1
+                             else "FSDP"),
+        "mixed_precision": ACCELERATE_PRECISION[result.options.precision],
+        "num_machines": p.nodes,
+        "num_processes": p.gpus,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "rdzv_backend": "static" if p.nodes == 1 else "c10d",
+        "same_network": True,
+        "use_cpu": False,
+        "gradient_accumulation_steps": p.accumulation_steps,
+    }
+    if config["distributed_type"] == "FSDP":
+        fsdp = {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": p.shard != "fsdp-noreshard",
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_activation_checkpointing": result.options.checkpointing == "full",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_offload_params": False,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        }
+        # No fsdp_transformer_layer_cls_to_wrap: Accelerate then wraps a transformers model's
+        # _no_split_modules (its decoder layers), one FSDP group per block as the trace did.
+        config["fsdp_config"] = fsdp
+        if p.shard == "hsdp" or p.tp > 1:
+            replicas = p.replicas if p.shard == "hsdp" else 1
+            config["parallelism_config"] = {"parallelism_config_dp_replicate_size": replicas,
+                                            "parallelism_config_dp_shard_size": p.dp // replicas,
+                                            "parallelism_config_tp_size": p.tp}
+    head = (f"# batchfit plan: {result.workload}, {p.strategy} on {p.gpus} GPUs; per-GPU batch size "
+            f"{p.micro_batch}, {p.accumulation_steps} accumulation steps, global batch {p.global_batch}.\n"
+            "# accelerate launch --config_file THIS_FILE your_script.py\n")
+    return head + yaml.safe_dump(config, sort_keys=False)
+
+
+def write_emit(kind: str, path: Path, result) -> Path:
+    text = accelerate_yaml(result) if kind == "accelerate" else config_yaml(result)
+    path.write_text(text)
+    return path

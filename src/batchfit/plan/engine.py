@@ -1,0 +1,426 @@
+"""``batchfit plan``: per-GPU memory, batch sizes, time and a launch config for many GPUs.
+
+For each GPU count and each strategy (DDP, FSDP2, HSDP, TP, FSDP+TP):
+
+1. Trace rank 0's training step on a fake process group at a few local batch sizes
+   (``plan/sharded.py``: PyTorch's own sharding, fake tensors, no GPU).
+2. Fit the memory curve and find the largest local batch that fits, confirmed by tracing it
+   and the next size up: the same fit (``trace/curve.py``) and search (``search.guided``) as
+   ``estimate``, so every answer is a traced one.
+3. Pick the micro-batch: the largest local batch under the target utilisation whose product
+   with the data-parallel degree divides ``--global-batch`` (accumulation fills the rest),
+   traced.
+4. Compute the step time at that micro-batch from the FLOPs and collectives the trace
+   counted (``time_model.py``), tokens/s and days for ``--tokens``.
+5. Recommend, per GPU count, the strategy with the most tokens/s.
+
+The tracer is a parameter (``trace=``), so the engine is tested with stand-ins whose
+numbers are known, and the real tracer is imported only when a plan runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+
+from batchfit.devices import Device, GiB
+from batchfit.errors import OptionError
+from batchfit.plan.time_model import OVERLAP_RULE, StepTime, TimeModel, step_time
+from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
+from batchfit.search import SearchResult, Trial, guided
+from batchfit.trace.curve import MemoryCurve, secant
+from batchfit.workload import StepOptions, Workload
+
+DEFAULT_MAX_BATCH = 1 << 16
+DEFAULT_STRATEGIES = "ddp,fsdp"
+SECONDS_PER_DAY = 86400
+SOURCE = ("memory traced on a fake process group (rank 0, PyTorch's own sharding, fake tensors); "
+          "time computed: FLOPs / (peak x MFU) + collective bytes / link bandwidth")
+
+
+def sharded() -> ModuleType:
+    """The sharded tracer, imported when a plan runs (it pulls in torch.distributed).
+
+    Through ``importlib`` so that a stand-in put in ``sys.modules`` is the one used."""
+    return importlib.import_module("batchfit.plan.sharded")
+
+
+@dataclass
+class PlanPoint:
+    """One traced local batch of one strategy: rank 0's peak and what it holds."""
+
+    local_batch: int
+    peak_bytes: int
+    """As max_memory_allocated() would show it on rank 0: traced, plus the cuBLAS workspace."""
+    breakdown: dict[str, int]
+    flops: int
+    collectives: tuple
+
+    def to_json(self) -> dict:
+        return {"local_batch": self.local_batch, "peak_bytes": self.peak_bytes, "breakdown": self.breakdown,
+                "flops": self.flops}
+
+
+def plan_point(traced, workspace_bytes: int) -> PlanPoint:
+    """A ShardedPoint as a GPU would report it: the cuBLAS workspace (allocated through the
+    caching allocator before the step) added, unless the tracer counted it already."""
+    breakdown = dict(traced.breakdown)
+    peak = traced.peak_bytes
+    if "workspace" not in breakdown:
+        breakdown["workspace"] = workspace_bytes
+        peak += workspace_bytes
+    return PlanPoint(traced.local_batch, peak, breakdown, traced.flops, tuple(traced.collectives))
+
+
+class ShardedCurve:
+    """One strategy's step traced at local batch sizes on demand (each size once), with
+    ``estimate``'s fit and confirmation on top."""
+
+    def __init__(self, trace_point: Callable[[int], object], workspace_bytes: int,
+                 say: Callable[[str], None]) -> None:
+        self._trace, self._workspace, self._say = trace_point, workspace_bytes, say
+        self.points: dict[int, PlanPoint] = {}
+        self.first = None
+        """The first ShardedPoint traced (its parameter counts)."""
+
+    def point(self, local_batch: int) -> PlanPoint:
+        if local_batch not in self.points:
+            self._say(f"local batch {local_batch}")
+            traced = self._trace(local_batch)
+            self.first = self.first or traced
+            self.points[local_batch] = plan_point(traced, self._workspace)
+        return self.points[local_batch]
+
+    def curve(self) -> MemoryCurve:
+        """The line through the two largest traced sizes (``trace.curve.secant``): the rank's
+        step peak, fixed (its shards of parameters, gradients, optimizer state) plus per sample."""
+        return MemoryCurve((secant("step", [(b, p.peak_bytes) for b, p in self.points.items()]),))
+
+    def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int) -> SearchResult:
+        """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak is under
+        ``limit_bytes``: predicted by the curve, confirmed by tracing it and the next size up."""
+
+        def probe(local_batch: int) -> Trial:
+            peak = self.point(local_batch).peak_bytes
+            return Trial(local_batch, "ok" if peak <= limit_bytes else "oom", peak_allocated_bytes=peak)
+
+        known = [probe(b) for b in self.points]
+        return guided(probe, lambda trials: self.curve().max_batch_size(limit_bytes, multiple_of),
+                      lo=lo, hi=hi, multiple_of=multiple_of, known=known)
+
+
+@dataclass
+class StrategyPlan:
+    """One strategy on one GPU count: the row of seed 004's table, and how it was found."""
+
+    strategy: str
+    gpus: int
+    nodes: int
+    dp: int
+    tp: int
+    shard: str
+    replicas: int
+    points: list[PlanPoint]
+    curve: MemoryCurve | None
+    max_local_batch: int
+    capped: bool
+    micro_batch: int = 0
+    accumulation_steps: int = 0
+    global_batch: int = 0
+    peak_bytes_at_micro: int | None = None
+    above_target: bool = False
+    """No micro-batch that reaches the global batch stays under the target: the smallest is used."""
+    time: StepTime | None = None
+    """At the micro-batch, with its accumulation steps."""
+    time_at_max: StepTime | None = None
+    """At the max local batch, no accumulation: seed 004's iter_dt column."""
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    tokens_per_s_at_max: float | None = None
+    days: float | None = None
+    params_per_rank: int | None = None
+    fix: list[str] = field(default_factory=list)
+    """When not even local batch 1 fits: what would (computed from its breakdown)."""
+    skipped: str | None = None
+    """Why this strategy was not traced (``auto`` on a model with no tensor-parallel plan)."""
+
+    @property
+    def max_global_batch(self) -> int:
+        return self.max_local_batch * self.dp
+
+    @property
+    def step_time_s(self) -> float | None:
+        return self.time.step_time_s if self.time else None
+
+    @property
+    def fits(self) -> bool:
+        return self.max_local_batch > 0
+
+    def point(self, local_batch: int) -> PlanPoint | None:
+        return next((p for p in self.points if p.local_batch == local_batch), None)
+
+    def to_json(self) -> dict:
+        return {
+            "strategy": self.strategy, "gpus": self.gpus, "nodes": self.nodes, "dp": self.dp, "tp": self.tp,
+            "shard": self.shard, "replicas": self.replicas,
+            "points": [p.to_json() for p in self.points],
+            "fit": ({"model": "peak(local_batch) = fixed_bytes + bytes_per_sample * local_batch",
+                     "fixed_bytes": round(self.curve.lines[0].fixed_bytes),
+                     "bytes_per_sample": round(self.curve.lines[0].bytes_per_sample)} if self.curve else None),
+            "max_local_batch": self.max_local_batch, "max_global_batch": self.max_global_batch,
+            "capped": self.capped, "micro_batch": self.micro_batch,
+            "accumulation_steps": self.accumulation_steps, "global_batch": self.global_batch,
+            "peak_bytes_at_micro": self.peak_bytes_at_micro, "above_target": self.above_target,
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "samples_per_s": self.samples_per_s,
+            "days": self.days, "time": self.time.to_json() if self.time else None,
+            "step_time_s_at_max": self.time_at_max.step_time_s if self.time_at_max else None,
+            "tokens_per_s_at_max": self.tokens_per_s_at_max,
+            "params_per_rank": self.params_per_rank, "fix": self.fix, "skipped": self.skipped,
+            "source": SOURCE if self.time else SOURCE.split(";")[0] + "; time not computed (no peak FLOP/s known)",
+        }
+
+
+@dataclass
+class PlanResult:
+    workload: str
+    description: str
+    tokens_per_sample: int | None
+    device: Device
+    options: StepOptions
+    worlds: list[World]
+    strategies_asked: str
+    plans: list[StrategyPlan]
+    params: int
+    global_batch: int | None
+    tokens: float | None
+    tokens_asked: str | None
+    target_util: float
+    multiple_of: int
+    time_model: TimeModel
+    links: dict
+    trace_seconds: float
+    traces: int
+    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.device.usable_bytes
+
+    @property
+    def target_bytes(self) -> int:
+        return int(self.target_util * self.device.usable_bytes)
+
+    @property
+    def recommended(self) -> list[StrategyPlan]:
+        """Per GPU count, the fitting strategy with the most tokens/s (samples/s; with no
+        time, the largest global batch); ties go to the smaller tensor-parallel degree."""
+        out = []
+        for world in self.worlds:
+            fitting = [p for p in self.plans if p.gpus == world.gpus and p.fits]
+            if fitting:
+                out.append(max(fitting, key=lambda p: (p.samples_per_s or 0.0, p.global_batch, -p.tp)))
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "source": "traced memory, computed time",
+            "workload": self.workload, "description": self.description,
+            "tokens_per_sample": self.tokens_per_sample, "device": self.device.to_json(),
+            "options": self.options.to_json(), "worlds": [w.to_json() for w in self.worlds],
+            "strategies_asked": self.strategies_asked, "params": self.params,
+            "global_batch": self.global_batch, "tokens": self.tokens, "tokens_asked": self.tokens_asked,
+            "target_util": self.target_util, "multiple_of": self.multiple_of,
+            "capacity_bytes": self.capacity_bytes, "target_bytes": self.target_bytes,
+            "time_model": {**self.time_model.to_json(), **self.links, "overlap_rule": OVERLAP_RULE},
+            "strategies": [p.to_json() for p in self.plans],
+            "recommended": [{"gpus": p.gpus, "nodes": p.nodes, "strategy": p.strategy, "dp": p.dp, "tp": p.tp,
+                             "micro_batch": p.micro_batch, "accumulation_steps": p.accumulation_steps,
+                             "global_batch": p.global_batch, "peak_bytes_at_micro": p.peak_bytes_at_micro,
+                             "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "days": p.days}
+                            for p in self.recommended],
+            "trace_seconds": round(self.trace_seconds, 2), "traces": self.traces, "created": self.created,
+        }
+
+
+def _validate(target_util: float, multiple_of: int, max_batch: int, batch_sizes: list[int] | None,
+              global_batch: int | None) -> None:
+    if not 0 < target_util <= 1:
+        raise OptionError(f"--target-util must be in (0, 1], e.g. 0.9; got {target_util}")
+    if multiple_of < 1:
+        raise OptionError(f"--multiple-of must be 1 or more, got {multiple_of}")
+    if max_batch < multiple_of:
+        raise OptionError(f"--max-batch ({max_batch}) must be at least --multiple-of ({multiple_of})")
+    if any(b < 1 for b in batch_sizes or []):
+        raise OptionError("--batch-sizes are local batch sizes, 1 or more: e.g. --batch-sizes 1,2,4")
+    if global_batch is not None and global_batch < 1:
+        raise OptionError(f"--global-batch must be 1 or more, e.g. 512; got {global_batch}")
+
+
+def _check_global_batch(global_batch: int, strategies: list, multiple_of: int) -> None:
+    """Every strategy must reach the global batch with whole micro-batches on every rank."""
+    for s in strategies:
+        if global_batch % (s.dp * multiple_of):
+            step = math.lcm(*(x.dp * multiple_of for x in strategies))
+            near = max(step, round(global_batch / step) * step)
+            raise OptionError(
+                f"--global-batch {global_batch} cannot be split over {s.name}'s {s.dp} data-parallel ranks on "
+                f"{s.world_size} GPUs{f' in multiples of {multiple_of}' if multiple_of > 1 else ''}: "
+                f"use a multiple of {step}, e.g. --global-batch {near}")
+
+
+def _micro_candidates(plan: StrategyPlan, global_batch: int, multiple_of: int) -> list[int]:
+    """Local batches that could be the micro-batch, largest first: multiples of ``multiple_of``
+    up to the max local batch whose product with dp divides the global batch."""
+    sizes = range(plan.max_local_batch // multiple_of * multiple_of, 0, -multiple_of)
+    return [m for m in sizes if global_batch % (m * plan.dp) == 0]
+
+
+def _choose_micro(plan: StrategyPlan, curve: ShardedCurve, target_bytes: int, global_batch: int | None,
+                  multiple_of: int) -> None:
+    """The micro-batch: the largest local batch whose traced peak is under the target and,
+    with a global batch, whose product with dp divides it; the smallest such size (which fits
+    the capacity) when none is under the target."""
+    if global_batch is None:  # any size: estimate's confirmed search, under the target
+        found = curve.max_batch(target_bytes, lo=multiple_of, hi=plan.max_local_batch, multiple_of=multiple_of)
+        chosen = found.max_batch_size or multiple_of
+    else:  # few sizes (divisors): from the largest the curve puts under the target, down
+        candidates = _micro_candidates(plan, global_batch, multiple_of)
+        fitted = curve.curve()
+        first = next((i for i, m in enumerate(candidates) if fitted.peak_bytes(m) <= target_bytes),
+                     len(candidates) - 1)
+        chosen = next((m for m in candidates[first:] if curve.point(m).peak_bytes <= target_bytes), candidates[-1])
+    at = curve.point(chosen)
+    plan.micro_batch = chosen
+    plan.above_target = at.peak_bytes > target_bytes
+    plan.peak_bytes_at_micro = at.peak_bytes
+    plan.global_batch = global_batch if global_batch is not None else chosen * plan.dp
+    plan.accumulation_steps = plan.global_batch // (chosen * plan.dp)
+
+
+def _fix(plan: StrategyPlan, point: PlanPoint, capacity_bytes: int, options: StepOptions) -> list[str]:
+    """What would make local batch 1 fit, computed from its breakdown (labelled computed)."""
+    over = point.peak_bytes - capacity_bytes
+    parts = point.breakdown
+    state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer", "optimizer_state"))
+    out = [f"local batch {point.local_batch} needs {point.peak_bytes / GiB:.2f} GiB per GPU, "
+           f"{over / GiB:.2f} GiB more than the {capacity_bytes / GiB:.2f} GiB usable"]
+    if plan.shard in ("none", "ddp") and plan.gpus > 1 and state:
+        saving = state * (1 - 1 / plan.gpus)
+        out.append(f"fsdp shards parameters, gradients and optimizer state ({state / GiB:.2f} GiB here) over the "
+                   f"{plan.gpus} GPUs: {saving / GiB:.2f} GiB less (computed: their sum x (1 - 1/{plan.gpus})); "
+                   "--strategies fsdp")
+    elif plan.shard in ("fsdp", "fsdp-noreshard", "hsdp") and state:
+        out.append(f"more GPUs shard the {state / GiB:.2f} GiB of parameters, gradients and optimizer state "
+                   f"further: twice as many save {state / 2 / GiB:.2f} GiB (computed); --gpus {2 * plan.gpus}")
+    if options.checkpointing == "none" and parts.get("activations"):
+        out.append(f"--checkpointing full keeps one block's activations, not all of them "
+                   f"({parts['activations'] / GiB:.2f} GiB here)")
+    if options.precision not in ("bf16",):
+        out.append("--precision bf16 halves parameters, gradients and optimizer state")
+    out.append(f"a GPU with at least {point.peak_bytes / GiB * 1.05:.0f} GiB (`batchfit gpus`)")
+    return out
+
+
+def plan(workload: Workload, *, device: Device, worlds: list[World], options: StepOptions | None = None,
+         strategies: str = DEFAULT_STRATEGIES, global_batch: int | None = None, tokens: str | float | None = None,
+         batch_sizes: list[int] | None = None, target_util: float = 0.9, multiple_of: int = 1,
+         max_batch: int = DEFAULT_MAX_BATCH, time_model: TimeModel | None = None,
+         trace: Callable | None = None, parse: Callable | None = None,
+         progress: Callable[[str], None] | None = None) -> PlanResult:
+    """Plan ``workload`` on ``device`` for each of ``worlds`` and each of ``strategies``.
+
+    ``trace(workload, options, device, strategy, local_batch) -> ShardedPoint`` and
+    ``parse(text, world_size) -> list[Strategy]`` default to ``batchfit.plan.sharded``'s.
+    ``tokens`` is a count, ``'chinchilla'`` (20 x parameters) or a string either way.
+    """
+    options = options or StepOptions()
+    time_model = time_model or TimeModel()
+    _validate(target_util, multiple_of, max_batch, batch_sizes, global_batch)
+    tokens_asked = tokens if isinstance(tokens, str) else None
+    tokens = parse_tokens(tokens) if isinstance(tokens, str) else tokens
+    if tokens is not None and not workload.tokens_per_sample:
+        raise OptionError(f"--tokens needs a sequence model: {workload.name} has no tokens per sample; drop --tokens")
+    if options.accumulation_steps != 1:
+        raise OptionError("plan chooses the accumulation steps itself (to reach --global-batch): "
+                          "drop --accumulation-steps")
+    if trace is None or parse is None:
+        module = sharded()
+        trace, parse = trace or module.trace_sharded, parse or module.parse_strategies
+    multiple_of = workload.batch_multiple(multiple_of)
+    by_world = [(world, parse(strategies, world.gpus)) for world in worlds]  # every bad name before any trace
+    if global_batch is not None:
+        for _, chosen in by_world:
+            _check_global_batch(global_batch, chosen, multiple_of)
+    say = progress or (lambda message: None)
+    started = time.perf_counter()
+    plans: list[StrategyPlan] = []
+    params = None
+    traces = 0
+    capacity, target_bytes = device.usable_bytes, int(target_util * device.usable_bytes)
+    for world, chosen in by_world:
+        for strategy in chosen:
+            label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
+            curve = ShardedCurve(lambda b, s=strategy: trace(workload, options, device, s, b), device.workspace_bytes,
+                                 lambda message, label=label: say(f"{label}: {message}"))
+            base = dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
+                        tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1))
+            try:
+                for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
+                    curve.point(b)
+            except OptionError as error:
+                if strategies.strip().lower() != "auto" or strategy.tp == 1:
+                    raise
+                plans.append(StrategyPlan(**base, points=[], curve=None, max_local_batch=0, capped=False,
+                                          skipped=str(error)))  # auto tried it; the model has no TP plan
+                continue
+            found = curve.max_batch(capacity, lo=multiple_of, hi=max_batch, multiple_of=multiple_of)
+            plan_row = StrategyPlan(**base, points=[], curve=None, max_local_batch=found.max_batch_size,
+                                    capped=found.capped, params_per_rank=curve.first.params_per_rank)
+            params = params or curve.first.params
+            if plan_row.fits:
+                _choose_micro(plan_row, curve, target_bytes, global_batch, multiple_of)
+                _time(plan_row, curve, strategy, world, device, options, time_model, workload)
+            else:
+                smallest = curve.points[min(curve.points)]
+                plan_row.fix = _fix(plan_row, smallest, capacity, options)
+            plan_row.points = [curve.points[b] for b in sorted(curve.points)]
+            plan_row.curve = curve.curve()
+            traces += len(curve.points)
+            plans.append(plan_row)
+    if params is None:
+        raise OptionError(f"no strategy of '{strategies}' could be traced for {workload.name}: "
+                          "every one was skipped (see above); name strategies with --strategies ddp,fsdp")
+    if tokens == "chinchilla":
+        tokens = float(CHINCHILLA_TOKENS_PER_PARAM * params)
+    for p in plans:
+        if tokens is not None and p.tokens_per_s:
+            p.days = tokens / p.tokens_per_s / SECONDS_PER_DAY
+    return PlanResult(
+        workload=workload.name, description=workload.description, tokens_per_sample=workload.tokens_per_sample,
+        device=device, options=options, worlds=list(worlds), strategies_asked=strategies, plans=plans,
+        params=params, global_batch=global_batch, tokens=tokens, tokens_asked=tokens_asked,
+        target_util=target_util, multiple_of=multiple_of, time_model=time_model,
+        links=time_model.links(device), trace_seconds=time.perf_counter() - started, traces=traces,
+    )
+
+
+def _time(plan_row: StrategyPlan, curve: ShardedCurve, strategy, world: World, device: Device,
+          options: StepOptions, model: TimeModel, workload: Workload) -> None:
+    """Step time, samples/s and tokens/s at the micro-batch, and at the max local batch."""
+    at_micro = curve.points[plan_row.micro_batch]
+    plan_row.time = step_time(at_micro, strategy, world, device, options.precision, model,
+                              plan_row.accumulation_steps)
+    at_max = curve.points.get(plan_row.max_local_batch)
+    plan_row.time_at_max = at_max and step_time(at_max, strategy, world, device, options.precision, model)
+    if plan_row.time:
+        plan_row.samples_per_s = plan_row.global_batch / plan_row.time.step_time_s
+        if workload.tokens_per_sample:
+            plan_row.tokens_per_s = plan_row.samples_per_s * workload.tokens_per_sample
+    if plan_row.time_at_max and workload.tokens_per_sample:
+        plan_row.tokens_per_s_at_max = (plan_row.max_global_batch * workload.tokens_per_sample
+                                        / plan_row.time_at_max.step_time_s)

@@ -1,0 +1,200 @@
+"""Step time, computed (never measured) from what the trace of rank 0 counted.
+
+    compute        = FLOPs rank 0 runs in the step / (the GPU's dense peak for the precision x MFU)
+    a collective   = the bytes each rank sends in it / the link's bandwidth (per GPU, per direction)
+    step           = compute + max(0, overlapped - compute) + exposed
+
+Bytes a rank sends, for a ring over ``n`` ranks of a ``B``-byte tensor (the full, unsharded
+payload the trace records): all-gather and reduce-scatter (n-1)/n x B, all-reduce 2(n-1)/n x B
+(a reduce-scatter then an all-gather), broadcast B. This is NCCL's "bus bandwidth" accounting.
+
+The link: ranks fill a node before the next (``world.py``) and the tensor-parallel dimension
+is the innermost of the mesh, so a group whose ranks span no more than one node's GPUs talks
+over NVLink (or PCIe), and any other over the network between nodes, whose per-GPU adapter
+is then the narrowest link of the ring.
+
+What overlaps (the rule the report states):
+- FSDP and HSDP prefetch the next block's all-gather, and reduce-scatter the previous block's
+  gradients, while a block computes: their data-parallel collectives overlap compute, all but
+  the first all-gather of the forward (nothing runs before it).
+- DDP all-reduces each gradient bucket as soon as backward fills it: its all-reduces overlap
+  the backward, all but the last bucket (nothing computes after it).
+- Tensor-parallel collectives sit between two matmuls that wait for them: never overlapped.
+- Collectives outside forward and backward (in the optimizer step) are not overlapped.
+Overlapped communication that takes longer than the compute it hides behind shows as time.
+
+With gradient accumulation every micro-batch repeats the traced step (FSDP re-gathers its
+parameters for each; DDP without ``no_sync`` all-reduces each), so a step of ``k``
+micro-batches takes ``k`` times as long: an upper bound for DDP with ``no_sync``.
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from batchfit.devices import Device
+from batchfit.errors import OptionError
+from batchfit.plan.world import World
+
+DEFAULT_MFU = 0.4
+"""Model FLOPs utilisation assumed when none is given: a round figure for a well-tuned bf16
+transformer run on current NVIDIA GPUs (seed 004's FSDP runs of 1-4B models on H100 reached
+less, 0.15-0.3). An assumption, printed as one; ``--mfu`` or ``--calibrate bench.json`` replace it."""
+
+DEFAULT_INTRA_NODE_GB_PER_S = 450.0
+DEFAULT_INTER_NODE_GB_PER_S = 50.0
+"""For a GPU given only by its memory (--gpu-memory): an H100 SXM node's links, said as assumed."""
+
+OVERLAP_RULE = (
+    "FSDP/HSDP all-gather the next block's parameters and reduce-scatter the previous block's gradients "
+    "while a block computes, and DDP all-reduces each gradient bucket while backward goes on, so "
+    "data-parallel collectives overlap compute, except the first all-gather of the forward (FSDP) and the "
+    "last gradient bucket (DDP); tensor-parallel collectives sit between matmuls that wait for them and "
+    "never overlap. step = compute + max(0, overlapped - compute) + exposed; with k accumulation steps, "
+    "k x that (every micro-batch repeats the traced step's collectives).")
+
+
+def bus_factor(op: str, ranks: int) -> float:
+    """Bytes one rank sends per byte of the full tensor, for a ring over ``ranks`` ranks."""
+    if ranks <= 1:
+        return 0.0
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (ranks - 1) / ranks
+    if op == "all_reduce":
+        return 2 * (ranks - 1) / ranks
+    return 1.0  # broadcast, send/recv: the whole tensor once
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """The assumptions behind every computed time, printed with it."""
+
+    mfu: float = DEFAULT_MFU
+    mfu_source: str = f"assumed ({DEFAULT_MFU}, the default; set --mfu or --calibrate)"
+    intra_node_gb_per_s: float | None = None
+    """Overrides the catalog's within-node figure (--intra-node-gb-per-s)."""
+    inter_node_gb_per_s: float | None = None
+    """Overrides the catalog's between-node figure (--inter-node-gb-per-s)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mfu <= 1:
+            raise OptionError(f"--mfu must be in (0, 1], e.g. 0.4; got {self.mfu}")
+        for name, value in (("--intra-node-gb-per-s", self.intra_node_gb_per_s),
+                            ("--inter-node-gb-per-s", self.inter_node_gb_per_s)):
+            if value is not None and value <= 0:
+                raise OptionError(f"{name} must be more than 0 (GB/s per GPU and direction), e.g. 450; got {value}")
+
+    def links(self, device: Device) -> dict:
+        """GB/s within and between nodes, and where each figure comes from."""
+        def pick(override, catalog, default, link):
+            if override is not None:
+                return override, "set by the user"
+            if catalog is not None:
+                return catalog, f"{link} ({device.source})"
+            return default, "assumed (an H100 SXM node's; the GPU was given by its memory only)"
+
+        intra, intra_src = pick(self.intra_node_gb_per_s, device.intra_node_gb_per_s, DEFAULT_INTRA_NODE_GB_PER_S,
+                                device.intra_node_link)
+        inter, inter_src = pick(self.inter_node_gb_per_s, device.inter_node_gb_per_s, DEFAULT_INTER_NODE_GB_PER_S,
+                                device.inter_node_link)
+        return {"intra_node_gb_per_s": intra, "intra_node_source": intra_src,
+                "inter_node_gb_per_s": inter, "inter_node_source": inter_src}
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def calibrated(path: str | Path, precision: str) -> TimeModel:
+    """A TimeModel whose MFU is the one ``batchfit bench --json`` measured on a GPU: the row
+    with the most samples per step that has one (the plan's micro-batches are large ones)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise OptionError(f"--calibrate {path}: cannot read it ({error}): give the file "
+                          "`batchfit bench --device cuda --json bench.json` wrote") from None
+    rows = [r for r in data.get("rows", []) if isinstance(r, dict) and r.get("mfu")] if isinstance(data, dict) else []
+    if not rows:
+        raise OptionError(f"--calibrate {path} holds no measured MFU: it must come from a GPU run, "
+                          "`batchfit bench MODEL --device cuda --json bench.json`; or give --mfu 0.4")
+    row = max(rows, key=lambda r: r["batch_size"])
+    bench_precision = (data.get("options") or {}).get("precision")
+    note = "" if bench_precision in (None, precision) else f"; measured at {bench_precision}, planned at {precision}"
+    device = (data.get("device") or {}).get("display_name") or (data.get("device") or {}).get("spec", "a GPU")
+    return TimeModel(mfu=row["mfu"], mfu_source=f"measured by batchfit bench on {device} at batch "
+                                                f"{row['batch_size']} ({Path(path).name}{note})")
+
+
+@dataclass
+class StepTime:
+    """One optimizer step's computed time, in its parts."""
+
+    compute_s: float
+    """Per micro-batch: FLOPs / (peak x MFU)."""
+    communication_s: dict[str, float]
+    """Per micro-batch, by group ('dp', 'tp'): every collective's time, overlapped or not."""
+    overlapped_s: float
+    exposed_s: float
+    micro_step_s: float
+    accumulation_steps: int
+    step_time_s: float
+    flops: int
+    peak_tflops: float
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    """Per micro-batch, by group: bytes rank 0 sends (ring accounting)."""
+    links: dict[str, str] = field(default_factory=dict)
+    """By group: 'intra-node' or 'inter-node'."""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def group_span(collective, strategy) -> int:
+    """How many consecutive ranks one group of ``collective`` spans (tp innermost, then the
+    data-parallel shard group, then the replicas)."""
+    if collective.group == "tp":
+        return collective.group_size
+    if (strategy.shard == "hsdp" and strategy.replicas > 1 and collective.op != "all_reduce"
+            and collective.group_size == strategy.dp // strategy.replicas):
+        return collective.group_size * strategy.tp  # the shard group inside one replica
+    return strategy.world_size  # dp, and HSDP's all-reduce across the replicas
+
+
+def step_time(point, strategy, world: World, device: Device, precision: str, model: TimeModel,
+              accumulation_steps: int = 1) -> StepTime | None:
+    """The computed time of one optimizer step of ``accumulation_steps`` micro-batches, each
+    the traced ``point``; None when the GPU's peak FLOP/s for ``precision`` is unknown."""
+    peak_tflops = device.peak_tflops(precision)
+    if not peak_tflops:
+        return None
+    links = model.links(device)
+    compute_s = point.flops / (peak_tflops * 1e12 * model.mfu)
+    by_group: dict[str, float] = {}
+    sent: dict[str, int] = {}
+    link_of: dict[str, str] = {}
+    overlapped = exposed = 0.0
+    dp_calls = [i for i, c in enumerate(point.collectives) if c.group != "tp"]
+    first_forward = next((i for i in dp_calls if point.collectives[i].phase == "forward"), None)
+    last_backward = next((i for i in reversed(dp_calls) if point.collectives[i].phase == "backward"), None)
+    for i, c in enumerate(point.collectives):
+        inter = group_span(c, strategy) > world.gpus_per_node
+        gb_per_s = links["inter_node_gb_per_s"] if inter else links["intra_node_gb_per_s"]
+        nbytes = bus_factor(c.op, c.group_size) * c.bytes
+        seconds = nbytes / (gb_per_s * 1e9)
+        by_group[c.group] = by_group.get(c.group, 0.0) + seconds
+        sent[c.group] = sent.get(c.group, 0) + int(nbytes)
+        link = "inter-node" if inter else "intra-node"
+        link_of[c.group] = link if link_of.get(c.group, link) == link else "intra- and inter-node"  # HSDP
+        hidden = (c.group != "tp" and c.phase in ("forward", "backward")
+                  and i != (first_forward if strategy.shard in ("fsdp", "fsdp-noreshard", "hsdp") else last_backward))
+        if hidden:
+            overlapped += seconds
+        else:
+            exposed += seconds
+    micro = compute_s + max(0.0, overlapped - compute_s) + exposed
+    return StepTime(compute_s=compute_s, communication_s=by_group, overlapped_s=overlapped, exposed_s=exposed,
+                    micro_step_s=micro, accumulation_steps=accumulation_steps,
+                    step_time_s=micro * accumulation_steps, flops=point.flops, peak_tflops=peak_tflops,
+                    bytes_sent=sent, links=link_of)

@@ -1,0 +1,59 @@
+"""The plan's picture: memory per GPU against local batch, one line per strategy, the
+capacity drawn; and tokens/s per strategy. ``matplotlib.figure.Figure``, no pyplot (see
+``plots.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from batchfit.devices import GiB
+
+
+def plan_plot(result, path: Path) -> None:
+    fig = Figure(figsize=(12, 4.8), dpi=120)
+    memory, speed = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    memory.xaxis.set_major_locator(MaxNLocator(integer=True))
+    several_counts = len(result.worlds) > 1
+    drawn = [p for p in result.plans if p.points]
+    for i, p in enumerate(drawn):
+        color = f"C{i % 10}"
+        label = f"{p.strategy} x {p.gpus}" if several_counts else p.strategy
+        top = max([pt.local_batch for pt in p.points] + [p.max_local_batch, 1])
+        xs = list(range(1, int(top * 1.1) + 2))
+        if p.curve is not None:
+            memory.plot(xs, [p.curve.peak_bytes(x) / GiB for x in xs], color=color, lw=1.2, label=f"{label} (fit)")
+        memory.scatter([pt.local_batch for pt in p.points], [pt.peak_bytes / GiB for pt in p.points], color=color,
+                       s=14, zorder=3)
+        if p.micro_batch and p.peak_bytes_at_micro:
+            memory.scatter([p.micro_batch], [p.peak_bytes_at_micro / GiB], color=color, marker="*", s=90, zorder=4)
+    memory.axhline(result.capacity_bytes / GiB, color="black", lw=1,
+                   label=f"usable {result.capacity_bytes / GiB:.1f} GiB")
+    memory.axhline(result.target_bytes / GiB, color="tab:orange", ls="--", lw=1,
+                   label=f"target {result.target_util:.0%}")
+    memory.set_xlabel("local batch (samples per GPU per micro-batch)")
+    memory.set_ylabel("peak memory per GPU, rank 0 (GiB)")
+    memory.set_title("memory per GPU (traced; dots traced, stars the micro-batch)", fontsize=10)
+    memory.set_xlim(left=0)
+    memory.set_ylim(bottom=0, top=result.capacity_bytes / GiB * 1.3)
+    memory.grid(alpha=0.3)
+    memory.legend(fontsize=7, loc="upper right")
+
+    timed = [p for p in result.plans if p.fits and (p.tokens_per_s or p.samples_per_s)]
+    names = [f"{p.strategy} x {p.gpus}" if several_counts else p.strategy for p in timed]
+    values = [p.tokens_per_s or p.samples_per_s for p in timed]
+    unit = "tokens/s" if timed and timed[0].tokens_per_s else "samples/s"
+    recommended = {id(p) for p in result.recommended}
+    speed.bar(range(len(timed)), values, color=["tab:green" if id(p) in recommended else "tab:gray" for p in timed])
+    speed.set_xticks(range(len(timed)), names, rotation=30, ha="right", fontsize=8)
+    speed.set_ylabel(f"{unit} (computed)")
+    gb = f"global batch {result.global_batch}" if result.global_batch else "max global batch"
+    speed.set_title(f"throughput at {gb} (computed; green: recommended)", fontsize=10)
+    speed.grid(alpha=0.3, axis="y")
+    if not timed:
+        speed.text(0.5, 0.5, "no time: the GPU's peak FLOP/s is unknown", ha="center", transform=speed.transAxes)
+    fig.suptitle(f"{result.workload} on {result.device.display_name}, {result.options.precision}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
