@@ -50,6 +50,12 @@ class Workload:
     cache, as GRPO has); runs under torch.no_grad() and the step's autocast."""
     group_size: int | None = None
     """The batch must be a multiple of this (GRPO's completions per prompt)."""
+    train_batches: Callable[[int, str, int], Iterable[Any]] | None = None
+    """(batch_size, split, seed) -> batches of real data for ``batchfit sweep`` ("train" or
+    "val"); without it, sweep trains on ``--data`` text or on ``make_batch``."""
+    parallelize: Callable[[nn.Module, Any], nn.Module] | None = None
+    """(model, tp_mesh) -> model: the tensor-parallel plan ``batchfit plan`` applies (DTensor
+    ``parallelize_module``); the built-in plans cover the zoo's and HF's decoders."""
 
     def batch_multiple(self, multiple_of: int = 1) -> int:
         """The granularity of batch sizes: ``multiple_of`` and the group size, both."""

@@ -21,6 +21,7 @@ numbers are known, and the real tracer is imported only when a plan runs.
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import math
 import time
@@ -30,6 +31,7 @@ from types import ModuleType
 
 from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
+from batchfit.plan.deep import trace_deep
 from batchfit.plan.time_model import OVERLAP_RULE, StepTime, TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
 from batchfit.search import SearchResult, Trial, guided
@@ -350,7 +352,8 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
                           "drop --accumulation-steps")
     if trace is None or parse is None:
         module = sharded()
-        trace, parse = trace or module.trace_sharded, parse or module.parse_strategies
+        parse = parse or module.parse_strategies
+        trace = trace or functools.partial(trace_deep, trace=module.trace_sharded)
     multiple_of = workload.batch_multiple(multiple_of)
     by_world = [(world, parse(strategies, world.gpus)) for world in worlds]  # every bad name before any trace
     if global_batch is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -221,7 +222,7 @@ def trace_sharded(workload, options, device, strategy: Strategy, local_batch: in
 
     if local_batch < 1:
         raise OptionError(f"the local batch must be 1 or more, got {local_batch}")
-    own_plan = getattr(workload, "parallelize", None)
+    own_plan = workload.parallelize
     with fake_world(strategy.world_size):
         meshes = build_meshes(strategy)  # outside FakeTensorMode: the mesh holds real rank tables
         tracker = ShardedTracker(round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
@@ -241,7 +242,9 @@ def trace_sharded(workload, options, device, strategy: Strategy, local_batch: in
         built = dataclasses.replace(workload, build_model=lambda: _to_empty_keeping_ties(prepared))
         prepared_options = dataclasses.replace(options, checkpointing="none")  # done on meta already
         with TraceSession(built, prepared_options, cuda_semantics=cuda_semantics, wrap=shard if ddp else None,
-                          tracker=tracker) as session:
+                          tracker=tracker) as session, warnings.catch_warnings():
+            # FSDP2 warns that a module returned a view; the step never writes into the output.
+            warnings.filterwarnings("ignore", message=".*returned a view tensor")
             snapshot = session.trace(local_batch).snapshot
             params_per_rank = sum(_local_elements(p) for p in session.step.model.parameters())
             calls = list(tracker.calls)

@@ -352,7 +352,7 @@ class BatchSource:
             self._train = TokenSamples(tokens.train, self._format.seq_len, seed)
             self._val = TokenSamples(tokens.val, self._format.seq_len, seed)
             self.kind = "text"
-        elif getattr(workload, "train_batches", None) is not None:
+        elif workload.train_batches is not None:
             self.kind = "workload"
 
     def train(self, sample_index: int, batch_size: int, device: torch.device) -> Any:

@@ -167,7 +167,7 @@ def plan_sweep(config: SweepConfig, workload: Workload, *, fit_device: Device | 
         tokens = tokenize(config.data, tokenizer=config.tokenizer, vocab_size=fmt.vocab_size,
                           val_fraction=config.val_fraction, cache_dir=config.cache_dir, progress=say)
         kind = "text"
-    elif getattr(workload, "train_batches", None) is not None:
+    elif workload.train_batches is not None:
         kind = "workload"
     identity = config.identity(tokens.key if tokens else None, kind)
     check_store(config.store, identity, resume=config.resume)
