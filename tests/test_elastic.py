@@ -330,3 +330,47 @@ def test_an_oom_at_the_smallest_micro_batch_leaves_the_gradients_clean():
     with pytest.raises(torch.OutOfMemoryError, match="bf16-mixed"):
         ElasticStep(model, optimizer, mse, micro_batch=2)(make_batches(1)[0])
     assert all(p.grad is None for p in model.parameters())
+
+
+
+def _fsdp_main(rank: int, port: int, out_dir: str, oom_call: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    model = make_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    calls = collections.Counter()
+
+    def loss_fn(m, batch):  # rank 1 runs out once, in the loss of micro-batch ``oom_call``
+        loss = mse(m, batch)
+        calls["loss"] += 1
+        if rank == 1 and calls["loss"] == oom_call:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 byte (forced)")
+        return loss
+
+    step = ElasticStep(model, torch.optim.SGD(model.parameters(), lr=LR), loss_fn, micro_batch=32)
+    outcome = [(i.micro_batch, i.accumulation_steps, i.oom_events)
+               for i in (step(batch) for batch in make_batches(2, seed=10 + rank))]
+    params = [p.full_tensor().detach().clone() for p in model.parameters()]
+    torch.save({"outcome": outcome, "params": params}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_fsdp2_ranks_agree_when_only_one_runs_out(tmp_path):
+    both = [tuple(torch.cat([a, b]) for a, b in zip(b0, b1))
+            for b0, b1 in zip(make_batches(2, seed=10), make_batches(2, seed=11))]
+    expected = full_batch_params(both)  # FSDP2 reduce-scatters the mean: one step on 120 samples
+    # rank 1 runs out in the loss of its first micro-batch (before any backward), then of its
+    # last (after one backward accumulated unsynced gradients that must not count twice)
+    for oom_call in (1, 2):
+        torch.multiprocessing.spawn(_fsdp_main, args=(_free_port(), str(tmp_path), oom_call), nprocs=2, join=True)
+        for r in (0, 1):
+            run = torch.load(tmp_path / f"rank{r}.pt")
+            assert run["outcome"] == [(16, 4, 1), (16, 4, 0)], oom_call
+            for got, want in zip(run["params"], expected):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

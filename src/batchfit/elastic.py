@@ -32,10 +32,12 @@ OOM there on one rank: the ranks whose forward finished have told DDP's reducer 
 coming, and their next backward, even under ``no_sync``, all-reduces buckets the others never
 send (a collective mismatch, seen with gloo). The cost: the last backward does not overlap its
 all-reduce, and DDP communication hooks are not applied.
-FSDP2 reduces gradients in the last micro-batch (``set_requires_gradient_sync``), after the
-ranks agree that every forward ran. Known limit: an OOM that only one rank hits inside a
-collective (FSDP2's all-gathers, or its last backward) leaves the others waiting in it: the
-process group's timeout ends the run, as it would without batchfit.
+FSDP2 reduces gradients in the last micro-batch (``set_requires_gradient_sync``); the ranks
+agree before every backward (which all-gathers resharded parameters) that every forward ran.
+After an OOM, the gradients FSDP2 accumulated on its unsharded parameters are dropped too.
+Known limit: an OOM that only one rank hits inside a collective (FSDP2's all-gathers, or its
+backward) leaves the others waiting in it: the process group's timeout ends the run, as it
+would without batchfit.
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ class ElasticStep:
             # pass accumulated, then shrink and redo the whole batch.
             failed.append(micro)
             self.optimizer.zero_grad(set_to_none=True)
+            _drop_fsdp_unsharded_grads(self.model)
             if proposal < 1:
                 raise torch.OutOfMemoryError(
                     f"ElasticStep: even a micro-batch of {micro} samples runs out of memory "
@@ -184,9 +187,9 @@ class ElasticStep:
             with self._gradient_sync(last):
                 self._reset_peak()
                 loss, oom = self._forward(parts[i])
-                if last and ranks.active() and not self._ddp:
-                    # FSDP2's gradient reduce-scatter runs in this backward: every rank enters
-                    # it, or none does.
+                if ranks.active() and not self._ddp:
+                    # FSDP2's backward all-gathers the resharded parameters (and the last one
+                    # reduce-scatters the gradients): every rank enters it, or none does.
                     proposal = self._agree(micro, oom)
                     if proposal < micro:
                         return None, proposal
@@ -330,3 +333,16 @@ class ElasticStep:
                                  target_util=self.target_util, gpu=self.gpu, gpu_memory=self.gpu_memory,
                                  options=self.options, limit=self.limit)
         return ranks.agree_min(max(sized.micro_batch, self.multiple_of))
+
+
+def _drop_fsdp_unsharded_grads(model: nn.Module) -> None:
+    """FSDP2 keeps the gradients of micro-batches run without gradient sync on its unsharded
+    parameters, where ``optimizer.zero_grad`` (on the sharded ones) does not reach: drop them,
+    or the redone pass adds the failed pass's gradients again (seen with gloo)."""
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if state else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            fsdp_param.unsharded_accumulated_grad = None
+            if getattr(fsdp_param, "_unsharded_param", None) is not None:
+                fsdp_param._unsharded_param.grad = None
