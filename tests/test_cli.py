@@ -19,7 +19,7 @@ def run(*args: str):
 def test_estimate_writes_the_report(tmp_path):
     out = tmp_path / "report"
     result = run("estimate", "gpt-tinystories-22m", "--gpu", "rtx4090-24gb", "--seq-len", "64",
-                 "--out", str(out), "--json", str(tmp_path / "e.json"))
+                 "--out", str(out), "--json", str(tmp_path / "e.json"), "--limit", "allocated")
     assert result.exit_code == 0, result.output
     assert {p.name for p in out.iterdir()} == {"report.md", "memory.png", "estimate.json"}
     data = json.loads((tmp_path / "e.json").read_text())
@@ -30,7 +30,7 @@ def test_estimate_writes_the_report(tmp_path):
 
 def test_json_to_stdout_is_pure_json(tmp_path):
     result = runner.invoke(app, ["estimate", "gpt-tinystories-22m", "--gpu-memory", "8GiB", "--seq-len", "64",
-                                 "--json", "-", "--out", str(tmp_path)])
+                                 "--json", "-", "--out", str(tmp_path), "--limit", "allocated"])
     assert result.exit_code == 0
     assert json.loads(result.stdout)["device"]["name"] == "custom"
 
