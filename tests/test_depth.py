@@ -36,3 +36,34 @@ def test_few_blocks_are_traced_whole(mlp):
     with TracedCurve(mlp, StepOptions(), get_device("t4-16gb")) as traced:
         traced.point(4)
         assert not traced.by_depth and traced.full_traces == [4]
+
+
+def test_a_phase_whose_peak_moves_to_another_part_with_depth():
+    # 12 small blocks, 8192-token vocabulary: at depth 4 the backward peaks after the blocks
+    # (the embedding's gradient), at depth 12 at its start (every block's activations saved).
+    # One line through the backward's peaks at depths 2, 3, 4 would miss that; its parts' lines do not.
+    from batchfit.trace.session import TraceSession
+    from batchfit.zoo import language_model_workload
+    from batchfit.zoo.transformer import Transformer, TransformerConfig
+
+    cfg = TransformerConfig(vocab_size=8192, seq_len=112, d_model=192, n_layers=12, n_heads=4, d_ff=768,
+                            llama=True, tied_embeddings=False)
+    workload = language_model_workload(name="moving-peak", build_model=lambda: Transformer(cfg),
+                                       vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, description="")
+    device = get_device("h100-80gb")
+    with TracedCurve(workload, StepOptions(), device) as traced:
+        deep = traced.point(1)
+        assert traced.by_depth and traced.full_traces == []
+    snaps = {}
+    for d in (2, 3, 4, 12):
+        with TraceSession(depth.at_depth(workload, d, depth.Depth()) if d < 12 else workload, StepOptions()) as s:
+            snaps[d] = s.trace(1).snapshot
+    backward = {d: {k: v for k, v in snap.peak_by_part.items() if k.startswith("backward:")} for d, snap in snaps.items()}
+    assert max(backward[4], key=backward[4].get) == "backward:tail"
+    assert max(backward[12], key=backward[12].get) == "backward:head"
+    one_line = depth.line_at([snaps[d].peak_by_phase["backward"] for d in (2, 3, 4)], 12)
+    whole = snaps[12]
+    assert one_line != whole.peak_by_phase["backward"]  # what a single line per phase would have said
+    workspace = device.workspace_bytes
+    assert deep.peak_by_phase == {k: v + workspace for k, v in whole.peak_by_phase.items()}
+    assert deep.breakdown_by_phase == {k: {**v, "workspace": workspace} for k, v in whole.breakdown_by_phase.items()}

@@ -2,8 +2,10 @@
 
 A model whose main stack is ``L`` identical blocks (every transformer) holds, at each phase's
 peak, a fixed part (embeddings, head, logits, the loss) plus ``L`` times what one block adds
-(its parameters, gradients, optimizer state, saved activations). So each phase's peak, and
-each category of its breakdown, is affine in ``L``. Tracing a 32-layer model is 32 layers'
+(its parameters, gradients, optimizer state, saved activations). So the peak of each part of
+each phase (before the blocks, in the first, in the last, after them: ``memory.PARTS``), and
+each category of its breakdown, is affine in ``L``; the phase's peak is the largest part's
+(a single line per phase is not enough: which part peaks changes with depth). Tracing a 32-layer model is 32 layers'
 worth of fake-tensor dispatch; tracing it at depths 2, 3 and 4 is 9, and gives the same
 bytes at depth 32 when the three depths lie on one line, which is checked, byte for byte,
 for every phase and category. When they do not (a model whose blocks differ in what they
@@ -83,26 +85,64 @@ def line_at(values: list[int], depth: int) -> int | None:
     return v1 + (depth - DEPTHS[0]) * (v2 - v1)
 
 
+def _phase_lines(points: list[Point], phase: str, depth: int) -> tuple[int, dict[str, int]] | None:
+    """(peak, breakdown) of ``phase`` at ``depth``: the largest of its parts (``memory.PARTS``).
+
+    A phase that runs over the blocks can peak in any of its parts, and which one changes with
+    depth: the backward of a shallow model peaks at its start (the logits' gradient), of a
+    deep one in its last block (all the gradients made). Before the blocks, in the first, in
+    the last and after them are each on a line through depths 2, 3, 4. The blocks between
+    hold what the block before held plus a constant step, so the largest of them is the
+    second or the one before the last; each is the first (the last) plus a difference that
+    does not change with depth, checked at depths 3 and 4, category by category."""
+    mine = [{k.split(":")[1]: k for k in p.peak_by_part if k.startswith(f"{phase}:")} for p in points]
+    lines = set(mine[0])
+    for p, keys in zip(points, mine):
+        if set(keys) - {"second", "penultimate"} != lines or max(p.peak_by_part[k] for k in keys.values()) \
+                != p.peak_by_phase[phase]:
+            return None
+    candidates = []
+    for part in lines:
+        key = f"{phase}:{part}"
+        peak = line_at([p.peak_by_part[key] for p in points], depth)
+        categories = points[0].breakdown_by_part[key]
+        breakdown = {c: line_at([p.breakdown_by_part[key].get(c, 0) for p in points], depth) for c in categories}
+        if peak is None or None in breakdown.values():
+            return None
+        candidates.append((peak, breakdown))
+        for inner, outer in (("second", "first"), ("penultimate", "last")):
+            if part != outer or not any(inner in keys for keys in mine):
+                continue
+            if not all(inner in keys for keys in mine[1:]):  # at depths 3 and 4
+                return None
+            steps = [(p.peak_by_part[f"{phase}:{inner}"] - p.peak_by_part[key],
+                      {c: p.breakdown_by_part[f"{phase}:{inner}"].get(c, 0) - p.breakdown_by_part[key].get(c, 0)
+                       for c in categories}) for p in points[1:]]
+            if steps[0] != steps[1]:
+                return None
+            candidates.append((peak + steps[0][0], {c: breakdown[c] + steps[0][1][c] for c in categories}))
+    return max(candidates, key=lambda candidate: candidate[0])
+
+
 def extrapolate(points: list[Point], depth: int) -> Point | None:
     """The point at ``depth`` from points traced at ``DEPTHS``, or None when memory is
     not exactly affine in depth (then trace the full model).
 
-    Each phase's peak, and the breakdown at it, is extrapolated on its own line; the step's
-    peak is the largest phase at ``depth``, which need not be the largest at depth 3 (a deep
-    model's optimizer step outgrows the backward's logits).
+    Each phase's peak, and the breakdown at it, is the largest of its parts' lines
+    (:func:`_phase_lines`); the step's peak is the largest phase at ``depth``, which need not
+    be the largest at depth 3 (a deep model's optimizer step outgrows the backward's logits).
     """
     phases = set(points[0].peak_by_phase)
     if any(set(p.peak_by_phase) != phases or set(p.breakdown_by_phase) != phases for p in points):
         return None
-    by_phase = {k: line_at([p.peak_by_phase[k] for p in points], depth) for k in phases}
-    breakdown_by_phase = {}
+    by_phase, breakdown_by_phase = {}, {}
     for phase in phases:
-        categories = points[0].breakdown_by_phase[phase]
-        breakdown_by_phase[phase] = {c: line_at([p.breakdown_by_phase[phase].get(c, 0) for p in points], depth)
-                                     for c in categories}
-    if None in by_phase.values() or any(None in b.values() for b in breakdown_by_phase.values()):
-        return None
+        found = _phase_lines(points, phase, depth)
+        if found is None:
+            return None
+        by_phase[phase], breakdown_by_phase[phase] = found
     phase = max(by_phase, key=by_phase.get)
     # the largest tensors of the deepest trace: one block's tensors have the same sizes at any depth
     return replace(points[-1], peak_bytes=by_phase[phase], phase=phase, breakdown=breakdown_by_phase[phase],
-                   peak_by_phase=by_phase, breakdown_by_phase=breakdown_by_phase)
+                   peak_by_phase=by_phase, breakdown_by_phase=breakdown_by_phase, peak_by_part={},
+                   breakdown_by_part={})

@@ -65,6 +65,19 @@ class Snapshot:
     peak_by_phase: dict[str, int] = field(default_factory=dict)
     breakdown_by_phase: dict[str, dict[str, int]] = field(default_factory=dict)
     """The breakdown at each phase's own peak."""
+    peak_by_part: dict[str, int] = field(default_factory=dict)
+    """Each phase's peak in the parts that its run over the main stack of blocks cuts it into,
+    keyed 'phase:part' (:data:`PARTS`): what a deep model's extrapolation needs (trace/depth.py)."""
+    breakdown_by_part: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+PARTS: tuple[str, ...] = ("head", "first", "second", "middle", "penultimate", "last", "tail")
+"""The parts of a phase that runs over the main stack of blocks: before the first block it
+runs, the first block, the second, the others between, the one before the last, the last,
+after the last (the time between two blocks goes with the block before; with three blocks
+the second is also the penultimate). A phase that runs no block is all head. Forward runs
+block 0 first; backward runs the last block first (from the gradient of its output to the
+gradient of its input). See ``trace.depth`` for how a deep model's peak follows from them."""
 
 
 def active_tracker() -> MemoryTracker | None:
@@ -94,6 +107,13 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_phase = "setup"
         self._peak_by_phase: dict[str, int] = {}
         self._peak_seq_by_phase: dict[str, int] = {}
+        self._blocks: set[int] = set()
+        self._block_output: weakref.ref | None = None
+        self._segment = 0
+        """Where the current phase is in its run over the blocks: 0 before the first block,
+        2k - 1 inside the k-th block it runs, 2k after it (until the next one starts)."""
+        self._peak_by_segment: dict[tuple[str, int], tuple[int, int]] = {}
+        """(phase, segment) -> (peak bytes, seq at the peak), in the current window."""
         self._live: dict[int, Allocation] = {}
         self._host: set[int] = set()
         self._window: list[Allocation] = []
@@ -114,6 +134,8 @@ class MemoryTracker(TorchDispatchMode):
     # --- the step's hooks (batchfit.step.StepHooks) ------------------------------------
     def phase(self, name: str) -> None:
         self.current_phase = name
+        self._segment = 0
+        self._block_output = None
         self._note_phase_peak()
 
     def _note_phase_peak(self) -> None:
@@ -121,6 +143,18 @@ class MemoryTracker(TorchDispatchMode):
         if self.live_bytes > self._peak_by_phase.get(phase, -1):
             self._peak_by_phase[phase] = self.live_bytes
             self._peak_seq_by_phase[phase] = self._seq
+        key = (phase, self._segment)
+        if self.live_bytes > self._peak_by_segment.get(key, (-1, 0))[0]:
+            self._peak_by_segment[key] = (self.live_bytes, self._seq)
+
+    def _block_starts(self, *_) -> None:
+        self._segment += 1 + (self._segment % 2 == 1)  # a block that starts inside one: the one before ended
+        self._note_phase_peak()
+
+    def _block_ends(self, *_) -> None:
+        if self._segment % 2 == 1:
+            self._segment += 1
+            self._note_phase_peak()
 
     def before_zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.label(model, optimizer)
@@ -145,10 +179,12 @@ class MemoryTracker(TorchDispatchMode):
                 record.module = name or record.module
 
     # --- module names, for "which module made the biggest tensors" ----------------------
-    def watch_modules(self, model: nn.Module) -> None:
+    def watch_modules(self, model: nn.Module, blocks: nn.ModuleList | None = None) -> None:
         """Name the modules of ``model``; their forward is followed only while the tracker is
-        entered (global module hooks live exactly as long as the ``with`` block)."""
+        entered (global module hooks live exactly as long as the ``with`` block). ``blocks``
+        (the main stack) cut each phase into :data:`PARTS`."""
         self._module_names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+        self._blocks = {id(m) for m in blocks or ()}
 
     def __enter__(self) -> MemoryTracker:
         self._module_stack = []  # a forward that raised last time leaves nothing behind
@@ -164,10 +200,23 @@ class MemoryTracker(TorchDispatchMode):
 
     def _enter_module(self, module, args):
         self._module_stack.append(self._module_names.get(id(module), type(module).__name__))
+        if id(module) in self._blocks and self.current_phase != "backward":  # not a recomputation
+            self._block_starts()
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            # the gradient of its input: this block's backward is done (when that input is the
+            # block before's output, that block's backward starting says so)
+            if first is not None and first.requires_grad and not (self._block_output and self._block_output() is first):
+                first.register_hook(self._block_ends)
 
     def _leave_module(self, module, args, output):
         if self._module_stack:
             self._module_stack.pop()
+        if id(module) in self._blocks and self.current_phase != "backward":
+            self._block_ends()
+            first = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor)), None)
+            self._block_output = weakref.ref(first) if first is not None else None  # not kept alive
+            if first is not None and first.requires_grad:  # its gradient: this block's backward starts
+                first.register_hook(self._block_starts)
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -182,6 +231,7 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_phase = self.current_phase
         self._peak_by_phase = {}
         self._peak_seq_by_phase = {}
+        self._peak_by_segment = {}
         self._window = list(self._live.values())
         self.window_event = len(self.events)
 
@@ -300,4 +350,29 @@ class MemoryTracker(TorchDispatchMode):
             peak_by_phase=dict(self._peak_by_phase),
             breakdown_by_phase={phase: self._breakdown(self._live_at(seq))
                                 for phase, seq in self._peak_seq_by_phase.items()},
+            **self._parts(),
         )
+
+    def _parts(self) -> dict[str, dict]:
+        """Snapshot's ``peak_by_part`` and ``breakdown_by_part`` from the segments' peaks."""
+        parts: dict[str, tuple[int, int]] = {}
+        last_segment: dict[str, int] = {}
+        for phase, segment in self._peak_by_segment:
+            last_segment[phase] = max(segment, last_segment.get(phase, 0))
+        for (phase, segment), (nbytes, seq) in self._peak_by_segment.items():
+            blocks = (last_segment[phase] + 1) // 2
+            block = (segment + 1) // 2  # the block this segment is in, or follows
+            if segment == 0:
+                names = ["head"]
+            elif segment % 2 == 0 and block == blocks:
+                names = ["tail"]
+            elif block in (1, blocks):
+                names = ["first" if block == 1 else "last"]
+            else:
+                names = ["second"] * (block == 2) + ["penultimate"] * (block == blocks - 1) or ["middle"]
+            for name in names:
+                key = f"{phase}:{name}"
+                if nbytes > parts.get(key, (-1, 0))[0]:
+                    parts[key] = (nbytes, seq)
+        return {"peak_by_part": {k: v for k, (v, _) in parts.items()},
+                "breakdown_by_part": {k: self._breakdown(self._live_at(seq)) for k, (_, seq) in parts.items()}}

@@ -41,6 +41,9 @@ class MemoryPoint:
     top: list[dict]
     breakdown_by_phase: dict[str, dict[str, int]] = field(default_factory=dict)
     """The breakdown at each phase's own peak (``breakdown`` is the one at the step's peak)."""
+    peak_by_part: dict[str, int] = field(default_factory=dict)
+    """Each phase's peak by part ('backward:last'; ``memory.PARTS``), for ``trace.depth``."""
+    breakdown_by_part: dict[str, dict[str, int]] = field(default_factory=dict)
     peak_reserved_bytes: int | None = None
     """What max_memory_reserved() would show (allocator model); None when not replayed."""
     reserved_oom: str | None = None
@@ -65,6 +68,8 @@ def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
         peak_by_phase={k: v + workspace_bytes for k, v in snap.peak_by_phase.items()},
         top=snap.top,
         breakdown_by_phase={k: {**v, "workspace": workspace_bytes} for k, v in snap.breakdown_by_phase.items()},
+        peak_by_part={k: v + workspace_bytes for k, v in snap.peak_by_part.items()},
+        breakdown_by_part={k: {**v, "workspace": workspace_bytes} for k, v in snap.breakdown_by_part.items()},
     )
 
 
@@ -123,9 +128,9 @@ class TracedCurve:
     def __init__(self, workload: Workload, options: StepOptions, device: Device,
                  say: Callable[[str], None] | None = None, *, by_depth: bool = True,
                  keep_streams: bool = False) -> None:
-        """``keep_streams``: reserved peaks will be asked for, so every traced depth runs as a
-        fresh process and keeps its allocation stream (one more step per batch size, instead
-        of two more steps at each depth for each reserved peak)."""
+        """``keep_streams``: reserved peaks will be asked for, so a traced size that may fit runs
+        as a fresh process at each depth and keeps its allocation stream (one more step per
+        batch size, instead of two more steps at each depth for each reserved peak)."""
         self.workload, self.options, self.device = workload, options, device
         self.keep_streams = keep_streams
         self._streams: dict[int, dict[int, list | None]] = {}
@@ -177,12 +182,25 @@ class TracedCurve:
     def trainable_params(self) -> int:
         return self._count("trainable_params")
 
+    def _may_be_replayed(self, batch_size: int) -> bool:
+        """Could the reserved search ask for this size? Not when a size no larger, or the
+        curve, already puts it over the device (the search replays only sizes that fit as
+        allocated). The first size is always traced fresh: its warm-up step is run anyway."""
+        if not self.points:
+            return True
+        usable = self.device.usable_bytes
+        if any(p.peak_bytes > usable for b, p in self.points.items() if b <= batch_size):
+            return False
+        return len(self.points) < 2 or self.curve().peak_bytes(batch_size) <= usable
+
     def point(self, batch_size: int, *, fresh: bool | None = None) -> MemoryPoint:
-        """The traced point at ``batch_size``. With ``fresh`` (default: ``keep_streams``) the
-        shallow depths trace as fresh processes and keep their allocation streams."""
+        """The traced point at ``batch_size``. With ``fresh`` (default: with ``keep_streams``,
+        where the reserved search may replay it) the shallow depths trace as fresh processes
+        and keep their allocation streams."""
         if batch_size in self.points:
             return self.points[batch_size]
-        fresh = self.keep_streams if fresh is None else fresh
+        if fresh is None:
+            fresh = self.keep_streams and self._may_be_replayed(batch_size)
         workspace = self.device.workspace_bytes
         found = None
         if self._shallow:
