@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 
 from batchfit.devices import get_device
-from batchfit.plan.deep import collectives_at, trace_deep
-from batchfit.plan.sharded import Collective, parse_strategy, trace_sharded
+from batchfit.plan.deep import DeepSession, collectives_at, trace_deep
+from batchfit.plan.sharded import Collective, ShardedSession, parse_strategy, trace_sharded
 from batchfit.workload import StepOptions
 from batchfit.zoo import language_model_workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig
@@ -31,10 +31,10 @@ def test_deep_trace_is_the_whole_trace(strategy, gpus):
     options = StepOptions(precision="bf16-mixed")
     s = parse_strategy(strategy, gpus)
     whole = trace_sharded(WORKLOAD, options, H100, s, 2)
-    calls = []
+    opened = []
     deep = trace_deep(WORKLOAD, options, H100, s, 2,
-                      trace=lambda *a, **k: calls.append(1) or trace_sharded(*a, **k))
-    assert len(calls) == 3  # depths 2, 3, 4; no fallback to the whole model
+                      session=lambda *a, **k: opened.append(1) or ShardedSession(*a, **k))
+    assert len(opened) == 3  # depths 2, 3, 4; no fallback to the whole model
     fields = ("peak_bytes", "breakdown", "phase", "flops", "params", "params_per_rank", "collectives")
     assert {f: getattr(deep, f) for f in fields} == {f: getattr(whole, f) for f in fields}
 
@@ -52,8 +52,27 @@ def test_collectives_repeat_per_block_in_each_run():
     assert collectives_at([calls(2), calls(3), bent], 32) is None
 
 
-def test_ddp_is_traced_whole():
-    calls = []
-    trace_deep(WORKLOAD, StepOptions(), H100, parse_strategy("ddp", 2), 1,
-               trace=lambda *a, **k: calls.append(a[0]) or trace_sharded(*a, **k))
-    assert calls == [WORKLOAD]  # gradient buckets are cut by size, not by block
+def test_one_session_per_depth_traces_every_local_batch_as_a_fresh_trace_would():
+    options = StepOptions(precision="bf16-mixed")
+    s = parse_strategy("fsdp", 4)
+    opened = []
+    with DeepSession(WORKLOAD, options, H100, s, session=lambda *a, **k: opened.append(1) or ShardedSession(*a, **k)) \
+            as deep:
+        points = {b: deep.trace(b) for b in (3, 1, 2)}
+    assert len(opened) == 3 and deep.whole_traces == []
+    fields = ("peak_bytes", "breakdown", "phase", "flops", "params_per_rank", "collectives")
+    for b, point in points.items():
+        alone = trace_sharded(WORKLOAD, options, H100, s, b)  # a fresh session, the whole model
+        assert {f: getattr(point, f) for f in fields} == {f: getattr(alone, f) for f in fields}, b
+
+
+def test_ddp_of_small_blocks_is_traced_whole():
+    # this model's 12 blocks share DDP's 25 MiB gradient buckets, so its collectives are not
+    # one block's calls repeated: the depths' lists do not extrapolate and the whole model is traced
+    opened = []
+    with DeepSession(WORKLOAD, StepOptions(), H100, parse_strategy("ddp", 2),
+                     session=lambda *a, **k: opened.append(a[0]) or ShardedSession(*a, **k)) as deep:
+        point = deep.trace(1)
+    assert len(opened) == 4 and opened[-1] is WORKLOAD and deep.whole_traces == [1]
+    whole = trace_sharded(WORKLOAD, StepOptions(), H100, parse_strategy("ddp", 2), 1)
+    assert (point.peak_bytes, point.collectives) == (whole.peak_bytes, whole.collectives)

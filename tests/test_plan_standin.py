@@ -117,10 +117,20 @@ def trace_sharded(workload, options, device, strategy: Strategy, local_batch: in
                         PARAMS, PARAMS // (s.dp if sharded else 1) // s.tp)
 
 
+class ShardedSession:
+    """The stand-in as a session: the real one is built once and traced at many local batches."""
+
+    def __init__(self, workload, options, device, strategy: Strategy) -> None:
+        self.trace = lambda local_batch: trace_sharded(workload, options, device, strategy, local_batch)
+
+    def close(self) -> None:
+        pass
+
+
 def module() -> types.ModuleType:
     """The stand-in as a module, to put in ``sys.modules['batchfit.plan.sharded']``."""
     standin = types.ModuleType("batchfit.plan.sharded")
-    for name in ("Strategy", "Collective", "ShardedPoint", "parse_strategies", "trace_sharded"):
+    for name in ("Strategy", "Collective", "ShardedPoint", "parse_strategies", "trace_sharded", "ShardedSession"):
         setattr(standin, name, globals()[name])
     return standin
 
@@ -166,4 +176,5 @@ def test_the_standin_keeps_to_the_real_contract():
         assert set(mine) <= set(theirs), (name, mine, theirs)
     assert list(inspect.signature(real.trace_sharded).parameters)[:5] == \
         ["workload", "options", "device", "strategy", "local_batch"]
+    assert list(inspect.signature(real.ShardedSession).parameters)[:4] == ["workload", "options", "device", "strategy"]
     assert list(inspect.signature(real.parse_strategies).parameters)[:2] == ["text", "world_size"]

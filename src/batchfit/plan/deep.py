@@ -8,7 +8,8 @@ counts; its collectives are a list that repeats once per block (FSDP's all-gathe
 reduce-scatter of each block, TP's all-reduces in each block), written out here as the
 depth-2 list with one block's calls inserted once per extra block, and checked against the
 traces at depths 3 and 4 call for call. Anything that is not exactly regular (DDP's
-gradient buckets are cut by size, not by block) is traced whole instead.
+gradient buckets are cut by size, not by block: regular only where each block fills its own
+buckets, as a large model's do) is traced whole instead.
 """
 
 from __future__ import annotations
@@ -61,23 +62,64 @@ def extrapolate(points: list[ShardedPoint], blocks: int) -> ShardedPoint | None:
     return dataclasses.replace(memory, collectives=collectives, **counts)
 
 
-def trace_deep(workload, options, device, strategy: Strategy, local_batch: int, *,
-               trace: Callable[..., ShardedPoint] | None = None, cuda_semantics: bool = True) -> ShardedPoint:
-    """``trace`` 's point (``sharded.trace_sharded`` by default), from the model cut to 2, 3
-    and 4 blocks where its stack has ``depth.MIN_BLOCKS`` or more identical blocks and the
-    strategy shards by block; the whole model's trace otherwise."""
-    if trace is None:
-        from batchfit.plan.sharded import trace_sharded as trace
+class DeepSession:
+    """One strategy's rank 0 traced at local batch after local batch: where the model's stack
+    has ``depth.MIN_BLOCKS`` or more identical blocks, at depths 2, 3 and 4 (one sharded
+    session each, built once) and extrapolated; the whole model otherwise, or from the first
+    local batch whose depths do not extrapolate on.
 
-    def at(model_workload) -> ShardedPoint:
+    ``session(workload, options, device, strategy, **kw)`` opens a sharded session with a
+    ``trace(local_batch)`` method (``sharded.ShardedSession`` by default).
+    """
+
+    def __init__(self, workload, options, device, strategy: Strategy, *, session: Callable | None = None,
+                 cuda_semantics: bool = True) -> None:
+        if session is None:
+            from batchfit.plan.sharded import ShardedSession as session
         extra = {} if cuda_semantics else {"cuda_semantics": False}  # stand-ins need not take it
-        return trace(model_workload, options, device, strategy, local_batch, **extra)
+        self._open = lambda model_workload: session(model_workload, options, device, strategy, **extra)
+        self.workload = workload
+        self.blocks: int | None = None
+        self.whole_traces: list[int] = []
+        """Local batches traced whole although the model was cut (not regular in depth there)."""
+        self._depths: list = []
+        self._whole = None
+        seen = depth.Depth()
+        first = self._open(depth.at_depth(workload, depth.DEPTHS[0], seen))
+        if seen.blocks and seen.blocks >= depth.MIN_BLOCKS:
+            self.blocks = seen.blocks
+            self._depths = [first]
+            try:
+                self._depths += [self._open(depth.at_depth(workload, d, seen)) for d in depth.DEPTHS[1:]]
+            except BaseException:
+                self.close()
+                raise
+        else:  # the model was not cut: the first session is the whole model
+            self._whole = first
 
-    if strategy.shard == "ddp":
-        return at(workload)
-    seen = depth.Depth()
-    first = at(depth.at_depth(workload, depth.DEPTHS[0], seen))
-    if not seen.blocks or seen.blocks < depth.MIN_BLOCKS:
-        return first  # the model was not cut: this is the whole trace
-    points = [first] + [at(depth.at_depth(workload, d, seen)) for d in depth.DEPTHS[1:]]
-    return extrapolate(points, seen.blocks) or at(workload)
+    def trace(self, local_batch: int) -> ShardedPoint:
+        if self._depths:
+            found = extrapolate([s.trace(local_batch) for s in self._depths], self.blocks)
+            if found is not None:
+                return found
+            self.whole_traces.append(local_batch)
+        if self._whole is None:
+            self._whole = self._open(self.workload)
+        return self._whole.trace(local_batch)
+
+    def close(self) -> None:
+        for s in [*self._depths, *([self._whole] if self._whole is not None else [])]:
+            s.close()
+
+    def __enter__(self) -> DeepSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def trace_deep(workload, options, device, strategy: Strategy, local_batch: int, *,
+               session: Callable | None = None, cuda_semantics: bool = True) -> ShardedPoint:
+    """Rank 0's point at one local batch: a :class:`DeepSession` traced once."""
+    with DeepSession(workload, options, device, strategy, session=session, cuda_semantics=cuda_semantics) as deep:
+        return deep.trace(local_batch)

@@ -14,12 +14,15 @@ For each GPU count and each strategy (DDP, FSDP2, HSDP, TP, FSDP+TP):
    counted (``time_model.py``), tokens/s and days for ``--tokens``.
 5. Recommend, per GPU count, the strategy with the most tokens/s.
 
-The tracer is a parameter (``trace=``), so the engine is tested with stand-ins whose
-numbers are known, and the real tracer is imported only when a plan runs.
+Each strategy is one tracing session (``plan/deep.py``: built once, at depths 2, 3 and 4
+for a deep model), traced at one local batch after another. The tracer is a parameter
+(``trace=``, one point at a time), so the engine is tested with stand-ins whose numbers are
+known, and the real tracer is imported only when a plan runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import importlib
@@ -31,7 +34,7 @@ from types import ModuleType
 
 from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
-from batchfit.plan.deep import trace_deep
+from batchfit.plan.deep import DeepSession
 from batchfit.plan.time_model import OVERLAP_RULE, StepTime, TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
 from batchfit.search import SearchResult, Trial, guided
@@ -50,6 +53,17 @@ def sharded() -> ModuleType:
 
     Through ``importlib`` so that a stand-in put in ``sys.modules`` is the one used."""
     return importlib.import_module("batchfit.plan.sharded")
+
+
+class PointSession:
+    """A session over a tracer of one point at a time: ``trace(workload, options, device,
+    strategy, local_batch)`` (a stand-in, or a caller's own)."""
+
+    def __init__(self, trace: Callable, workload: Workload, options: StepOptions, device: Device, strategy) -> None:
+        self.trace = lambda local_batch: trace(workload, options, device, strategy, local_batch)
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -353,7 +367,8 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     if trace is None or parse is None:
         module = sharded()
         parse = parse or module.parse_strategies
-        trace = trace or functools.partial(trace_deep, trace=module.trace_sharded)
+    open_session = (functools.partial(PointSession, trace) if trace is not None
+                    else functools.partial(DeepSession, session=module.ShardedSession))
     multiple_of = workload.batch_multiple(multiple_of)
     by_world = [(world, parse(strategies, world.gpus)) for world in worlds]  # every bad name before any trace
     if global_batch is not None:
@@ -364,33 +379,29 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     plans: list[StrategyPlan] = []
     params = None
     traces = 0
-    capacity, target_bytes = device.usable_bytes, int(target_util * device.usable_bytes)
+    target_bytes = int(target_util * device.usable_bytes)
     for world, chosen in by_world:
         for strategy in chosen:
             label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
-            curve = ShardedCurve(lambda b, s=strategy: trace(workload, options, device, s, b), device.workspace_bytes,
-                                 lambda message, label=label: say(f"{label}: {message}"))
             base = dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
                         tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1))
+            curve = None
             try:
-                for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
-                    curve.point(b)
+                with contextlib.closing(open_session(workload, options, device, strategy)) as session:
+                    curve = ShardedCurve(session.trace, device.workspace_bytes,
+                                         lambda message, label=label: say(f"{label}: {message}"))
+                    for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
+                        curve.point(b)
+                    plan_row = _plan_strategy(base, curve, strategy, world, workload, device, options, time_model,
+                                              global_batch=global_batch, multiple_of=multiple_of,
+                                              max_batch=max_batch, target_bytes=target_bytes)
             except OptionError as error:
-                if strategies.strip().lower() != "auto" or strategy.tp == 1:
+                if strategies.strip().lower() != "auto" or strategy.tp == 1 or (curve is not None and curve.points):
                     raise
                 plans.append(StrategyPlan(**base, points=[], curve=None, max_local_batch=0, capped=False,
                                           skipped=str(error)))  # auto tried it; the model has no TP plan
                 continue
-            found = curve.max_batch(capacity, lo=multiple_of, hi=max_batch, multiple_of=multiple_of)
-            plan_row = StrategyPlan(**base, points=[], curve=None, max_local_batch=found.max_batch_size,
-                                    capped=found.capped, params_per_rank=curve.first.params_per_rank)
             params = params or curve.first.params
-            if plan_row.fits:
-                _choose_micro(plan_row, curve, target_bytes, global_batch, multiple_of)
-                _time(plan_row, curve, strategy, world, device, options, time_model, workload)
-            else:
-                smallest = curve.points[min(curve.points)]
-                plan_row.fix = _fix(plan_row, smallest, capacity, options)
             plan_row.points = [curve.points[b] for b in sorted(curve.points)]
             plan_row.curve = curve.curve()
             traces += len(curve.points)
@@ -410,6 +421,23 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         target_util=target_util, multiple_of=multiple_of, time_model=time_model,
         links=time_model.links(device), trace_seconds=time.perf_counter() - started, traces=traces,
     )
+
+
+def _plan_strategy(base: dict, curve: ShardedCurve, strategy, world: World, workload: Workload, device: Device,
+                   options: StepOptions, time_model: TimeModel, *, global_batch: int | None, multiple_of: int,
+                   max_batch: int, target_bytes: int) -> StrategyPlan:
+    """One strategy's row: the max local batch (traced and confirmed), the micro-batch and its
+    time, or, when not even the smallest batch fits, what would make it fit."""
+    capacity = device.usable_bytes
+    found = curve.max_batch(capacity, lo=multiple_of, hi=max_batch, multiple_of=multiple_of)
+    plan_row = StrategyPlan(**base, points=[], curve=None, max_local_batch=found.max_batch_size,
+                            capped=found.capped, params_per_rank=curve.first.params_per_rank)
+    if plan_row.fits:
+        _choose_micro(plan_row, curve, target_bytes, global_batch, multiple_of)
+        _time(plan_row, curve, strategy, world, device, options, time_model, workload)
+    else:
+        plan_row.fix = _fix(plan_row, curve.points[min(curve.points)], capacity, options)
+    return plan_row
 
 
 def _time(plan_row: StrategyPlan, curve: ShardedCurve, strategy, world: World, device: Device,

@@ -159,22 +159,41 @@ class ShardedPoint:
     ``trace.depth.extrapolate`` needs to extrapolate traces of a model cut to 1, 2, 3 blocks."""
     breakdown_by_phase: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     """The breakdown at each phase's own peak."""
+    peak_by_part: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Each phase's peak by part ('backward:last'; ``trace.memory.PARTS``), for ``trace.depth``."""
+    breakdown_by_part: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+
+_world: list[int] = []
+"""The world size of the fake process group this module opened, once per session using it."""
+_meshes: dict = {}
+"""The meshes built on that group, by strategy: sessions of one strategy share them (a second
+``init_device_mesh`` of the same shape makes new groups that DTensor does not always use)."""
 
 
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
-    """A fake process group of ``world_size`` ranks in this process, this process rank 0."""
+    """A fake process group of ``world_size`` ranks in this process, this process rank 0.
+
+    Nested uses at the same world size share one group (the depths of a deep trace)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise OptionError("a torch.distributed process group is already running in this process: "
-                          "run batchfit plan outside torchrun (it simulates every rank itself)")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    if _world and _world[0] != world_size:
+        raise RuntimeError(f"a fake world of {_world[0]} ranks is open: close it before one of {world_size}")
+    if not _world:
+        if dist.is_initialized():
+            raise OptionError("a torch.distributed process group is already running in this process: "
+                              "run batchfit plan outside torchrun (it simulates every rank itself)")
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    _world.append(world_size)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        _world.pop()
+        if not _world:
+            _meshes.clear()
+            dist.destroy_process_group()
 
 
 def _to_empty_keeping_ties(model):
@@ -202,63 +221,96 @@ def _local_elements(tensor) -> int:
     return getattr(tensor, "_local_tensor", tensor).numel()
 
 
-def trace_sharded(workload, options, device, strategy: Strategy, local_batch: int, *,
-                  cuda_semantics: bool = True) -> ShardedPoint:
-    """Trace rank 0 of ``strategy`` on a fake process group (one CPU process, fake tensors).
+class ShardedSession:
+    """Rank 0 of ``strategy`` on a fake process group (one CPU process, fake tensors), built
+    once and traced at one local batch after another, as ``estimate``'s session is.
 
     workload: batchfit.Workload; options: batchfit.StepOptions; device: batchfit.Device (its
     cuBLAS workspace is added, as in ``estimate``). ``cuda_semantics=False`` traces what a CPU
     step does instead (no rounding, CPU kernels), to compare with a real gloo run.
     Raises OptionError('... has no tensor-parallel plan: ...') for TP on a model without one.
     """
-    import torch
 
-    from batchfit.plan._parallel import apply_strategy, build_meshes
-    from batchfit.plan._tracker import ShardedTracker
-    from batchfit.plan.tp_plans import tp_plan
-    from batchfit.step import TrainingStep
-    from batchfit.trace.memory import CUDA_BLOCK_BYTES
-    from batchfit.trace.session import TraceSession
+    def __init__(self, workload, options, device, strategy: Strategy, *, cuda_semantics: bool = True) -> None:
+        import torch
 
-    if local_batch < 1:
-        raise OptionError(f"the local batch must be 1 or more, got {local_batch}")
-    own_plan = workload.parallelize
-    with fake_world(strategy.world_size):
-        meshes = build_meshes(strategy)  # outside FakeTensorMode: the mesh holds real rank tables
-        tracker = ShardedTracker(round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
+        from batchfit.plan._parallel import apply_strategy, build_meshes
+        from batchfit.plan._tracker import ShardedTracker
+        from batchfit.plan.tp_plans import tp_plan
+        from batchfit.step import TrainingStep
+        from batchfit.trace.memory import CUDA_BLOCK_BYTES
+        from batchfit.trace.session import TraceSession
 
-        def shard(model):
-            return apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
-                                  parallelize=own_plan or tp_plan(model), on_bucket=tracker.mark_collective)
+        self.strategy = strategy
+        self.workspace = device.workspace_bytes if cuda_semantics else 0
+        own_plan = workload.parallelize
+        self._exit = contextlib.ExitStack()
+        self._exit.enter_context(fake_world(strategy.world_size))
+        try:
+            if strategy not in _meshes:  # outside FakeTensorMode: the mesh holds rank tables
+                _meshes[strategy] = build_meshes(strategy)
+            self.meshes = meshes = _meshes[strategy]
+            self.tracker = tracker = ShardedTracker(round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
 
-        # TP and FSDP2 are applied to the model built on the meta device, outside FakeTensorMode
-        # (they build sub-meshes, which read rank tables), after the step's own preparation
-        # (precision, freezing, checkpointing): a TrainingStep on "meta" does exactly that.
-        # Its parameters get (fake) memory by to_empty inside the trace. DDP wraps a model
-        # that has memory, so it comes after, inside the trace.
-        ddp = strategy.shard == "ddp"
-        prepared = TrainingStep(workload, options, torch.device("meta"), wrap=None if ddp else shard).model
-        params = sum(p.numel() for p in prepared.parameters())  # DTensors count their global size
-        built = dataclasses.replace(workload, build_model=lambda: _to_empty_keeping_ties(prepared))
-        prepared_options = dataclasses.replace(options, checkpointing="none")  # done on meta already
-        with TraceSession(built, prepared_options, cuda_semantics=cuda_semantics, wrap=shard if ddp else None,
-                          tracker=tracker) as session, warnings.catch_warnings():
+            def shard(model):
+                return apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
+                                      parallelize=own_plan or tp_plan(model), on_bucket=tracker.mark_collective)
+
+            # TP and FSDP2 are applied to the model built on the meta device, outside FakeTensorMode
+            # (they build sub-meshes, which read rank tables), after the step's own preparation
+            # (precision, freezing, checkpointing): a TrainingStep on "meta" does exactly that.
+            # Its parameters get (fake) memory by to_empty inside the trace. DDP wraps a model
+            # that has memory, so it comes after, inside the trace.
+            ddp = strategy.shard == "ddp"
+            prepared = TrainingStep(workload, options, torch.device("meta"), wrap=None if ddp else shard).model
+            self.params = sum(p.numel() for p in prepared.parameters())  # DTensors count their global size
+            built = dataclasses.replace(workload, build_model=lambda: _to_empty_keeping_ties(prepared))
+            prepared_options = dataclasses.replace(options, checkpointing="none")  # done on meta already
+            self.session = self._exit.enter_context(TraceSession(
+                built, prepared_options, cuda_semantics=cuda_semantics, wrap=shard if ddp else None, tracker=tracker))
+            self.params_per_rank = sum(_local_elements(p) for p in self.session.step.model.parameters())
+        except BaseException:
+            self._exit.close()
+            raise
+
+    def trace(self, local_batch: int) -> ShardedPoint:
+        """One steady-state step at ``local_batch`` (the first also runs the warm-up step)."""
+        if local_batch < 1:
+            raise OptionError(f"the local batch must be 1 or more, got {local_batch}")
+        with warnings.catch_warnings():
             # FSDP2 warns that a module returned a view; the step never writes into the output.
             warnings.filterwarnings("ignore", message=".*returned a view tensor")
-            snapshot = session.trace(local_batch).snapshot
-            params_per_rank = sum(_local_elements(p) for p in session.step.model.parameters())
-            calls = list(tracker.calls)
-            flops = tracker.flops
-    workspace = device.workspace_bytes if cuda_semantics else 0
-    collectives = []
-    for call in calls:
-        group, size = meshes.groups.get(call.group_name, ("dp", strategy.dp))
-        collectives.append(Collective(call.op, group, size, call.bytes, call.phase))
-    return ShardedPoint(
-        strategy=strategy, local_batch=local_batch, peak_bytes=snapshot.peak_bytes + workspace,
-        breakdown={**snapshot.breakdown, "workspace": workspace}, flops=flops,
-        collectives=tuple(collectives), params=params,
-        params_per_rank=params_per_rank, phase=snapshot.phase,
-        peak_by_phase={k: v + workspace for k, v in snapshot.peak_by_phase.items()},
-        breakdown_by_phase={k: {**v, "workspace": workspace} for k, v in snapshot.breakdown_by_phase.items()},
-    )
+            snapshot = self.session.trace(local_batch).snapshot
+        workspace, strategy = self.workspace, self.strategy
+        collectives = []
+        for call in self.tracker.calls:
+            group, size = self.meshes.groups.get(call.group_name, ("dp", strategy.dp))
+            collectives.append(Collective(call.op, group, size, call.bytes, call.phase))
+        return ShardedPoint(
+            strategy=strategy, local_batch=local_batch, peak_bytes=snapshot.peak_bytes + workspace,
+            breakdown={**snapshot.breakdown, "workspace": workspace}, flops=self.tracker.flops,
+            collectives=tuple(collectives), params=self.params,
+            params_per_rank=self.params_per_rank, phase=snapshot.phase,
+            peak_by_phase={k: v + workspace for k, v in snapshot.peak_by_phase.items()},
+            breakdown_by_phase={k: {**v, "workspace": workspace} for k, v in snapshot.breakdown_by_phase.items()},
+            peak_by_part={k: v + workspace for k, v in snapshot.peak_by_part.items()},
+            breakdown_by_part={k: {**v, "workspace": workspace} for k, v in snapshot.breakdown_by_part.items()},
+        )
+
+    def close(self) -> None:
+        self._exit.close()
+
+    def __enter__(self) -> ShardedSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def trace_sharded(workload, options, device, strategy: Strategy, local_batch: int, *,
+                  cuda_semantics: bool = True) -> ShardedPoint:
+    """Rank 0's step at one local batch: a :class:`ShardedSession` traced once."""
+    if local_batch < 1:
+        raise OptionError(f"the local batch must be 1 or more, got {local_batch}")
+    with ShardedSession(workload, options, device, strategy, cuda_semantics=cuda_semantics) as session:
+        return session.trace(local_batch)
