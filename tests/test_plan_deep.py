@@ -52,9 +52,10 @@ def test_collectives_repeat_per_block_in_each_run():
     assert collectives_at([calls(2), calls(3), bent], 32) is None
 
 
-def test_one_session_per_depth_traces_every_local_batch_as_a_fresh_trace_would():
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp+tp2"])
+def test_one_session_per_depth_traces_every_local_batch_as_a_fresh_trace_would(strategy):
     options = StepOptions(precision="bf16-mixed")
-    s = parse_strategy("fsdp", 4)
+    s = parse_strategy(strategy, 4)
     opened = []
     with DeepSession(WORKLOAD, options, H100, s, session=lambda *a, **k: opened.append(1) or ShardedSession(*a, **k)) \
             as deep:

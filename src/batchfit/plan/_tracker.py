@@ -23,11 +23,13 @@ an all-reduced block output): they keep the category of the phase that made them
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401 - defines the fsdp:: ops
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._pytree import tree_leaves
 
 from batchfit.trace.memory import CATEGORIES, MemoryTracker
@@ -110,6 +112,29 @@ def _collective(func, args, kwargs) -> tuple[str, str, int] | None:
     return None
 
 
+def _patch_propagation(tracker: ShardedTracker):
+    """Make DTensor's sharding propagation invisible to ``tracker``; the original, to put back.
+
+    The first time DTensor meets an op at new shapes it runs the op on stand-in tensors of
+    the global shape to learn the output's (``_propagate_tensor_meta_non_cached``, then
+    cached). On a GPU those are fake tensors that hold no memory; here everything is fake,
+    so without this they would be counted (1 GiB for Llama-3.1-8B's embedding under TP)."""
+    original = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
+    if original is None:
+        return None
+
+    @functools.wraps(original)
+    def propagate(*args, **kwargs):
+        tracker._propagating += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            tracker._propagating -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    return original
+
+
 class ShardedTracker(MemoryTracker):
     """``MemoryTracker`` plus storage resizes, DTensor, and collectives (see the module docstring)."""
 
@@ -122,6 +147,8 @@ class ShardedTracker(MemoryTracker):
         torch.utils.flop_counter's formulas: DTensor ops reach here as ops on the shards."""
         self._resize = None
         self._depth = 0
+        self._propagate = None
+        self._propagating = 0
 
     # --- storage resizes ----------------------------------------------------------------
     def __enter__(self) -> ShardedTracker:
@@ -136,6 +163,7 @@ class ShardedTracker(MemoryTracker):
                 return out
 
             torch.UntypedStorage.resize_ = resize_
+            self._propagate = _patch_propagation(self)
         self._depth += 1
         return super().__enter__()
 
@@ -144,6 +172,9 @@ class ShardedTracker(MemoryTracker):
         if self._depth == 0 and self._resize is not None:
             torch.UntypedStorage.resize_ = self._resize
             self._resize = None
+            if self._propagate is not None:
+                ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
+                self._propagate = None
         return super().__exit__(*exc)
 
     def _resized(self, storage: torch.UntypedStorage, before: int, after: int) -> None:
@@ -160,6 +191,8 @@ class ShardedTracker(MemoryTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs the op on its local shards, which come back here
+        if self._propagating:  # DTensor working out an output's shape: fake tensors on a GPU too
+            return func(*args, **(kwargs or {}))
         if func is _WAIT:
             return args[0]
         call = _collective(func, args, kwargs or {})
