@@ -66,6 +66,7 @@ def test_batch_one_not_fitting_is_an_answer_with_suggestions(mlp):
     assert changes["--precision bf16"].source == "traced"
     assert changes["--precision bf16"].peak_bytes < r.points[0].peak_bytes
     assert any(s.fits for s in r.suggestions)
+    assert [p.batch_size for p in r.points] == [1]  # batch 2 cannot fit either: not traced
     assert r.to_json()["max_batch_size"] == 0
     # nothing that saves nothing: the MLP has no block stack, so no checkpointing row at all
     assert all(s.saving_bytes > 0 for s in r.suggestions) and "--checkpointing full" not in changes

@@ -82,6 +82,7 @@ BAD_INPUT = [
     (["--nodes", "2"], "needs --gpus-per-node"),
     (["--gpus", "4", "--emit", "nowhere/config.yaml"], "does not exist"),
     (["--gpus", "4", "--calibrate", "missing.json"], "cannot read it"),
+    (["--gpus", "4", "--processes", "0"], "--processes must be 1 or more"),
 ]
 
 

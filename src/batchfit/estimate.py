@@ -158,6 +158,9 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     started = time.perf_counter()
     with TracedCurve(workload, options, device, say, keep_streams=limit == "reserved") as traced:
         for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
+            if batch_sizes is None and traced.points and traced.points[min(traced.points)].peak_bytes > \
+                    device.usable_bytes:
+                break  # the smallest does not fit: no larger one will
             traced.point(b)
         answers = [traced.max_batch(limit_bytes, lo=multiple_of, hi=max_batch, multiple_of=multiple_of,
                                     reserved=limit == "reserved")

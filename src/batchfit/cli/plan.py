@@ -72,6 +72,8 @@ def plan_command(
     emit: Annotated[list[str] | None, typer.Option(help="Write the recommended configuration: FILE (YAML + torchrun "
                                                         "line) or accelerate:FILE (Accelerate config); repeatable.")]
     = None,
+    processes: Annotated[int | None, typer.Option(help="Strategies traced at once, one process each (default: one "
+                                                       "per CPU core); 1 traces them one after another.")] = None,
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, plan.png, plan.json")] = None,
 ) -> None:
@@ -87,6 +89,8 @@ def plan_command(
     emits = [parse_emit(text) for text in emit or []]
     if mfu is not None and calibrate is not None:
         raise OptionError("give --mfu or --calibrate, not both: --calibrate takes the MFU from a bench run")
+    if processes is not None and processes < 1:
+        raise OptionError(f"--processes must be 1 or more, got {processes}: e.g. --processes 2")
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, 1)
     time_model = (calibrated(calibrate, precision) if calibrate is not None
                   else TimeModel(mfu=mfu, mfu_source="set by the user (--mfu)") if mfu is not None else TimeModel())
@@ -103,7 +107,8 @@ def plan_command(
     with progress_line() as say:
         result = plan(workload, device=target.device, worlds=worlds, options=options, strategies=strategies,
                       global_batch=global_batch, tokens=tokens, batch_sizes=sizes, target_util=target_util,
-                      multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say)
+                      multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say,
+                      processes=processes)
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
     paths = write_plan_report(result, folder)
     written = [write_emit(kind, path, result) for kind, path in emits]

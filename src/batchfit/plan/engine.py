@@ -34,6 +34,7 @@ from types import ModuleType
 
 from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
+from batchfit.plan import workers
 from batchfit.plan.deep import DeepSession
 from batchfit.plan.time_model import OVERLAP_RULE, StepTime, TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
@@ -347,12 +348,14 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
          batch_sizes: list[int] | None = None, target_util: float = 0.9, multiple_of: int = 1,
          max_batch: int = DEFAULT_MAX_BATCH, time_model: TimeModel | None = None,
          trace: Callable | None = None, parse: Callable | None = None,
-         progress: Callable[[str], None] | None = None) -> PlanResult:
+         progress: Callable[[str], None] | None = None, processes: int | None = None) -> PlanResult:
     """Plan ``workload`` on ``device`` for each of ``worlds`` and each of ``strategies``.
 
     ``trace(workload, options, device, strategy, local_batch) -> ShardedPoint`` and
     ``parse(text, world_size) -> list[Strategy]`` default to ``batchfit.plan.sharded``'s.
     ``tokens`` is a count, ``'chinchilla'`` (20 x parameters) or a string either way.
+    ``processes``: strategies traced at once, each in its own process (default: one per CPU
+    core, at most one per strategy; ``plan/workers.py``); 1 traces them one after another.
     """
     options = options or StepOptions()
     time_model = time_model or TimeModel()
@@ -376,36 +379,20 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
             _check_global_batch(global_batch, chosen, multiple_of)
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    plans: list[StrategyPlan] = []
-    params = None
-    traces = 0
     target_bytes = int(target_util * device.usable_bytes)
-    for world, chosen in by_world:
-        for strategy in chosen:
-            label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
-            base = dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
-                        tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1))
-            curve = None
-            try:
-                with contextlib.closing(open_session(workload, options, device, strategy)) as session:
-                    curve = ShardedCurve(session.trace, device.workspace_bytes,
-                                         lambda message, label=label: say(f"{label}: {message}"))
-                    for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
-                        curve.point(b)
-                    plan_row = _plan_strategy(base, curve, strategy, world, workload, device, options, time_model,
-                                              global_batch=global_batch, multiple_of=multiple_of,
-                                              max_batch=max_batch, target_bytes=target_bytes)
-            except OptionError as error:
-                if strategies.strip().lower() != "auto" or strategy.tp == 1 or (curve is not None and curve.points):
-                    raise
-                plans.append(StrategyPlan(**base, points=[], curve=None, max_local_batch=0, capped=False,
-                                          skipped=str(error)))  # auto tried it; the model has no TP plan
-                continue
-            params = params or curve.first.params
-            plan_row.points = [curve.points[b] for b in sorted(curve.points)]
-            plan_row.curve = curve.curve()
-            traces += len(curve.points)
-            plans.append(plan_row)
+    auto = strategies.strip().lower() == "auto"
+
+    def one(job: tuple[World, object], say: Callable[[str], None]) -> tuple[StrategyPlan, int | None]:
+        world, strategy = job
+        return _plan_one(open_session, workload, options, device, world, strategy, time_model, say, auto=auto,
+                         batch_sizes=batch_sizes, global_batch=global_batch, multiple_of=multiple_of,
+                         max_batch=max_batch, target_bytes=target_bytes)
+
+    jobs = [(world, strategy) for world, chosen in by_world for strategy in chosen]
+    done = workers.run(one, jobs, say, processes=processes if trace is None else 1)
+    plans = [plan_row for plan_row, _ in done]
+    params = next((n for _, n in done if n is not None), None)
+    traces = sum(len(p.points) for p in plans)
     if params is None:
         raise OptionError(f"no strategy of '{strategies}' could be traced for {workload.name}: "
                           "every one was skipped (see above); name strategies with --strategies ddp,fsdp")
@@ -421,6 +408,37 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         target_util=target_util, multiple_of=multiple_of, time_model=time_model,
         links=time_model.links(device), trace_seconds=time.perf_counter() - started, traces=traces,
     )
+
+
+def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, device: Device, world: World,
+              strategy, time_model: TimeModel, say: Callable[[str], None], *, auto: bool,
+              batch_sizes: list[int] | None, global_batch: int | None, multiple_of: int, max_batch: int,
+              target_bytes: int) -> tuple[StrategyPlan, int | None]:
+    """One strategy on one GPU count, in one tracing session: its row, and the model's
+    parameter count (None when ``auto`` skipped it: the model has no tensor-parallel plan)."""
+    label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
+    base = dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
+                tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1))
+    curve = None
+    try:
+        with contextlib.closing(open_session(workload, options, device, strategy)) as session:
+            curve = ShardedCurve(session.trace, device.workspace_bytes, lambda message: say(f"{label}: {message}"))
+            for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
+                if batch_sizes is None and curve.points and curve.points[min(curve.points)].peak_bytes > \
+                        device.usable_bytes:
+                    break  # the smallest does not fit: no larger one will
+                curve.point(b)
+            plan_row = _plan_strategy(base, curve, strategy, world, workload, device, options, time_model,
+                                      global_batch=global_batch, multiple_of=multiple_of,
+                                      max_batch=max_batch, target_bytes=target_bytes)
+    except OptionError as error:
+        if not auto or strategy.tp == 1 or (curve is not None and curve.points):
+            raise
+        return StrategyPlan(**base, points=[], curve=None, max_local_batch=0, capped=False,
+                            skipped=str(error)), None  # auto tried it; the model has no TP plan
+    plan_row.points = [curve.points[b] for b in sorted(curve.points)]
+    plan_row.curve = curve.curve()
+    return plan_row, curve.first.params
 
 
 def _plan_strategy(base: dict, curve: ShardedCurve, strategy, world: World, workload: Workload, device: Device,

@@ -1,0 +1,65 @@
+"""Strategies traced side by side (plan/workers.py): results in order, progress and errors come back."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from batchfit.errors import OptionError
+from batchfit.plan import workers
+
+linux = pytest.mark.skipif(sys.platform != "linux", reason="processes are forked on Linux only")
+
+
+@linux
+def test_jobs_run_in_their_own_processes_and_come_back_in_order():
+    said = []
+
+    def one(job, say):
+        say(f"job {job}")
+        return job * job, os.getpid()
+
+    done = workers.run(one, [3, 1, 2], said.append, processes=2)
+    assert [square for square, _ in done] == [9, 1, 4]
+    assert os.getpid() not in {pid for _, pid in done}  # not run here
+    assert sorted(m for m in said if m.startswith("job")) == ["job 1", "job 2", "job 3"]
+
+
+@linux
+def test_an_error_in_one_job_is_raised_here():
+    def one(job, say):
+        if job == 2:
+            raise OptionError("strategy 2 cannot be traced: use another")
+        return job
+
+    with pytest.raises(OptionError, match="strategy 2 cannot be traced"):
+        workers.run(one, [1, 2, 3], lambda m: None, processes=2)
+
+
+def test_one_process_runs_here_in_order():
+    assert workers.run(lambda job, say: (job, os.getpid()), [1, 2], print, processes=1) == \
+        [(1, os.getpid()), (2, os.getpid())]
+    assert workers.default_processes(1) == 1
+
+
+@linux
+def test_a_plan_traced_two_strategies_at_a_time_is_the_plan_traced_one_by_one():
+    from batchfit.devices import get_device
+    from batchfit.plan.engine import plan
+    from batchfit.plan.world import World
+    from batchfit.workload import StepOptions
+    from batchfit.zoo import language_model_workload
+    from batchfit.zoo.transformer import Transformer, TransformerConfig
+
+    cfg = TransformerConfig(vocab_size=512, seq_len=32, d_model=64, n_layers=2, n_heads=4, d_ff=128, llama=True)
+    workload = language_model_workload(name="tiny", build_model=lambda: Transformer(cfg), vocab_size=512,
+                                       seq_len=32, description="2 tiny blocks")
+    said = []
+    runs = [plan(workload, device=get_device("t4-16gb"), worlds=[World(2)], strategies="ddp,fsdp,fsdp+tp2",
+                 max_batch=64, global_batch=64, processes=n, progress=said.append).to_json() for n in (2, 1)]
+    for run in runs:
+        run.pop("trace_seconds"), run.pop("created")
+    assert runs[0] == runs[1]
+    assert any("3 strategies, 2 at a time" in m for m in said)
