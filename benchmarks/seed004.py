@@ -48,23 +48,32 @@ DIFFERENCES = """
 ## Differences explained
 
 - **The model is reconstructed**, not seed 004's code: its sizes fit d = 64 x heads, 3/4 x heads layers and an
-  untied 50,257-token vocabulary exactly (991,845,120 parameters at 28 heads against its "0.99B"), but its blocks,
-  kernels and loss are not known here; these are Llama blocks (SwiGLU, d_ff = 8d/3), AdamW for dana-star-mk4.
-- **Per sample the trace holds more** than seed 004 measured (28 heads: 4.98 against 3.66 GiB per local sample for
-  FSDP, 2.19 against 1.76 for FSDP+TP4); at local batch 1 it holds 0.66 GiB less. The fixed part differs by the
-  optimizer's state and what seed 004's "Peak Mem (GPU 0)" counts (allocated or reserved: it does not say). A
-  hypothesis for the slope, not checked: the logits of a 50,257 vocabulary at seq 2048 are 0.2 GiB per sample in
-  bf16 and 0.4 GiB more in fp32 for the loss (and as much again for their gradient); a fused or chunked
-  cross-entropy, or torch.compile, as many trainers use, keeps most of that away.
-- **Max global batch**: seed 004 ran powers of two up to 32 only, so its "32" is a lower bound; batchfit gives the
-  largest that fits, traced and confirmed (60 for FSDP, 34 for FSDP+TP4 at 28 heads), and with its larger slope
-  it is the conservative side of the truth.
-- **The same conclusion**: FSDP (tp=1) fits a larger global batch than FSDP+TP4 and is faster (computed 243K
-  against 158K tokens/s at global batch 512, 1.5x; seed 004: 1.5-2x), because TP's all-reduces sit between the
-  matmuls; and the recommended configuration is seed 004's: local batch 8 x 16 accumulation steps for 512.
-- **Days**: 0.9 computed at the assumed MFU 0.4 against seed 004's 2.1: its measured iter_dt implies an MFU of
-  6 x 0.99e9 x 108K tokens/s / (4 x 989 TFLOP/s) = 0.16; `--mfu 0.16` (or `--calibrate` from a `batchfit bench`
-  on the GPU) brings the computed days to ~2.3.
+  untied 50,257-token vocabulary exactly (991,845,120 parameters at 28 heads against its "0.99B", 4.39B at 48),
+  but its blocks, kernels and loss are not known here; these are Llama blocks (SwiGLU, d_ff = 8d/3), AdamW for
+  dana-star-mk4 (which also keeps two states per parameter).
+- **Fixed part**: at the smallest global batch the trace is within -1.3 to +0.6 GiB of seed 004 at every size
+  (FSDP 0.7-1.3 GiB less, FSDP+TP4 0.1-0.6 more): the optimizer's state and what seed 004's "Peak Mem (GPU 0)"
+  counts (allocated or reserved: it does not say) can account for that much.
+- **Per sample the trace holds more**, most where a rank keeps whole activations: FSDP 36% more than seed 004's
+  slope at 28 heads (4.98 against 3.66 GiB per local sample) falling to 22% at 48 (12.7 against 10.4); FSDP+TP4
+  28% more at 28 heads, falling to 0% at 44 and -3% at 48 (so within 1 GiB at global batch 8 from 40 heads up).
+  Seed 004's kernels are not known (fused or compiled MLP, norm or loss, as many trainers use, keep less than
+  eager PyTorch); not checked: its code is not available.
+- **Max global batch**: seed 004 ran powers of two only, so its figure is the largest power of two that ran;
+  batchfit gives the largest that fits, traced and confirmed. FSDP: 60/48/36/28/24/20 from 28 to 48 heads,
+  against 32/32/32/32/16/16; at 40 heads batchfit says 28 where seed 004 ran 32 (69.1 GiB measured, 80.9 traced:
+  the larger slope above, the conservative side). FSDP+TP4: 34/29/24/20/17/14 against 32/16/16/16/8/8, every one
+  consistent with seed 004's out-of-memory runs except 44 heads at 16, which seed 004 saw run out and batchfit
+  puts at 73.2 GiB: seed 004's own points extrapolate to 72.8 GiB there, so the step's tensors fit and the
+  allocator's reserve (fragmentation) or the CUDA context did not; plan sizes by allocated memory (estimate
+  models the caching allocator's reserve), a known limit.
+- **The same conclusion at every size**: FSDP (tp=1) fits a larger global batch than FSDP+TP4 and is faster
+  (computed tokens/s at global batch 512: 1.34x to 1.54x; seed 004: 1.5-2x), because TP's all-reduces sit between
+  the matmuls; for global batch 512 batchfit picks local batch 8 x 16 accumulation steps up to 36 heads (seed
+  004's recommendation at 28 heads) and 4 x 32 above.
+- **Days**: 0.9 computed at the assumed MFU 0.4 against seed 004's 2.1 at 28 heads: its measured iter_dt implies
+  an MFU of 6 x 0.99e9 x 108K tokens/s / (4 x 989 TFLOP/s) = 0.16; `--mfu 0.16` (or `--calibrate` from a
+  `batchfit bench` on the GPU) brings the computed days to ~2.3.
 """
 
 
