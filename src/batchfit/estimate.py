@@ -18,12 +18,12 @@ import torch
 
 from batchfit.devices import Device
 from batchfit.errors import OptionError
+from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.trace.curve import MemoryCurve
 from batchfit.trace.depth import DEPTHS
 from batchfit.trace.point import MemoryPoint, TracedCurve
 from batchfit.workload import StepOptions, Workload
 
-DEFAULT_MAX_BATCH = 1 << 16
 LIMITS: tuple[str, ...] = ("reserved", "allocated")
 
 

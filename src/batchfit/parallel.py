@@ -14,13 +14,13 @@ wrapped and stays the single-GPU step on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import torch
-import torch.distributed as dist
-from torch import nn
+from typing import TYPE_CHECKING
 
 from batchfit.errors import OptionError
-from batchfit.step import block_list
+
+if TYPE_CHECKING:  # torch is imported where a model is wrapped: the CLI's help names STRATEGIES
+    import torch
+    from torch import nn
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -32,6 +32,11 @@ def check_strategy(strategy: str) -> None:
 
 def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
     """``model`` as ``strategy`` runs it on ``device``, over the default process group."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from batchfit.step import block_list
+
     check_strategy(strategy)
     if not (dist.is_available() and dist.is_initialized()):
         raise OptionError(f"--strategy {strategy} needs torch.distributed's process group: run under "

@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+DEFAULT_MAX_BATCH = 1 << 16
+"""The largest batch (local batch, for plan) any search considers unless told otherwise."""
+
 
 @dataclass(frozen=True)
 class Trial:

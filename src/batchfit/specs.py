@@ -20,7 +20,6 @@ from types import ModuleType
 
 from batchfit.errors import BatchfitError, ModelSpecError
 from batchfit.workload import Workload
-from batchfit.zoo import ZOO
 
 SPEC_HELP = "a zoo name (batchfit zoo), hf:<name>, hf:config.json or hf:folder, or file.py:function"
 
@@ -29,6 +28,8 @@ def load_workload(spec: str, *, seq_len: int | None = None) -> Workload:
     """Resolve ``spec``; ``seq_len`` overrides the workload's sequence length."""
     if seq_len is not None and seq_len < 1:
         raise ModelSpecError(f"--seq-len must be 1 or more, got {seq_len}")
+    from batchfit.zoo import ZOO  # here: the zoo's models load torch
+
     if spec.startswith("hf:"):
         from batchfit.zoo.hf import hf_workload
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from batchfit.devices import CATALOG, Device, custom_device, detect_cuda_device, get_device, parse_size
 from batchfit.errors import OptionError, UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_GPU = "h100-80gb"
 DEVICE_HELP = "cuda, cuda:N, cpu, virtual:<gpu> (e.g. virtual:h100-80gb) or virtual:<size> (e.g. virtual:24GiB)"
@@ -39,12 +41,16 @@ class Target:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device("cuda", self.index) if self.kind == "cuda" else torch.device("cpu")
 
     def release(self) -> None:
         """Give the memory of a finished step back: collect cycles, empty the CUDA cache."""
         gc.collect()
         if self.kind == "cuda":
+            import torch
+
             with torch.cuda.device(self.index):
                 torch.cuda.empty_cache()
 
@@ -60,6 +66,8 @@ def parse_target(text: str) -> Target:
     if kind == "cuda":
         if rest and not rest.isdigit():
             raise OptionError(f"unknown --device '{text}': use cuda or cuda:N, e.g. cuda:1")
+        import torch
+
         if not torch.cuda.is_available():
             raise UsageError("--device cuda, but no CUDA device is visible here: use virtual:<gpu> to "
                              "trace a GPU instead (e.g. --device virtual:h100-80gb or --gpu h100-80gb)")
@@ -93,6 +101,8 @@ def resolve_target(*, gpu: str | None = None, gpu_memory: str | None = None, dev
         return Target("virtual", custom_device(parse_size(gpu_memory)), f"virtual:{gpu_memory}")
     if device:
         return parse_target(device)
+    import torch  # no device named: a GPU here if there is one
+
     if torch.cuda.is_available():
         target = parse_target("cuda")
         if say:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 from batchfit.errors import OptionError
 
@@ -24,6 +25,8 @@ CHECKPOINTING: tuple[str, ...] = ("none", "full")
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with PyTorch's defaults: on CUDA it takes the foreach path."""
+    import torch
+
     return torch.optim.AdamW(params, lr=3e-4)
 
 

@@ -9,14 +9,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit.bench import bench
 from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
                                  JsonOpt, ModelArg, OptimizerOpt, PrecisionOpt, SeqLenOpt, TrainOnlyOpt,
                                  check_outputs, command_target, flag, handle_errors, out_option,
                                  parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_json)
 from batchfit.devices import GiB
-from batchfit.report import write_bench_report
 from batchfit.specs import load_workload
 
 EXAMPLES = """
@@ -60,6 +58,9 @@ def bench_command(
 
     if steps < 1 or warmup < 0:
         raise OptionError("--steps must be 1 or more and --warmup 0 or more, e.g. --steps 10 --warmup 3")
+    from batchfit.bench import bench  # torch: not for --help
+    from batchfit.report import write_bench_report
+
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
     warn_about_precision(target, precision)

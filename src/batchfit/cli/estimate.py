@@ -16,8 +16,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  report_folder, step_options, warn_about_precision, write_json)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
-from batchfit.estimate import DEFAULT_MAX_BATCH, estimate
-from batchfit.report import write_estimate_report
+from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.specs import load_workload
 
 EXAMPLES = """
@@ -60,6 +59,9 @@ def estimate_command(
     counting every byte as the CUDA caching allocator would, at a few batch sizes; fits the
     memory curve; and confirms the largest batch by tracing it and the next size up.
     """
+    from batchfit.estimate import estimate  # torch and the tracer: not for --help
+    from batchfit.report import write_estimate_report
+
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
     if target.device is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 from rich.markup import escape
 
@@ -60,6 +59,8 @@ def noise_command(
     sizes = parse_batch_sizes(batch_sizes)
     if len(sizes) != 2:
         raise OptionError(f"--batch-sizes takes two sizes for noise, small then big, e.g. 8,128; got {batch_sizes}")
+    import torch  # here: --help does not load it
+
     where = device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = parse_target(where)
     if target.kind == "virtual":

@@ -20,7 +20,6 @@ from batchfit.plan.emit import parse_emit, write_emit
 from batchfit.plan.engine import DEFAULT_MAX_BATCH, DEFAULT_STRATEGIES, plan
 from batchfit.plan.time_model import TimeModel, calibrated
 from batchfit.plan.world import parse_tokens, parse_worlds
-from batchfit.report.plan_markdown import write_plan_report
 from batchfit.specs import load_workload
 
 EXAMPLES = """
@@ -85,6 +84,8 @@ def plan_command(
     and accumulation that reach --global-batch, and computes step time from the FLOPs and
     collective bytes the trace counted.
     """
+    from batchfit.report.plan_markdown import write_plan_report  # matplotlib: not for --help
+
     check_outputs(json_path, out)
     emits = [parse_emit(text) for text in emit or []]
     if mfu is not None and calibrate is not None:

@@ -16,9 +16,6 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  step_options, warn_about_precision, write_json)
 from batchfit.devices import GiB
 from batchfit.parallel import STRATEGIES
-from batchfit.probe.find import find_max_batch
-from batchfit.probe.ranks import rank
-from batchfit.report import write_probe_report
 from batchfit.search import POLICIES
 from batchfit.specs import load_workload
 
@@ -70,6 +67,10 @@ def probe_command(
     search and is reported as itself, with the probes before it kept. The answer is always a
     batch size that ran, with the next size up shown to fail (or the cap).
     """
+    from batchfit.probe.find import find_max_batch  # torch: not for --help
+    from batchfit.probe.ranks import rank
+    from batchfit.report import write_probe_report
+
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
     warn_about_precision(target, precision)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 from rich.markup import escape
 from rich.table import Table
@@ -18,7 +17,6 @@ from batchfit.specs import load_workload
 from batchfit.sweep.budget import parse_count, parse_lrs
 from batchfit.targets import Target
 from batchfit.workload import StepOptions
-from batchfit.zoo import ZOO
 
 EXAMPLES = """
 Examples:
@@ -40,6 +38,8 @@ SeedOpt = Annotated[int, typer.Option(help="Fixes the initial model and the data
 
 
 def sweep_target(gpu: str | None, gpu_memory: str | None, device: str | None) -> tuple[Target, str]:
+    import torch  # here: --help does not load it
+
     """(what a batch must fit, where runs train). With no option: the GPU here, else the
     CPU with no memory limit (a sweep trains for real: a traced GPU cannot train)."""
     if not (gpu or gpu_memory or device):
@@ -56,6 +56,8 @@ def sweep_target(gpu: str | None, gpu_memory: str | None, device: str | None) ->
 
 def needs_data(model: str) -> bool:
     """Zoo and hf: models are language models: random tokens would teach them nothing."""
+    from batchfit.zoo import ZOO
+
     return model in ZOO or model.startswith("hf:")
 
 
@@ -140,6 +142,8 @@ def sweep_command(
 
 def _with_noise(plan, say, repeats: int, save_noise, read_result):
     """The noise scale from the sweep's smallest batch size and the largest multiple of it."""
+    import torch
+
     from batchfit.sweep.data import BatchSource
     from batchfit.sweep.noise import gradient_noise_scale
 

@@ -35,14 +35,12 @@ from types import ModuleType
 from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
 from batchfit.plan import workers
-from batchfit.plan.deep import DeepSession
 from batchfit.plan.time_model import OVERLAP_RULE, StepTime, TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
-from batchfit.search import SearchResult, Trial, guided
+from batchfit.search import DEFAULT_MAX_BATCH, SearchResult, Trial, guided
 from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
 
-DEFAULT_MAX_BATCH = 1 << 16
 DEFAULT_STRATEGIES = "ddp,fsdp"
 SECONDS_PER_DAY = 86400
 SOURCE = ("memory traced on a fake process group (rank 0, PyTorch's own sharding, fake tensors); "
@@ -370,8 +368,12 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     if trace is None or parse is None:
         module = sharded()
         parse = parse or module.parse_strategies
-    open_session = (functools.partial(PointSession, trace) if trace is not None
-                    else functools.partial(DeepSession, session=module.ShardedSession))
+    if trace is not None:
+        open_session = functools.partial(PointSession, trace)
+    else:
+        from batchfit.plan.deep import DeepSession  # the tracer: torch, when a plan runs
+
+        open_session = functools.partial(DeepSession, session=module.ShardedSession)
     multiple_of = workload.batch_multiple(multiple_of)
     by_world = [(world, parse(strategies, world.gpus)) for world in worlds]  # every bad name before any trace
     if global_batch is not None:

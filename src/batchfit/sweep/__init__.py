@@ -11,10 +11,28 @@
     noise.py      B_simple from gradient norms at two batch sizes (McCandlish et al. 2018)
 """
 
-from batchfit.sweep.budget import Budget, Schedule
-from batchfit.sweep.engine import SweepConfig, plan_sweep, run_sweep
-from batchfit.sweep.noise import NoiseResult, gradient_noise_scale
-from batchfit.sweep.result import SweepResult, read_result
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchfit.sweep.budget import Budget, Schedule
+    from batchfit.sweep.engine import SweepConfig, plan_sweep, run_sweep
+    from batchfit.sweep.noise import NoiseResult, gradient_noise_scale
+    from batchfit.sweep.result import SweepResult, read_result
+
+_LAZY = {"Budget": "budget", "Schedule": "budget", "SweepConfig": "engine", "plan_sweep": "engine",
+         "run_sweep": "engine", "NoiseResult": "noise", "gradient_noise_scale": "noise", "SweepResult": "result",
+         "read_result": "result"}
 
 __all__ = ["Budget", "NoiseResult", "Schedule", "SweepConfig", "SweepResult", "gradient_noise_scale",
            "plan_sweep", "read_result", "run_sweep"]
+
+
+def __getattr__(name: str):
+    """Imported when first used: the engine loads torch, the CLI's help does not need it."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"batchfit.sweep.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'batchfit.sweep' has no attribute '{name}'")
