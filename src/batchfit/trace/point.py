@@ -134,6 +134,7 @@ class TracedCurve:
         self.workload, self.options, self.device = workload, options, device
         self.keep_streams = keep_streams
         self._streams: dict[int, dict[int, list | None]] = {}
+        self._whole_streams: dict[int, list | None] = {}
         self.say = say or (lambda message: None)
         self.say(f"building {workload.name} on fake tensors")
         self.points: dict[int, MemoryPoint] = {}
@@ -215,7 +216,9 @@ class TracedCurve:
                 self.say(f"memory is not affine in depth here: building the whole {self.workload.name}")
                 self._full = TraceSession(self.workload, self.options)
             self.say(f"tracing batch size {batch_size}")
-            found = allocated_point(self._full.trace(batch_size), workspace)
+            found = allocated_point(self._full.trace(batch_size, fresh=fresh), workspace)
+            if fresh:
+                self._whole_streams[batch_size] = self._full.fresh_stream
             self.full_traces.append(batch_size)
         self.points[batch_size] = found
         return found
@@ -233,13 +236,27 @@ class TracedCurve:
             events = self._extended_stream(batch_size) if self._shallow else None
             point = self.points[batch_size]  # traced again, fresh, if its streams were not kept
             if events is None:
-                self.say(f"tracing batch size {batch_size} whole for reserved memory")
-                with TraceSession(self.workload, self.options) as session:
-                    session.trace(batch_size)
-                    events = session.tracker.events
+                events = self._whole_stream(batch_size)
                 self.whole_reserved.append(batch_size)
             point.peak_reserved_bytes, point.reserved_oom, point.reserved_ratio = replay_reserved(events, self.device)
         return point
+
+    def _whole_stream(self, batch_size: int) -> list[tuple[str, int, int]]:
+        """The whole model's fresh-process stream at ``batch_size``: kept from its trace, or
+        traced fresh in the whole model's session (built once), or, when that session still
+        holds something from an earlier step, in a new one."""
+        events = self._whole_streams.get(batch_size)
+        if events is None:
+            self.say(f"tracing batch size {batch_size} whole for reserved memory")
+            if self._full is None:
+                self._full = TraceSession(self.workload, self.options)
+            self._full.trace(batch_size, fresh=True)
+            events = self._full.fresh_stream
+        if events is None:
+            with TraceSession(self.workload, self.options) as session:
+                session.trace(batch_size)
+                events = session.tracker.events
+        return events
 
     def _extended_stream(self, batch_size: int) -> list[tuple[str, int, int]] | None:
         streams = self._streams.get(batch_size)
