@@ -25,9 +25,9 @@ def _no_work(monkeypatch):
         raise AssertionError("the engine ran before the output paths were checked")
 
     # the commands import their engine when they run (--help loads no torch): patch it at home
-    for module, name in (("batchfit.estimate", "estimate"), ("batchfit.probe.find", "find_max_batch"),
+    for module, name in (("batchfit.estimator", "estimate"), ("batchfit.probe.find", "find_max_batch"),
                          ("batchfit.bench", "bench")):
-        monkeypatch.setattr(importlib.import_module(module), name, boom)  # the module: batchfit.estimate is the function
+        monkeypatch.setattr(importlib.import_module(module), name, boom)
 
 
 @pytest.mark.parametrize("command", ["estimate", "probe", "bench"])

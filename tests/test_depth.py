@@ -67,3 +67,15 @@ def test_a_phase_whose_peak_moves_to_another_part_with_depth():
     workspace = device.workspace_bytes
     assert deep.peak_by_phase == {k: v + workspace for k, v in whole.peak_by_phase.items()}
     assert deep.breakdown_by_phase == {k: {**v, "workspace": workspace} for k, v in whole.breakdown_by_phase.items()}
+
+
+def test_generation_is_not_extrapolated():
+    # GRPO's generate phase runs the policy's stack once per new token with a growing cache: no
+    # line through depths 2, 3, 4 says where it peaks at 12 (it said 2.129 GB for 2.161), so
+    # the point is traced whole; and the stack cut is the policy's, not the longer reference's
+    workload = load_workload("grpo-gpt2-124m", seq_len=4)  # 4 new tokens: the same loop, quick
+    with TracedCurve(workload, StepOptions(), get_device("h100-80gb")) as traced:
+        traced.point(8)  # a multiple of its group size
+        assert traced.by_depth and traced.full_traces == [8]
+        session = traced._shallow[0]
+        assert len(session.tracker._blocks) == 2  # the cut stack (the policy's), not the reference's 12

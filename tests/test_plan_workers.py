@@ -63,3 +63,26 @@ def test_a_plan_traced_two_strategies_at_a_time_is_the_plan_traced_one_by_one():
         run.pop("trace_seconds"), run.pop("created")
     assert runs[0] == runs[1]
     assert any("3 strategies, 2 at a time" in m for m in said)
+
+
+@linux
+def test_a_worker_that_dies_or_an_error_that_cannot_travel_is_an_error_not_a_hang():
+    from batchfit.errors import TraceError
+
+    def dies(job, say):
+        if job == 2:
+            os._exit(3)  # as the kernel's out-of-memory killer would leave it
+        return job
+
+    with pytest.raises(TraceError, match="a tracing process died"):
+        workers.run(dies, [1, 2, 3], lambda m: None, processes=2)
+
+    class Stubborn(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a} {b}")
+
+    def odd_error(job, say):
+        raise Stubborn("no", "pickle")
+
+    with pytest.raises(TraceError, match="Stubborn: no pickle"):
+        workers.run(odd_error, [1, 2], lambda m: None, processes=2)

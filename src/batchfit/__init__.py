@@ -14,7 +14,7 @@ _WHERE = {
     "BatchfitError": "errors", "ModelSpecError": "errors", "OptionError": "errors", "SizeError": "errors",
     "TraceError": "errors", "UnknownGPUError": "errors", "UsageError": "errors",
     "ElasticInfo": "elastic", "ElasticStep": "elastic",
-    "EstimateResult": "estimate", "estimate": "estimate",
+    "EstimateResult": "estimator", "estimate": "estimator",
     "ProbeResult": "probe.find", "find_max_batch": "probe.find",
     "load_workload": "specs",
     "Target": "targets", "parse_target": "targets", "resolve_target": "targets",
@@ -58,7 +58,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    return sorted({*globals(), *__all__})
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
@@ -66,7 +66,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from batchfit.elastic import ElasticInfo, ElasticStep
     from batchfit.errors import (BatchfitError, ModelSpecError, OptionError, SizeError, TraceError,
                                  UnknownGPUError, UsageError)
-    from batchfit.estimate import EstimateResult, estimate
+    from batchfit.estimator import EstimateResult, estimate
     from batchfit.probe.find import ProbeResult, find_max_batch
     from batchfit.specs import load_workload
     from batchfit.targets import Target, parse_target, resolve_target

@@ -83,6 +83,13 @@ def block_list(model: nn.Module) -> nn.ModuleList | None:
     return best
 
 
+def main_blocks(model: nn.Module) -> nn.ModuleList | None:
+    """The stack a depth cut shortened (``trace.depth.at_depth`` marks it), else :func:`block_list`:
+    in a model with two stacks (GRPO's policy and reference) the cut one need not be the longest."""
+    cut = next((m for m in model.modules() if getattr(m, "_batchfit_cut", False)), None)
+    return cut if cut is not None else block_list(model)
+
+
 def _checkpoint_blocks(model: nn.Module, preserve_rng_state: bool) -> None:
     blocks = block_list(model)
     if blocks is None:

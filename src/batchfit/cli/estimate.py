@@ -59,7 +59,7 @@ def estimate_command(
     counting every byte as the CUDA caching allocator would, at a few batch sizes; fits the
     memory curve; and confirms the largest batch by tracing it and the next size up.
     """
-    from batchfit.estimate import estimate  # torch and the tracer: not for --help
+    from batchfit.estimator import estimate  # torch and the tracer: not for --help
     from batchfit.report import write_estimate_report
 
     check_outputs(json_path, out)

@@ -38,10 +38,10 @@ SeedOpt = Annotated[int, typer.Option(help="Fixes the initial model and the data
 
 
 def sweep_target(gpu: str | None, gpu_memory: str | None, device: str | None) -> tuple[Target, str]:
-    import torch  # here: --help does not load it
-
     """(what a batch must fit, where runs train). With no option: the GPU here, else the
     CPU with no memory limit (a sweep trains for real: a traced GPU cannot train)."""
+    import torch  # here: --help does not load it
+
     if not (gpu or gpu_memory or device):
         if torch.cuda.is_available():
             return command_target(None, None, "cuda"), "cuda"

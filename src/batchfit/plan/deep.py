@@ -14,6 +14,7 @@ buckets, as a large model's do) is traced whole instead.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 from collections.abc import Callable
@@ -108,8 +109,9 @@ class DeepSession:
         return self._whole.trace(local_batch)
 
     def close(self) -> None:
-        for s in [*self._depths, *([self._whole] if self._whole is not None else [])]:
-            s.close()
+        with contextlib.ExitStack() as stack:  # every session closes, even when one raises
+            for s in [*self._depths, *([self._whole] if self._whole is not None else [])]:
+                stack.callback(s.close)
 
     def __enter__(self) -> DeepSession:
         return self

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import sys
+import traceback
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 _JOB: tuple[Callable, Sequence, Any] | None = None
@@ -29,14 +33,24 @@ def default_processes(jobs: int) -> int:
 
 def _run_index(index: int):
     one, jobs, progress = _JOB
-    return one(jobs[index], progress.put)
+    try:
+        return one(jobs[index], progress.put)
+    except BaseException as error:  # noqa: BLE001 - sent back whole, or as a TraceError saying what it was
+        try:
+            pickle.loads(pickle.dumps(error))
+        except Exception:  # an error that cannot cross a process boundary: its type and text can
+            from batchfit.errors import TraceError
+
+            text = "".join(traceback.format_exception_only(type(error), error)).strip()
+            raise TraceError(f"tracing {jobs[index]} failed: {text}") from None
+        raise
 
 
 def run(one: Callable[[Any, Callable[[str], None]], Any], jobs: Sequence, say: Callable[[str], None], *,
         processes: int | None = None) -> list:
     """``[one(job, say) for job in jobs]``, in that order, ``processes`` at a time (default:
-    :func:`default_processes`). The first error raised by a job is raised here, and the other
-    jobs are stopped."""
+    :func:`default_processes`). The first error raised by a job (in job order) is raised here,
+    and the other jobs are stopped; a worker that dies (killed for memory, say) is an error too."""
     global _JOB
     processes = default_processes(len(jobs)) if processes is None else max(1, min(processes, len(jobs)))
     if processes == 1 or sys.platform != "linux":
@@ -45,21 +59,31 @@ def run(one: Callable[[Any, Callable[[str], None]], Any], jobs: Sequence, say: C
     progress = context.Queue()
     _JOB = (one, jobs, progress)
     say(f"tracing {len(jobs)} strategies, {processes} at a time (one process each)")
-    pool = context.Pool(processes)
+    pool = ProcessPoolExecutor(processes, mp_context=context)
     try:
-        pending = [pool.apply_async(_run_index, (i,)) for i in range(len(jobs))]
-        while not all(result.ready() for result in pending):
+        pending = [pool.submit(_run_index, i) for i in range(len(jobs))]
+        while not all(future.done() for future in pending):
             try:
                 say(progress.get(timeout=0.2))
             except queue.Empty:
                 pass
-            for result in pending:
-                if result.ready() and not result.successful():
-                    result.get()  # raises the job's error
+            failed = next((f for f in pending if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                break
         while not progress.empty():
             say(progress.get())
-        return [result.get() for result in pending]
+        for future in pending:
+            if future.done() and future.exception() is not None:
+                error = future.exception()
+                if isinstance(error, BrokenProcessPool):
+                    from batchfit.errors import TraceError
+
+                    raise TraceError("a tracing process died (out of host memory, or killed): run with "
+                                     "--processes 1 to trace one strategy at a time") from error
+                raise error
+        return [future.result() for future in pending]
     finally:
-        pool.terminate()
-        pool.join()
+        for process in list(getattr(pool, "_processes", {}).values()):  # stop what still runs
+            process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
         _JOB = None

@@ -69,6 +69,7 @@ def at_depth(workload: Workload, depth: int, seen: Depth) -> Workload:
             tracker = active_tracker()
             start = len(tracker.events) if tracker else 0
             del blocks[depth:]
+            blocks._batchfit_cut = True  # the stack the tracker cuts phases by (step.main_blocks)
             if tracker is not None:
                 seen.cuts[depth] = (start, len(tracker.events))
         return model
@@ -96,7 +97,14 @@ def _phase_lines(points: list[Point], phase: str, depth: int) -> tuple[int, dict
     second or the one before the last; each is the first (the last) plus a difference that
     does not change with depth, checked at depths 3 and 4, category by category."""
     mine = [{k.split(":")[1]: k for k in p.peak_by_part if k.startswith(f"{phase}:")} for p in points]
-    lines = set(mine[0])
+    if not any(mine):  # a tracer that does not cut phases (a stand-in): the phase on one line
+        peak = line_at([p.peak_by_phase[phase] for p in points], depth)
+        breakdown = {c: line_at([p.breakdown_by_phase[phase].get(c, 0) for p in points], depth)
+                     for c in points[0].breakdown_by_phase[phase]}
+        return None if peak is None or None in breakdown.values() else (peak, breakdown)
+    if any("repeated" in keys for keys in mine):
+        return None  # generation: each run of the stack holds more cache, no line through depths says where it peaks
+    lines = set(mine[0]) - {"second", "penultimate"}
     for p, keys in zip(points, mine):
         if set(keys) - {"second", "penultimate"} != lines or max(p.peak_by_part[k] for k in keys.values()) \
                 != p.peak_by_phase[phase]:

@@ -71,13 +71,13 @@ class Snapshot:
     breakdown_by_part: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-PARTS: tuple[str, ...] = ("head", "first", "second", "middle", "penultimate", "last", "tail")
+PARTS: tuple[str, ...] = ("head", "first", "second", "middle", "penultimate", "last", "tail", "repeated")
 """The parts of a phase that runs over the main stack of blocks: before the first block it
 runs, the first block, the second, the others between, the one before the last, the last,
 after the last (the time between two blocks goes with the block before; with three blocks
-the second is also the penultimate). A phase that runs no block is all head. Forward runs
-block 0 first; backward runs the last block first (from the gradient of its output to the
-gradient of its input). See ``trace.depth`` for how a deep model's peak follows from them."""
+the second is also the penultimate). A phase that runs no block is all head; one that runs the
+stack more than once (generation, its cache growing) is "repeated", which is not extrapolated. Forward runs block 0 first; backward runs the last block first
+(from the gradient of its output to the gradient of its input). See ``trace.depth`` for how a deep model's peak follows from them."""
 
 
 def active_tracker() -> MemoryTracker | None:
@@ -362,7 +362,9 @@ class MemoryTracker(TorchDispatchMode):
         for (phase, segment), (nbytes, seq) in self._peak_by_segment.items():
             blocks = (last_segment[phase] + 1) // 2
             block = (segment + 1) // 2  # the block this segment is in, or follows
-            if segment == 0:
+            if blocks not in (0, len(self._blocks)):  # the stack runs more than once (generation)
+                names = ["repeated"]
+            elif segment == 0:
                 names = ["head"]
             elif segment % 2 == 0 and block == blocks:
                 names = ["tail"]

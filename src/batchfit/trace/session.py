@@ -21,7 +21,7 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from batchfit.errors import BatchfitError, ModelSpecError, TraceError
-from batchfit.step import TrainingStep, block_list
+from batchfit.step import TrainingStep, main_blocks
 from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot
@@ -138,7 +138,7 @@ class TraceSession:
         self.tracker.host_optimizer_scalars = not any(
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
-        self.tracker.watch_modules(self.step.model, block_list(self.step.model))
+        self.tracker.watch_modules(self.step.model, main_blocks(self.step.model))
         params = list(self.step.model.parameters())
         self.params = sum(p.numel() for p in params)
         self.trainable_params = sum(p.numel() for p in params if p.requires_grad)
