@@ -165,9 +165,18 @@ class ShardedTracker(MemoryTracker):
             torch.UntypedStorage.resize_ = resize_
             self._propagate = _patch_propagation(self)
         self._depth += 1
-        return super().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._unpatch()
+            raise
 
     def __exit__(self, *exc):
+        self._unpatch()
+        return super().__exit__(*exc)
+
+    def _unpatch(self) -> None:
+        """Put back what ``__enter__`` patched, when the outermost ``with`` ends."""
         self._depth -= 1
         if self._depth == 0 and self._resize is not None:
             torch.UntypedStorage.resize_ = self._resize
@@ -175,7 +184,6 @@ class ShardedTracker(MemoryTracker):
             if self._propagate is not None:
                 ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
                 self._propagate = None
-        return super().__exit__(*exc)
 
     def _resized(self, storage: torch.UntypedStorage, before: int, after: int) -> None:
         key = id(storage)
