@@ -4,7 +4,7 @@ Each strategy is its own tracing session on its own fake process group, and trac
 plain Python on one core, so a plan of four strategies on a 2-core machine takes about half
 as long traced two at a time. The processes are forked from this one (the model spec, the
 imports and the workload's closures come along without pickling); each sends its progress
-lines back through a queue and its result (a ``StrategyPlan``) when done. Fork is Linux's
+lines back through a pipe and its result (a ``StrategyPlan``) when done. Fork is Linux's
 default and safe here; elsewhere, or with one core, strategies run one after another.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-import queue
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -56,17 +56,17 @@ def run(one: Callable[[Any, Callable[[str], None]], Any], jobs: Sequence, say: C
     if processes == 1 or sys.platform != "linux":
         return [one(job, say) for job in jobs]
     context = multiprocessing.get_context("fork")
-    progress = context.Queue()
+    progress = context.SimpleQueue()  # put() writes before the job goes on: no line arrives after its result
     _JOB = (one, jobs, progress)
     say(f"tracing {len(jobs)} strategies, {processes} at a time (one process each)")
     pool = ProcessPoolExecutor(processes, mp_context=context)
     try:
         pending = [pool.submit(_run_index, i) for i in range(len(jobs))]
         while not all(future.done() for future in pending):
-            try:
-                say(progress.get(timeout=0.2))
-            except queue.Empty:
-                pass
+            if progress.empty():
+                time.sleep(0.05)
+            else:
+                say(progress.get())
             failed = next((f for f in pending if f.done() and f.exception() is not None), None)
             if failed is not None:
                 break
