@@ -77,5 +77,5 @@ def test_generation_is_not_extrapolated():
     with TracedCurve(workload, StepOptions(), get_device("h100-80gb")) as traced:
         traced.point(8)  # a multiple of its group size
         assert traced.by_depth and traced.full_traces == [8]
-        session = traced._shallow[0]
+        session = traced._first  # depth 2
         assert len(session.tracker._blocks) == 2  # the cut stack (the policy's), not the reference's 12

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
+
+from batchfit.trace.forked import sendable
 
 _JOB: tuple[Callable, Sequence, Any] | None = None
 """(function, jobs, progress queue) for the forked workers: set before the pool forks."""
@@ -36,14 +36,10 @@ def _run_index(index: int):
     try:
         return one(jobs[index], progress.put)
     except BaseException as error:  # noqa: BLE001 - sent back whole, or as a TraceError saying what it was
-        try:
-            pickle.loads(pickle.dumps(error))
-        except Exception:  # an error that cannot cross a process boundary: its type and text can
-            from batchfit.errors import TraceError
-
-            text = "".join(traceback.format_exception_only(type(error), error)).strip()
-            raise TraceError(f"tracing {jobs[index]} failed: {text}") from None
-        raise
+        portable = sendable(error, f"tracing {jobs[index]}")
+        if portable is error:
+            raise
+        raise portable from None
 
 
 def run(one: Callable[[Any, Callable[[str], None]], Any], jobs: Sequence, say: Callable[[str], None], *,

@@ -22,8 +22,9 @@ import torch
 from batchfit.devices import Device
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided
-from batchfit.trace import depth, stream
+from batchfit.trace import depth, forked, stream
 from batchfit.trace.curve import MemoryCurve, fit_curve
+from batchfit.trace.forked import ForkedSessions
 from batchfit.trace.session import TracePoint, TraceSession
 from batchfit.workload import StepOptions, Workload
 
@@ -127,10 +128,12 @@ class TracedCurve:
 
     def __init__(self, workload: Workload, options: StepOptions, device: Device,
                  say: Callable[[str], None] | None = None, *, by_depth: bool = True,
-                 keep_streams: bool = False) -> None:
+                 keep_streams: bool = False, parallel: bool = True) -> None:
         """``keep_streams``: reserved peaks will be asked for, so a traced size that may fit runs
         as a fresh process at each depth and keeps its allocation stream (one more step per
-        batch size, instead of two more steps at each depth for each reserved peak)."""
+        batch size, instead of two more steps at each depth for each reserved peak).
+        ``parallel``: trace the shallow depths in a forked process where there are two cores
+        (``trace/forked.py``; ``BATCHFIT_PROCESSES=1`` turns it off)."""
         self.workload, self.options, self.device = workload, options, device
         self.keep_streams = keep_streams
         self._streams: dict[int, dict[int, list | None]] = {}
@@ -145,20 +148,60 @@ class TracedCurve:
         self.whole_reserved: list[int] = []
         """Batch sizes whose reserved peak needed a whole-model trace (the stream was not regular)."""
         self._shallow: list[TraceSession] = []
+        """The sessions by depth traced in this process (the deepest ones when some are forked)."""
+        self._forked: ForkedSessions | None = None
+        """The shallowest depths, traced side by side in a forked process (``trace/forked.py``)."""
+        self._params_by_depth: list[tuple[int, int]] = []
         self._full: TraceSession | None = None
         self._seen = seen = depth.Depth()
-        first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload, options)
+        self._first = first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
+                                           options)
         if by_depth and seen.blocks and seen.blocks >= depth.MIN_BLOCKS:
             self.blocks = seen.blocks
-            self._shallow = [first] + [TraceSession(depth.at_depth(workload, d, seen), options)
-                                       for d in depth.DEPTHS[1:]]
+            if parallel and forked.can_fork():
+                self._fork_shallow(first)
+            else:
+                self._shallow = [first] + [TraceSession(depth.at_depth(workload, d, seen), options)
+                                           for d in depth.DEPTHS[1:]]
+            self._params_by_depth += [(s.params, s.trainable_params) for s in self._shallow]
         else:  # nothing was cut: the first session is the whole model
             self._full = first
+
+    def _fork_shallow(self, first: TraceSession) -> None:
+        """Depths 2 and 3 in a forked process (the first session goes with it), depth 4 here."""
+        workload, options, seen = self.workload, self.options, self._seen
+        middle = depth.DEPTHS[1]
+
+        def build() -> tuple[list[TraceSession], tuple[int, int] | None]:
+            return [first, TraceSession(depth.at_depth(workload, middle, seen), options)], seen.cuts.get(middle)
+
+        self._forked = ForkedSessions(build)
+        try:
+            self._shallow = [TraceSession(depth.at_depth(workload, d, seen), options) for d in depth.DEPTHS[2:]]
+            cut = self._forked.built()
+        except BaseException:
+            self._forked.close()
+            raise
+        if cut is not None:
+            seen.cuts[middle] = cut
+        self._params_by_depth = list(zip(self._forked.params, self._forked.trainable_params))
+
+    def _trace_depths(self, batch_size: int, fresh: bool) -> list[tuple[TracePoint, list | None]]:
+        """(traced point, fresh stream) at each depth, the forked ones tracing meanwhile."""
+        if self._forked is not None:
+            self._forked.start(batch_size, fresh=fresh)
+        try:
+            here = [(s.trace(batch_size, fresh=fresh), s.fresh_stream if fresh else None) for s in self._shallow]
+        except BaseException:
+            if self._forked is not None:
+                self._forked.discard()  # its answer to this request must not answer the next one
+            raise
+        return (self._forked.results() if self._forked is not None else []) + here
 
     @property
     def known_limits(self) -> list[str]:
         """What this model runs that the trace does not mirror, in words for the report."""
-        session = self._full or self._shallow[0]
+        session = self._full or self._first
         recurrent = sorted({type(m).__name__ for m in session.step.model.modules() if isinstance(m, nn.RNNBase)})
         if not recurrent:
             return []
@@ -168,20 +211,19 @@ class TracedCurve:
 
     @property
     def by_depth(self) -> bool:
-        return bool(self._shallow)
-
-    def _count(self, attribute: str) -> int:
-        if self._full is not None:
-            return getattr(self._full, attribute)
-        return depth.line_at([getattr(s, attribute) for s in self._shallow], self.blocks)
+        return self.blocks is not None
 
     @property
     def params(self) -> int:
-        return self._count("params")
+        if self.blocks is None:
+            return self._full.params
+        return depth.line_at([params for params, _ in self._params_by_depth], self.blocks)
 
     @property
     def trainable_params(self) -> int:
-        return self._count("trainable_params")
+        if self.blocks is None:
+            return self._full.trainable_params
+        return depth.line_at([trainable for _, trainable in self._params_by_depth], self.blocks)
 
     def _may_be_replayed(self, batch_size: int) -> bool:
         """Could the reserved search ask for this size? Not when a size no larger, or the
@@ -204,13 +246,13 @@ class TracedCurve:
             fresh = self.keep_streams and self._may_be_replayed(batch_size)
         workspace = self.device.workspace_bytes
         found = None
-        if self._shallow:
+        if self.by_depth:
             self.say(f"tracing batch size {batch_size} at depths {', '.join(map(str, depth.DEPTHS))} "
                      f"of {self.blocks}")
-            shallow = [allocated_point(s.trace(batch_size, fresh=fresh), workspace) for s in self._shallow]
+            traced = self._trace_depths(batch_size, fresh)
             if fresh:
-                self._streams[batch_size] = {d: s.fresh_stream for d, s in zip(depth.DEPTHS, self._shallow)}
-            found = depth.extrapolate(shallow, self.blocks)
+                self._streams[batch_size] = {d: events for d, (_, events) in zip(depth.DEPTHS, traced)}
+            found = depth.extrapolate([allocated_point(point, workspace) for point, _ in traced], self.blocks)
         if found is None:  # not traced by depth, or not affine in depth: the whole model
             if self._full is None:
                 self.say(f"memory is not affine in depth here: building the whole {self.workload.name}")
@@ -233,7 +275,7 @@ class TracedCurve:
         """
         point = self.point(batch_size)
         if point.peak_reserved_bytes is None and point.reserved_oom is None:
-            events = self._extended_stream(batch_size) if self._shallow else None
+            events = self._extended_stream(batch_size) if self.by_depth else None
             point = self.points[batch_size]  # traced again, fresh, if its streams were not kept
             if events is None:
                 events = self._whole_stream(batch_size)
@@ -336,7 +378,9 @@ class TracedCurve:
         return result
 
     def close(self) -> None:
-        for session in [*self._shallow, *([self._full] if self._full else [])]:
+        if self._forked is not None:
+            self._forked.close()
+        for session in {id(s): s for s in [self._first, *self._shallow, *([self._full] if self._full else [])]}.values():
             session.close()
 
     def __enter__(self) -> TracedCurve:
