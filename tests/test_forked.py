@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -45,8 +48,9 @@ def test_forked_depths_give_the_same_points_streams_and_reserved_peaks():
         with TracedCurve(twelve_blocks(), StepOptions(), device, keep_streams=True, parallel=parallel) as traced:
             assert (traced._forked is not None) == parallel and traced.by_depth and traced.blocks == 12
             points = [traced.reserved(b) for b in (1, 3)]
+            assert traced.full_traces == [] and traced.whole_reserved == []  # nothing fell back to a whole trace
             results[parallel] = ([(p.to_json(), p.peak_by_part, p.breakdown_by_part, p.reserved_ratio) for p in points],
-                                 traced.params, traced.trainable_params, traced._streams, traced.full_traces)
+                                 traced.params, traced.trainable_params, traced._streams, traced._seen.cuts)
             if parallel:
                 child = traced._forked._process
         assert not child.is_alive()  # closed with the curve
@@ -62,15 +66,64 @@ def test_an_error_in_the_forked_process_is_raised_here_and_tracing_goes_on():
         assert traced.point(2).peak_bytes > traced.point(1).peak_bytes
 
 
+def test_an_answer_never_taken_does_not_answer_the_next_request():
+    # Ctrl-C while waiting, or an error in this process's own trace, leaves the child's answer
+    # in the pipe: the next size must get its own answer, not that one
+    device = get_device("h100-80gb")
+    with TracedCurve(twelve_blocks(), StepOptions(), device, parallel=False) as alone:
+        expected = alone.point(2).to_json()
+    with TracedCurve(twelve_blocks(), StepOptions(), device) as traced:
+        traced._forked.start(5, fresh=False)  # never read
+        assert traced.point(2).to_json() == expected and traced.full_traces == []
+
+
 def test_a_dead_tracing_process_is_an_error_that_says_what_to_do():
     with TracedCurve(twelve_blocks(), StepOptions(), get_device("h100-80gb")) as traced:
         os.kill(traced._forked._process.pid, signal.SIGKILL)
         traced._forked._process.join()
         with pytest.raises(TraceError, match="tracing process died.*BATCHFIT_PROCESSES=1"):
             traced.point(1)
+    with TracedCurve(twelve_blocks(), StepOptions(), get_device("h100-80gb")) as traced:
+        traced._forked.start(1, fresh=False)  # dies while tracing
+        os.kill(traced._forked._process.pid, signal.SIGKILL)
+        with pytest.raises(TraceError, match="tracing process died"):
+            traced._forked.results()
+
+
+def test_the_tracing_process_ends_when_this_one_is_killed(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_forked import twelve_blocks\n"
+        "from batchfit import StepOptions, get_device\n"
+        "from batchfit.trace.point import TracedCurve\n"
+        "traced = TracedCurve(twelve_blocks(), StepOptions(), get_device('h100-80gb'))\n"
+        "print(traced._forked._process.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()  # SIGKILL: no atexit, no daemon clean-up
+    parent.wait()
+    for _ in range(100):  # the child's recv() ends at once; it is reaped by init
+        if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the forked tracing process outlived its parent")
 
 
 def test_batchfit_processes_1_keeps_every_depth_here(monkeypatch):
     monkeypatch.setenv("BATCHFIT_PROCESSES", "1")
+    with TracedCurve(twelve_blocks(), StepOptions(), get_device("h100-80gb")) as traced:
+        assert traced._forked is None and len(traced._shallow) == 3
+
+
+def test_no_fork_where_cuda_is_initialized(monkeypatch):
+    # a training process (Lightning, HF Trainer) holding a GPU: a forked child could not use CUDA
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with TracedCurve(twelve_blocks(), StepOptions(), get_device("h100-80gb")) as traced:
         assert traced._forked is None and len(traced._shallow) == 3

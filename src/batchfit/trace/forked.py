@@ -3,13 +3,15 @@
 A deep model is traced at depths 2, 3 and 4 (``trace/depth.py``): three independent sessions
 whose fake-tensor dispatch is plain Python on one core. On a machine with two cores or more
 the shallow ones (2 and 3) live in a child forked from this process, which traces them at a
-batch size while this process traces depth 4: about half the time, the same bytes (each
+batch size while this process traces depth 4: about 40% less time, the same bytes (each
 session is the same code on the same model, whichever process runs it).
 
 The child is forked after the model spec is loaded (imports, closures and the first session
 come along without pickling). It answers one request at a time over a pipe: trace these
 sessions at this batch size, send back their TracePoints and fresh allocation streams.
-Fork is Linux's default; elsewhere, or with one core, the caller keeps every session here.
+The fork context is asked for by name (Linux only); elsewhere, with one core, or where CUDA
+is initialized, the caller keeps every session here. The child touches no thread of the
+parent's (the CLI's progress bar), though Python 3.12+ warns about forking beside one.
 """
 
 from __future__ import annotations
@@ -26,10 +28,14 @@ from batchfit.errors import TraceError
 
 
 def can_fork() -> bool:
-    """Linux with at least two cores this process may use, unless ``BATCHFIT_PROCESSES=1``."""
+    """Linux with at least two cores this process may use, unless ``BATCHFIT_PROCESSES=1``, or
+    CUDA is initialized here (a forked child cannot use it: Lightning or HF Trainer asking for an
+    estimate from a training process that already holds a GPU)."""
     if sys.platform != "linux" or os.environ.get("BATCHFIT_PROCESSES", "").strip() == "1":
         return False
-    return len(os.sched_getaffinity(0)) >= 2
+    import torch
+
+    return len(os.sched_getaffinity(0)) >= 2 and not torch.cuda.is_initialized()
 
 
 def sendable(error: BaseException, doing: str) -> BaseException:
@@ -42,13 +48,15 @@ def sendable(error: BaseException, doing: str) -> BaseException:
         return TraceError(f"{doing} failed: {text}")
 
 
-def _serve(connection, build: Callable[[], tuple[list, Any]]) -> None:
-    """The child: build the sessions, then trace them at each batch size asked for."""
+def _serve(connection, parents_end, build: Callable[[], tuple[list, Any]]) -> None:
+    """The child: build the sessions, then trace them at each batch size asked for. Each answer
+    carries its request's number, so the parent never takes one answer for another."""
+    parents_end.close()  # the parent's death then ends recv() below: no orphan left waiting
     try:
         sessions, built = build()
-        connection.send(("ok", ([(s.params, s.trainable_params) for s in sessions], built)))
+        connection.send((0, "ok", ([(s.params, s.trainable_params) for s in sessions], built)))
     except BaseException as error:  # noqa: BLE001 - sent back, raised in the parent
-        connection.send(("error", sendable(error, "building the model in the tracing process")))
+        connection.send((0, "error", sendable(error, "building the model in the tracing process")))
         return
     while True:
         try:
@@ -57,12 +65,12 @@ def _serve(connection, build: Callable[[], tuple[list, Any]]) -> None:
             return
         if request is None:
             return
-        batch_size, fresh = request
+        number, batch_size, fresh = request
         try:
             traced = [(s.trace(batch_size, fresh=fresh), s.fresh_stream if fresh else None) for s in sessions]
-            connection.send(("ok", traced))
+            connection.send((number, "ok", traced))
         except BaseException as error:  # noqa: BLE001 - sent back, raised in the parent
-            connection.send(("error", sendable(error, f"tracing batch size {batch_size}")))
+            connection.send((number, "error", sendable(error, f"tracing batch size {batch_size}")))
 
 
 def _died() -> TraceError:
@@ -72,15 +80,17 @@ def _died() -> TraceError:
 
 class ForkedSessions:
     """Sessions built by ``build`` in a forked child; ``build`` returns them and anything
-    picklable the caller needs from building them (``built``)."""
+    picklable the caller needs from building them (:meth:`built`)."""
 
     def __init__(self, build: Callable[[], tuple[list, Any]]) -> None:
         context = multiprocessing.get_context("fork")
         self._connection, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, build), daemon=True)
+        self._process = context.Process(target=_serve, args=(child, self._connection, build), daemon=True)
         self._process.start()
         child.close()
-        self._waiting = True
+        self._asked = 0
+        """The number of the last request; the build is request 0."""
+        self._answered = -1
         self.params: list[int] = []
         self.trainable_params: list[int] = []
 
@@ -93,48 +103,41 @@ class ForkedSessions:
         return built
 
     def start(self, batch_size: int, *, fresh: bool) -> None:
-        """Ask the child to trace its sessions at ``batch_size``; :meth:`results` waits for them."""
+        """Ask the child to trace its sessions at ``batch_size``; :meth:`results` waits for them.
+        An earlier request whose answer was never taken (an error here, Ctrl-C) is skipped."""
+        self._asked += 1
         try:
-            self._connection.send((batch_size, fresh))
+            self._connection.send((self._asked, batch_size, fresh))
         except OSError as error:  # a broken pipe: the child is gone
             raise _died() from error
-        self._waiting = True
 
     def results(self) -> list[tuple[Any, list | None]]:
-        """(TracePoint, fresh stream or None) for each session, in the order ``build`` gave them."""
-        self._waiting = False
-        return self._receive()
-
-    def discard(self) -> None:
-        """Wait for the answer to the last request and drop it, whatever it is."""
-        try:
-            self.results()
-        except BaseException:  # noqa: BLE001 - the caller raises its own error
-            pass
-
-    def _receive(self) -> Any:
-        try:
-            status, value = self._connection.recv()
-        except (EOFError, OSError) as error:
-            raise _died() from error
+        """(TracePoint, fresh stream or None) for each session, in the order ``build`` gave them:
+        the answer to the last request (answers to earlier ones still in the pipe are dropped)."""
+        while True:
+            try:
+                number, status, value = self._connection.recv()
+            except (EOFError, OSError) as error:
+                raise _died() from error
+            self._answered = number
+            if number == self._asked:
+                break
         if status == "error":
             raise value
         return value
 
     def close(self) -> None:
         """Stop the child: at once when it is still tracing (an error here ended the step)."""
-        if not self._process.is_alive():
-            self._connection.close()
-            return
-        if self._waiting:
-            self._process.terminate()
-        else:
-            try:
-                self._connection.send(None)
-            except (BrokenPipeError, OSError):
-                self._process.terminate()
-        self._process.join(timeout=5)
         if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
+            if self._answered < self._asked:
+                self._process.terminate()
+            else:
+                try:
+                    self._connection.send(None)
+                except OSError:
+                    self._process.terminate()
+            self._process.join(timeout=5)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
         self._connection.close()

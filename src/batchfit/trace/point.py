@@ -190,12 +190,7 @@ class TracedCurve:
         """(traced point, fresh stream) at each depth, the forked ones tracing meanwhile."""
         if self._forked is not None:
             self._forked.start(batch_size, fresh=fresh)
-        try:
-            here = [(s.trace(batch_size, fresh=fresh), s.fresh_stream if fresh else None) for s in self._shallow]
-        except BaseException:
-            if self._forked is not None:
-                self._forked.discard()  # its answer to this request must not answer the next one
-            raise
+        here = [(s.trace(batch_size, fresh=fresh), s.fresh_stream if fresh else None) for s in self._shallow]
         return (self._forked.results() if self._forked is not None else []) + here
 
     @property
