@@ -18,7 +18,7 @@ import torch
 
 from batchfit.devices import Device
 from batchfit.errors import OptionError
-from batchfit.search import DEFAULT_MAX_BATCH
+from batchfit.search import DEFAULT_MAX_BATCH, trace_first_sizes
 from batchfit.trace.curve import MemoryCurve
 from batchfit.trace.depth import DEPTHS
 from batchfit.trace.point import MemoryPoint, TracedCurve
@@ -157,11 +157,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     say = progress or (lambda message: None)
     started = time.perf_counter()
     with TracedCurve(workload, options, device, say, keep_streams=limit == "reserved") as traced:
-        for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
-            if batch_sizes is None and traced.points and traced.points[min(traced.points)].peak_bytes > \
-                    device.usable_bytes:
-                break  # the smallest does not fit: no larger one will
-            traced.point(b)
+        trace_first_sizes(traced, batch_sizes, multiple_of, device.usable_bytes)
         answers = [traced.max_batch(limit_bytes, lo=multiple_of, hi=max_batch, multiple_of=multiple_of,
                                     reserved=limit == "reserved")
                    for limit_bytes in (device.usable_bytes, int(target_util * device.usable_bytes))]

@@ -19,6 +19,16 @@ DEFAULT_MAX_BATCH = 1 << 16
 """The largest batch (local batch, for plan) any search considers unless told otherwise."""
 
 
+def trace_first_sizes(curve, batch_sizes: list[int] | None, multiple_of: int, usable_bytes: int) -> None:
+    """Trace ``batch_sizes`` on ``curve`` (a TracedCurve or plan's ShardedCurve: ``points`` by
+    size, ``point(b)`` traces), or by default the first two multiples, the second only when the
+    first fits ``usable_bytes`` (when the smallest does not fit, no larger one will)."""
+    for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
+        if batch_sizes is None and curve.points and curve.points[min(curve.points)].peak_bytes > usable_bytes:
+            break
+        curve.point(b)
+
+
 @dataclass(frozen=True)
 class Trial:
     """One probe of one batch size."""

@@ -37,7 +37,7 @@ from batchfit.errors import OptionError
 from batchfit.plan import workers
 from batchfit.plan.time_model import OVERLAP_RULE, StepTime, TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
-from batchfit.search import DEFAULT_MAX_BATCH, SearchResult, Trial, guided
+from batchfit.search import DEFAULT_MAX_BATCH, SearchResult, Trial, guided, trace_first_sizes
 from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
 
@@ -425,11 +425,7 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
     try:
         with contextlib.closing(open_session(workload, options, device, strategy)) as session:
             curve = ShardedCurve(session.trace, device.workspace_bytes, lambda message: say(f"{label}: {message}"))
-            for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
-                if batch_sizes is None and curve.points and curve.points[min(curve.points)].peak_bytes > \
-                        device.usable_bytes:
-                    break  # the smallest does not fit: no larger one will
-                curve.point(b)
+            trace_first_sizes(curve, batch_sizes, multiple_of, device.usable_bytes)
             plan_row = _plan_strategy(base, curve, strategy, world, workload, device, options, time_model,
                                       global_batch=global_batch, multiple_of=multiple_of,
                                       max_batch=max_batch, target_bytes=target_bytes)
