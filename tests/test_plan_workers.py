@@ -86,3 +86,11 @@ def test_a_worker_that_dies_or_an_error_that_cannot_travel_is_an_error_not_a_han
 
     with pytest.raises(TraceError, match="Stubborn: no pickle"):
         workers.run(odd_error, [1, 2], lambda m: None, processes=2)
+
+
+def test_no_fork_where_cuda_is_initialized(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    done = workers.run(lambda job, say: os.getpid(), [1, 2], lambda m: None, processes=2)
+    assert done == [os.getpid(), os.getpid()]  # a forked child could not use CUDA: run here

@@ -4,22 +4,22 @@ Each strategy is its own tracing session on its own fake process group, and trac
 plain Python on one core, so a plan of four strategies on a 2-core machine takes about half
 as long traced two at a time. The processes are forked from this one (the model spec, the
 imports and the workload's closures come along without pickling); each sends its progress
-lines back through a pipe and its result (a ``StrategyPlan``) when done. Fork is Linux's
-default and safe here; elsewhere, or with one core, strategies run one after another.
+lines back through a pipe and its result (a ``StrategyPlan``) when done. Where a process
+cannot be forked (``trace.forked.can_fork``: not Linux, one core, ``BATCHFIT_PROCESSES=1``,
+CUDA initialized here), strategies run one after another.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from batchfit.trace.forked import sendable
+from batchfit.trace.forked import can_fork, sendable
 
 _JOB: tuple[Callable, Sequence, Any] | None = None
 """(function, jobs, progress queue) for the forked workers: set before the pool forks."""
@@ -49,7 +49,7 @@ def run(one: Callable[[Any, Callable[[str], None]], Any], jobs: Sequence, say: C
     and the other jobs are stopped; a worker that dies (killed for memory, say) is an error too."""
     global _JOB
     processes = default_processes(len(jobs)) if processes is None else max(1, min(processes, len(jobs)))
-    if processes == 1 or sys.platform != "linux":
+    if processes == 1 or not can_fork():  # not Linux, one core, BATCHFIT_PROCESSES=1, or CUDA initialized
         return [one(job, say) for job in jobs]
     context = multiprocessing.get_context("fork")
     progress = context.SimpleQueue()  # put() writes before the job goes on: no line arrives after its result
