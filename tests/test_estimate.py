@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from batchfit import estimate, get_device, load_workload
@@ -148,3 +150,22 @@ def test_multiple_of_with_a_known_size_off_the_grid_ends():
     worker.join(timeout=120)
     assert results, "estimate did not end"
     assert results[0].max_batch_size == 16
+
+
+def test_every_point_says_whether_it_fits_as_the_answer_does(tiny_on_4090):
+    # The terminal's and the report's "fits" column: a size above the answer that fits as
+    # allocated but was not replayed does not fit either (a smaller one could not reserve).
+    from batchfit.report.markdown import estimate_markdown
+
+    r = tiny_on_4090
+    verdicts = {p.batch_size: r.fits(p) for p in r.points}
+    assert all((verdict == "yes") == (b <= r.max_batch_size) for b, verdict in verdicts.items()), verdicts
+    assert [p["fits"] for p in r.to_json()["points"]] == [verdicts[p.batch_size] for p in r.points]
+    refused = [p for p in r.points if p.reserved_oom]
+    assert refused  # the allocator model ran out just above the answer
+    markdown = estimate_markdown(r)
+    assert all(f"- batch {p.batch_size}: {p.reserved_oom}" in markdown for p in refused)
+    # a size between, fitting as allocated and never replayed (as gpt2-124m's 60 and 61 on an H100)
+    between = dataclasses.replace(refused[0], batch_size=refused[0].batch_size + 1, reserved_oom=None)
+    assert between.peak_reserved_bytes is None and between.peak_bytes <= r.capacity_bytes
+    assert r.fits(between) == "no (a smaller batch cannot reserve)"

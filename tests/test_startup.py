@@ -1,4 +1,4 @@
-"""`batchfit --help` and `batchfit gpus` start without loading torch (well under a second)."""
+"""`batchfit --help`, `batchfit gpus` and a mistyped option answer without loading torch (well under a second)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ runner = CliRunner()
 for args in (["--help"], ["gpus"], ["estimate", "--help"], ["plan", "--help"], ["sweep", "--help"]):
     result = runner.invoke(app, args)
     assert result.exit_code == 0, (args, result.output)
+for args in (["estimate", "gpt2-124m", "--gpu", "h100-80g"],  # typos are told before torch loads
+             ["estimate", "gpt2-124m", "--gpu", "h100-80gb", "--precision", "bf17"]):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, (args, result.output)
 heavy = sorted(m for m in ("torch", "transformers", "matplotlib") if m in sys.modules)
 print(",".join(heavy) or "none")
 """

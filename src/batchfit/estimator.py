@@ -86,6 +86,18 @@ class EstimateResult:
     def point(self, batch_size: int) -> MemoryPoint | None:
         return next((p for p in self.points if p.batch_size == batch_size), None)
 
+    def fits(self, point: MemoryPoint) -> str:
+        """'yes', or 'no' with why, for a traced point under this result's limit. Under the reserved
+        limit a size above the answer that was not replayed fails because a smaller one did
+        (reserved memory only grows with the batch): the search did not need to replay it."""
+        if point.reserved_oom:
+            return "no (cannot reserve)"
+        if max(point.peak_bytes, point.peak_reserved_bytes or 0) > self.capacity_bytes:
+            return "no"
+        if self.limit == "reserved" and point.peak_reserved_bytes is None and point.batch_size > self.max_batch_size:
+            return "no (a smaller batch cannot reserve)"
+        return "yes"
+
     def headroom_bytes(self, batch_size: int) -> int | None:
         """Usable memory left at ``batch_size``: beyond reserved memory where it was replayed."""
         point = self.point(batch_size)
@@ -102,7 +114,7 @@ class EstimateResult:
             "options": self.options.to_json(),
             "params": self.params,
             "trainable_params": self.trainable_params,
-            "points": [p.to_json() for p in self.points],
+            "points": [{**p.to_json(), "fits": self.fits(p)} for p in self.points],
             "fit": self.curve.to_json(max(best, max(p.batch_size for p in self.points))),
             "target_util": self.target_util,
             "multiple_of": self.multiple_of,

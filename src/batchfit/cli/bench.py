@@ -58,14 +58,14 @@ def bench_command(
 
     if steps < 1 or warmup < 0:
         raise OptionError("--steps must be 1 or more and --warmup 0 or more, e.g. --steps 10 --warmup 3")
-    from batchfit.bench import bench  # torch: not for --help
-    from batchfit.report import write_bench_report
-
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
     warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
     sizes = parse_batch_sizes(batch_sizes)
+    from batchfit.bench import bench  # torch: after the options are checked
+    from batchfit.report import write_bench_report
+
     workload = load_workload(model, seq_len=seq_len)
     with progress_line(total=len(set(sizes)) + (1 if leak_check else 0)) as say:
         result = bench(workload, target=target, options=options, batch_sizes=sizes, steps=steps, warmup=warmup,

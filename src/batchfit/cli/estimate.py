@@ -59,9 +59,6 @@ def estimate_command(
     counting every byte as the CUDA caching allocator would, at a few batch sizes; fits the
     memory curve; and confirms the largest batch by tracing it and the next size up.
     """
-    from batchfit.estimator import estimate  # torch and the tracer: not for --help
-    from batchfit.report import write_estimate_report
-
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
     if target.device is None:
@@ -71,6 +68,9 @@ def estimate_command(
     warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
     sizes = parse_batch_sizes(batch_sizes)
+    from batchfit.estimator import estimate  # torch and the tracer: after the options are checked
+    from batchfit.report import write_estimate_report
+
     workload = load_workload(model, seq_len=seq_len)
     with progress_line() as say:
         result = estimate(workload, device=device, options=options, batch_sizes=sizes, target_util=target_util,
@@ -88,7 +88,7 @@ def _print_summary(result, console, report_path: Path) -> None:
         table.add_column(column, justify="right" if column != "peak in" else "left")
     for p in result.points:
         table.add_row(str(p.batch_size), f"{p.peak_bytes / GiB:.2f}",
-                      "yes" if p.peak_bytes <= result.capacity_bytes else "no", p.phase)
+                      result.fits(p), p.phase)
     console.print(table)
     console.print(f"parameters {result.params:,} ({result.trainable_params:,} trainable); "
                   f"usable memory {result.capacity_bytes / GiB:.2f} GiB")

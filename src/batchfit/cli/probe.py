@@ -67,14 +67,14 @@ def probe_command(
     search and is reported as itself, with the probes before it kept. The answer is always a
     batch size that ran, with the next size up shown to fail (or the cap).
     """
-    from batchfit.probe.find import find_max_batch  # torch: not for --help
-    from batchfit.probe.ranks import rank
-    from batchfit.report import write_probe_report
-
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
     warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
+    from batchfit.probe.find import find_max_batch  # torch: after the options are checked
+    from batchfit.probe.ranks import rank
+    from batchfit.report import write_probe_report
+
     workload = load_workload(model, seq_len=seq_len)
     with progress_line() as say:
         result = find_max_batch(workload, target=target, options=options, policy=policy, multiple_of=multiple_of,

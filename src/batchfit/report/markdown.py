@@ -89,12 +89,14 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
               + " | ".join(k.replace("_", " ") for k in kinds) + " |",
               "|---:|---:|---:|:-:|---|" + "---:|" * len(kinds)]
     for p in r.points:
-        if p.reserved_oom:
-            fits = "no (cannot reserve)"
-        else:
-            fits = "yes" if max(p.peak_bytes, p.peak_reserved_bytes or 0) <= r.capacity_bytes else "no"
-        lines.append(f"| {p.batch_size} | {gib(p.peak_bytes)} | {gib(p.peak_reserved_bytes)} | {fits} | {p.phase} | "
+        lines.append(f"| {p.batch_size} | {gib(p.peak_bytes)} | {gib(p.peak_reserved_bytes)} | {r.fits(p)} | {p.phase} | "
                      + " | ".join(gib(p.breakdown.get(k, 0)) for k in kinds) + " |")
+    refused = [p for p in r.points if p.reserved_oom]
+    if refused:
+        lines += ["", "## Where the allocator model runs out", "",
+                  "Allocated memory fits at these sizes, but the caching allocator cannot reserve a segment "
+                  "for a request (its message, as a GPU's `torch.OutOfMemoryError` would say it):", ""]
+        lines += [f"- batch {p.batch_size}: {p.reserved_oom}" for p in refused]
     fit = r.curve.to_json(max(best, r.points[-1].batch_size))
     lines += ["", "## Memory curve (allocated)", "",
               "Each phase's peak is a line in the batch size; the step's peak is the largest of them, "
