@@ -97,3 +97,17 @@ def test_gpus_and_zoo_list_what_is_known():
 def test_help_teaches_with_examples():
     result = run("estimate", "--help")
     assert "batchfit estimate hf:llama-3.1-8b" in result.output
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(capsys):
+    import typer
+
+    from batchfit.cli.common import handle_errors
+
+    @handle_errors
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(typer.Exit) as stopped:
+        interrupted()
+    assert stopped.value.exit_code == 130

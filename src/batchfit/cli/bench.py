@@ -93,4 +93,4 @@ def _print_summary(result, console, report_path: Path) -> None:
         console.print(f"leak check: {verdict} ({result.leak.bytes_per_step:,.0f} bytes/step)")
     for hint in result.hints:
         console.print(f"[yellow]hint:[/] {escape(hint)}")
-    console.print(f"report: {report_path}")
+    console.print(f"report: {report_path}", soft_wrap=True)

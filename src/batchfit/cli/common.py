@@ -29,7 +29,8 @@ out = Console()
 
 
 def handle_errors(command: Callable) -> Callable:
-    """Known errors become one line and a hint, with exit code 2 (bad input) or 1."""
+    """Known errors become one line and a hint, with exit code 2 (bad input) or 1; Ctrl-C one
+    line and exit code 130, as a shell reports it."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -41,6 +42,9 @@ def handle_errors(command: Callable) -> Callable:
             err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
             err.print("[dim]set BATCHFIT_DEBUG=1 for a traceback[/]")
             raise typer.Exit(error.exit_code) from None
+        except KeyboardInterrupt:
+            err.print("[bold yellow]interrupted[/] (Ctrl-C)")
+            raise typer.Exit(130) from None
 
     return wrapper
 

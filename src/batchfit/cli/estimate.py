@@ -104,4 +104,4 @@ def _print_summary(result, console, report_path: Path) -> None:
         for s in result.suggestions:
             console.print(escape(f"  {'fits' if s.fits else 'no  '} {s.peak_bytes / GiB:7.2f} GiB  {s.change} "
                                  f"({s.option}; {s.source.split(':')[0]})"))
-    console.print(f"report: {report_path}")
+    console.print(f"report: {report_path}", soft_wrap=True)

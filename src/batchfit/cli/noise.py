@@ -93,4 +93,4 @@ def noise_command(
                       f"critical batch size")
     for note in result.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
-    console.print(f"report: {paths['md']}")
+    console.print(f"report: {paths['md']}", soft_wrap=True)

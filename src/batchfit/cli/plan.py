@@ -141,4 +141,4 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
                       f"{best.micro_batch} x {best.accumulation_steps} accumulation = global batch {best.global_batch}")
     for path in written:
         console.print(f"wrote {path}")
-    console.print(f"report: {report_path}")
+    console.print(f"report: {report_path}", soft_wrap=True)

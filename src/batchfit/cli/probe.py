@@ -110,4 +110,4 @@ def _print_summary(result, console, report_path: Path) -> None:
     console.print(f"[bold green]max batch size {result.max_batch_size}[/] ({exact})")
     for rec in result.recommendations:
         console.print(escape(f"  {rec.name:13s} {rec.batch_size:6d}  x{rec.accumulation_steps}  {rec.why}"))
-    console.print(f"report: {report_path}")
+    console.print(f"report: {report_path}", soft_wrap=True)

@@ -186,4 +186,4 @@ def _print_summary(result, console, report_path: Path) -> None:
         console.print(f"fastest to val {result.target():.4f}: batch size {fastest}")
     if result.noise and result.noise.get("b_simple") is not None:
         console.print(f"predicted critical batch (noise scale B_simple): {result.noise['b_simple']:,.1f}")
-    console.print(f"report: {report_path}")
+    console.print(f"report: {report_path}", soft_wrap=True)
