@@ -169,15 +169,3 @@ def test_every_point_says_whether_it_fits_as_the_answer_does(tiny_on_4090):
     between = dataclasses.replace(refused[0], batch_size=refused[0].batch_size + 1, reserved_oom=None)
     assert between.peak_reserved_bytes is None and between.peak_bytes <= r.capacity_bytes
     assert r.fits(between) == "no (a smaller batch cannot reserve)"
-
-
-def test_the_reserved_search_does_not_bisect_up_from_batch_1():
-    # gpt-tinystories-22m at seq 128 on a T4: the allocated answer (374) cannot reserve, nor
-    # can the sizes that its own ratio (what it held and asked for at once) predicts. That
-    # ratio kept guessing above the answer until the search bisected from batch 1 up: 19
-    # traced sizes. Stepping 1%, 2%, 4% further below after each such failure, and giving a
-    # failure the ratio of the largest size below that could reserve: 12. Same answers.
-    r = estimate(load_workload("gpt-tinystories-22m", seq_len=128), device=get_device("t4-16gb"))
-    assert (r.max_batch_size, r.max_batch_size_at_target) == (331, 296)
-    assert r.point(331).reserved_oom is None and r.point(332).reserved_oom is not None
-    assert r.traces <= 12

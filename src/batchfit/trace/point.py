@@ -338,29 +338,19 @@ class TracedCurve:
         def reserved_probe(batch_size: int) -> Trial:
             return reserved_trial(batch_size, self.reserved(batch_size))
 
-        def reserving_ratio(below: int) -> float | None:
-            """Reserved over allocated of the largest size below ``below`` that could reserve."""
-            sizes = [b for b, p in self.points.items()
-                     if b < below and p.reserved_ratio is not None and p.reserved_oom is None]
-            return self.points[max(sizes)].reserved_ratio if sizes else None
-
         def demand(batch_size: int) -> float | None:
-            """What the step at ``batch_size`` reserves, or would have to: its reserved peak; when
-            the allocator model ran out, its allocated peak at the ratio of the largest size below
-            that could reserve (what it held and asked for at once, a whole new segment, overstates
-            it: interpolating with that creeps up on the limit from below), else at that ratio."""
+            """What the step at ``batch_size`` reserves, or would have to (its reserved peak; when
+            the allocator model ran out, what it held and asked for, scaled to the step's peak)."""
             point = self.points.get(batch_size)
             if point is None or point.reserved_ratio is None:
                 return None
-            if point.reserved_oom is None:
-                return point.peak_reserved_bytes
-            return (reserving_ratio(batch_size) or point.reserved_ratio) * point.peak_bytes
+            return point.peak_reserved_bytes if point.reserved_oom is None else point.reserved_ratio * point.peak_bytes
 
         def predict(trials: list[Trial]) -> int:
             # Between the largest size that fits and the smallest that does not, reserved bytes
             # grow about linearly (segments are sized by the requests): interpolate the limit
-            # there. Otherwise take the reserved/allocated ratio of the largest size replayed (that
-            # could reserve, if any) and solve the allocated curve for limit / ratio.
+            # there. With no failure yet, take the reserved/allocated ratio of the largest size
+            # replayed and solve the allocated curve for limit / ratio.
             known = sorted((t.batch_size, t.fits, demand(t.batch_size)) for t in trials)
             known = [(b, fits, need) for b, fits, need in known if need is not None]
             fits = [(b, need) for b, ok, need in known if ok]
@@ -369,12 +359,10 @@ class TracedCurve:
                 (b_fit, r_fit), (b_fail, r_fail) = max(fits), min(fails)
                 if r_fail > r_fit:
                     return int(b_fit + (limit_bytes - r_fit) * (b_fail - b_fit) / (r_fail - r_fit))
-            if not known:
+            ratios = [(b, self.points[b].reserved_ratio) for b, _, _ in known]
+            if not ratios:
                 return found.max_batch_size
-            ratio = reserving_ratio(max(b for b, _, _ in known) + 1) or self.points[max(known)[0]].reserved_ratio
-            if fails and not fits:  # every replay ran out: 1%, 2%, 4%... further below each time
-                ratio *= 1 + 0.01 * 2 ** (len(fails) - 1)
-            return self.curve().max_batch_size(limit_bytes / ratio, multiple_of)
+            return self.curve().max_batch_size(limit_bytes / max(ratios)[1], multiple_of)
 
         above = [Trial(found.next_size, "oom")] if found.next_size else []  # fails allocated: fails reserved
         replayed = [reserved_trial(b, p) for b, p in self.points.items()  # from the search of another limit
