@@ -24,7 +24,6 @@ from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, Cach
 from batchfit.search import SearchResult, Trial, guided
 from batchfit.trace import depth, forked, stream
 from batchfit.trace.curve import MemoryCurve, fit_curve
-from batchfit.trace.forked import ForkedSessions
 from batchfit.trace.session import TracePoint, TraceSession
 from batchfit.workload import StepOptions, Workload
 
@@ -149,7 +148,7 @@ class TracedCurve:
         """Batch sizes whose reserved peak needed a whole-model trace (the stream was not regular)."""
         self._shallow: list[TraceSession] = []
         """The sessions by depth traced in this process (the deepest ones when some are forked)."""
-        self._forked: ForkedSessions | None = None
+        self._forked: forked.ForkedSessions | None = None
         """The shallowest depths, traced side by side in a forked process (``trace/forked.py``)."""
         self._params_by_depth: list[tuple[int, int]] = []
         self._full: TraceSession | None = None
@@ -175,7 +174,7 @@ class TracedCurve:
         def build() -> tuple[list[TraceSession], tuple[int, int] | None]:
             return [first, TraceSession(depth.at_depth(workload, middle, seen), options)], seen.cuts.get(middle)
 
-        self._forked = ForkedSessions(build)
+        self._forked = forked.ForkedSessions(build)
         try:
             self._shallow = [TraceSession(depth.at_depth(workload, d, seen), options) for d in depth.DEPTHS[2:]]
             cut = self._forked.built()
