@@ -169,3 +169,5 @@ def test_every_point_says_whether_it_fits_as_the_answer_does(tiny_on_4090):
     between = dataclasses.replace(refused[0], batch_size=refused[0].batch_size + 1, reserved_oom=None)
     assert between.peak_reserved_bytes is None and between.peak_bytes <= r.capacity_bytes
     assert r.fits(between) == "no (a smaller batch cannot reserve)"
+    # an answer capped by --max-batch says nothing about the sizes above it
+    assert dataclasses.replace(r, capped=True).fits(between) == "not searched (above --max-batch)"

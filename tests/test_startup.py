@@ -14,7 +14,9 @@ for args in (["--help"], ["gpus"], ["estimate", "--help"], ["plan", "--help"], [
     result = runner.invoke(app, args)
     assert result.exit_code == 0, (args, result.output)
 for args in (["estimate", "gpt2-124m", "--gpu", "h100-80g"],  # typos are told before torch loads
-             ["estimate", "gpt2-124m", "--gpu", "h100-80gb", "--precision", "bf17"]):
+             ["estimate", "gpt2-124m", "--gpu", "h100-80gb", "--precision", "bf17"],
+             ["estimate", "gpt2-124m", "--gpu", "h100-80gb", "--limit", "reserve"],
+             ["estimate", "gpt2-124m", "--gpu", "h100-80gb", "--target-util", "1.5"]):
     result = runner.invoke(app, args)
     assert result.exit_code == 2, (args, result.output)
 heavy = sorted(m for m in ("torch", "transformers", "matplotlib") if m in sys.modules)

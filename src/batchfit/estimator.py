@@ -18,13 +18,12 @@ import torch
 
 from batchfit.devices import Device
 from batchfit.errors import OptionError
-from batchfit.search import DEFAULT_MAX_BATCH, trace_first_sizes
+from batchfit.search import DEFAULT_MAX_BATCH, LIMITS, check_estimate_options, trace_first_sizes
 from batchfit.trace.curve import MemoryCurve
 from batchfit.trace.depth import DEPTHS
 from batchfit.trace.point import MemoryPoint, TracedCurve
 from batchfit.workload import StepOptions, Workload
 
-LIMITS: tuple[str, ...] = ("reserved", "allocated")
 
 
 @dataclass
@@ -89,13 +88,14 @@ class EstimateResult:
     def fits(self, point: MemoryPoint) -> str:
         """'yes', or 'no' with why, for a traced point under this result's limit. Under the reserved
         limit a size above the answer that was not replayed fails because a smaller one did
-        (reserved memory only grows with the batch): the search did not need to replay it."""
+        (reserved memory only grows with the batch): the search did not need to replay it; above
+        a capped answer (``--max-batch``) nothing was searched."""
         if point.reserved_oom:
             return "no (cannot reserve)"
         if max(point.peak_bytes, point.peak_reserved_bytes or 0) > self.capacity_bytes:
             return "no"
         if self.limit == "reserved" and point.peak_reserved_bytes is None and point.batch_size > self.max_batch_size:
-            return "no (a smaller batch cannot reserve)"
+            return "not searched (above --max-batch)" if self.capped else "no (a smaller batch cannot reserve)"
         return "yes"
 
     def headroom_bytes(self, batch_size: int) -> int | None:
@@ -139,18 +139,6 @@ class EstimateResult:
         }
 
 
-def _validate(target_util: float, multiple_of: int, batch_sizes: list[int] | None, max_batch: int) -> None:
-    if not 0 < target_util <= 1:
-        raise OptionError(f"--target-util must be in (0, 1], e.g. 0.9; got {target_util}")
-    if multiple_of < 1:
-        raise OptionError(f"--multiple-of must be 1 or more, got {multiple_of}")
-    if max_batch < multiple_of:
-        raise OptionError(f"--max-batch ({max_batch}) must be at least --multiple-of ({multiple_of})")
-    for b in batch_sizes or []:
-        if b < 1:
-            raise OptionError(f"batch sizes must be 1 or more, got {b}: e.g. --batch-sizes 8,16,32")
-
-
 def estimate(workload: Workload, *, device: Device, options: StepOptions | None = None,
              batch_sizes: list[int] | None = None, target_util: float = 0.9, multiple_of: int = 1,
              max_batch: int = DEFAULT_MAX_BATCH, suggest: bool = True, limit: str = "reserved",
@@ -162,9 +150,8 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     reserve a segment) or ``allocated`` (what tensors hold, ``max_memory_allocated``).
     """
     options = options or StepOptions()
-    _validate(target_util, multiple_of, batch_sizes, max_batch)
-    if limit not in LIMITS:
-        raise OptionError(f"unknown --limit '{limit}': use reserved (what a GPU runs out of) or allocated")
+    check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=batch_sizes,
+                           max_batch=max_batch, limit=limit)
     multiple_of = workload.batch_multiple(multiple_of)
     say = progress or (lambda message: None)
     started = time.perf_counter()

@@ -15,8 +15,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from batchfit.errors import OptionError
+
 DEFAULT_MAX_BATCH = 1 << 16
 """The largest batch (local batch, for plan) any search considers unless told otherwise."""
+
+
+LIMITS: tuple[str, ...] = ("reserved", "allocated")
+"""What must stay under the usable memory: what the caching allocator reserves, or what tensors hold."""
+
+
+def check_estimate_options(*, target_util: float, multiple_of: int, batch_sizes: list[int] | None,
+                           max_batch: int, limit: str) -> None:
+    """Estimate's search options, checked before anything is traced (the CLI: before torch loads)."""
+    if not 0 < target_util <= 1:
+        raise OptionError(f"--target-util must be in (0, 1], e.g. 0.9; got {target_util}")
+    if multiple_of < 1:
+        raise OptionError(f"--multiple-of must be 1 or more, got {multiple_of}")
+    if max_batch < multiple_of:
+        raise OptionError(f"--max-batch ({max_batch}) must be at least --multiple-of ({multiple_of})")
+    for b in batch_sizes or []:
+        if b < 1:
+            raise OptionError(f"batch sizes must be 1 or more, got {b}: e.g. --batch-sizes 8,16,32")
+    if limit not in LIMITS:
+        raise OptionError(f"unknown --limit '{limit}': use reserved (what a GPU runs out of) or allocated")
 
 
 def trace_first_sizes(curve, batch_sizes: list[int] | None, multiple_of: int, usable_bytes: int) -> None:

@@ -16,7 +16,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  report_folder, step_options, warn_about_precision, write_json)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
-from batchfit.search import DEFAULT_MAX_BATCH
+from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
 from batchfit.specs import load_workload
 
 EXAMPLES = """
@@ -68,6 +68,8 @@ def estimate_command(
     warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
     sizes = parse_batch_sizes(batch_sizes)
+    check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
+                           max_batch=max_batch, limit=limit)
     from batchfit.estimator import estimate  # torch and the tracer: after the options are checked
     from batchfit.report import write_estimate_report
 
