@@ -171,3 +171,8 @@ def test_every_point_says_whether_it_fits_as_the_answer_does(tiny_on_4090):
     assert r.fits(between) == "no (a smaller batch cannot reserve)"
     # an answer capped by --max-batch says nothing about the sizes above it
     assert dataclasses.replace(r, capped=True).fits(between) == "not searched (above --max-batch)"
+    # nothing fits because the smallest size cannot be reserved: said so, not "it needs less than usable"
+    nothing = dataclasses.replace(r, points=[refused[0]], max_batch_size=0)
+    assert nothing.why_smallest_does_not_fit().endswith(f"but the caching allocator cannot reserve them "
+                                                        f"({refused[0].reserved_oom})")
+    assert "cannot reserve them" in estimate_markdown(nothing)

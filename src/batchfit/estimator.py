@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchfit.devices import Device
+from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
 from batchfit.search import DEFAULT_MAX_BATCH, LIMITS, check_estimate_options, trace_first_sizes
 from batchfit.trace.curve import MemoryCurve
@@ -97,6 +97,14 @@ class EstimateResult:
         if self.limit == "reserved" and point.peak_reserved_bytes is None and point.batch_size > self.max_batch_size:
             return "not searched (above --max-batch)" if self.capped else "no (a smaller batch cannot reserve)"
         return "yes"
+
+    def why_smallest_does_not_fit(self) -> str:
+        """When nothing fits: what the smallest size needed, or that its memory could not be reserved."""
+        small = self.points[0]
+        if small.reserved_oom and small.peak_bytes <= self.capacity_bytes:
+            return (f"its tensors take {small.peak_bytes / GiB:.2f} GiB of the {self.capacity_bytes / GiB:.2f} GiB "
+                    f"usable, but the caching allocator cannot reserve them ({small.reserved_oom})")
+        return f"it needs {small.peak_bytes / GiB:.2f} GiB, {self.capacity_bytes / GiB:.2f} GiB are usable"
 
     def headroom_bytes(self, batch_size: int) -> int | None:
         """Usable memory left at ``batch_size``: beyond reserved memory where it was replayed."""

@@ -102,7 +102,7 @@ def _print_summary(result, console, report_path: Path) -> None:
                       f"{result.max_batch_size_at_target} at {result.target_util:.0%}")
     else:
         console.print(f"[bold red]batch {result.points[0].batch_size} does not fit[/]: "
-                      f"it needs {result.points[0].peak_bytes / GiB:.2f} GiB")
+                      f"{escape(result.why_smallest_does_not_fit())}")
         for s in result.suggestions:
             console.print(escape(f"  {'fits' if s.fits else 'no  '} {s.peak_bytes / GiB:7.2f} GiB  {s.change} "
                                  f"({s.option}; {s.source.split(':')[0]})"))

@@ -47,8 +47,8 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
     else:
         small = r.points[0]
         lines += [
-            f"- **Even batch {small.batch_size} does not fit**: it needs {gib(small.peak_bytes)} GiB, "
-            f"{gib(r.capacity_bytes)} GiB are usable (peak in the {small.phase} phase).",
+            f"- **Even batch {small.batch_size} does not fit**: {r.why_smallest_does_not_fit()} "
+            f"(peak in the {small.phase} phase).",
         ]
     lines += [
         f"- Parameters: {r.params:,} ({r.trainable_params:,} trainable)",
