@@ -25,15 +25,20 @@ LIMITS: tuple[str, ...] = ("reserved", "allocated")
 """What must stay under the usable memory: what the caching allocator reserves, or what tensors hold."""
 
 
-def check_estimate_options(*, target_util: float, multiple_of: int, batch_sizes: list[int] | None,
-                           max_batch: int, limit: str) -> None:
-    """Estimate's search options, checked before anything is traced (the CLI: before torch loads)."""
+def check_search_options(*, target_util: float, multiple_of: int, max_batch: int) -> None:
+    """The options every batch-size search shares (estimate, plan)."""
     if not 0 < target_util <= 1:
         raise OptionError(f"--target-util must be in (0, 1], e.g. 0.9; got {target_util}")
     if multiple_of < 1:
         raise OptionError(f"--multiple-of must be 1 or more, got {multiple_of}")
     if max_batch < multiple_of:
         raise OptionError(f"--max-batch ({max_batch}) must be at least --multiple-of ({multiple_of})")
+
+
+def check_estimate_options(*, target_util: float, multiple_of: int, batch_sizes: list[int] | None,
+                           max_batch: int, limit: str) -> None:
+    """Estimate's search options, checked before anything is traced (the CLI: before torch loads)."""
+    check_search_options(target_util=target_util, multiple_of=multiple_of, max_batch=max_batch)
     for b in batch_sizes or []:
         if b < 1:
             raise OptionError(f"batch sizes must be 1 or more, got {b}: e.g. --batch-sizes 8,16,32")

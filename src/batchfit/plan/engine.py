@@ -37,7 +37,7 @@ from batchfit.errors import OptionError
 from batchfit.plan import workers
 from batchfit.plan.time_model import OVERLAP_RULE, StepTime, TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
-from batchfit.search import DEFAULT_MAX_BATCH, SearchResult, Trial, guided, trace_first_sizes
+from batchfit.search import DEFAULT_MAX_BATCH, SearchResult, Trial, check_search_options, guided, trace_first_sizes
 from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
 
@@ -264,12 +264,7 @@ class PlanResult:
 
 def _validate(target_util: float, multiple_of: int, max_batch: int, batch_sizes: list[int] | None,
               global_batch: int | None) -> None:
-    if not 0 < target_util <= 1:
-        raise OptionError(f"--target-util must be in (0, 1], e.g. 0.9; got {target_util}")
-    if multiple_of < 1:
-        raise OptionError(f"--multiple-of must be 1 or more, got {multiple_of}")
-    if max_batch < multiple_of:
-        raise OptionError(f"--max-batch ({max_batch}) must be at least --multiple-of ({multiple_of})")
+    check_search_options(target_util=target_util, multiple_of=multiple_of, max_batch=max_batch)
     if any(b < 1 for b in batch_sizes or []):
         raise OptionError("--batch-sizes are local batch sizes, 1 or more: e.g. --batch-sizes 1,2,4")
     if global_batch is not None and global_batch < 1:
