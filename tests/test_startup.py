@@ -16,7 +16,9 @@ for args in (["--help"], ["gpus"], ["estimate", "--help"], ["plan", "--help"], [
 for args in (["estimate", "gpt2-124m", "--gpu", "h100-80g"],  # typos are told before torch loads
              ["estimate", "gpt2-124m", "--gpu", "h100-80gb", "--precision", "bf17"],
              ["estimate", "gpt2-124m", "--gpu", "h100-80gb", "--limit", "reserve"],
-             ["estimate", "gpt2-124m", "--gpu", "h100-80gb", "--target-util", "1.5"]):
+             ["estimate", "gpt2-124m", "--gpu", "h100-80gb", "--target-util", "1.5"],
+             ["probe", "gpt2-124m", "--device", "virtual:h100-80gb", "--policy", "guidd"],
+             ["probe", "gpt2-124m", "--device", "virtual:h100-80gb", "--steps", "1"]):
     result = runner.invoke(app, args)
     assert result.exit_code == 2, (args, result.output)
 heavy = sorted(m for m in ("torch", "transformers", "matplotlib") if m in sys.modules)

@@ -42,6 +42,27 @@ def check_estimate_options(*, target_util: float, multiple_of: int, batch_sizes:
     for b in batch_sizes or []:
         if b < 1:
             raise OptionError(f"batch sizes must be 1 or more, got {b}: e.g. --batch-sizes 8,16,32")
+    _check_limit(limit)
+
+
+def check_probe_options(*, policy: str, multiple_of: int, smallest: int, largest: int, steps: int,
+                        target_util: float, global_batch: int | None, limit: str) -> None:
+    """probe's options, checked before anything runs (the CLI: before torch loads)."""
+    if policy not in POLICIES:
+        raise OptionError(f"unknown --policy '{policy}': use one of {', '.join(POLICIES)}")
+    if multiple_of < 1 or smallest < 1 or largest < smallest:
+        raise OptionError(f"need 1 <= --min <= --max and --multiple-of >= 1 (got min {smallest}, "
+                          f"max {largest}, multiple-of {multiple_of})")
+    if steps < 2:
+        raise OptionError(f"--steps must be at least 2 (the second step has optimizer state), got {steps}")
+    if not 0 < target_util <= 1:
+        raise OptionError(f"--target-util must be in (0, 1], e.g. 0.9; got {target_util}")
+    if global_batch is not None and global_batch < 1:
+        raise OptionError(f"--global-batch must be 1 or more, got {global_batch}")
+    _check_limit(limit)
+
+
+def _check_limit(limit: str) -> None:
     if limit not in LIMITS:
         raise OptionError(f"unknown --limit '{limit}': use reserved (what a GPU runs out of) or allocated")
 

@@ -16,7 +16,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  step_options, warn_about_precision, write_json)
 from batchfit.devices import GiB
 from batchfit.parallel import STRATEGIES
-from batchfit.search import POLICIES
+from batchfit.search import POLICIES, check_probe_options
 from batchfit.specs import load_workload
 
 EXAMPLES = """
@@ -71,6 +71,8 @@ def probe_command(
     target = command_target(gpu, gpu_memory, device)
     warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
+    check_probe_options(policy=policy, multiple_of=multiple_of, smallest=min_batch, largest=max_batch, steps=steps,
+                        target_util=target_util, global_batch=global_batch, limit=limit)
     from batchfit.probe.find import find_max_batch  # torch: after the options are checked
     from batchfit.probe.ranks import rank
     from batchfit.report import write_probe_report

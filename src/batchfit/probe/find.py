@@ -131,21 +131,6 @@ class ProbeResult:
         }
 
 
-def _validate(policy: str, multiple_of: int, smallest: int, largest: int, steps: int, target_util: float,
-              global_batch: int | None) -> None:
-    if policy not in search.POLICIES:
-        raise OptionError(f"unknown --policy '{policy}': use one of {', '.join(search.POLICIES)}")
-    if multiple_of < 1 or smallest < 1 or largest < smallest:
-        raise OptionError(f"need 1 <= --min <= --max and --multiple-of >= 1 (got min {smallest}, "
-                          f"max {largest}, multiple-of {multiple_of})")
-    if steps < 2:
-        raise OptionError(f"--steps must be at least 2 (the second step has optimizer state), got {steps}")
-    if not 0 < target_util <= 1:
-        raise OptionError(f"--target-util must be in (0, 1], e.g. 0.9; got {target_util}")
-    if global_batch is not None and global_batch < 1:
-        raise OptionError(f"--global-batch must be 1 or more, got {global_batch}")
-
-
 class _Predictor:
     """The tracer's answer, then corrected by the peaks measured so far (for ``guided``)."""
 
@@ -217,9 +202,8 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     model as a multi-GPU run would (``batchfit.parallel``).
     """
     options = options or StepOptions()
-    _validate(policy, multiple_of, smallest, largest, steps, target_util, global_batch)
-    if limit not in ("reserved", "allocated"):
-        raise OptionError(f"unknown --limit '{limit}': use reserved (what a GPU runs out of) or allocated")
+    search.check_probe_options(policy=policy, multiple_of=multiple_of, smallest=smallest, largest=largest,
+                               steps=steps, target_util=target_util, global_batch=global_batch, limit=limit)
     multiple_of = workload.batch_multiple(multiple_of)
     if isolate and spec is None:
         raise OptionError("--isolate rebuilds the workload in a fresh process from its MODEL spec: pass spec=")
