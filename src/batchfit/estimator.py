@@ -18,12 +18,11 @@ import torch
 
 from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
-from batchfit.search import DEFAULT_MAX_BATCH, LIMITS, check_estimate_options, trace_first_sizes
+from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options, trace_first_sizes
 from batchfit.trace.curve import MemoryCurve
 from batchfit.trace.depth import DEPTHS
 from batchfit.trace.point import MemoryPoint, TracedCurve
 from batchfit.workload import StepOptions, Workload
-
 
 
 @dataclass
