@@ -27,3 +27,17 @@ def test_real_oom_is_classified_and_the_memory_comes_back():
     trial = probe_once(workload, StepOptions(), parse_target("cuda"), 100_000)
     assert trial.status == "oom"
     assert torch.cuda.memory_allocated() == baseline
+
+
+def test_traced_reserved_within_5_percent_of_a_fresh_process():
+    """The allocator model's reserved peak against a real fresh process (spawned, two steps)."""
+    from batchfit.probe.runner import probe_isolated
+    from batchfit.targets import Target
+
+    workload = load_workload("gpt-tinystories-22m")
+    options = StepOptions(precision="bf16-mixed")
+    device = detect_cuda_device()
+    traced = probe_once(workload, options, Target("virtual", device, "virtual:here"), 32, limit="reserved")
+    measured = probe_isolated("gpt-tinystories-22m", None, options, parse_target("cuda"), 32, limit="reserved")
+    assert measured.status == "ok", measured.error
+    assert abs(traced.peak_reserved_bytes - measured.peak_reserved_bytes) / measured.peak_reserved_bytes < 0.05
