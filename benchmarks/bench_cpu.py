@@ -1,6 +1,6 @@
 """Throughput per batch size on this CPU, for two zoo models, with the spread over repeats.
 
-Each repeat is a fresh `batchfit.bench` row (model built anew, burn-in, timed steps); the
+Each repeat is a fresh `batchfit.bench.engine` row (model built anew, burn-in, timed steps); the
 table gives the median step time of each repeat, their mean and spread. Run it on an idle
 machine: timings are what this CPU does, not a GPU's. Writes
 benchmarks/results/bench_cpu-<date>.json.
@@ -17,7 +17,7 @@ import torch
 from _common import write_result
 
 from batchfit import StepOptions, load_workload, parse_target
-from batchfit.bench import bench_row
+from batchfit.bench.engine import bench_row
 
 CASES = [("gpt-tinystories-22m", 128, [1, 4, 16]), ("gpt2-124m", 64, [1, 2, 4])]
 

@@ -17,7 +17,7 @@ import torch
 from _common import write_result
 
 from batchfit import StepOptions
-from batchfit.step import TrainingStep
+from batchfit.train.step import TrainingStep
 from batchfit.zoo import ZOO
 
 

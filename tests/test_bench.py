@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from batchfit.bench import BenchRow, bench, breakpoints, leak_check, tiers
+from batchfit.bench.engine import BenchRow, bench, breakpoints, leak_check, tiers
 from batchfit.cli.app import app
 from batchfit.errors import OptionError
 from batchfit.targets import parse_target

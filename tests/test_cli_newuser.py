@@ -25,8 +25,8 @@ def _no_work(monkeypatch):
         raise AssertionError("the engine ran before the output paths were checked")
 
     # the commands import their engine when they run (--help loads no torch): patch it at home
-    for module, name in (("batchfit.estimator", "estimate"), ("batchfit.probe.find", "find_max_batch"),
-                         ("batchfit.bench", "bench")):
+    for module, name in (("batchfit.estimator.engine", "estimate"), ("batchfit.probe.find", "find_max_batch"),
+                         ("batchfit.bench.engine", "bench")):
         monkeypatch.setattr(importlib.import_module(module), name, boom)
 
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from batchfit.elastic import ElasticStep, predict_micro_batch
-from batchfit.elastic_split import batch_size, split_batch, split_global_batch, take_samples
+from batchfit.integrations.elastic import ElasticStep, predict_micro_batch
+from batchfit.integrations.elastic_split import batch_size, split_batch, split_global_batch, take_samples
 from batchfit.errors import OptionError
 
 SAMPLES = 60

@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from batchfit.transformers import PeakCheck, fit_training, fit_training_args  # noqa: E402
+from batchfit.integrations.transformers import PeakCheck, fit_training, fit_training_args  # noqa: E402
 
 GLOBAL_BATCH, SEQ = 64, 32
 GPU = "700MiB"

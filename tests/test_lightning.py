@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 lightning = pytest.importorskip("lightning")
 
-from batchfit.lightning import BatchFit  # noqa: E402
+from batchfit.integrations.lightning import BatchFit  # noqa: E402
 
 GLOBAL_BATCH = 256
 SEQ, WIDTH, HIDDEN = 16, 64, 512

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from batchfit.step import TrainingStep
+from batchfit.train.step import TrainingStep
 from batchfit.trace.memory import rounded
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload

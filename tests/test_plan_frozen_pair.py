@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from batchfit import StepOptions, load_workload
-from batchfit.step import TrainingStep, block_list
+from batchfit.train.step import TrainingStep, block_list
 from batchfit.zoo.frozen_pair import FrozenLayer
 
 

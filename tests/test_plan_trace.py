@@ -24,7 +24,7 @@ from torch import nn
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import Collective, Strategy, parse_strategies, parse_strategy, trace_sharded
-from batchfit.step import TrainingStep
+from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo import language_model_workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig
@@ -72,7 +72,7 @@ def _profiled_peak(step: TrainingStep, path: str) -> int | None:
 
 def _gloo_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
     from batchfit.plan._parallel import apply_strategy, build_meshes
-    from batchfit.plan.tp_plans import tp_plan
+    from batchfit.distributed.tp_plans import tp_plan
 
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

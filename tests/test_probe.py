@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from batchfit.cli.app import app
 from batchfit.errors import OptionError, UsageError
 from batchfit.probe.find import find_max_batch, peak_of
-from batchfit.oom import classify
+from batchfit.train.oom import classify
 from batchfit.probe.runner import probe_isolated, probe_once
 from batchfit.targets import parse_target
 from batchfit.specs import load_workload

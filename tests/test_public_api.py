@@ -21,7 +21,7 @@ def test_names_stay_functions_whatever_is_imported_first():
     import subprocess
     import sys
 
-    script = ("import batchfit; batchfit.EstimateResult; import batchfit.estimator; "
+    script = ("import batchfit; batchfit.EstimateResult; import batchfit.estimator.engine; "
               "print(callable(batchfit.estimate), callable(batchfit.find_max_batch))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True"], out.stderr

@@ -25,7 +25,7 @@ from batchfit.cli.app import app
 from batchfit.errors import OptionError
 from batchfit.probe import ranks
 from batchfit.probe.find import find_max_batch
-from batchfit.step import TrainingStep
+from batchfit.train.step import TrainingStep
 from batchfit.targets import Target, parse_target
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from batchfit import StepOptions, estimate, get_device, load_workload
-from batchfit.bench import bench
+from batchfit.bench.engine import bench
 from batchfit.probe.find import find_max_batch
 from batchfit.report import write_bench_report, write_estimate_report, write_probe_report
 from batchfit.report.bench_markdown import bench_markdown

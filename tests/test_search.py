@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from batchfit import search
 from batchfit.devices import custom_device
-from batchfit.estimator import estimate
+from batchfit.estimator.engine import estimate
 from batchfit.search import Trial, guided
 from batchfit.trace.point import allocated_point
 from batchfit.trace.session import TraceSession

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from batchfit import timing
-from batchfit.step import TrainingStep
+from batchfit.train import timing
+from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
 
 

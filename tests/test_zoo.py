@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from batchfit.devices import get_device
 from batchfit.trace.point import allocated_point
 from batchfit.specs import load_workload
-from batchfit.step import TrainingStep
+from batchfit.train.step import TrainingStep
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions
 from batchfit.zoo import language_model_workload

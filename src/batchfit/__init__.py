@@ -13,8 +13,8 @@ _WHERE = {
     "CATALOG": "devices", "Device": "devices", "get_device": "devices", "parse_size": "devices",
     "BatchfitError": "errors", "ModelSpecError": "errors", "OptionError": "errors", "SizeError": "errors",
     "TraceError": "errors", "UnknownGPUError": "errors", "UsageError": "errors",
-    "ElasticInfo": "elastic", "ElasticStep": "elastic",
-    "EstimateResult": "estimator", "estimate": "estimator",
+    "ElasticInfo": "integrations.elastic", "ElasticStep": "integrations.elastic",
+    "EstimateResult": "estimator.engine", "estimate": "estimator.engine",
     "ProbeResult": "probe.find", "find_max_batch": "probe.find",
     "load_workload": "specs",
     "Target": "targets", "parse_target": "targets", "resolve_target": "targets",
@@ -63,10 +63,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from batchfit.devices import CATALOG, Device, get_device, parse_size
-    from batchfit.elastic import ElasticInfo, ElasticStep
+    from batchfit.integrations.elastic import ElasticInfo, ElasticStep
     from batchfit.errors import (BatchfitError, ModelSpecError, OptionError, SizeError, TraceError,
                                  UnknownGPUError, UsageError)
-    from batchfit.estimator import EstimateResult, estimate
+    from batchfit.estimator.engine import EstimateResult, estimate
     from batchfit.probe.find import ProbeResult, find_max_batch
     from batchfit.specs import load_workload
     from batchfit.targets import Target, parse_target, resolve_target

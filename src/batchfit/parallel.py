@@ -35,7 +35,7 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Modu
     import torch.distributed as dist
     from torch import nn
 
-    from batchfit.step import block_list
+    from batchfit.train.step import block_list
 
     check_strategy(strategy)
     if not (dist.is_available() and dist.is_initialized()):

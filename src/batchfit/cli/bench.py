@@ -63,7 +63,7 @@ def bench_command(
     warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
     sizes = parse_batch_sizes(batch_sizes)
-    from batchfit.bench import bench  # torch: after the options are checked
+    from batchfit.bench.engine import bench  # torch: after the options are checked
     from batchfit.report import write_bench_report
 
     workload = load_workload(model, seq_len=seq_len)

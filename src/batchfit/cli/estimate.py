@@ -70,7 +70,7 @@ def estimate_command(
     sizes = parse_batch_sizes(batch_sizes)
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
                            max_batch=max_batch, limit=limit)
-    from batchfit.estimator import estimate  # torch and the tracer: after the options are checked
+    from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
     from batchfit.report import write_estimate_report
 
     workload = load_workload(model, seq_len=seq_len)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from batchfit.errors import OptionError
-from batchfit.step import block_list
+from batchfit.train.step import block_list
 
 
 @dataclass

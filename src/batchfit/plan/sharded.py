@@ -235,9 +235,9 @@ class ShardedSession:
         import torch
 
         from batchfit.plan._parallel import apply_strategy, build_meshes
-        from batchfit.plan._tracker import ShardedTracker
-        from batchfit.plan.tp_plans import tp_plan
-        from batchfit.step import TrainingStep
+        from batchfit.distributed.tracker import ShardedTracker
+        from batchfit.distributed.tp_plans import tp_plan
+        from batchfit.train.step import TrainingStep
         from batchfit.trace.memory import CUDA_BLOCK_BYTES
         from batchfit.trace.session import TraceSession
 

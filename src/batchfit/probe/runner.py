@@ -20,11 +20,11 @@ from collections.abc import Callable
 
 from torch import nn
 
-from batchfit.oom import classify, describe
+from batchfit.train.oom import classify, describe
 from batchfit.search import Trial
-from batchfit.step import TrainingStep
+from batchfit.train.step import TrainingStep
 from batchfit.targets import Target, parse_target
-from batchfit.timing import run_timed_steps
+from batchfit.train.timing import run_timed_steps
 from batchfit.trace.point import allocated_point, run_out_at_reserved
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload

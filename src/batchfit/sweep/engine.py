@@ -173,7 +173,7 @@ def plan_sweep(config: SweepConfig, workload: Workload, *, fit_device: Device | 
     check_store(config.store, identity, resume=config.resume)
     fits = None
     if fit_device is not None:
-        from batchfit.estimator import estimate
+        from batchfit.estimator.engine import estimate
         from batchfit.workload import StepOptions
 
         say(f"sizing the micro-batch for {fit_device.display_name} (traced)")

@@ -6,7 +6,7 @@ rebuilds the workload from its MODEL spec and reads the tokens from the on-disk 
 nothing unpicklable crosses a process boundary. Ray is imported only inside
 :func:`run_ray`: it is an optional extra (``pip install 'batchfit[ray]'``).
 
-A run that fails is recorded and the sweep goes on: out of memory (``batchfit.oom``) is
+A run that fails is recorded and the sweep goes on: out of memory (``batchfit.train.oom``) is
 retried with half the micro-batch from the run's last checkpoint (the gradient is the
 same, accumulated), and is recorded as ``oom`` only when one sample does not fit; any other
 error is recorded as ``error`` with its type, message and the line that raised it.
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from batchfit.errors import OptionError
-from batchfit.oom import classify, describe
+from batchfit.train.oom import classify, describe
 from batchfit.sweep.data import BatchSource, TokenData, open_tokens
 from batchfit.sweep.run import RunSpec, micro_batch_for, train_run
 from batchfit.sweep.store import Store

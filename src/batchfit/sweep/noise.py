@@ -158,7 +158,7 @@ def gradient_noise_scale(workload: Workload, source: BatchSource, *, small: int,
                          ) -> NoiseResult:
     """B_simple at the initial parameters (``steps=0``: ``repeats`` measurements averaged), or
     tracked over ``steps`` training steps on the big batch (an EMA of both estimates)."""
-    from batchfit.step import TrainingStep
+    from batchfit.train.step import TrainingStep
     from batchfit.workload import StepOptions
 
     _check(small, big, steps, repeats, ema_beta)

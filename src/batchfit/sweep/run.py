@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from batchfit.step import TrainingStep
+from batchfit.train.step import TrainingStep
 from batchfit.sweep.budget import Budget, Schedule
 from batchfit.sweep.data import BatchSource
 from batchfit.sweep.store import Store

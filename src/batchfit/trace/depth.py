@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from torch import nn
 
-from batchfit.step import block_list
+from batchfit.train.step import block_list
 from batchfit.trace.memory import active_tracker
 from batchfit.workload import Workload
 

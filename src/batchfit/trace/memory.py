@@ -131,7 +131,7 @@ class MemoryTracker(TorchDispatchMode):
         """The sequence numbers of the allocations alive now."""
         return [record.seq for record in self._live.values()]
 
-    # --- the step's hooks (batchfit.step.StepHooks) ------------------------------------
+    # --- the step's hooks (batchfit.train.step.StepHooks) ------------------------------------
     def phase(self, name: str) -> None:
         self.current_phase = name
         self._segment = 0

@@ -21,7 +21,7 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from batchfit.errors import BatchfitError, ModelSpecError, TraceError
-from batchfit.step import TrainingStep, main_blocks
+from batchfit.train.step import TrainingStep, main_blocks
 from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot

@@ -7,7 +7,7 @@
 Each batch is cut along dim 0 into micro-batches (``elastic_split``). Each micro-batch's loss
 (a mean over its samples) is scaled by its share of the batch, so the accumulated gradient is
 the gradient of the mean loss over the whole batch, however the batch was cut; then the
-optimizer steps once. On an out-of-memory error (``batchfit.oom.classify``: the same test the
+optimizer steps once. On an out-of-memory error (``batchfit.train.oom.classify``: the same test the
 probe uses; anything else propagates unchanged) the step:
 
 1. leaves the ``except`` block first (inside it the traceback keeps every frame of the failed
@@ -53,9 +53,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from batchfit.elastic_split import batch_size, live_workload, same_optimizer, size_micro_batch, split_batch
+from batchfit.integrations.elastic_split import batch_size, live_workload, same_optimizer, size_micro_batch, split_batch
 from batchfit.errors import OptionError
-from batchfit.oom import classify, describe
+from batchfit.train.oom import classify, describe
 from batchfit.probe import ranks
 from batchfit.workload import StepOptions
 

@@ -28,11 +28,11 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from batchfit.devices import Device
 from batchfit.errors import OptionError
-from batchfit.oom import classify, describe
-from batchfit.step import TrainingStep
+from batchfit.train.oom import classify, describe
+from batchfit.train.step import TrainingStep
 from batchfit.targets import Target
 from batchfit.tiers import Tier, tiers
-from batchfit.timing import run_timed_steps
+from batchfit.train.timing import run_timed_steps
 from batchfit.trace.allocator import AllocatorConfig
 from batchfit.trace.curve import fit_line
 from batchfit.trace.point import allocated_point, replay_reserved

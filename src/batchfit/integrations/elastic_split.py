@@ -237,7 +237,7 @@ def size_micro_batch(workload: Workload, *, model: nn.Module, max_batch: int, mu
     ``gpu`` / ``gpu_memory``, else the one ``resolve_target`` assumes (and says so). ``limit`` is
     what must fit, as ``batchfit estimate --limit`` says: reserved (the caching allocator's
     segments, what a GPU runs out of) or allocated (the tensors alone; fewer traces)."""
-    from batchfit.estimator import estimate
+    from batchfit.estimator.engine import estimate
     from batchfit.probe.find import find_max_batch
     from batchfit.targets import resolve_target
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchfit.oom import NonFiniteLoss
-from batchfit.step import StepHooks, TrainingStep
+from batchfit.train.oom import NonFiniteLoss
+from batchfit.train.step import StepHooks, TrainingStep
 
 
 @dataclass
