@@ -332,6 +332,29 @@ def test_an_oom_at_the_smallest_micro_batch_leaves_the_gradients_clean():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_step_the_grad_scaler_skips_is_not_an_oom():
+    """fp16 autocast, Linear(4, 1) at weight 0.5 on ones, loss mean(y) x 2**10, micro-batches
+    of 16 (32 runs out once). Each micro-batch's fp16 weight gradient is 2**8 x scale: inf until
+    the scale has halved from 2**16 to 2**7, so the GradScaler skips 9 steps. Those are neither
+    OOMs nor shrinks; the 10th steps by lr x 2**10 (the whole batch's gradient)."""
+    model = nn.Linear(4, 1, bias=False)
+    nn.init.constant_(model.weight, 0.5)
+    ForcedOOM(model, limit=16)
+
+    def fp16_loss(model, x):
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = model(x)
+        return y.float().mean() * 2.0**10
+
+    step = ElasticStep(model, torch.optim.SGD(model.parameters(), lr=2.0**-20), fp16_loss, micro_batch=32,
+                       scaler=torch.amp.GradScaler("cpu"))
+    infos = [step(torch.ones(64, 4)) for _ in range(10)]
+    assert [i.scaler_skipped for i in infos] == [True] * 9 + [False]
+    assert [i.oom_events for i in infos] == [1] + [0] * 9
+    assert {i.micro_batch for i in infos} == {16} and step.micro_batch == 16
+    assert model.weight.detach().tolist() == [[0.5 - 2.0**-10] * 4]
+
+
 
 def _fsdp_main(rank: int, port: int, out_dir: str, oom_call: int) -> None:
     from torch.distributed.fsdp import fully_shard

@@ -9,7 +9,9 @@ import torch
 from batchfit import load_workload
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
 from batchfit.sweep.data import BatchSource, lm_format, tokenize
-from batchfit.sweep.run import accumulate, micro_batch_for
+from batchfit.train.step import TrainingStep
+from batchfit.sweep.run import micro_batch_for
+from batchfit.workload import StepOptions
 from tests.test_sweep_helpers import write_corpus, write_tiny
 
 
@@ -46,17 +48,22 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient(tiny, tmp_path):
     _, workload, corpus = tiny
     tokens = tokenize(str(corpus), tokenizer="bytes", vocab_size=320, cache_dir=tmp_path / "cache")
     source = BatchSource(workload, seed=0, tokens=tokens)
-    torch.manual_seed(0)
-    model = workload.build_model()
-    batch = source.train(0, 8, torch.device("cpu"))
-    full = accumulate(workload, model, [(8, batch)], 8)
-    full_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    pieces = [(2, source.train(i * 2, 2, torch.device("cpu"))) for i in range(4)]
+    cpu = torch.device("cpu")
+    batch = source.train(0, 8, cpu)
+    pieces = [(2, source.train(i * 2, 2, cpu)) for i in range(4)]
     assert torch.equal(torch.cat([p[1][0] for p in pieces]), batch[0])  # the same 8 samples
-    accumulated = accumulate(workload, model, pieces, 8)
-    assert accumulated == pytest.approx(full, rel=1e-6)
-    for a, b in zip(full_grads, (p.grad for p in model.parameters())):
+    grads, losses = [], []
+    for micro_batches in ([(8, batch)], pieces):  # one step each, from the same initial model
+        torch.manual_seed(0)
+        trainer = TrainingStep(workload, StepOptions(optimizer="sgd"), cpu)
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        result = trainer.step(micro_batches, 8, lr=1.0)
+        assert result.stepped
+        losses.append(result.loss)
+        # SGD at lr 1 moves each parameter by minus its gradient
+        grads.append([b - p.detach() for b, p in zip(before, trainer.model.parameters())])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
 
 

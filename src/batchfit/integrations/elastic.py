@@ -7,8 +7,13 @@
 Each batch is cut along dim 0 into micro-batches (``elastic_split``). Each micro-batch's loss
 (a mean over its samples) is scaled by its share of the batch, so the accumulated gradient is
 the gradient of the mean loss over the whole batch, however the batch was cut; then the
-optimizer steps once. On an out-of-memory error (``batchfit.train.oom.classify``: the same test the
-probe uses; anything else propagates unchanged) the step:
+optimizer steps once. Forward, backward (with the user's GradScaler) and the optimizer step
+are ``batchfit.train.step.TrainingStep``'s (``TrainingStep.around`` the user's model and optimizer),
+the one training step every engine runs; this module adds the cutting, the redoing and the
+ranks. A step the GradScaler skips (inf/nan gradients) is not an OOM: the batch is not redone,
+and ``ElasticInfo.scaler_skipped`` says so. On an out-of-memory error
+(``batchfit.train.oom.classify``: the same test the probe uses; anything else propagates unchanged)
+the step:
 
 1. leaves the ``except`` block first (inside it the traceback keeps every frame of the failed
    forward alive, and with them its activations: what Lightning's batch finder gets wrong),
@@ -45,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,13 +61,10 @@ from batchfit.integrations.elastic_split import batch_size, live_workload, same_
 from batchfit.errors import OptionError
 from batchfit.train.oom import classify, describe
 from batchfit.probe import ranks
+from batchfit.train.step import LossFn, TrainingStep
 from batchfit.workload import StepOptions
 
 logger = logging.getLogger(__name__)
-
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
-"""(model, micro-batch) -> the mean loss over the micro-batch's samples: Workload.loss_fn's contract."""
-
 
 @dataclass(frozen=True)
 class ElasticInfo:
@@ -83,6 +84,9 @@ class ElasticInfo:
     """The micro-batch sizes that ran out, in order."""
     grew_to: int | None = None
     """Set when this step tried a larger micro-batch after ``grow_after`` clean steps."""
+    scaler_skipped: bool = False
+    """The GradScaler found inf/nan gradients and skipped the optimizer step (it lowered its
+    scale; the batch is not redone): fp16's usual first steps, not an error."""
 
 
 def predict_micro_batch(peaks_bytes: dict[int, int], capacity_bytes: int, failed: int, *,
@@ -134,6 +138,7 @@ class ElasticStep:
         """The micro-batch the next step starts with (None until the first batch is estimated)."""
         self.multiple_of, self.grow_after, self.target_util = multiple_of, grow_after, target_util
         self.scaler, self.max_grad_norm = scaler, max_grad_norm
+        self._step = TrainingStep.around(model, optimizer, loss_fn, scaler=scaler)
         self.gpu, self.gpu_memory, self.options, self.limit = gpu, gpu_memory, options, limit
         self._ceiling = micro_batch  # growth never passes the first size
         self._clean_steps = 0
@@ -170,11 +175,12 @@ class ElasticStep:
             self._clean_steps = 0
             logger.warning("out of memory at a micro-batch of %d samples: redoing the batch of %d as "
                            "micro-batches of %d", micro, total, proposal)
-        self._optimizer_step()
-        if not failed:
+        stepped = self._step.update(max_grad_norm=self.max_grad_norm)
+        if not failed:  # a step the scaler skipped ran without an OOM: it counts as clean
             self._clean_steps += 1
         return ElasticInfo(loss=loss, samples=total, micro_batch=micro, accumulation_steps=math.ceil(total / micro),
-                           oom_events=len(failed), failed_micro_batches=tuple(failed), grew_to=grew_to)
+                           oom_events=len(failed), failed_micro_batches=tuple(failed), grew_to=grew_to,
+                           scaler_skipped=not stepped)
 
     def _attempt(self, batch: Any, micro: int, total: int) -> tuple[float | None, int]:
         """One pass over the batch: (mean loss, micro) when every micro-batch ran, else (None,
@@ -226,7 +232,7 @@ class ElasticStep:
         """(loss, None), or (None, the OOM's one-line description): only the description
         leaves, so nothing holds the failed forward's frames once this returns."""
         try:
-            return self.loss_fn(self.model, part), None
+            return self._step.forward(part), None
         except Exception as error:
             if classify(error) != "oom":
                 raise
@@ -236,9 +242,8 @@ class ElasticStep:
     def _backward(self, loss: torch.Tensor, share: float) -> tuple[torch.Tensor | None, str | None]:
         """(the loss weighted by its share of the batch, None), or (None, the OOM's description)."""
         try:
-            scaled = loss * share
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            return scaled.detach().to(torch.promote_types(scaled.dtype, torch.float32)), None
+            weighted = self._step.backward(loss, share)
+            return weighted.to(torch.promote_types(weighted.dtype, torch.float32)), None
         except Exception as error:
             if classify(error) != "oom":
                 raise
@@ -273,19 +278,6 @@ class ElasticStep:
         logger.info("%d clean steps: trying micro-batches of %d (from %d)", self.grow_after, grown, self.micro_batch)
         self.micro_batch = grown
         return grown
-
-    def _optimizer_step(self) -> None:
-        if self.scaler is not None:
-            if self.max_grad_norm is not None:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
 
     # -- where the model lives ---------------------------------------------------------------
 

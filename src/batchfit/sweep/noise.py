@@ -25,11 +25,11 @@ one forward and backward per sample. The interval is a bootstrap of the ratio of
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ import torch
 from batchfit.errors import OptionError
 from batchfit.sweep.data import BatchSource
 from batchfit.workload import Workload
+
+if TYPE_CHECKING:
+    from batchfit.train.step import TrainingStep
 
 
 def unbiased(g_small_sq: float, g_big_sq: float, b_small: int, b_big: int) -> tuple[float, float]:
@@ -125,22 +128,20 @@ def _check(small: int, big: int, steps: int, repeats: int, ema_beta: float) -> N
         raise OptionError(f"--ema must be in [0, 1), e.g. 0.95; got {ema_beta}")
 
 
-def measure_once(workload: Workload, model: torch.nn.Module, source: BatchSource, start: int, small: int,
-                 big: int, device: torch.device, autocast: Callable = contextlib.nullcontext
+def measure_once(trainer: TrainingStep, source: BatchSource, start: int, small: int, big: int
                  ) -> tuple[float, float, list[torch.Tensor]]:
     """(mean |g_i|^2 over the micro-batches, |mean g_i|^2, mean g_i per parameter) for the
-    big batch of samples ``start .. start + big - 1``."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    big batch of samples ``start .. start + big - 1``: each micro-batch's own gradient, read
+    after its backward through the one training step (fp32: no loss scale to undo)."""
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
     total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     k = big // small
     sq_sum = 0.0
     for i in range(k):
         for p in params:
             p.grad = None
-        with autocast():
-            loss = workload.loss_fn(model, source.train(start + i * small, small, device))
-        loss.backward()
-        sq = torch.zeros((), dtype=torch.float64, device=device)
+        trainer.backward(trainer.forward(source.train(start + i * small, small, trainer.device)))
+        sq = torch.zeros((), dtype=torch.float64, device=trainer.device)
         for t, p in zip(total, params):
             if p.grad is not None:
                 g = p.grad.float()
@@ -176,8 +177,7 @@ def gradient_noise_scale(workload: Workload, source: BatchSource, *, small: int,
     ema_g2 = ema_tr = 0.0
     count = repeats if steps == 0 else steps
     for n in range(count):
-        g_small_sq, g_big_sq, mean = measure_once(workload, model, source, n * big, small, big, device,
-                                                  trainer.forward_autocast)
+        g_small_sq, g_big_sq, mean = measure_once(trainer, source, n * big, small, big)
         g2, trace = unbiased(g_small_sq, g_big_sq, small, big)
         ema_g2 = ema_beta * ema_g2 + (1 - ema_beta) * g2
         ema_tr = ema_beta * ema_tr + (1 - ema_beta) * trace
@@ -186,8 +186,7 @@ def gradient_noise_scale(workload: Workload, source: BatchSource, *, small: int,
         if steps:  # train on the big batch: its gradient is the mean of the micro-batches'
             for p, g in zip((p for p in model.parameters() if p.requires_grad), mean):
                 p.grad = g.to(p.dtype)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            trainer.update()
         if (n + 1) % max(1, count // 10) == 0 or n + 1 == count:
             current = measurements[-1].b_simple_ema
             say(f"noise scale: {'step' if steps else 'measurement'} {n + 1}/{count}, "

@@ -1,18 +1,20 @@
 """One training run of a sweep: a batch size, a learning rate, exactly the budget.
 
-A batch larger than what fits runs as ``accumulation_steps`` micro-batches whose losses are
-weighted by their share of the batch, so the summed gradient is the full batch's mean
-gradient (``test_sweep_run`` checks it against one big backward). Every
-``checkpoint_every`` units the model, the optimizer, the step (the schedule is a function of
-it), the data position (samples consumed) and the RNG states go to one file, written whole
-and then renamed, so a ``kill -9`` leaves either the old checkpoint or the new one. A resumed
-run drops the curve points recorded after its checkpoint and recomputes them: on a CPU the
-numbers are the same as a run that was never stopped.
+Each step is ``TrainingStep.step`` (``batchfit.train.step``), the one training step: a batch larger
+than what fits runs as ``accumulation_steps`` micro-batches whose losses are weighted by their
+share of the batch, so the summed gradient is the full batch's mean gradient
+(``test_sweep_run`` checks it against one big backward). fp16-mixed scales the loss with a
+GradScaler; a step the scaler skips (inf/nan gradients, its scale then halves) still consumes
+its batch, as in any fp16 run, and the progress line counts such steps. Every
+``checkpoint_every`` units the model, the optimizer, the GradScaler, the step (the schedule is
+a function of it), the data position (samples consumed) and the RNG states go to one file,
+written whole and then renamed, so a ``kill -9`` leaves either the old checkpoint or the new
+one. A resumed run drops the curve points recorded after its checkpoint and recomputes them:
+on a CPU the numbers are the same as a run that was never stopped.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -74,20 +76,6 @@ def micro_batch_for(batch_size: int, fits: int | None) -> int:
     return max(d for d in range(1, fits + 1) if batch_size % d == 0)
 
 
-def accumulate(workload: Workload, model: torch.nn.Module, micro_batches: list, batch_size: int,
-               autocast: Callable = contextlib.nullcontext) -> float:
-    """Backward over the micro-batches, each loss weighted by its samples over the batch:
-    the gradients sum to the mean-over-samples gradient of the whole batch. Returns the
-    batch's mean loss (a float)."""
-    total = 0.0
-    for size, batch in micro_batches:
-        with autocast():
-            loss = workload.loss_fn(model, batch)
-        (loss * (size / batch_size)).backward()
-        total += loss.item() * size
-    return total / batch_size
-
-
 class Evaluator:
     def __init__(self, workload: Workload, source: BatchSource, micro_batch: int, device: torch.device,
                  autocast: Callable) -> None:
@@ -135,7 +123,7 @@ def train_run(workload: Workload, source: BatchSource, spec: RunSpec, store: Sto
     per_sample, tokens_per_sample = spec.budget.per_sample, spec.budget.tokens_per_sample
     torch.manual_seed(spec.seed)  # the same initial model at every batch size and learning rate
     trainer = TrainingStep(workload, StepOptions(precision=spec.precision), device)
-    model, optimizer = trainer.model, trainer.optimizer
+    model, optimizer, scaler = trainer.model, trainer.optimizer, trainer.scaler
     model.train()
     evaluate = Evaluator(workload, source, spec.eval_batch or micro, device, trainer.forward_autocast)
     path = checkpoint_path(checkpoints, spec.run_id)
@@ -145,6 +133,8 @@ def train_run(workload: Workload, source: BatchSource, spec: RunSpec, store: Sto
         saved = torch.load(path, map_location=device, weights_only=False)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
+        if scaler is not None and "scaler" in saved:
+            scaler.load_state_dict(saved["scaler"])
         state = saved["state"]
         _set_rng_state(saved["rng"])
         store.drop_points_after(spec.run_id, state["step"])
@@ -164,15 +154,12 @@ def train_run(workload: Workload, source: BatchSource, spec: RunSpec, store: Sto
 
     while state["step"] < steps:
         lr = spec.lr * spec.schedule.factor(consumed(state["samples"] + b))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
         pieces = [(micro, source.train(state["samples"] + i * micro, micro, device)) for i in range(b // micro)]
-        loss = accumulate(workload, model, pieces, b, trainer.forward_autocast)
+        result = trainer.step(pieces, b, lr=lr, max_grad_norm=spec.grad_clip or None)
         del pieces
-        if spec.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = result.loss
+        if not result.stepped:  # not an error: the scaler lowered its scale, the next step goes on
+            state["skipped"] = state.get("skipped", 0) + 1
         before = consumed(state["samples"])
         state["step"] += 1
         state["samples"] += b
@@ -190,9 +177,10 @@ def train_run(workload: Workload, source: BatchSource, spec: RunSpec, store: Sto
             store.update_run(spec.run_id, steps_done=state["step"],
                              seconds=state["seconds"] + time.perf_counter() - started)
             say(f"batch {b}, lr {spec.lr:g}: step {state['step']:,}/{steps:,}, "
-                f"train {state['last_train']:.4f}, val {state['last_val']:.4f}")
+                f"train {state['last_train']:.4f}, val {state['last_val']:.4f}"
+                + (f" ({state['skipped']} steps skipped by the fp16 loss scaler)" if state.get("skipped") else ""))
         if after // spec.checkpoint_every > before // spec.checkpoint_every and state["step"] < steps:
-            _save(path, model, optimizer, {**state, "seconds": state["seconds"] + time.perf_counter() - started})
+            _save(path, trainer, {**state, "seconds": state["seconds"] + time.perf_counter() - started})
     seconds = state["seconds"] + time.perf_counter() - started
     store.update_run(spec.run_id, status="done", steps_done=steps, samples=state["samples"],
                      tokens=state["samples"] * tokens_per_sample if tokens_per_sample else None,
@@ -203,10 +191,13 @@ def train_run(workload: Workload, source: BatchSource, spec: RunSpec, store: Sto
     return store.run(spec.run_id)
 
 
-def _save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+def _save(path: Path, trainer: TrainingStep, state: dict) -> None:
     """Write the whole checkpoint to a temporary file, then rename it over the old one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": dict(state),
-                "rng": _rng_state()}, tmp)
+    saved = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(), "state": dict(state),
+             "rng": _rng_state()}
+    if trainer.scaler is not None:
+        saved["scaler"] = trainer.scaler.state_dict()
+    torch.save(saved, tmp)
     os.replace(tmp, path)

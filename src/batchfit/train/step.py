@@ -1,6 +1,28 @@
-"""The training step: the one function the tracer, the probe and the bench all run.
+"""THE training step: every engine that runs a step of a model runs this one.
 
-Only the tensors differ: fake (tracer), capped fake (virtual device), real (CUDA, CPU).
+Who runs it: the tracer (``trace/session.py``: fake tensors, and the virtual device, which
+is the traced step with a capacity), the probe and the bench (``probe/runner.py``,
+``bench.py``, through ``timing.run_timed_steps``: real tensors on CUDA or the CPU), the
+sweep (``sweep/run.py``: :meth:`TrainingStep.step` over the data's micro-batches), the
+noise scale (``sweep/noise.py``: :meth:`~TrainingStep.forward` and
+:meth:`~TrainingStep.backward` per micro-batch, to read each one's gradient) and
+``ElasticStep`` (``elastic.py``: the same two per micro-batch, cut and redone on OOM, over
+a model the user built, :meth:`TrainingStep.around`). Only the tensors (fake, capped fake,
+real) and the watcher differ.
+
+Where things live, all in :class:`TrainingStep`:
+
+- precision: bf16 weights (``move_module``), autocast (:attr:`~TrainingStep.forward_autocast`);
+- accumulation: each micro-batch's loss times its share of the batch before its backward;
+- the GradScaler: built for fp16-mixed on a real CUDA or CPU device (a fake tensor has no
+  value to check for inf, so a traced step never scales), applied in
+  :meth:`~TrainingStep.backward`, unscaled before clipping in :meth:`~TrainingStep.update`,
+  which reports a step it skipped;
+- the optimizer step: :meth:`~TrainingStep.update` (learning rate, clipping, scaler, zeroing),
+  the one place in batchfit that steps an optimizer;
+- activation checkpointing: the policy (``--checkpointing full``) wraps the main blocks
+  here (``_checkpoint_blocks``). Saving a run to resume it is the sweep's (``sweep/run.py``).
+
 Hooks let an engine see where it is in the step (inputs, forward, backward, optimizer)
 without the step knowing who is watching.
 """
@@ -9,8 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -26,7 +49,7 @@ class StepHooks(Protocol):
         """Called as the step enters one of PHASES (or 'idle' when it is done)."""
 
     def before_zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Called after optimizer.step(), while gradients still exist."""
+        """Called after the optimizer stepped, while gradients still exist."""
 
 
 class NoHooks:
@@ -122,6 +145,35 @@ def _apply_freezing(model: nn.Module, options: StepOptions) -> None:
             param.requires_grad_(False)
 
 
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+"""(model, batch) -> the mean loss over the batch's samples: ``Workload.loss_fn``'s contract."""
+
+
+def _is_fake(model: nn.Module) -> bool:
+    """Built on fake tensors (a DTensor: its local shard)?"""
+    param = next(model.parameters(), None)
+    return param is not None and isinstance(getattr(param, "_local_tensor", param), FakeTensor)
+
+
+def _grad_scaler(options: StepOptions, device: torch.device, model: nn.Module) -> torch.amp.GradScaler | None:
+    """fp16-mixed needs loss scaling, or small gradients underflow to 0 in fp16. Real tensors
+    only: the scaler reads found-inf values (``.item()``), which fake tensors do not have, and
+    the traced step stays the step the allocator figures were measured against."""
+    if options.precision != "fp16-mixed" or device.type not in ("cuda", "cpu") or _is_fake(model):
+        return None
+    return torch.amp.GradScaler(device.type)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`TrainingStep.step` did."""
+
+    loss: float
+    """The batch's mean loss over its samples (the micro-batches' losses weighted by their samples)."""
+    stepped: bool
+    """False when the GradScaler found inf/nan gradients and skipped the optimizer step."""
+
+
 class TrainingStep:
     """A model and optimizer built from a Workload, ready to run optimizer steps.
 
@@ -130,11 +182,17 @@ class TrainingStep:
     :attr:`forward_autocast` (see ``trace/session.py``). Nor does it know about distribution:
     ``wrap`` (``batchfit.parallel.step_wrapper``) turns the model into what a multi-GPU run
     trains (DDP, FSDP2) and :attr:`model` is what it returns.
+
+    Three ways to run it: :meth:`run` (``make_batch`` batches, what the tracer, probe and bench
+    time), :meth:`step` (given micro-batches, a learning rate, clipping: the sweep), and the
+    pieces :meth:`forward`, :meth:`backward`, :meth:`update` for a loop that must act
+    between micro-batches (``ElasticStep`` redoes a batch on OOM, the noise scale reads each
+    micro-batch's gradient).
     """
 
     def __init__(self, workload: Workload, options: StepOptions, device: torch.device, *,
                  wrap: Callable[[nn.Module], nn.Module] | None = None) -> None:
-        self.workload = workload
+        self.workload: Workload | None = workload
         self.options = options
         self.device = device
         # Built directly on the target device: a model built on the CPU first would need its
@@ -157,9 +215,9 @@ class TrainingStep:
             raise OptionError("every parameter is frozen: loosen --freeze or --train-only")
         self.optimizer = (build_optimizer(options.optimizer, params) if options.optimizer
                           else workload.build_optimizer(params))
-        self.scaler = None
-        if options.precision == "fp16-mixed" and device.type == "cuda":
-            self.scaler = torch.amp.GradScaler("cuda")
+        self.loss_fn: LossFn = workload.loss_fn
+        self.scaler = _grad_scaler(options, device, self.model)
+        """The GradScaler of a real fp16-mixed step, else None."""
         self.step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         """Entered around each whole step (the tracer's CUDA autocast mirror lives here)."""
         self.forward_autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -168,8 +226,95 @@ class TrainingStep:
             dtype = torch.bfloat16 if options.precision == "bf16-mixed" else torch.float16
             self.forward_autocast = lambda: torch.autocast(device.type, dtype=dtype)
 
+    @classmethod
+    def around(cls, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
+               scaler: torch.amp.GradScaler | None = None) -> TrainingStep:
+        """The step of a model and optimizer the user built (``ElasticStep``): no Workload, so no
+        :meth:`run`; no autocast either (the user's ``loss_fn`` enters its own), and the user's
+        ``scaler`` (or none)."""
+        step = cls.__new__(cls)
+        param = next(model.parameters(), None)
+        step.workload, step.options = None, StepOptions()
+        step.device = param.device if param is not None else torch.device("cpu")
+        step.model, step.optimizer, step.loss_fn, step.scaler = model, optimizer, loss_fn, scaler
+        step.step_context = step.forward_autocast = contextlib.nullcontext
+        return step
+
+    # -- the pieces ------------------------------------------------------------------------
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        """The loss of ``batch`` (a mean over its samples), under the step's autocast."""
+        with self.forward_autocast():
+            return self.loss_fn(self.model, batch)
+
+    def backward(self, loss: torch.Tensor, share: float = 1.0) -> torch.Tensor:
+        """Backward of ``loss x share`` (times the GradScaler's scale when there is one):
+        micro-batches whose shares (samples / batch samples) sum to 1 accumulate the gradient of
+        the batch's mean loss. Returns ``loss x share``, detached."""
+        weighted = loss * share if share != 1 else loss
+        self._backward(weighted)
+        return weighted.detach()
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def update(self, *, lr: float | None = None, max_grad_norm: float | None = None,
+               hooks: StepHooks | None = None) -> bool:
+        """Step the optimizer on the accumulated gradients, then drop them.
+
+        ``lr`` sets every parameter group's learning rate first; ``max_grad_norm`` clips the
+        gradients (unscaled first when a GradScaler scaled them). Returns False when the
+        GradScaler found inf/nan gradients and skipped the step (it lowered its scale; the
+        gradients are dropped all the same): not an error, the next step goes on.
+        """
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        stepped = True
+        if self.scaler is not None:
+            if max_grad_norm is not None:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            stepped = not self.scaler.is_enabled() or self.scaler.get_scale() >= scale  # a skip backs off
+        else:
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+            self.optimizer.step()
+        (hooks or NoHooks()).before_zero_grad(self.model, self.optimizer)
+        # Zeroing right after the step (as nanoGPT does) frees the gradients before the next
+        # forward; zeroing before backward instead would keep them through it.
+        self.optimizer.zero_grad(set_to_none=self.options.set_to_none)
+        return stepped
+
+    # -- whole steps -----------------------------------------------------------------------
+
+    def step(self, micro_batches: Iterable[tuple[int, Any]], batch_size: int, *, lr: float | None = None,
+             max_grad_norm: float | None = None) -> StepResult:
+        """One optimizer step over ``(samples, batch)`` micro-batches that together hold
+        ``batch_size`` samples: each loss weighted by its samples over ``batch_size``, so the
+        gradient is the whole batch's mean-loss gradient however it was cut."""
+        total, seen = 0.0, 0
+        with self.step_context():
+            for samples, batch in micro_batches:
+                loss = self.forward(batch)
+                del batch  # the graph keeps what backward needs
+                self.backward(loss, samples / batch_size)
+                total += loss.item() * samples
+                seen += samples
+                del loss
+            if seen != batch_size:
+                raise ValueError(f"the micro-batches hold {seen} samples, the batch {batch_size}")
+            stepped = self.update(lr=lr, max_grad_norm=max_grad_norm)
+        return StepResult(total / batch_size, stepped)
+
     def run(self, batch_size: int, hooks: StepHooks | None = None) -> torch.Tensor:
-        """One optimizer step over ``accumulation_steps`` micro-batches; returns the last loss."""
+        """One optimizer step over ``accumulation_steps`` micro-batches of ``batch_size`` samples
+        from ``make_batch``; returns the last loss."""
+        if self.workload is None:
+            raise TypeError("TrainingStep.around has no Workload to make batches: use step()")
         with self.step_context():
             return self._run(batch_size, hooks or NoHooks())
 
@@ -185,25 +330,12 @@ class TrainingStep:
                 with torch.no_grad(), forward_autocast():
                     batch = self.workload.generate(self.model, batch)
             hooks.phase("forward")
-            with forward_autocast():
-                loss = self.workload.loss_fn(self.model, batch)
+            loss = self.forward(batch)
             del batch  # the graph keeps what backward needs; let the rest go
             hooks.phase("backward")
-            scaled = loss / accumulation if accumulation > 1 else loss
-            if self.scaler is not None:
-                scaled = self.scaler.scale(scaled)
-            scaled.backward()
-            del scaled
+            self._backward(loss / accumulation if accumulation > 1 else loss)
             loss = loss.detach()
         hooks.phase("optimizer")
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        hooks.before_zero_grad(self.model, self.optimizer)
-        # Zeroing right after the step (as nanoGPT does) frees the gradients before the next
-        # forward; zeroing before backward instead would keep them through it.
-        self.optimizer.zero_grad(set_to_none=self.options.set_to_none)
+        self.update(hooks=hooks)
         hooks.phase("idle")
         return loss
