@@ -112,3 +112,18 @@ def test_bad_input_is_one_line_exit_2_and_the_store_is_untouched(existing, tmp_p
     assert len(errors) == 1 and message in result.output.replace("\n", " "), result.output
     assert "Traceback" not in result.output
     assert digest(store) == before
+
+
+def test_a_sweep_where_every_run_failed_exits_1_and_prints_the_error(tmp_path):
+    # The workload raises at batch size 2; validation runs in pieces of the smallest micro-batch (2),
+    # so both batch sizes fail, before any training step.
+    spec, corpus = write_tiny(tmp_path, fail_at=2), write_corpus(tmp_path / "stories.txt")
+    result = sweep(spec, corpus, tmp_path, "--json", str(tmp_path / "s.json"))
+    assert result.exit_code == 1, result.output
+    output = result.output.replace("\n", " ")
+    assert "error: no run finished: 2 of 2 failed; batch 2, lr 0.0003: error: ValueError: this workload cannot " \
+           "train at batch size 2" in output
+    assert "Traceback" not in result.output
+    data = json.loads((tmp_path / "s.json").read_text())  # the report and the JSON are still written
+    assert [r["status"] for r in data["runs"]] == ["error", "error"]
+    assert (tmp_path / "report" / "report.md").exists()
