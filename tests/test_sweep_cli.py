@@ -155,3 +155,17 @@ def test_noise_with_a_workload_that_raises_is_one_line(tmp_path):
     assert "error: tiny-gpt failed while measuring the noise scale at " in output
     assert "tiny_gpt.py:18: ValueError: this workload cannot train at batch size 2" in output
     assert "BATCHFIT_DEBUG=1" in output
+
+
+@pytest.mark.parametrize("content, message", [
+    (bytes(range(256)) * 64, "is not text (it holds NUL bytes"),
+    (bytes(range(128, 256)) * 128, "is not UTF-8 text (16,384 invalid UTF-8 sequences in its first 16,384 bytes)"),
+], ids=["nul-bytes", "not-utf8"])
+def test_binary_data_is_refused_in_one_line(setup, content, message):
+    spec, corpus, tmp_path = setup
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(content)
+    result = sweep(spec, binary, tmp_path)
+    assert result.exit_code == 2, result.output
+    assert f"error: --data {binary} {message}" in result.output.replace("\n", " ")
+    assert not (tmp_path / "sweep.db").exists()
