@@ -135,3 +135,13 @@ def test_bad_noise_options(small, big, steps, repeats, message):
     with pytest.raises(OptionError, match=message):
         gradient_noise_scale(workload, BatchSource(workload, seed=0), small=small, big=big, steps=steps,
                              repeats=repeats)
+
+
+def test_the_report_names_an_unbounded_interval():
+    from batchfit.report.sweep_markdown import noise_line
+
+    noise = {"b_simple": 12.0, "b_simple_interval": [None, None], "steps": 0, "repeats": 4, "ema_beta": 0.95,
+             "batch_sizes": [2, 8], "seconds": 1.0}
+    assert "B_simple = 12.0 samples (90% interval unbounded" in noise_line(noise)
+    noise["b_simple_interval"] = [3.0, 5.0]
+    assert "B_simple = 12.0 samples (90% interval 3.0 to 5.0), from batch sizes 2 and 8" in noise_line(noise)
