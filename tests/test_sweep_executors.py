@@ -5,6 +5,9 @@ is claimed by exactly one of two sweeps."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,9 +18,9 @@ import torch
 
 from batchfit import load_workload
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
+from batchfit.sweep.budget import Budget, Schedule
 from batchfit.sweep.executors import DevicePool, local_devices, run_pool
 from batchfit.sweep.run import RunSpec
-from batchfit.sweep.budget import Budget, Schedule
 from batchfit.sweep.store import Store
 from tests.test_sweep_helpers import write_corpus, write_tiny
 
@@ -208,9 +211,6 @@ def test_runs_of_a_killed_sweep_are_pending_again(tmp_path):
     with Store(tmp_path / "s.db") as store:
         ids = [s.run_id for s in specs_in(store, 2)]
         assert store.claim(ids[0], "gone-host:1")  # another machine: it may still run
-        import socket
-        import subprocess
-        import sys
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout.strip()
         assert store.claim(ids[1], f"{socket.gethostname()}:{dead}")  # this machine, a process that is gone

@@ -28,7 +28,8 @@ def noise_line(noise: dict) -> str:
     if low is not None and high is not None:
         interval = f" (90% interval {low:,.1f} to {high:,.1f})"
     else:
-        interval = " (90% interval unbounded: |G|^2 is not clearly above 0)" if noise.get("b_simple") is not None else ""
+        unbounded = noise.get("b_simple") is not None
+        interval = " (90% interval unbounded: |G|^2 is not clearly above 0)" if unbounded else ""
     where = (f"at the initial parameters, {noise['repeats']} measurements" if noise["steps"] == 0 else
              f"tracked over {noise['steps']} training steps (figure and interval from the EMA's window, "
              f"EMA {noise['ema_beta']})")

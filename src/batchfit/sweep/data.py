@@ -77,7 +77,8 @@ def _check_is_text(path: Path, raw: bytes) -> None:
     if b"\x00" in sample:
         raise UsageError(f"--data {path} is not text (it holds NUL bytes: binary, or UTF-16): give a UTF-8 "
                          "text file, e.g. --data stories.txt")
-    bad = sample.decode("utf-8", errors="replace").count("\ufffd") - sample.decode("utf-8", errors="ignore").count("\ufffd")
+    text = sample.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - sample.decode("utf-8", errors="ignore").count("\ufffd")  # not counting real U+FFFD
     if sample and bad > max(8, len(sample) // 100):
         raise UsageError(f"--data {path} is not UTF-8 text ({bad:,} invalid UTF-8 sequences in its first "
                          f"{len(sample):,} bytes): give a UTF-8 text file, e.g. --data stories.txt")

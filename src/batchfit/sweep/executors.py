@@ -333,8 +333,9 @@ def run_ray(context: WorkerContext, specs: list[RunSpec], workers: int, address:
                                          finished=time.time())
                     else:
                         store.write_back(back["row"], back["points"])
+                    ended = _ended(store.run(spec.run_id), time.perf_counter() - started)
                     progress(f"run {k}/{len(specs)} ended ({len(specs) - len(refs)}/{len(specs)}): batch "
-                             f"{spec.batch_size}, lr {spec.lr:g} {_ended(store.run(spec.run_id), time.perf_counter() - started)}")
+                             f"{spec.batch_size}, lr {spec.lr:g} {ended}")
     finally:
         if refs:  # interrupted: stop the tasks; their runs are pending again
             for ref in refs:
