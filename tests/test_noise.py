@@ -16,7 +16,7 @@ from torch import nn
 
 from batchfit.errors import OptionError
 from batchfit.sweep.data import BatchSource
-from batchfit.sweep.noise import gradient_noise_scale, ratio_interval, unbiased
+from batchfit.sweep.noise import gradient_noise_scale, ratio_interval, t_quantile, unbiased
 from batchfit.workload import Workload
 
 MU = torch.tensor([3.0, 4.0])
@@ -72,6 +72,11 @@ def test_noise_scale_grows_as_training_approaches_the_minimum():
     assert result.trace == pytest.approx(100.0, rel=0.3)
     assert result.b_simple > 4 * 4.0
     assert result.lr == 0.1
+
+
+@pytest.mark.parametrize("dof, exact", [(1, 6.3138), (2, 2.9200), (3, 2.3534), (4, 2.1318), (9, 1.8331), (30, 1.6973)])
+def test_t_quantile_matches_the_tables(dof, exact):
+    assert t_quantile(0.95, dof) == pytest.approx(exact, rel=3e-3)  # Student t, 95th percentile
 
 
 def test_interval_of_constant_measurements_is_a_point():
