@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from batchfit.errors import OptionError
 from batchfit.sweep.data import BatchSource
-from batchfit.sweep.noise import gradient_noise_scale, ratio_interval, unbiased
+from batchfit.sweep.noise import gradient_noise_scale, ratio_interval, t_quantile, unbiased
 from batchfit.workload import Workload
 
 MU = torch.tensor([3.0, 4.0])
@@ -73,12 +74,63 @@ def test_noise_scale_grows_as_training_approaches_the_minimum():
     assert result.lr == 0.1
 
 
-def test_bootstrap_interval_of_constant_measurements_is_a_point():
+@pytest.mark.parametrize("dof, exact", [(1, 6.3138), (2, 2.9200), (3, 2.3534), (4, 2.1318), (9, 1.8331), (30, 1.6973)])
+def test_t_quantile_matches_the_tables(dof, exact):
+    assert t_quantile(0.95, dof) == pytest.approx(exact, rel=3e-3)  # Student t, 95th percentile
+
+
+def test_interval_of_constant_measurements_is_a_point():
     assert ratio_interval([25.0] * 5, [100.0] * 5) == (4.0, 4.0)
 
 
+def analytic_measurements(rng: np.random.Generator, small: int, big: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """n measurements of (|G|^2, tr(Sigma)) on the quadratic at w = 0, drawn directly: the
+    per-sample gradient is w - x = -x, a micro-batch's gradient the mean over its samples
+    (what measure_once computes with backward, without training anything)."""
+    x = MU.numpy() + STD * rng.standard_normal((n, big // small, small, 2))
+    micro = x.mean(axis=2)
+    g_small_sq = (micro ** 2).sum(-1).mean(-1)
+    g_big_sq = (micro.mean(axis=1) ** 2).sum(-1)
+    return unbiased(g_small_sq, g_big_sq, small, big)
+
+
+@pytest.mark.parametrize("small, big, n", [(2, 8, 10), (4, 32, 8), (4, 32, 32), (8, 64, 100)])
+def test_the_90_percent_interval_covers_the_true_b_simple_about_90_percent_of_the_time(small, big, n):
+    # True B_simple = 100 / 25 = 4. Over 400 seeds, a 90% interval covers it 360 times
+    # give or take 6 (binomial sd): the bootstrap covered 335 (2,8,10) and 333 (4,32,8) times.
+    seeds = 400
+    covered = inside = 0
+    for seed in range(seeds):
+        g2, trace = analytic_measurements(np.random.default_rng(seed), small, big, n)
+        low, high = ratio_interval(g2, trace)
+        covered += low <= 4.0 <= high
+        inside += low <= trace.mean() / g2.mean() <= high
+    assert 0.86 <= covered / seeds <= 0.96
+    assert inside == seeds  # the figure is always inside its own interval
+
+
+def test_the_interval_is_unbounded_when_the_gradient_is_lost_in_noise():
+    # |G|^2 measurements centred on 0: no upper bound on B_simple can be claimed.
+    low, high = ratio_interval([1.0, -1.0, 2.0, -2.0], [100.0, 90.0, 110.0, 100.0])
+    assert (low, high) == (-math.inf, math.inf)
+
+
+def test_while_training_the_figure_and_its_interval_come_from_the_same_window():
+    # Item 19: the figure was the EMA (lagging), its interval a bootstrap of the last window.
+    workload = quadratic()
+    result = gradient_noise_scale(workload, BatchSource(workload, seed=0), small=2, big=16, steps=50, ema_beta=0.9)
+    window = result.measurements[-10:]
+    g2 = sum(m.g2 for m in window) / 10
+    trace = sum(m.trace for m in window) / 10
+    assert result.b_simple == pytest.approx(trace / g2, rel=1e-12)
+    low, high = result.b_simple_interval
+    assert low <= result.b_simple <= high
+    assert any("last 10 steps" in note for note in result.notes)
+
+
 @pytest.mark.parametrize("small, big, steps, repeats, message", [
-    (8, 100, 0, 10, "must be a multiple of the small one"),
+    (8, 100, 0, 10, "must be a multiple of the small one.*--batch-sizes 8,96"),
+    (8, 12, 0, 10, "--batch-sizes 8,16"),  # it suggested 8,8, which it then refused
     (8, 8, 0, 10, "small then big"),
     (8, 64, 0, 1, "--repeats 2 or more"),
     (8, 64, -1, 10, "--steps must be 0"),
@@ -88,3 +140,13 @@ def test_bad_noise_options(small, big, steps, repeats, message):
     with pytest.raises(OptionError, match=message):
         gradient_noise_scale(workload, BatchSource(workload, seed=0), small=small, big=big, steps=steps,
                              repeats=repeats)
+
+
+def test_the_report_names_an_unbounded_interval():
+    from batchfit.report.sweep_markdown import noise_line
+
+    noise = {"b_simple": 12.0, "b_simple_interval": [None, None], "steps": 0, "repeats": 4, "ema_beta": 0.95,
+             "batch_sizes": [2, 8], "seconds": 1.0}
+    assert "B_simple = 12.0 samples (90% interval unbounded" in noise_line(noise)
+    noise["b_simple_interval"] = [3.0, 5.0]
+    assert "B_simple = 12.0 samples (90% interval 3.0 to 5.0), from batch sizes 2 and 8" in noise_line(noise)

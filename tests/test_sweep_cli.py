@@ -112,3 +112,60 @@ def test_bad_input_is_one_line_exit_2_and_the_store_is_untouched(existing, tmp_p
     assert len(errors) == 1 and message in result.output.replace("\n", " "), result.output
     assert "Traceback" not in result.output
     assert digest(store) == before
+
+
+def test_a_sweep_where_every_run_failed_exits_1_and_prints_the_error(tmp_path):
+    # The workload raises at batch size 2; validation runs in pieces of the smallest micro-batch (2),
+    # so both batch sizes fail, before any training step.
+    spec, corpus = write_tiny(tmp_path, fail_at=2), write_corpus(tmp_path / "stories.txt")
+    result = sweep(spec, corpus, tmp_path, "--json", str(tmp_path / "s.json"))
+    assert result.exit_code == 1, result.output
+    output = result.output.replace("\n", " ")
+    assert "error: no run finished: 2 of 2 failed; batch 2, lr 0.0003: error: ValueError: this workload cannot " \
+           "train at batch size 2" in output
+    assert "Traceback" not in result.output
+    data = json.loads((tmp_path / "s.json").read_text())  # the report and the JSON are still written
+    assert [r["status"] for r in data["runs"]] == ["error", "error"]
+    assert (tmp_path / "report" / "report.md").exists()
+
+
+def noise(spec, corpus, tmp_path, *extra):
+    return runner.invoke(app, ["noise", spec, "--data", str(corpus), "--tokenizer", "bytes", "--batch-sizes", "2,8",
+                               "--steps", "0", "--repeats", "2", "--cache-dir", str(tmp_path / "cache"),
+                               "--out", str(tmp_path / "noise"), *extra])
+
+
+def test_noise_takes_gpu_as_every_command_does(setup):
+    # --gpu: the micro-batch of the small size must fit that GPU (traced); the gradients are real (CPU here).
+    spec, corpus, tmp_path = setup
+    result = noise(spec, corpus, tmp_path, "--gpu", "t4-16gb", "--json", str(tmp_path / "n.json"))
+    assert result.exit_code == 0, result.output
+    assert len(json.loads((tmp_path / "n.json").read_text())["measurements"]) == 2
+    result = noise(spec, corpus, tmp_path, "--gpu-memory", "577MiB")  # 1 MiB after the CUDA context and cuBLAS
+    assert result.exit_code == 2, result.output
+    assert "error: not even one sample fits" in result.output and "Traceback" not in result.output
+
+
+def test_noise_with_a_workload_that_raises_is_one_line(tmp_path):
+    spec, corpus = write_tiny(tmp_path, fail_at=2), write_corpus(tmp_path / "stories.txt")
+    result = noise(spec, corpus, tmp_path, "--device", "cpu")
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    output = result.output.replace("\n", " ")
+    assert "error: tiny-gpt failed while measuring the noise scale at " in output
+    assert "tiny_gpt.py:18: ValueError: this workload cannot train at batch size 2" in output
+    assert "BATCHFIT_DEBUG=1" in output
+
+
+@pytest.mark.parametrize("content, message", [
+    (bytes(range(256)) * 64, "is not text (it holds NUL bytes"),
+    (bytes(range(128, 256)) * 128, "is not UTF-8 text (16,384 invalid UTF-8 sequences in its first 16,384 bytes)"),
+], ids=["nul-bytes", "not-utf8"])
+def test_binary_data_is_refused_in_one_line(setup, content, message):
+    spec, corpus, tmp_path = setup
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(content)
+    result = sweep(spec, binary, tmp_path)
+    assert result.exit_code == 2, result.output
+    assert f"error: --data {binary} {message}" in result.output.replace("\n", " ")
+    assert not (tmp_path / "sweep.db").exists()

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.markup import escape
 
-from batchfit.cli.common import (DeviceOpt, JsonOpt, ModelArg, SeqLenOpt, check_outputs, handle_errors, out_option,
-                                 parse_batch_sizes, progress_line, quiet_if_stdout, report_folder, write_json)
-from batchfit.cli.sweep import CacheDirOpt, DataOpt, SeedOpt, TokenizerOpt, ValFractionOpt, needs_data
-from batchfit.errors import OptionError, UsageError
+from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg, SeqLenOpt, check_outputs,
+                                 handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
+                                 report_folder, write_json)
+from batchfit.cli.sweep import CacheDirOpt, DataOpt, SeedOpt, TokenizerOpt, ValFractionOpt, needs_data, sweep_target
+from batchfit.errors import BatchfitError, OptionError, UsageError
 from batchfit.specs import load_workload
-from batchfit.targets import Target, parse_target
+from batchfit.targets import Target
 from batchfit.workload import StepOptions
 
 EXAMPLES = """
@@ -40,6 +42,8 @@ def noise_command(
     seq_len: SeqLenOpt = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = None,
+    gpu: GpuOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     cache_dir: CacheDirOpt = None,
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, noise.json")] = None,
@@ -50,6 +54,8 @@ def noise_command(
     tr(Sigma); their averages over --repeats measurements (or an EMA over --steps training
     steps) give B_simple, a prediction of the batch size beyond which bigger batches stop
     paying for themselves. Minutes instead of a sweep's hours; a prediction, not a training run.
+    The gradients are real: they are computed on the GPU here (--device cuda) or the CPU; --gpu
+    / --gpu-memory (traced) check that a micro-batch of the small size fits that GPU.
     """
     from batchfit.report.sweep_markdown import write_noise_report
     from batchfit.sweep.data import BatchSource, lm_format, tokenize
@@ -61,10 +67,7 @@ def noise_command(
         raise OptionError(f"--batch-sizes takes two sizes for noise, small then big, e.g. 8,128; got {batch_sizes}")
     import torch  # here: --help does not load it
 
-    where = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = parse_target(where)
-    if target.kind == "virtual":
-        raise OptionError("the noise scale needs real gradients: use --device cpu or --device cuda")
+    target, train_on = sweep_target(gpu, gpu_memory, device)
     workload = load_workload(model, seq_len=seq_len)
     tokens = None
     if data is not None:
@@ -79,8 +82,16 @@ def noise_command(
             tokens = tokenize(data, tokenizer=tokenizer, vocab_size=fmt.vocab_size, val_fraction=val_fraction,
                               cache_dir=cache_dir, progress=say)
         source = BatchSource(workload, seed=seed, tokens=tokens)
-        result = gradient_noise_scale(workload, source, small=sizes[0], big=sizes[1], steps=steps, repeats=repeats,
-                                      ema_beta=ema, lr=lr, seed=seed, device=target.torch_device, progress=say)
+        if target.device is not None and target.kind != "cuda":
+            _check_fits(workload, target, sizes[0], say)
+        try:
+            result = gradient_noise_scale(workload, source, small=sizes[0], big=sizes[1], steps=steps,
+                                          repeats=repeats, ema_beta=ema, lr=lr, seed=seed,
+                                          device=torch.device(train_on), progress=say)
+        except BatchfitError:
+            raise
+        except Exception as error:  # the workload's own code (or the device) failed: one line, as elsewhere
+            raise _failed(workload.name, sizes[0], train_on, error) from error
     data_json = result.to_json()
     folder = report_folder(out, "noise", workload.name, Target(target.kind, None, target.spec), StepOptions(), seq_len)
     paths = write_noise_report(data_json, folder)
@@ -88,9 +99,36 @@ def noise_command(
     console = quiet_if_stdout(json_path)
     low, high = data_json["b_simple_interval"]
     if data_json["b_simple"] is not None:
-        interval = f" (90% interval {low:,.1f} to {high:,.1f})" if low is not None and high is not None else ""
+        interval = (f" (90% interval {low:,.1f} to {high:,.1f})" if low is not None and high is not None
+                    else " (90% interval unbounded: see the note)")
         console.print(f"[bold green]B_simple = {data_json['b_simple']:,.1f} samples[/]{interval}: the predicted "
                       f"critical batch size")
     for note in result.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
     console.print(f"report: {paths['md']}", soft_wrap=True)
+
+
+def _check_fits(workload, target: Target, small: int, say) -> None:
+    """--gpu / --gpu-memory: the measurement runs micro-batches of the small size; refuse one
+    that would not fit that GPU (traced), before any gradient is computed."""
+    from batchfit.estimator.engine import estimate
+
+    say(f"checking that batch {small} fits {target.device.display_name} (traced)")
+    fits = estimate(workload, device=target.device, max_batch=small, suggest=False).max_batch_size
+    if not fits:
+        raise OptionError(f"not even one sample fits {target.device.display_name} (traced): the noise scale needs "
+                          "a micro-batch on it; give a GPU with more memory (--gpu, --gpu-memory)")
+    if fits < small:
+        raise OptionError(f"a micro-batch of {small} does not fit {target.device.display_name} (traced: the largest "
+                          f"is {fits}): give a smaller small batch size, e.g. --batch-sizes {fits},{fits * 16}")
+
+
+def _failed(name: str, small: int, device: str, error: Exception) -> BatchfitError:
+    from batchfit.train.oom import classify, describe
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/batchfit/" not in f.filename.replace("\\", "/")]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    if classify(error) == "oom":
+        return BatchfitError(f"out of memory on {device} at micro-batch {small} while measuring the noise scale of "
+                             f"{name}: give a smaller small batch size (--batch-sizes)")
+    return BatchfitError(f"{name} failed while measuring the noise scale{where}: {describe(error)}")

@@ -12,7 +12,7 @@ from rich.table import Table
 from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg, PrecisionOpt, SeqLenOpt,
                                  check_outputs, command_target, flag, handle_errors, out_option, parse_batch_sizes,
                                  progress_line, quiet_if_stdout, report_folder, warn_about_precision, write_json)
-from batchfit.errors import OptionError
+from batchfit.errors import BatchfitError, OptionError
 from batchfit.specs import load_workload
 from batchfit.sweep.budget import parse_count, parse_lrs
 from batchfit.targets import Target
@@ -138,6 +138,16 @@ def sweep_command(
     paths = write_sweep_report(result, folder)
     write_json(json_path, result.to_json())
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
+    _fail_if_nothing_finished(result)
+
+
+def _fail_if_nothing_finished(result) -> None:
+    """Every run failed: the report and JSON say how, and the exit code says it too (1)."""
+    failed = [r for r in result.runs if r["status"] in ("oom", "error")]
+    if failed and not any(r["status"] == "done" for r in result.runs):
+        first = failed[0]
+        raise BatchfitError(f"no run finished: {len(failed)} of {len(result.runs)} failed; batch "
+                            f"{first['batch_size']}, lr {first['lr']:.3g}: {first['status']}: {first['error']}")
 
 
 def _with_noise(plan, say, repeats: int, save_noise, read_result):

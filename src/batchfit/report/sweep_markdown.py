@@ -25,9 +25,14 @@ STATUS = {"done": "✓ done", "oom": "✗ oom", "error": "✗ error", "running":
 
 def noise_line(noise: dict) -> str:
     low, high = noise.get("b_simple_interval") or [None, None]
-    interval = f" (90% interval {low:,.1f} to {high:,.1f})" if low is not None and high is not None else ""
+    if low is not None and high is not None:
+        interval = f" (90% interval {low:,.1f} to {high:,.1f})"
+    else:
+        unbounded = noise.get("b_simple") is not None
+        interval = " (90% interval unbounded: |G|^2 is not clearly above 0)" if unbounded else ""
     where = (f"at the initial parameters, {noise['repeats']} measurements" if noise["steps"] == 0 else
-             f"tracked over {noise['steps']} training steps (EMA {noise['ema_beta']})")
+             f"tracked over {noise['steps']} training steps (figure and interval from the EMA's window, "
+             f"EMA {noise['ema_beta']})")
     value = f"{noise['b_simple']:,.1f}" if noise.get("b_simple") is not None else "not positive (buried in noise)"
     return (f"gradient noise scale B_simple = {value} samples{interval}, from batch sizes "
             f"{noise['batch_sizes'][0]} and {noise['batch_sizes'][1]} {where}, {noise['seconds']:.0f} s")

@@ -44,7 +44,8 @@ def loss_vs_batch_plot(result, path: Path) -> None:
     budget = result.budget
     ax.set_title(f"{result.workload}: {budget.get('total', 0):,} {budget.get('unit', 'tokens')} per run", fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no finished run: no line to name
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -68,6 +69,7 @@ def curves_plot(result, path: Path) -> None:
     ax.set_ylabel("validation loss")
     ax.set_title(f"{result.workload}: validation loss per batch size", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path)

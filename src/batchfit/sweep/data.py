@@ -65,7 +65,23 @@ def _read_file(path: Path) -> list[str]:
         if "text" not in table.column_names:
             raise UsageError(f"{path} has no 'text' column (columns: {', '.join(table.column_names)})")
         return [t for t in table.column("text").to_pylist() if t]
-    return [path.read_text(encoding="utf-8", errors="replace")]
+    raw = path.read_bytes()
+    _check_is_text(path, raw)
+    return [raw.decode("utf-8", errors="replace")]
+
+
+def _check_is_text(path: Path, raw: bytes) -> None:
+    """Refuse a file that is clearly not UTF-8 text (random bytes, an archive, a model file,
+    UTF-16): it would tokenize into noise, silently. A few stray bytes are replaced."""
+    sample = raw[: 1 << 20]
+    if b"\x00" in sample:
+        raise UsageError(f"--data {path} is not text (it holds NUL bytes: binary, or UTF-16): give a UTF-8 "
+                         "text file, e.g. --data stories.txt")
+    text = sample.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - sample.decode("utf-8", errors="ignore").count("\ufffd")  # not counting real U+FFFD
+    if sample and bad > max(8, len(sample) // 100):
+        raise UsageError(f"--data {path} is not UTF-8 text ({bad:,} invalid UTF-8 sequences in its first "
+                         f"{len(sample):,} bytes): give a UTF-8 text file, e.g. --data stories.txt")
 
 
 def _fingerprint(paths: list[Path]) -> str:

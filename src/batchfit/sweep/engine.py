@@ -208,6 +208,9 @@ def run_sweep(plan: Plan, progress: Callable[[str], None] | None = None) -> Swee
                                          "notes": plan.notes, "fits": plan.fits,
                                          "schedule": plan.schedule.to_json(), "workload": plan.workload.name,
                                          "description": plan.workload.description})
+        stale = store.reclaim_stale()
+        if stale:
+            say(f"{len(stale)} run(s) left running by a sweep that stopped are pending again")
         specs = []
         eval_batch = min([m for m in plan.micro_batches.values() if m] or [1])
         for b in config.batch_sizes:

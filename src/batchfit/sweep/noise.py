@@ -19,16 +19,25 @@ many measurements (an exponential moving average over training steps) before div
 Here one measurement is one big batch of B_big samples made of k = B_big / B_small
 micro-batches of B_small: |G_small|^2 is the mean of the k micro-batch gradients' squared
 norms (each is an unbiased sample of it) and G_big is their mean, so one big batch costs
-one forward and backward per sample. The interval is a bootstrap of the ratio of the means
-(measurements resampled with replacement, its 5th and 95th percentiles).
+one forward and backward per sample.
+
+B_simple is the ratio of the two means over the measurements it is computed from (all of them
+at ``--steps 0``; the last 1 / (1 - ema) while training), and its 90% interval is Fieller's
+interval for that same ratio of means: it accounts for the variance of both means and for
+their covariance (one measurement gives both estimates, from the same gradients), uses a
+Student t quantile for the few measurements of a short run, and always contains the figure it
+qualifies. ``tests/test_noise.py`` checks its coverage on a problem whose B_simple is known:
+about 90% over many seeds, where the percentile bootstrap this replaced covered 79-84% with 5
+to 10 measurements.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,18 +58,57 @@ def unbiased(g_small_sq: float, g_big_sq: float, b_small: int, b_big: int) -> tu
     return g2, trace
 
 
-def ratio_interval(g2: list[float], trace: list[float], *, resamples: int = 1000,
-                   seed: int = 0) -> tuple[float, float]:
-    """5th-95th percentile of mean(trace) / mean(g2) over bootstrap resamples."""
-    g2_a, tr_a = np.asarray(g2), np.asarray(trace)
-    if len(g2_a) < 2:
+def t_quantile(p: float, dof: int) -> float:
+    """Student's t quantile, no scipy: exact for 1 and 2 degrees of freedom, else the
+    Cornish-Fisher expansion around the normal quantile (within 0.3% from 3 degrees)."""
+    if dof <= 1:
+        return math.tan(math.pi * (p - 0.5))
+    if dof == 2:
+        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+    z = NormalDist().inv_cdf(p)
+    v = dof
+    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3))
+
+
+def ratio_interval(g2: Sequence[float], trace: Sequence[float], *, level: float = 0.9) -> tuple[float, float]:
+    """Fieller's ``level`` interval for mean(trace) / mean(g2), the B_simple of these measurements.
+
+    The ratios r with (T - r G)^2 <= t^2 Var(T - r G), T and G the two means, Var from the
+    measurements' sample (co)variances over n: a quadratic in r. Its roots bound the interval
+    when G is clearly above 0 (a > 0); otherwise the data cannot bound B_simple from above and
+    the interval is unbounded, (-inf, inf). The point estimate T / G always lies inside.
+    """
+    g2_a, tr_a = np.asarray(g2, dtype=float), np.asarray(trace, dtype=float)
+    n = len(g2_a)
+    if n < 2:
         return (math.nan, math.nan)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(g2_a), size=(resamples, len(g2_a)))
-    means_g2, means_tr = g2_a[picks].mean(axis=1), tr_a[picks].mean(axis=1)
-    ratios = np.sort(np.where(means_g2 > 0, means_tr / np.where(means_g2 > 0, means_g2, 1), np.inf))
-    # order statistics, not interpolation: a resample whose |G|^2 is not positive counts as infinite
-    return float(ratios[int(0.05 * (resamples - 1))]), float(ratios[int(round(0.95 * (resamples - 1)))])
+    mean_g, mean_t = float(g2_a.mean()), float(tr_a.mean())
+    var_t, var_g = float(tr_a.var(ddof=1)) / n, float(g2_a.var(ddof=1)) / n
+    cov_tg = float(((tr_a - mean_t) * (g2_a - mean_g)).sum()) / (n - 1) / n
+    q = t_quantile(0.5 + level / 2, n - 1) ** 2
+    a = mean_g * mean_g - q * var_g
+    b = mean_t * mean_g - q * cov_tg
+    c = mean_t * mean_t - q * var_t
+    if a <= 0:
+        return (-math.inf, math.inf)
+    root = math.sqrt(max(b * b - a * c, 0.0))  # >= 0 whenever a > 0 (Cauchy-Schwarz)
+    return ((b - root) / a, (b + root) / a)
+
+
+def summarize(measurements: Sequence[Measurement], steps: int, ema_beta: float
+              ) -> tuple[float, tuple[float, float], float, float, list[Measurement]]:
+    """(B_simple, its 90% interval, |G|^2, tr(Sigma), the measurements they come from): one
+    estimator for the figure and its interval, over the same measurements (at ``steps=0`` all
+    of them; while training, the EMA's effective window, the last 1 / (1 - beta) steps)."""
+    if steps == 0:
+        window = list(measurements)
+    else:
+        window = list(measurements[-max(2, round(1 / (1 - ema_beta))):])
+    g2 = float(np.mean([m.g2 for m in window]))
+    trace = float(np.mean([m.trace for m in window]))
+    b_simple = trace / g2 if g2 > 0 else math.inf
+    return b_simple, ratio_interval([m.g2 for m in window], [m.trace for m in window]), g2, trace, window
 
 
 @dataclass
@@ -119,7 +167,7 @@ def _check(small: int, big: int, steps: int, repeats: int, ema_beta: float) -> N
         raise OptionError(f"--batch-sizes for noise are two sizes, small then big, e.g. 8,128; got {small},{big}")
     if big % small:
         raise OptionError(f"the big batch ({big}) must be a multiple of the small one ({small}): it is made of "
-                          f"micro-batches of {small}; e.g. --batch-sizes {small},{big // small * small or small * 2}")
+                          f"micro-batches of {small}; e.g. --batch-sizes {small},{max(2, round(big / small)) * small}")
     if steps < 0:
         raise OptionError(f"--steps must be 0 (at the initial parameters) or more, got {steps}")
     if steps == 0 and repeats < 2:
@@ -191,21 +239,16 @@ def gradient_noise_scale(workload: Workload, source: BatchSource, *, small: int,
             current = measurements[-1].b_simple_ema
             say(f"noise scale: {'step' if steps else 'measurement'} {n + 1}/{count}, "
                 f"B_simple {current:,.1f}" if current else f"noise scale: {n + 1}/{count}")
-    if steps == 0:
-        window = measurements
-    else:  # the EMA's effective window: the last 1 / (1 - beta) steps
-        window = measurements[-max(2, round(1 / (1 - ema_beta))):]
-    g2_mean = float(np.mean([m.g2 for m in window]))
-    tr_mean = float(np.mean([m.trace for m in window]))
-    g2_final, tr_final = (g2_mean, tr_mean) if steps == 0 else (ema_g2, ema_tr)
+    b, interval, g2_final, tr_final, window = summarize(measurements, steps, ema_beta)
     notes = []
+    if steps:
+        notes.append(f"B_simple and its interval are from the last {len(window)} steps (the EMA's window)")
     if g2_final <= 0:
-        b = math.inf
         notes.append("the estimated |G|^2 is not positive: the gradient is buried in noise at these sizes; "
                      "raise --repeats or the big batch size")
-    else:
-        b = tr_final / g2_final
-    interval = ratio_interval([m.g2 for m in window], [m.trace for m in window], seed=seed)
+    elif not math.isfinite(interval[1]):
+        notes.append("the 90% interval is unbounded above: |G|^2 is not clearly above 0 at these sizes; "
+                     "raise --repeats or the big batch size")
     if source.kind == "synthetic":
         notes.append("batches come from make_batch (synthetic data): the noise scale is that of random data")
     return NoiseResult(workload=workload.name, small=small, big=big, steps=steps, repeats=repeats if steps == 0 else 1,

@@ -102,8 +102,9 @@ class SweepResult:
 
 
 def read_result(path: Path | str, *, seconds: float = 0.0, target_loss: float | None = None) -> SweepResult:
-    """The result of the sweep in the store at ``path`` (finished or not)."""
-    with Store(path) as store:
+    """The result of the sweep in the store at ``path`` (finished or not); a path that holds no
+    sweep store raises OptionError (it is never created)."""
+    with Store(path, create=False) as store:
         runs = store.runs()
         for run in runs:
             run["curve"] = {"val": store.curve(run["id"], "val"), "train": store.curve(run["id"], "train")}
@@ -117,5 +118,5 @@ def read_result(path: Path | str, *, seconds: float = 0.0, target_loss: float | 
 
 def save_noise(path: Path | str, noise: dict) -> None:
     """Keep a noise-scale result beside the sweep (shown in its report)."""
-    with Store(path) as store:
+    with Store(path, create=False) as store:
         store.set_config(store.meta("config") or {}, {"noise": noise})
