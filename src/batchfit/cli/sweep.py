@@ -128,7 +128,8 @@ def sweep_command(
         raise OptionError("--noise-repeats must be 2 or more, e.g. 32")
     workload = load_workload(model, seq_len=seq_len)
     with progress_line() as say:
-        plan = plan_sweep(config, workload, fit_device=target.device, progress=say)
+        plan = plan_sweep(config, workload, largest_fitting=_largest_fitting(workload, target, config),
+                          fit_device=target.device, progress=say)
         result = run_sweep(plan, progress=say)
         if noise:
             result = _with_noise(plan, say, noise_repeats, save_noise, read_result) or result
@@ -197,3 +198,18 @@ def _print_summary(result, console, report_path: Path) -> None:
     if result.noise and result.noise.get("b_simple") is not None:
         console.print(f"predicted critical batch (noise scale B_simple): {result.noise['b_simple']:,.1f}")
     console.print(f"report: {report_path}", soft_wrap=True)
+
+
+def _largest_fitting(workload, target, config):
+    """The estimator's traced answer for the GPU the sweep's micro-batches must fit (None: no GPU named)."""
+    if target.device is None:
+        return None
+
+    def largest(max_batch: int) -> int:
+        from batchfit.estimator.engine import estimate
+        from batchfit.workload import StepOptions
+
+        return estimate(workload, device=target.device, options=StepOptions(precision=config.precision),
+                        max_batch=max_batch, suggest=False).max_batch_size
+
+    return largest

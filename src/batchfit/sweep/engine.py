@@ -141,9 +141,13 @@ def default_lr(workload: Workload) -> float:
     return float(workload.build_optimizer(params).param_groups[0]["lr"])
 
 
-def plan_sweep(config: SweepConfig, workload: Workload, *, fit_device: Device | None = None,
-               progress: Callable[[str], None] | None = None) -> Plan:
-    """Validate and plan, touching nothing on disk but the token cache; raises UsageError."""
+def plan_sweep(config: SweepConfig, workload: Workload, *, largest_fitting: Callable[[int], int] | None = None,
+               fit_device: Device | None = None, progress: Callable[[str], None] | None = None) -> Plan:
+    """Validate and plan, touching nothing on disk but the token cache; raises UsageError.
+
+    ``largest_fitting(max_batch)`` is the largest batch that fits ``fit_device`` (the caller's:
+    ``batchfit sweep`` passes the estimator's traced answer; an engine never calls another),
+    asked only once everything else has been checked."""
     say = progress or (lambda message: None)
     if config.data is None and config.require_data and lm_format(workload) is not None:
         raise UsageError(f"{workload.name} is a language model: give --data (a text file, a folder of "
@@ -172,13 +176,9 @@ def plan_sweep(config: SweepConfig, workload: Workload, *, fit_device: Device | 
     identity = config.identity(tokens.key if tokens else None, kind)
     check_store(config.store, identity, resume=config.resume)
     fits = None
-    if fit_device is not None:
-        from batchfit.estimator.engine import estimate
-        from batchfit.workload import StepOptions
-
+    if largest_fitting is not None and fit_device is not None:
         say(f"sizing the micro-batch for {fit_device.display_name} (traced)")
-        fits = estimate(workload, device=fit_device, options=StepOptions(precision=config.precision),
-                        max_batch=max(config.batch_sizes), suggest=False).max_batch_size
+        fits = largest_fitting(max(config.batch_sizes))
     micro = {b: micro_batch_for(b, fits) for b in config.batch_sizes}
     notes = [f"batch {b} runs as {b // m} accumulated micro-batches of {m} (largest that fits: {fits})"
              for b, m in micro.items() if m and m < b]
