@@ -1,0 +1,70 @@
+"""The layering of docs/architecture.md, pinned: each layer imports only the layers below it,
+and no engine imports another (what two engines share moves down)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent.parent / "src" / "batchfit"
+LAYERS = [  # bottom to top
+    {"errors", "phases", "tiers", "devices", "workload", "search", "targets", "specs", "zoo"},
+    {"train"},
+    {"trace"},
+    {"distributed", "parallel"},
+    {"estimator", "probe", "bench", "plan", "sweep"},
+    {"report"},
+    {"integrations", "lightning", "transformers"},
+    {"cli", "__init__"},
+]
+ENGINES = LAYERS[4]
+
+
+def layer_of(part: str) -> int:
+    return next(i for i, names in enumerate(LAYERS) if part in names)
+
+
+def imports(path: Path) -> set[str]:
+    """The first part of every ``batchfit.<part>`` this file imports, lazily or not."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names if node.module == "batchfit"]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "batchfit" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def modules() -> list[tuple[str, Path]]:
+    return [(path.relative_to(PACKAGE).parts[0].removesuffix(".py"), path) for path in PACKAGE.rglob("*.py")]
+
+
+def test_every_module_has_a_layer():
+    assert {part for part, _ in modules()} <= set().union(*LAYERS)
+
+
+def test_each_layer_imports_only_layers_below_it():
+    wrong = [f"{path.relative_to(PACKAGE)} imports batchfit.{other}"
+             for part, path in modules() for other in imports(path)
+             if other in set().union(*LAYERS) and layer_of(other) > layer_of(part)]
+    assert wrong == []
+
+
+def test_no_engine_imports_another():
+    wrong = [f"{path.relative_to(PACKAGE)} imports batchfit.{other}"
+             for part, path in modules() if part in ENGINES
+             for other in imports(path) if other in ENGINES and other != part]
+    assert wrong == []
+
+
+def test_one_optimizer_step_call_site():
+    calls = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for _, path in modules()
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step"
+             and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "optimizer"]
+    assert calls == ["train/step.py:" + calls[0].split(":")[1]] if calls else False
