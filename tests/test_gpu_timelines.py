@@ -43,7 +43,8 @@ def _gpu_blocks(timeline: dict, n_blocks: int) -> list[tuple[int, int]]:
     for b in range(n_blocks):
         start = first + b * per_block
         chunk = events[start:start + per_block]
-        assert [(e["action"], e["bytes"]) for e in chunk] == [(e["action"], e["bytes"]) for e in events[first:first + per_block]]
+        same = [(e["action"], e["bytes"]) for e in events[first:first + per_block]]
+        assert [(e["action"], e["bytes"]) for e in chunk] == same, f"block {b} differs from block 0"
         allocated = kept = 0
         for i, e in enumerate(chunk):
             if e["action"] != "alloc":
