@@ -12,6 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from batchfit.specs import load_workload
 from batchfit.trace import cuda_autocast
 from batchfit.trace.cuda_attention import CudaAttention
+from batchfit.trace.cuda_norm import CudaRmsNorm
+from batchfit.trace.memory import MemoryTracker
 from batchfit.trace.cuda_autocast import (
     BCE_BANNED_MESSAGE,
     CudaAutocast,
@@ -182,3 +184,110 @@ def test_checkpointing_recomputes_under_the_same_table():
     plain = TraceSession(work, StepOptions(precision="bf16-mixed")).trace(64).snapshot
     ckpt = TraceSession(work, StepOptions(precision="bf16-mixed", checkpointing="full")).trace(64).snapshot
     assert ckpt.breakdown["activations"] < plain.breakdown["activations"]
+
+
+def _allocated_by(fn):
+    """(op, shape, dtype) of every storage a call allocates on fake tensors, as the tracer counts them."""
+    tracker = MemoryTracker(round_bytes=1)
+    with tracker:
+        out = fn()
+    return out, [(r.op, r.shape, r.dtype) for r in tracker._window]
+
+
+def test_rms_norm_allocates_and_saves_what_cudas_fused_kernel_does():
+    """aten::_fused_rms_norm on CUDA (gpt-tinystories-22m, fp32, batch 32: the H100 timeline's
+    16,777,216 B output + 32,768 B rstd at transformer.py:98): the output and an fp32 rstd per
+    row; autograd keeps input, rstd and weight, not the composite's x * rstd."""
+    with FakeTensorMode(), CudaRmsNorm():
+        x = torch.empty(32, 256, 512, requires_grad=True)
+        norm = torch.nn.RMSNorm(512)
+        tracker = MemoryTracker(round_bytes=1)
+        with tracker:
+            y, saved = _saved_by(lambda: norm(x))
+        assert [(r.shape, r.dtype, r.nbytes) for r in tracker._window] == [
+            ((32, 256, 512), "float32", 16_777_216), ((32, 256, 1), "float32", 32_768)]
+        assert [(tuple(s.shape), s.dtype) for s in saved] == [
+            ((32, 256, 512), torch.float32), ((32, 256, 1), torch.float32), ((512,), torch.float32)]
+        assert saved[0] is x and saved[2] is norm.weight
+        with tracker:
+            y.sum().backward()
+        grads = [(r.op, r.shape) for r in tracker._window if r.op == "_fused_rms_norm_backward"]
+        assert grads == [("_fused_rms_norm_backward", (32, 256, 512)), ("_fused_rms_norm_backward", (512,))]
+
+
+def test_rms_norm_mirror_computes_what_rms_norm_computes():
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    probe = torch.arange(8.0, dtype=torch.float64)
+    expected = F.rms_norm(x, [8], w, 1e-5)
+    expected_grads = torch.autograd.grad((expected * probe).sum(), (x, w))
+    with CudaRmsNorm():
+        out = F.rms_norm(x, [8], w, 1e-5)
+        grads = torch.autograd.grad((out * probe).sum(), (x, w))
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grads, expected_grads)
+
+
+def test_rms_norm_runs_in_fp32_under_bf16_autocast_as_on_cuda():
+    """llama-1b bf16-mixed b8 on the H100: a 134,217,728 B fp32 output + 65,536 B rstd per norm."""
+    with FakeTensorMode(), CudaAutocast(torch.bfloat16) as mirror, mirror.forward(), CudaRmsNorm():
+        x = torch.empty(8, 2048, 2048, dtype=torch.bfloat16)
+        y, allocated = _allocated_by(lambda: F.rms_norm(x, [2048], torch.empty(2048)))
+    assert y.dtype == torch.float32
+    assert [a for a in allocated if a[0] == "cuda_fused_rms_norm"] == [
+        ("cuda_fused_rms_norm", (8, 2048, 2048), "float32"), ("cuda_fused_rms_norm", (8, 2048, 1), "float32")]
+
+
+def test_rms_norm_weight_gradient_takes_cudas_partial_sums_for_many_rows():
+    """M = 1504 x 256 rows of N = 512 (gpt-tinystories-22m b1504): LaunchGammaBetaBackwardCUDAKernel
+    sums [min(32768 / 16, M / 32) = 2048, 512] partials (the H100 timeline's 4,194,304 B) into a new
+    2,048 B grad_weight; at M = 8192 (b32) it writes grad_weight directly (the timeline: none)."""
+    for rows, partials in ((1504 * 256, [(2048, 512)]), (32 * 256, [])):
+        with FakeTensorMode(), CudaRmsNorm():
+            x = torch.empty(rows // 256, 256, 512, requires_grad=True)
+            w = torch.empty(512, requires_grad=True)
+            y = F.rms_norm(x, [512], w)
+            _, allocated = _allocated_by(lambda: y.sum().backward())
+        assert [a[1] for a in allocated if len(a[1]) == 2] == partials  # grad_input is [rows, 512] too
+        assert [a[1] for a in allocated if a[1] == (512,)] == [(512,)] * (2 if partials else 1)
+        assert w.grad.shape == (512,)
+
+
+def test_efficient_attention_output_is_transposed_as_on_cuda():
+    """fp32 goes to CUDA's memory-efficient kernel, which allocates its output [B, S, H, D] and
+    returns it transposed: the model's y.transpose(1, 2).reshape(B, S, H * D) is a view, no copy
+    (the fp32 b32 H100 timeline: 16,777,216 B output + 524,288 B fp32 logsumexp at transformer.py:60,
+    nothing more, and no copy at line 61). Its philox seed and offset live on the host."""
+    b, h, t, d = 32, 16, 256, 32
+    with FakeTensorMode(), CudaAttention():
+        q, k, v = (torch.empty(b, h, t, d, requires_grad=True) for _ in range(3))
+        out, allocated = _allocated_by(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        assert [(shape, dtype) for _, shape, dtype in allocated] == [((b, h, t, d), "float32"), ((b, h, t), "float32")]
+        assert out.transpose(1, 2).is_contiguous()
+        out.sum().backward()
+        assert q.grad.shape == (b, h, t, d)
+
+
+def test_flash_attention_output_is_laid_out_as_its_query_as_on_cuda():
+    """bf16 goes to flash attention, whose output takes the query's layout: a contiguous query
+    (after RoPE) gives a contiguous output, which the model copies to transpose, as the bf16 H100
+    timelines show (394,264,576 B at transformer.py:61 for b1504). Flash keeps 2 RNG words too."""
+    with FakeTensorMode(), CudaAttention():
+        q, k, v = (torch.empty(2, 4, 64, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out, allocated = _allocated_by(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        assert out.is_contiguous() and not out.transpose(1, 2).is_contiguous()
+        assert sorted(shape for _, shape, _ in allocated) == [(), (2,), (2, 4, 64), (2, 4, 64, 32)]
+        out.sum().backward()
+        assert q.grad.shape == q.shape
+
+
+def test_masked_attention_takes_the_efficient_kernel_with_an_additive_mask():
+    """CUDA's SDPA turns a boolean mask into an additive one of the query's dtype (sdp_utils
+    convert_boolean_attn_mask), then runs memory-efficient attention: no T x T scores kept."""
+    with FakeTensorMode(), CudaAttention():
+        q = torch.empty(2, 4, 64, 32, requires_grad=True)
+        mask = torch.ones(64, 64, dtype=torch.bool)
+        out, allocated = _allocated_by(lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+        assert ("where", (64, 64), "float32") in allocated
+        assert not any(shape[-2:] == (64, 64) for op, shape, _ in allocated if op != "where" and op != "logical_not")
+        out.sum().backward()

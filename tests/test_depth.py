@@ -39,14 +39,17 @@ def test_few_blocks_are_traced_whole(mlp):
 
 
 def test_a_phase_whose_peak_moves_to_another_part_with_depth():
-    # 12 small blocks, 8192-token vocabulary: at depth 4 the backward peaks after the blocks
-    # (the embedding's gradient), at depth 12 at its start (every block's activations saved).
+    # 32 small blocks, 32768-token vocabulary: at depth 4 the backward peaks after the blocks
+    # (the embedding's gradient), at depth 32 at its start (every block's activations saved), each by
+    # about 1.4 MB. (12 blocks, vocabulary 8192, seq 112 did this while RMSNorm was traced as its CPU
+    # composite and SDPA's output was copied to transpose: one more [seq, d] tensor per norm and per
+    # attention than CUDA keeps. Without them a block holds less, and the crossing moved deeper.)
     # One line through the backward's peaks at depths 2, 3, 4 would miss that; its parts' lines do not.
     from batchfit.trace.session import TraceSession
     from batchfit.zoo import language_model_workload
     from batchfit.zoo.transformer import Transformer, TransformerConfig
 
-    cfg = TransformerConfig(vocab_size=8192, seq_len=112, d_model=192, n_layers=12, n_heads=4, d_ff=768,
+    cfg = TransformerConfig(vocab_size=32768, seq_len=123, d_model=192, n_layers=32, n_heads=4, d_ff=768,
                             llama=True, tied_embeddings=False)
     workload = language_model_workload(name="moving-peak", build_model=lambda: Transformer(cfg),
                                        vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, description="")
@@ -55,14 +58,14 @@ def test_a_phase_whose_peak_moves_to_another_part_with_depth():
         deep = traced.point(1)
         assert traced.by_depth and traced.full_traces == []
     snaps = {}
-    for d in (2, 3, 4, 12):
-        with TraceSession(depth.at_depth(workload, d, depth.Depth()) if d < 12 else workload, StepOptions()) as s:
+    for d in (2, 3, 4, 32):
+        with TraceSession(depth.at_depth(workload, d, depth.Depth()) if d < 32 else workload, StepOptions()) as s:
             snaps[d] = s.trace(1).snapshot
     backward = {d: {k: v for k, v in snap.peak_by_part.items() if k.startswith("backward:")} for d, snap in snaps.items()}
     assert max(backward[4], key=backward[4].get) == "backward:tail"
-    assert max(backward[12], key=backward[12].get) == "backward:head"
-    one_line = depth.line_at([snaps[d].peak_by_phase["backward"] for d in (2, 3, 4)], 12)
-    whole = snaps[12]
+    assert max(backward[32], key=backward[32].get) == "backward:head"
+    one_line = depth.line_at([snaps[d].peak_by_phase["backward"] for d in (2, 3, 4)], 32)
+    whole = snaps[32]
     assert one_line != whole.peak_by_phase["backward"]  # what a single line per phase would have said
     workspace = device.workspace_bytes
     assert deep.peak_by_phase == {k: v + workspace for k, v in whole.peak_by_phase.items()}

@@ -25,9 +25,13 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _MATH = torch.ops.aten._scaled_dot_product_attention_math.default
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention.default
+_EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default
+_EFFICIENT_BACKWARD = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
 
 
 def cuda_would_fuse(query: torch.Tensor) -> bool:
@@ -48,18 +52,87 @@ def cuda_flash_takes_gqa(query: torch.Tensor, attn_mask: torch.Tensor | None) ->
             and query.dtype in (torch.float16, torch.bfloat16))
 
 
+@torch.library.custom_op("batchfit::cuda_efficient_attention", mutates_args=())
+def cuda_efficient_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attn_bias: torch.Tensor | None, compute_log_sumexp: bool, dropout_p: float,
+                             is_causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA's ``_scaled_dot_product_efficient_attention`` without its philox seed and offset,
+    which CUDA keeps on the host (``at::empty({}, kLong)``, not the device): (out, logsumexp).
+    Only fake tensors are traced through it (its meta kernel gives CUDA's shapes and strides)."""
+    raise NotImplementedError("batchfit.cuda_efficient_attention runs on fake tensors only")
+
+
+@cuda_efficient_attention.register_fake
+def _(query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale):
+    out, logsumexp, _, _ = _EFFICIENT(query, key, value, attn_bias, compute_log_sumexp, dropout_p,
+                                      is_causal, scale=scale)
+    return out, logsumexp
+
+
+@torch.library.custom_op("batchfit::cuda_efficient_attention_backward", mutates_args=())
+def cuda_efficient_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                      value: torch.Tensor, attn_bias: torch.Tensor | None, out: torch.Tensor,
+                                      logsumexp: torch.Tensor, dropout_p: float, is_causal: bool,
+                                      scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_scaled_dot_product_efficient_attention_backward``'s dq, dk, dv (fake tensors only)."""
+    raise NotImplementedError("batchfit.cuda_efficient_attention_backward runs on fake tensors only")
+
+
+@cuda_efficient_attention_backward.register_fake
+def _(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p, is_causal, scale):
+    seed, offset = (torch.empty((), dtype=torch.int64) for _ in range(2))  # host scalars on CUDA
+    dq, dk, dv, _ = _EFFICIENT_BACKWARD(grad_out, query, key, value, attn_bias, out, logsumexp, seed, offset,
+                                        dropout_p, [True, True, True, False], is_causal, scale=scale)
+    return dq, dk, dv
+
+
+def _efficient_setup(ctx, inputs, output) -> None:
+    query, key, value, attn_bias, _, ctx.dropout_p, ctx.is_causal, ctx.scale = inputs
+    # derivatives.yaml: query, key, value, attn_bias, result0 (out), result1 (logsumexp)
+    ctx.save_for_backward(query, key, value, attn_bias, *output)
+
+
+def _efficient_backward(ctx, grad_out, _grad_logsumexp):
+    query, key, value, attn_bias, out, logsumexp = ctx.saved_tensors
+    dq, dk, dv = cuda_efficient_attention_backward(grad_out, query, key, value, attn_bias, out, logsumexp,
+                                                   ctx.dropout_p, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None  # a mask's own gradient is not traced
+
+
+cuda_efficient_attention.register_autograd(_efficient_backward, setup_context=_efficient_setup)
+
+
+def _bool_mask_as_bias(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``convert_boolean_attn_mask`` (sdp_utils): CUDA's SDPA turns a boolean mask into an
+    additive one of the query's dtype before it picks a kernel."""
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return attn_mask
+    return torch.where(attn_mask.logical_not(), -float("inf"), torch.zeros((), dtype=dtype))
+
+
 def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                      scale=None, enable_gqa=False):
     grouped = enable_gqa and key.shape[-3] != query.shape[-3]
-    fused = cuda_flash_takes_gqa(query, attn_mask) if grouped else cuda_would_fuse(query)
-    if fused:
-        # K/V go in with their own (fewer) heads, as CUDA's flash kernel reads them: it
-        # saves them unexpanded, plus the output and an fp32 logsumexp of Q's heads.
+    flash = cuda_flash_takes_gqa(query, attn_mask)
+    fused = flash if grouped else cuda_would_fuse(query)
+    if not fused:
+        # The math path repeats K/V to Q's heads itself (pre_process_group_query_attention_input).
+        return _MATH(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                     is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+    if not isinstance(query, FakeTensor):
+        # Real tensors (the tests' numerics): the CUDA kernels have no CPU kernel; the CPU flash
+        # kernel saves the same tensors. K/V go in with their own (fewer) heads.
         out, _ = _FLASH_CPU(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
         return out
-    # The math path repeats K/V to Q's heads itself (pre_process_group_query_attention_input).
-    return _MATH(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                 is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+    if flash:
+        # Flash (fp16/bf16, no mask, head size <= 256) reads K/V with their own heads and saves
+        # q, k, v, the output (laid out as q is), an fp32 logsumexp and its 2 RNG words.
+        return _FLASH(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    # Memory-efficient attention (fp32, or a mask): its output is allocated [B, S, H, D] and
+    # returned transposed, so the usual out.transpose(1, 2).reshape(B, S, H * D) is free.
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return cuda_efficient_attention(query, key, value, _bool_mask_as_bias(attn_mask, query.dtype), grad,
+                                    dropout_p, is_causal, scale)[0]
 
 
 class CudaAttention:

@@ -24,6 +24,7 @@ from batchfit.errors import BatchfitError, ModelSpecError, TraceError
 from batchfit.train.step import TrainingStep, main_blocks
 from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
+from batchfit.trace.cuda_norm import CudaRmsNorm
 from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot
 from batchfit.workload import StepOptions, Workload
 
@@ -153,7 +154,8 @@ class TraceSession:
         """Fake tensors, the tracker and CUDA's attention; errors name ``what`` was being done."""
         try:
             attention = CudaAttention() if self.cuda_semantics else contextlib.nullcontext()
-            with self.fake_mode, self.tracker, attention, _quiet_fake_tensor_log():
+            norm = CudaRmsNorm() if self.cuda_semantics else contextlib.nullcontext()
+            with self.fake_mode, self.tracker, attention, norm, _quiet_fake_tensor_log():
                 yield
         except (torch.OutOfMemoryError, BatchfitError):
             raise
