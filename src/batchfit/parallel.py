@@ -1,14 +1,12 @@
-"""Wrap a model as a multi-GPU run would: PyTorch's own DDP or FSDP2, never a formula.
+"""How ``probe`` under torchrun wraps each rank's model: the choice of strategy and its checks.
 
-    ddp    DistributedDataParallel: every rank keeps the whole model, gradients are
-           all-reduced in buckets during backward (the buckets are memory too).
-    fsdp   FSDP2 ``fully_shard`` on each block of the model's main stack and at the root,
-           as torchtitan does: each rank keeps 1/N of the parameters, gradients and
-           optimizer state, and all-gathers one block at a time.
+    ddp    DistributedDataParallel over all ranks
+    fsdp   FSDP2 per block and at the root, with the step's mixed-precision policy
 
-The wrap needs the process group that torchrun set up (``probe/ranks.py`` joins it), so it
-runs only on real tensors: the traced step (fake tensors, the virtual device) cannot be
-wrapped and stays the single-GPU step on every rank.
+The wrap itself is ``batchfit.distributed.apply_strategy``, the code ``plan`` traces on its
+fake process group. It needs the process group that torchrun set up (``probe/ranks.py``
+joins it), so it runs only on real tensors: the traced step (fake tensors, the virtual
+device) cannot be wrapped and stays the single-GPU step on every rank.
 """
 
 from __future__ import annotations
@@ -30,36 +28,22 @@ def check_strategy(strategy: str) -> None:
         raise OptionError(f"unknown --strategy '{strategy}': use one of {', '.join(STRATEGIES)}")
 
 
-def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
-    """``model`` as ``strategy`` runs it on ``device``, over the default process group."""
+def wrap_model(model: nn.Module, strategy: str, device: torch.device, precision: str = "fp32") -> nn.Module:
+    """``model`` as ``strategy`` runs it on ``device`` over the default process group, for a
+    step at ``precision`` (FSDP2 gathers bf16 / fp16 parameters and reduces in fp32 for the
+    mixed ones, as ``plan`` traces it)."""
     import torch.distributed as dist
-    from torch import nn
 
-    from batchfit.step import block_list
+    from batchfit.distributed import Meshes, apply_strategy, build_meshes, data_parallel
 
     check_strategy(strategy)
     if not (dist.is_available() and dist.is_initialized()):
         raise OptionError(f"--strategy {strategy} needs torch.distributed's process group: run under "
                           "torchrun, e.g. torchrun --nproc-per-node 2 -m batchfit.cli.app probe ...")
-    if strategy == "ddp":
-        # device_ids names the rank's own GPU (cuda:LOCAL_RANK); on the CPU (gloo) DDP wants None.
-        device_ids = [device] if device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-    # Imported here: torch builds without torch.distributed cannot import them, and the
-    # single-GPU step never needs them.
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    # A 1-D mesh over the whole world reuses the default group (no new communicator per probe).
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    # One FSDP group per block, so only one block's full parameters are gathered at a time;
-    # the root group holds the rest (embeddings, final norm, head) and any model without blocks.
-    # FSDP2's defaults: blocks free their gathered parameters after forward, the root keeps
-    # its own (backward needs them at once). fully_shard changes the modules in place.
-    for block in block_list(model) or ():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    layout = data_parallel(strategy, dist.get_world_size())
+    # DDP runs on the default group: no mesh to build
+    meshes = Meshes(dp=None, tp=None, groups={}) if strategy == "ddp" else build_meshes(layout, device.type)
+    return apply_strategy(model, layout, meshes, precision=precision, fake=False, device=device)
 
 
 def choose_strategy(strategy: str | None, *, virtual: bool, world_size: int, isolate: bool = False) -> str | None:
@@ -83,9 +67,10 @@ def choose_strategy(strategy: str | None, *, virtual: bool, world_size: int, iso
     return strategy
 
 
-def step_wrapper(strategy: str | None, device: torch.device) -> Callable[[nn.Module], nn.Module] | None:
-    """What ``TrainingStep(wrap=...)`` takes: None keeps the single-GPU step."""
+def step_wrapper(strategy: str | None, device: torch.device,
+                 precision: str = "fp32") -> Callable[[nn.Module], nn.Module] | None:
+    """What ``TrainingStep(wrap=...)`` takes for a step at ``precision``: None keeps the single-GPU step."""
     if strategy is None:
         return None
     check_strategy(strategy)
-    return lambda model: wrap_model(model, strategy, device)
+    return lambda model: wrap_model(model, strategy, device, precision)

@@ -212,7 +212,7 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     strategy = parallel.choose_strategy(strategy, virtual=target.kind == "virtual",
                                         world_size=ranks.world_size(), isolate=isolate)
     ranks.init_ranks(cuda=target.kind == "cuda")
-    wrap = parallel.step_wrapper(strategy, target.torch_device)
+    wrap = parallel.step_wrapper(strategy, target.torch_device, options.precision)
     started = time.perf_counter()
     # Every decision uses the smallest usable memory of all ranks, so all ranks decide alike.
     capacity = ranks.agree_min(target.device.usable_bytes) if target.device else None
