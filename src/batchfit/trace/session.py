@@ -80,8 +80,8 @@ def _message(error: BaseException) -> str:
 
 _PYTORCH_APPLY = nn.Module._apply
 _building = threading.local()
-"""``active``: this thread is building a model on fake tensors; ``call``: (converted tensors,
-modules done) of the outermost ``Module._apply`` running in it."""
+"""``depth``: builds on fake tensors this thread is in; ``call``: (converted tensors, modules
+done) of the outermost ``Module._apply`` running in it."""
 _builders = [0]
 _builders_lock = threading.Lock()
 
@@ -96,7 +96,7 @@ def _apply_building_fakes(self: nn.Module, fn, recurse: bool = True) -> nn.Modul
     tensors gets new ones instead, as PyTorch does for a change of tensor type: a tensor two
     modules share (tied weights) stays shared, and a module reached twice in one call (listed
     in two ModuleLists, as frozen-pair's decoder layers are) is converted once."""
-    if not getattr(_building, "active", False):
+    if not getattr(_building, "depth", 0):
         return _PYTORCH_APPLY(self, fn, recurse)
     outermost = getattr(_building, "call", None) is None
     if outermost:
@@ -137,11 +137,11 @@ def _building_on_fakes() -> Iterator[None]:
     with _builders_lock:
         _builders[0] += 1
         nn.Module._apply = _apply_building_fakes
-    _building.active = True
+    _building.depth = getattr(_building, "depth", 0) + 1
     try:
         yield
     finally:
-        _building.active = False
+        _building.depth -= 1
         with _builders_lock:
             _builders[0] -= 1
             if not _builders[0]:
