@@ -291,3 +291,48 @@ def test_masked_attention_takes_the_efficient_kernel_with_an_additive_mask():
         assert ("where", (64, 64), "float32") in allocated
         assert not any(shape[-2:] == (64, 64) for op, shape, _ in allocated if op != "where" and op != "logical_not")
         out.sum().backward()
+
+
+def test_another_threads_sdpa_is_real_while_a_trace_runs():
+    """The mirror is scoped to the tracing thread: SDPA in a user's thread meanwhile runs
+    PyTorch's own CPU kernel. Head size 12 is one CUDA's fused kernels refuse, so the mirror
+    would take the math path; PyTorch's CPU kernel takes flash: the two differ in the kernel
+    that saved the graph (its backward) and in the last bits of the output."""
+    import threading
+
+    from torch import nn
+
+    from batchfit.workload import Workload
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 12, requires_grad=True) for _ in range(3))
+    outside = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert type(outside.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(24, 72)
+
+        def forward(self, x):
+            a, b, c = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 12).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(a, b, c, is_causal=True).square().mean()
+
+    work = Workload(name="attention", build_model=Attention, make_batch=lambda n, device: torch.randn(n, 16, 24),
+                    loss_fn=lambda model, x: model(x))
+    session = TraceSession(work, StepOptions())
+    before = session.trace(4).snapshot
+    seen = {}
+
+    def user_thread():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        seen["out"], seen["backward"] = out.detach(), type(out.grad_fn).__name__
+
+    with session.tracing("a test"):  # the trace's fake mode, tracker and attention mirror are on
+        thread = threading.Thread(target=user_thread)
+        thread.start()
+        thread.join()
+        traced = session.trace(4).snapshot  # and the trace still gets the mirror
+    assert seen["backward"] == "ScaledDotProductFlashAttentionForCpuBackward0"
+    assert torch.equal(seen["out"], outside.detach())
+    assert traced.peak_bytes == before.peak_bytes and traced.breakdown == before.breakdown

@@ -49,7 +49,10 @@ def test_json_has_the_documented_keys(tiny_on_4090):
     for key in ("params", "trainable_params", "points", "fit", "max_batch_size", "device",
                 "max_batch_size_at_target", "headroom_bytes", "source"):
         assert key in j
-    assert j["params"] == 22_696_448  # seed 002's count
+    # by hand from the zoo's config (d 512, 4 Llama blocks, FFN 1344, vocab 10000, untied, RoPE):
+    # embedding + head, each block's q/k/v/o, SwiGLU's three matrices and two RMSNorms, final norm
+    d, ff, vocab, layers = 512, 1344, 10_000, 4
+    assert j["params"] == 2 * vocab * d + layers * (4 * d * d + 3 * d * ff + 2 * d) + d == 22_696_448  # seed 002's
     point = j["points"][0]
     assert {"batch_size", "peak_bytes", "breakdown", "phase"} <= set(point)
     assert sum(point["breakdown"].values()) == point["peak_bytes"]
@@ -62,8 +65,18 @@ def test_multiple_of_is_respected():
 
 
 def test_batch_one_not_fitting_is_an_answer_with_suggestions(mlp):
-    r = estimate(mlp, device=custom_device(int(0.6 * GiB)))
+    device = custom_device(int(0.6 * GiB))
+    r = estimate(mlp, device=device)
     assert r.max_batch_size == 0
+    # By hand: Linear(1024, 4096) + Linear(4096, 1024) in fp32 is P = 33,574,912 bytes (each
+    # tensor a multiple of 512). AdamW's foreach step peaks holding parameters, gradients, two
+    # states and one parameter-sized temporary, plus the loss (4 bytes in a 512-byte block);
+    # the cuBLAS workspace comes on top. That does not fit 0.6 GiB less the 512 MiB context.
+    P = (1024 * 4096 + 4096 + 4096 * 1024 + 1024) * 4
+    one = r.points[0]
+    assert (one.breakdown["parameters"], one.breakdown["gradients"], one.breakdown["optimizer_state"],
+            one.breakdown["temporaries"]) == (P, P, 2 * P, P) and P == 33_574_912
+    assert one.peak_bytes == 5 * P + 512 + device.workspace_bytes > r.capacity_bytes
     changes = {s.option: s for s in r.suggestions}
     assert changes["--precision bf16"].source == "traced"
     assert changes["--precision bf16"].peak_bytes < r.points[0].peak_bytes
@@ -136,20 +149,28 @@ def test_recurrent_layers_are_named_as_a_known_limit():
 
 
 def test_multiple_of_with_a_known_size_off_the_grid_ends():
-    """`estimate --multiple-of 8 --batch-sizes 8,21` with 21 too large used to loop forever."""
+    """`estimate --multiple-of 8 --batch-sizes 8,21` with 21 too large used to loop forever.
+
+    The device's usable memory is set halfway between the peaks of batch 16 and 21, traced
+    here first (plus the cuBLAS workspace, which estimate adds): 16 fits and 21 does not."""
     import threading
 
-    # gpt2-124m at seq 256 (traced on a T4 profile): batch 16 peaks at 6.42 GB, batch 21 at 7.95 GB,
-    # so 7.2 GB of usable memory fits 16 and not 21.
-    device = custom_device(int(7.2e9) + 512 * 2**20)
+    from batchfit.trace.session import TraceSession
+
+    with TraceSession(load_workload("gpt-tinystories-22m", seq_len=64), StepOptions()) as session:
+        peak16, peak21 = (session.trace(b).snapshot.peak_bytes for b in (16, 21))
+    template = custom_device(8 * GiB)
+    workspace = template.workspace_bytes
+    device = custom_device(template.context_bytes + workspace + (peak16 + peak21) // 2)
     results = []
     worker = threading.Thread(target=lambda: results.append(estimate(
-        load_workload("gpt2-124m", seq_len=256), device=device, batch_sizes=[8, 21], multiple_of=8,
+        load_workload("gpt-tinystories-22m", seq_len=64), device=device, batch_sizes=[8, 21], multiple_of=8,
         limit="allocated", suggest=False)), daemon=True)
     worker.start()
     worker.join(timeout=120)
     assert results, "estimate did not end"
     assert results[0].max_batch_size == 16
+    assert results[0].point(16).peak_bytes == peak16 + workspace  # the very step traced above
 
 
 def test_every_point_says_whether_it_fits_as_the_answer_does(tiny_on_4090):

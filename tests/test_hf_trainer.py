@@ -8,6 +8,7 @@ batch, so the Trainer must accumulate. The real ``transformers.Trainer`` also ne
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 
 import pytest
@@ -39,6 +40,12 @@ class Args:
     gradient_checkpointing: bool = False
     optim: str = "adamw_torch"
     world_size: int = 1
+    # what Trainer.get_optimizer_cls_and_kwargs reads to build args.optim's optimizer
+    learning_rate: float = 5e-5
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    optim_args: str | None = None
 
 
 def test_the_trace_runs_as_the_trainer_will_and_the_product_is_the_global_batch(caplog):
@@ -73,7 +80,11 @@ def test_fit_training_args_then_the_trainer_trains_with_those_numbers(tmp_path, 
     fitted = fit.args
     micro, accumulation = fitted.per_device_train_batch_size, fitted.gradient_accumulation_steps
     assert micro * accumulation * fitted.world_size == GLOBAL_BATCH and accumulation > 1
-    assert "traced with AdamW" not in caplog.text  # the Trainer's own optimizer (adamw_torch) was traced
+    # the Trainer's own optimizer was traced: optim adamw_torch_fused, AdamW(fused=True), two fp32
+    # states per parameter and, fused, each parameter's step counter on the GPU (28 tensors:
+    # wte, wpe, 12 per block, ln_f's 2), 4 bytes in a 512-byte block each
+    assert fitted.optim == "adamw_torch_fused"
+    assert fit.plan.sizing.result.points[0].breakdown["optimizer_state"] == 2 * _param_bytes(model) + 28 * 512
     seen: list[int] = []
     model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[0]),
                                     with_kwargs=True)
@@ -99,3 +110,35 @@ def test_the_hf_example_runs(tmp_path):
     args, trainer = load_example("hf_trainer").main(str(tmp_path))
     assert trainer.state.global_step == 2
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size == 64
+
+
+def _param_bytes(model) -> int:
+    """Each parameter once (GPT-2 ties its head to the embedding), fp32, in 512-byte blocks."""
+    return sum(-(-p.numel() * 4 // 512) * 512 for p in {id(p): p for p in model.parameters()}.values())
+
+
+def test_the_trainers_own_optimizer_is_traced_not_adamw():
+    """SGD with momentum, as given to Trainer(optimizers=...): one fp32 momentum buffer per
+    parameter, where AdamW would hold two."""
+    model = tiny_gpt2()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    fit = fit_training(model, Args(), global_batch=GLOBAL_BATCH, seq_len=SEQ, gpu_memory="620MiB",
+                       limit="allocated", optimizer=sgd)
+    point = fit.plan.sizing.result.points[0]
+    # wte 262,144 + wpe 4,096 + 2 blocks x 16,384 (12 tensors, the small ones in one 512-byte block) + ln_f 1,024
+    assert point.breakdown["optimizer_state"] == _param_bytes(model) == 300_032
+
+
+@pytest.mark.parametrize("args,named", [
+    (Args(optim="adamw_bnb_8bit"), "optim='adamw_bnb_8bit' cannot be built here"),  # bitsandbytes: not here
+    (object(), "object has no 'optim'"),
+])
+def test_an_optimizer_that_cannot_be_read_is_an_error_naming_it(args, named):
+    if named.startswith("optim='adamw_bnb") and importlib.util.find_spec("bitsandbytes"):
+        pytest.skip("bitsandbytes is installed here: the Trainer's optimizer can be built")
+    from batchfit.errors import OptionError
+
+    with pytest.raises(OptionError, match=named.replace("(", r"\(")) as error:
+        fit_training(tiny_gpt2(), args, global_batch=GLOBAL_BATCH, seq_len=SEQ, gpu_memory="620MiB",
+                     limit="allocated")
+    assert "optimizer=" in str(error.value) and "\n" not in str(error.value)

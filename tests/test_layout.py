@@ -11,7 +11,7 @@ LAYERS = [  # bottom to top
     {"errors", "phases", "tiers", "devices", "workload", "search", "targets", "specs", "zoo"},
     {"train"},
     {"trace"},
-    {"distributed", "parallel"},
+    {"distributed"},
     {"estimator", "probe", "bench", "plan", "sweep"},
     {"report"},
     {"integrations", "lightning", "transformers"},

@@ -90,3 +90,43 @@ def test_the_lightning_example_runs(tmp_path):
     assert trainer.global_step == 3
     assert (data.batch_size, trainer.accumulate_grad_batches) == (fit.plan.micro_batch, fit.plan.accumulation_steps)
     assert data.batch_size * trainer.accumulate_grad_batches == 256 and fit.report_path.exists()
+
+
+class ScheduledModule(TinyModule):
+    """Its optimizer needs the trainer (OneCycleLR's total steps), which BatchFit's copy has not."""
+
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        steps = self.trainer.estimated_stepping_batches
+        return {"optimizer": sgd, "lr_scheduler": torch.optim.lr_scheduler.OneCycleLR(sgd, 0.1, total_steps=steps)}
+
+
+class BrokenModule(TinyModule):
+    def configure_optimizers(self):
+        raise RuntimeError("no optimizer today")
+
+
+def _fit(module, tmp_path):
+    callback = BatchFit(global_batch=GLOBAL_BATCH, gpu_memory="600MiB", limit="allocated", report=False)
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[callback], logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=TinyData())
+    return callback
+
+
+def test_the_modules_own_optimizer_is_traced_when_it_needs_the_trainer(tmp_path):
+    """SGD with momentum keeps one fp32 buffer per parameter (AdamW would keep two):
+    Linear(64, 512) + Linear(512, 64) = 131,072 + 2,048 + 131,072 + 512 (256 B in a 512 B block)."""
+    callback = _fit(ScheduledModule(), tmp_path)
+    point = callback.plan.sizing.result.points[0]
+    assert point.breakdown["optimizer_state"] == 131_072 + 2_048 + 131_072 + 512
+
+
+def test_an_optimizer_that_cannot_be_built_is_an_error_naming_it(tmp_path):
+    from batchfit.errors import OptionError
+
+    with pytest.raises(OptionError, match=r"BrokenModule.configure_optimizers\(\) builds, and it failed .*"
+                                          "no optimizer today") as error:
+        _fit(BrokenModule(), tmp_path)
+    assert "\n" not in str(error.value)

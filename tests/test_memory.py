@@ -153,3 +153,45 @@ def test_parameters_gradients_and_state_are_named_by_their_parameter():
     assert by_shape[("optimizer_state", (1000, 64))] in ("0.weight", "2.weight")
     assert all(t["module"].endswith((".weight", ".bias")) for t in top
                if t["category"] in ("parameters", "gradients", "optimizer_state"))
+
+
+class _CastWhileBuilt(nn.Module):
+    """The MLP above, cast to bf16 in its own __init__ (as HF's from_config(dtype=...) and many
+    user models do), with one module listed twice and one weight tied to another module's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(1024, 4096), nn.Linear(4096, 1024)
+        self.stack = nn.ModuleList([self.up, self.down])  # the same two modules, listed again
+        self.tied = nn.Linear(1024, 4096, bias=False)
+        self.tied.weight = self.up.weight
+        self.to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x.bfloat16()))).float()
+
+
+def _cast_while_built() -> Workload:
+    return Workload(name="cast-while-built", build_model=_CastWhileBuilt,
+                    make_batch=lambda b, device: torch.randn(b, 1024, device=device),
+                    loss_fn=lambda model, x: model(x).square().mean())
+
+
+def test_a_model_that_casts_itself_while_built_is_traced_in_bf16():
+    """Its bf16 parameters once each (P / 2: the tie kept, the listed-twice modules cast once),
+    bf16 gradients, and AdamW's two bf16 states."""
+    snap = TraceSession(_cast_while_built(), StepOptions()).trace(4).snapshot
+    assert snap.breakdown["parameters"] == P // 2
+    assert snap.breakdown["gradients"] == P // 2
+    assert snap.breakdown["optimizer_state"] == P
+    model = torch.nn.Module.__new__(_CastWhileBuilt)  # and the cast is PyTorch's outside a trace
+    model.__init__()
+    assert model.tied.weight is model.up.weight and model.up.weight.dtype == torch.bfloat16
+
+
+def test_a_model_that_casts_itself_while_built_is_planned_with_ddp():
+    from batchfit.devices import get_device
+    from batchfit.plan.sharded import parse_strategy, trace_sharded
+
+    point = trace_sharded(_cast_while_built(), StepOptions(), get_device("h100-80gb"), parse_strategy("ddp", 2), 4)
+    assert point.breakdown["parameters"] == P // 2 and point.breakdown["optimizer_state"] == P

@@ -1,7 +1,7 @@
 """Rank 0 of a sharded step traced on the fake process group, against real gloo runs on CPU.
 
 Truth without a GPU: real processes (2 and 4) on the CPU over gloo run the same strategy
-code (``plan/_parallel.py``) on real tensors; rank 0's peak in a steady step (the third:
+code (``batchfit.distributed``) on real tensors; rank 0's peak in a steady step (the third:
 DDP rebuilds its buckets in the second) is measured by the torch profiler's memory
 timeline, independently of the tracer, and compared with ``trace_sharded`` at the same
 world size and local batch, traced with CPU semantics (no CUDA rounding, CPU kernels).
@@ -71,7 +71,7 @@ def _profiled_peak(step: TrainingStep, path: str) -> int | None:
 
 
 def _gloo_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    from batchfit.plan._parallel import apply_strategy, build_meshes
+    from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.tp_plans import tp_plan
 
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),

@@ -207,3 +207,56 @@ def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
                         lambda backend, **kwargs: calls.append((backend, kwargs.get("device_id"))))
     ranks.init_ranks(cuda=True)
     assert calls == [("set_device", 1), ("nccl", torch.device("cuda", 1))]
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def _mixed_precision_probe_main(rank: int, port: int, out_dir: str) -> None:
+    _join(rank, port)
+    seen = {"forward": set(), "reduce": set(), "sharded": set()}
+    reduce_scatter = dist.reduce_scatter_single  # FSDP2's gradient reduce-scatter (DefaultReduceScatter)
+
+    def recording_reduce_scatter(output, input, *args, **kwargs):
+        seen["reduce"].add(str(input.dtype))
+        return reduce_scatter(output, input, *args, **kwargs)
+
+    dist.reduce_scatter_single = recording_reduce_scatter
+
+    def build():
+        model = _Blocks()
+        model.blocks[0].register_forward_pre_hook(lambda m, args: seen["forward"].add(str(m.weight.dtype)))
+        return model
+
+    def loss_fn(model, x):
+        seen["sharded"].update(str(p.dtype) for p in model.parameters())
+        return model(x).float().pow(2).mean()
+
+    workload = Workload(name="blocks", build_model=build, make_batch=lambda b, device: torch.randn(b, 8, device=device),
+                        loss_fn=loss_fn, tokens_per_sample=None)
+    result = find_max_batch(workload, target=parse_target("cpu"), policy="binsearch", largest=2, strategy="fsdp",
+                            options=StepOptions(precision="bf16-mixed", optimizer="sgd"))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"strategy": result.strategy, **{k: sorted(v) for k, v in seen.items()}}, f)
+    _leave()
+
+
+def test_probes_fsdp_gathers_bf16_parameters_and_reduces_in_fp32(tmp_path):
+    """probe --strategy fsdp at bf16-mixed wraps with the mixed-precision policy plan traces
+    (batchfit.distributed): the blocks run on bf16 copies of the fp32 shards, gradients are
+    reduce-scattered in fp32. Without the policy FSDP2 gathers and reduces the fp32 shards."""
+    torch.multiprocessing.spawn(_mixed_precision_probe_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["strategy"] == "fsdp"
+        assert got["sharded"] == ["torch.float32"]  # the parameters the optimizer steps stay fp32
+        assert got["forward"] == ["torch.bfloat16"]  # what a block computes with: the gathered bf16 copy
+        assert got["reduce"] == ["torch.float32"]

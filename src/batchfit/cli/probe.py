@@ -15,7 +15,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_json)
 from batchfit.devices import GiB
-from batchfit.parallel import STRATEGIES
+from batchfit.distributed.wrap import STRATEGIES
 from batchfit.search import POLICIES, check_probe_options
 from batchfit.specs import load_workload
 

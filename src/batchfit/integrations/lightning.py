@@ -1,6 +1,6 @@
 """``BatchFit``: a Lightning callback that picks the micro-batch and the accumulation for a global batch.
 
-    trainer = lightning.Trainer(callbacks=[batchfit.integrations.lightning.BatchFit(global_batch=512, target_util=0.9)])
+    trainer = lightning.Trainer(callbacks=[batchfit.lightning.BatchFit(global_batch=512, target_util=0.9)])
 
 At ``setup`` (after the datamodule's own setup, before any data loader is built) it traces a
 copy of the LightningModule on fake tensors at the trainer's precision (``mode="estimate"``,
@@ -32,13 +32,13 @@ try:
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 except ImportError as error:  # say what to install, not just what is missing
-    raise ImportError(f"batchfit.integrations.lightning needs Lightning: pip install 'batchfit[lightning]' ({error})") from error
+    raise ImportError(f"batchfit.lightning needs Lightning: pip install 'batchfit[lightning]' ({error})") from error
 from torch import nn
 
 from batchfit.integrations.elastic_split import (GlobalBatchPlan, fake_copy, plan_global_batch, same_optimizer,
                                     take_samples, to_device)
 from batchfit.errors import OptionError
-from batchfit.workload import StepOptions, Workload, default_optimizer
+from batchfit.workload import StepOptions, Workload
 
 logger = logging.getLogger(__name__)
 
@@ -129,24 +129,54 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer | None:
     return None
 
 
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def lightning_workload(pl_module: pl.LightningModule, sample_batch: Any) -> Workload:
     """The LightningModule's ``training_step`` as a Workload, with the optimizer its
-    ``configure_optimizers`` builds (on the copy's parameters), fed with ``sample_batch``'s samples."""
+    ``configure_optimizers`` builds (on the copy's parameters), fed with ``sample_batch``'s samples.
+
+    The optimizer is the one the Trainer will train with, or an OptionError says why it
+    cannot be read: never a stand-in (another optimizer holds other state, so its estimate
+    would be for another run). In order: the trainer's optimizers once it built them;
+    ``configure_optimizers()`` on the copy; on the module itself when the copy's call fails
+    (it may read ``self.trainer``, e.g. for a scheduler's total steps, which only the module
+    has), then rebuilt over the copy's parameters with the same class and settings."""
     build_copy = fake_copy(pl_module)
     copies: list[nn.Module] = []
+    name = type(pl_module).__name__
 
     def build_model() -> nn.Module:
         copies.append(build_copy())
         return copies[-1]
 
-    def optimizer_of_the_copy(params) -> torch.optim.Optimizer:
+    def the_modules_optimizer() -> torch.optim.Optimizer:
+        trainer = getattr(pl_module, "_trainer", None)
+        built = list(getattr(trainer, "optimizers", None) or [])
+        if built:
+            return built[0]
         try:
-            optimizer = _first_optimizer(copies[-1].configure_optimizers())
-        except Exception as error:  # it may need the trainer (a scheduler's total steps): the bytes are AdamW's
-            logger.info("BatchFit: configure_optimizers() failed on the copy (%s): traced with AdamW", error)
-            optimizer = None
+            configured = copies[-1].configure_optimizers()
+        except Exception as copy_error:
+            try:
+                configured = pl_module.configure_optimizers()
+            except Exception as error:
+                raise OptionError(
+                    f"BatchFit traces the optimizer {name}.configure_optimizers() builds, and it failed on "
+                    f"the module ({_first_line(error)}) and on its copy ({_first_line(copy_error)}): make it "
+                    "work at the Trainer's setup, before fit starts") from error
+        optimizer = _first_optimizer(configured)
         if optimizer is None:
-            return default_optimizer(params)
+            raise OptionError(
+                f"{name}.configure_optimizers() returned {type(configured).__name__}, in which BatchFit finds no "
+                "torch.optim.Optimizer to trace: return an optimizer, a list or tuple of them, or a dict with "
+                "'optimizer' (manual optimization with no optimizer cannot be sized)")
+        return optimizer
+
+    def optimizer_of_the_copy(params) -> torch.optim.Optimizer:
+        optimizer = the_modules_optimizer()
         trained = {id(p) for p in params}
         if {id(p) for group in optimizer.param_groups for p in group["params"]} == trained:
             return optimizer  # built over the copy's parameters, groups and all
@@ -155,7 +185,6 @@ def lightning_workload(pl_module: pl.LightningModule, sample_batch: Any) -> Work
     def make_batch(n: int, device: torch.device) -> Any:
         return to_device(take_samples(sample_batch, n), device)
 
-    name = type(pl_module).__name__
     return Workload(name=name, build_model=build_model, make_batch=make_batch,
                     loss_fn=lambda model, batch: _loss(model.training_step(batch, 0)),
                     build_optimizer=optimizer_of_the_copy, description=f"{name}.training_step")

@@ -1,12 +1,13 @@
 """Hugging Face Trainer: the per-device batch and the accumulation for a global batch, from a trace.
 
-    args = batchfit.integrations.transformers.fit_training_args(model, args, global_batch=512, seq_len=2048)
+    args = batchfit.transformers.fit_training_args(model, args, global_batch=512, seq_len=2048)
     Trainer(model=model, args=args, ...)   # per_device_train_batch_size, gradient_accumulation_steps set
 
 The model is traced as the Trainer will run it: a copy on fake tensors (no GPU, no memory),
 at the precision of ``args`` (``bf16`` / ``fp16`` are autocast, as the Trainer does), with
 activation checkpointing when ``args.gradient_checkpointing``, and with the optimizer class and
-settings the Trainer builds from ``args.optim`` (``Trainer.get_optimizer_cls_and_kwargs``).
+settings the Trainer builds from ``args.optim`` (``Trainer.get_optimizer_cls_and_kwargs``), or
+the one given as ``optimizer=``; an optimizer it cannot build is an error, never AdamW instead.
 Unlike ``auto_find_batch_size``, the global batch stays what was asked for: a smaller
 micro-batch means more accumulation steps, never a different effective batch.
 
@@ -30,9 +31,10 @@ from torch import nn
 try:
     import transformers
 except ImportError as error:  # say what to install, not just what is missing
-    raise ImportError(f"batchfit.integrations.transformers needs transformers: pip install 'batchfit[hf]' ({error})") from error
+    raise ImportError(f"batchfit.transformers needs transformers: pip install 'batchfit[hf]' ({error})") from error
 
-from batchfit.integrations.elastic_split import GlobalBatchPlan, fake_copy, plan_global_batch
+from batchfit.integrations.elastic_split import GlobalBatchPlan, fake_copy, plan_global_batch, same_optimizer
+from batchfit.errors import OptionError
 from batchfit.workload import StepOptions, Workload
 
 logger = logging.getLogger(__name__)
@@ -48,16 +50,33 @@ def _precision(args: Any) -> str:
     return "fp32"
 
 
-def _optimizer_builder(args: Any, model: nn.Module):
-    """The Trainer's optimizer class and settings for ``args``, or None (then AdamW, said in the log)."""
+def _optimizer_builder(args: Any, model: nn.Module, optimizer: Any = None):
+    """What the Trainer will train with: ``optimizer`` when given (the one passed as
+    ``Trainer(optimizers=(optimizer, scheduler))``, or a function of the parameters), else the
+    class and settings the Trainer builds for ``args.optim`` (``Trainer.create_optimizer`` calls
+    ``get_optimizer_cls_and_kwargs``). An optimizer that cannot be built here is an OptionError
+    naming it, never a stand-in: another optimizer holds other state."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return lambda params: same_optimizer(optimizer, params)
+    if optimizer is not None:
+        return optimizer
+    optim = getattr(args, "optim", None)
+    name = getattr(optim, "value", optim)  # an OptimizerNames member, or its string
+    if optim is None:
+        raise OptionError(f"{type(args).__name__} has no 'optim': pass the TrainingArguments the Trainer gets, or "
+                          "the Trainer's optimizer: fit_training(..., optimizer=lambda params: MyOptimizer(params))")
     try:
         cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
-    except Exception as error:  # an optimizer whose package is missing here (bitsandbytes), or no args.optim
-        logger.info("batchfit: the Trainer's optimizer for optim=%s cannot be built here (%s): traced with AdamW",
-                    getattr(args, "optim", None), error)
-        return None
+    except Exception as error:  # a package missing here (bitsandbytes), an unknown name
+        lines = str(error).strip().splitlines()
+        raise OptionError(
+            f"the Trainer's optimizer for optim='{name}' cannot be built here ({type(error).__name__}: "
+            f"{lines[0] if lines else ''}): install what it needs, or pass it: fit_training(..., "
+            "optimizer=lambda params: MyOptimizer(params))") from error
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        return None
+        raise OptionError(f"optim='{name}' makes the Trainer build {getattr(cls, '__name__', cls)}, not a "
+                          "torch.optim.Optimizer batchfit can trace: pass one, fit_training(..., "
+                          "optimizer=lambda params: MyOptimizer(params))")
     return lambda params: cls(params, **kwargs)
 
 
@@ -103,16 +122,18 @@ class TrainerFit:
 
 def fit_training(model: nn.Module, args: Any, *, global_batch: int, seq_len: int, target_util: float = 0.9,
                  multiple_of: int = 1, gpu: str | None = None, gpu_memory: str | None = None,
-                 mode: str = "estimate", limit: str = "reserved") -> TrainerFit:
+                 mode: str = "estimate", limit: str = "reserved", optimizer: Any = None) -> TrainerFit:
     """Size ``model`` as ``args`` will train it, and split ``global_batch`` over the devices of ``args``.
 
     ``gpu`` / ``gpu_memory`` name the GPU when there is none here (``"h100-80gb"``, ``"24GiB"``);
-    otherwise the GPU here, else a traced H100, said in the log.
+    otherwise the GPU here, else a traced H100, said in the log. ``optimizer``: the one given to
+    ``Trainer(optimizers=...)`` (an optimizer, or a function of the parameters that builds it);
+    by default the one the Trainer builds from ``args.optim``.
     """
     options = StepOptions(precision=_precision(args),
                           checkpointing="full" if getattr(args, "gradient_checkpointing", False) else "none")
     world_size = getattr(args, "world_size", 1)
-    workload = hf_model_workload(model, seq_len, _optimizer_builder(args, model))
+    workload = hf_model_workload(model, seq_len, _optimizer_builder(args, model, optimizer))
     plan = plan_global_batch(workload, model=model, global_batch=global_batch, world_size=world_size,
                              multiple_of=multiple_of, target_util=target_util, gpu=gpu, gpu_memory=gpu_memory,
                              options=options, mode=mode, limit=limit,

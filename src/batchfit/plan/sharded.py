@@ -2,7 +2,7 @@
 
 ``torch.distributed``'s "fake" backend answers every collective at once without moving data,
 for any world size, in one process. With it the model is wrapped exactly as a real run wraps
-it (``_parallel.apply_strategy``: DDP with its gradient buckets, FSDP2 ``fully_shard`` per
+it (``batchfit.distributed.apply_strategy``: DDP with its gradient buckets, FSDP2 ``fully_shard`` per
 block and at the root, HSDP on a 2-D mesh, DTensor tensor parallelism, FSDP + TP on a 2-D
 mesh), the step runs on fake tensors, and what rank 0 holds is counted by the tracer of
 ``estimate`` plus what sharding adds (``_tracker.ShardedTracker``: FSDP2's storage resizes,
@@ -30,27 +30,12 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from batchfit.distributed.strategy import Strategy
 from batchfit.errors import OptionError
 
 SHARDS = ("none", "ddp", "fsdp", "fsdp-noreshard", "hsdp")
 MAX_AUTO_TP = 8
 """'auto' tries TP degrees up to one node's GPUs (8): TP beyond a node's NVLink is rarely worth it."""
-
-
-@dataclass(frozen=True)
-class Strategy:
-    name: str
-    """As the user typed it, normalised: "ddp", "fsdp", "fsdp-noreshard", "hsdp2", "tp2", "fsdp+tp4"."""
-    world_size: int
-    """GPUs in all (nodes x GPUs per node)."""
-    dp: int
-    """Data-parallel degree (ranks that see different samples) = world_size // tp."""
-    tp: int
-    """Tensor-parallel degree (1 when none)."""
-    shard: str
-    """"none" (one GPU, no wrapper), "ddp", "fsdp", "fsdp-noreshard", "hsdp"."""
-    replicas: int = 1
-    """HSDP replica groups (hsdp<R>); 1 otherwise."""
 
 
 _NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|hsdp(\d+)|tp(\d+)|fsdp\+tp(\d+))$")
@@ -234,7 +219,7 @@ class ShardedSession:
     def __init__(self, workload, options, device, strategy: Strategy, *, cuda_semantics: bool = True) -> None:
         import torch
 
-        from batchfit.plan._parallel import apply_strategy, build_meshes
+        from batchfit.distributed import apply_strategy, build_meshes
         from batchfit.distributed.tracker import ShardedTracker
         from batchfit.distributed.tp_plans import tp_plan
         from batchfit.train.step import TrainingStep

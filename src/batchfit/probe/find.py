@@ -199,7 +199,7 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     ``verify_tiers`` probes every recommended tier; by default they are predicted from the
     measured line and at most one extra probe checks the production tier. ``strategy``
     ('ddp', 'fsdp'; under torchrun on a real device the default is 'ddp') wraps each rank's
-    model as a multi-GPU run would (``batchfit.parallel``).
+    model as a multi-GPU run would (``batchfit.distributed.wrap``).
     """
     options = options or StepOptions()
     search.check_probe_options(policy=policy, multiple_of=multiple_of, smallest=smallest, largest=largest,
@@ -212,7 +212,7 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     strategy = parallel.choose_strategy(strategy, virtual=target.kind == "virtual",
                                         world_size=ranks.world_size(), isolate=isolate)
     ranks.init_ranks(cuda=target.kind == "cuda")
-    wrap = parallel.step_wrapper(strategy, target.torch_device)
+    wrap = parallel.step_wrapper(strategy, target.torch_device, options.precision)
     started = time.perf_counter()
     # Every decision uses the smallest usable memory of all ranks, so all ranks decide alike.
     capacity = ranks.agree_min(target.device.usable_bytes) if target.device else None

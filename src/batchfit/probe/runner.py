@@ -57,7 +57,7 @@ def probe_once(workload: Workload, options: StepOptions, target: Target, batch_s
                wrap: Callable[[nn.Module], nn.Module] | None = None) -> Trial:
     """Run ``steps`` training steps at ``batch_size``; never raises for OOM or a failed step.
 
-    ``wrap`` (``batchfit.parallel.step_wrapper``) makes the model what a multi-GPU run trains."""
+    ``wrap`` (``batchfit.distributed.wrap.step_wrapper``) makes the model what a multi-GPU run trains."""
     try:
         trial = _run_steps(workload, options, target, batch_size, steps, stop_on_nan, limit, wrap)
     except Exception as error:  # noqa: BLE001 - every failure becomes a Trial, classified

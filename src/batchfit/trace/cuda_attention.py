@@ -15,6 +15,12 @@ math path (K/V repeated to Q's heads) where CUDA's fused kernels refuse them. It
 dispatcher registration, below autocast (which has already cast the inputs) and above
 autograd, so activation-checkpointing recomputation sees it too.
 
+A dispatcher registration is process-wide, but the mirror is not: only the thread that
+entered :class:`CudaAttention` (the one tracing) gets it; SDPA called from any other thread
+meanwhile (a user's real model next to the trace) runs PyTorch's own kernel, kept before the
+registration. Backward, where recomputation happens, runs in the tracing thread for CPU
+(and fake CPU) tensors.
+
 Known limit: the fused backward kernels allocate scratch of their own (flash attention's
 fp32 dq accumulator; with GQA, dK/dV at Q's head count before they are summed per group)
 that no op returns; it is not counted.
@@ -22,11 +28,18 @@ that no op returns; it is not counted.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+_SDPA = "aten::scaled_dot_product_attention"
+_PYTORCH_SDPA = torch._C._dispatch_get_computed_kernel_for_dispatch_key(_SDPA, "CPU")
+"""PyTorch's own SDPA (the composite kernel that picks a backend), kept before any mirror is
+registered: what a thread that is not tracing runs."""
+_tracing = threading.local()
+"""``depth``: how many CudaAttention contexts this thread is in."""
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _MATH = torch.ops.aten._scaled_dot_product_attention_math.default
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention.default
@@ -112,6 +125,9 @@ def _bool_mask_as_bias(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> to
 
 def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                      scale=None, enable_gqa=False):
+    if not getattr(_tracing, "depth", 0):  # another thread's SDPA, not the trace's
+        return _PYTORCH_SDPA.call_boxed(torch._C._dispatch_keys(query), query, key, value, attn_mask, dropout_p,
+                                        is_causal, scale=scale, enable_gqa=enable_gqa)
     grouped = enable_gqa and key.shape[-3] != query.shape[-3]
     flash = cuda_flash_takes_gqa(query, attn_mask)
     fused = flash if grouped else cuda_would_fuse(query)
@@ -136,14 +152,16 @@ def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 
 
 class CudaAttention:
-    """Context manager: SDPA picks its kernel as CUDA would, for fake CPU tensors."""
+    """Context manager: SDPA picks its kernel as CUDA would, for fake CPU tensors, in this thread."""
 
     def __enter__(self) -> CudaAttention:
         self._lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
             self._lib.impl("scaled_dot_product_attention", _sdpa_as_on_cuda, "CompositeImplicitAutograd")
+        _tracing.depth = getattr(_tracing, "depth", 0) + 1
         return self
 
     def __exit__(self, *exc) -> None:
+        _tracing.depth -= 1
         self._lib._destroy()

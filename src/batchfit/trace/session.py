@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -78,6 +79,76 @@ def _message(error: BaseException) -> str:
     return f"{text} ({advice})" if advice else text
 
 
+_PYTORCH_APPLY = nn.Module._apply
+_building = threading.local()
+"""``depth``: builds on fake tensors this thread is in; ``call``: (converted tensors, modules
+done) of the outermost ``Module._apply`` running in it."""
+_builders = [0]
+_builders_lock = threading.Lock()
+
+
+def _apply_building_fakes(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` (behind ``.to()``, ``.bfloat16()``, ``to_empty()``), while a model is
+    built on fake tensors, in the thread building it (any other thread gets PyTorch's own).
+
+    PyTorch swaps a fake parameter for its converted copy in place (``torch.utils.swap_tensors``),
+    which fails: the fake mode keeps a weak reference to every fake parameter. So a model whose
+    ``__init__`` calls ``self.to(torch.bfloat16)`` could not be traced. Here a module holding fake
+    tensors gets new ones instead, as PyTorch does for a change of tensor type: a tensor two
+    modules share (tied weights) stays shared, and a module reached twice in one call (listed
+    in two ModuleLists, as frozen-pair's decoder layers are) is converted once."""
+    if not getattr(_building, "depth", 0):
+        return _PYTORCH_APPLY(self, fn, recurse)
+    outermost = getattr(_building, "call", None) is None
+    if outermost:
+        _building.call = ({}, set())
+    converted, done = _building.call
+    try:
+        if id(self) in done:
+            return self
+        done.add(id(self))
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        own = [t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None]
+        if not any(isinstance(t, fake_tensor.FakeTensor) for t in own):
+            return _PYTORCH_APPLY(self, fn, False)  # meta or DTensor parameters: PyTorch's way works
+        with torch.no_grad():
+            for slots, is_param in ((self._parameters, True), (self._buffers, False)):
+                for name, tensor in slots.items():
+                    if tensor is None:
+                        continue
+                    if id(tensor) not in converted:
+                        new = fn(tensor)
+                        if is_param:
+                            new = nn.Parameter(new, tensor.requires_grad)
+                            if tensor.grad is not None:
+                                new.grad = fn(tensor.grad)
+                        converted[id(tensor)] = (tensor, new)  # the old one kept: its id stays unique
+                    slots[name] = converted[id(tensor)][1]
+        return self
+    finally:
+        if outermost:
+            _building.call = None
+
+
+@contextlib.contextmanager
+def _building_on_fakes() -> Iterator[None]:
+    """Let the model being built in this thread convert its fake tensors (``.to(dtype)``)."""
+    with _builders_lock:
+        _builders[0] += 1
+        nn.Module._apply = _apply_building_fakes
+    _building.depth = getattr(_building, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _building.depth -= 1
+        with _builders_lock:
+            _builders[0] -= 1
+            if not _builders[0]:
+                nn.Module._apply = _PYTORCH_APPLY
+
+
 def install_cuda_mirrors(step: TrainingStep) -> None:
     """Make a step on fake CPU tensors allocate what it would on a CUDA device.
 
@@ -131,7 +202,7 @@ class TraceSession:
                                                 round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
         self.warmup_steps = warmup_steps
         self._warm = False
-        with self.tracing("building the model"):
+        with self.tracing("building the model"), _building_on_fakes():
             self.step = TrainingStep(workload, options, torch.device("cpu"), wrap=wrap)
         _require_fake_parameters(self.step, workload.name)
         if cuda_semantics:

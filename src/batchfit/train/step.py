@@ -180,7 +180,7 @@ class TrainingStep:
     The step knows nothing about who watches it: an engine passes ``hooks`` to :meth:`run`,
     and the tracer installs its CUDA mirrors by replacing :attr:`step_context` and
     :attr:`forward_autocast` (see ``trace/session.py``). Nor does it know about distribution:
-    ``wrap`` (``batchfit.parallel.step_wrapper``) turns the model into what a multi-GPU run
+    ``wrap`` (``batchfit.distributed.wrap.step_wrapper``) turns the model into what a multi-GPU run
     trains (DDP, FSDP2) and :attr:`model` is what it returns.
 
     Three ways to run it: :meth:`run` (``make_batch`` batches, what the tracer, probe and bench

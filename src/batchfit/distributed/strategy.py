@@ -1,9 +1,21 @@
 """Apply a strategy to a model with PyTorch's own distributed code: DDP, FSDP2, HSDP, TP.
 
-The same function wraps the model of a real multi-process run (gloo on CPU, in the tests)
-and of the traced rank 0 on the fake process group, so the trace is checked against the
-code that really runs. The device mesh is built before anything is traced (a mesh made
-under ``FakeTensorMode`` would hold a fake rank table).
+One copy, used by every engine that wraps a model: ``plan`` wraps rank 0 of each strategy
+on the fake process group (fake tensors, any world size, one process); ``probe`` under
+torchrun and the tests' gloo runs wrap the real model of each rank. So the traced wrap is the
+code that really runs, mixed-precision policy included.
+
+    ddp          DistributedDataParallel: every rank keeps the whole model; gradients are
+                 all-reduced in buckets during backward (the buckets are memory too)
+    fsdp         FSDP2 ``fully_shard`` on each block of the model's main stack and at the root,
+                 as torchtitan does: each rank keeps 1/N of the parameters, gradients and
+                 optimizer state, and all-gathers one block at a time
+    fsdp-noreshard  FSDP2 keeping gathered parameters from forward to backward (ZeRO-2)
+    hsdp         FSDP2 sharded within groups, replicated across them (a 2-D mesh)
+    tp           tensor parallelism (DTensor) on the tp mesh, before any data-parallel wrap
+
+The device meshes are built before anything is traced (a mesh made under ``FakeTensorMode``
+would hold a fake rank table). Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -11,13 +23,35 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
-from torch import nn
+from typing import TYPE_CHECKING
 
 from batchfit.errors import OptionError
-from batchfit.train.step import block_list
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    """As the user typed it, normalised: "ddp", "fsdp", "fsdp-noreshard", "hsdp2", "tp2", "fsdp+tp4"."""
+    world_size: int
+    """GPUs in all (nodes x GPUs per node)."""
+    dp: int
+    """Data-parallel degree (ranks that see different samples) = world_size // tp."""
+    tp: int
+    """Tensor-parallel degree (1 when none)."""
+    shard: str
+    """"none" (one GPU, no wrapper), "ddp", "fsdp", "fsdp-noreshard", "hsdp"."""
+    replicas: int = 1
+    """HSDP replica groups (hsdp<R>); 1 otherwise."""
+
+
+def data_parallel(shard: str, world_size: int) -> Strategy:
+    """DDP or FSDP2 ("ddp", "fsdp") over all ``world_size`` ranks, no tensor parallelism: what
+    ``probe`` wraps under torchrun."""
+    return Strategy(shard, world_size, world_size, 1, shard)
 
 
 @dataclass
@@ -29,8 +63,10 @@ class Meshes:
     groups: dict[str, tuple[str, int]]  # process group name -> ("dp" | "tp", ranks in it)
 
 
-def build_meshes(strategy, device_type: str = "cpu") -> Meshes:
-    """The meshes of ``strategy`` over the default process group (one per rank, all ranks)."""
+def build_meshes(strategy: Strategy, device_type: str = "cpu") -> Meshes:
+    """The meshes of ``strategy`` over the default process group (one per rank, all ranks).
+    A 1-D mesh over the whole world reuses the default group (no new communicator)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     if strategy.tp > 1 and strategy.dp > 1:
@@ -61,6 +97,7 @@ def build_meshes(strategy, device_type: str = "cpu") -> Meshes:
 
 def mixed_precision(precision: str):
     """FSDP2's policy for a mixed-precision step: gather low-precision parameters, reduce in fp32."""
+    import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if precision == "bf16-mixed":
@@ -89,6 +126,8 @@ def _fake_allreduce_hook(on_bucket: Callable[[torch.Tensor], None] | None):
     """DDP's default communication hook (divide by the world size, all-reduce in place), in
     Python: the fake process group's C++ future carries no tensor, which DDP's built-in hook
     needs. The same ops on the same bucket, so the same memory."""
+    import torch
+    import torch.distributed as dist
 
     def hook(group, bucket):
         tensor = bucket.buffer()
@@ -103,9 +142,12 @@ def _fake_allreduce_hook(on_bucket: Callable[[torch.Tensor], None] | None):
     return hook
 
 
-# What DDP's rebuild uses by default: a small first bucket (its gradients are ready first),
-# then 25 MiB buckets (dist._DEFAULT_FIRST_BUCKET_BYTES, nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB).
-_DDP_BUCKET_CAPS = [dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20, 25]
+def _ddp_bucket_caps_mb() -> list[float]:
+    """What DDP's rebuild uses by default: a small first bucket (its gradients are ready
+    first), then 25 MiB buckets (dist._DEFAULT_FIRST_BUCKET_BYTES, _DEFAULT_BUCKET_CAP_MB)."""
+    import torch.distributed as dist
+
+    return [dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20, 25]
 
 
 class _BucketsAsBuilt:
@@ -114,7 +156,7 @@ class _BucketsAsBuilt:
     DDP first puts every gradient in one bucket, and in the second step's forward rebuilds
     its buckets (1 MiB, then 25 MiB each) in the order gradients became ready in the first
     backward; the C++ rebuild reads an index tensor's values, which fake tensors do not
-    have. The traced DDP is built with those caps from the start (``_DDP_BUCKET_CAPS``),
+    have. The traced DDP is built with those caps from the start (``_ddp_bucket_caps_mb``),
     over the parameters in reverse (DDP's own approximation of the ready order): the same
     gradients in buckets of the same sizes, so the steady step holds the same bucket bytes
     and calls about as many all-reduces. The rebuild's own moment, with the old and new
@@ -130,15 +172,48 @@ class _BucketsAsBuilt:
         return False
 
 
-def apply_strategy(model: nn.Module, strategy, meshes: Meshes, *, precision: str, fake: bool,
-                   parallelize: Callable | None = None,
-                   on_bucket: Callable[[torch.Tensor], None] | None = None) -> nn.Module:
-    """``model`` as rank 0 of ``strategy`` trains it: TP first (on the tp mesh), then the
-    data-parallel wrap (DDP, or FSDP2 per block and at the root, as torchtitan does).
+def _ddp(model: nn.Module, *, fake: bool, device: torch.device | None,
+         on_bucket: Callable[[torch.Tensor], None] | None) -> nn.Module:
+    from torch import nn
 
-    ``parallelize`` is the TP plan (``tp_plans.tp_plan`` or the Workload's own); ``fake``
+    if fake:
+        with _no_cross_rank_checks():
+            ddp = nn.parallel.DistributedDataParallel(model, init_sync=False, bucket_cap_mb_list=_ddp_bucket_caps_mb())
+        ddp.register_comm_hook(None, _fake_allreduce_hook(on_bucket))
+        ddp.reducer = _BucketsAsBuilt(ddp.reducer)
+        return ddp
+    # device_ids names the rank's own GPU (cuda:LOCAL_RANK); on the CPU (gloo) DDP wants None.
+    device_ids = [device] if device is not None and device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def _fully_shard_blocks(model: nn.Module, mesh, *, reshard: bool, precision: str) -> nn.Module:
+    """FSDP2 on each block of the model's main stack, then at the root (in place)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from batchfit.train.step import block_list
+
+    policy = mixed_precision(precision)
+    # One FSDP group per block, so one block's parameters are gathered at a time; the root
+    # group holds the rest (embeddings, final norm, head) and any model without blocks. The
+    # root keeps its own gathered after forward (backward needs them at once), FSDP2's default.
+    for block in block_list(model) or ():
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard if reshard is False else None, mp_policy=policy)
+    return model
+
+
+def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, precision: str, fake: bool,
+                   parallelize: Callable | None = None, on_bucket: Callable[[torch.Tensor], None] | None = None,
+                   device: torch.device | None = None) -> nn.Module:
+    """``model`` as a rank of ``strategy`` trains it: TP first (on the tp mesh), then the
+    data-parallel wrap (DDP, or FSDP2 per block and at the root with the mixed-precision
+    policy of ``precision``, as torchtitan does).
+
+    ``parallelize`` is the TP plan (``plan.tp_plans.tp_plan`` or the Workload's own); ``fake``
     says the model is on fake tensors and the process group is the fake one (DDP then gets
-    a Python all-reduce hook, ``on_bucket`` sees each gradient bucket).
+    a Python all-reduce hook, ``on_bucket`` sees each gradient bucket); ``device`` is the
+    rank's own device (a real DDP on CUDA names it).
     """
     if strategy.tp > 1:
         if parallelize is None:
@@ -146,23 +221,7 @@ def apply_strategy(model: nn.Module, strategy, meshes: Meshes, *, precision: str
                               "Workload a parallelize(model, mesh) function, or pick ddp / fsdp")
         model = parallelize(model, meshes.tp)
     if strategy.shard == "ddp":
-        if fake:
-            with _no_cross_rank_checks():
-                ddp = nn.parallel.DistributedDataParallel(model, init_sync=False, bucket_cap_mb_list=_DDP_BUCKET_CAPS)
-            ddp.register_comm_hook(None, _fake_allreduce_hook(on_bucket))
-            ddp.reducer = _BucketsAsBuilt(ddp.reducer)
-            return ddp
-        return nn.parallel.DistributedDataParallel(model)
+        return _ddp(model, fake=fake, device=device, on_bucket=on_bucket)
     if strategy.shard in ("fsdp", "fsdp-noreshard", "hsdp"):
-        from torch.distributed.fsdp import fully_shard
-
-        reshard = strategy.shard != "fsdp-noreshard"
-        policy = mixed_precision(precision)
-        # One FSDP group per block, so one block's parameters are gathered at a time; the
-        # root group holds the rest (embeddings, final norm, head). The root keeps its own
-        # gathered after forward (backward needs them at once), as FSDP2 does by default.
-        for block in block_list(model) or ():
-            fully_shard(block, mesh=meshes.dp, reshard_after_forward=reshard, mp_policy=policy)
-        fully_shard(model, mesh=meshes.dp, reshard_after_forward=reshard if reshard is False else None,
-                    mp_policy=policy)
+        return _fully_shard_blocks(model, meshes.dp, reshard=strategy.shard != "fsdp-noreshard", precision=precision)
     return model
