@@ -233,9 +233,9 @@ def test_global_batch_accumulation_respects_the_granularity():
     trials = [Trial(b, "ok" if b <= 96 else "oom", peak_allocated_bytes=b * 10 if b <= 96 else None) for b in (96, 104)]
     result = SearchResult(96, trials, 104, capped=False, multiple_of=8)
     no_probe = lambda b: pytest.fail("nothing needs probing")  # noqa: E731
-    recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 512, {"lo": 8, "hi": 4096, "multiple_of": 8})}
+    recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 512, {"lo": 8, "hi": 4096, "multiple_of": 8})[0]}
     assert (recs["global batch"].batch_size, recs["global batch"].accumulation_steps) == (64, 8)  # 64 | 512, <= 96
-    recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 100, {"lo": 8, "hi": 4096, "multiple_of": 8})}
+    recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 100, {"lo": 8, "hi": 4096, "multiple_of": 8})[0]}
     assert recs["global batch"].batch_size == 0 and "multiple of 8" in recs["global batch"].why
 
 
@@ -243,3 +243,53 @@ def test_guided_on_cpu_grows_from_the_smallest_size():
     result = find_max_batch(tiny(8), target=parse_target("cpu"), largest=4)
     assert [t.batch_size for t in result.trials] == [1, 2, 4]  # never starts at the cap on a CPU
     assert result.max_batch_size == 4 and result.search.capped
+
+
+def test_a_tier_probe_that_fails_keeps_what_was_measured():
+    """Peaks on the line 40 + 20 b bytes, 2000 usable: the maximum 96 ran, 97 did not. The one
+    extra probe checks the production tier, (0.9 x 2000 - 40) / 20 = 88, and fails with an error:
+    the maximum stays, the tiers stay predicted from the line (88; 75%: (1500 - 40) / 20 = 73),
+    and the error is reported."""
+    from batchfit.probe.find import SearchStopped, _recommend
+    from batchfit.search import SearchResult, Trial
+
+    trials = [Trial(b, "ok", peak_allocated_bytes=40 + 20 * b) for b in (64, 96)] + [Trial(97, "oom")]
+
+    def probe(b):
+        trials.append(Trial(b, "error", error="ValueError: boom"))
+        raise SearchStopped(trials[-1])
+
+    result = SearchResult(96, trials[:], 97, capped=False, multiple_of=1)
+    recs, stopped = _recommend(result, probe, trials, 2000, 0.9, None, {"lo": 1, "hi": 4096, "multiple_of": 1})
+    assert stopped.batch_size == 88 and [t.batch_size for t in trials] == [64, 96, 97, 88]  # one probe only
+    assert [(r.name, r.batch_size, r.source) for r in recs] == [
+        ("maximum", 96, "probed"), ("production", 88, "predicted"), ("conservative", 73, "predicted")]
+
+
+def linear_failing_at(bad: int | None) -> Workload:
+    def loss_fn(model, x):
+        if x.shape[0] == bad:
+            raise ValueError(f"my loss cannot take {bad} samples")
+        return model(x).pow(2).mean()
+
+    return Workload(name="linear", build_model=lambda: nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 256)),
+                    make_batch=lambda b, device: torch.randn(b, 256, device=device), loss_fn=loss_fn)
+
+
+def test_probe_keeps_the_maximum_when_the_tier_probe_fails():
+    """The same on the virtual device: the extra probe's size is learnt from a clean run, then a
+    workload that fails at exactly that size must keep the maximum and report the error."""
+    target = parse_target("virtual:1GiB")
+    clean = find_max_batch(linear_failing_at(None), target=target, largest=1 << 16)
+    extra = clean.trials[len(clean.search.trials):]
+    assert len(extra) == 1  # the production tier's check
+    failing = find_max_batch(linear_failing_at(extra[0].batch_size), target=target, largest=1 << 16)
+    assert failing.stopped_by.batch_size == extra[0].batch_size and "my loss" in failing.stopped_by.error
+    assert failing.max_batch_size == clean.max_batch_size > 0
+    names = {r.name: r for r in failing.recommendations}
+    assert names["maximum"].batch_size == clean.max_batch_size
+    assert names["production"].source == "predicted"  # the probe that would have confirmed it failed
+    from batchfit.report.probe_markdown import probe_markdown
+
+    assert f"Maximum batch size: {clean.max_batch_size}**" in probe_markdown(failing)
+    assert "The maximum below ran; the tiers are predicted" in probe_markdown(failing)

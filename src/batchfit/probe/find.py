@@ -246,11 +246,12 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
             result = search.binsearch(probe, **bounds)
         else:
             result = getattr(search, policy)(probe, **bounds)
-        slope = predictor.slope if predictor else None
-        recommendations = _recommend(result, probe, trials, capacity, target_util, global_batch, bounds,
-                                     slope, verify_tiers)
     except SearchStopped as stop:
-        stopped, recommendations = stop.trial, []
+        stopped = stop.trial
+    recommendations: list[Recommendation] = []
+    if result is not None:  # the search finished: recommend from it, even if a tier probe then fails
+        recommendations, stopped = _recommend(result, probe, trials, capacity, target_util, global_batch, bounds,
+                                              predictor.slope if predictor else None, verify_tiers)
     return ProbeResult(
         workload=workload.name, description=workload.description, tokens_per_sample=workload.tokens_per_sample,
         target=target, options=options, policy=policy, multiple_of=multiple_of, smallest=smallest,
@@ -262,10 +263,15 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
 
 def _recommend(result: SearchResult, probe: Callable[[int], Trial], trials: list[Trial], capacity: int | None,
                target_util: float, global_batch: int | None, bounds: dict, traced_slope: float | None = None,
-               verify_tiers: bool = False) -> list[Recommendation]:
+               verify_tiers: bool = False) -> tuple[list[Recommendation], Trial | None]:
+    """The maximum, the tiers under ``target_util`` and 75%, and the global batch's
+    accumulation; and the trial whose error stopped a tier probe (None). A tier probe that
+    fails with an error stops further probing, never what was measured: the tiers are then
+    what the probes so far say (predicted where none was probed)."""
     best = result.max_batch_size
     if not best:
-        return []
+        return [], None
+    stopped: Trial | None = None
     best_trial = next((t for t in trials if t.batch_size == best), None)
     peak = best_trial.peak_allocated_bytes if best_trial else None
     out = [Recommendation("maximum", best, peak, "the largest batch that ran")]
@@ -275,19 +281,28 @@ def _recommend(result: SearchResult, probe: Callable[[int], Trial], trials: list
         for name, util in (("production", target_util), ("conservative", CONSERVATIVE_UTIL)):
             limit = int(util * capacity)
             why = f"the largest batch under {util:.0%} of usable memory"
-            if verify_tiers:  # search under the limit until the next size up is shown to exceed it
-                found = search.guided(lambda b, limit=limit: _under(probe(b), limit),
-                                      lambda seen, limit=limit: _predict_under(limit, trials, traced_slope, best, m),
-                                      known=[_under(t, limit) for t in trials], **{**bounds, "hi": best})
-                ran = next((t for t in trials if t.batch_size == found.max_batch_size), None)
-                if ran:
-                    out.append(Recommendation(name, ran.batch_size, ran.peak_allocated_bytes, why + " (probed)"))
-                continue
+            if verify_tiers and stopped is None:  # search under the limit until the next size up exceeds it
+                try:
+                    found = search.guided(lambda b, limit=limit: _under(probe(b), limit),
+                                          lambda seen, limit=limit: _predict_under(limit, trials, traced_slope,
+                                                                                   best, m),
+                                          known=[_under(t, limit) for t in trials if t.status != "error"],
+                                          **{**bounds, "hi": best})
+                except SearchStopped as stop:
+                    stopped = stop.trial
+                else:
+                    ran = next((t for t in trials if t.batch_size == found.max_batch_size), None)
+                    if ran:
+                        out.append(Recommendation(name, ran.batch_size, ran.peak_allocated_bytes, why + " (probed)"))
+                    continue
             tier = _tier(name, why, limit, trials, traced_slope, bounds["lo"], best, m)
-            if tier and tier.source == "predicted" and extra_probes == 0:
+            if tier and tier.source == "predicted" and extra_probes == 0 and stopped is None:
                 # One extra probe in all: the production tier, the one to train with.
                 extra_probes += 1
-                probe(tier.batch_size)
+                try:
+                    probe(tier.batch_size)
+                except SearchStopped as stop:  # keep the prediction; say what stopped the probe
+                    stopped = stop.trial
                 tier = _tier(name, why, limit, trials, traced_slope, bounds["lo"], best, m)
             if tier:
                 out.append(tier)
@@ -303,7 +318,7 @@ def _recommend(result: SearchResult, probe: Callable[[int], Trial], trials: list
         else:
             out.append(Recommendation("global batch", 0, None, f"no multiple of {m} up to {micro_cap} divides "
                                       f"{global_batch}: choose a global batch that is a multiple of {m}"))
-    return out
+    return out, stopped
 
 
 def _under(trial: Trial, limit: int) -> Trial:
@@ -320,7 +335,9 @@ def _predict_under(limit: int, trials: list[Trial], traced_slope: float | None, 
     if line is None or not line.bytes_per_sample:
         return 0
     predicted = min(int((limit - line.fixed_bytes) / line.bytes_per_sample) // m * m, best)
-    failed_above = min((t.batch_size for t in trials if not _under(t, limit).fits), default=None)
+    # Sizes shown to exceed the limit; a probe that failed with an error showed nothing about memory.
+    failed_above = min((t.batch_size for t in trials if t.status != "error" and not _under(t, limit).fits),
+                       default=None)
     return predicted if failed_above is None else min(predicted, failed_above - m)
 
 

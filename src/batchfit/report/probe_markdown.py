@@ -24,8 +24,11 @@ def probe_markdown(result, plot_name: str = "memory.png") -> str:
     lines = [f"# Largest batch: {r.workload} on {device_name}, {r.options.precision}", "", "## Summary", ""]
     if r.stopped_by:
         t = r.stopped_by
-        lines += [f"- **The search stopped at batch {t.batch_size} with an error that is not out of memory:** "
-                  f"`{t.error}`. Fix it and run again; the probes before it are kept below.", ""]
+        lines += [(f"- **The search stopped at batch {t.batch_size} with an error that is not out of memory:** "
+                   f"`{t.error}`. Fix it and run again; the probes before it are kept below.") if r.search is None else
+                  (f"- **The probe that checks a tier, batch {t.batch_size}, failed with an error that is not out "
+                   f"of memory:** `{t.error}`. The maximum below ran; the tiers are predicted from the probes "
+                   "before it. Fix it and run again."), ""]
     if best:
         if r.search and r.search.capped:
             verdict = "capped: the largest size allowed, --max; larger sizes were not tried"
