@@ -293,3 +293,60 @@ def test_probe_keeps_the_maximum_when_the_tier_probe_fails():
 
     assert f"Maximum batch size: {clean.max_batch_size}**" in probe_markdown(failing)
     assert "The maximum below ran; the tiers are predicted" in probe_markdown(failing)
+
+
+def test_probe_on_a_bare_cpu_is_refused_before_torch_loads():
+    """--device cpu alone has no memory to run out of: the search would double the batch with
+    real CPU steps up to --max. Refused in one line that says what to add, before torch loads."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom typer.testing import CliRunner\nfrom batchfit.cli.app import app\n"
+              "r = CliRunner().invoke(app, ['probe', 'gpt-tinystories-22m', '--device', 'cpu'])\n"
+              "print(r.exit_code, 'torch' in sys.modules)\nprint(r.output)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    status, output = out.split("\n", 1)
+    assert status == "2 False", out
+    assert "has no memory to run out of" in output and "--gpu t4-16gb" in output and "--max N" in output
+    assert len([line for line in output.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_a_bare_cpu_target_needs_a_cap_in_python_too():
+    with pytest.raises(OptionError, match="largest=N"):
+        find_max_batch(tiny(8), target=parse_target("cpu"))
+
+
+def test_cpu_sized_for_a_gpu_stops_where_the_gpu_runs_out():
+    """--device cpu --gpu-memory 600MiB: each probe's memory is traced for that GPU (the virtual
+    device's answer, probe for probe), and the CPU runs the steps that fit for their time."""
+    from batchfit.targets import resolve_target
+
+    work = linear_failing_at(None)
+    virtual = find_max_batch(work, target=parse_target("virtual:600MiB"), largest=1 << 16)
+    cpu = find_max_batch(work, target=resolve_target(device="cpu", gpu_memory="600MiB"), largest=1 << 16)
+    assert cpu.max_batch_size == virtual.max_batch_size and cpu.search.exact
+    assert [(t.batch_size, t.status, t.peak_allocated_bytes) for t in cpu.trials] == \
+        [(t.batch_size, t.status, t.peak_allocated_bytes) for t in virtual.trials]
+    assert all(t.step_time_s > 0 for t in cpu.trials if t.fits)  # really ran on the CPU
+    assert cpu.to_json()["source"] == "cpu time, traced memory"
+
+
+def test_an_isolated_probe_keeps_the_gpu_a_cpu_target_is_sized_for():
+    """The child gets the Target itself (pickled): 'cpu' sized for a GPU has the GPU only in the
+    object, not in its spec ('cpu'), so a spec-rebuilt target would lose the memory limit. The
+    child's function, run here on a pipe, traces memory for that GPU."""
+    import multiprocessing
+    import pickle
+
+    from batchfit.probe.runner import _isolated_child
+    from batchfit.targets import resolve_target
+
+    target = resolve_target(device="cpu", gpu_memory="2GiB")
+    assert pickle.loads(pickle.dumps(target)) == target and target.spec == "cpu"
+    receive, send = multiprocessing.Pipe(duplex=False)
+    _isolated_child(send, "gpt-tinystories-22m", 32, StepOptions().to_json(), target, 2, 2, False, "reserved")
+    child = receive.recv()
+    inline = probe_once(tiny(), StepOptions(), parse_target(SMALL), 2)  # the same GPU, traced
+    assert child["status"] == "ok" and child["step_time_s"] > 0
+    assert (child["peak_allocated_bytes"], child["peak_reserved_bytes"]) == \
+        (inline.peak_allocated_bytes, inline.peak_reserved_bytes)

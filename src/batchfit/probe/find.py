@@ -105,7 +105,8 @@ class ProbeResult:
         best = self.trial(self.max_batch_size)
         line = self.measured_line()
         return {
-            "source": "traced (virtual device)" if self.target.kind == "virtual" else f"measured ({self.target.kind})",
+            "source": ("traced (virtual device)" if self.target.kind == "virtual" else "cpu time, traced memory"
+                       if self.target.kind == "cpu" and self.target.device else f"measured ({self.target.kind})"),
             "workload": self.workload, "description": self.description,
             "tokens_per_sample": self.tokens_per_sample,
             "device": {"spec": self.target.spec, **(self.target.device.to_json() if self.target.device else {})},
@@ -189,7 +190,7 @@ def measured_line(trials: list[Trial], traced_slope: float | None = None) -> Lin
 
 
 def find_max_batch(workload: Workload, *, target: Target, options: StepOptions | None = None,
-                   policy: str = "guided", multiple_of: int = 1, smallest: int = 1, largest: int = 1 << 16,
+                   policy: str = "guided", multiple_of: int = 1, smallest: int = 1, largest: int | None = None,
                    steps: int = 2, isolate: bool = False, spec: str | None = None, seq_len: int | None = None,
                    stop_on_nan: bool = False, target_util: float = 0.9, global_batch: int | None = None,
                    verify_tiers: bool = False, limit: str = "reserved", strategy: str | None = None,
@@ -199,8 +200,14 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     ``verify_tiers`` probes every recommended tier; by default they are predicted from the
     measured line and at most one extra probe checks the production tier. ``strategy``
     ('ddp', 'fsdp'; under torchrun on a real device the default is 'ddp') wraps each rank's
-    model as a multi-GPU run would (``batchfit.parallel``).
+    model as a multi-GPU run would (``batchfit.parallel``). ``largest`` caps the search
+    (default 65536); a bare ``cpu`` target has no memory to run out of, so it needs the cap
+    given, or a GPU to size for (``resolve_target(device='cpu', gpu=...)``).
     """
+    if target.kind == "cpu" and target.device is None and largest is None:
+        raise OptionError(search.no_memory_limit("find_max_batch on a bare cpu target", "largest=N",
+                                          "Target('cpu', get_device('t4-16gb'), 'cpu')"))
+    largest = search.DEFAULT_MAX_BATCH if largest is None else largest
     options = options or StepOptions()
     search.check_probe_options(policy=policy, multiple_of=multiple_of, smallest=smallest, largest=largest,
                                steps=steps, target_util=target_util, global_batch=global_batch, limit=limit)
@@ -216,9 +223,10 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     started = time.perf_counter()
     # Every decision uses the smallest usable memory of all ranks, so all ranks decide alike.
     capacity = ranks.agree_min(target.device.usable_bytes) if target.device else None
-    # A CPU run has no GPU memory to predict (its probes measure no peaks).
+    # A bare CPU run has no GPU memory to predict (its probes measure no peaks); sized for a GPU
+    # (--device cpu --gpu X), its memory is traced for that GPU as on the virtual device.
     predictor = (_Predictor(workload, options, target, capacity, multiple_of, largest, limit == "reserved", say)
-                 if target.kind in ("virtual", "cuda") and (policy == "guided" or target.kind == "cuda") else None)
+                 if target.device is not None and (policy == "guided" or target.kind == "cuda") else None)
     trials: list[Trial] = []
 
     def probe(batch_size: int) -> Trial:

@@ -12,6 +12,9 @@ def _source(result) -> str:
                 "no GPU was used)")
     if result.target.kind == "cuda":
         return "**measured** on the GPU (`torch.cuda.max_memory_allocated` / `max_memory_reserved`, reset per probe)"
+    if r_device := result.target.device:
+        return (f"**CPU time, traced memory**: each probe's memory is traced for the {r_device.display_name} "
+                "(fake tensors with its usable capacity), then the step runs on the CPU for its time and loss")
     return "**measured** on the CPU (step times only: no memory figures)"
 
 
