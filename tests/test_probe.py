@@ -350,3 +350,25 @@ def test_an_isolated_probe_keeps_the_gpu_a_cpu_target_is_sized_for():
     assert child["status"] == "ok" and child["step_time_s"] > 0
     assert (child["peak_allocated_bytes"], child["peak_reserved_bytes"]) == \
         (inline.peak_allocated_bytes, inline.peak_reserved_bytes)
+
+
+def test_the_report_has_one_memory_per_sample_and_the_headroom_of_the_limit():
+    """One line, stated: per sample = (peak(b2) - peak(b1)) / (b2 - b1) through the two largest
+    batches that fit, with peak the reserved figure that --limit reserved compares; the same in
+    the JSON, the Memory per sample section and the predicted tiers. Headroom = usable - reserved."""
+    from batchfit.devices import format_bytes
+    from batchfit.report.probe_markdown import probe_markdown
+
+    result = find_max_batch(linear_failing_at(None), target=parse_target("virtual:1GiB"), largest=1 << 16)
+    fit = sorted((t.batch_size, t.peak_reserved_bytes) for t in result.trials if t.fits)
+    (b1, p1), (b2, p2) = fit[-2:]
+    per_sample = (p2 - p1) / (b2 - b1)
+    assert result.to_json()["memory_per_sample_bytes"] == round(per_sample)
+    text = probe_markdown(result)
+    assert f"**{format_bytes(per_sample)} per sample** on top of {format_bytes(p2 - per_sample * b2)} fixed" in text
+    predicted = [r for r in result.recommendations if r.source == "predicted"]
+    assert predicted and all(f"({format_bytes(per_sample)} per sample)" in r.why for r in predicted)
+    best = result.trial(result.max_batch_size)
+    headroom = (result.capacity_bytes - best.peak_reserved_bytes) / 2**30
+    assert f"reserved must fit (`--limit reserved`): {best.peak_reserved_bytes / result.capacity_bytes:.1%} used, " \
+           f"headroom {headroom:.2f} GiB" in text

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchfit import parallel, search
+from batchfit.devices import format_bytes
 from batchfit.errors import OptionError
 from batchfit.probe import ranks
 from batchfit.probe.runner import probe_isolated, probe_once
@@ -80,6 +81,8 @@ class ProbeResult:
     """The trial whose error stopped the search (then max_batch_size is what was found before)."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
+    traced_bytes_per_sample: float | None = None
+    """The traced slope the tiers use when only one probe fit (None without a trace)."""
 
     @property
     def max_batch_size(self) -> int:
@@ -93,13 +96,11 @@ class ProbeResult:
     def trial(self, batch_size: int) -> Trial | None:
         return next((t for t in self.trials if t.batch_size == batch_size), None)
 
-    def measured_line(self) -> tuple[float, float] | None:
-        """(fixed bytes, bytes per sample) fitted to the measured peaks of the probes that fit."""
-        points = [(t.batch_size, t.peak_allocated_bytes) for t in self.trials if t.fits and t.peak_allocated_bytes]
-        if len({b for b, _ in points}) < 2:
-            return None
-        line = secant("measured", points)
-        return line.fixed_bytes, line.bytes_per_sample
+    def measured_line(self) -> Line | None:
+        """The one memory-per-sample line of this result, the one the tiers were predicted
+        from: through the peaks (``peak_of``: the figure the limit names) of the two largest
+        batches that fit, else the traced slope through the one that fit."""
+        return measured_line(self.trials, self.traced_bytes_per_sample)
 
     def to_json(self) -> dict:
         best = self.trial(self.max_batch_size)
@@ -120,8 +121,8 @@ class ProbeResult:
             "peak_allocated_bytes_at_max": best.peak_allocated_bytes if best else None,
             "peak_reserved_bytes_at_max": best.peak_reserved_bytes if best else None,
             "capacity_bytes": self.capacity_bytes,
-            "memory_per_sample_bytes": round(line[1]) if line else None,
-            "fixed_bytes": round(line[0]) if line else None,
+            "memory_per_sample_bytes": round(line.bytes_per_sample) if line else None,
+            "fixed_bytes": round(line.fixed_bytes) if line else None,
             "trials": [t.to_json() for t in self.trials],
             "recommendations": [vars(r) for r in self.recommendations],
             "target_util": self.target_util, "global_batch": self.global_batch,
@@ -266,6 +267,7 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
         largest=largest, search=result, trials=trials, recommendations=recommendations,
         target_util=target_util, global_batch=global_batch, seconds=time.perf_counter() - started,
         world_size=ranks.world_size(), strategy=strategy, stopped_by=stopped, limit=limit,
+        traced_bytes_per_sample=predictor.slope if predictor else None,
     )
 
 
@@ -361,5 +363,5 @@ def _tier(name: str, why: str, limit: int, trials: list[Trial], traced_slope: fl
         return None
     line = measured_line(trials, traced_slope)
     return Recommendation(name, predicted, int(line.at(predicted)),
-                          why + f", predicted from the measured line ({line.bytes_per_sample / 2**20:.1f} MiB "
+                          why + f", predicted from the measured line ({format_bytes(line.bytes_per_sample)} "
                           "per sample); not probed", source="predicted")
