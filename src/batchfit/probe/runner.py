@@ -54,7 +54,8 @@ def _run_steps(workload: Workload, options: StepOptions, target: Target, batch_s
     if target.kind == "virtual":
         return _traced(workload, options, target.device, batch_size, limit)
     # cpu sized for a GPU: that GPU's memory decides first, then the CPU runs the step for real.
-    traced = _traced(workload, options, target.device, batch_size, limit) if target.kind == "cpu" and target.device else None
+    sized = target.kind == "cpu" and target.device is not None
+    traced = _traced(workload, options, target.device, batch_size, limit) if sized else None
     step = TrainingStep(workload, options, target.torch_device, wrap=wrap)
     # The first step carries one-off costs (cuBLAS handles, kernel loading): time the last.
     timed = run_timed_steps(step, batch_size, steps=1, warmup=steps - 1, stop_on_nan=stop_on_nan)
