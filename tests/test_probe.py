@@ -16,7 +16,6 @@ from typer.testing import CliRunner
 from batchfit.cli.app import app
 from batchfit.errors import OptionError, UsageError
 from batchfit.probe.find import find_max_batch, peak_of
-from batchfit.train.oom import classify
 from batchfit.probe.runner import probe_isolated, probe_once
 from batchfit.targets import parse_target
 from batchfit.specs import load_workload
@@ -27,25 +26,6 @@ SMALL = "virtual:2GiB"  # 1.5 GiB usable: 1 GiB leaves too little for the alloca
 
 def tiny(seq_len: int = 32) -> Workload:
     return load_workload("gpt-tinystories-22m", seq_len=seq_len)
-
-
-@pytest.mark.parametrize("error,kind", [
-    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom"),
-    (RuntimeError("HIP out of memory. Tried to allocate 1 GiB"), "oom"),
-    (RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"), "oom"),
-    (RuntimeError("XPU out of memory. Tried to allocate 1 GiB"), "oom"),
-    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "oom"),
-    (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."), "oom"),
-    (RuntimeError("CUDA error: out of memory"), "oom"),
-    # torch >= 2.8: a failed allocation inside a kernel arrives as AcceleratorError
-    (torch.AcceleratorError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), "oom"),
-    (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), "error"),
-    (RuntimeError("CUDA error: invalid configuration argument"), "error"),  # huge-batch launch config
-    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)"), "error"),
-    (ValueError("my data loader ran out of memory-mapped files"), "error"),  # user's own, whatever it says
-])
-def test_oom_and_only_oom(error, kind):
-    assert classify(error) == kind
 
 
 def test_virtual_device_finds_the_exact_maximum_in_two_probes():
@@ -253,9 +233,9 @@ def test_global_batch_accumulation_respects_the_granularity():
     trials = [Trial(b, "ok" if b <= 96 else "oom", peak_allocated_bytes=b * 10 if b <= 96 else None) for b in (96, 104)]
     result = SearchResult(96, trials, 104, capped=False, multiple_of=8)
     no_probe = lambda b: pytest.fail("nothing needs probing")  # noqa: E731
-    recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 512, {"lo": 8, "hi": 4096, "multiple_of": 8})}
+    recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 512, {"lo": 8, "hi": 4096, "multiple_of": 8})[0]}
     assert (recs["global batch"].batch_size, recs["global batch"].accumulation_steps) == (64, 8)  # 64 | 512, <= 96
-    recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 100, {"lo": 8, "hi": 4096, "multiple_of": 8})}
+    recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 100, {"lo": 8, "hi": 4096, "multiple_of": 8})[0]}
     assert recs["global batch"].batch_size == 0 and "multiple of 8" in recs["global batch"].why
 
 
@@ -263,3 +243,132 @@ def test_guided_on_cpu_grows_from_the_smallest_size():
     result = find_max_batch(tiny(8), target=parse_target("cpu"), largest=4)
     assert [t.batch_size for t in result.trials] == [1, 2, 4]  # never starts at the cap on a CPU
     assert result.max_batch_size == 4 and result.search.capped
+
+
+def test_a_tier_probe_that_fails_keeps_what_was_measured():
+    """Peaks on the line 40 + 20 b bytes, 2000 usable: the maximum 96 ran, 97 did not. The one
+    extra probe checks the production tier, (0.9 x 2000 - 40) / 20 = 88, and fails with an error:
+    the maximum stays, the tiers stay predicted from the line (88; 75%: (1500 - 40) / 20 = 73),
+    and the error is reported."""
+    from batchfit.probe.find import SearchStopped, _recommend
+    from batchfit.search import SearchResult, Trial
+
+    trials = [Trial(b, "ok", peak_allocated_bytes=40 + 20 * b) for b in (64, 96)] + [Trial(97, "oom")]
+
+    def probe(b):
+        trials.append(Trial(b, "error", error="ValueError: boom"))
+        raise SearchStopped(trials[-1])
+
+    result = SearchResult(96, trials[:], 97, capped=False, multiple_of=1)
+    recs, stopped = _recommend(result, probe, trials, 2000, 0.9, None, {"lo": 1, "hi": 4096, "multiple_of": 1})
+    assert stopped.batch_size == 88 and [t.batch_size for t in trials] == [64, 96, 97, 88]  # one probe only
+    assert [(r.name, r.batch_size, r.source) for r in recs] == [
+        ("maximum", 96, "probed"), ("production", 88, "predicted"), ("conservative", 73, "predicted")]
+
+
+def linear_failing_at(bad: int | None) -> Workload:
+    def loss_fn(model, x):
+        if x.shape[0] == bad:
+            raise ValueError(f"my loss cannot take {bad} samples")
+        return model(x).pow(2).mean()
+
+    return Workload(name="linear", build_model=lambda: nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 256)),
+                    make_batch=lambda b, device: torch.randn(b, 256, device=device), loss_fn=loss_fn)
+
+
+def test_probe_keeps_the_maximum_when_the_tier_probe_fails():
+    """The same on the virtual device: the extra probe's size is learnt from a clean run, then a
+    workload that fails at exactly that size must keep the maximum and report the error."""
+    target = parse_target("virtual:1GiB")
+    clean = find_max_batch(linear_failing_at(None), target=target, largest=1 << 16)
+    extra = clean.trials[len(clean.search.trials):]
+    assert len(extra) == 1  # the production tier's check
+    failing = find_max_batch(linear_failing_at(extra[0].batch_size), target=target, largest=1 << 16)
+    assert failing.stopped_by.batch_size == extra[0].batch_size and "my loss" in failing.stopped_by.error
+    assert failing.max_batch_size == clean.max_batch_size > 0
+    names = {r.name: r for r in failing.recommendations}
+    assert names["maximum"].batch_size == clean.max_batch_size
+    assert names["production"].source == "predicted"  # the probe that would have confirmed it failed
+    from batchfit.report.probe_markdown import probe_markdown
+
+    assert f"Maximum batch size: {clean.max_batch_size}**" in probe_markdown(failing)
+    assert "The maximum below ran; the tiers are predicted" in probe_markdown(failing)
+
+
+def test_probe_on_a_bare_cpu_is_refused_before_torch_loads():
+    """--device cpu alone has no memory to run out of: the search would double the batch with
+    real CPU steps up to --max. Refused in one line that says what to add, before torch loads."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom typer.testing import CliRunner\nfrom batchfit.cli.app import app\n"
+              "r = CliRunner().invoke(app, ['probe', 'gpt-tinystories-22m', '--device', 'cpu'])\n"
+              "print(r.exit_code, 'torch' in sys.modules)\nprint(r.output)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    status, output = out.split("\n", 1)
+    assert status == "2 False", out
+    assert "has no memory to run out of" in output and "--gpu t4-16gb" in output and "--max N" in output
+    assert len([line for line in output.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_a_bare_cpu_target_needs_a_cap_in_python_too():
+    with pytest.raises(OptionError, match="largest=N"):
+        find_max_batch(tiny(8), target=parse_target("cpu"))
+
+
+def test_cpu_sized_for_a_gpu_stops_where_the_gpu_runs_out():
+    """--device cpu --gpu-memory 600MiB: each probe's memory is traced for that GPU (the virtual
+    device's answer, probe for probe), and the CPU runs the steps that fit for their time."""
+    from batchfit.targets import resolve_target
+
+    work = linear_failing_at(None)
+    virtual = find_max_batch(work, target=parse_target("virtual:600MiB"), largest=1 << 16)
+    cpu = find_max_batch(work, target=resolve_target(device="cpu", gpu_memory="600MiB"), largest=1 << 16)
+    assert cpu.max_batch_size == virtual.max_batch_size and cpu.search.exact
+    assert [(t.batch_size, t.status, t.peak_allocated_bytes) for t in cpu.trials] == \
+        [(t.batch_size, t.status, t.peak_allocated_bytes) for t in virtual.trials]
+    assert all(t.step_time_s > 0 for t in cpu.trials if t.fits)  # really ran on the CPU
+    assert cpu.to_json()["source"] == "cpu time, traced memory"
+
+
+def test_an_isolated_probe_keeps_the_gpu_a_cpu_target_is_sized_for():
+    """The child gets the Target itself (pickled): 'cpu' sized for a GPU has the GPU only in the
+    object, not in its spec ('cpu'), so a spec-rebuilt target would lose the memory limit. The
+    child's function, run here on a pipe, traces memory for that GPU."""
+    import multiprocessing
+    import pickle
+
+    from batchfit.probe.runner import _isolated_child
+    from batchfit.targets import resolve_target
+
+    target = resolve_target(device="cpu", gpu_memory="2GiB")
+    assert pickle.loads(pickle.dumps(target)) == target and target.spec == "cpu"
+    receive, send = multiprocessing.Pipe(duplex=False)
+    _isolated_child(send, "gpt-tinystories-22m", 32, StepOptions().to_json(), target, 2, 2, False, "reserved")
+    child = receive.recv()
+    inline = probe_once(tiny(), StepOptions(), parse_target(SMALL), 2)  # the same GPU, traced
+    assert child["status"] == "ok" and child["step_time_s"] > 0
+    assert (child["peak_allocated_bytes"], child["peak_reserved_bytes"]) == \
+        (inline.peak_allocated_bytes, inline.peak_reserved_bytes)
+
+
+def test_the_report_has_one_memory_per_sample_and_the_headroom_of_the_limit():
+    """One line, stated: per sample = (peak(b2) - peak(b1)) / (b2 - b1) through the two largest
+    batches that fit, with peak the reserved figure that --limit reserved compares; the same in
+    the JSON, the Memory per sample section and the predicted tiers. Headroom = usable - reserved."""
+    from batchfit.devices import format_bytes
+    from batchfit.report.probe_markdown import probe_markdown
+
+    result = find_max_batch(linear_failing_at(None), target=parse_target("virtual:1GiB"), largest=1 << 16)
+    fit = sorted((t.batch_size, t.peak_reserved_bytes) for t in result.trials if t.fits)
+    (b1, p1), (b2, p2) = fit[-2:]
+    per_sample = (p2 - p1) / (b2 - b1)
+    assert result.to_json()["memory_per_sample_bytes"] == round(per_sample)
+    text = probe_markdown(result)
+    assert f"**{format_bytes(per_sample)} per sample** on top of {format_bytes(p2 - per_sample * b2)} fixed" in text
+    predicted = [r for r in result.recommendations if r.source == "predicted"]
+    assert predicted and all(f"({format_bytes(per_sample)} per sample)" in r.why for r in predicted)
+    best = result.trial(result.max_batch_size)
+    headroom = (result.capacity_bytes - best.peak_reserved_bytes) / 2**30
+    assert f"reserved must fit (`--limit reserved`): {best.peak_reserved_bytes / result.capacity_bytes:.1%} used, " \
+           f"headroom {headroom:.2f} GiB" in text

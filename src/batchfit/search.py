@@ -62,6 +62,12 @@ def check_probe_options(*, policy: str, multiple_of: int, smallest: int, largest
     _check_limit(limit)
 
 
+def no_memory_limit(what: str, cap: str, sized: str) -> str:
+    """Why a probe on a bare CPU is refused, and what to add (one line)."""
+    return (f"{what} has no memory to run out of: it would double the batch with real CPU steps up to the cap. "
+            f"Size memory for a GPU ({sized}), or give {cap} to time CPU steps up to it")
+
+
 def _check_limit(limit: str) -> None:
     if limit not in LIMITS:
         raise OptionError(f"unknown --limit '{limit}': use reserved (what a GPU runs out of) or allocated")

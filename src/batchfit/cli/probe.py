@@ -15,9 +15,13 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_json)
 from batchfit.devices import GiB
+from batchfit.errors import OptionError
 from batchfit.distributed.wrap import STRATEGIES
-from batchfit.search import POLICIES, check_probe_options
+from batchfit.search import POLICIES, check_probe_options, no_memory_limit
 from batchfit.specs import load_workload
+
+DEFAULT_MAX = 4096
+
 
 EXAMPLES = """
 Examples:
@@ -48,7 +52,7 @@ def probe_command(
     accumulation_steps: AccumulationOpt = 1,
     multiple_of: MultipleOfOpt = 1,
     min_batch: Annotated[int, typer.Option("--min", help="Smallest batch size to probe.")] = 1,
-    max_batch: Annotated[int, typer.Option("--max", help="Largest batch size to probe (the cap).")] = 4096,
+    max_batch: Annotated[int | None, typer.Option("--max", help="Largest batch size to probe (the cap; default 4096).", show_default=False)] = None,
     steps: Annotated[int, typer.Option(help="Training steps per probe (at least 2: the second has optimizer state).")] = 2,
     isolate: Annotated[bool, flag("--isolate", "Run each probe in a fresh process.")] = False,
     stop_on_nan: Annotated[bool, flag("--stop-on-nan", "Treat a NaN or infinite loss as an error that stops the search.")] = False,
@@ -69,6 +73,10 @@ def probe_command(
     """
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
+    if target.kind == "cpu" and target.device is None and max_batch is None:  # before torch loads
+        raise OptionError(no_memory_limit("probe --device cpu", "--max N",
+                                          "add --gpu t4-16gb or --gpu-memory 16GiB"))
+    max_batch = DEFAULT_MAX if max_batch is None else max_batch
     warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
     check_probe_options(policy=policy, multiple_of=multiple_of, smallest=min_batch, largest=max_batch, steps=steps,

@@ -5,21 +5,82 @@
     --emit accelerate:fsdp.yaml    an Accelerate config (``accelerate launch --config_file``)
                                    for the recommended DDP / FSDP2 / HSDP run
 
-Pure Python (PyYAML), no torch: a PlanResult in, text out.
+Pure Python, no torch and no PyYAML (a base install has no YAML library): a PlanResult in,
+text out. The YAML is written by :func:`dump_yaml`, for the only shapes emitted here: nested
+mappings of strings, integers, floats, booleans and None.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
-
-import yaml
 
 from batchfit.errors import OptionError
 
 EMIT_HELP = "FILE (YAML + torchrun line) or accelerate:FILE"
 SCRIPT = "train.py"
 """The training script in the torchrun line: batchfit cannot know it; the YAML says to replace it."""
+
+
+_PLAIN = re.compile(r"[A-Za-z_$/][A-Za-z0-9_$/.:=+,()@ -]*")
+"""Strings written unquoted: they start with a letter (or _ $ /), so YAML cannot read them as a
+number, a date, null, an anchor, a tag or a flow collection."""
+_YAML11_WORDS = {"y", "yes", "n", "no", "true", "false", "on", "off", "null"}
+"""Words YAML 1.1 (PyYAML's) reads as booleans or null in any of their spellings."""
+
+
+def _scalar(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ".nan"
+        if math.isinf(value):
+            return ".inf" if value > 0 else "-.inf"
+        text = repr(value)  # YAML 1.1 floats need a dot: 1e-05 -> 1.0e-05
+        return text.replace("e", ".0e", 1) if "e" in text and "." not in text else text
+    if isinstance(value, str):
+        plain = (_PLAIN.fullmatch(value) and not value.endswith((" ", ":")) and ": " not in value
+                 and " #" not in value and value.lower() not in _YAML11_WORDS)
+        return value if plain else _quoted(value)
+    raise TypeError(f"cannot write {type(value).__name__} as YAML: {value!r}")
+
+
+_PRINTABLE = re.compile("[\t\x20-\x7e\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+"""The characters a YAML stream may hold as they are (YAML 1.1, 5.1); others are escaped."""
+
+
+def _quoted(value: str) -> str:
+    """A double-quoted YAML scalar: backslash escapes for quotes, line breaks and unprintables."""
+    out = []
+    for ch in value:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif _PRINTABLE.fullmatch(ch) and ch not in "\u2028\u2029":  # YAML 1.1 reads those as line breaks
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return '"' + "".join(out) + '"'
+
+
+def dump_yaml(data: dict, indent: int = 0) -> str:
+    """``data`` (nested dicts of str / int / float / bool / None) as block YAML, keys in order."""
+    lines = []
+    for key, value in data.items():
+        head = " " * indent + _scalar(str(key)) + ":"
+        if isinstance(value, dict) and value:
+            lines.append(head + "\n" + dump_yaml(value, indent + 2))
+        else:
+            lines.append(head + " " + ("{}" if isinstance(value, dict) else _scalar(value)) + "\n")
+    return "".join(lines)
 
 
 def parse_emit(text: str) -> tuple[str, Path]:
@@ -72,7 +133,7 @@ def config_yaml(result) -> str:
     head = (f"# batchfit plan: {result.workload} on {result.device.display_name}, {result.options.precision}.\n"
             "# batch_size is per GPU (the micro-batch); effective_batch_size = batch_size x data_parallel x\n"
             f"# gradient_accumulation_steps. Memory traced, not measured. Replace {SCRIPT} in launch with your script.\n")
-    return head + yaml.safe_dump({"training": {"batch_config": entries}}, sort_keys=False)
+    return head + dump_yaml({"training": {"batch_config": entries}})
 
 
 ACCELERATE_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
@@ -120,7 +181,7 @@ def accelerate_yaml(result) -> str:
     head = (f"# batchfit plan: {result.workload}, {p.strategy} on {p.gpus} GPUs; per-GPU batch size "
             f"{p.micro_batch}, {p.accumulation_steps} accumulation steps, global batch {p.global_batch}.\n"
             "# accelerate launch --config_file THIS_FILE your_script.py\n")
-    return head + yaml.safe_dump(config, sort_keys=False)
+    return head + dump_yaml(config)
 
 
 def write_emit(kind: str, path: Path, result) -> Path:

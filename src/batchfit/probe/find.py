@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchfit import parallel, search
+from batchfit.devices import format_bytes
 from batchfit.errors import OptionError
 from batchfit.probe import ranks
 from batchfit.probe.runner import probe_isolated, probe_once
@@ -80,6 +81,8 @@ class ProbeResult:
     """The trial whose error stopped the search (then max_batch_size is what was found before)."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
+    traced_bytes_per_sample: float | None = None
+    """The traced slope the tiers use when only one probe fit (None without a trace)."""
 
     @property
     def max_batch_size(self) -> int:
@@ -93,19 +96,18 @@ class ProbeResult:
     def trial(self, batch_size: int) -> Trial | None:
         return next((t for t in self.trials if t.batch_size == batch_size), None)
 
-    def measured_line(self) -> tuple[float, float] | None:
-        """(fixed bytes, bytes per sample) fitted to the measured peaks of the probes that fit."""
-        points = [(t.batch_size, t.peak_allocated_bytes) for t in self.trials if t.fits and t.peak_allocated_bytes]
-        if len({b for b, _ in points}) < 2:
-            return None
-        line = secant("measured", points)
-        return line.fixed_bytes, line.bytes_per_sample
+    def measured_line(self) -> Line | None:
+        """The one memory-per-sample line of this result, the one the tiers were predicted
+        from: through the peaks (``peak_of``: the figure the limit names) of the two largest
+        batches that fit, else the traced slope through the one that fit."""
+        return measured_line(self.trials, self.traced_bytes_per_sample)
 
     def to_json(self) -> dict:
         best = self.trial(self.max_batch_size)
         line = self.measured_line()
         return {
-            "source": "traced (virtual device)" if self.target.kind == "virtual" else f"measured ({self.target.kind})",
+            "source": ("traced (virtual device)" if self.target.kind == "virtual" else "cpu time, traced memory"
+                       if self.target.kind == "cpu" and self.target.device else f"measured ({self.target.kind})"),
             "workload": self.workload, "description": self.description,
             "tokens_per_sample": self.tokens_per_sample,
             "device": {"spec": self.target.spec, **(self.target.device.to_json() if self.target.device else {})},
@@ -119,8 +121,8 @@ class ProbeResult:
             "peak_allocated_bytes_at_max": best.peak_allocated_bytes if best else None,
             "peak_reserved_bytes_at_max": best.peak_reserved_bytes if best else None,
             "capacity_bytes": self.capacity_bytes,
-            "memory_per_sample_bytes": round(line[1]) if line else None,
-            "fixed_bytes": round(line[0]) if line else None,
+            "memory_per_sample_bytes": round(line.bytes_per_sample) if line else None,
+            "fixed_bytes": round(line.fixed_bytes) if line else None,
             "trials": [t.to_json() for t in self.trials],
             "recommendations": [vars(r) for r in self.recommendations],
             "target_util": self.target_util, "global_batch": self.global_batch,
@@ -189,7 +191,7 @@ def measured_line(trials: list[Trial], traced_slope: float | None = None) -> Lin
 
 
 def find_max_batch(workload: Workload, *, target: Target, options: StepOptions | None = None,
-                   policy: str = "guided", multiple_of: int = 1, smallest: int = 1, largest: int = 1 << 16,
+                   policy: str = "guided", multiple_of: int = 1, smallest: int = 1, largest: int | None = None,
                    steps: int = 2, isolate: bool = False, spec: str | None = None, seq_len: int | None = None,
                    stop_on_nan: bool = False, target_util: float = 0.9, global_batch: int | None = None,
                    verify_tiers: bool = False, limit: str = "reserved", strategy: str | None = None,
@@ -199,8 +201,14 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     ``verify_tiers`` probes every recommended tier; by default they are predicted from the
     measured line and at most one extra probe checks the production tier. ``strategy``
     ('ddp', 'fsdp'; under torchrun on a real device the default is 'ddp') wraps each rank's
-    model as a multi-GPU run would (``batchfit.distributed.wrap``).
+    model as a multi-GPU run would (``batchfit.distributed.wrap``). ``largest`` caps the search
+    (default 65536); a bare ``cpu`` target has no memory to run out of, so it needs the cap
+    given, or a GPU to size for (``resolve_target(device='cpu', gpu=...)``).
     """
+    if target.kind == "cpu" and target.device is None and largest is None:
+        raise OptionError(search.no_memory_limit("find_max_batch on a bare cpu target", "largest=N",
+                                          "Target('cpu', get_device('t4-16gb'), 'cpu')"))
+    largest = search.DEFAULT_MAX_BATCH if largest is None else largest
     options = options or StepOptions()
     search.check_probe_options(policy=policy, multiple_of=multiple_of, smallest=smallest, largest=largest,
                                steps=steps, target_util=target_util, global_batch=global_batch, limit=limit)
@@ -216,9 +224,10 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     started = time.perf_counter()
     # Every decision uses the smallest usable memory of all ranks, so all ranks decide alike.
     capacity = ranks.agree_min(target.device.usable_bytes) if target.device else None
-    # A CPU run has no GPU memory to predict (its probes measure no peaks).
+    # A bare CPU run has no GPU memory to predict (its probes measure no peaks); sized for a GPU
+    # (--device cpu --gpu X), its memory is traced for that GPU as on the virtual device.
     predictor = (_Predictor(workload, options, target, capacity, multiple_of, largest, limit == "reserved", say)
-                 if target.kind in ("virtual", "cuda") and (policy == "guided" or target.kind == "cuda") else None)
+                 if target.device is not None and (policy == "guided" or target.kind == "cuda") else None)
     trials: list[Trial] = []
 
     def probe(batch_size: int) -> Trial:
@@ -246,26 +255,33 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
             result = search.binsearch(probe, **bounds)
         else:
             result = getattr(search, policy)(probe, **bounds)
-        slope = predictor.slope if predictor else None
-        recommendations = _recommend(result, probe, trials, capacity, target_util, global_batch, bounds,
-                                     slope, verify_tiers)
     except SearchStopped as stop:
-        stopped, recommendations = stop.trial, []
+        stopped = stop.trial
+    recommendations: list[Recommendation] = []
+    if result is not None:  # the search finished: recommend from it, even if a tier probe then fails
+        recommendations, stopped = _recommend(result, probe, trials, capacity, target_util, global_batch, bounds,
+                                              predictor.slope if predictor else None, verify_tiers)
     return ProbeResult(
         workload=workload.name, description=workload.description, tokens_per_sample=workload.tokens_per_sample,
         target=target, options=options, policy=policy, multiple_of=multiple_of, smallest=smallest,
         largest=largest, search=result, trials=trials, recommendations=recommendations,
         target_util=target_util, global_batch=global_batch, seconds=time.perf_counter() - started,
         world_size=ranks.world_size(), strategy=strategy, stopped_by=stopped, limit=limit,
+        traced_bytes_per_sample=predictor.slope if predictor else None,
     )
 
 
 def _recommend(result: SearchResult, probe: Callable[[int], Trial], trials: list[Trial], capacity: int | None,
                target_util: float, global_batch: int | None, bounds: dict, traced_slope: float | None = None,
-               verify_tiers: bool = False) -> list[Recommendation]:
+               verify_tiers: bool = False) -> tuple[list[Recommendation], Trial | None]:
+    """The maximum, the tiers under ``target_util`` and 75%, and the global batch's
+    accumulation; and the trial whose error stopped a tier probe (None). A tier probe that
+    fails with an error stops further probing, never what was measured: the tiers are then
+    what the probes so far say (predicted where none was probed)."""
     best = result.max_batch_size
     if not best:
-        return []
+        return [], None
+    stopped: Trial | None = None
     best_trial = next((t for t in trials if t.batch_size == best), None)
     peak = best_trial.peak_allocated_bytes if best_trial else None
     out = [Recommendation("maximum", best, peak, "the largest batch that ran")]
@@ -275,19 +291,28 @@ def _recommend(result: SearchResult, probe: Callable[[int], Trial], trials: list
         for name, util in (("production", target_util), ("conservative", CONSERVATIVE_UTIL)):
             limit = int(util * capacity)
             why = f"the largest batch under {util:.0%} of usable memory"
-            if verify_tiers:  # search under the limit until the next size up is shown to exceed it
-                found = search.guided(lambda b, limit=limit: _under(probe(b), limit),
-                                      lambda seen, limit=limit: _predict_under(limit, trials, traced_slope, best, m),
-                                      known=[_under(t, limit) for t in trials], **{**bounds, "hi": best})
-                ran = next((t for t in trials if t.batch_size == found.max_batch_size), None)
-                if ran:
-                    out.append(Recommendation(name, ran.batch_size, ran.peak_allocated_bytes, why + " (probed)"))
-                continue
+            if verify_tiers and stopped is None:  # search under the limit until the next size up exceeds it
+                try:
+                    found = search.guided(lambda b, limit=limit: _under(probe(b), limit),
+                                          lambda seen, limit=limit: _predict_under(limit, trials, traced_slope,
+                                                                                   best, m),
+                                          known=[_under(t, limit) for t in trials if t.status != "error"],
+                                          **{**bounds, "hi": best})
+                except SearchStopped as stop:
+                    stopped = stop.trial
+                else:
+                    ran = next((t for t in trials if t.batch_size == found.max_batch_size), None)
+                    if ran:
+                        out.append(Recommendation(name, ran.batch_size, ran.peak_allocated_bytes, why + " (probed)"))
+                    continue
             tier = _tier(name, why, limit, trials, traced_slope, bounds["lo"], best, m)
-            if tier and tier.source == "predicted" and extra_probes == 0:
+            if tier and tier.source == "predicted" and extra_probes == 0 and stopped is None:
                 # One extra probe in all: the production tier, the one to train with.
                 extra_probes += 1
-                probe(tier.batch_size)
+                try:
+                    probe(tier.batch_size)
+                except SearchStopped as stop:  # keep the prediction; say what stopped the probe
+                    stopped = stop.trial
                 tier = _tier(name, why, limit, trials, traced_slope, bounds["lo"], best, m)
             if tier:
                 out.append(tier)
@@ -303,7 +328,7 @@ def _recommend(result: SearchResult, probe: Callable[[int], Trial], trials: list
         else:
             out.append(Recommendation("global batch", 0, None, f"no multiple of {m} up to {micro_cap} divides "
                                       f"{global_batch}: choose a global batch that is a multiple of {m}"))
-    return out
+    return out, stopped
 
 
 def _under(trial: Trial, limit: int) -> Trial:
@@ -320,7 +345,9 @@ def _predict_under(limit: int, trials: list[Trial], traced_slope: float | None, 
     if line is None or not line.bytes_per_sample:
         return 0
     predicted = min(int((limit - line.fixed_bytes) / line.bytes_per_sample) // m * m, best)
-    failed_above = min((t.batch_size for t in trials if not _under(t, limit).fits), default=None)
+    # Sizes shown to exceed the limit; a probe that failed with an error showed nothing about memory.
+    failed_above = min((t.batch_size for t in trials if t.status != "error" and not _under(t, limit).fits),
+                       default=None)
     return predicted if failed_above is None else min(predicted, failed_above - m)
 
 
@@ -336,5 +363,5 @@ def _tier(name: str, why: str, limit: int, trials: list[Trial], traced_slope: fl
         return None
     line = measured_line(trials, traced_slope)
     return Recommendation(name, predicted, int(line.at(predicted)),
-                          why + f", predicted from the measured line ({line.bytes_per_sample / 2**20:.1f} MiB "
+                          why + f", predicted from the measured line ({format_bytes(line.bytes_per_sample)} "
                           "per sample); not probed", source="predicted")

@@ -5,7 +5,9 @@ or ``virtual:<size>`` (the traced step with the GPU's usable capacity; it raises
 ``torch.OutOfMemoryError`` where the caching allocator could not reserve a segment after
 freeing its cache (``limit='reserved'``, as a GPU runs out) or where allocated bytes pass
 the capacity (``limit='allocated'``), so the search cannot tell it from a real GPU) and
-``cpu`` (real steps, for development: no memory figures).
+``cpu`` sized for a GPU (``--device cpu --gpu t4-16gb``: the virtual device's memory check,
+then real CPU steps for the time and loss). A bare ``cpu`` (real steps, no memory figures)
+has nothing to run out of: the search is then bounded by its cap alone.
 
 A failed probe is cleaned up *outside* its ``except`` block: the exception's traceback holds
 the frames of the failed step, and through them its model, optimizer and activations, so
@@ -23,7 +25,8 @@ from torch import nn
 from batchfit.train.oom import classify, describe
 from batchfit.search import Trial
 from batchfit.train.step import TrainingStep
-from batchfit.targets import Target, parse_target
+from batchfit.devices import Device
+from batchfit.targets import Target
 from batchfit.train.timing import run_timed_steps
 from batchfit.trace.point import allocated_point, run_out_at_reserved
 from batchfit.trace.session import TraceSession
@@ -32,24 +35,33 @@ from batchfit.workload import StepOptions, Workload
 DEFAULT_ISOLATED_TIMEOUT_S = 1800.0
 
 
+def _traced(workload: Workload, options: StepOptions, device: Device, batch_size: int, limit: str) -> Trial:
+    """The virtual device: the step traced with ``device``'s usable capacity (raises
+    ``torch.OutOfMemoryError`` where it runs out)."""
+    if limit == "reserved":  # out of memory where the caching allocator cannot reserve a segment
+        with TraceSession(workload, options) as session:
+            allocator = run_out_at_reserved(session, device)
+            point = allocated_point(session.trace(batch_size), device.workspace_bytes)
+        return Trial(batch_size, "ok", peak_allocated_bytes=point.peak_bytes,
+                     peak_reserved_bytes=allocator.stats.peak_reserved_bytes)
+    with TraceSession(workload, options, capacity_bytes=device.usable_bytes - device.workspace_bytes) as session:
+        point = allocated_point(session.trace(batch_size), device.workspace_bytes)
+    return Trial(batch_size, "ok", peak_allocated_bytes=point.peak_bytes)
+
+
 def _run_steps(workload: Workload, options: StepOptions, target: Target, batch_size: int,
                steps: int, stop_on_nan: bool, limit: str, wrap: Callable[[nn.Module], nn.Module] | None) -> Trial:
     if target.kind == "virtual":
-        device = target.device
-        if limit == "reserved":  # out of memory where the caching allocator cannot reserve a segment
-            with TraceSession(workload, options) as session:
-                allocator = run_out_at_reserved(session, device)
-                point = allocated_point(session.trace(batch_size), device.workspace_bytes)
-            return Trial(batch_size, "ok", peak_allocated_bytes=point.peak_bytes,
-                         peak_reserved_bytes=allocator.stats.peak_reserved_bytes)
-        with TraceSession(workload, options, capacity_bytes=device.usable_bytes - device.workspace_bytes) as session:
-            point = allocated_point(session.trace(batch_size), device.workspace_bytes)
-        return Trial(batch_size, "ok", peak_allocated_bytes=point.peak_bytes)
+        return _traced(workload, options, target.device, batch_size, limit)
+    # cpu sized for a GPU: that GPU's memory decides first, then the CPU runs the step for real.
+    sized = target.kind == "cpu" and target.device is not None
+    traced = _traced(workload, options, target.device, batch_size, limit) if sized else None
     step = TrainingStep(workload, options, target.torch_device, wrap=wrap)
     # The first step carries one-off costs (cuBLAS handles, kernel loading): time the last.
     timed = run_timed_steps(step, batch_size, steps=1, warmup=steps - 1, stop_on_nan=stop_on_nan)
-    return Trial(batch_size, "ok", peak_allocated_bytes=timed.peak_allocated_bytes,
-                 peak_reserved_bytes=timed.peak_reserved_bytes, step_time_s=timed.times_s[-1], loss=timed.loss)
+    memory = traced or timed
+    return Trial(batch_size, "ok", peak_allocated_bytes=memory.peak_allocated_bytes,
+                 peak_reserved_bytes=memory.peak_reserved_bytes, step_time_s=timed.times_s[-1], loss=timed.loss)
 
 
 def probe_once(workload: Workload, options: StepOptions, target: Target, batch_size: int, *,
@@ -68,13 +80,13 @@ def probe_once(workload: Workload, options: StepOptions, target: Target, batch_s
     return trial
 
 
-def _isolated_child(connection, spec: str, seq_len: int | None, options: dict, target_spec: str,
+def _isolated_child(connection, spec: str, seq_len: int | None, options: dict, target: Target,
                     batch_size: int, steps: int, stop_on_nan: bool, limit: str) -> None:
     try:
         from batchfit.specs import load_workload
 
         workload = load_workload(spec, seq_len=seq_len)
-        trial = probe_once(workload, StepOptions(**options), parse_target(target_spec), batch_size,
+        trial = probe_once(workload, StepOptions(**options), target, batch_size,
                            steps=steps, stop_on_nan=stop_on_nan, limit=limit)
     except BaseException as error:  # noqa: BLE001 - loading failed: send the reason, not silence
         trial = Trial(batch_size, "error", error=f"in the probe process: {describe(error)}")
@@ -90,7 +102,8 @@ def probe_isolated(spec: str, seq_len: int | None, options: StepOptions, target:
     probe with that reason, never a hang."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_isolated_child, args=(send, spec, seq_len, options.to_json(), target.spec,
+    # The Target itself, not its spec: 'cpu' sized for a GPU has the GPU only in the object.
+    child = context.Process(target=_isolated_child, args=(send, spec, seq_len, options.to_json(), target,
                                                           batch_size, steps, stop_on_nan, limit))
     child.start()
     send.close()

@@ -59,7 +59,10 @@ def _read_file(path: Path) -> list[str]:
                                      "'text' field, e.g. {\"text\": \"Once upon a time\"}") from None
         return docs
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise UsageError(f"{path}: reading .parquet needs pyarrow: pip install 'batchfit[data]'") from None
 
         table = pq.read_table(path)
         if "text" not in table.column_names:
@@ -194,6 +197,9 @@ def cached_tokenizer(name: str) -> Tokenizer:
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except ImportError as error:  # what to install, not "not found"
+        extra = "hf" if error.name == "transformers" else "data"
+        raise UsageError(f"--tokenizer {name} needs {error.name}: pip install 'batchfit[{extra}]'") from None
     except Exception as error:
         first = (str(error).strip().splitlines() or [""])[0]
         raise UsageError(f"--tokenizer {name}: not found in the local cache ({type(error).__name__}: {first}); "
