@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchfit import parallel, search
+from batchfit import search
+from batchfit.distributed import wrap as parallel
 from batchfit.devices import format_bytes
 from batchfit.errors import OptionError
 from batchfit.probe import ranks
