@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from typer.testing import CliRunner
 
-from batchfit import parallel
+from batchfit.distributed import wrap as parallel
 from batchfit.cli.app import app
 from batchfit.errors import OptionError
 from batchfit.probe import ranks
