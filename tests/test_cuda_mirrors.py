@@ -336,3 +336,21 @@ def test_another_threads_sdpa_is_real_while_a_trace_runs():
     assert seen["backward"] == "ScaledDotProductFlashAttentionForCpuBackward0"
     assert torch.equal(seen["out"], outside.detach())
     assert traced.peak_bytes == before.peak_bytes and traced.breakdown == before.breakdown
+
+
+def test_another_threads_rms_norm_is_pytorchs_while_a_trace_runs():
+    """The rms_norm override is process-wide: only the tracing thread may get the mirror."""
+    import threading
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8)
+    seen = {}
+
+    def other_thread():
+        out = F.rms_norm(x, [8], w, 1e-6)
+        seen["grad_fn"] = type(out.grad_fn).__name__
+
+    with CudaRmsNorm():
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert "cuda_fused_rms_norm" not in seen["grad_fn"]  # PyTorch's composite (MulBackward0), not the mirror

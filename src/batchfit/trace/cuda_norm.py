@@ -36,6 +36,7 @@ non-contiguous input.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -130,14 +131,19 @@ def _fused_on_cuda(input: torch.Tensor, weight: torch.Tensor | None) -> bool:
             and (weight is None or weight.dtype == input.dtype))
 
 
+_tracing = threading.local()
+"""How many CudaRmsNorm contexts this thread is in: the override is process-wide (a dispatcher
+registration), so another thread's rms_norm must not get the mirror (as for ``CudaAttention``)."""
+
+
 def _rms_norm_as_on_cuda(input, normalized_shape, weight=None, eps=None):
-    if _fused_on_cuda(input, weight):
+    if getattr(_tracing, "depth", 0) and _fused_on_cuda(input, weight):
         return cuda_fused_rms_norm(input, list(normalized_shape), weight, eps)[0]
     return torch.ops.aten._fused_rms_norm(input, list(normalized_shape), weight, eps)[0]  # the composite, on CPU
 
 
 class CudaRmsNorm:
-    """Context manager: ``rms_norm`` runs CUDA's fused kernel's allocations, for fake CPU tensors."""
+    """Context manager: ``rms_norm`` runs CUDA's fused kernel's allocations, for fake CPU tensors, in this thread."""
 
     def __enter__(self) -> CudaRmsNorm:
         self._lib = None
@@ -146,8 +152,10 @@ class CudaRmsNorm:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
                 self._lib.impl("rms_norm", _rms_norm_as_on_cuda, "CompositeImplicitAutograd")
+        _tracing.depth = getattr(_tracing, "depth", 0) + 1
         return self
 
     def __exit__(self, *exc) -> None:
+        _tracing.depth -= 1
         if self._lib is not None:
             self._lib._destroy()
