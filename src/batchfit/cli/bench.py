@@ -13,7 +13,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  JsonOpt, ModelArg, OptimizerOpt, PrecisionOpt, SeqLenOpt, TrainOnlyOpt,
                                  check_outputs, command_target, flag, handle_errors, out_option,
                                  parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
-                                 step_options, warn_about_precision, write_json)
+                                 step_options, warn_about_precision, write_outputs)
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
 
@@ -70,8 +70,8 @@ def bench_command(
     with progress_line(total=len(set(sizes)) + (1 if leak_check else 0)) as say:
         result = bench(workload, target=target, options=options, batch_sizes=sizes, steps=steps, warmup=warmup,
                        leak_check_steps=steps if leak_check else None, progress=say)
-    paths = write_bench_report(result, report_folder(out, "bench", result.workload, target, options, seq_len))
-    write_json(json_path, result.to_json())
+    folder = report_folder(out, "bench", result.workload, target, options, seq_len)
+    paths = write_outputs(json_path, result.to_json(), lambda files: write_bench_report(result, folder, files))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
 
 

@@ -13,7 +13,7 @@ from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemo
                                  MultipleOfOpt, OptimizerOpt, PrecisionOpt, SeqLenOpt, TargetUtilOpt, TrainOnlyOpt,
                                  check_outputs, command_target, handle_errors, out_option, parse_batch_sizes,
                                  progress_line, quiet_if_stdout, report_folder, step_options, warn_about_precision,
-                                 write_json)
+                                 write_outputs)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.plan.emit import parse_emit, write_emit
@@ -86,7 +86,7 @@ def plan_command(
     """
     from batchfit.report.plan_markdown import write_plan_report  # matplotlib: not for --help
 
-    check_outputs(json_path, out)
+    check_outputs(json_path, out, *(("--emit", path) for path in map(_emit_path, emit or []) if path))
     emits = [parse_emit(text) for text in emit or []]
     if mfu is not None and calibrate is not None:
         raise OptionError("give --mfu or --calibrate, not both: --calibrate takes the MFU from a bench run")
@@ -111,10 +111,21 @@ def plan_command(
                       multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say,
                       processes=processes)
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
-    paths = write_plan_report(result, folder)
-    written = [write_emit(kind, path, result) for kind, path in emits]
-    write_json(json_path, result.to_json())
+
+    def write_all(files):  # the report, every --emit and --json: all or none, JSON last
+        paths = write_plan_report(result, folder, files)
+        return paths, [files.write(path, lambda temporary, kind=kind: write_emit(kind, temporary, result))
+                       for kind, path in emits]
+
+    paths, written = write_outputs(json_path, result.to_json(), write_all)
     _print_summary(result, quiet_if_stdout(json_path), paths["md"], written)
+
+
+def _emit_path(text: str) -> str:
+    """The file of an --emit value ('accelerate:FILE' or FILE), to check before any trace."""
+    kind, _, rest = text.partition(":")
+    path = rest if kind == "accelerate" else text
+    return "" if path in ("", ".") else path
 
 
 def _print_summary(result, console, report_path: Path, written: list[Path]) -> None:
