@@ -111,3 +111,19 @@ def test_ctrl_c_is_one_line_and_exit_code_130(capsys):
     with pytest.raises(typer.Exit) as stopped:
         interrupted()
     assert stopped.value.exit_code == 130
+
+
+def test_bench_where_nothing_ran_exits_1_and_prints_the_error(tmp_path):
+    """Item 16: every batch size failed with a non-OOM error, the terminal said only 'error'
+    and the exit code was 0."""
+    (tmp_path / "broken.py").write_text(
+        "import torch\nfrom torch import nn\nfrom batchfit import Workload\n"
+        "def loss(m, x):\n    raise ValueError('my loss needs labels')\n"
+        "def workload():\n"
+        "    return Workload(name='broken', build_model=lambda: nn.Linear(8, 8),\n"
+        "                    make_batch=lambda b, d: torch.randn(b, 8, device=d), loss_fn=loss)\n")
+    result = run("bench", f"{tmp_path}/broken.py:workload", "--device", "virtual:t4-16gb", "--batch-sizes", "2,4",
+                 "--out", str(tmp_path / "r"), "--json", str(tmp_path / "b.json"))
+    assert result.exit_code == 1, result.output
+    assert "batch 2 error:" in result.output and "my loss needs labels" in result.output
+    assert json.loads((tmp_path / "b.json").read_text())["rows"][0]["status"] == "error"

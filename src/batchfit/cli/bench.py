@@ -73,6 +73,8 @@ def bench_command(
     folder = report_folder(out, "bench", result.workload, target, options, seq_len)
     paths = write_outputs(json_path, result.to_json(), lambda files: write_bench_report(result, folder, files))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
+    if not any(r.status == "ok" for r in result.rows):  # nothing ran: a script must not read success
+        raise typer.Exit(1)
 
 
 def _print_summary(result, console, report_path: Path) -> None:
@@ -86,6 +88,11 @@ def _print_summary(result, console, report_path: Path) -> None:
                       f"{r.peak_allocated_bytes / GiB:.2f}" if r.peak_allocated_bytes else "—",
                       f"{r.peak_reserved_bytes / GiB:.2f}" if r.peak_reserved_bytes else "—", r.source)
     console.print(table)
+    for r in result.rows:
+        if r.status != "ok" and r.error:  # the table says 'error'; this says which
+            console.print(f"[red]batch {r.batch_size} {r.status}:[/] {escape(r.error)}", soft_wrap=True)
+    if not any(r.status == "ok" for r in result.rows):
+        console.print("[bold red]no batch size ran[/]: see the errors above")
     for t in result.tiers:
         console.print(f"  {t.name:12s} batch {t.batch_size:6d}  headroom {t.headroom_bytes / GiB:.2f} GiB")
     if result.leak:
