@@ -127,3 +127,27 @@ def test_bench_where_nothing_ran_exits_1_and_prints_the_error(tmp_path):
     assert result.exit_code == 1, result.output
     assert "batch 2 error:" in result.output and "my loss needs labels" in result.output
     assert json.loads((tmp_path / "b.json").read_text())["rows"][0]["status"] == "error"
+
+
+def test_zoo_without_transformers_lists_every_model_and_says_what_hf_ones_need():
+    """Item 17: `batchfit zoo` crashed when transformers was not installed (frozen-pair builds on it)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['transformers'] = None  # import transformers now fails\n"
+              "from typer.testing import CliRunner\nfrom batchfit.cli.app import app\n"
+              "r = CliRunner().invoke(app, ['zoo'])\n"
+              "print(r.exit_code); print(r.output)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
+    code, _, output = done.stdout.partition("\n")
+    assert code == "0", done.stdout + done.stderr
+    from batchfit.zoo import ZOO
+    from batchfit.zoo.hf import CONFIGS
+
+    rows = {line.split("│")[1].strip(): line for line in output.splitlines() if line.count("│") >= 3}
+    assert set(ZOO) | {f"hf:{name}" for name in CONFIGS} <= set(rows)
+    for name in ("frozen-pair", "frozen-pair-tiny"):
+        assert "pip install 'batchfit[hf]'" in rows[name]
+    assert "needs batchfit[hf]" in rows["hf:gpt2-124m"]
