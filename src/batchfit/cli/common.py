@@ -52,6 +52,11 @@ def handle_errors(command: Callable) -> Callable:
     return wrapper
 
 
+MAX_BATCH_SIZE = 1 << 24
+"""The largest batch size any option takes: 16.7M samples, far above any GPU's; beyond, the
+sizes of a batch's tensors overflow inside torch."""
+
+
 def parse_batch_sizes(text: str | None) -> list[int] | None:
     """'8,16,32' -> [8, 16, 32]."""
     if text is None:
@@ -59,8 +64,8 @@ def parse_batch_sizes(text: str | None) -> list[int] | None:
     if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text):
         raise OptionError(f"cannot read --batch-sizes '{text}': give positive integers separated by commas, e.g. 8,16,32")
     sizes = [int(s) for s in text.split(",")]
-    if min(sizes) < 1:
-        raise OptionError("--batch-sizes must all be 1 or more, e.g. 8,16,32")
+    if not 1 <= min(sizes) <= max(sizes) <= MAX_BATCH_SIZE:  # beyond: overflows inside torch
+        raise OptionError(f"--batch-sizes must all be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8,16,32")
     return sizes
 
 
@@ -111,6 +116,8 @@ def flag(name: str, help: str) -> object:
 
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
                  train_only: list[str] | None, accumulation_steps: int) -> StepOptions:
+    if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
+        raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
         err.print("[dim]--train-only picks the parameters that train; --freeze then freezes some of those[/]")
     return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,

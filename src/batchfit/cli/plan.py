@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +22,9 @@ from batchfit.plan.engine import DEFAULT_MAX_BATCH, DEFAULT_STRATEGIES, plan
 from batchfit.plan.time_model import TimeModel, calibrated
 from batchfit.plan.world import parse_tokens, parse_worlds
 from batchfit.specs import load_workload
+
+MAX_GPUS = 1 << 20
+"""More GPUs than any cluster has: past it, counts are typos (and overflow the time model)."""
 
 EXAMPLES = """
 Examples:
@@ -98,7 +102,11 @@ def plan_command(
     time_model = TimeModel(mfu=time_model.mfu, mfu_source=time_model.mfu_source,
                            intra_node_gb_per_s=intra_node_gb_per_s, inter_node_gb_per_s=inter_node_gb_per_s)
     worlds = parse_worlds(gpus, nodes, gpus_per_node)
-    parse_tokens(tokens)  # a bad --tokens is one line before any trace
+    if max(world.gpus for world in worlds) > MAX_GPUS:
+        raise OptionError(f"at most {MAX_GPUS:,} GPUs (2^20) in all, got {max(w.gpus for w in worlds):,}: "
+                          "e.g. --gpus 64 or --nodes 8 --gpus-per-node 8")
+    if parse_tokens(tokens) == math.inf:  # a bad --tokens is one line before any trace
+        raise OptionError(f"--tokens {tokens} is not a finite count: e.g. --tokens 2e11 or --tokens chinchilla")
     sizes = parse_batch_sizes(batch_sizes)
     target = command_target(gpu, gpu_memory, device)
     if target.device is None:
