@@ -118,7 +118,7 @@ def test_an_interrupted_report_leaves_the_previous_one_whole(fp16_estimate, tmp_
         path.write_bytes(b"\x89PNG\r\n")  # a few bytes, then Ctrl-C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("batchfit.report.memory_plot", interrupted)
+    monkeypatch.setattr("batchfit.report.plots.memory_plot", interrupted)
     with pytest.raises(KeyboardInterrupt):
         write_estimate_report(fp16_estimate, tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

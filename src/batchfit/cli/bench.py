@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -79,9 +80,10 @@ def bench_command(
 
 def _print_summary(result, console, report_path: Path) -> None:
     console.print(f"[bold]{escape(result.workload)} on {escape(result.target.spec)}, {result.options.precision}[/]")
-    table = Table()
-    for column in ("batch", "status", "step s", "tokens/s", "MFU", "alloc GiB", "reserved GiB", "source"):
-        table.add_column(column, justify="left" if column in ("status", "source") else "right")
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)  # 80 columns hold the figures whole (see plan)
+    for column in ("batch", "status", "step s", "tokens/s", "MFU", "alloc\nGiB", "reserved\nGiB", "source"):
+        table.add_column(column, justify="left" if column in ("status", "source") else "right",
+                         no_wrap=column != "source")
     for r in result.rows:
         table.add_row(str(r.batch_size), r.status, f"{r.step_time_s:.3f}" if r.step_time_s else "—",
                       f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "—", f"{r.mfu:.1%}" if r.mfu is not None else "—",

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -139,17 +140,19 @@ def _emit_path(text: str) -> str:
 def _print_summary(result, console, report_path: Path, written: list[Path]) -> None:
     console.print(f"[bold]{escape(result.workload)} on {escape(result.device.display_name)}, "
                   f"{result.options.precision} (memory traced, time computed)[/]")
-    table = Table()
-    for column in ("GPUs", "strategy", "max local", "max global", "micro x accum", "GiB at micro", "step s",
+    # 80 columns hold every column whole: light box, headers on two lines, nothing wrapped (a
+    # strategy name or a tokens/s figure cut to 'fsdp-…' or '1,23…' was the one thing to read)
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
+    for column in ("GPUs", "strategy", "max\nlocal", "max\nglobal", "micro x\naccum", "GiB at\nmicro", "step\ns",
                    "tokens/s", "days"):
-        table.add_column(column, justify="left" if column == "strategy" else "right")
+        table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
     for p in result.plans:
         if p.skipped:
             table.add_row(str(p.gpus), p.strategy, "skipped", "", "", "", "", "", "")
             continue
         table.add_row(
             str(p.gpus), p.strategy, str(p.max_local_batch), str(p.max_global_batch),
-            f"{p.micro_batch} x {p.accumulation_steps}" if p.fits else "does not fit",
+            f"{p.micro_batch} x {p.accumulation_steps}" if p.fits else "no fit",
             f"{p.peak_bytes_at_micro / GiB:.1f}" if p.peak_bytes_at_micro else "—",
             f"{p.step_time_s:.2f}" if p.step_time_s else "—",
             f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "—",

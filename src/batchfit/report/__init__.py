@@ -8,7 +8,6 @@ from pathlib import Path
 
 from batchfit.report.bench_markdown import bench_markdown
 from batchfit.report.markdown import estimate_markdown
-from batchfit.report.plots import memory_plot, probe_plot, throughput_plot
 from batchfit.report.probe_markdown import probe_markdown
 from batchfit.report.write import StagedFiles, staged_files
 
@@ -32,15 +31,21 @@ def write_report(out_dir: Path, json_name: str, data: dict, markdown: Callable[[
 
 
 def write_estimate_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+    from batchfit.report.plots import memory_plot  # matplotlib: not for --help (report.write is used there)
+
     return write_report(out_dir, "estimate.json", result.to_json(), lambda: estimate_markdown(result),
                         lambda path: memory_plot(result, path), files=files)
 
 
 def write_probe_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+    from batchfit.report.plots import probe_plot
+
     plot = (lambda path: probe_plot(result, path)) if result.target.device is not None else None
     return write_report(out_dir, "probe.json", result.to_json(), lambda: probe_markdown(result), plot, files=files)
 
 
 def write_bench_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+    from batchfit.report.plots import throughput_plot
+
     return write_report(out_dir, "bench.json", result.to_json(), lambda: bench_markdown(result),
                         lambda path: throughput_plot(result, path), plot_name="throughput.png", files=files)
