@@ -151,3 +151,20 @@ def test_zoo_without_transformers_lists_every_model_and_says_what_hf_ones_need()
     for name in ("frozen-pair", "frozen-pair-tiny"):
         assert "pip install 'batchfit[hf]'" in rows[name]
     assert "needs batchfit[hf]" in rows["hf:gpt2-124m"]
+
+
+def test_device_options_are_declared_once_and_read_the_same_in_every_command():
+    """--gpu, --gpu-memory and --device come from cli/common.py's aliases: one help text each."""
+    import typer
+
+    from batchfit.cli import common
+
+    commands = typer.main.get_command(app).commands
+    declared = {"gpu": common.GpuOpt, "gpu_memory": common.GpuMemoryOpt, "device": common.DeviceOpt}
+    for command in ("estimate", "probe", "bench", "plan", "sweep", "noise"):
+        options = {p.name: p for p in commands[command].params}
+        for name, alias in declared.items():
+            if name in options:
+                assert options[name].help == alias.__metadata__[0].help, (command, name)
+        assert "device" in options
+    assert sum(name in {p.name for p in commands[c].params} for c in commands for name in declared) == 16
