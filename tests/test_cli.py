@@ -111,3 +111,60 @@ def test_ctrl_c_is_one_line_and_exit_code_130(capsys):
     with pytest.raises(typer.Exit) as stopped:
         interrupted()
     assert stopped.value.exit_code == 130
+
+
+def test_bench_where_nothing_ran_exits_1_and_prints_the_error(tmp_path):
+    """Item 16: every batch size failed with a non-OOM error, the terminal said only 'error'
+    and the exit code was 0."""
+    (tmp_path / "broken.py").write_text(
+        "import torch\nfrom torch import nn\nfrom batchfit import Workload\n"
+        "def loss(m, x):\n    raise ValueError('my loss needs labels')\n"
+        "def workload():\n"
+        "    return Workload(name='broken', build_model=lambda: nn.Linear(8, 8),\n"
+        "                    make_batch=lambda b, d: torch.randn(b, 8, device=d), loss_fn=loss)\n")
+    result = run("bench", f"{tmp_path}/broken.py:workload", "--device", "virtual:t4-16gb", "--batch-sizes", "2,4",
+                 "--out", str(tmp_path / "r"), "--json", str(tmp_path / "b.json"))
+    assert result.exit_code == 1, result.output
+    assert "batch 2 error:" in result.output and "my loss needs labels" in result.output
+    assert json.loads((tmp_path / "b.json").read_text())["rows"][0]["status"] == "error"
+
+
+def test_zoo_without_transformers_lists_every_model_and_says_what_hf_ones_need():
+    """Item 17: `batchfit zoo` crashed when transformers was not installed (frozen-pair builds on it)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['transformers'] = None  # import transformers now fails\n"
+              "from typer.testing import CliRunner\nfrom batchfit.cli.app import app\n"
+              "r = CliRunner().invoke(app, ['zoo'])\n"
+              "print(r.exit_code); print(r.output)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
+    code, _, output = done.stdout.partition("\n")
+    assert code == "0", done.stdout + done.stderr
+    from batchfit.zoo import ZOO
+    from batchfit.zoo.hf import CONFIGS
+
+    rows = {line.split("│")[1].strip(): line for line in output.splitlines() if line.count("│") >= 3}
+    assert set(ZOO) | {f"hf:{name}" for name in CONFIGS} <= set(rows)
+    for name in ("frozen-pair", "frozen-pair-tiny"):
+        assert "pip install 'batchfit[hf]'" in rows[name]
+    assert "needs batchfit[hf]" in rows["hf:gpt2-124m"]
+
+
+def test_device_options_are_declared_once_and_read_the_same_in_every_command():
+    """--gpu, --gpu-memory and --device come from cli/common.py's aliases: one help text each."""
+    import typer
+
+    from batchfit.cli import common
+
+    commands = typer.main.get_command(app).commands
+    declared = {"gpu": common.GpuOpt, "gpu_memory": common.GpuMemoryOpt, "device": common.DeviceOpt}
+    for command in ("estimate", "probe", "bench", "plan", "sweep", "noise"):
+        options = {p.name: p for p in commands[command].params}
+        for name, alias in declared.items():
+            if name in options:
+                assert options[name].help == alias.__metadata__[0].help, (command, name)
+        assert "device" in options
+    assert sum(name in {p.name for p in commands[c].params} for c in commands for name in declared) == 16

@@ -138,3 +138,21 @@ def test_the_real_tracer_end_to_end(tmp_path):
     # FSDP holds half the parameters of DDP's rank (22,696,448 / 2 of an even split, give or take a row)
     assert abs(fsdp["params_per_rank"] - data["params"] / 2) < data["params"] / 100
     assert fsdp["time"]["communication_s"]["dp"] > 0 and ddp["time"]["communication_s"]["dp"] > 0
+
+
+def test_an_emit_failure_writes_no_output(standin, tmp_path, monkeypatch):
+    """Item 8: the report was written, then --emit failed and --json was never written. Now
+    every output is written, or none (the previous run's files stay as they were)."""
+    (tmp_path / "config.yaml").write_text("previous config\n")
+
+    def half_written(kind, path, result):
+        path.write_text("training:\n  batch_con")  # cut off mid-way, as by a full disk
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("batchfit.cli.plan.write_emit", half_written)
+    result = run("plan", MODEL, "--gpu", "h100-80gb", "--gpus", "4", "--strategies", "fsdp", "--out",
+                 str(tmp_path / "report"), "--json", str(tmp_path / "plan.json"), "--emit",
+                 str(tmp_path / "config.yaml"))
+    assert result.exit_code != 0
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["config.yaml", "report"]  # no JSON, no temporary
+    assert (tmp_path / "config.yaml").read_text() == "previous config\n"

@@ -106,3 +106,19 @@ def test_bench_on_a_virtual_device_has_no_empty_panel_and_names_missing_tiers(tm
     big = bench(tiny(), target=parse_target("virtual:t4-16gb"), batch_sizes=[2])
     big.tiers = [t for t in big.tiers if t.name == "maximum"]
     assert "no benched size fits under 70% of usable memory" in bench_markdown(big)
+
+
+def test_an_interrupted_report_leaves_the_previous_one_whole(fp16_estimate, tmp_path, monkeypatch):
+    """Item 15: Ctrl-C while the PNG was written left the new estimate.json beside the previous
+    report.md and a truncated PNG. Files are written to temporary names and renamed together."""
+    write_estimate_report(fp16_estimate, tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def interrupted(result, path):
+        path.write_bytes(b"\x89PNG\r\n")  # a few bytes, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("batchfit.report.plots.memory_plot", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_estimate_report(fp16_estimate, tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

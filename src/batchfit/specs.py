@@ -26,8 +26,8 @@ SPEC_HELP = "a zoo name (batchfit zoo), hf:<name>, hf:config.json or hf:folder, 
 
 def load_workload(spec: str, *, seq_len: int | None = None) -> Workload:
     """Resolve ``spec``; ``seq_len`` overrides the workload's sequence length."""
-    if seq_len is not None and seq_len < 1:
-        raise ModelSpecError(f"--seq-len must be 1 or more, got {seq_len}")
+    if seq_len is not None and not 1 <= seq_len <= 1 << 24:  # beyond: overflows in the model's own code
+        raise ModelSpecError(f"--seq-len must be from 1 to {1 << 24:,} (2^24 tokens), got {seq_len}")
     from batchfit.zoo import ZOO  # here: the zoo's models load torch
 
     if spec.startswith("hf:"):

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -13,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  JsonOpt, ModelArg, OptimizerOpt, PrecisionOpt, SeqLenOpt, TrainOnlyOpt,
                                  check_outputs, command_target, flag, handle_errors, out_option,
                                  parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
-                                 step_options, warn_about_precision, write_json)
+                                 step_options, warn_about_precision, write_outputs)
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
 
@@ -70,22 +71,30 @@ def bench_command(
     with progress_line(total=len(set(sizes)) + (1 if leak_check else 0)) as say:
         result = bench(workload, target=target, options=options, batch_sizes=sizes, steps=steps, warmup=warmup,
                        leak_check_steps=steps if leak_check else None, progress=say)
-    paths = write_bench_report(result, report_folder(out, "bench", result.workload, target, options, seq_len))
-    write_json(json_path, result.to_json())
+    folder = report_folder(out, "bench", result.workload, target, options, seq_len)
+    paths = write_outputs(json_path, result.to_json(), lambda files: write_bench_report(result, folder, files))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
+    if not any(r.status == "ok" for r in result.rows):  # nothing ran: a script must not read success
+        raise typer.Exit(1)
 
 
 def _print_summary(result, console, report_path: Path) -> None:
     console.print(f"[bold]{escape(result.workload)} on {escape(result.target.spec)}, {result.options.precision}[/]")
-    table = Table()
-    for column in ("batch", "status", "step s", "tokens/s", "MFU", "alloc GiB", "reserved GiB", "source"):
-        table.add_column(column, justify="left" if column in ("status", "source") else "right")
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)  # 80 columns hold the figures whole (see plan)
+    for column in ("batch", "status", "step s", "tokens/s", "MFU", "alloc\nGiB", "reserved\nGiB", "source"):
+        table.add_column(column, justify="left" if column in ("status", "source") else "right",
+                         no_wrap=column != "source")
     for r in result.rows:
         table.add_row(str(r.batch_size), r.status, f"{r.step_time_s:.3f}" if r.step_time_s else "—",
                       f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "—", f"{r.mfu:.1%}" if r.mfu is not None else "—",
                       f"{r.peak_allocated_bytes / GiB:.2f}" if r.peak_allocated_bytes else "—",
                       f"{r.peak_reserved_bytes / GiB:.2f}" if r.peak_reserved_bytes else "—", r.source)
     console.print(table)
+    for r in result.rows:
+        if r.status != "ok" and r.error:  # the table says 'error'; this says which
+            console.print(f"[red]batch {r.batch_size} {r.status}:[/] {escape(r.error)}", soft_wrap=True)
+    if not any(r.status == "ok" for r in result.rows):
+        console.print("[bold red]no batch size ran[/]: see the errors above")
     for t in result.tiers:
         console.print(f"  {t.name:12s} batch {t.batch_size:6d}  headroom {t.headroom_bytes / GiB:.2f} GiB")
     if result.leak:

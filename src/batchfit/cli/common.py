@@ -8,10 +8,11 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
@@ -20,10 +21,12 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from batchfit.devices import precision_warning
 from batchfit.errors import BatchfitError, OptionError
+from batchfit.report.write import StagedFiles, staged_files, write_text_atomic
 from batchfit.specs import SPEC_HELP
 from batchfit.targets import DEVICE_HELP, Target, resolve_target
 from batchfit.workload import StepOptions
 
+T = TypeVar("T")
 err = Console(stderr=True)
 out = Console()
 
@@ -49,6 +52,11 @@ def handle_errors(command: Callable) -> Callable:
     return wrapper
 
 
+MAX_BATCH_SIZE = 1 << 24
+"""The largest batch size any option takes: 16.7M samples, far above any GPU's; beyond, the
+sizes of a batch's tensors overflow inside torch."""
+
+
 def parse_batch_sizes(text: str | None) -> list[int] | None:
     """'8,16,32' -> [8, 16, 32]."""
     if text is None:
@@ -56,8 +64,8 @@ def parse_batch_sizes(text: str | None) -> list[int] | None:
     if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text):
         raise OptionError(f"cannot read --batch-sizes '{text}': give positive integers separated by commas, e.g. 8,16,32")
     sizes = [int(s) for s in text.split(",")]
-    if min(sizes) < 1:
-        raise OptionError("--batch-sizes must all be 1 or more, e.g. 8,16,32")
+    if not 1 <= min(sizes) <= max(sizes) <= MAX_BATCH_SIZE:  # beyond: overflows inside torch
+        raise OptionError(f"--batch-sizes must all be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8,16,32")
     return sizes
 
 
@@ -108,6 +116,8 @@ def flag(name: str, help: str) -> object:
 
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
                  train_only: list[str] | None, accumulation_steps: int) -> StepOptions:
+    if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
+        raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
         err.print("[dim]--train-only picks the parameters that train; --freeze then freezes some of those[/]")
     return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
@@ -122,17 +132,83 @@ def warn_about_precision(target: Target, precision: str) -> None:
         err.print(f"[yellow]warning:[/] {escape(warning)}")
 
 
-def check_outputs(json_path: str | None, out: Path | None) -> None:
-    """Refuse output paths that cannot be written *before* any work, so no result is lost."""
+def _first_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (the folder a mkdir would create under)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why nothing can be created in ``folder`` (None: it can). Tried, not guessed from the
+    mode bits: root may write a chmod 555 folder, and nobody can write /proc or a read-only
+    mount, whatever ``os.access`` says."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "read-only: permission denied"
+    try:
+        handle, name = tempfile.mkstemp(dir=folder, prefix=".batchfit-check-")
+    except OSError as error:
+        return f"read-only: creating a file there fails: {error.strerror or error}"
+    os.close(handle)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+    return None
+
+
+def check_writable_file(option: str, path: Path | str, example: str) -> None:
+    """Refuse, before any work, a file path that cannot be written, with the reason: a folder,
+    a path under a file, a folder that does not exist, a read-only folder. ``example`` is
+    what to type instead (e.g. '--json result.json')."""
+    path = Path(path)
+    if path.is_dir():
+        raise OptionError(f"{option} {path} is a folder: give a file name, e.g. {option} "
+                          f"{path / example.split()[-1]}")
+    existing = _first_existing(path.parent)
+    if not existing.is_dir():
+        raise OptionError(f"{option} {path}: '{existing}' is a file, not a folder; write elsewhere, e.g. {example}")
+    if existing != Path(os.path.abspath(path.parent)):
+        raise OptionError(f"{option} {path}: the folder '{path.parent}' does not exist; create it or write "
+                          f"elsewhere, e.g. {example}")
+    reason = _unwritable(existing)
+    if reason:
+        raise OptionError(f"{option} {path}: cannot write in '{path.parent}' ({reason}); write elsewhere, "
+                          f"e.g. {example}")
+
+
+def check_writable_folder(option: str, folder: Path | str, example: str) -> None:
+    """Refuse, before any work, a report folder that cannot be created or written in."""
+    folder = Path(folder)
+    existing = _first_existing(folder)
+    if existing == Path(os.path.abspath(folder)) and not folder.is_dir():
+        raise OptionError(f"{option} {folder} is a file: {option} takes a folder for the report, e.g. {example}")
+    if not existing.is_dir():
+        raise OptionError(f"{option} {folder}: '{existing}' is a file, not a folder; write elsewhere, e.g. {example}")
+    reason = _unwritable(existing)
+    if reason:
+        raise OptionError(f"{option} {folder}: cannot write in '{existing}' ({reason}); write elsewhere, "
+                          f"e.g. {example}")
+
+
+def check_outputs(json_path: str | None, out: Path | None, *files: tuple[str, Path | str]) -> None:
+    """Refuse output paths that cannot be written *before* any work, so no result is lost:
+    --json, --out (or the default reports/ folder), and ``files``: (option, path) pairs such
+    as ("--emit", "config.yaml") or ("--store", "sweep.db")."""
     if json_path and not is_stdout(json_path):
-        parent = Path(json_path).parent
-        if not parent.is_dir():
-            raise OptionError(f"--json {json_path}: the folder '{parent}' does not exist; create it or "
-                              "write elsewhere, e.g. --json result.json")
-        if Path(json_path).is_dir():
-            raise OptionError(f"--json {json_path} is a folder: give a file name, e.g. --json {json_path}/result.json")
-    if out is not None and out.exists() and not out.is_dir():
-        raise OptionError(f"--out {out} is a file: --out takes a folder for the report, e.g. --out report/")
+        check_writable_file("--json", json_path, "--json result.json")
+    if out is not None:
+        check_writable_folder("--out", out, "--out report/")
+    else:
+        default = Path("reports")
+        if default.exists() and not default.is_dir():
+            raise OptionError("'reports' here is a file, and reports go to reports/<command>-...: give --out, "
+                              "e.g. --out report/")
+        reason = _unwritable(_first_existing(default))
+        if reason:
+            raise OptionError(f"cannot write the report in '{os.path.abspath(default)}' ({reason}): give --out a "
+                              "folder you can write, e.g. --out /tmp/report")
+    for option, path in files:
+        check_writable_file(option, path, f"{option} {Path(path).name}")
 
 
 def report_folder(out: Path | None, command: str, workload: str, target: Target, options: StepOptions,
@@ -162,14 +238,28 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
 
 
 def write_json(json_path: str | None, data: dict) -> None:
-    """--json PATH writes the result there; --json - prints it (and nothing else) on stdout."""
+    """--json PATH writes the result there (whole or not at all); --json - prints it (and
+    nothing else) on stdout."""
     if json_path is None:
         return
     text = json.dumps(data, indent=2) + "\n"
     if is_stdout(json_path):
         sys.stdout.write(text)
     else:
-        Path(json_path).write_text(text)
+        write_text_atomic(Path(json_path), text)
+
+
+def write_outputs(json_path: str | None, data: dict, write_files: Callable[[StagedFiles], T]) -> T:
+    """Every output of a command, all or none: ``write_files`` stages the report (and --emit's
+    files), --json joins them, and they are renamed into place together, JSON last
+    (``batchfit.report.write``); --json - is printed once they are."""
+    with staged_files() as files:
+        written = write_files(files)
+        if json_path is not None and not is_stdout(json_path):
+            files.text(Path(json_path), json.dumps(data, indent=2) + "\n")
+    if is_stdout(json_path):
+        write_json(json_path, data)
+    return written
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  JsonOpt, LimitOpt, ModelArg, MultipleOfOpt, OptimizerOpt, PrecisionOpt,
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
-                                 report_folder, step_options, warn_about_precision, write_json)
+                                 report_folder, step_options, warn_about_precision, write_outputs)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
@@ -77,8 +77,8 @@ def estimate_command(
     with progress_line() as say:
         result = estimate(workload, device=device, options=options, batch_sizes=sizes, target_util=target_util,
                           multiple_of=multiple_of, max_batch=max_batch, limit=limit, progress=say)
-    paths = write_estimate_report(result, report_folder(out, "estimate", result.workload, target, options, seq_len))
-    write_json(json_path, result.to_json())
+    folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
+    paths = write_outputs(json_path, result.to_json(), lambda files: write_estimate_report(result, folder, files))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
 
 

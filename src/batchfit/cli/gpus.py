@@ -39,6 +39,7 @@ def gpus_command(
 
 def zoo_command() -> None:
     """List the built-in models (and the hf: configs shipped with batchfit)."""
+    from batchfit.errors import ModelSpecError
     from batchfit.zoo import ZOO
     from batchfit.zoo.hf import CONFIGS
 
@@ -46,7 +47,11 @@ def zoo_command() -> None:
     table.add_column("name", no_wrap=True)
     table.add_column("what")
     for name, factory in ZOO.items():
-        table.add_row(name, escape(factory().description))
+        try:
+            description = factory().description
+        except ModelSpecError:  # built on transformers, not installed: list it, say what it needs
+            description = "built on transformers, not installed here: pip install 'batchfit[hf]'"
+        table.add_row(name, escape(description))
     for name in CONFIGS:
         table.add_row(f"hf:{name}", escape("transformers config shipped with batchfit (needs batchfit[hf])"))
     out.print(table)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -13,7 +15,7 @@ from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemo
                                  MultipleOfOpt, OptimizerOpt, PrecisionOpt, SeqLenOpt, TargetUtilOpt, TrainOnlyOpt,
                                  check_outputs, command_target, handle_errors, out_option, parse_batch_sizes,
                                  progress_line, quiet_if_stdout, report_folder, step_options, warn_about_precision,
-                                 write_json)
+                                 write_outputs)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.plan.emit import parse_emit, write_emit
@@ -21,6 +23,9 @@ from batchfit.plan.engine import DEFAULT_MAX_BATCH, DEFAULT_STRATEGIES, plan
 from batchfit.plan.time_model import TimeModel, calibrated
 from batchfit.plan.world import parse_tokens, parse_worlds
 from batchfit.specs import load_workload
+
+MAX_GPUS = 1 << 20
+"""More GPUs than any cluster has: past it, counts are typos (and overflow the time model)."""
 
 EXAMPLES = """
 Examples:
@@ -86,7 +91,7 @@ def plan_command(
     """
     from batchfit.report.plan_markdown import write_plan_report  # matplotlib: not for --help
 
-    check_outputs(json_path, out)
+    check_outputs(json_path, out, *(("--emit", path) for path in map(_emit_path, emit or []) if path))
     emits = [parse_emit(text) for text in emit or []]
     if mfu is not None and calibrate is not None:
         raise OptionError("give --mfu or --calibrate, not both: --calibrate takes the MFU from a bench run")
@@ -98,7 +103,11 @@ def plan_command(
     time_model = TimeModel(mfu=time_model.mfu, mfu_source=time_model.mfu_source,
                            intra_node_gb_per_s=intra_node_gb_per_s, inter_node_gb_per_s=inter_node_gb_per_s)
     worlds = parse_worlds(gpus, nodes, gpus_per_node)
-    parse_tokens(tokens)  # a bad --tokens is one line before any trace
+    if max(world.gpus for world in worlds) > MAX_GPUS:
+        raise OptionError(f"at most {MAX_GPUS:,} GPUs (2^20) in all, got {max(w.gpus for w in worlds):,}: "
+                          "e.g. --gpus 64 or --nodes 8 --gpus-per-node 8")
+    if parse_tokens(tokens) == math.inf:  # a bad --tokens is one line before any trace
+        raise OptionError(f"--tokens {tokens} is not a finite count: e.g. --tokens 2e11 or --tokens chinchilla")
     sizes = parse_batch_sizes(batch_sizes)
     target = command_target(gpu, gpu_memory, device)
     if target.device is None:
@@ -111,26 +120,39 @@ def plan_command(
                       multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say,
                       processes=processes)
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
-    paths = write_plan_report(result, folder)
-    written = [write_emit(kind, path, result) for kind, path in emits]
-    write_json(json_path, result.to_json())
+
+    def write_all(files):  # the report, every --emit and --json: all or none, JSON last
+        paths = write_plan_report(result, folder, files)
+        return paths, [files.write(path, lambda temporary, kind=kind: write_emit(kind, temporary, result))
+                       for kind, path in emits]
+
+    paths, written = write_outputs(json_path, result.to_json(), write_all)
     _print_summary(result, quiet_if_stdout(json_path), paths["md"], written)
+
+
+def _emit_path(text: str) -> str:
+    """The file of an --emit value ('accelerate:FILE' or FILE), to check before any trace."""
+    kind, _, rest = text.partition(":")
+    path = rest if kind == "accelerate" else text
+    return "" if path in ("", ".") else path
 
 
 def _print_summary(result, console, report_path: Path, written: list[Path]) -> None:
     console.print(f"[bold]{escape(result.workload)} on {escape(result.device.display_name)}, "
                   f"{result.options.precision} (memory traced, time computed)[/]")
-    table = Table()
-    for column in ("GPUs", "strategy", "max local", "max global", "micro x accum", "GiB at micro", "step s",
+    # 80 columns hold every column whole: light box, headers on two lines, nothing wrapped (a
+    # strategy name or a tokens/s figure cut to 'fsdp-…' or '1,23…' was the one thing to read)
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
+    for column in ("GPUs", "strategy", "max\nlocal", "max\nglobal", "micro x\naccum", "GiB at\nmicro", "step\ns",
                    "tokens/s", "days"):
-        table.add_column(column, justify="left" if column == "strategy" else "right")
+        table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
     for p in result.plans:
         if p.skipped:
             table.add_row(str(p.gpus), p.strategy, "skipped", "", "", "", "", "", "")
             continue
         table.add_row(
             str(p.gpus), p.strategy, str(p.max_local_batch), str(p.max_global_batch),
-            f"{p.micro_batch} x {p.accumulation_steps}" if p.fits else "does not fit",
+            f"{p.micro_batch} x {p.accumulation_steps}" if p.fits else "no fit",
             f"{p.peak_bytes_at_micro / GiB:.1f}" if p.peak_bytes_at_micro else "—",
             f"{p.step_time_s:.2f}" if p.step_time_s else "—",
             f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "—",

@@ -13,7 +13,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  JsonOpt, LimitOpt, ModelArg, MultipleOfOpt, OptimizerOpt, PrecisionOpt,
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target, flag,
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
-                                 step_options, warn_about_precision, write_json)
+                                 step_options, warn_about_precision, write_outputs)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.distributed.wrap import STRATEGIES
@@ -94,8 +94,8 @@ def probe_command(
                                 progress=say)
     if rank() != 0:  # every rank probed; one writes
         return
-    paths = write_probe_report(result, report_folder(out, "probe", result.workload, target, options, seq_len))
-    write_json(json_path, result.to_json())
+    folder = report_folder(out, "probe", result.workload, target, options, seq_len)
+    paths = write_outputs(json_path, result.to_json(), lambda files: write_probe_report(result, folder, files))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
     if result.stopped_by:
         raise typer.Exit(1)

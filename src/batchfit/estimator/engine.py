@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import datetime
+import fnmatch
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -185,6 +186,17 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
 
 
 SHARDING_GPUS = (2, 4, 8, 16, 32, 64)
+LORA = "*lora*"
+
+
+def _has_parameters(workload: Workload, pattern: str) -> bool:
+    """Whether any parameter name matches ``pattern`` (built on the meta device: no memory)."""
+    try:
+        with torch.device("meta"):
+            names = [name for name, _ in workload.build_model().named_parameters()]
+    except Exception:  # noqa: BLE001 - a model that cannot be built on meta: do not suggest
+        return False
+    return any(fnmatch.fnmatchcase(name, pattern) for name in names)
 
 
 def _suggestions(workload: Workload, options: StepOptions, device: Device,
@@ -219,8 +231,9 @@ def _suggestions(workload: Workload, options: StepOptions, device: Device,
     state = parts["optimizer_state"]
     computed("8-bit optimizer state (bitsandbytes AdamW8bit)", "optimizer=bnb.optim.AdamW8bit",
              state * 3 / 4, "optimizer_state x 3/4 (1 byte per value instead of 4)")
-    computed("train adapters only (LoRA), base frozen", "--train-only '*lora*'",
-             parts["gradients"] + state, "gradients + optimizer_state at the peak (the adapters' own are ~1%)")
+    if not options.trainable and _has_parameters(workload, LORA):  # else --train-only '*lora*' is refused
+        computed("train adapters only (LoRA), base frozen", f"--train-only '{LORA}'",
+                 parts["gradients"] + state, "gradients + optimizer_state at the peak (the adapters' own are ~1%)")
     # Everything per parameter shards: at an optimizer-step peak the step's temporaries are
     # per-parameter too (foreach scratch), so they shard with the state they update.
     per_param = ["parameters", "gradients", "optimizer_state"]

@@ -8,33 +8,44 @@ from pathlib import Path
 
 from batchfit.report.bench_markdown import bench_markdown
 from batchfit.report.markdown import estimate_markdown
-from batchfit.report.plots import memory_plot, probe_plot, throughput_plot
 from batchfit.report.probe_markdown import probe_markdown
+from batchfit.report.write import StagedFiles, staged_files
 
 
 def write_report(out_dir: Path, json_name: str, data: dict, markdown: Callable[[], str],
-                 plot: Callable[[Path], None] | None, plot_name: str = "memory.png") -> dict[str, Path]:
-    """Write ``json_name``, the plot (when there is one) and report.md into ``out_dir``."""
+                 plot: Callable[[Path], None] | None, plot_name: str = "memory.png",
+                 files: StagedFiles | None = None) -> dict[str, Path]:
+    """Write report.md, the plot (when there is one) and ``json_name`` into ``out_dir``, all
+    or none (``report.write``); with ``files``, they join the caller's set (its other
+    outputs, e.g. --json and --emit, are then renamed into place with them)."""
+    if files is None:
+        with staged_files() as files:
+            return write_report(out_dir, json_name, data, markdown, plot, plot_name, files)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / json_name, "md": out_dir / "report.md"}
-    paths["json"].write_text(json.dumps(data, indent=2) + "\n")
+    files.text(paths["md"], markdown())
     if plot is not None:
-        paths["png"] = out_dir / plot_name
-        plot(paths["png"])
-    paths["md"].write_text(markdown())
+        paths["png"] = files.write(out_dir / plot_name, plot)
+    files.text(paths["json"], json.dumps(data, indent=2) + "\n")
     return paths
 
 
-def write_estimate_report(result, out_dir: Path) -> dict[str, Path]:
+def write_estimate_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+    from batchfit.report.plots import memory_plot  # matplotlib: not for --help (report.write is used there)
+
     return write_report(out_dir, "estimate.json", result.to_json(), lambda: estimate_markdown(result),
-                        lambda path: memory_plot(result, path))
+                        lambda path: memory_plot(result, path), files=files)
 
 
-def write_probe_report(result, out_dir: Path) -> dict[str, Path]:
+def write_probe_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+    from batchfit.report.plots import probe_plot
+
     plot = (lambda path: probe_plot(result, path)) if result.target.device is not None else None
-    return write_report(out_dir, "probe.json", result.to_json(), lambda: probe_markdown(result), plot)
+    return write_report(out_dir, "probe.json", result.to_json(), lambda: probe_markdown(result), plot, files=files)
 
 
-def write_bench_report(result, out_dir: Path) -> dict[str, Path]:
+def write_bench_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+    from batchfit.report.plots import throughput_plot
+
     return write_report(out_dir, "bench.json", result.to_json(), lambda: bench_markdown(result),
-                        lambda path: throughput_plot(result, path), plot_name="throughput.png")
+                        lambda path: throughput_plot(result, path), plot_name="throughput.png", files=files)

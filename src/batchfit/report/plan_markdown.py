@@ -7,6 +7,7 @@ from pathlib import Path
 from batchfit.devices import GiB
 from batchfit.plan.time_model import OVERLAP_RULE  # pure Python, no torch
 from batchfit.report import write_report
+from batchfit.report.write import StagedFiles
 from batchfit.report.markdown import gib
 from batchfit.report.plan_plots import plan_plot
 
@@ -148,6 +149,6 @@ def _time_section(r) -> list[str]:
     return lines
 
 
-def write_plan_report(result, out_dir: Path) -> dict[str, Path]:
+def write_plan_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
     return write_report(out_dir, "plan.json", result.to_json(), lambda: plan_markdown(result),
-                        lambda path: plan_plot(result, path), plot_name="plan.png")
+                        lambda path: plan_plot(result, path), plot_name="plan.png", files=files)

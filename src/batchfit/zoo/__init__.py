@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -12,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchfit.workload import Workload
+from batchfit.zoo.enoki import HEADS as ENOKI_HEADS
+from batchfit.zoo.enoki import enoki
 from batchfit.zoo.frozen_pair import frozen_pair, frozen_pair_tiny
 from batchfit.zoo.grpo import grpo_workload
 from batchfit.zoo.recurrent import RecurrentConfig, RecurrentLM
@@ -77,4 +80,6 @@ ZOO: dict[str, Callable[..., Workload]] = {
     "grpo-gpt2-124m": grpo_workload,  # the RL step of seed 003
     "frozen-pair": frozen_pair,  # seed 001: frozen Llama-3.1-8B + Qwen2.5-7B, trainable encoder + adapters
     "frozen-pair-tiny": frozen_pair_tiny,  # the same wiring, small enough for CI
+    # seed 004: FSDP against FSDP+TP4 on 4 x H100 at six sizes (0.99B at 28 heads to 4.39B at 48)
+    **{f"enoki-{heads}h": functools.partial(enoki, heads) for heads in ENOKI_HEADS},
 }

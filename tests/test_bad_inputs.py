@@ -1,0 +1,91 @@
+"""Bad input, over every command (issue 19, as the newcomer's 147 inputs did): a wrong model
+spec, GPU name, size or option value exits 1 or 2 with ONE line that says what to type
+instead, and no traceback. Each row names the words the line must hold."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from batchfit.cli.app import app
+
+runner = CliRunner()
+TINY = ["gpt-tinystories-22m", "--seq-len", "16"]
+HUGE = "99999999999999999999"  # past int64: overflowed inside torch
+
+ROWS = {
+    "estimate": [
+        (["gpt-tinystorie", "--gpu", "t4"], "did you mean 'gpt-tinystories-22m'"),
+        ([*TINY, "--gpu", "h100-8gb"], "did you mean"),
+        ([*TINY, "--gpu-memory", "24QB"], "24GiB"),
+        ([*TINY, "--gpu", "t4", "--precision", "fp8x"], "bf16-mixed"),
+        ([*TINY, "--gpu", "t4", "--checkpointing", "some"], "full"),
+        ([*TINY, "--gpu", "t4", "--batch-sizes", HUGE], "from 1 to 16,777,216"),
+        (["gpt-tinystories-22m", "--gpu", "t4", "--seq-len", HUGE], "from 1 to 16,777,216"),
+        ([*TINY, "--gpu", "t4", "--accumulation-steps", HUGE], "from 1 to 16,777,216"),
+        ([*TINY, "--gpu", "t4", "--max-batch", "0"], "--max-batch"),
+        ([*TINY, "--gpu", "t4", "--multiple-of", "0"], "--multiple-of"),
+    ],
+    "probe": [
+        (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
+        ([*TINY, "--device", "virtual:h100-8gb"], "did you mean"),
+        ([*TINY, "--device", "tpu"], "cuda"),
+        ([*TINY, "--device", "virtual:t4", "--min", "0"], "--min"),
+        ([*TINY, "--device", "virtual:t4", "--min", "8", "--max", "4"], "--max"),
+        ([*TINY, "--device", "virtual:t4", "--policy", "fast"], "guided"),
+    ],
+    "bench": [
+        (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
+        ([*TINY, "--device", "virtual:h100-8gb"], "did you mean"),
+        ([*TINY, "--device", "virtual:t4", "--batch-sizes", "0"], "from 1 to"),
+        ([*TINY, "--device", "virtual:t4", "--batch-sizes", HUGE], "from 1 to 16,777,216"),
+        ([*TINY, "--device", "virtual:t4", "--steps", "0"], "--steps 10"),
+        ([*TINY, "--device", "virtual:t4", "--accumulation-steps", HUGE], "from 1 to 16,777,216"),
+        (["gpt-tinystories-22m", "--device", "virtual:t4", "--seq-len", HUGE], "from 1 to 16,777,216"),
+    ],
+    "plan": [
+        (["gpt-tinystorie", "--gpu", "h100", "--gpus", "2"], "did you mean 'gpt-tinystories-22m'"),
+        ([*TINY, "--gpu", "h100-8gb", "--gpus", "2"], "did you mean"),
+        ([*TINY, "--gpu", "h100", "--gpus", HUGE], "--gpus"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "zero9"], "fsdp"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--tokens", "lots"], "chinchilla"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--tokens", "1e999"], "not a finite count"),
+        ([*TINY, "--gpu", "h100", "--nodes", HUGE, "--gpus-per-node", "8"], "at most 1,048,576 GPUs"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--batch-sizes", HUGE], "from 1 to 16,777,216"),
+    ],
+    "sweep": [
+        (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),
+        ([*TINY, "--batch-sizes", "2;4", "--samples", "8"], "8,16,32"),
+        ([*TINY, "--batch-sizes", HUGE, "--samples", "8"], "from 1 to 16,777,216"),
+        ([*TINY, "--batch-sizes", "2,4", "--tokens", "5Q"], "--tokens"),
+        ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--lr-scaling", "cube"], "sqrt"),
+        ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--gpu", "h100-8gb"], "did you mean"),
+    ],
+    "noise": [
+        (["gpt-tinystorie", "--batch-sizes", "2,8"], "did you mean 'gpt-tinystories-22m'"),
+        ([*TINY, "--batch-sizes", "8"], "8,128"),
+        ([*TINY, "--batch-sizes", HUGE + ",8"], "from 1 to 16,777,216"),
+        ([*TINY, "--batch-sizes", "2,8", "--device", "virtual:t4"], "--device cpu"),
+    ],
+    "gpus": [
+        (["--gpu", "t4"], "No such option"),
+    ],
+    "zoo": [
+        (["gpt2"], "unexpected extra argument"),
+    ],
+}
+CASES = [pytest.param(command, args, words, id=f"{command}:{' '.join(args)[:60]}")
+         for command, rows in ROWS.items() for args, words in rows]
+
+
+@pytest.mark.parametrize("command,args,words", CASES)
+def test_bad_input_is_one_line_that_says_what_to_type(command, args, words, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a row that slipped through writes its report here, not in the repository
+    result = runner.invoke(app, [command, *args])
+    assert result.exit_code in (1, 2), result.output
+    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    said = [line for line in result.output.splitlines()
+            if line.startswith("error:") or "Invalid value" in line or "No such option" in line
+            or "unexpected extra argument" in line]
+    assert len(said) == 1, result.output
+    assert words in said[0], result.output
