@@ -31,6 +31,8 @@ def test_every_zoo_model_traces():
     for name in ZOO:
         if name == "frozen-pair":  # 15B frozen parameters: frozen-pair-tiny is the same code
             continue
+        if name.startswith("enoki-") and name != "enoki-28h":  # the same code at more heads (~7 s each)
+            continue
         workload = load_workload(name, seq_len=8)
         batch = workload.batch_multiple()  # grpo-gpt2-124m: a whole group of 8
         snap = TraceSession(workload, StepOptions(precision="bf16-mixed")).trace(batch).snapshot
