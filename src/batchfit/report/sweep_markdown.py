@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from batchfit.report.sweep_plots import curves_plot, loss_vs_batch_plot
+from batchfit.report.write import staged_files
 
 
 def _loss(x: float | None) -> str:
@@ -118,10 +119,11 @@ def write_sweep_report(result, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"md": out_dir / "report.md", "json": out_dir / "sweep.json",
              "loss_vs_batch": out_dir / "loss_vs_batch.png", "curves": out_dir / "curves.png"}
-    paths["json"].write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    loss_vs_batch_plot(result, paths["loss_vs_batch"])
-    curves_plot(result, paths["curves"])
-    paths["md"].write_text(sweep_markdown(result))
+    with staged_files() as files:  # all or nothing, the JSON last (report/write.py)
+        files.text(paths["json"], json.dumps(result.to_json(), indent=2) + "\n")
+        files.write(paths["loss_vs_batch"], lambda path: loss_vs_batch_plot(result, path))
+        files.write(paths["curves"], lambda path: curves_plot(result, path))
+        files.text(paths["md"], sweep_markdown(result))
     return paths
 
 
@@ -147,6 +149,7 @@ def noise_markdown(noise: dict) -> str:
 def write_noise_report(noise: dict, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"md": out_dir / "report.md", "json": out_dir / "noise.json"}
-    paths["json"].write_text(json.dumps(noise, indent=2) + "\n")
-    paths["md"].write_text(noise_markdown(noise))
+    with staged_files() as files:
+        files.text(paths["json"], json.dumps(noise, indent=2) + "\n")
+        files.text(paths["md"], noise_markdown(noise))
     return paths
