@@ -25,6 +25,8 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--accumulation-steps", HUGE], "from 1 to 16,777,216"),
         ([*TINY, "--gpu", "t4", "--max-batch", "0"], "--max-batch"),
         ([*TINY, "--gpu", "t4", "--multiple-of", "0"], "--multiple-of"),
+        ([*TINY, "--gpu", "t4", "--max-batch", HUGE], "at most 16,777,216"),
+        ([*TINY, "--gpu", "t4", "--multiple-of", HUGE], "at most 16,777,216"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
@@ -33,6 +35,8 @@ ROWS = {
         ([*TINY, "--device", "virtual:t4", "--min", "0"], "--min"),
         ([*TINY, "--device", "virtual:t4", "--min", "8", "--max", "4"], "--max"),
         ([*TINY, "--device", "virtual:t4", "--policy", "fast"], "guided"),
+        ([*TINY, "--device", "virtual:t4", "--multiple-of", HUGE], "at most 16,777,216"),
+        ([*TINY, "--device", "virtual:t4", "--global-batch", HUGE], "at most 16,777,216"),
     ],
     "bench": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),

@@ -25,8 +25,21 @@ LIMITS: tuple[str, ...] = ("reserved", "allocated")
 """What must stay under the usable memory: what the caching allocator reserves, or what tensors hold."""
 
 
+MAX_BATCH_SIZE = 1 << 24
+"""The largest batch-like option batchfit takes (sizes, --max, --multiple-of, --global-batch):
+beyond it the step's own tensor sizes overflow."""
+
+
+def check_size(option: str, value: int | None) -> None:
+    """One line for a size option above :data:`MAX_BATCH_SIZE` (an overflow deep in torch otherwise)."""
+    if value is not None and value > MAX_BATCH_SIZE:
+        raise OptionError(f"{option} must be at most {MAX_BATCH_SIZE:,} (2^24), got {value:,}")
+
+
 def check_search_options(*, target_util: float, multiple_of: int, max_batch: int) -> None:
     """The options every batch-size search shares (estimate, plan)."""
+    check_size("--multiple-of", multiple_of)
+    check_size("--max-batch", max_batch)
     if not 0 < target_util <= 1:
         raise OptionError(f"--target-util must be in (0, 1], e.g. 0.9; got {target_util}")
     if multiple_of < 1:
@@ -48,6 +61,9 @@ def check_estimate_options(*, target_util: float, multiple_of: int, batch_sizes:
 def check_probe_options(*, policy: str, multiple_of: int, smallest: int, largest: int, steps: int,
                         target_util: float, global_batch: int | None, limit: str) -> None:
     """probe's options, checked before anything runs (the CLI: before torch loads)."""
+    for option, value in (("--multiple-of", multiple_of), ("--min", smallest), ("--max", largest),
+                          ("--global-batch", global_batch)):
+        check_size(option, value)
     if policy not in POLICIES:
         raise OptionError(f"unknown --policy '{policy}': use one of {', '.join(POLICIES)}")
     if multiple_of < 1 or smallest < 1 or largest < smallest:

@@ -23,6 +23,7 @@ from batchfit.devices import precision_warning
 from batchfit.errors import BatchfitError, OptionError
 from batchfit.report.write import StagedFiles, staged_files, write_text_atomic
 from batchfit.specs import SPEC_HELP
+from batchfit.search import MAX_BATCH_SIZE
 from batchfit.targets import DEVICE_HELP, Target, resolve_target
 from batchfit.workload import StepOptions
 
@@ -52,7 +53,6 @@ def handle_errors(command: Callable) -> Callable:
     return wrapper
 
 
-MAX_BATCH_SIZE = 1 << 24
 """The largest batch size any option takes: 16.7M samples, far above any GPU's; beyond, the
 sizes of a batch's tensors overflow inside torch."""
 
