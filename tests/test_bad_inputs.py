@@ -69,7 +69,8 @@ ROWS = {
         (["gpt-tinystorie", "--batch-sizes", "2,8"], "did you mean 'gpt-tinystories-22m'"),
         ([*TINY, "--batch-sizes", "8"], "8,128"),
         ([*TINY, "--batch-sizes", HUGE + ",8"], "from 1 to 16,777,216"),
-        ([*TINY, "--batch-sizes", "2,8", "--device", "virtual:t4"], "--device cpu"),
+        ([*TINY, "--batch-sizes", "2,8", "--device", "tpu"], "cuda"),
+        ([*TINY, "--batch-sizes", "2,8", "--gpu", "t4"], "give --data"),  # --gpu sizes, the CPU trains
     ],
     "gpus": [
         (["--gpu", "t4"], "No such option"),
