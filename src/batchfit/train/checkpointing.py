@@ -58,31 +58,35 @@ def _resolve(root: object, path: str) -> object | None:
     return root
 
 
+SAVE_OPS: tuple[tuple[object, str], ...] = (
+    (torch.ops.aten, "_scaled_dot_product_cudnn_attention.default"),
+    (torch.ops.aten, "_scaled_dot_product_attention_math.default"),
+    (torch.ops.aten, "_scaled_dot_product_fused_attention_overrideable.default"),
+    (torch.ops.aten, "_scaled_dot_product_flash_attention.default"),  # also in compute_intensive_ops
+    (torch.ops.aten, "_scaled_dot_product_efficient_attention.default"),  # also in compute_intensive_ops
+    (torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu.default"),  # batchfit's addition (see above)
+    (torch.ops.aten, "max.default"),  # low-precision training's amax
+    (torch._higher_order_ops, "flex_attention"),
+    (torch.ops.aten, "linear.default"),
+    (torch.ops.aten, "topk.default"),  # MoE routing stays the same in recomputation
+    (torch._higher_order_ops, "inductor_compiled_code"),
+    (torch.ops, "torch_attn._varlen_attn.default"),
+    (torch.ops, "_c10d_functional.reduce_scatter_tensor.default"),
+    (torch.ops, "_c10d_functional.all_to_all_single.default"),
+    (torch.ops, "deepep.dispatch.default"), (torch.ops, "deepep.combine.default"),
+    (torch.ops, "hybridep.dispatch.default"), (torch.ops, "hybridep.combine.default"),
+)
+"""torchtitan's compute and communication ops beyond the partitioner's list, by path: each is
+kept where the installed torch (and its optional backends) registers it, skipped elsewhere."""
+
+
 def save_ops() -> set:
     """The ops whose outputs ``selective`` keeps: torchtitan's ``_get_default_save_ops``
     plus the CPU flash-attention kernel."""
     from torch._functorch.partitioners import get_default_op_list
 
     ops = {op.default for op in get_default_op_list().compute_intensive_ops}  # mm, addmm, bmm, SDPA, ...
-    aten = torch.ops.aten
-    ops |= {
-        aten._scaled_dot_product_cudnn_attention.default,
-        aten._scaled_dot_product_attention_math.default,
-        aten._scaled_dot_product_fused_attention_overrideable.default,
-        aten._scaled_dot_product_flash_attention.default,  # also in compute_intensive_ops
-        aten._scaled_dot_product_efficient_attention.default,  # also in compute_intensive_ops
-        aten._scaled_dot_product_flash_attention_for_cpu.default,  # batchfit's addition (see above)
-        aten.max.default,  # low-precision training's amax
-        torch._higher_order_ops.flex_attention,
-        aten.linear.default,
-        aten.topk.default,
-        torch.ops._c10d_functional.reduce_scatter_tensor.default,
-        torch.ops._c10d_functional.all_to_all_single.default,
-    }
-    optional = [(torch._higher_order_ops, "inductor_compiled_code"), (torch.ops, "torch_attn._varlen_attn.default"),
-                (torch.ops, "deepep.dispatch.default"), (torch.ops, "deepep.combine.default"),
-                (torch.ops, "hybridep.dispatch.default"), (torch.ops, "hybridep.combine.default")]
-    for root, path in optional:
+    for root, path in SAVE_OPS:
         try:
             op = _resolve(root, path)
         except (AttributeError, RuntimeError):  # torch.ops raises for an unknown namespace's op
