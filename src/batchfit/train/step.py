@@ -21,7 +21,8 @@ Where things live, all in :class:`TrainingStep`:
 - the optimizer step: :meth:`~TrainingStep.update` (learning rate, clipping, scaler, zeroing),
   the one place in batchfit that steps an optimizer;
 - activation checkpointing: the policy (``--checkpointing full | selective | every:N``,
-  ``train/checkpointing.py``) wraps the main blocks here (``_checkpoint_blocks``). Saving a run to resume it is the sweep's (``sweep/run.py``).
+  ``train/checkpointing.py``) wraps the main blocks here (``_checkpoint_blocks``). Saving a
+  run to resume it is the sweep's (``sweep/run.py``).
 
 Hooks let an engine see where it is in the step (inputs, forward, backward, optimizer)
 without the step knowing who is watching.
@@ -41,8 +42,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
 
 from batchfit.errors import OptionError
-from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
 from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
+from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
 from batchfit.workload import StepOptions, Workload
 
 class StepHooks(Protocol):
