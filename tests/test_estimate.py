@@ -111,7 +111,7 @@ def test_bad_options_say_what_to_type(mlp, kwargs):
 def test_step_options_validate():
     with pytest.raises(OptionError, match="bf16-mixed"):
         StepOptions(precision="bfloat16")
-    with pytest.raises(OptionError, match="none or full"):
+    with pytest.raises(OptionError, match="none, full, selective or every:N"):
         StepOptions(checkpointing="some")
 
 

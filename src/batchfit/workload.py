@@ -20,7 +20,18 @@ from batchfit.errors import OptionError
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor")
-CHECKPOINTING: tuple[str, ...] = ("none", "full")
+CHECKPOINTING: tuple[str, ...] = ("none", "full", "selective", "every:N")
+"""The --checkpointing grammar (``train/checkpointing.py``); N is a positive integer."""
+
+
+def check_checkpointing(value: str) -> None:
+    """Raise a one-line OptionError unless ``value`` is one of :data:`CHECKPOINTING`."""
+    if value in ("none", "full", "selective"):
+        return
+    n = value.removeprefix("every:") if value.startswith("every:") else None
+    if n is None or not (n.isascii() and n.isdigit()) or int(n) < 1:  # no sign, no spaces
+        raise OptionError(f"unknown checkpointing '{value}': use none, full, selective or every:N "
+                          "(e.g. every:2), N a positive integer")
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -74,7 +85,9 @@ class StepOptions:
     optimizer: str | None = None
     """Override the Workload's optimizer: one of adamw, adam, sgd, sgd-momentum, adafactor."""
     checkpointing: str = "none"
-    """Activation checkpointing: none, or full (recompute every block of the model's main stack)."""
+    """Activation checkpointing of the model's main stack of blocks: none; full (recompute every
+    block); selective (torchtitan's per-op policy: keep matmuls and attention, recompute the rest
+    and every second matmul); every:N (recompute every N-th block, keep the others)."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
     trainable: tuple[str, ...] = ()
@@ -95,16 +108,20 @@ class StepOptions:
             raise OptionError(
                 f"unknown optimizer '{self.optimizer}': use one of {', '.join(OPTIMIZERS)}"
             )
-        if self.checkpointing not in CHECKPOINTING:
-            raise OptionError(
-                f"unknown checkpointing '{self.checkpointing}': use none or full"
-            )
+        check_checkpointing(self.checkpointing)
         if self.accumulation_steps < 1:
             raise OptionError(
                 f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"
             )
         self.frozen = tuple(self.frozen)
         self.trainable = tuple(self.trainable)
+
+    @property
+    def blocks_alike(self) -> bool:
+        """Every block of the main stack runs under the same policy: not every:N with N > 1,
+        which checkpoints blocks by position, so a stack cut to 2, 3 and 4 blocks says nothing
+        of the whole one (``trace/depth.py`` extrapolates only when this holds)."""
+        return not self.checkpointing.startswith("every:") or self.checkpointing == "every:1"
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -93,7 +93,7 @@ ModelArg = Annotated[str, typer.Argument(help=f"What to train: {SPEC_HELP}.", sh
 SeqLenOpt = Annotated[int | None, typer.Option(help="Tokens per sample (default: the model's).")]
 PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights) or bf16 (pure).")]
 OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor.")]
-CheckpointingOpt = Annotated[str, typer.Option(help="Activation checkpointing: none or full (every block).")]
+CheckpointingOpt = Annotated[str, typer.Option(help="Activation checkpointing: none, full (every block), selective (torchtitan's per-op policy) or every:N (every N-th block).")]
 FreezeOpt = Annotated[list[str] | None, typer.Option(help="Freeze parameters matching this glob (repeatable), e.g. 'model.layers.*'.")]
 TrainOnlyOpt = Annotated[list[str] | None, typer.Option(help="Train only parameters matching this glob (repeatable), e.g. '*lora*'.")]
 AccumulationOpt = Annotated[int, typer.Option(help="Micro-batches per optimizer step.")]

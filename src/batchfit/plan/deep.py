@@ -86,7 +86,8 @@ class DeepSession:
         self._depths: list = []
         self._whole = None
         seen = depth.Depth()
-        first = self._open(depth.at_depth(workload, depth.DEPTHS[0], seen))
+        # every:N checkpoints blocks by position: depths 2-4 say nothing of the whole stack
+        first = self._open(depth.at_depth(workload, depth.DEPTHS[0], seen) if options.blocks_alike else workload)
         if seen.blocks and seen.blocks >= depth.MIN_BLOCKS:
             self.blocks = seen.blocks
             self._depths = [first]

@@ -153,6 +153,7 @@ class TracedCurve:
         self._params_by_depth: list[tuple[int, int]] = []
         self._full: TraceSession | None = None
         self._seen = seen = depth.Depth()
+        by_depth = by_depth and options.blocks_alike  # every:N: blocks differ by position
         self._first = first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
                                            options)
         if by_depth and seen.blocks and seen.blocks >= depth.MIN_BLOCKS:

@@ -20,8 +20,9 @@ Where things live, all in :class:`TrainingStep`:
   which reports a step it skipped;
 - the optimizer step: :meth:`~TrainingStep.update` (learning rate, clipping, scaler, zeroing),
   the one place in batchfit that steps an optimizer;
-- activation checkpointing: the policy (``--checkpointing full``) wraps the main blocks
-  here (``_checkpoint_blocks``). Saving a run to resume it is the sweep's (``sweep/run.py``).
+- activation checkpointing: the policy (``--checkpointing full | selective | every:N``,
+  ``train/checkpointing.py``) wraps the main blocks here (``_checkpoint_blocks``). Saving a
+  run to resume it is the sweep's (``sweep/run.py``).
 
 Hooks let an engine see where it is in the step (inputs, forward, backward, optimizer)
 without the step knowing who is watching.
@@ -42,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from batchfit.errors import OptionError
 from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
+from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
 from batchfit.workload import StepOptions, Workload
 
 class StepHooks(Protocol):
@@ -113,19 +115,25 @@ def main_blocks(model: nn.Module) -> nn.ModuleList | None:
     return cut if cut is not None else block_list(model)
 
 
-def _checkpoint_blocks(model: nn.Module, preserve_rng_state: bool) -> None:
+def _checkpoint_blocks(model: nn.Module, policy: str, preserve_rng_state: bool) -> None:
+    """Wrap the main stack's blocks that ``policy`` names (full, selective, every:N) in
+    ``checkpoint(use_reentrant=False)``; ``train/checkpointing.py`` holds the policies."""
     blocks = block_list(model)
     if blocks is None:
         raise OptionError(
-            "--checkpointing full needs a model with an nn.ModuleList of blocks; "
+            f"--checkpointing {policy} needs a model with an nn.ModuleList of blocks; "
             "this model has none: apply torch.utils.checkpoint in the model and drop the option"
         )
-    for block in blocks:
+    stack = next(name for name, module in model.named_modules() if module is blocks)
+    for index in checkpointed_blocks(policy, len(blocks)):
+        block = blocks[index]
         forward = block.forward
+        extra = ({"context_fn": selective_context_fn(block, f"{stack}.{index}".lstrip("."))}
+                 if policy == "selective" else {})
 
-        def checkpointed(*args, _forward=forward, **kwargs):
+        def checkpointed(*args, _forward=forward, _extra=extra, **kwargs):
             return checkpoint(_forward, *args, use_reentrant=False,
-                              preserve_rng_state=preserve_rng_state, **kwargs)
+                              preserve_rng_state=preserve_rng_state, **_extra, **kwargs)
 
         block.forward = checkpointed
 
@@ -202,9 +210,9 @@ class TrainingStep:
         dtype = torch.bfloat16 if options.precision == "bf16" else None
         self.model = move_module(model, device, dtype)
         _apply_freezing(self.model, options)
-        if options.checkpointing == "full":
+        if options.checkpointing != "none":
             # Fake tensors cannot snapshot the CPU generator; dropout-free steps do not need it.
-            _checkpoint_blocks(self.model, preserve_rng_state=device.type == "cuda")
+            _checkpoint_blocks(self.model, options.checkpointing, preserve_rng_state=device.type == "cuda")
         if wrap is not None:
             # After freezing and checkpointing (they name and patch the plain model's modules),
             # before the optimizer: FSDP2 replaces the parameters with their shards, and the

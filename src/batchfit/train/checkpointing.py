@@ -1,0 +1,141 @@
+"""Activation checkpointing policies for the model's main stack of blocks (``--checkpointing``).
+
+``full`` recomputes every block in backward; ``every:N`` recomputes every N-th block and keeps
+the others' activations; ``selective`` wraps every block but keeps the outputs of the ops that
+are expensive to recompute (matmuls, attention), torchtitan's per-op policy. All three wrap a
+block's forward in ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; ``selective``
+adds a ``context_fn`` built by ``create_selective_checkpoint_contexts``, exactly as a user's
+own SAC policy would, so the tracer sees both the same way: the policy runs as a dispatch
+mode inside the tracker's, and what it saves stays alive as the tensors it keeps.
+
+Mirrored from torchtitan (github.com/pytorch/torchtitan):
+
+- ``every:N`` is its layer-frequency AC (``_apply_layer_sac`` in
+  torchtitan/distributed/activation_checkpoint.py up to commit 1f029641, removed from later
+  versions): a counter incremented before the test, so the block at index ``i`` is
+  checkpointed when ``(i + 1) % N == 0`` (every:2 on 4 blocks: blocks 1 and 3).
+- ``selective`` is ``SelectiveAC`` in torchtitan/distributed/activation_checkpoint.py
+  (commit b5bcd76c, August 2026): save the ops of ``_get_default_save_ops`` (the partitioner's
+  compute-intensive ops, SDPA kernels, ``max``, flex attention, ``linear``, ``topk``, reduce-
+  scatter and all-to-all), except every second ``mm``/``linear`` of a block (its
+  ``forward_mm_count``), and recompute all else. Earlier torchtitan (the per-model
+  ``_op_sac_save_list`` of torchtitan/models/llama3/infra/parallelize.py, up to 1f029641) saved
+  the same ops without ``addmm``/``bmm``/convolution, which Llama (no biases) never runs.
+
+One addition: PyTorch's CPU flash-attention op, which the tracer runs where CUDA runs its flash
+kernel (``trace/cuda_attention.py``) and a real CPU step runs too. Without it the trace would
+recompute the attention that a GPU keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+FORCE_RECOMPUTE_MM_FQNS: tuple[str, ...] = ("moe.router.gate",)
+"""torchtitan's ``force_recompute_mm_shapes_by_fqns`` default: an mm with the RHS shape of
+these Linear layers is always recomputed (and not counted)."""
+
+
+def checkpointed_blocks(policy: str, blocks: int) -> list[int]:
+    """The indices of the blocks that ``policy`` wraps in a checkpoint."""
+    if policy in ("full", "selective"):
+        return list(range(blocks))
+    every = int(policy.removeprefix("every:"))
+    # torchtitan's _apply_layer_sac: `_layer_sac_count += 1; if _layer_sac_count % ac_freq == 0`.
+    return [i for i in range(blocks) if (i + 1) % every == 0]
+
+
+def _resolve(root: object, path: str) -> object | None:
+    """``root.a.b.c``, or None where the op is not registered (an optional backend)."""
+    for part in path.split("."):
+        root = getattr(root, part, None)
+        if root is None:
+            return None
+    return root
+
+
+SAVE_OPS: tuple[tuple[object, str], ...] = (
+    (torch.ops.aten, "_scaled_dot_product_cudnn_attention.default"),
+    (torch.ops.aten, "_scaled_dot_product_attention_math.default"),
+    (torch.ops.aten, "_scaled_dot_product_fused_attention_overrideable.default"),
+    (torch.ops.aten, "_scaled_dot_product_flash_attention.default"),  # also in compute_intensive_ops
+    (torch.ops.aten, "_scaled_dot_product_efficient_attention.default"),  # also in compute_intensive_ops
+    (torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu.default"),  # batchfit's addition (see above)
+    (torch.ops.aten, "max.default"),  # low-precision training's amax
+    (torch._higher_order_ops, "flex_attention"),
+    (torch.ops.aten, "linear.default"),
+    (torch.ops.aten, "topk.default"),  # MoE routing stays the same in recomputation
+    (torch._higher_order_ops, "inductor_compiled_code"),
+    (torch.ops, "torch_attn._varlen_attn.default"),
+    (torch.ops, "_c10d_functional.reduce_scatter_tensor.default"),
+    (torch.ops, "_c10d_functional.all_to_all_single.default"),
+    (torch.ops, "deepep.dispatch.default"), (torch.ops, "deepep.combine.default"),
+    (torch.ops, "hybridep.dispatch.default"), (torch.ops, "hybridep.combine.default"),
+)
+"""torchtitan's compute and communication ops beyond the partitioner's list, by path: each is
+kept where the installed torch (and its optional backends) registers it, skipped elsewhere."""
+
+
+def save_ops() -> set:
+    """The ops whose outputs ``selective`` keeps: torchtitan's ``_get_default_save_ops``
+    plus the CPU flash-attention kernel."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    ops = {op.default for op in get_default_op_list().compute_intensive_ops}  # mm, addmm, bmm, SDPA, ...
+    for root, path in SAVE_OPS:
+        try:
+            op = _resolve(root, path)
+        except (AttributeError, RuntimeError):  # torch.ops raises for an unknown namespace's op
+            op = None
+        if op is not None:
+            ops.add(op)
+    return ops
+
+
+def _force_recompute_shapes(block: nn.Module, base_fqn: str) -> set[torch.Size]:
+    """The (in, out) shapes of the block's Linear layers named in FORCE_RECOMPUTE_MM_FQNS."""
+    shapes = set()
+    for name, module in block.named_modules():
+        fqn = f"{base_fqn}.{name}" if name else base_fqn
+        if isinstance(module, nn.Linear) and any(f in fqn for f in FORCE_RECOMPUTE_MM_FQNS):
+            out_features, in_features = module.weight.shape
+            shapes.add(torch.Size((in_features, out_features)))
+    return shapes
+
+
+def selective_context_fn(block: nn.Module, base_fqn: str = "") -> Callable[[], tuple]:
+    """The ``context_fn`` of torchtitan's ``SelectiveAC`` for one block: a fresh mm counter
+    for each run of the block (forward and recomputation counted apart)."""
+    saved = save_ops()
+    recompute_shapes = _force_recompute_shapes(block, base_fqn)
+    aten = torch.ops.aten
+    mm_ops = (aten.mm.default, aten.linear.default)
+
+    def context_fn() -> tuple:
+        count = {"forward": 0, "recompute": 0}
+
+        def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+            if (func == aten._to_copy.default and "cuda" in str(args[0].device)
+                    and str(kwargs.get("device")) == "cpu"):
+                return CheckpointPolicy.MUST_SAVE  # a device-to-host copy is never redone
+            mode = "recompute" if ctx.is_recompute else "forward"
+            if func in mm_ops:
+                shape = args[1].shape
+                if func == aten.linear.default:  # the weight is (out, in); mm's RHS is (in, out)
+                    shape = torch.Size((shape[1], shape[0]))
+                if shape in recompute_shapes:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+                count[mode] += 1
+            if func in saved:
+                if func in mm_ops and count[mode] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE  # every second mm
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
