@@ -31,7 +31,8 @@ from _common import write_result
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from batchfit.train.step import TrainingStep, block_list
+from batchfit.train.model import block_list
+from batchfit.train.step import TrainingStep
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo import ZOO

@@ -8,7 +8,8 @@ import torch
 from batchfit import StepOptions, load_workload
 from batchfit.devices import get_device
 from batchfit.plan.sharded import parse_strategy, trace_sharded
-from batchfit.train.step import TrainingStep, block_list
+from batchfit.train.model import block_list
+from batchfit.train.step import TrainingStep
 from batchfit.zoo.frozen_pair import FrozenLayer
 
 

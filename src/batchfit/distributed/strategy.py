@@ -191,7 +191,7 @@ def _fully_shard_blocks(model: nn.Module, mesh, *, reshard: bool, precision: str
     """FSDP2 on each block of the model's main stack, then at the root (in place)."""
     from torch.distributed.fsdp import fully_shard
 
-    from batchfit.train.step import block_list
+    from batchfit.train.model import block_list
 
     policy = mixed_precision(precision)
     # One FSDP group per block, so one block's parameters are gathered at a time; the root

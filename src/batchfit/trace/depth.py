@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from torch import nn
 
-from batchfit.train.step import block_list
+from batchfit.train.model import block_list
 from batchfit.trace.memory import active_tracker
 from batchfit.workload import Workload
 
@@ -69,7 +69,7 @@ def at_depth(workload: Workload, depth: int, seen: Depth) -> Workload:
             tracker = active_tracker()
             start = len(tracker.events) if tracker else 0
             del blocks[depth:]
-            blocks._batchfit_cut = True  # the stack the tracker cuts phases by (step.main_blocks)
+            blocks._batchfit_cut = True  # the stack the tracker cuts phases by (train.model.main_blocks)
             if tracker is not None:
                 seen.cuts[depth] = (start, len(tracker.events))
         return model

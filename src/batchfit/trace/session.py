@@ -22,7 +22,8 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from batchfit.errors import BatchfitError, ModelSpecError, TraceError
-from batchfit.train.step import TrainingStep, main_blocks
+from batchfit.train.model import main_blocks
+from batchfit.train.step import TrainingStep
 from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.cuda_norm import CudaRmsNorm

@@ -12,7 +12,7 @@ The loss is the sum of both LMs' next-token losses on the target tokens.
     frozen-pair-tiny   the same wiring with two tiny LMs, for CI
 
 Both LMs' decoder layers are wrapped in one class and also listed together in
-``FrozenPair.blocks``, so the model's main stack of blocks (``step.block_list``) is all of
+``FrozenPair.blocks``, so the model's main stack of blocks (``train.model.block_list``) is all of
 them: ``--checkpointing full`` recomputes every frozen layer of both LMs, and FSDP puts each
 in its own group, as a real run of this model would.
 """

@@ -1,0 +1,82 @@
+"""Preparing the model a step trains: building the optimizer an option names, moving a model
+(also a fake one) to its device and dtype, finding its main stack of blocks, and freezing
+parameters by name. Used by the training step and by the tracer's depth cuts."""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from batchfit.errors import OptionError
+from batchfit.workload import StepOptions
+
+
+def build_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The --optimizer overrides, with the hyper-parameters that do not change memory left default."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=3e-4)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=3e-4)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-2)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    if not hasattr(torch.optim, "Adafactor"):
+        raise OptionError("--optimizer adafactor needs torch>=2.5: upgrade torch or pick adamw")
+    return torch.optim.Adafactor(params, lr=1e-2)
+
+
+def move_module(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    """``model.to(device, dtype)``, also for fake models (Module.to cannot swap fake params)."""
+    if not any(isinstance(t, FakeTensor) for t in (*model.parameters(), *model.buffers())):
+        return model.to(device=device, dtype=dtype) if dtype else model.to(device)
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype if dtype and t.is_floating_point() else None)
+
+    moved: dict[int, torch.Tensor] = {}  # shared (tied) tensors stay shared
+    with torch.no_grad():
+        for module in model.modules():
+            for slots, make in ((module._parameters, lambda p: nn.Parameter(convert(p), p.requires_grad)),
+                                (module._buffers, convert)):
+                for name, tensor in slots.items():
+                    if tensor is not None:
+                        if id(tensor) not in moved:
+                            moved[id(tensor)] = make(tensor)
+                        slots[name] = moved[id(tensor)]
+    return model
+
+
+def block_list(model: nn.Module) -> nn.ModuleList | None:
+    """The model's main stack of blocks: its largest ModuleList of modules of one class."""
+    best = None
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best)):
+                best = module
+    return best
+
+
+def main_blocks(model: nn.Module) -> nn.ModuleList | None:
+    """The stack a depth cut shortened (``trace.depth.at_depth`` marks it), else :func:`block_list`:
+    in a model with two stacks (GRPO's policy and reference) the cut one need not be the longest."""
+    cut = next((m for m in model.modules() if getattr(m, "_batchfit_cut", False)), None)
+    return cut if cut is not None else block_list(model)
+
+
+def apply_freezing(model: nn.Module, options: StepOptions) -> None:
+    names = [name for name, _ in model.named_parameters()]
+    for patterns in (options.frozen, options.trainable):
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                raise OptionError(
+                    f"the pattern '{pattern}' matches no parameter; names look like '{names[0]}'"
+                )
+    for name, param in model.named_parameters():
+        if options.trainable and not any(fnmatch.fnmatchcase(name, p) for p in options.trainable):
+            param.requires_grad_(False)
+        if any(fnmatch.fnmatchcase(name, p) for p in options.frozen):
+            param.requires_grad_(False)
