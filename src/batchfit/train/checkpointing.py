@@ -22,9 +22,12 @@ Mirrored from torchtitan (github.com/pytorch/torchtitan):
   ``_op_sac_save_list`` of torchtitan/models/llama3/infra/parallelize.py, up to 1f029641) saved
   the same ops without ``addmm``/``bmm``/convolution, which Llama (no biases) never runs.
 
-One addition: PyTorch's CPU flash-attention op, which the tracer runs where CUDA runs its flash
-kernel (``trace/cuda_attention.py``) and a real CPU step runs too. Without it the trace would
-recompute the attention that a GPU keeps.
+Two additions: PyTorch's CPU flash-attention op, which a real CPU step runs, and the op the
+tracer runs where CUDA runs its memory-efficient kernel (``batchfit::cuda_efficient_attention``
+in ``trace/cuda_attention.py``: the aten op without its host-side seed and offset). Without them
+the trace would recompute the attention that a GPU keeps. A user's own policy that names
+``aten._scaled_dot_product_efficient_attention`` does not see the tracer's op (a known limit,
+docs/tracing.md): on fp32 or masked attention it is traced as recomputed.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ SAVE_OPS: tuple[tuple[object, str], ...] = (
     (torch.ops.aten, "_scaled_dot_product_flash_attention.default"),  # also in compute_intensive_ops
     (torch.ops.aten, "_scaled_dot_product_efficient_attention.default"),  # also in compute_intensive_ops
     (torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu.default"),  # batchfit's addition (see above)
+    (torch.ops, "batchfit.cuda_efficient_attention.default"),  # the tracer's memory-efficient kernel (see above)
     (torch.ops.aten, "max.default"),  # low-precision training's amax
     (torch._higher_order_ops, "flex_attention"),
     (torch.ops.aten, "linear.default"),
