@@ -21,6 +21,7 @@ Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor")
 CHECKPOINTING: tuple[str, ...] = ("none", "full")
+COMPILE: tuple[str, ...] = ("none", "model", "blocks")
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -75,6 +76,9 @@ class StepOptions:
     """Override the Workload's optimizer: one of adamw, adam, sgd, sgd-momentum, adafactor."""
     checkpointing: str = "none"
     """Activation checkpointing: none, or full (recompute every block of the model's main stack)."""
+    compile: str = "none"
+    """torch.compile: none, model (the whole model) or blocks (each block of the main stack, as
+    torchtitan does). Real steps compile; the traced step runs eager and says so."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
     trainable: tuple[str, ...] = ()
@@ -99,6 +103,8 @@ class StepOptions:
             raise OptionError(
                 f"unknown checkpointing '{self.checkpointing}': use none or full"
             )
+        if self.compile not in COMPILE:
+            raise OptionError(f"unknown compile '{self.compile}': use one of {', '.join(COMPILE)}")
         if self.accumulation_steps < 1:
             raise OptionError(
                 f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"

@@ -23,6 +23,8 @@ from batchfit.devices import Device
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided
 from batchfit.trace import depth, forked, stream
+from batchfit.trace.approximation import Approximation
+from batchfit.trace.compiled import compile_approximations
 from batchfit.trace.curve import MemoryCurve, fit_curve
 from batchfit.trace.session import TracePoint, TraceSession
 from batchfit.workload import StepOptions, Workload
@@ -202,6 +204,12 @@ class TracedCurve:
         return [f"{', '.join(recurrent)} layers are traced with the CPU kernels (mkldnn_rnn_layer, or a loop "
                 "of cells): on a GPU cuDNN runs them and keeps its own workspace and reserve space, which "
                 "this trace does not count"]
+
+    @property
+    def approximations(self) -> list[Approximation]:
+        """Where this trace approximates the step it stands for (a compiled model run as eager)."""
+        session = self._full or self._first
+        return compile_approximations(self.options, session.step.model, self.workload.loss_fn)
 
     @property
     def by_depth(self) -> bool:
