@@ -12,6 +12,7 @@ the next size up, so every answer is a traced one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, Cach
 from batchfit.search import SearchResult, Trial, guided
 from batchfit.trace import depth, forked, stream
 from batchfit.trace.approximation import Approximation
-from batchfit.trace.compiled import compile_approximations
+from batchfit.trace.compiled import COMPILED_TRACED, compile_approximations, graph_count
 from batchfit.trace.curve import MemoryCurve, fit_curve
 from batchfit.trace.session import TracePoint, TraceSession
 from batchfit.workload import StepOptions, Workload
@@ -155,6 +156,7 @@ class TracedCurve:
         self._params_by_depth: list[tuple[int, int]] = []
         self._full: TraceSession | None = None
         self._seen = seen = depth.Depth()
+        by_depth = by_depth and options.compile == "none"  # a compiled trace has no per-block parts
         self._first = first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
                                            options)
         if by_depth and seen.blocks and seen.blocks >= depth.MIN_BLOCKS:
@@ -209,7 +211,11 @@ class TracedCurve:
     def approximations(self) -> list[Approximation]:
         """Where this trace approximates the step it stands for (a compiled model run as eager)."""
         session = self._full or self._first
-        return compile_approximations(self.options, session.step.model, self.workload.loss_fn)
+        if not session.compiled:
+            return compile_approximations(self.options, session.step.model, self.workload.loss_fn)
+        graphs, breaks = graph_count()
+        return [dataclasses.replace(COMPILED_TRACED, detail=f"--compile {self.options.compile}: {graphs} graphs "
+                                                            f"captured, {breaks} graph breaks")]
 
     @property
     def by_depth(self) -> bool:

@@ -24,6 +24,7 @@ from batchfit.errors import BatchfitError, ModelSpecError, TraceError
 from batchfit.train.step import TrainingStep, main_blocks
 from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
+from batchfit.trace.compiled import compile_for_trace
 from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot
 from batchfit.workload import StepOptions, Workload
 
@@ -138,7 +139,12 @@ class TraceSession:
         self.tracker.host_optimizer_scalars = not any(
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
-        self.tracker.watch_modules(self.step.model, main_blocks(self.step.model))
+        self.compiled = options.compile != "none" and wrap is None and tracker is None
+        """Traced compiled (one device; ``trace/compiled.py``), else eager."""
+        if self.compiled:  # batchfit's module hooks stay out: dynamo would break the graph at each
+            compile_for_trace(self.step.model, options.compile, self.tracker)
+        else:
+            self.tracker.watch_modules(self.step.model, main_blocks(self.step.model))
         params = list(self.step.model.parameters())
         self.params = sum(p.numel() for p in params)
         self.trainable_params = sum(p.numel() for p in params if p.requires_grad)
