@@ -148,9 +148,27 @@ def test_estimate_traces_compile_model_compiled_and_says_how_close_that_is(tmp_p
     [approximation] = data["approximations"]
     assert {k: approximation[k] for k in ("what", "may_differ_by", "source")} == {
         k: getattr(COMPILED_TRACED, k) for k in ("what", "may_differ_by", "source")}
-    assert re.fullmatch(r"--compile model: \d+ graphs captured, 0 graph breaks", approximation["detail"])
+    assert re.fullmatch(r"--compile model: [1-9]\d* graphs compiled, 0 graph breaks", approximation["detail"])
     assert "> **Warning: approximated.** compiled step traced with AOTAutograd" in report
     assert "warning: approximated: compiled step traced" in " ".join(terminal.split())
+
+
+def test_graph_breaks_are_counted_with_their_reason(tmp_path):
+    spec = write_workload(tmp_path)
+    path = Path(spec.rsplit(":", 1)[0])
+    path.write_text(path.read_text().replace("return x + torch.relu(self.fc(x))",
+                                             "torch._dynamo.graph_break()\n        return x + torch.relu(self.fc(x))"))
+    data, _, _ = estimate_cli(tmp_path, spec, "--compile", "blocks")
+    detail = data["approximations"][0]["detail"]
+    assert re.fullmatch(r"--compile blocks: \d+ graphs compiled, [1-9]\d* graph breaks \(most often: .*\)", detail), detail
+    assert "graph_break" in detail
+
+
+def test_mixed_precision_on_cuda_is_still_traced_as_eager_and_says_so(tmp_path):
+    data, report, _ = estimate_cli(tmp_path, write_workload(tmp_path), "--compile", "model", "--precision", "bf16-mixed")
+    assert data["approximations"] == [{**COMPILED_AS_EAGER.to_json(), "detail": "--compile model; mixed precision on "
+                                       "CUDA is not traced compiled yet"}]
+    assert "compiled model traced as eager (--compile model; mixed precision" in report
 
 
 @pytest.mark.parametrize("build, where", [("torch.compile(Net())", "model"),

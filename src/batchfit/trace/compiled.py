@@ -133,17 +133,34 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any) -> None:
     with :func:`trace_backend`, and let compiled code run under ``tracker``."""
     from batchfit.train.step import block_list
 
+    import torch._dynamo.config as dynamo_config
+
+    # Each block, each batch size and each model the trace builds (depths, fresh processes)
+    # is a cache entry of the same frame (Module._call_impl): past dynamo's limit it would run
+    # the rest eager, which the trace must not do while it says compiled.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 1024)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
+    from torch._dynamo.utils import counters
+
+    for name in ("graph_break", "stats"):  # graph_breaks() counts this model's
+        counters[name].clear()
     tracker.run_compiled = True
     backend = trace_backend(tracker)
     for module in (block_list(model) or []) if mode == "blocks" else [model]:
         module.compile(backend=backend)
 
 
-def graph_count() -> tuple[int, int]:
-    """(graphs captured, graph breaks) so far in this process: dynamo's counters."""
+def graph_breaks() -> str:
+    """Graphs compiled and graph breaks since the last :func:`compile_for_trace` (dynamo's counters), with the
+    most frequent break's reason: what to change in the model for one graph."""
     from torch._dynamo.utils import counters
 
-    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    breaks = counters["graph_break"]
+    text = f"{counters['stats']['unique_graphs']} graphs compiled, {sum(breaks.values())} graph breaks"
+    if breaks:
+        reason = max(breaks, key=breaks.get).strip().splitlines()[0]
+        text += f" (most often: {reason})"
+    return text
 
 
 def _is_compiled_fn(fn: Any) -> bool:

@@ -25,7 +25,7 @@ from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, Cach
 from batchfit.search import SearchResult, Trial, guided
 from batchfit.trace import depth, forked, stream
 from batchfit.trace.approximation import Approximation
-from batchfit.trace.compiled import COMPILED_TRACED, compile_approximations, graph_count
+from batchfit.trace.compiled import COMPILED_TRACED, compile_approximations, graph_breaks
 from batchfit.trace.curve import MemoryCurve, fit_curve
 from batchfit.trace.session import TracePoint, TraceSession
 from batchfit.workload import StepOptions, Workload
@@ -212,10 +212,10 @@ class TracedCurve:
         """Where this trace approximates the step it stands for (a compiled model run as eager)."""
         session = self._full or self._first
         if not session.compiled:
-            return compile_approximations(self.options, session.step.model, self.workload.loss_fn)
-        graphs, breaks = graph_count()
-        return [dataclasses.replace(COMPILED_TRACED, detail=f"--compile {self.options.compile}: {graphs} graphs "
-                                                            f"captured, {breaks} graph breaks")]
+            found = compile_approximations(self.options, session.step.model, self.workload.loss_fn)
+            why = "; mixed precision on CUDA is not traced compiled yet" if self.options.compile != "none" else ""
+            return [dataclasses.replace(a, detail=a.detail + why) for a in found]
+        return [dataclasses.replace(COMPILED_TRACED, detail=f"--compile {self.options.compile}: {graph_breaks()}")]
 
     @property
     def by_depth(self) -> bool:

@@ -139,8 +139,10 @@ class TraceSession:
         self.tracker.host_optimizer_scalars = not any(
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
-        self.compiled = options.compile != "none" and wrap is None and tracker is None
-        """Traced compiled (one device; ``trace/compiled.py``), else eager."""
+        mirrored_autocast = cuda_semantics and options.precision in ("bf16-mixed", "fp16-mixed")
+        self.compiled = options.compile != "none" and wrap is None and tracker is None and not mirrored_autocast
+        """Traced compiled (``trace/compiled.py``), else eager: so are sharded steps, and mixed
+        precision on CUDA (dynamo recurses without end in CUDA's autocast mirror)."""
         if self.compiled:  # batchfit's module hooks stay out: dynamo would break the graph at each
             compile_for_trace(self.step.model, options.compile, self.tracker)
         else:
