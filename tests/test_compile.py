@@ -3,6 +3,7 @@ for, or compiled by the workload itself) runs eager, and every output says so.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -95,6 +96,27 @@ def test_what_torch_compile_leaves_behind_is_found():
     assert compiled_parts(nn.Linear(2, 2), loss_fn=torch.compile(lambda m, x: m(x).sum())) == ["loss_fn"]
 
 
+def test_the_trace_swaps_each_kind_of_compile_for_its_own_backend():
+    """Inductor cannot run on fake tensors: every compiled part is recompiled with the trace's backend."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from batchfit.trace.compiled import retarget_for_trace
+    from batchfit.trace.memory import MemoryTracker
+
+    model = nn.Sequential(torch.compile(nn.Linear(2, 2)), nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].compile()
+    model[2].forward = torch.compile(model[2].forward)
+    step = SimpleNamespace(model=torch.compile(model), loss_fn=torch.compile(lambda m, x: m(x).sum()))
+    tracker = MemoryTracker()
+    assert retarget_for_trace(step, tracker) == ["model", "0", "1", "2", "loss_fn"]
+    assert step.model is model and not isinstance(model[0], OptimizedModule)
+    assert tracker.ignore_compile_internals()  # compiled code runs under the tracker
+    assert compiled_parts(step.model, step.loss_fn) == ["model", "0", "1", "2", "loss_fn"]  # all still compiled
+    assert retarget_for_trace(SimpleNamespace(model=nn.Linear(2, 2), loss_fn=None), MemoryTracker()) == []
+
+
 def test_the_stated_range_is_the_measured_one():
     """-7% to +14% (trace vs compiled) and -6% to +8% (compiled vs eager): the H100 figures, rounded."""
     rows = json.loads((ROOT / VALIDATION).read_text())["compiled"]
@@ -173,14 +195,19 @@ def test_mixed_precision_on_cuda_is_still_traced_as_eager_and_says_so(tmp_path):
 
 @pytest.mark.parametrize("build, where", [("torch.compile(Net())", "model"),
                                           ("blocks_compiled(Net())", "blocks.0, blocks.1")])
-def test_estimate_says_a_workload_that_compiles_itself_is_traced_as_eager(tmp_path, build, where):
+def test_a_workload_that_compiles_itself_is_traced_compiled(tmp_path, build, where):
     spec = write_workload(tmp_path, build)
     data, report, terminal = estimate_cli(tmp_path, spec)
     assert data["options"]["compile"] == "none"
-    assert data["approximations"] == [{**COMPILED_AS_EAGER.to_json(),
-                                       "detail": f"the workload calls torch.compile itself, on {where}"}]
-    assert f"(the workload calls torch.compile itself, on {where})" in report
+    [approximation] = data["approximations"]
+    assert approximation["what"] == COMPILED_TRACED.what
+    assert re.fullmatch(rf"the workload calls torch.compile itself, on {where}: [1-9]\d* graphs compiled, "
+                        r"0 graph breaks", approximation["detail"])
+    assert f"(the workload calls torch.compile itself, on {where}:" in report
     assert "warning: approximated" in terminal
+    mixed, report, _ = estimate_cli(tmp_path, spec, "--precision", "bf16-mixed")
+    assert mixed["approximations"] == [{**COMPILED_AS_EAGER.to_json(), "detail": f"the workload calls torch.compile "
+                                        f"itself, on {where}; mixed precision on CUDA is not traced compiled yet"}]
 
 
 def test_a_plain_eager_estimate_says_nothing_of_compile(tmp_path):
@@ -258,6 +285,10 @@ def test_the_compiled_trace_matches_inductor_on_cpu(tmp_path):
         traced = [session.trace(b).snapshot.peak_bytes for b in sizes]
     with TraceSession(workload, StepOptions(), cuda_semantics=False) as session:
         eager = [session.trace(b).snapshot.peak_bytes for b in sizes]
+    own = dataclasses.replace(workload, build_model=lambda: torch.compile(workload.build_model()))
+    with TraceSession(own, StepOptions(), cuda_semantics=False) as session:  # inductor swapped for the trace's
+        assert session.compiled_parts == ["model"]
+        assert [session.trace(b).snapshot.peak_bytes for b in sizes] == traced
     for b, t, m, e in zip(sizes, traced, truth, eager):
         assert abs(t - m) / m < 0.02, (b, t, m)
         assert e > 1.03 * m, (b, e, m)  # what the eager trace said: the compiled trace is a change

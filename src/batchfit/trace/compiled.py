@@ -150,6 +150,45 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any) -> None:
         module.compile(backend=backend)
 
 
+def retarget_for_trace(step: Any, tracker: Any) -> list[str]:
+    """Swap the backend of what the workload compiled itself (inductor, which cannot run on fake
+    tensors) for :func:`trace_backend`, in ``step`` (a ``TrainingStep``); the parts swapped."""
+    model = step.model
+    parts = compiled_parts(model, step.loss_fn)
+    if not parts:
+        return []
+    import torch._dynamo.config as dynamo_config
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch._dynamo.utils import counters
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 1024)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
+    for name in ("graph_break", "stats"):
+        counters[name].clear()
+    tracker.run_compiled = True
+    backend = trace_backend(tracker)
+    # Modules whose call was compiled: Module.compile() left _compiled_call_impl; an
+    # OptimizedModule (torch.compile(module)) is replaced by the module it wraps.
+    compiled = {id(m) for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    if isinstance(model, OptimizedModule):
+        step.model = model = model._orig_mod
+        compiled.add(id(model))
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if isinstance(child, OptimizedModule):
+                parent._modules[name] = child._orig_mod
+                compiled.add(id(child._orig_mod))
+    for module in model.modules():
+        if id(module) in compiled:
+            module.compile(backend=backend)
+        forward = module.__dict__.get("forward")
+        if _is_compiled_fn(forward):  # module.forward = torch.compile(module.forward)
+            module.forward = torch.compile(forward._torchdynamo_orig_callable, backend=backend)
+    if _is_compiled_fn(step.loss_fn):
+        step.loss_fn = torch.compile(step.loss_fn._torchdynamo_orig_callable, backend=backend)
+    return parts
+
+
 def graph_breaks() -> str:
     """Graphs compiled and graph breaks since the last :func:`compile_for_trace` (dynamo's counters), with the
     most frequent break's reason: what to change in the model for one graph."""
@@ -177,7 +216,9 @@ def compiled_parts(model: nn.Module, loss_fn: Any = None) -> list[str]:
         if (isinstance(module, optimized)
                 or getattr(module, "_compiled_call_impl", None) is not None
                 or _is_compiled_fn(module.__dict__.get("forward"))):
-            found.append(name or "model")
+            name = name.replace("_orig_mod.", "").removesuffix("_orig_mod").rstrip(".")  # as the user named it
+            if (name or "model") not in found:
+                found.append(name or "model")
     if _is_compiled_fn(loss_fn):
         found.append("loss_fn")
     return found

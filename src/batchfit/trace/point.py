@@ -159,6 +159,9 @@ class TracedCurve:
         by_depth = by_depth and options.compile == "none"  # a compiled trace has no per-block parts
         self._first = first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
                                            options)
+        if by_depth and first.compiled:  # the workload compiles itself: traced whole, as --compile is
+            first.close()
+            by_depth, self._first = False, (first := TraceSession(workload, options))
         if by_depth and seen.blocks and seen.blocks >= depth.MIN_BLOCKS:
             self.blocks = seen.blocks
             if parallel and forked.can_fork():
@@ -213,9 +216,11 @@ class TracedCurve:
         session = self._full or self._first
         if not session.compiled:
             found = compile_approximations(self.options, session.step.model, self.workload.loss_fn)
-            why = "; mixed precision on CUDA is not traced compiled yet" if self.options.compile != "none" else ""
+            why = "; mixed precision on CUDA is not traced compiled yet"  # the one reason left on one device
             return [dataclasses.replace(a, detail=a.detail + why) for a in found]
-        return [dataclasses.replace(COMPILED_TRACED, detail=f"--compile {self.options.compile}: {graph_breaks()}")]
+        asked = (f"--compile {self.options.compile}" if self.options.compile != "none"
+                 else f"the workload calls torch.compile itself, on {', '.join(session.compiled_parts)}")
+        return [dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")]
 
     @property
     def by_depth(self) -> bool:
