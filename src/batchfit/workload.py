@@ -32,6 +32,7 @@ def check_checkpointing(value: str) -> None:
     if n is None or not (n.isascii() and n.isdigit()) or int(n) < 1:  # no sign, no spaces
         raise OptionError(f"unknown checkpointing '{value}': use none, full, selective or every:N "
                           "(e.g. every:2), N a positive integer")
+COMPILE: tuple[str, ...] = ("none", "model", "blocks")
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -88,6 +89,9 @@ class StepOptions:
     """Activation checkpointing of the model's main stack of blocks: none; full (recompute every
     block); selective (torchtitan's per-op policy: keep matmuls and attention, recompute the rest
     and every second matmul); every:N (recompute every N-th block, keep the others)."""
+    compile: str = "none"
+    """torch.compile: none, model (the whole model) or blocks (each block of the main stack, as
+    torchtitan does). Real steps compile; the traced step runs eager and says so."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
     trainable: tuple[str, ...] = ()
@@ -109,6 +113,8 @@ class StepOptions:
                 f"unknown optimizer '{self.optimizer}': use one of {', '.join(OPTIMIZERS)}"
             )
         check_checkpointing(self.checkpointing)
+        if self.compile not in COMPILE:
+            raise OptionError(f"unknown compile '{self.compile}': use one of {', '.join(COMPILE)}")
         if self.accumulation_steps < 1:
             raise OptionError(
                 f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"

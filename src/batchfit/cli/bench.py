@@ -15,6 +15,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  check_outputs, command_target, flag, handle_errors, out_option,
                                  parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
+from batchfit.cli.common import CompileOpt
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
 
@@ -40,6 +41,7 @@ def bench_command(
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = None,
     checkpointing: CheckpointingOpt = "none",
+    compile_: CompileOpt = "none",
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
     accumulation_steps: AccumulationOpt = 1,
@@ -62,7 +64,7 @@ def bench_command(
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
     warn_about_precision(target, precision)
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_)
     sizes = parse_batch_sizes(batch_sizes)
     from batchfit.bench.engine import bench  # torch: after the options are checked
     from batchfit.report import write_bench_report

@@ -94,6 +94,8 @@ SeqLenOpt = Annotated[int | None, typer.Option(help="Tokens per sample (default:
 PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights) or bf16 (pure).")]
 OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor.")]
 CheckpointingOpt = Annotated[str, typer.Option(help="Activation checkpointing: none, full (every block), selective (torchtitan's per-op policy) or every:N (every N-th block).")]
+CompileOpt = Annotated[str, typer.Option("--compile", help="torch.compile: none, model (whole model) or blocks "
+                                          "(each block, as torchtitan does). Traced steps run eager and say so.")]
 FreezeOpt = Annotated[list[str] | None, typer.Option(help="Freeze parameters matching this glob (repeatable), e.g. 'model.layers.*'.")]
 TrainOnlyOpt = Annotated[list[str] | None, typer.Option(help="Train only parameters matching this glob (repeatable), e.g. '*lora*'.")]
 AccumulationOpt = Annotated[int, typer.Option(help="Micro-batches per optimizer step.")]
@@ -115,14 +117,20 @@ def flag(name: str, help: str) -> object:
 
 
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
-                 train_only: list[str] | None, accumulation_steps: int) -> StepOptions:
+                 train_only: list[str] | None, accumulation_steps: int, compile: str = "none") -> StepOptions:
     if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
         raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
         err.print("[dim]--train-only picks the parameters that train; --freeze then freezes some of those[/]")
     return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
                        frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
-                       accumulation_steps=accumulation_steps)
+                       accumulation_steps=accumulation_steps, compile=compile)
+
+
+def warn_about_approximations(result) -> None:
+    """One warning line per approximation a traced result carries (``trace/approximation.py``)."""
+    for approximation in getattr(result, "approximations", []):
+        err.print(f"[yellow]warning: approximated:[/] {escape(approximation.line())}", soft_wrap=True)
 
 
 def warn_about_precision(target: Target, precision: str) -> None:
@@ -224,10 +232,10 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
     parts = [command, workload, target.spec.removeprefix("virtual:")]
     if seq_len:
         parts.append(f"seq{seq_len}")
-    for name in ("precision", "optimizer", "checkpointing"):
+    for name in ("precision", "optimizer", "checkpointing", "compile"):
         value = getattr(options, name)
         if value != getattr(default, name):
-            parts.append(f"ckpt-{value}" if name == "checkpointing" else str(value))
+            parts.append({"checkpointing": f"ckpt-{value}", "compile": f"compile-{value}"}.get(name, str(value)))
     if options.accumulation_steps != 1:
         parts.append(f"accum{options.accumulation_steps}")
     if options.frozen:

@@ -14,6 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
                                  report_folder, step_options, warn_about_precision, write_outputs)
+from batchfit.cli.common import CompileOpt, warn_about_approximations
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
@@ -42,6 +43,7 @@ def estimate_command(
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = None,
     checkpointing: CheckpointingOpt = "none",
+    compile_: CompileOpt = "none",
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
     accumulation_steps: AccumulationOpt = 1,
@@ -66,7 +68,7 @@ def estimate_command(
                           "--gpu-memory 24GiB or --device cuda")
     device = target.device
     warn_about_precision(target, precision)
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_)
     sizes = parse_batch_sizes(batch_sizes)
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
                            max_batch=max_batch, limit=limit)
@@ -80,6 +82,7 @@ def estimate_command(
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
     paths = write_outputs(json_path, result.to_json(), lambda files: write_estimate_report(result, folder, files))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
+    warn_about_approximations(result)
 
 
 def _print_summary(result, console, report_path: Path) -> None:

@@ -14,6 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target, flag,
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
+from batchfit.cli.common import CompileOpt
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.distributed.wrap import STRATEGIES
@@ -47,6 +48,7 @@ def probe_command(
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = None,
     checkpointing: CheckpointingOpt = "none",
+    compile_: CompileOpt = "none",
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
     accumulation_steps: AccumulationOpt = 1,
@@ -78,7 +80,7 @@ def probe_command(
                                           "add --gpu t4-16gb or --gpu-memory 16GiB"))
     max_batch = DEFAULT_MAX if max_batch is None else max_batch
     warn_about_precision(target, precision)
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_)
     check_probe_options(policy=policy, multiple_of=multiple_of, smallest=min_batch, largest=max_batch, steps=steps,
                         target_util=target_util, global_batch=global_batch, limit=limit)
     from batchfit.probe.find import find_max_batch  # torch: after the options are checked

@@ -20,6 +20,7 @@ import torch
 from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options, trace_first_sizes
+from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve
 from batchfit.trace.depth import DEPTHS
 from batchfit.trace.point import MemoryPoint, TracedCurve
@@ -69,6 +70,9 @@ class EstimateResult:
     streams were written from the depths' streams (``trace/stream.py``)."""
     known_limits: list[str] = field(default_factory=list)
     """What this model runs that the trace does not mirror (beyond docs/tracing.md's list)."""
+    approximations: list[Approximation] = field(default_factory=list)
+    """Where the traced figures approximate the step (a compiled model traced as eager): every
+    output says each one."""
     limit: str = "reserved"
     """What had to fit: 'reserved' (max_memory_reserved, allocator model) or 'allocated'."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
@@ -137,6 +141,7 @@ class EstimateResult:
             "headroom_bytes": self.headroom_bytes(best) if best else None,
             "suggestions": [vars(s) for s in self.suggestions],
             "known_limits": self.known_limits,
+            "approximations": [a.to_json() for a in self.approximations],
             "trace_seconds": round(self.trace_seconds, 2),
             "traces": self.traces,
             "traced_by_depth": ({"blocks": self.depth_blocks, "depths": list(self.depths),
@@ -170,6 +175,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
                    for limit_bytes in (device.usable_bytes, int(target_util * device.usable_bytes))]
         points = traced.points
         known_limits = traced.known_limits
+        approximations = traced.approximations
         suggestions = (_suggestions(workload, options, device, points[min(points)], say)
                        if suggest and answers[0].max_batch_size == 0 else [])
     return EstimateResult(
@@ -181,7 +187,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         max_batch_size_at_target=answers[1].max_batch_size, capped=answers[0].capped,
         trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions, limit=limit,
         depth_blocks=traced.blocks, full_traces=traced.full_traces, whole_reserved=traced.whole_reserved,
-        known_limits=known_limits,
+        known_limits=known_limits, approximations=approximations,
     )
 
 

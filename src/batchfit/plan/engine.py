@@ -38,6 +38,7 @@ from batchfit.plan import workers
 from batchfit.plan.time_model import OVERLAP_RULE, StepTime, TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
 from batchfit.search import DEFAULT_MAX_BATCH, SearchResult, Trial, check_search_options, guided, trace_first_sizes
+from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
 
@@ -220,6 +221,9 @@ class PlanResult:
     links: dict
     trace_seconds: float
     traces: int
+    approximations: list[Approximation] = field(default_factory=list)
+    """Where the traced figures approximate the step (a compiled model traced as eager): every
+    output says each one."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
     @property
@@ -258,6 +262,7 @@ class PlanResult:
                              "global_batch": p.global_batch, "peak_bytes_at_micro": p.peak_bytes_at_micro,
                              "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "days": p.days}
                             for p in self.recommended],
+            "approximations": [a.to_json() for a in self.approximations],
             "trace_seconds": round(self.trace_seconds, 2), "traces": self.traces, "created": self.created,
         }
 
@@ -376,6 +381,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
             _check_global_batch(global_batch, chosen, multiple_of)
     say = progress or (lambda message: None)
     started = time.perf_counter()
+    from batchfit.trace.compiled import workload_approximations  # torch: when a plan runs
+
+    approximations = workload_approximations(workload, options)
     target_bytes = int(target_util * device.usable_bytes)
     auto = strategies.strip().lower() == "auto"
 
@@ -404,6 +412,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         params=params, global_batch=global_batch, tokens=tokens, tokens_asked=tokens_asked,
         target_util=target_util, multiple_of=multiple_of, time_model=time_model,
         links=time_model.links(device), trace_seconds=time.perf_counter() - started, traces=traces,
+        approximations=approximations,
     )
 
 

@@ -22,11 +22,18 @@ def gib(n: float | None) -> str:
     return "—" if n is None else f"{n / GiB:.2f}"
 
 
+def approximation_lines(result) -> list[str]:
+    """A warning line per approximation the result carries (``trace/approximation.py``), then a gap."""
+    found = [f"> **Warning: approximated.** {a.line()}" for a in getattr(result, "approximations", [])]
+    return [*found, ""] if found else []
+
+
 def estimate_markdown(result, plot_name: str = "memory.png") -> str:
     r = result
     d = r.device
     best = r.max_batch_size
     lines = [f"# Batch size estimate: {r.workload} on {d.display_name}, {r.options.precision}", ""]
+    lines += approximation_lines(r)
     limit = ("**reserved** memory (what the CUDA caching allocator holds, fragmentation included; a GPU runs "
              "out when it cannot reserve a segment), replayed through the allocator model"
              if r.limit == "reserved" else "**allocated** memory (`max_memory_allocated`, tensors only)")

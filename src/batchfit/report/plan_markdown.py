@@ -8,7 +8,7 @@ from batchfit.devices import GiB
 from batchfit.plan.time_model import OVERLAP_RULE  # pure Python, no torch
 from batchfit.report import write_report
 from batchfit.report.write import StagedFiles
-from batchfit.report.markdown import gib
+from batchfit.report.markdown import approximation_lines, gib
 from batchfit.report.plan_plots import plan_plot
 
 KNOWN_LIMITS = """\
@@ -41,6 +41,7 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
     r = result
     d = r.device
     lines = [f"# Multi-GPU plan: {r.workload} on {d.display_name}, {r.options.precision}", ""]
+    lines += approximation_lines(r)
     gb = f"global batch {r.global_batch}" if r.global_batch else "global batch = max local batch x dp"
     tokens = (f"{r.tokens:,.0f} tokens" + (" (chinchilla: 20 x parameters)" if r.tokens_asked == "chinchilla" else "")
               if r.tokens else "no --tokens given")

@@ -126,6 +126,14 @@ class MemoryTracker(TorchDispatchMode):
         """Called with each event as it happens (the allocator model of the virtual device)."""
         self._module_stack: list[str] = []
         self._hooks: list = []
+        self.run_compiled = False
+        """Let torch.compile'd code run under this mode (``trace/compiled.py``); dynamo skips
+        compiled frames while a mode that does not ignore compile internals is active."""
+        self.uncounted = False
+        """While set, new storages are not counted: buffers a fused kernel never writes."""
+
+    def ignore_compile_internals(self) -> bool:  # torch asks the mode on the stack, an instance
+        return self.run_compiled
 
     def live_seqs(self) -> list[int]:
         """The sequence numbers of the allocations alive now."""
@@ -264,7 +272,7 @@ class MemoryTracker(TorchDispatchMode):
     def _maybe_track(self, tensor: torch.Tensor, func, inputs: list[torch.Tensor]) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)
-        if key in self._live or key in self._host:
+        if key in self._live or key in self._host or self.uncounted:
             return
         if self._is_host(tensor, inputs):
             self._host.add(key)

@@ -12,6 +12,7 @@ the next size up, so every answer is a traced one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from batchfit.devices import Device
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided
 from batchfit.trace import depth, forked, stream
+from batchfit.trace.approximation import Approximation
+from batchfit.trace.compiled import COMPILED_TRACED, compile_approximations, graph_breaks
 from batchfit.trace.curve import MemoryCurve, fit_curve
 from batchfit.trace.session import TracePoint, TraceSession
 from batchfit.workload import StepOptions, Workload
@@ -153,9 +156,12 @@ class TracedCurve:
         self._params_by_depth: list[tuple[int, int]] = []
         self._full: TraceSession | None = None
         self._seen = seen = depth.Depth()
-        by_depth = by_depth and options.blocks_alike  # every:N: blocks differ by position
+        by_depth = by_depth and options.blocks_alike and options.compile == "none"  # every:N: blocks differ by position; a compiled trace has no per-block parts
         self._first = first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
                                            options)
+        if by_depth and first.compiled:  # the workload compiles itself: traced whole, as --compile is
+            first.close()
+            by_depth, self._first = False, (first := TraceSession(workload, options))
         if by_depth and seen.blocks and seen.blocks >= depth.MIN_BLOCKS:
             self.blocks = seen.blocks
             if parallel and forked.can_fork():
@@ -203,6 +209,18 @@ class TracedCurve:
         return [f"{', '.join(recurrent)} layers are traced with the CPU kernels (mkldnn_rnn_layer, or a loop "
                 "of cells): on a GPU cuDNN runs them and keeps its own workspace and reserve space, which "
                 "this trace does not count"]
+
+    @property
+    def approximations(self) -> list[Approximation]:
+        """Where this trace approximates the step it stands for (a compiled model run as eager)."""
+        session = self._full or self._first
+        if not session.compiled:
+            found = compile_approximations(self.options, session.step.model, self.workload.loss_fn)
+            why = "; mixed precision on CUDA is not traced compiled yet"  # the one reason left on one device
+            return [dataclasses.replace(a, detail=a.detail + why) for a in found]
+        asked = (f"--compile {self.options.compile}" if self.options.compile != "none"
+                 else f"the workload calls torch.compile itself, on {', '.join(session.compiled_parts)}")
+        return [dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")]
 
     @property
     def by_depth(self) -> bool:

@@ -27,6 +27,7 @@ from batchfit.train.step import TrainingStep
 from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.cuda_norm import CudaRmsNorm
+from batchfit.trace.compiled import compile_for_trace, retarget_for_trace
 from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot
 from batchfit.workload import StepOptions, Workload
 
@@ -211,7 +212,19 @@ class TraceSession:
         self.tracker.host_optimizer_scalars = not any(
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
-        self.tracker.watch_modules(self.step.model, main_blocks(self.step.model))
+        mirrored_autocast = cuda_semantics and options.precision in ("bf16-mixed", "fp16-mixed")
+        self.compiled = options.compile != "none" and wrap is None and tracker is None and not mirrored_autocast
+        """Traced compiled (``trace/compiled.py``), else eager: so are sharded steps, and mixed
+        precision on CUDA (dynamo recurses without end in CUDA's autocast mirror)."""
+        self.compiled_parts: list[str] = []
+        """What the workload compiled itself, recompiled with the trace's backend."""
+        if self.compiled:  # batchfit's module hooks stay out: dynamo would break the graph at each
+            compile_for_trace(self.step.model, options.compile, self.tracker)
+        elif wrap is None and tracker is None and not mirrored_autocast:
+            self.compiled_parts = retarget_for_trace(self.step, self.tracker)
+            self.compiled = bool(self.compiled_parts)
+        if not self.compiled:
+            self.tracker.watch_modules(self.step.model, main_blocks(self.step.model))
         params = list(self.step.model.parameters())
         self.params = sum(p.numel() for p in params)
         self.trainable_params = sum(p.numel() for p in params if p.requires_grad)

@@ -85,6 +85,18 @@ def _checkpoint_blocks(model: nn.Module, policy: str, preserve_rng_state: bool) 
         block.forward = checkpointed
 
 
+def _compile(model: nn.Module, mode: str, *, apply: bool) -> None:
+    """torch.compile in place (``Module.compile``: names, parameters and hooks stay the model's):
+    the whole model, or each block of its main stack (torchtitan's per-block compile). Checked
+    but not ``apply``-ed on fake or meta models: the traced step runs eager (trace/compiled.py)."""
+    blocks = block_list(model) if mode == "blocks" else None
+    if mode == "blocks" and blocks is None:
+        raise OptionError("--compile blocks needs a model with an nn.ModuleList of blocks; "
+                          "this model has none: use --compile model")
+    for module in (blocks or [model]) if apply else ():
+        module.compile()
+
+
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """(model, batch) -> the mean loss over the batch's samples: ``Workload.loss_fn``'s contract."""
 
@@ -145,6 +157,8 @@ class TrainingStep:
         if options.checkpointing != "none":
             # Fake tensors cannot snapshot the CPU generator; dropout-free steps do not need it.
             _checkpoint_blocks(self.model, options.checkpointing, preserve_rng_state=device.type == "cuda")
+        if options.compile != "none":
+            _compile(self.model, options.compile, apply=device.type != "meta" and not _is_fake(self.model))
         if wrap is not None:
             # After freezing and checkpointing (they name and patch the plain model's modules),
             # before the optimizer: FSDP2 replaces the parameters with their shards, and the

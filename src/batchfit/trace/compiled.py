@@ -1,0 +1,251 @@
+"""torch.compile and the trace: what is compiled, and what the trace says about it.
+
+``--compile model|blocks`` on one device is traced compiled (:func:`compile_for_trace`):
+dynamo captures the graph, AOTAutograd partitions it with inductor's decompositions and
+min-cut partitioner (what inductor saves for backward), and the forward and backward graphs
+run op by op on fake tensors under the tracker, which does not count the buffers inductor's
+pointwise fusion never writes (:func:`unmaterialized`). Inductor itself cannot run on fake
+tensors. Such a result carries :data:`COMPILED_TRACED` (the residual against inductor on
+this CPU). A workload that compiles its model itself, and ``plan`` (a sharded step), are
+still traced as eager and carry :data:`COMPILED_AS_EAGER` (docs/tracing.md, "torch.compile").
+
+Compiled is either asked for (``--compile model|blocks``: ``StepOptions.compile``), or done
+by the workload itself: ``torch.compile(module)`` returns an ``OptimizedModule``,
+``module.compile()`` sets the module's ``_compiled_call_impl``, and
+``module.forward = torch.compile(module.forward)`` leaves a function that dynamo marks with
+``_torchdynamo_orig_callable`` (so does a compiled ``loss_fn``).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from batchfit.trace.approximation import Approximation
+from batchfit.workload import StepOptions, Workload
+
+VALIDATION = "benchmarks/results/validate_gpu_compile-2026-11-24.json"
+
+COMPILED_AS_EAGER = Approximation(
+    what="compiled model traced as eager",
+    may_differ_by=("-7% to +14% of the compiled run's peak allocated (this trace vs torch.compile with inductor; "
+                   "compiled vs eager: -6% to +8%; H100, bf16-mixed, 3 models)"),
+    source=VALIDATION,
+)
+"""The eager trace against the compiled step measured on an H100 (``traced_eager_vs_compiled``
+and ``compiled_vs_eager`` in :data:`VALIDATION`; ``tests/test_compile.py`` checks the figures)."""
+
+
+COMPILED_TRACED = Approximation(
+    what="compiled step traced with AOTAutograd's partition and a model of inductor's pointwise fusion",
+    may_differ_by=("0.02% of inductor's peak on this CPU with --compile model, 0% to +2.8% with --compile blocks "
+                   "(4-layer Llama, batch 2 and 4); inductor on CUDA (Triton templates, workspaces, other fusion "
+                   "choices) not measured"),
+    source="tests/test_compile.py::test_the_compiled_trace_matches_inductor_on_cpu; docs/tracing.md (blocks)",
+)
+"""The compiled trace against the profiler's memory timeline of the same step compiled with inductor."""
+
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var_mean", "var", "prod", "any", "all"}
+_VIEWS = {"view", "reshape", "_unsafe_view", "permute", "expand", "unsqueeze", "squeeze", "t", "transpose",
+          "slice", "select", "alias", "as_strided", "unbind", "split", "split_with_sizes"}
+_LOOPS = {"full", "zeros", "ones", "scalar_tensor", "iota", "arange", "full_like", "zeros_like", "ones_like",
+          "slice_scatter", "select_scatter", "scatter", "gather", "index"}
+"""Ops inductor lowers to loops it can fuse, beyond those tagged pointwise: constant fills, and
+scatters into them (its ``scatter_upon_const_tensor`` pass: cross-entropy's backward)."""
+
+
+def _name(target: Any) -> str:
+    return getattr(getattr(target, "overloadpacket", None), "__name__", str(target))
+
+
+def _fusible(node: fx.Node) -> bool:
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and (torch.Tag.pointwise in target.tags or _name(target) in _LOOPS))
+
+
+def _consumers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``node``, looking through views."""
+    found = []
+    for user in node.users:
+        is_view = user.op == "call_function" and _name(user.target) in _VIEWS
+        found += (_consumers(user) or [user]) if is_view else [user]
+    return found
+
+
+def unmaterialized(graph: fx.Graph) -> set[str]:
+    """Nodes whose output inductor never writes to memory: a pointwise op read only by pointwise
+    ops and reductions is fused into them. Graph outputs (saved activations, gradients) and the
+    inputs of matmuls and other extern kernels are written."""
+    return {node.name for node in graph.nodes
+            if _fusible(node) and (users := _consumers(node))
+            and all(_fusible(u) or (u.op == "call_function" and _name(u.target) in _REDUCTIONS) for u in users)}
+
+
+class _FusedRun(fx.Interpreter):
+    """Runs a graph op by op; the outputs of fused-away nodes are not counted by the tracker."""
+
+    def __init__(self, module: fx.GraphModule, fused: set[str], tracker: Any) -> None:
+        super().__init__(module)
+        self.fused, self.tracker = fused, tracker
+
+    def run_node(self, node: fx.Node) -> Any:
+        if node.name not in self.fused:
+            return super().run_node(node)
+        self.tracker.uncounted = True
+        try:
+            return super().run_node(node)
+        finally:
+            self.tracker.uncounted = False
+
+
+def trace_backend(tracker: Any) -> Callable:
+    """A torch.compile backend for the trace: AOTAutograd with inductor's decompositions and
+    min-cut partitioner (inductor's saved activations), each graph run by :class:`_FusedRun`."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(module: fx.GraphModule, example_inputs: list) -> Callable:
+        fused = unmaterialized(module.graph)
+
+        def run(args: list) -> Any:  # boxed: the graph frees its inputs as it goes, as inductor's code does
+            return _FusedRun(module, fused, tracker).boxed_run(args)
+
+        run._boxed_call = True
+        return run
+
+    def decompositions() -> dict:
+        from torch._inductor.compile_fx import select_decomp_table
+
+        return select_decomp_table()
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decompositions,
+                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+
+
+def compile_for_trace(model: nn.Module, mode: str, tracker: Any) -> None:
+    """Compile ``model`` (``mode``: model or blocks, as ``TrainingStep`` does on a real device)
+    with :func:`trace_backend`, and let compiled code run under ``tracker``."""
+    from batchfit.train.step import block_list
+
+    import torch._dynamo.config as dynamo_config
+
+    # Each block, each batch size and each model the trace builds (depths, fresh processes)
+    # is a cache entry of the same frame (Module._call_impl): past dynamo's limit it would run
+    # the rest eager, which the trace must not do while it says compiled.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 1024)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
+    from torch._dynamo.utils import counters
+
+    for name in ("graph_break", "stats"):  # graph_breaks() counts this model's
+        counters[name].clear()
+    tracker.run_compiled = True
+    backend = trace_backend(tracker)
+    for module in (block_list(model) or []) if mode == "blocks" else [model]:
+        module.compile(backend=backend)
+
+
+def retarget_for_trace(step: Any, tracker: Any) -> list[str]:
+    """Swap the backend of what the workload compiled itself (inductor, which cannot run on fake
+    tensors) for :func:`trace_backend`, in ``step`` (a ``TrainingStep``); the parts swapped."""
+    model = step.model
+    parts = compiled_parts(model, step.loss_fn)
+    if not parts:
+        return []
+    import torch._dynamo.config as dynamo_config
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch._dynamo.utils import counters
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 1024)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
+    for name in ("graph_break", "stats"):
+        counters[name].clear()
+    tracker.run_compiled = True
+    backend = trace_backend(tracker)
+    # Modules whose call was compiled: Module.compile() left _compiled_call_impl; an
+    # OptimizedModule (torch.compile(module)) is replaced by the module it wraps.
+    compiled = {id(m) for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    if isinstance(model, OptimizedModule):
+        step.model = model = model._orig_mod
+        compiled.add(id(model))
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if isinstance(child, OptimizedModule):
+                parent._modules[name] = child._orig_mod
+                compiled.add(id(child._orig_mod))
+    for module in model.modules():
+        if id(module) in compiled:
+            module.compile(backend=backend)
+        forward = module.__dict__.get("forward")
+        if _is_compiled_fn(forward):  # module.forward = torch.compile(module.forward)
+            module.forward = torch.compile(forward._torchdynamo_orig_callable, backend=backend)
+    if _is_compiled_fn(step.loss_fn):
+        step.loss_fn = torch.compile(step.loss_fn._torchdynamo_orig_callable, backend=backend)
+    return parts
+
+
+def graph_breaks() -> str:
+    """Graphs compiled and graph breaks since the last :func:`compile_for_trace` (dynamo's counters), with the
+    most frequent break's reason: what to change in the model for one graph."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    text = f"{counters['stats']['unique_graphs']} graphs compiled, {sum(breaks.values())} graph breaks"
+    if breaks:
+        reason = max(breaks, key=breaks.get).strip().splitlines()[0]
+        text += f" (most often: {reason})"
+    return text
+
+
+def _is_compiled_fn(fn: Any) -> bool:
+    return callable(fn) and hasattr(fn, "_torchdynamo_orig_callable")
+
+
+def compiled_parts(model: nn.Module, loss_fn: Any = None) -> list[str]:
+    """The names of what the workload compiled itself: modules ('model' for the root, else
+    their path) and 'loss_fn'. Empty for an eager workload."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    optimized = eval_frame.OptimizedModule if eval_frame is not None else ()
+    found = []
+    for name, module in model.named_modules():
+        if (isinstance(module, optimized)
+                or getattr(module, "_compiled_call_impl", None) is not None
+                or _is_compiled_fn(module.__dict__.get("forward"))):
+            name = name.replace("_orig_mod.", "").removesuffix("_orig_mod").rstrip(".")  # as the user named it
+            if (name or "model") not in found:
+                found.append(name or "model")
+    if _is_compiled_fn(loss_fn):
+        found.append("loss_fn")
+    return found
+
+
+def _summary(parts: list[str]) -> str:
+    shown = ", ".join(parts[:3]) + (f" and {len(parts) - 3} more" if len(parts) > 3 else "")
+    return f"the workload calls torch.compile itself, on {shown}"
+
+
+def compile_approximations(options: StepOptions, model: nn.Module, loss_fn: Any = None) -> list[Approximation]:
+    """What a traced step of ``model`` under ``options`` approximates about torch.compile."""
+    parts = compiled_parts(model, loss_fn)
+    if options.compile != "none":
+        detail = f"--compile {options.compile}" + (f"; {_summary(parts)}" if parts else "")
+    elif parts:
+        detail = _summary(parts)
+    else:
+        return []
+    return [Approximation(**{**COMPILED_AS_EAGER.to_json(), "detail": detail})]
+
+
+def workload_approximations(workload: Workload, options: StepOptions) -> list[Approximation]:
+    """:func:`compile_approximations` of the model ``workload`` builds, built on the meta device
+    (no memory) for an engine that does not hold the traced model itself (``plan``)."""
+    if options.compile != "none":
+        return compile_approximations(options, nn.Module(), workload.loss_fn)
+    with torch.device("meta"):
+        model = workload.build_model()
+    return compile_approximations(options, model, workload.loss_fn)
