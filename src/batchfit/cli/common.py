@@ -95,7 +95,8 @@ PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (a
 OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor.")]
 CheckpointingOpt = Annotated[str, typer.Option(help="Activation checkpointing: none, full (every block), selective (torchtitan's per-op policy) or every:N (every N-th block).")]
 CompileOpt = Annotated[str, typer.Option("--compile", help="torch.compile: none, model (whole model) or blocks "
-                                          "(each block, as torchtitan does). Traced steps run eager and say so.")]
+                                          "(each block, as torchtitan does). Traced as compiled (AOTAutograd's min-cut "
+                                          "partition); where it cannot be, the output says so.")]
 FreezeOpt = Annotated[list[str] | None, typer.Option(help="Freeze parameters matching this glob (repeatable), e.g. 'model.layers.*'.")]
 TrainOnlyOpt = Annotated[list[str] | None, typer.Option(help="Train only parameters matching this glob (repeatable), e.g. '*lora*'.")]
 AccumulationOpt = Annotated[int, typer.Option(help="Micro-batches per optimizer step.")]
