@@ -150,3 +150,15 @@ def test_the_report_names_an_unbounded_interval():
     assert "B_simple = 12.0 samples (90% interval unbounded" in noise_line(noise)
     noise["b_simple_interval"] = [3.0, 5.0]
     assert "B_simple = 12.0 samples (90% interval 3.0 to 5.0), from batch sizes 2 and 8" in noise_line(noise)
+
+
+def test_an_interval_whose_lower_root_is_negative_starts_at_0():
+    """B_simple = tr(Sigma) / |G|^2 cannot be negative: when the trace is not clearly above 0,
+    Fieller's lower root is negative and the reported interval starts at 0 (it still holds the figure)."""
+    from batchfit.sweep.noise import Measurement, ratio_interval, summarize
+
+    g2, trace = [1.0, 1.1, 0.9, 1.0], [4.0, -3.0, 5.0, -2.0]  # tr mean 1.0, its spread larger than that
+    assert ratio_interval(g2, trace)[0] < 0
+    measurements = [Measurement(i, 0.0, 0.0, g, t, None) for i, (g, t) in enumerate(zip(g2, trace))]
+    b, (low, high), *_ = summarize(measurements, steps=0, ema_beta=0.9)
+    assert b == 1.0 and low == 0.0 and high > b

@@ -108,7 +108,10 @@ def summarize(measurements: Sequence[Measurement], steps: int, ema_beta: float
     g2 = float(np.mean([m.g2 for m in window]))
     trace = float(np.mean([m.trace for m in window]))
     b_simple = trace / g2 if g2 > 0 else math.inf
-    return b_simple, ratio_interval([m.g2 for m in window], [m.trace for m in window]), g2, trace, window
+    low, high = ratio_interval([m.g2 for m in window], [m.trace for m in window])
+    if b_simple >= 0 and low < 0:  # B_simple = tr(Sigma) / |G|^2 is never negative: the data say "0 to high"
+        low = 0.0
+    return b_simple, (low, high), g2, trace, window
 
 
 @dataclass
@@ -237,6 +240,9 @@ def gradient_noise_scale(workload: Workload, source: BatchSource, *, small: int,
             trainer.update()
         if (n + 1) % max(1, count // 10) == 0 or n + 1 == count:
             current = measurements[-1].b_simple_ema
+            if not steps:  # the figure the result will give: the ratio of the means so far
+                g2_mean = float(np.mean([m.g2 for m in measurements]))
+                current = float(np.mean([m.trace for m in measurements])) / g2_mean if g2_mean > 0 else None
             say(f"noise scale: {'step' if steps else 'measurement'} {n + 1}/{count}, "
                 f"B_simple {current:,.1f}" if current else f"noise scale: {n + 1}/{count}")
     b, interval, g2_final, tr_final, window = summarize(measurements, steps, ema_beta)
@@ -246,6 +252,9 @@ def gradient_noise_scale(workload: Workload, source: BatchSource, *, small: int,
     if g2_final <= 0:
         notes.append("the estimated |G|^2 is not positive: the gradient is buried in noise at these sizes; "
                      "raise --repeats or the big batch size")
+    elif interval[0] == 0:
+        notes.append("the 90% interval starts at 0: tr(Sigma) is not clearly above 0 at these sizes (B_simple "
+                     "cannot be negative); raise --repeats, --steps or the big batch size")
     elif not math.isfinite(interval[1]):
         notes.append("the 90% interval is unbounded above: |G|^2 is not clearly above 0 at these sizes; "
                      "raise --repeats or the big batch size")
