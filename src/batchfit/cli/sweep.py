@@ -86,7 +86,7 @@ def sweep_command(
     precision: PrecisionOpt = "fp32",
     store: Annotated[Path, typer.Option(help="The SQLite store of runs and curves.")] = Path("sweep.db"),
     resume: Annotated[bool, flag("--resume", "Finish the sweep in --store: runs that are done are kept.")] = False,
-    executor: Annotated[str, typer.Option(help="local (--workers processes here) or ray (pip install 'batchfit[ray]').")] = "local",
+    executor: Annotated[str, typer.Option(help="local (--workers processes here) or ray (pip install 'batchfit\\[ray]').")] = "local",
     workers: Annotated[int, typer.Option(help="Runs at once (local: processes, one per GPU; ray: tasks).")] = 1,
     ray_address: Annotated[str | None, typer.Option(help="A Ray cluster's address (default: a local cluster).")] = None,
     gpu: GpuOpt = None,
