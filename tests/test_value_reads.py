@@ -99,6 +99,30 @@ def test_a_causal_mask_in_a_model_cast_to_bf16_in_its_init_is_still_causal(tmp_p
     assert abs(traced - measured) / measured < 0.01
 
 
+class FrozenEncoder(nn.Module):
+    """A frozen encoder run without gradients, with a padding mask, kept in train mode (what
+    the error for the eval-mode fast path says to do; dropout=0.0: the same output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        layer = nn.TransformerEncoderLayer(D, 4, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2).requires_grad_(False)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.enc(self.emb(x), src_key_padding_mask=x == 0)
+        return self.head(h)
+
+
+def test_a_frozen_encoder_in_train_mode_is_traced_as_the_profiler_measures_it(tmp_path):
+    work = _workload(FrozenEncoder)
+    traced = TraceSession(work, StepOptions(), cuda_semantics=False).trace(64).snapshot.peak_bytes
+    measured = _profiled_peak(work, 64, tmp_path)
+    assert abs(traced - measured) / measured < 0.01
+
+
 WORKLOAD = '''
 import torch
 import torch.nn.functional as F
@@ -131,6 +155,15 @@ CASES = {
         "        return self.head(self.enc(self.emb(x), mask=mask))  # READ\n",
         "    return F.cross_entropy(model(x).flatten(0, 1), x.flatten())\n",
         "pass is_causal=True"),
+    "frozen-encoder-fast-path": (
+        "        layer = nn.TransformerEncoderLayer(D, 4, 64, dropout=0.0, batch_first=True)\n"
+        "        self.enc = nn.TransformerEncoder(layer, 1).requires_grad_(False)\n",
+        "        self.enc.eval()\n"
+        "        with torch.no_grad():\n"
+        "            h = self.enc(self.emb(x), src_key_padding_mask=x == 0)  # READ\n"
+        "        return self.head(h.to_padded_tensor(0.0) if h.is_nested else h)\n",
+        "    return F.cross_entropy(model(x).flatten(0, 1), x.flatten())\n",
+        "keep that encoder in train mode"),
     "init-reads-a-value": (
         "        if self.head.weight.abs().max() > 0:  # READ\n"
         "            nn.init.zeros_(self.head.bias)\n",

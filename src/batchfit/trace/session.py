@@ -136,8 +136,12 @@ def _value_read_message(name: str, what: str, error: BaseException) -> str:
     where = _user_line(error)
     at = f" at {where}" if where else ""
     op = getattr(error, "func", None)
-    frames = {frame.name for frame in traceback.extract_tb(error.__traceback__)}
-    if "_detect_is_causal_mask" in frames:
+    frames = traceback.extract_tb(error.__traceback__)
+    if any("_nested_tensor_from_mask(" in (frame.line or "") for frame in frames):
+        fix = ("nn.TransformerEncoder's fast path (eval mode, no gradients, src_key_padding_mask) packs "
+               "the batch into a nested tensor by the mask's values and runs fused kernels: keep that "
+               "encoder in train mode (with dropout=0.0 its output is the same), the path batchfit traces")
+    elif any(frame.name == "_detect_is_causal_mask" for frame in frames):
         fix = ("nn.TransformerEncoder/Decoder compares the attention mask's values with a causal mask "
                "because is_causal was not given: pass is_causal=True (tgt_is_causal=True for "
                "nn.Transformer) with that mask if it is causal, else is_causal=False, or build it "
@@ -329,6 +333,8 @@ class TraceSession:
         except _CANNOT_FAKE as error:
             raise TraceError(_value_read_message(self.workload.name, what, error)) from error
         except Exception as error:  # the user's code failed: say where and what
+            if any("_nested_tensor_from_mask(" in (f.line or "") for f in traceback.extract_tb(error.__traceback__)):
+                raise TraceError(_value_read_message(self.workload.name, what, error)) from error
             where = _user_line(error)
             raise TraceError(
                 f"the training step of {self.workload.name} failed on fake tensors while "
