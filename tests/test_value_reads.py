@@ -203,3 +203,27 @@ def test_a_value_read_that_cannot_be_traced_says_where_and_what_to_change(case, 
     errors = [text for text in result.output.splitlines() if text.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.output
     assert f"{path}:{line}:" in errors[0] and fix in errors[0], errors[0]
+
+
+class ScaledByABuffer(nn.Module):
+    """Reads a buffer made from a Python number with .item() in __init__: PyTorch's fake mode
+    keeps such one-element constants, so the value is there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.head = nn.Linear(D, V)
+        self.register_buffer("scale", torch.tensor(2.0))
+        self.factor = self.scale.item()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x)) * self.factor
+
+
+def test_item_on_a_constant_buffer_in_init_is_traced_as_the_profiler_measures_it(tmp_path):
+    work = _workload(ScaledByABuffer)
+    session = TraceSession(work, StepOptions(), cuda_semantics=False)
+    assert session.step.model.factor == 2.0
+    traced = session.trace(64).snapshot.peak_bytes
+    measured = _profiled_peak(work, 64, tmp_path)
+    assert abs(traced - measured) / measured < 0.01
