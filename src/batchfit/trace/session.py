@@ -12,6 +12,7 @@ import contextlib
 import logging
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.modules import transformer as _transformer
 
 from batchfit.errors import BatchfitError, ModelSpecError, TraceError
 from batchfit.train.model import main_blocks
@@ -36,6 +38,53 @@ _CANNOT_FAKE = (
     fake_tensor.DynamicOutputShapeException,
     fake_tensor.UnsupportedOperatorException,
 )
+
+
+_CAUSAL_MASKS: dict[int, weakref.ref] = {}
+"""Fake masks made by PyTorch's causal-mask builder, by their storage: its values are known."""
+_PYTORCH_CAUSAL_MASK = _transformer._generate_square_subsequent_mask
+_PYTORCH_DETECT_CAUSAL = _transformer._detect_is_causal_mask
+
+
+def _causal_mask(sz, device=None, dtype=None):
+    """``nn.Transformer.generate_square_subsequent_mask``, remembering a fake result as causal."""
+    mask = _PYTORCH_CAUSAL_MASK(sz, device=device, dtype=dtype)
+    if isinstance(mask, fake_tensor.FakeTensor):
+        _remember_causal(mask)
+    return mask
+
+
+def _remember_causal(mask: torch.Tensor) -> None:
+    for key in [k for k, ref in list(_CAUSAL_MASKS.items()) if ref() is None]:
+        _CAUSAL_MASKS.pop(key, None)  # another thread may have dropped it first
+    _CAUSAL_MASKS[mask.untyped_storage()._cdata] = weakref.ref(mask)
+
+
+def _known_causal(mask: torch.Tensor) -> bool:
+    """A top-left square view (``mask[:n, :n]``) of a mask the causal builder made, or that mask:
+    its values are those of a causal mask of its size."""
+    try:
+        ref = _CAUSAL_MASKS.get(mask.untyped_storage()._cdata)
+        whole = ref() if ref else None
+        return (whole is not None and whole.untyped_storage()._cdata == mask.untyped_storage()._cdata
+                and mask.dim() == 2 and mask.shape[0] == mask.shape[1] and mask.storage_offset() == 0
+                and mask.stride() == whole.stride())
+    except (RuntimeError, NotImplementedError):  # sparse or nested: no storage, no strides
+        return False
+
+
+def _detect_causal(mask, is_causal=None, size=None):
+    """PyTorch's ``_detect_is_causal_mask`` (nn.TransformerEncoder and Decoder compare the mask
+    with a causal one when ``is_causal`` is not given), answered without values for a fake mask
+    known to be causal; any other fake mask raises as before (the error says what to change)."""
+    if is_causal is None and isinstance(mask, fake_tensor.FakeTensor) and _known_causal(mask):
+        return mask.shape[-2] == (size if size is not None else mask.size(-2))
+    return _PYTORCH_DETECT_CAUSAL(mask, is_causal, size)
+
+
+# PyTorch's own answers for real tensors; only fake masks from the causal builder differ.
+_transformer._generate_square_subsequent_mask = _causal_mask
+_transformer._detect_is_causal_mask = _detect_causal
 
 
 @dataclass
@@ -81,6 +130,41 @@ def _message(error: BaseException) -> str:
     return f"{text} ({advice})" if advice else text
 
 
+def _value_read_message(name: str, what: str, error: BaseException) -> str:
+    """One line for an op that needs tensor values (fake tensors have none): where the user's
+    code asked for them, and what to write there instead."""
+    where = _user_line(error)
+    at = f" at {where}" if where else ""
+    op = getattr(error, "func", None)
+    frames = traceback.extract_tb(error.__traceback__)
+    if any("_nested_tensor_from_mask(" in (frame.line or "") for frame in frames):
+        fix = ("nn.TransformerEncoder's fast path (eval mode, no gradients, src_key_padding_mask) packs "
+               "the batch into a nested tensor by the mask's values and runs fused kernels: keep that "
+               "encoder in train mode (with dropout=0.0 its output is the same), the path batchfit traces")
+    elif any(frame.name == "_detect_is_causal_mask" for frame in frames):
+        fix = ("nn.TransformerEncoder/Decoder compares the attention mask's values with a causal mask "
+               "because is_causal was not given: pass is_causal=True (tgt_is_causal=True for "
+               "nn.Transformer) with that mask if it is causal, else is_causal=False, or build it "
+               "with nn.Transformer.generate_square_subsequent_mask")
+    elif isinstance(error, fake_tensor.UnsupportedOperatorException):
+        fix = f"{op} has no fake-tensor implementation: use another op there"
+    elif what == "building the model" and isinstance(error, fake_tensor.DataDependentOutputException):
+        fix = ("the model's __init__ reads a tensor's value (.item(), float(t), `if t`), and a model "
+               "built on fake tensors has none: compute it from Python numbers or the config instead")
+    elif what == "building the model":
+        fix = (f"the model's __init__ calls {op} (torch.nonzero, t[mask], masked_select), whose "
+               "size depends on values: build the indices from Python numbers (torch.arange, a list)")
+    elif isinstance(error, fake_tensor.DataDependentOutputException):
+        fix = ("the training step reads a tensor's value (.item(), int(t), `if t`): compute it from "
+               "shapes or Python numbers instead, e.g. pad or trim the batch in make_batch, not in the step")
+    else:
+        fix = (f"the training step calls {op}, whose output size depends on values (t[mask], "
+               "torch.nonzero, masked_select): keep the shape fixed, e.g. replace logits[mask] by "
+               "F.cross_entropy(logits, targets, ignore_index=-100) with the masked targets set to -100")
+    return (f"{name} cannot be traced (fake tensors have no values){at}: {fix} "
+            "(or measure on a GPU with `batchfit probe --device cuda`)")
+
+
 _PYTORCH_APPLY = nn.Module._apply
 _building = threading.local()
 """``depth``: builds on fake tensors this thread is in; ``call``: (converted tensors, modules
@@ -122,6 +206,8 @@ def _apply_building_fakes(self: nn.Module, fn, recurse: bool = True) -> nn.Modul
                         continue
                     if id(tensor) not in converted:
                         new = fn(tensor)
+                        if (new.is_floating_point() or new.dtype == torch.bool) and _known_causal(tensor):
+                            _remember_causal(new)  # -inf and 0 stay -inf and 0 (True and False)
                         if is_param:
                             new = nn.Parameter(new, tensor.requires_grad)
                             if tensor.grad is not None:
@@ -245,14 +331,10 @@ class TraceSession:
         except (torch.OutOfMemoryError, BatchfitError):
             raise
         except _CANNOT_FAKE as error:
-            op = getattr(error, "func", error)
-            raise TraceError(
-                f"{self.workload.name} cannot be traced: {op} has an output that depends on "
-                "tensor values, which fake tensors do not have. Keep such ops (.item(), "
-                "nonzero, boolean masks) out of the training step, or measure on a GPU with "
-                "`batchfit probe --device cuda`"
-            ) from error
+            raise TraceError(_value_read_message(self.workload.name, what, error)) from error
         except Exception as error:  # the user's code failed: say where and what
+            if any("_nested_tensor_from_mask(" in (f.line or "") for f in traceback.extract_tb(error.__traceback__)):
+                raise TraceError(_value_read_message(self.workload.name, what, error)) from error
             where = _user_line(error)
             raise TraceError(
                 f"the training step of {self.workload.name} failed on fake tensors while "
