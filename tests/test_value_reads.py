@@ -227,3 +227,26 @@ def test_item_on_a_constant_buffer_in_init_is_traced_as_the_profiler_measures_it
     traced = session.trace(64).snapshot.peak_bytes
     measured = _profiled_peak(work, 64, tmp_path)
     assert abs(traced - measured) / measured < 0.01
+
+
+class EvalEncoder(FrozenEncoder):
+    """The same frozen encoder put in eval mode, without a padding mask: on real tensors PyTorch
+    runs its fused fast path, which the trace cannot (it refuses tensor subclasses)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.enc.eval()
+        with torch.no_grad():
+            h = self.enc(self.emb(x))
+        return self.head(h)
+
+
+def test_an_eval_mode_encoder_is_said_to_be_approximated_never_silently():
+    """Traced 12% under the CPU profiler (docs/tracing.md): every output must say so."""
+    from batchfit import estimate, get_device
+
+    eval_result = estimate(_workload(EvalEncoder), device=get_device("t4-16gb"), batch_sizes=[8], suggest=False)
+    train_result = estimate(_workload(FrozenEncoder), device=get_device("t4-16gb"), batch_sizes=[8], suggest=False)
+    assert [a.what for a in eval_result.approximations if "fast path" in a.what]
+    assert "enc.layers.0" in eval_result.approximations[-1].detail
+    assert not [a for a in train_result.approximations if "fast path" in a.what]
+    assert "fast path" in str(eval_result.to_json()["approximations"])
