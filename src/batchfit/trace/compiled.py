@@ -107,7 +107,7 @@ class _FusedRun(fx.Interpreter):
 def trace_backend(tracker: Any) -> Callable:
     """A torch.compile backend for the trace: AOTAutograd with inductor's decompositions and
     min-cut partitioner (inductor's saved activations), each graph run by :class:`_FusedRun`."""
-    from functorch.compile import min_cut_rematerialization_partition
+    from torch._functorch.partitioners import min_cut_rematerialization_partition  # functorch.compile's, in torch
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(module: fx.GraphModule, example_inputs: list) -> Callable:
