@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from batchfit.errors import OptionError
 from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
 from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
+from batchfit.train.losses import lm_loss
 from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module
 from batchfit.workload import StepOptions, Workload
 
@@ -169,7 +170,7 @@ class TrainingStep:
             raise OptionError("every parameter is frozen: loosen --freeze or --train-only")
         self.optimizer = (build_optimizer(options.optimizer, params) if options.optimizer
                           else workload.build_optimizer(params))
-        self.loss_fn: LossFn = workload.loss_fn
+        self.loss_fn: LossFn = lm_loss(options.loss, workload)  # plain: workload.loss_fn itself
         self.scaler = _grad_scaler(options, device, self.model)
         """The GradScaler of a real fp16-mixed step, else None."""
         self.step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
