@@ -148,18 +148,20 @@ def test_the_cli_passes_the_loss_through():
 
 # -- memory -----------------------------------------------------------------------------------
 
-def traced_peak(workload: Workload, loss: str, tracker: MemoryTracker | None = None) -> int:
+def traced_peak(workload: Workload, loss: str, tracker: MemoryTracker | None = None,
+                precision: str = "fp32") -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with TraceSession(workload, StepOptions(loss=loss), cuda_semantics=False, tracker=tracker) as session:
+        options = StepOptions(loss=loss, precision=precision)
+        with TraceSession(workload, options, cuda_semantics=False, tracker=tracker) as session:
             return session.trace(B).snapshot.peak_bytes
 
 
-def profiled_peak(workload: Workload, loss: str, tmp_path) -> int:
+def profiled_peak(workload: Workload, loss: str, tmp_path, precision: str = "fp32") -> int:
     """The peak of the torch profiler's memory timeline over one real CPU step (after a first
     step made the optimizer state, as the trace does)."""
     torch.manual_seed(0)
-    step = TrainingStep(workload, StepOptions(loss=loss), torch.device("cpu"))
+    step = TrainingStep(workload, StepOptions(loss=loss, precision=precision), torch.device("cpu"))
     step.run(B)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
@@ -172,12 +174,15 @@ def profiled_peak(workload: Workload, loss: str, tmp_path) -> int:
     return max(sum(row) for row in sizes)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 @pytest.mark.parametrize("loss", ["plain", "chunked:4", "fused-linear"])
-def test_traced_peak_matches_the_profiler_on_a_real_cpu_step(loss, tmp_path):
-    """Within 1% (the issue's bar); today it is within 100 bytes."""
-    traced = traced_peak(tiny(), loss)
-    measured = profiled_peak(tiny(), loss, tmp_path)
-    assert abs(traced - measured) <= 0.01 * measured, (traced, measured)
+def test_traced_peak_matches_the_profiler_on_a_real_cpu_step(loss, precision, tmp_path):
+    """Within 0.1% (the issue asks 1%; today it is within 100 bytes). Under bf16-mixed the fused
+    loss accumulates the head's gradient with an fp32 addmm of the chunk, as Liger does; a
+    bf16 [V, H] product added to the fp32 gradient made the real step 0.9% higher here."""
+    traced = traced_peak(tiny(), loss, precision=precision)
+    measured = profiled_peak(tiny(), loss, tmp_path, precision)
+    assert abs(traced - measured) <= 0.001 * measured, (traced, measured)
 
 
 @pytest.mark.parametrize("chunks", [2, 4])

@@ -101,11 +101,10 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             logits.mul_((scale * kept).to(logits.dtype).unsqueeze(1))
             del lse, picked
             grad_input[start:end] = logits @ weight
-            if grad_weight is not None:
-                if logits.dtype == grad_weight.dtype:
-                    grad_weight.addmm_(logits.t(), x)
-                else:  # autocast: the product in the low precision, added to the fp32 gradient
-                    grad_weight += logits.t() @ x
+            if grad_weight is not None:  # as Liger: addmm into the gradient (out=: no autocast),
+                # the chunk's operands in the gradient's dtype (no-ops unless autocast made bf16 logits)
+                torch.addmm(grad_weight, logits.t().to(grad_weight.dtype), x.to(grad_weight.dtype),
+                            out=grad_weight)
             del logits
         loss = loss_1d.sum() * scale
         ctx.save_for_backward(grad_input, grad_weight)
