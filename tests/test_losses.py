@@ -222,3 +222,26 @@ def test_fused_linear_never_allocates_the_logits():
     # plain holds three [B*T, V] fp32 tensors at its peak; the fused step's peak is below plain's by
     # more than two of them (what it saves instead: [B*T, D] and [V, D] gradients, ~1/60 as much)
     assert traced_peak(tiny(), "plain") - peak > 2 * LOGITS_BYTES
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+
+def test_estimate_takes_the_loss_and_fits_a_larger_batch_with_it(tmp_path):
+    """gpt-tinystories-22m, seq 64, 2 GiB (allocated): the fused loss drops the [B, T, 10000]
+    logits, so more samples fit than with the plain loss; the JSON and the folder name say which."""
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+
+    fits = {}
+    for loss in ("plain", "fused-linear"):
+        result = CliRunner().invoke(app, ["estimate", "gpt-tinystories-22m", "--gpu-memory", "2GiB", "--seq-len", "64",
+                                          "--limit", "allocated", "--loss", loss, "--out", str(tmp_path / loss),
+                                          "--json", str(tmp_path / f"{loss}.json")])
+        assert result.exit_code == 0, result.output
+        data = json.loads((tmp_path / f"{loss}.json").read_text())
+        assert data["options"]["loss"] == loss
+        fits[loss] = data["max_batch_size"]
+    assert fits["fused-linear"] > fits["plain"], fits
+    bad = CliRunner().invoke(app, ["estimate", "gpt-tinystories-22m", "--loss", "chunked:0"])
+    assert bad.exit_code == 2 and "use plain, chunked:N (e.g. chunked:8), fused-linear" in bad.output

@@ -13,6 +13,8 @@ real) and the watcher differ.
 Where things live, all in :class:`TrainingStep`:
 
 - precision: bf16 weights (``move_module``), autocast (:attr:`~TrainingStep.forward_autocast`);
+- the loss: ``--loss plain | chunked:N | fused-linear`` (``train/losses.py``) picks
+  :attr:`~TrainingStep.loss_fn` once, in ``__init__``;
 - accumulation: each micro-batch's loss times its share of the batch before its backward;
 - the GradScaler: built for fp16-mixed on a real CUDA or CPU device (a fake tensor has no
   value to check for inf, so a traced step never scales), applied in
