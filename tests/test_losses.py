@@ -141,6 +141,22 @@ def test_a_workload_without_lm_parts_says_what_is_missing(tmp_path):
     TrainingStep(workload, StepOptions(loss="plain"), torch.device("cpu"))  # plain needs none
 
 
+def test_a_wrapped_model_refuses_a_non_plain_loss_in_one_line():
+    """DDP / FSDP2 / TP wrap the model: its head is no longer the plain model's (single device only)."""
+    with pytest.raises(OptionError, match="traced on one device only for now: drop --loss"):
+        TrainingStep(tiny(), StepOptions(loss="chunked:4"), torch.device("cpu"), wrap=lambda model: model)
+    TrainingStep(tiny(), StepOptions(), torch.device("cpu"), wrap=lambda model: model)
+
+
+def test_the_report_folder_names_the_loss():
+    from batchfit.cli.common import report_folder
+    from batchfit.targets import parse_target
+
+    folder = report_folder(None, "estimate", "gpt2-124m", parse_target("virtual:h100-80gb"), StepOptions(loss="chunked:8"))
+    assert folder.name.endswith("-loss-chunked_8")
+    assert "loss" not in report_folder(None, "estimate", "gpt2-124m", parse_target("virtual:h100-80gb"), StepOptions()).name
+
+
 def test_the_cli_passes_the_loss_through():
     assert step_options("fp32", None, "none", None, None, 1, loss="chunked:8").loss == "chunked:8"
     assert step_options("fp32", None, "none", None, None, 1).loss == "plain"

@@ -162,6 +162,9 @@ class TrainingStep:
             _checkpoint_blocks(self.model, options.checkpointing, preserve_rng_state=device.type == "cuda")
         if options.compile != "none":
             _compile(self.model, options.compile, apply=device.type != "meta" and not _is_fake(self.model))
+        if wrap is not None and options.loss != "plain":  # lm_parts reads the plain model's head
+            raise OptionError(f"--loss {options.loss} is traced on one device only for now: drop --loss "
+                              "for multi-GPU strategies (they use the model's plain loss)")
         if wrap is not None:
             # After freezing and checkpointing (they name and patch the plain model's modules),
             # before the optimizer: FSDP2 replaces the parameters with their shards, and the
