@@ -12,6 +12,11 @@ selective (torchtitan's per-op SAC), and a user's own ``create_selective_checkpo
 policy that keeps every mm output (the model applies it; --checkpointing stays none). That one
 calls checkpoint() with its default preserve_rng_state=True, so the real CPU step also keeps the
 CPU generator's state (5,056 bytes) per block: host memory on a GPU, not counted by the trace.
+
+Loss recipes (``train/losses.py``): chunked:8 (torchtune's chunked cross-entropy) and
+fused-linear (a torch-native mirror of Liger's fused linear cross-entropy), in fp32 and under
+bf16-mixed autocast (CPU autocast on both sides: the trace runs with CPU semantics); the
+"checkpointing none" row is the fp32 plain loss.
 """
 
 from __future__ import annotations
@@ -57,6 +62,11 @@ RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "checkpointing every:2": (lambda w: w, StepOptions(checkpointing="every:2")),
     "checkpointing selective": (lambda w: w, StepOptions(checkpointing="selective")),
     "user SAC policy (save mm)": (user_sac, StepOptions(checkpointing="none")),
+    "loss chunked:8": (lambda w: w, StepOptions(loss="chunked:8")),
+    "loss fused-linear": (lambda w: w, StepOptions(loss="fused-linear")),
+    "bf16-mixed loss plain": (lambda w: w, StepOptions(precision="bf16-mixed")),
+    "bf16-mixed loss chunked:8": (lambda w: w, StepOptions(precision="bf16-mixed", loss="chunked:8")),
+    "bf16-mixed loss fused-linear": (lambda w: w, StepOptions(precision="bf16-mixed", loss="fused-linear")),
 }
 
 
@@ -109,7 +119,9 @@ def main() -> None:
         "truth": "torch.profiler export_memory_timeline peak of the same real CPU step (the second one)",
         "traced": "TraceSession(cuda_semantics=False) peak", "rows": rows,
         "notes": "user SAC policy: the real step also keeps torch.get_rng_state() (5,056 B) per checkpointed "
-                 "block (preserve_rng_state=True); on a GPU that is host memory, so the trace leaves it out"})
+                 "block (preserve_rng_state=True); on a GPU that is host memory, so the trace leaves it out. "
+                 "bf16-mixed loss fused-linear: the real step holds 149 KB (0.03%) more than the trace, "
+                 "not explained yet (the same loss on tests/test_losses.py's model is within 48 B)"})
     print(f"wrote {path}")
 
 

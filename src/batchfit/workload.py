@@ -33,6 +33,18 @@ def check_checkpointing(value: str) -> None:
         raise OptionError(f"unknown checkpointing '{value}': use none, full, selective or every:N "
                           "(e.g. every:2), N a positive integer")
 COMPILE: tuple[str, ...] = ("none", "model", "blocks")
+LOSSES: tuple[str, ...] = ("plain", "chunked:N", "fused-linear")
+"""The --loss grammar (``train/losses.py``); N is a positive integer."""
+
+
+def check_loss(value: str) -> None:
+    """Raise a one-line OptionError unless ``value`` is one of :data:`LOSSES`."""
+    if value in ("plain", "fused-linear"):
+        return
+    n = value.removeprefix("chunked:") if value.startswith("chunked:") else None
+    if n is None or not (n.isascii() and n.isdigit()) or int(n) < 1:
+        raise OptionError(f"unknown loss '{value}': use plain, chunked:N (e.g. chunked:8), fused-linear; "
+                          "N a positive integer")
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -71,6 +83,10 @@ class Workload:
     parallelize: Callable[[nn.Module, Any], nn.Module] | None = None
     """(model, tp_mesh) -> model: the tensor-parallel plan ``batchfit plan`` applies (DTensor
     ``parallelize_module``); the built-in plans cover the zoo's and HF's decoders."""
+    lm_parts: Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    """(model, batch) -> (hidden states before the output head [B, T, H], the head's weight [V, H],
+    the targets [B, T], -100 where ignored), what ``--loss chunked:N`` and ``--loss fused-linear``
+    need (``train/losses.py``); the zoo's Transformer LMs and HF causal LMs have it."""
 
     def batch_multiple(self, multiple_of: int = 1) -> int:
         """The granularity of batch sizes: ``multiple_of`` and the group size, both."""
@@ -92,6 +108,9 @@ class StepOptions:
     compile: str = "none"
     """torch.compile: none, model (the whole model) or blocks (each block of the main stack, as
     torchtitan does). Real steps compile; the traced step runs eager and says so."""
+    loss: str = "plain"
+    """The language-model loss: plain (the Workload's loss_fn), chunked:N (cross-entropy over N
+    chunks of the sequence, torchtune's) or fused-linear (Liger's fused linear + cross-entropy)."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
     trainable: tuple[str, ...] = ()
@@ -115,6 +134,7 @@ class StepOptions:
         check_checkpointing(self.checkpointing)
         if self.compile not in COMPILE:
             raise OptionError(f"unknown compile '{self.compile}': use one of {', '.join(COMPILE)}")
+        check_loss(self.loss)
         if self.accumulation_steps < 1:
             raise OptionError(
                 f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"

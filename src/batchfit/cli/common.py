@@ -94,6 +94,9 @@ SeqLenOpt = Annotated[int | None, typer.Option(help="Tokens per sample (default:
 PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights) or bf16 (pure).")]
 OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor.")]
 CheckpointingOpt = Annotated[str, typer.Option(help="Activation checkpointing: none, full (every block), selective (torchtitan's per-op policy) or every:N (every N-th block).")]
+LossOpt = Annotated[str, typer.Option(help="Language-model loss: plain (the model's), chunked:N (cross-entropy over N "
+                                           "chunks of the sequence, torchtune's) or fused-linear (Liger's fused linear + "
+                                           "cross-entropy: never the whole logits).")]
 CompileOpt = Annotated[str, typer.Option("--compile", help="torch.compile: none, model (whole model) or blocks "
                                           "(each block, as torchtitan does). Traced as compiled (AOTAutograd's min-cut "
                                           "partition); where it cannot be, the output says so.")]
@@ -118,14 +121,15 @@ def flag(name: str, help: str) -> object:
 
 
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
-                 train_only: list[str] | None, accumulation_steps: int, compile: str = "none") -> StepOptions:
+                 train_only: list[str] | None, accumulation_steps: int, compile: str = "none",
+                 loss: str = "plain") -> StepOptions:
     if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
         raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
         err.print("[dim]--train-only picks the parameters that train; --freeze then freezes some of those[/]")
     return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
                        frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
-                       accumulation_steps=accumulation_steps, compile=compile)
+                       accumulation_steps=accumulation_steps, compile=compile, loss=loss)
 
 
 def warn_about_approximations(result) -> None:
@@ -238,10 +242,11 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
     parts = [command, workload, target.spec.removeprefix("virtual:")]
     if seq_len:
         parts.append(f"seq{seq_len}")
-    for name in ("precision", "optimizer", "checkpointing", "compile"):
+    for name in ("precision", "optimizer", "checkpointing", "compile", "loss"):
         value = getattr(options, name)
         if value != getattr(default, name):
-            parts.append({"checkpointing": f"ckpt-{value}", "compile": f"compile-{value}"}.get(name, str(value)))
+            parts.append({"checkpointing": f"ckpt-{value}", "compile": f"compile-{value}",
+                          "loss": f"loss-{value}"}.get(name, str(value)))
     if options.accumulation_steps != 1:
         parts.append(f"accum{options.accumulation_steps}")
     if options.frozen:

@@ -14,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
                                  report_folder, step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, warn_about_approximations
+from batchfit.cli.common import CompileOpt, LossOpt, warn_about_approximations
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
@@ -43,6 +43,7 @@ def estimate_command(
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = None,
     checkpointing: CheckpointingOpt = "none",
+    loss: LossOpt = "plain",
     compile_: CompileOpt = "none",
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
@@ -68,7 +69,7 @@ def estimate_command(
                           "--gpu-memory 24GiB or --device cuda")
     device = target.device
     warn_about_precision(target, precision)
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss)
     sizes = parse_batch_sizes(batch_sizes)
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
                            max_batch=max_batch, limit=limit)

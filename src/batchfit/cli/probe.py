@@ -14,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target, flag,
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt
+from batchfit.cli.common import CompileOpt, LossOpt
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.distributed.wrap import STRATEGIES
@@ -48,6 +48,7 @@ def probe_command(
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = None,
     checkpointing: CheckpointingOpt = "none",
+    loss: LossOpt = "plain",
     compile_: CompileOpt = "none",
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
@@ -80,7 +81,7 @@ def probe_command(
                                           "add --gpu t4-16gb or --gpu-memory 16GiB"))
     max_batch = DEFAULT_MAX if max_batch is None else max_batch
     warn_about_precision(target, precision)
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss)
     check_probe_options(policy=policy, multiple_of=multiple_of, smallest=min_batch, largest=max_batch, steps=steps,
                         target_util=target_util, global_batch=global_batch, limit=limit)
     from batchfit.probe.find import find_max_batch  # torch: after the options are checked

@@ -13,6 +13,8 @@ real) and the watcher differ.
 Where things live, all in :class:`TrainingStep`:
 
 - precision: bf16 weights (``move_module``), autocast (:attr:`~TrainingStep.forward_autocast`);
+- the loss: ``--loss plain | chunked:N | fused-linear`` (``train/losses.py``) picks
+  :attr:`~TrainingStep.loss_fn` once, in ``__init__``;
 - accumulation: each micro-batch's loss times its share of the batch before its backward;
 - the GradScaler: built for fp16-mixed on a real CUDA or CPU device (a fake tensor has no
   value to check for inf, so a traced step never scales), applied in
@@ -43,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from batchfit.errors import OptionError
 from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
 from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
+from batchfit.train.losses import lm_loss
 from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module
 from batchfit.workload import StepOptions, Workload
 
@@ -159,6 +162,9 @@ class TrainingStep:
             _checkpoint_blocks(self.model, options.checkpointing, preserve_rng_state=device.type == "cuda")
         if options.compile != "none":
             _compile(self.model, options.compile, apply=device.type != "meta" and not _is_fake(self.model))
+        if wrap is not None and options.loss != "plain":  # lm_parts reads the plain model's head
+            raise OptionError(f"--loss {options.loss} is traced on one device only for now: drop --loss "
+                              "for multi-GPU strategies (they use the model's plain loss)")
         if wrap is not None:
             # After freezing and checkpointing (they name and patch the plain model's modules),
             # before the optimizer: FSDP2 replaces the parameters with their shards, and the
@@ -169,7 +175,7 @@ class TrainingStep:
             raise OptionError("every parameter is frozen: loosen --freeze or --train-only")
         self.optimizer = (build_optimizer(options.optimizer, params) if options.optimizer
                           else workload.build_optimizer(params))
-        self.loss_fn: LossFn = workload.loss_fn
+        self.loss_fn: LossFn = lm_loss(options.loss, workload)  # plain: workload.loss_fn itself
         self.scaler = _grad_scaler(options, device, self.model)
         """The GradScaler of a real fp16-mixed step, else None."""
         self.step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchfit.errors import OptionError
 from batchfit.workload import Workload
 from batchfit.zoo.enoki import HEADS as ENOKI_HEADS
 from batchfit.zoo.enoki import enoki
@@ -19,6 +20,22 @@ from batchfit.zoo.frozen_pair import frozen_pair, frozen_pair_tiny
 from batchfit.zoo.grpo import grpo_workload
 from batchfit.zoo.recurrent import RecurrentConfig, RecurrentLM
 from batchfit.zoo.transformer import Transformer, TransformerConfig
+
+
+def head_input(model: nn.Module, head_name: str, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``model`` with its output head ``head_name`` (a bias-free nn.Linear) passing its input
+    through: (the hidden states the head would project, the head's weight). The head module is
+    still called (its hooks and name stay in a trace); only its matmul is skipped."""
+    head = getattr(model, head_name, None)
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise OptionError(f"--loss chunked:N / fused-linear needs {type(model).__name__}.{head_name} to be a "
+                          "bias-free nn.Linear output head: use --loss plain")
+    head.forward = lambda x: x
+    try:
+        hidden = model(*args, **kwargs)
+    finally:
+        del head.forward
+    return hidden, head.weight
 
 
 def language_model_workload(*, name: str, build_model: Callable[[], nn.Module], vocab_size: int,
@@ -35,8 +52,14 @@ def language_model_workload(*, name: str, build_model: Callable[[], nn.Module], 
         logits = model(x)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
+    def lm_parts(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+        """(hidden states before ``model.head``, its weight, the targets): for --loss chunked/fused."""
+        x, y = batch
+        hidden, weight = head_input(model, "head", x)
+        return hidden, weight, y
+
     return Workload(name=name, build_model=build_model, make_batch=make_batch, loss_fn=loss_fn,
-                    tokens_per_sample=seq_len, description=description)
+                    tokens_per_sample=seq_len, description=description, lm_parts=lm_parts)
 
 
 def _transformer(name: str, description: str, default_seq_len: int, **config):

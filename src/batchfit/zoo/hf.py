@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from batchfit.errors import ModelSpecError
+from batchfit.errors import ModelSpecError, OptionError
 from batchfit.workload import Workload
 
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -159,6 +159,22 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
         with _unpacked_sequences(transformers):
             return model(**batch).loss
 
+    def lm_parts(model: nn.Module, batch: dict[str, torch.Tensor]):
+        """(the decoder's last hidden states, the lm_head weight, the labels shifted left with -100
+        at the end): what ``model(**batch).loss`` computes from (transformers' ForCausalLMLoss)."""
+        with _unpacked_sequences(transformers):
+            hidden = model.base_model(input_ids=batch["input_ids"]).last_hidden_state
+        labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+        head = model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise OptionError(f"--loss chunked:N / fused-linear needs a bias-free lm_head; {name}'s has a bias: "
+                              "use --loss plain")
+        return hidden, head.weight, labels
+
+    # A masked LM's loss is not next-token; a softcapped or biased head is not hidden @ weight.T.
+    head_is_plain = (not masked and getattr(config, "final_logit_softcapping", None) is None
+                     and getattr(config, "logit_scale", None) is None)
     kind = "masked LM" if masked else "causal LM"
     return Workload(name=name, build_model=build_model, make_batch=make_batch, loss_fn=loss_fn,
-                    tokens_per_sample=seq, description=f"transformers {model_type} {kind}, seq {seq}")
+                    tokens_per_sample=seq, description=f"transformers {model_type} {kind}, seq {seq}",
+                    lm_parts=lm_parts if head_is_plain else None)
