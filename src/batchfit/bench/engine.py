@@ -246,7 +246,7 @@ def breakpoints(rows: list[BenchRow], threshold: float = 0.25) -> list[dict]:
     return out
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BenchResult:
     workload: str
     description: str

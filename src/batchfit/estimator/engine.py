@@ -40,7 +40,7 @@ class Suggestion:
     """'traced' (we ran the step with the change) or 'computed: <formula>'."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EstimateResult:
     workload: str
     description: str

@@ -201,7 +201,7 @@ class StrategyPlan:
         }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PlanResult:
     workload: str
     description: str

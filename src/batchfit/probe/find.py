@@ -54,7 +54,7 @@ class Recommendation:
     """'probed' (this batch size ran) or 'predicted' (from the measured line; not run)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ProbeResult:
     workload: str
     description: str

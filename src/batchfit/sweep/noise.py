@@ -124,7 +124,7 @@ class Measurement:
     b_simple_ema: float | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class NoiseResult:
     workload: str
     small: int

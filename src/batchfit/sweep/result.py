@@ -18,7 +18,7 @@ from pathlib import Path
 from batchfit.sweep.store import Store
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SweepResult:
     store: str
     workload: str
