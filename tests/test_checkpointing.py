@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import warnings
 from collections import defaultdict
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from batchfit.errors import OptionError
@@ -28,6 +26,7 @@ from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo import language_model_workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig
+from cpu_truth import profiled_step_peak
 
 B, T, D, H, HD, FF = 8, 64, 128, 4, 32, 384
 CONFIG = TransformerConfig(vocab_size=512, seq_len=T, d_model=D, n_layers=4, n_heads=H, d_ff=FF, llama=True)
@@ -89,22 +88,8 @@ def block_bytes(tracker: KeptTracker) -> list[int]:
 
 
 def profiled_peak(workload: Workload, options: StepOptions, batch_size: int, tmp_path) -> int:
-    """The peak of the torch profiler's memory timeline over one real CPU step (after a first
-    step made the optimizer state, as the trace does)."""
-    step = TrainingStep(workload, options, torch.device("cpu"))
-    step.run(batch_size)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        step.run(batch_size)
-    path = tmp_path / "timeline.json"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prof.export_memory_timeline(str(path), device="cpu")
-    _, sizes = json.loads(path.read_text())
-    return max(sum(row) for row in sizes)
+    return profiled_step_peak(TrainingStep(workload, options, torch.device("cpu")), batch_size, tmp_path)
 
-
-# -- the option -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", ["none", "full", "selective", "every:1", "every:2", "every:12"])
 def test_valid_checkpointing_values(value):

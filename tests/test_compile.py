@@ -21,6 +21,7 @@ from batchfit.report.plan_markdown import plan_markdown
 from batchfit.trace.compiled import COMPILED_AS_EAGER, COMPILED_TRACED, VALIDATION, compiled_parts, workload_approximations
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
+from cpu_truth import profiled_step_peak
 from test_plan_standin import gpu, standin  # noqa: F401 - standin is a fixture
 
 ROOT = Path(__file__).parent.parent
@@ -251,23 +252,8 @@ def workload():
 
 
 def _profiled_peaks(step: TrainingStep, batch_sizes: tuple[int, ...], tmp_path: Path) -> list[int]:
-    """The profiler's memory timeline of a real CPU step at each size, after two warm-up steps
-    (inductor compiles in the first, the optimizer state exists before the measured one)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    peaks = []
-    for batch_size in batch_sizes:
-        step.run(batch_size)
-        step.run(batch_size)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                     with_stack=True) as prof:
-            step.run(batch_size)
-        path = tmp_path / "timeline.json"
-        with pytest.warns(FutureWarning):
-            prof.export_memory_timeline(str(path), device="cpu")
-        _, sizes = json.loads(path.read_text())
-        peaks.append(max(sum(row) for row in sizes))
-    return peaks
+    """After two warm-up steps at each size (inductor compiles in the first)."""
+    return [profiled_step_peak(step, batch_size, tmp_path, warmup=2) for batch_size in batch_sizes]
 
 
 def test_the_compiled_trace_matches_inductor_on_cpu(tmp_path):

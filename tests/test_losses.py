@@ -15,7 +15,6 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from batchfit.cli.common import step_options
 from batchfit.errors import OptionError
@@ -27,6 +26,7 @@ from batchfit.workload import StepOptions, Workload
 from batchfit.zoo import language_model_workload
 from batchfit.zoo.hf import hf_workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig
+from cpu_truth import profiled_step_peak
 
 B, T, D, V = 4, 64, 64, 4096
 LOGITS_BYTES = B * T * V * 4
@@ -174,20 +174,9 @@ def traced_peak(workload: Workload, loss: str, tracker: MemoryTracker | None = N
 
 
 def profiled_peak(workload: Workload, loss: str, tmp_path, precision: str = "fp32") -> int:
-    """The peak of the torch profiler's memory timeline over one real CPU step (after a first
-    step made the optimizer state, as the trace does)."""
     torch.manual_seed(0)
     step = TrainingStep(workload, StepOptions(loss=loss, precision=precision), torch.device("cpu"))
-    step.run(B)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        step.run(B)
-    path = tmp_path / "timeline.json"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prof.export_memory_timeline(str(path), device="cpu")
-    _, sizes = json.loads(path.read_text())
-    return max(sum(row) for row in sizes)
+    return profiled_step_peak(step, B, tmp_path)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from batchfit.train.step import TrainingStep
 from batchfit.trace.memory import rounded
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
+from cpu_truth import profiled_step_peak
 
 # Linear(1024, 4096) + Linear(4096, 1024) in fp32: each tensor is a multiple of 512 bytes.
 W1, B1, W2, B2 = 4096 * 1024 * 4, 4096 * 4, 1024 * 4096 * 4, 1024 * 4
@@ -75,16 +74,7 @@ def test_gradient_accumulation_keeps_gradients_across_micro_batches(mlp):
 
 
 def _profiled_peak(work: Workload, batch_size: int, tmp_path) -> int:
-    step = TrainingStep(work, StepOptions(), torch.device("cpu"))
-    step.run(batch_size)  # the optimizer state exists before the profiled step, as in the trace
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        step.run(batch_size)
-    path = tmp_path / "timeline.json"
-    with pytest.warns(FutureWarning):
-        prof.export_memory_timeline(str(path), device="cpu")
-    _, sizes = json.loads(path.read_text())
-    return max(sum(row) for row in sizes)
+    return profiled_step_peak(TrainingStep(work, StepOptions(), torch.device("cpu")), batch_size, tmp_path)
 
 
 @pytest.mark.parametrize("batch_size", [64, 4096])
