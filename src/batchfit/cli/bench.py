@@ -64,8 +64,8 @@ def bench_command(
         raise OptionError("--steps must be 1 or more and --warmup 0 or more, e.g. --steps 10 --warmup 3")
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
-    warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss)
+    warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
     sizes = parse_batch_sizes(batch_sizes)
     from batchfit.bench.engine import bench  # torch: after the options are checked
     from batchfit.report import write_bench_report

@@ -139,12 +139,8 @@ def warn_about_approximations(result) -> None:
 
 
 def warn_about_precision(target: Target, precision: str) -> None:
-    """bf16 on a card without bf16 tensor cores runs, emulated and slowly: say so once. An
-    unknown precision is refused first (no warning about a value that will not run)."""
-    from batchfit.workload import PRECISIONS
-
-    if precision not in PRECISIONS:
-        raise OptionError(f"unknown precision '{precision}': use one of {', '.join(PRECISIONS)}")
+    """bf16 on a card without bf16 tensor cores runs, emulated and slowly: say so once (after
+    the options are checked: no warning about a value that will not run)."""
     warning = precision_warning(target.device, precision) if target.device else None
     if warning:
         err.print(f"[yellow]warning:[/] {escape(warning)}")

@@ -68,8 +68,8 @@ def estimate_command(
         raise OptionError("estimate sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb), "
                           "--gpu-memory 24GiB or --device cuda")
     device = target.device
-    warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss)
+    warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
     sizes = parse_batch_sizes(batch_sizes)
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
                            max_batch=max_batch, limit=limit)

@@ -80,8 +80,8 @@ def probe_command(
         raise OptionError(no_memory_limit("probe --device cpu", "--max N",
                                           "add --gpu t4-16gb or --gpu-memory 16GiB"))
     max_batch = DEFAULT_MAX if max_batch is None else max_batch
-    warn_about_precision(target, precision)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss)
+    warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
     check_probe_options(policy=policy, multiple_of=multiple_of, smallest=min_batch, largest=max_batch, steps=steps,
                         target_util=target_util, global_batch=global_batch, limit=limit)
     from batchfit.probe.find import find_max_batch  # torch: after the options are checked
