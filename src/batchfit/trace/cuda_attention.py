@@ -12,8 +12,8 @@ backend) with one that picks as CUDA does: PyTorch's CPU flash kernel, whose sav
 kernels refuse. Grouped-query calls (``enable_gqa=True``, Llama-3's 8 K/V heads for 32 Q
 heads) keep K/V unexpanded on the flash path, as CUDA's flash kernel does, and go to the
 math path (K/V repeated to Q's heads) where CUDA's fused kernels refuse them. It is a
-dispatcher registration, below autocast (which has already cast the inputs) and above
-autograd, so activation-checkpointing recomputation sees it too.
+:class:`~batchfit.trace.cuda_kernel.KernelMirror`: registered below autocast (which has already
+cast the inputs) and above autograd, so activation-checkpointing recomputation sees it too.
 
 A dispatcher registration is process-wide, but the mirror is not: only the thread that
 entered :class:`CudaAttention` (the one tracing) gets it; SDPA called from any other thread
@@ -28,18 +28,15 @@ that no op returns; it is not counted.
 
 from __future__ import annotations
 
-import threading
-import warnings
-
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+
+from batchfit.trace.cuda_kernel import KernelMirror, mirrored_here
 
 _SDPA = "aten::scaled_dot_product_attention"
 _PYTORCH_SDPA = torch._C._dispatch_get_computed_kernel_for_dispatch_key(_SDPA, "CPU")
 """PyTorch's own SDPA (the composite kernel that picks a backend), kept before any mirror is
 registered: what a thread that is not tracing runs."""
-_tracing = threading.local()
-"""``depth``: how many CudaAttention contexts this thread is in."""
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _MATH = torch.ops.aten._scaled_dot_product_attention_math.default
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention.default
@@ -125,7 +122,7 @@ def _bool_mask_as_bias(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> to
 
 def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                      scale=None, enable_gqa=False):
-    if not getattr(_tracing, "depth", 0):  # another thread's SDPA, not the trace's
+    if not mirrored_here("scaled_dot_product_attention"):  # another thread's SDPA, not the trace's
         return _PYTORCH_SDPA.call_boxed(torch._C._dispatch_keys(query), query, key, value, attn_mask, dropout_p,
                                         is_causal, scale=scale, enable_gqa=enable_gqa)
     grouped = enable_gqa and key.shape[-3] != query.shape[-3]
@@ -151,17 +148,8 @@ def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                                     dropout_p, is_causal, scale)[0]
 
 
-class CudaAttention:
+class CudaAttention(KernelMirror):
     """Context manager: SDPA picks its kernel as CUDA would, for fake CPU tensors, in this thread."""
 
-    def __enter__(self) -> CudaAttention:
-        self._lib = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-            self._lib.impl("scaled_dot_product_attention", _sdpa_as_on_cuda, "CompositeImplicitAutograd")
-        _tracing.depth = getattr(_tracing, "depth", 0) + 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _tracing.depth -= 1
-        self._lib._destroy()
+    def __init__(self) -> None:
+        super().__init__("scaled_dot_product_attention", _sdpa_as_on_cuda)

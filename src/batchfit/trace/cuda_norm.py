@@ -16,12 +16,10 @@ that picks as ``rms_norm_symint`` does on CUDA: the fused op (a ``torch.library.
 ``batchfit::cuda_fused_rms_norm``, whose fake kernel returns exactly the CUDA kernel's two
 outputs and whose backward calls ``aten::_fused_rms_norm_backward``'s own meta kernel), or the
 composite (``aten::_fused_rms_norm``'s CPU decomposition) for channels-last or complex input, a
-weight whose dtype differs from the input's, or a tensor subclass such as a DTensor. It is a
-dispatcher registration on the CompositeImplicitAutograd key, like ``CudaAttention``: below
-autocast (which has already cast the inputs) and above autograd, so an activation-checkpointing
-recomputation runs it too. The registration is process-wide while the context is entered; the
-scoping to the tracing thread that ``CudaAttention`` gets (issue 19 item 9) applies here the
-same way: only ``__enter__``/``__exit__`` register and unregister the kernel.
+weight whose dtype differs from the input's, or a tensor subclass such as a DTensor. Like
+``CudaAttention`` it is a :class:`~batchfit.trace.cuda_kernel.KernelMirror`: registered below
+autocast and above autograd (an activation-checkpointing recomputation runs it too), and only
+the tracing thread gets it; another thread's rms_norm runs PyTorch's composite.
 
 The backward also allocates what ``LaunchGammaBetaBackwardCUDAKernel`` allocates for the
 weight's gradient when there are many rows and few columns (``M > 65536`` and
@@ -36,12 +34,12 @@ non-contiguous input.
 
 from __future__ import annotations
 
-import threading
-import warnings
 from collections.abc import Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+
+from batchfit.trace.cuda_kernel import KernelMirror, mirrored_here
 
 SM_COUNT = 132
 """Streaming multiprocessors assumed for the weight-gradient scratch rule (an H100 SXM)."""
@@ -131,31 +129,14 @@ def _fused_on_cuda(input: torch.Tensor, weight: torch.Tensor | None) -> bool:
             and (weight is None or weight.dtype == input.dtype))
 
 
-_tracing = threading.local()
-"""How many CudaRmsNorm contexts this thread is in: the override is process-wide (a dispatcher
-registration), so another thread's rms_norm must not get the mirror (as for ``CudaAttention``)."""
-
-
 def _rms_norm_as_on_cuda(input, normalized_shape, weight=None, eps=None):
-    if getattr(_tracing, "depth", 0) and _fused_on_cuda(input, weight):
+    if mirrored_here("rms_norm") and _fused_on_cuda(input, weight):  # not another thread's
         return cuda_fused_rms_norm(input, list(normalized_shape), weight, eps)[0]
     return torch.ops.aten._fused_rms_norm(input, list(normalized_shape), weight, eps)[0]  # the composite, on CPU
 
 
-class CudaRmsNorm:
+class CudaRmsNorm(KernelMirror):
     """Context manager: ``rms_norm`` runs CUDA's fused kernel's allocations, for fake CPU tensors, in this thread."""
 
-    def __enter__(self) -> CudaRmsNorm:
-        self._lib = None
-        if _AVAILABLE:
-            self._lib = torch.library.Library("aten", "IMPL")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-                self._lib.impl("rms_norm", _rms_norm_as_on_cuda, "CompositeImplicitAutograd")
-        _tracing.depth = getattr(_tracing, "depth", 0) + 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _tracing.depth -= 1
-        if self._lib is not None:
-            self._lib._destroy()
+    def __init__(self) -> None:
+        super().__init__("rms_norm", _rms_norm_as_on_cuda, available=_AVAILABLE)
