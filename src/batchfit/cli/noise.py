@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg, SeqLenOpt, check_outputs,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
-                                 report_folder, write_json)
+                                 report_folder, write_outputs)
 from batchfit.cli.sweep import CacheDirOpt, DataOpt, SeedOpt, TokenizerOpt, ValFractionOpt, needs_data, sweep_target
 from batchfit.errors import BatchfitError, OptionError, UsageError
 from batchfit.specs import load_workload
@@ -94,8 +94,7 @@ def noise_command(
             raise _failed(workload.name, sizes[0], train_on, error) from error
     data_json = result.to_json()
     folder = report_folder(out, "noise", workload.name, Target(target.kind, None, target.spec), StepOptions(), seq_len)
-    paths = write_noise_report(data_json, folder)
-    write_json(json_path, data_json)
+    paths = write_outputs(json_path, data_json, lambda files: write_noise_report(data_json, folder, files))
     console = quiet_if_stdout(json_path)
     low, high = data_json["b_simple_interval"]
     if data_json["b_simple"] is not None:

@@ -11,7 +11,8 @@ from rich.table import Table
 
 from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg, PrecisionOpt, SeqLenOpt,
                                  check_outputs, command_target, flag, handle_errors, out_option, parse_batch_sizes,
-                                 progress_line, quiet_if_stdout, report_folder, warn_about_precision, write_json)
+                                 progress_line, quiet_if_stdout, report_folder, warn_about_precision,
+                                 write_outputs)
 from batchfit.errors import BatchfitError, OptionError
 from batchfit.specs import load_workload
 from batchfit.sweep.budget import parse_count, parse_lrs
@@ -136,8 +137,7 @@ def sweep_command(
     if target_loss is not None:
         result.target_loss = target_loss
     folder = report_folder(out, "sweep", workload.name, target, StepOptions(precision=precision), seq_len)
-    paths = write_sweep_report(result, folder)
-    write_json(json_path, result.to_json())
+    paths = write_outputs(json_path, result.to_json(), lambda files: write_sweep_report(result, folder, files))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
     _fail_if_nothing_finished(result)
 

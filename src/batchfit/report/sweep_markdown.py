@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from batchfit.report.sweep_plots import curves_plot, loss_vs_batch_plot
-from batchfit.report.write import staged_files
+from batchfit.report import write_report
+from batchfit.report.write import StagedFiles, staged_files
 
 
 def _loss(x: float | None) -> str:
@@ -115,15 +115,15 @@ def _schedule_line(result) -> str:
             f"seed {config.get('seed')}; gradient clipping {config.get('grad_clip')}")
 
 
-def write_sweep_report(result, out_dir: Path) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out_dir / "report.md", "json": out_dir / "sweep.json",
-             "loss_vs_batch": out_dir / "loss_vs_batch.png", "curves": out_dir / "curves.png"}
-    with staged_files() as files:  # all or nothing, the JSON last (report/write.py)
-        files.text(paths["json"], json.dumps(result.to_json(), indent=2) + "\n")
-        files.write(paths["loss_vs_batch"], lambda path: loss_vs_batch_plot(result, path))
-        files.write(paths["curves"], lambda path: curves_plot(result, path))
-        files.text(paths["md"], sweep_markdown(result))
+def write_sweep_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+    """report.md, sweep.json and the two plots, all or none (``report.write_report``; with
+    ``files``, with the caller's other outputs)."""
+    if files is None:
+        with staged_files() as files:
+            return write_sweep_report(result, out_dir, files)
+    paths = write_report(out_dir, "sweep.json", result.to_json(), lambda: sweep_markdown(result),
+                         lambda path: loss_vs_batch_plot(result, path), plot_name="loss_vs_batch.png", files=files)
+    paths["curves"] = files.write(out_dir / "curves.png", lambda path: curves_plot(result, path))
     return paths
 
 
@@ -146,10 +146,6 @@ def noise_markdown(noise: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_noise_report(noise: dict, out_dir: Path) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out_dir / "report.md", "json": out_dir / "noise.json"}
-    with staged_files() as files:
-        files.text(paths["json"], json.dumps(noise, indent=2) + "\n")
-        files.text(paths["md"], noise_markdown(noise))
-    return paths
+def write_noise_report(noise: dict, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+    """report.md and noise.json, all or none (``report.write_report``)."""
+    return write_report(out_dir, "noise.json", noise, lambda: noise_markdown(noise), None, files=files)
