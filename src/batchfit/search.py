@@ -335,3 +335,53 @@ def linear(probe: Probe, *, lo: int = 1, hi: int = 1 << 16, multiple_of: int = 1
 
 POLICIES = ("guided", "power", "binsearch", "halving", "linear")
 
+
+def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, multiple_of: int) -> SearchResult:
+    """The largest multiple of ``multiple_of`` in [lo, ``found``] whose *reserved* peak is under
+    ``limit_bytes``, where ``found`` is the allocated answer under the same limit (reserved is
+    never less than allocated, so nothing above it fits). Shared by estimate's ``TracedCurve``
+    and plan's ``ShardedCurve``: ``curve.points`` by size (``peak_bytes``, ``peak_reserved_bytes``,
+    ``reserved_oom``, ``reserved_ratio``), ``curve.reserved(b)`` replays one size through the
+    allocator model (the costly probe), ``curve.curve()`` is the allocated fit."""
+
+    def reserved_trial(batch_size: int, point) -> Trial:
+        fits = point.reserved_oom is None and point.peak_reserved_bytes <= limit_bytes
+        return Trial(batch_size, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes,
+                     peak_reserved_bytes=point.peak_reserved_bytes)
+
+    def reserved_probe(batch_size: int) -> Trial:
+        return reserved_trial(batch_size, curve.reserved(batch_size))
+
+    def demand(batch_size: int) -> float | None:
+        """What the step at ``batch_size`` reserves, or would have to (its reserved peak; when
+        the allocator model ran out, what it held and asked for, scaled to the step's peak)."""
+        point = curve.points.get(batch_size)
+        if point is None or point.reserved_ratio is None:
+            return None
+        return point.peak_reserved_bytes if point.reserved_oom is None else point.reserved_ratio * point.peak_bytes
+
+    def predict(trials: list[Trial]) -> int:
+        # Between the largest size that fits and the smallest that does not, reserved bytes
+        # grow about linearly (segments are sized by the requests): interpolate the limit
+        # there. With no failure yet, take the reserved/allocated ratio of the largest size
+        # replayed and solve the allocated curve for limit / ratio.
+        known = sorted((t.batch_size, t.fits, demand(t.batch_size)) for t in trials)
+        known = [(b, fits, need) for b, fits, need in known if need is not None]
+        fits = [(b, need) for b, ok, need in known if ok]
+        fails = [(b, need) for b, ok, need in known if not ok and (not fits or b > max(fits)[0])]
+        if fits and fails:
+            (b_fit, r_fit), (b_fail, r_fail) = max(fits), min(fails)
+            if r_fail > r_fit:
+                return int(b_fit + (limit_bytes - r_fit) * (b_fail - b_fit) / (r_fail - r_fit))
+        ratios = [(b, curve.points[b].reserved_ratio) for b, _, _ in known]
+        if not ratios:
+            return found.max_batch_size
+        return curve.curve().max_batch_size(limit_bytes / max(ratios)[1], multiple_of)
+
+    above = [Trial(found.next_size, "oom")] if found.next_size else []  # fails allocated: fails reserved
+    replayed = [reserved_trial(b, p) for b, p in curve.points.items()  # from the search of another limit
+                if p.reserved_ratio is not None and lo <= b <= found.max_batch_size]
+    result = guided(reserved_probe, predict, lo=lo, hi=found.max_batch_size, multiple_of=multiple_of,
+                    known=above + replayed)
+    result.capped = found.capped and result.max_batch_size == found.max_batch_size  # capped by hi, not by us
+    return result

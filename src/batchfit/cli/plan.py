@@ -16,7 +16,7 @@ from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemo
                                  check_outputs, command_target, handle_errors, out_option, parse_batch_sizes,
                                  progress_line, quiet_if_stdout, report_folder, step_options, warn_about_precision,
                                  write_outputs)
-from batchfit.cli.common import CompileOpt, LossOpt, warn_about_approximations
+from batchfit.cli.common import CompileOpt, LimitOpt, LossOpt, warn_about_approximations
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.plan.emit import parse_emit, write_emit
@@ -68,6 +68,7 @@ def plan_command(
     target_util: TargetUtilOpt = 0.9,
     multiple_of: MultipleOfOpt = 1,
     max_batch: Annotated[int, typer.Option(help="Never consider local batches above this.")] = DEFAULT_MAX_BATCH,
+    limit: LimitOpt = "reserved",
     mfu: Annotated[float | None, typer.Option(help="Model FLOPs utilisation for the computed time (default 0.4, "
                                                    "assumed).")] = None,
     calibrate: Annotated[Path | None, typer.Option(help="Take the MFU from `batchfit bench --device cuda --json` "
@@ -121,7 +122,7 @@ def plan_command(
         result = plan(workload, device=target.device, worlds=worlds, options=options, strategies=strategies,
                       global_batch=global_batch, tokens=tokens, batch_sizes=sizes, target_util=target_util,
                       multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say,
-                      processes=processes)
+                      processes=processes, limit=limit)
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
 
     def write_all(files):  # the report, every --emit and --json: all or none, JSON last
@@ -144,6 +145,9 @@ def _emit_path(text: str) -> str:
 def _print_summary(result, console, report_path: Path, written: list[Path]) -> None:
     console.print(f"[bold]{escape(result.workload)} on {escape(result.device.display_name)}, "
                   f"{result.options.precision} (memory traced, time computed)[/]")
+    console.print("memory: " + ("reserved (rank 0's fresh process replayed through the caching allocator model: "
+                                "what a GPU runs out of)" if result.limit == "reserved"
+                                else "allocated (tensors only; --limit reserved for what a GPU runs out of)"))
     # 80 columns hold every column whole: light box, headers on two lines, nothing wrapped (a
     # strategy name or a tokens/s figure cut to 'fsdp-…' or '1,23…' was the one thing to read)
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
@@ -157,14 +161,16 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
         table.add_row(
             str(p.gpus), p.strategy, str(p.max_local_batch), str(p.max_global_batch),
             f"{p.micro_batch} x {p.accumulation_steps}" if p.fits else "no fit",
-            f"{p.peak_bytes_at_micro / GiB:.1f}" if p.peak_bytes_at_micro else "—",
+            f"{(p.peak_reserved_bytes_at_micro or p.peak_bytes_at_micro) / GiB:.1f}" if p.peak_bytes_at_micro else "—",
             f"{p.step_time_s:.2f}" if p.step_time_s else "—",
             f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "—",
             f"{p.days:.1f}" if p.days is not None else "—")
     console.print(table)
     for best in result.recommended:
         console.print(f"[bold green]{best.gpus} GPU{'s' if best.gpus > 1 else ''}: {best.strategy}[/], micro-batch "
-                      f"{best.micro_batch} x {best.accumulation_steps} accumulation = global batch {best.global_batch}")
+                      f"{best.micro_batch} x {best.accumulation_steps} accumulation = global batch {best.global_batch}"
+                      + (f"; its reserved peak is in the {best.peak_step}" if best.peak_step not in (None, "steady step")
+                         else ""))
     for path in written:
         console.print(f"wrote {path}")
     console.print(f"report: {report_path}", soft_wrap=True)

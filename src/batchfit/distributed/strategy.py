@@ -7,7 +7,8 @@ code that really runs, mixed-precision policy included.
 
     ddp          DistributedDataParallel: every rank keeps the whole model; gradients are
                  all-reduced in buckets during backward (the buckets are memory too)
-    fsdp         FSDP2 ``fully_shard`` on each block of the model's main stack and at the root,
+    fsdp         FSDP2 ``fully_shard`` on each block of every stack of repeated blocks (encoder
+                 and decoder both) and at the root,
                  as torchtitan does: each rank keeps 1/N of the parameters, gradients and
                  optimizer state, and all-gathers one block at a time
     fsdp-noreshard  FSDP2 keeping gathered parameters from forward to backward (ZeRO-2)
@@ -150,26 +151,56 @@ def _ddp_bucket_caps_mb() -> list[float]:
     return [dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20, 25]
 
 
-class _BucketsAsBuilt:
-    """DDP's reducer, except that it keeps the gradient buckets it was built with.
+class _RebuildsOnce:
+    """DDP's reducer, rebuilding its gradient buckets once as DDP does, without reading tensor values.
 
-    DDP first puts every gradient in one bucket, and in the second step's forward rebuilds
-    its buckets (1 MiB, then 25 MiB each) in the order gradients became ready in the first
-    backward; the C++ rebuild reads an index tensor's values, which fake tensors do not
-    have. The traced DDP is built with those caps from the start (``_ddp_bucket_caps_mb``),
-    over the parameters in reverse (DDP's own approximation of the ready order): the same
-    gradients in buckets of the same sizes, so the steady step holds the same bucket bytes
-    and calls about as many all-reduces. The rebuild's own moment, with the old and new
-    buckets alive together, happens once in a real run (step 2), not in a steady step."""
+    DDP puts every gradient in one bucket for the first step (``_BucketCapacityConfig.
+    compute_bucket_size_limits``: ``sys.maxsize`` unless static_graph or find_unused_parameters)
+    and in the second step's forward (``DistributedDataParallel._pre_forward`` ->
+    ``reducer._rebuild_buckets``) rebuilds them in the order gradients became ready: a 1 MiB
+    bucket, then 25 MiB ones. ``Reducer::initialize_buckets`` (reducer.cpp) clears the old
+    buckets (``buckets_.clear()``) before it allocates the new ones. The C++ rebuild first syncs
+    the bucket indices across ranks (``sync_bucket_indices`` reads an index tensor's values,
+    which fake tensors do not have), so here the old reducer is dropped (its buckets freed) and
+    DDP's own ``_ddp_init_helper`` (as ``DistributedDataParallel.__setstate__`` uses it) builds a
+    new one with those caps (``_ddp_bucket_caps_mb``) over the parameters in definition order,
+    bucket list reversed (DDP's own approximation of the ready order; a real rebuild uses the
+    order the first backward saw). The steady step then holds the same bucket bytes; the one
+    big bucket of the first step and the rebuild itself are in the traced stream, where the
+    allocator model sees them (``plan``'s ``peak_step``)."""
 
-    def __init__(self, reducer) -> None:
-        object.__setattr__(self, "_reducer", reducer)
+    def __init__(self, ddp, hook) -> None:
+        object.__setattr__(self, "_ddp", ddp)
+        object.__setattr__(self, "_hook", hook)
+        object.__setattr__(self, "_reducer", ddp.reducer)
+        object.__setattr__(self, "rebuilt_at", None)
+        """(first event, last event) of the tracker's stream while the buckets were rebuilt."""
 
     def __getattr__(self, name: str):
         return getattr(self._reducer, name)
 
     def _rebuild_buckets(self) -> bool:
-        return False
+        import torch.distributed as dist
+
+        from batchfit.trace.memory import active_tracker
+
+        if self.rebuilt_at is not None:
+            return False
+        ddp = self._ddp
+        tracker = active_tracker()
+        start = len(tracker.events) if tracker is not None else 0
+        parameters, expect_sparse = ddp._build_params_for_reducer()
+        names = ddp._build_debug_param_to_name_mapping(parameters)
+        object.__setattr__(self, "_reducer", None)
+        ddp.reducer = ddp.logger = None  # the old reducer, and with it its buckets, is gone first
+        ddp._bucket_config = type(ddp._bucket_config).create(None, _ddp_bucket_caps_mb(), False)
+        ddp._ddp_init_helper(parameters, expect_sparse, names, ddp.static_graph)
+        dist._register_comm_hook(ddp.reducer, None, self._hook)
+        ddp.reducer.prepare_for_forward()  # what _pre_forward did to the old one before the rebuild
+        object.__setattr__(self, "_reducer", ddp.reducer)
+        ddp.reducer = self
+        object.__setattr__(self, "rebuilt_at", (start, len(tracker.events) if tracker is not None else 0))
+        return True
 
 
 def _ddp(model: nn.Module, *, fake: bool, device: torch.device | None,
@@ -178,9 +209,10 @@ def _ddp(model: nn.Module, *, fake: bool, device: torch.device | None,
 
     if fake:
         with _no_cross_rank_checks():
-            ddp = nn.parallel.DistributedDataParallel(model, init_sync=False, bucket_cap_mb_list=_ddp_bucket_caps_mb())
-        ddp.register_comm_hook(None, _fake_allreduce_hook(on_bucket))
-        ddp.reducer = _BucketsAsBuilt(ddp.reducer)
+            ddp = nn.parallel.DistributedDataParallel(model, init_sync=False)
+        hook = _fake_allreduce_hook(on_bucket)
+        ddp.register_comm_hook(None, hook)
+        ddp.reducer = _RebuildsOnce(ddp, hook)
         return ddp
     # device_ids names the rank's own GPU (cuda:LOCAL_RANK); on the CPU (gloo) DDP wants None.
     device_ids = [device] if device is not None and device.type == "cuda" else None
@@ -188,16 +220,17 @@ def _ddp(model: nn.Module, *, fake: bool, device: torch.device | None,
 
 
 def _fully_shard_blocks(model: nn.Module, mesh, *, reshard: bool, precision: str) -> nn.Module:
-    """FSDP2 on each block of the model's main stack, then at the root (in place)."""
+    """FSDP2 on each block of every stack of repeated blocks (an encoder-decoder's both), then
+    at the root (in place)."""
     from torch.distributed.fsdp import fully_shard
 
-    from batchfit.train.model import block_list
+    from batchfit.train.model import block_lists
 
     policy = mixed_precision(precision)
     # One FSDP group per block, so one block's parameters are gathered at a time; the root
     # group holds the rest (embeddings, final norm, head) and any model without blocks. The
     # root keeps its own gathered after forward (backward needs them at once), FSDP2's default.
-    for block in block_list(model) or ():
+    for block in (block for stack in block_lists(model) for block in stack):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard if reshard is False else None, mp_policy=policy)
     return model

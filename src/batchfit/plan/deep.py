@@ -20,7 +20,7 @@ import difflib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from batchfit.trace import depth
+from batchfit.trace import depth, stream
 
 if TYPE_CHECKING:
     from batchfit.plan.sharded import Collective, ShardedPoint, Strategy
@@ -79,8 +79,11 @@ class DeepSession:
             from batchfit.plan.sharded import ShardedSession as session
         extra = {} if cuda_semantics else {"cuda_semantics": False}  # stand-ins need not take it
         self._open = lambda model_workload: session(model_workload, options, device, strategy, **extra)
-        self.workload = workload
+        self.workload, self.device = workload, device
         self.blocks: int | None = None
+        self.whole_reserved: list[int] = []
+        """Local batches whose reserved peak needed the whole model's stream (the depths' were
+        not regular enough to write it: ``trace/stream.py``)."""
         self.whole_traces: list[int] = []
         """Local batches traced whole although the model was cut (not regular in depth there)."""
         self._depths: list = []
@@ -108,6 +111,38 @@ class DeepSession:
         if self._whole is None:
             self._whole = self._open(self.workload)
         return self._whole.trace(local_batch)
+
+    def reserved(self, local_batch: int):
+        """Rank 0's reserved peak at ``local_batch`` (a ``plan.reserved.ReservedReplay``): the
+        allocation stream of a fresh process (new sessions: what a fresh process allocates is
+        what the allocator model starts from), replayed step by step. For a cut model the full
+        depth's stream is written from the three depths' (``trace/stream.py``, as ``estimate``
+        does: checked event for event against the traced depths) and each step's start is on
+        the line through theirs; where it cannot be, the whole model is traced."""
+        from batchfit.plan.reserved import replay_steps
+
+        # once the depths' streams were not regular, they will not be at another size either
+        found = self._extended(local_batch) if self._depths and not self.whole_reserved else None
+        if found is None:
+            self.whole_reserved.append(local_batch)
+            found = self._fresh(self.workload, local_batch)
+        return replay_steps(*found, self.device)
+
+    def _fresh(self, workload, local_batch: int) -> tuple[list, tuple[int, ...]]:
+        with contextlib.closing(self._open(workload)) as session:
+            session.trace(local_batch)
+            return session.fresh_stream, session.fresh_steps
+
+    def _extended(self, local_batch: int) -> tuple[list, tuple[int, ...]] | None:
+        seen = depth.Depth()
+        traced = [self._fresh(depth.at_depth(self.workload, d, seen), local_batch) for d in depth.DEPTHS]
+        if len({len(steps) for _, steps in traced}) != 1:
+            return None
+        starts = tuple(depth.line_at([steps[i] for _, steps in traced], self.blocks) for i in range(len(traced[0][1])))
+        events = stream.extend(dict(zip(depth.DEPTHS, (events for events, _ in traced))), self.blocks)
+        if events is None or None in starts:
+            return None
+        return events, starts
 
     def close(self) -> None:
         with contextlib.ExitStack() as stack:  # every session closes, even when one raises

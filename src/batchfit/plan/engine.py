@@ -37,7 +37,8 @@ from batchfit.errors import OptionError
 from batchfit.plan import workers
 from batchfit.plan.time_model import OVERLAP_RULE, StepTime, TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
-from batchfit.search import DEFAULT_MAX_BATCH, SearchResult, Trial, check_search_options, guided, trace_first_sizes
+from batchfit.search import (DEFAULT_MAX_BATCH, SearchResult, Trial, _check_limit, check_search_options, guided,
+                              reserved_search, trace_first_sizes)
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
@@ -57,10 +58,14 @@ def sharded() -> ModuleType:
 
 class PointSession:
     """A session over a tracer of one point at a time: ``trace(workload, options, device,
-    strategy, local_batch)`` (a stand-in, or a caller's own)."""
+    strategy, local_batch)`` (a stand-in, or a caller's own), and ``replay`` of the same
+    arguments for the reserved peak (a ``plan.reserved.ReservedReplay``), when given."""
 
-    def __init__(self, trace: Callable, workload: Workload, options: StepOptions, device: Device, strategy) -> None:
+    def __init__(self, trace: Callable, workload: Workload, options: StepOptions, device: Device, strategy, *,
+                 replay: Callable | None = None) -> None:
         self.trace = lambda local_batch: trace(workload, options, device, strategy, local_batch)
+        if replay is not None:
+            self.reserved = lambda local_batch: replay(workload, options, device, strategy, local_batch)
 
     def close(self) -> None:
         pass
@@ -76,10 +81,34 @@ class PlanPoint:
     breakdown: dict[str, int]
     flops: int
     collectives: tuple
+    reserved: object | None = None
+    """Rank 0's fresh process replayed through the caching allocator model (a
+    ``plan.reserved.ReservedReplay``: peak reserved bytes, and in which step); None until asked."""
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        return self.reserved.peak_reserved_bytes if self.reserved else None
+
+    @property
+    def reserved_oom(self) -> str | None:
+        return self.reserved.reserved_oom if self.reserved else None
+
+    @property
+    def reserved_ratio(self) -> float | None:
+        return self.reserved.reserved_ratio if self.reserved else None
+
+    def fits(self, limit_bytes: int, limit: str) -> bool:
+        """Under ``limit_bytes`` by ``limit`` ('reserved' needs the point replayed)."""
+        if limit == "allocated":
+            return self.peak_bytes <= limit_bytes
+        return self.reserved_oom is None and self.peak_reserved_bytes <= limit_bytes
 
     def to_json(self) -> dict:
-        return {"local_batch": self.local_batch, "peak_bytes": self.peak_bytes, "breakdown": self.breakdown,
-                "flops": self.flops}
+        return {"local_batch": self.local_batch, "peak_bytes": self.peak_bytes,
+                "peak_reserved_bytes": self.peak_reserved_bytes, "reserved_oom": self.reserved_oom,
+                "peak_step": self.reserved.peak_step_name if self.reserved else None,
+                "reserved_by_step": self.reserved.to_json()["by_step"] if self.reserved else None,
+                "breakdown": self.breakdown, "flops": self.flops}
 
 
 def plan_point(traced, workspace_bytes: int) -> PlanPoint:
@@ -98,8 +127,8 @@ class ShardedCurve:
     ``estimate``'s fit and confirmation on top."""
 
     def __init__(self, trace_point: Callable[[int], object], workspace_bytes: int,
-                 say: Callable[[str], None]) -> None:
-        self._trace, self._workspace, self._say = trace_point, workspace_bytes, say
+                 say: Callable[[str], None], replay: Callable[[int], object] | None = None) -> None:
+        self._trace, self._workspace, self._say, self._replay = trace_point, workspace_bytes, say, replay
         self.points: dict[int, PlanPoint] = {}
         self.first = None
         """The first ShardedPoint traced (its parameter counts)."""
@@ -112,22 +141,39 @@ class ShardedCurve:
             self.points[local_batch] = plan_point(traced, self._workspace)
         return self.points[local_batch]
 
+    def reserved(self, local_batch: int) -> PlanPoint:
+        """The point with its reserved peak: rank 0's fresh process replayed through the
+        allocator model (``plan/reserved.py``), once per size."""
+        point = self.point(local_batch)
+        if point.reserved is None:
+            if self._replay is None:
+                raise OptionError("this tracer cannot replay reserved memory: use --limit allocated")
+            self._say(f"local batch {local_batch}: reserved memory (allocator model)")
+            point.reserved = self._replay(local_batch)
+        return point
+
     def curve(self) -> MemoryCurve:
         """The line through the two largest traced sizes (``trace.curve.secant``): the rank's
         step peak, fixed (its shards of parameters, gradients, optimizer state) plus per sample."""
         return MemoryCurve((secant("step", [(b, p.peak_bytes) for b, p in self.points.items()]),))
 
-    def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int) -> SearchResult:
+    def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
+                  reserved: bool = False) -> SearchResult:
         """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak is under
-        ``limit_bytes``: predicted by the curve, confirmed by tracing it and the next size up."""
+        ``limit_bytes``: predicted by the curve, confirmed by tracing it and the next size up.
+        With ``reserved``, the reserved peak, searched at or below the allocated answer, as
+        ``estimate`` does (``search.reserved_search``): only the sizes that decide are replayed."""
 
         def probe(local_batch: int) -> Trial:
             peak = self.point(local_batch).peak_bytes
             return Trial(local_batch, "ok" if peak <= limit_bytes else "oom", peak_allocated_bytes=peak)
 
         known = [probe(b) for b in self.points]
-        return guided(probe, lambda trials: self.curve().max_batch_size(limit_bytes, multiple_of),
-                      lo=lo, hi=hi, multiple_of=multiple_of, known=known)
+        found = guided(probe, lambda trials: self.curve().max_batch_size(limit_bytes, multiple_of),
+                       lo=lo, hi=hi, multiple_of=multiple_of, known=known)
+        if not reserved or not found.max_batch_size:
+            return found
+        return reserved_search(self, found, limit_bytes, lo=lo, multiple_of=multiple_of)
 
 
 @dataclass
@@ -149,6 +195,13 @@ class StrategyPlan:
     accumulation_steps: int = 0
     global_batch: int = 0
     peak_bytes_at_micro: int | None = None
+    limit: str = "reserved"
+    """What had to fit: 'reserved' (max_memory_reserved, allocator model) or 'allocated'."""
+    peak_reserved_bytes_at_micro: int | None = None
+    peak_step: str | None = None
+    """Where rank 0's reserved peak at the micro-batch happens ('steady step', 'first step', ...)."""
+    whole_reserved: list[int] = field(default_factory=list)
+    """Local batches whose reserved stream needed the whole model traced (not written from depths)."""
     above_target: bool = False
     """No micro-batch that reaches the global batch stays under the target: the smallest is used."""
     time: StepTime | None = None
@@ -191,7 +244,9 @@ class StrategyPlan:
             "max_local_batch": self.max_local_batch, "max_global_batch": self.max_global_batch,
             "capped": self.capped, "micro_batch": self.micro_batch,
             "accumulation_steps": self.accumulation_steps, "global_batch": self.global_batch,
-            "peak_bytes_at_micro": self.peak_bytes_at_micro, "above_target": self.above_target,
+            "peak_bytes_at_micro": self.peak_bytes_at_micro, "limit": self.limit,
+            "peak_reserved_bytes_at_micro": self.peak_reserved_bytes_at_micro, "peak_step": self.peak_step,
+            "whole_reserved": self.whole_reserved, "above_target": self.above_target,
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "samples_per_s": self.samples_per_s,
             "days": self.days, "time": self.time.to_json() if self.time else None,
             "step_time_s_at_max": self.time_at_max.step_time_s if self.time_at_max else None,
@@ -221,6 +276,8 @@ class PlanResult:
     links: dict
     trace_seconds: float
     traces: int
+    limit: str = "reserved"
+    """What had to fit under the usable memory (and the target): 'reserved' or 'allocated'."""
     approximations: list[Approximation] = field(default_factory=list)
     """Where the traced figures approximate the step (a compiled model traced as eager): every
     output says each one."""
@@ -253,13 +310,15 @@ class PlanResult:
             "options": self.options.to_json(), "worlds": [w.to_json() for w in self.worlds],
             "strategies_asked": self.strategies_asked, "params": self.params,
             "global_batch": self.global_batch, "tokens": self.tokens, "tokens_asked": self.tokens_asked,
-            "target_util": self.target_util, "multiple_of": self.multiple_of,
+            "target_util": self.target_util, "multiple_of": self.multiple_of, "limit": self.limit,
             "capacity_bytes": self.capacity_bytes, "target_bytes": self.target_bytes,
             "time_model": {**self.time_model.to_json(), **self.links, "overlap_rule": OVERLAP_RULE},
             "strategies": [p.to_json() for p in self.plans],
             "recommended": [{"gpus": p.gpus, "nodes": p.nodes, "strategy": p.strategy, "dp": p.dp, "tp": p.tp,
                              "micro_batch": p.micro_batch, "accumulation_steps": p.accumulation_steps,
                              "global_batch": p.global_batch, "peak_bytes_at_micro": p.peak_bytes_at_micro,
+                             "limit": p.limit, "peak_reserved_bytes_at_micro": p.peak_reserved_bytes_at_micro,
+                             "peak_step": p.peak_step,
                              "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "days": p.days}
                             for p in self.recommended],
             "approximations": [a.to_json() for a in self.approximations],
@@ -268,8 +327,9 @@ class PlanResult:
 
 
 def _validate(target_util: float, multiple_of: int, max_batch: int, batch_sizes: list[int] | None,
-              global_batch: int | None) -> None:
+              global_batch: int | None, limit: str) -> None:
     check_search_options(target_util=target_util, multiple_of=multiple_of, max_batch=max_batch)
+    _check_limit(limit)
     if any(b < 1 for b in batch_sizes or []):
         raise OptionError("--batch-sizes are local batch sizes, 1 or more: e.g. --batch-sizes 1,2,4")
     if global_batch is not None and global_batch < 1:
@@ -297,33 +357,44 @@ def _micro_candidates(plan: StrategyPlan, global_batch: int, multiple_of: int) -
 
 def _choose_micro(plan: StrategyPlan, curve: ShardedCurve, target_bytes: int, global_batch: int | None,
                   multiple_of: int) -> None:
-    """The micro-batch: the largest local batch whose traced peak is under the target and,
-    with a global batch, whose product with dp divides it; the smallest such size (which fits
-    the capacity) when none is under the target."""
+    """The micro-batch: the largest local batch whose traced peak (reserved or allocated, by
+    ``plan.limit``) is under the target and, with a global batch, whose product with dp divides
+    it; the smallest such size (which fits the capacity) when none is under the target."""
+    reserved = plan.limit == "reserved"
+    point = curve.reserved if reserved else curve.point
     if global_batch is None:  # any size: estimate's confirmed search, under the target
-        found = curve.max_batch(target_bytes, lo=multiple_of, hi=plan.max_local_batch, multiple_of=multiple_of)
+        found = curve.max_batch(target_bytes, lo=multiple_of, hi=plan.max_local_batch, multiple_of=multiple_of,
+                                reserved=reserved)
         chosen = found.max_batch_size or multiple_of
-    else:  # few sizes (divisors): from the largest the curve puts under the target, down
+    else:  # few sizes (divisors): from the largest the curve puts under the target (reserved >= allocated), down
         candidates = _micro_candidates(plan, global_batch, multiple_of)
         fitted = curve.curve()
         first = next((i for i, m in enumerate(candidates) if fitted.peak_bytes(m) <= target_bytes),
                      len(candidates) - 1)
-        chosen = next((m for m in candidates[first:] if curve.point(m).peak_bytes <= target_bytes), candidates[-1])
-    at = curve.point(chosen)
+        chosen = next((m for m in candidates[first:] if point(m).fits(target_bytes, plan.limit)), candidates[-1])
+    at = point(chosen)
     plan.micro_batch = chosen
-    plan.above_target = at.peak_bytes > target_bytes
+    plan.above_target = not at.fits(target_bytes, plan.limit)
     plan.peak_bytes_at_micro = at.peak_bytes
+    plan.peak_reserved_bytes_at_micro = at.peak_reserved_bytes
+    plan.peak_step = at.reserved.peak_step_name if at.reserved else None
     plan.global_batch = global_batch if global_batch is not None else chosen * plan.dp
     plan.accumulation_steps = plan.global_batch // (chosen * plan.dp)
 
 
 def _fix(plan: StrategyPlan, point: PlanPoint, capacity_bytes: int, options: StepOptions) -> list[str]:
     """What would make local batch 1 fit, computed from its breakdown (labelled computed)."""
-    over = point.peak_bytes - capacity_bytes
     parts = point.breakdown
     state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer", "optimizer_state"))
-    out = [f"local batch {point.local_batch} needs {point.peak_bytes / GiB:.2f} GiB per GPU, "
-           f"{over / GiB:.2f} GiB more than the {capacity_bytes / GiB:.2f} GiB usable"]
+    if point.peak_bytes <= capacity_bytes and point.reserved is not None:  # fits allocated, not reserved
+        needed = point.peak_reserved_bytes
+        out = [f"local batch {point.local_batch} allocates {point.peak_bytes / GiB:.2f} GiB per GPU, under the "
+               f"{capacity_bytes / GiB:.2f} GiB usable, but the caching allocator "
+               + (f"cannot reserve it ({point.reserved_oom})" if needed is None else
+                  f"reserves {needed / GiB:.2f} GiB (allocator model, {point.reserved.peak_step_name})")]
+    else:
+        out = [f"local batch {point.local_batch} needs {point.peak_bytes / GiB:.2f} GiB per GPU, "
+               f"{(point.peak_bytes - capacity_bytes) / GiB:.2f} GiB more than the {capacity_bytes / GiB:.2f} GiB usable"]
     if plan.shard in ("none", "ddp") and plan.gpus > 1 and state:
         saving = state * (1 - 1 / plan.gpus)
         out.append(f"fsdp shards parameters, gradients and optimizer state ({state / GiB:.2f} GiB here) over the "
@@ -346,7 +417,8 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
          batch_sizes: list[int] | None = None, target_util: float = 0.9, multiple_of: int = 1,
          max_batch: int = DEFAULT_MAX_BATCH, time_model: TimeModel | None = None,
          trace: Callable | None = None, parse: Callable | None = None,
-         progress: Callable[[str], None] | None = None, processes: int | None = None) -> PlanResult:
+         progress: Callable[[str], None] | None = None, processes: int | None = None,
+         limit: str = "reserved", replay: Callable | None = None) -> PlanResult:
     """Plan ``workload`` on ``device`` for each of ``worlds`` and each of ``strategies``.
 
     ``trace(workload, options, device, strategy, local_batch) -> ShardedPoint`` and
@@ -354,10 +426,14 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     ``tokens`` is a count, ``'chinchilla'`` (20 x parameters) or a string either way.
     ``processes``: strategies traced at once, each in its own process (default: one per CPU
     core, at most one per strategy; ``plan/workers.py``); 1 traces them one after another.
+    ``limit``: what must stay under the usable memory and the target, as in ``estimate``:
+    ``reserved`` (default: rank 0's fresh process replayed through the caching allocator model,
+    ``plan/reserved.py``) or ``allocated``. ``replay(workload, options, device, strategy,
+    local_batch) -> ReservedReplay`` goes with a stand-in ``trace``.
     """
     options = options or StepOptions()
     time_model = time_model or TimeModel()
-    _validate(target_util, multiple_of, max_batch, batch_sizes, global_batch)
+    _validate(target_util, multiple_of, max_batch, batch_sizes, global_batch, limit)
     tokens_asked = tokens if isinstance(tokens, str) else None
     tokens = parse_tokens(tokens) if isinstance(tokens, str) else tokens
     if tokens is not None and not workload.tokens_per_sample:
@@ -369,7 +445,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         module = sharded()
         parse = parse or module.parse_strategies
     if trace is not None:
-        open_session = functools.partial(PointSession, trace)
+        open_session = functools.partial(PointSession, trace, replay=replay)
     else:
         from batchfit.plan.deep import DeepSession  # the tracer: torch, when a plan runs
 
@@ -391,7 +467,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         world, strategy = job
         return _plan_one(open_session, workload, options, device, world, strategy, time_model, say, auto=auto,
                          batch_sizes=batch_sizes, global_batch=global_batch, multiple_of=multiple_of,
-                         max_batch=max_batch, target_bytes=target_bytes)
+                         max_batch=max_batch, target_bytes=target_bytes, limit=limit)
 
     jobs = [(world, strategy) for world, chosen in by_world for strategy in chosen]
     done = workers.run(one, jobs, say, processes=processes if trace is None else 1)
@@ -412,14 +488,14 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         params=params, global_batch=global_batch, tokens=tokens, tokens_asked=tokens_asked,
         target_util=target_util, multiple_of=multiple_of, time_model=time_model,
         links=time_model.links(device), trace_seconds=time.perf_counter() - started, traces=traces,
-        approximations=approximations,
+        approximations=approximations, limit=limit,
     )
 
 
 def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, device: Device, world: World,
               strategy, time_model: TimeModel, say: Callable[[str], None], *, auto: bool,
               batch_sizes: list[int] | None, global_batch: int | None, multiple_of: int, max_batch: int,
-              target_bytes: int) -> tuple[StrategyPlan, int | None]:
+              target_bytes: int, limit: str = "reserved") -> tuple[StrategyPlan, int | None]:
     """One strategy on one GPU count, in one tracing session: its row, and the model's
     parameter count (None when ``auto`` skipped it: the model has no tensor-parallel plan)."""
     label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
@@ -428,11 +504,13 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
     curve = None
     try:
         with contextlib.closing(open_session(workload, options, device, strategy)) as session:
-            curve = ShardedCurve(session.trace, device.workspace_bytes, lambda message: say(f"{label}: {message}"))
+            curve = ShardedCurve(session.trace, device.workspace_bytes, lambda message: say(f"{label}: {message}"),
+                                 replay=getattr(session, "reserved", None))
             trace_first_sizes(curve, batch_sizes, multiple_of, device.usable_bytes)
             plan_row = _plan_strategy(base, curve, strategy, world, workload, device, options, time_model,
                                       global_batch=global_batch, multiple_of=multiple_of,
-                                      max_batch=max_batch, target_bytes=target_bytes)
+                                      max_batch=max_batch, target_bytes=target_bytes, limit=limit)
+            plan_row.whole_reserved = list(getattr(session, "whole_reserved", []))
     except OptionError as error:
         if not auto or strategy.tp == 1 or (curve is not None and curve.points):
             raise
@@ -445,13 +523,14 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
 
 def _plan_strategy(base: dict, curve: ShardedCurve, strategy, world: World, workload: Workload, device: Device,
                    options: StepOptions, time_model: TimeModel, *, global_batch: int | None, multiple_of: int,
-                   max_batch: int, target_bytes: int) -> StrategyPlan:
+                   max_batch: int, target_bytes: int, limit: str = "reserved") -> StrategyPlan:
     """One strategy's row: the max local batch (traced and confirmed), the micro-batch and its
     time, or, when not even the smallest batch fits, what would make it fit."""
     capacity = device.usable_bytes
-    found = curve.max_batch(capacity, lo=multiple_of, hi=max_batch, multiple_of=multiple_of)
+    found = curve.max_batch(capacity, lo=multiple_of, hi=max_batch, multiple_of=multiple_of,
+                            reserved=limit == "reserved")
     plan_row = StrategyPlan(**base, points=[], curve=None, max_local_batch=found.max_batch_size,
-                            capped=found.capped, params_per_rank=curve.first.params_per_rank)
+                            capped=found.capped, params_per_rank=curve.first.params_per_rank, limit=limit)
     if plan_row.fits:
         _choose_micro(plan_row, curve, target_bytes, global_batch, multiple_of)
         _time(plan_row, curve, strategy, world, device, options, time_model, workload)

@@ -254,18 +254,34 @@ class ShardedSession:
             self.session = self._exit.enter_context(TraceSession(
                 built, prepared_options, cuda_semantics=cuda_semantics, wrap=shard if ddp else None, tracker=tracker))
             self.params_per_rank = sum(_local_elements(p) for p in self.session.step.model.parameters())
+            self.fresh_stream: list[tuple[str, int, int]] | None = None
+            """Rank 0's allocation stream of a fresh process: the first trace's."""
+            self.fresh_steps: tuple[int, ...] | None = None
+            """Where the first and the second step start in :attr:`fresh_stream` (the build before
+            them), and under DDP where its bucket rebuild (at the start of the second step's forward) ends."""
         except BaseException:
             self._exit.close()
             raise
 
     def trace(self, local_batch: int) -> ShardedPoint:
-        """One steady-state step at ``local_batch`` (the first also runs the warm-up step)."""
+        """One steady-state step at ``local_batch`` (the first also runs the warm-up step).
+
+        The first trace runs as a fresh process does: :attr:`fresh_stream` is then rank 0's
+        allocation stream from the model's build to the end of the second step, and
+        :attr:`fresh_steps` where each step starts in it. (A later trace cannot be fresh: DDP
+        rebuilt its buckets once, and FSDP2 initialised itself, in the first one.)"""
         if local_batch < 1:
             raise OptionError(f"the local batch must be 1 or more, got {local_batch}")
+        session, tracker = self.session, self.tracker
+        first = not session._warm
         with warnings.catch_warnings():
             # FSDP2 warns that a module returned a view; the step never writes into the output.
             warnings.filterwarnings("ignore", message=".*returned a view tensor")
-            snapshot = self.session.trace(local_batch).snapshot
+            snapshot = session.trace(local_batch).snapshot
+        if first:
+            self.fresh_stream = list(tracker.events)
+            rebuilt = getattr(getattr(session.step.model, "reducer", None), "rebuilt_at", None)
+            self.fresh_steps = (session.build_events, tracker.window_event) + ((rebuilt[1],) if rebuilt else ())
         workspace, strategy = self.workspace, self.strategy
         collectives = []
         for call in self.tracker.calls:

@@ -22,7 +22,7 @@ import torch
 
 from batchfit.devices import Device
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
-from batchfit.search import SearchResult, Trial, guided
+from batchfit.search import SearchResult, Trial, guided, reserved_search
 from batchfit.trace import depth, forked, stream
 from batchfit.trace.approximation import Approximation, fast_path_approximations
 from batchfit.trace.compiled import COMPILED_TRACED, compile_approximations, graph_breaks
@@ -348,48 +348,7 @@ class TracedCurve:
                        lo=lo, hi=hi, multiple_of=multiple_of, known=known)
         if not reserved or not found.max_batch_size:
             return found
-
-        def reserved_trial(batch_size: int, point: MemoryPoint) -> Trial:
-            fits = point.reserved_oom is None and point.peak_reserved_bytes <= limit_bytes
-            return Trial(batch_size, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes,
-                         peak_reserved_bytes=point.peak_reserved_bytes)
-
-        def reserved_probe(batch_size: int) -> Trial:
-            return reserved_trial(batch_size, self.reserved(batch_size))
-
-        def demand(batch_size: int) -> float | None:
-            """What the step at ``batch_size`` reserves, or would have to (its reserved peak; when
-            the allocator model ran out, what it held and asked for, scaled to the step's peak)."""
-            point = self.points.get(batch_size)
-            if point is None or point.reserved_ratio is None:
-                return None
-            return point.peak_reserved_bytes if point.reserved_oom is None else point.reserved_ratio * point.peak_bytes
-
-        def predict(trials: list[Trial]) -> int:
-            # Between the largest size that fits and the smallest that does not, reserved bytes
-            # grow about linearly (segments are sized by the requests): interpolate the limit
-            # there. With no failure yet, take the reserved/allocated ratio of the largest size
-            # replayed and solve the allocated curve for limit / ratio.
-            known = sorted((t.batch_size, t.fits, demand(t.batch_size)) for t in trials)
-            known = [(b, fits, need) for b, fits, need in known if need is not None]
-            fits = [(b, need) for b, ok, need in known if ok]
-            fails = [(b, need) for b, ok, need in known if not ok and (not fits or b > max(fits)[0])]
-            if fits and fails:
-                (b_fit, r_fit), (b_fail, r_fail) = max(fits), min(fails)
-                if r_fail > r_fit:
-                    return int(b_fit + (limit_bytes - r_fit) * (b_fail - b_fit) / (r_fail - r_fit))
-            ratios = [(b, self.points[b].reserved_ratio) for b, _, _ in known]
-            if not ratios:
-                return found.max_batch_size
-            return self.curve().max_batch_size(limit_bytes / max(ratios)[1], multiple_of)
-
-        above = [Trial(found.next_size, "oom")] if found.next_size else []  # fails allocated: fails reserved
-        replayed = [reserved_trial(b, p) for b, p in self.points.items()  # from the search of another limit
-                    if p.reserved_ratio is not None and lo <= b <= found.max_batch_size]
-        result = guided(reserved_probe, predict, lo=lo, hi=found.max_batch_size, multiple_of=multiple_of,
-                        known=above + replayed)
-        result.capped = found.capped and result.max_batch_size == found.max_batch_size  # capped by hi, not by us
-        return result
+        return reserved_search(self, found, limit_bytes, lo=lo, multiple_of=multiple_of)
 
     def close(self) -> None:
         if self._forked is not None:

@@ -60,6 +60,23 @@ def block_list(model: nn.Module) -> nn.ModuleList | None:
     return best
 
 
+def block_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """Every stack of repeated blocks: :func:`block_list`, and each other ModuleList of two or
+    more modules of one class with parameters (an encoder-decoder's two stacks, a policy and its
+    reference), outermost first and never one inside another's blocks: what FSDP wraps block by
+    block (``distributed.strategy._fully_shard_blocks``)."""
+    main = block_list(model)
+    found = [main] if main is not None else []
+    inside = {id(m) for block in found for m in block.modules()}
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(m) for m in module}) == 1 and all(any(True for _ in m.parameters()) for m in module):
+            found.append(module)
+            inside |= {id(m) for m in module.modules()}
+    return found
+
+
 def main_blocks(model: nn.Module) -> nn.ModuleList | None:
     """The stack a depth cut shortened (``trace.depth.at_depth`` marks it), else :func:`block_list`:
     in a model with two stacks (GRPO's policy and reference) the cut one need not be the longest."""
