@@ -117,11 +117,36 @@ def trace_sharded(workload, options, device, strategy: Strategy, local_batch: in
                         PARAMS, PARAMS // (s.dp if sharded else 1) // s.tp)
 
 
+def fresh_stream(point: ShardedPoint) -> tuple[list[tuple[str, int, int]], tuple[int, int]]:
+    """Rank 0's allocation stream of a fresh process, for ``plan --limit reserved``: the state
+    in one allocation at the build, then in each of two steps the activations, one allocation
+    per sample, freed at the step's end. Every request is a whole number of 2 MiB (the
+    allocator's large segments): each gets a segment of exactly its size, and the second
+    step reuses the first's, so reserved = allocated, by hand, and every answer is the same
+    under either limit."""
+    state = point.breakdown["parameters"] + point.breakdown["gradients"] + point.breakdown["optimizer"]
+    per_sample = point.breakdown["activations"] // point.local_batch
+    events = [("malloc", 0, state)]
+    starts = []
+    for step in (1, 2):
+        starts.append(len(events))
+        idents = [step * 10**6 + i for i in range(point.local_batch)]
+        events += [("malloc", i, per_sample) for i in idents] + [("free", i, 0) for i in idents]
+    return events, tuple(starts)
+
+
 class ShardedSession:
     """The stand-in as a session: the real one is built once and traced at many local batches."""
 
     def __init__(self, workload, options, device, strategy: Strategy) -> None:
-        self.trace = lambda local_batch: trace_sharded(workload, options, device, strategy, local_batch)
+        self._point = lambda local_batch: trace_sharded(workload, options, device, strategy, local_batch)
+        self.fresh_stream = self.fresh_steps = None
+
+    def trace(self, local_batch: int) -> ShardedPoint:
+        point = self._point(local_batch)
+        if self.fresh_stream is None:
+            self.fresh_stream, self.fresh_steps = fresh_stream(point)
+        return point
 
     def close(self) -> None:
         pass

@@ -175,6 +175,7 @@ class _RebuildsOnce:
         object.__setattr__(self, "_reducer", ddp.reducer)
         object.__setattr__(self, "rebuilt_at", None)
         """(first event, last event) of the tracker's stream while the buckets were rebuilt."""
+        object.__setattr__(self, "_forwards", 0)
 
     def __getattr__(self, name: str):
         return getattr(self._reducer, name)
@@ -184,8 +185,9 @@ class _RebuildsOnce:
 
         from batchfit.trace.memory import active_tracker
 
-        if self.rebuilt_at is not None:
-            return False
+        object.__setattr__(self, "_forwards", self._forwards + 1)
+        if self.rebuilt_at is not None or self._forwards < 2:  # the first forward: no ready order known yet
+            return False  # (Reducer::rebuild_buckets returns false while rebuilt_params_ is empty)
         ddp = self._ddp
         tracker = active_tracker()
         start = len(tracker.events) if tracker is not None else 0

@@ -80,8 +80,9 @@ def new_allocator(device: Device, config: AllocatorConfig | None = None) -> Cach
     """The allocator model of ``device`` as a training process finds it: the cuBLAS workspaces
     (allocated through the caching allocator, before the step's tensors) already taken."""
     allocator = CachingAllocator(device.usable_bytes, config if config is not None else AllocatorConfig.from_env())
-    allocator.malloc(-1, device.workspace_bytes // 2)
-    allocator.malloc(-2, device.workspace_bytes - device.workspace_bytes // 2)
+    if device.workspace_bytes:  # (a device without one: a zero-byte request reserves nothing on a GPU)
+        allocator.malloc(-1, device.workspace_bytes // 2)
+        allocator.malloc(-2, device.workspace_bytes - device.workspace_bytes // 2)
     return allocator
 
 

@@ -69,8 +69,8 @@ def block_lists(model: nn.Module) -> list[nn.ModuleList]:
     found = [main] if main is not None else []
     inside = {id(m) for block in found for m in block.modules()}
     for module in model.modules():
-        if id(module) in inside or not isinstance(module, nn.ModuleList) or len(module) < 2:
-            continue
+        if not isinstance(module, nn.ModuleList) or len(module) < 2 or any(id(m) in inside for m in (module, *module)):
+            continue  # (a list that holds another's blocks again: FrozenPair.blocks and its LMs' layers)
         if len({type(m) for m in module}) == 1 and all(any(True for _ in m.parameters()) for m in module):
             found.append(module)
             inside |= {id(m) for m in module.modules()}
