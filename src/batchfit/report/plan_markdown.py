@@ -14,15 +14,32 @@ from batchfit.report.plan_plots import plan_plot
 KNOWN_LIMITS = """\
 - Memory is rank 0's, traced on a fake process group: every rank of DDP, FSDP and TP holds the
   same shapes, so rank 0 stands for all (uneven shards differ by at most one row per tensor).
-- What must fit is **allocated** memory (tensors, collective buffers, the cuBLAS workspace), with
-  CUDA's 512-byte rounding; the caching allocator's fragmentation (reserved memory) is not
-  replayed for sharded steps. Keep headroom with --target-util.
+{limit}
 - Not counted: NCCL's own communication buffers and streams (outside PyTorch's allocator; a few
   hundred MiB per process group), and the CUDA context beyond the assumed 512 MiB.
 - Time is **computed**, not measured: FLOPs counted on the traced step over an assumed (or
   calibrated) MFU, and ring-collective bytes over datasheet link bandwidths. Kernel launch
   overheads, stragglers and network contention are not modelled.
 """
+
+
+LIMITS = {
+    "reserved": """\
+- What must fit is **reserved** memory (`--limit reserved`, the default): rank 0's allocations of a
+  fresh process (the model's build, the first step, the second) replayed through batchfit's model
+  of the CUDA caching allocator, as `estimate` does. The allocator model is checked against
+  PyTorch's on its own streams, not against a GPU run of every strategy; NCCL's own buffers are
+  outside it. Keep headroom with --target-util.""",
+    "allocated": """\
+- What must fit is **allocated** memory (`--limit allocated`: tensors, collective buffers, the cuBLAS
+  workspace, with CUDA's 512-byte rounding); the caching allocator's fragmentation (reserved memory)
+  is not counted: a size that fits here can still run out on a GPU. `--limit reserved` replays it.""",
+}
+
+
+def _at_micro(p) -> int | None:
+    """The figure the limit was checked with at the micro-batch: reserved where replayed."""
+    return p.peak_reserved_bytes_at_micro or p.peak_bytes_at_micro
 
 
 def _s(value: float | None, digits: int = 2) -> str:
@@ -45,18 +62,23 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
     gb = f"global batch {r.global_batch}" if r.global_batch else "global batch = max local batch x dp"
     tokens = (f"{r.tokens:,.0f} tokens" + (" (chinchilla: 20 x parameters)" if r.tokens_asked == "chinchilla" else "")
               if r.tokens else "no --tokens given")
+    what = ("reserved (traced, replayed through the caching allocator model)" if r.limit == "reserved"
+            else "allocated (traced)")
     lines += ["## Recommended configuration", "",
               f"Per GPU count, the strategy with the most tokens/s at {gb}, micro-batch under "
               f"{r.target_util:.0%} of usable memory; days for {tokens}.", "",
-              "| GPUs | nodes | strategy | per-GPU micro-batch | accumulation steps | global batch | GiB per GPU "
-              "(traced) | step s (computed) | tokens/s | days |",
-              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+              f"Memory limit: **{r.limit}** (`--limit {r.limit}`): every GiB figure below is rank 0's {what}"
+              + ("; peak in: the step of a fresh process where the reserved peak is first reached "
+                 "(a one-time peak outside the steady step is named)." if r.limit == "reserved" else "."), "",
+              f"| GPUs | nodes | strategy | per-GPU micro-batch | accumulation steps | global batch | GiB per GPU "
+              f"({r.limit}) | peak in | step s (computed) | tokens/s | days |",
+              "|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for p in r.recommended:
         lines.append(f"| {p.gpus} | {p.nodes} | {p.strategy} | {p.micro_batch} | {p.accumulation_steps} | "
-                     f"{p.global_batch} | {gib(p.peak_bytes_at_micro)} | {_s(p.step_time_s)} | "
+                     f"{p.global_batch} | {gib(_at_micro(p))} | {p.peak_step or '—'} | {_s(p.step_time_s)} | "
                      f"{_n(p.tokens_per_s)} | {_days(p.days)} |")
     if not r.recommended:
-        lines.append("| — | — | nothing fits | | | | | | | |")
+        lines.append("| — | — | nothing fits | | | | | | | | |")
     lines += ["",
               f"- Parameters: {r.params:,}",
               "- Source: memory **traced** (rank 0 of each strategy on a fake process group, PyTorch's own "
@@ -92,7 +114,7 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
         lines.append(f"| {p.gpus} | {p.strategy} | {p.dp} | {p.tp} | {p.max_local_batch}"
                      f"{' (cap)' if p.capped else ''} | {p.max_global_batch} | "
                      f"{_s(p.time_at_max.step_time_s if p.time_at_max else None)} | {_n(p.tokens_per_s_at_max)} | "
-                     f"{micro} | {gib(p.peak_bytes_at_micro)} | {_s(p.step_time_s)} | {_n(p.tokens_per_s)} | "
+                     f"{micro} | {gib(_at_micro(p))} | {_s(p.step_time_s)} | {_n(p.tokens_per_s)} | "
                      f"{_days(p.days)} |")
     lines += _time_section(r)
     lines += ["", "## Peak memory per GPU by local batch (traced, rank 0)", ""]
@@ -100,12 +122,18 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
              "inputs", "other", "workspace"]
     held = {k for p in r.plans for pt in p.points for k, v in pt.breakdown.items() if v}
     kinds = [k for k in order if k in held] + sorted(held - set(order))
-    lines += ["| GPUs | strategy | local batch | peak GiB | fits | " + " | ".join(k.replace("_", " ") for k in kinds)
-              + " |", "|---:|---|---:|---:|:-:|" + "---:|" * len(kinds)]
+    lines += ["| GPUs | strategy | local batch | peak GiB (allocated) | reserved GiB | reserved peak in | fits | "
+              + " | ".join(k.replace("_", " ") for k in kinds) + " |", "|---:|---|---:|---:|---:|---|:-:|"
+              + "---:|" * len(kinds)]
     for p in r.plans:
         for pt in p.points:
-            lines.append(f"| {p.gpus} | {p.strategy} | {pt.local_batch} | {gib(pt.peak_bytes)} | "
-                         f"{'yes' if pt.peak_bytes <= r.capacity_bytes else 'no'} | "
+            replayed = getattr(pt, "reserved", None)
+            reserved = ("cannot reserve" if replayed and replayed.reserved_oom
+                        else gib(replayed.peak_reserved_bytes) if replayed else "—")
+            fits = (pt.peak_bytes <= r.capacity_bytes if r.limit == "allocated" or not replayed
+                    else pt.fits(r.capacity_bytes, "reserved"))
+            lines.append(f"| {p.gpus} | {p.strategy} | {pt.local_batch} | {gib(pt.peak_bytes)} | {reserved} | "
+                         f"{replayed.peak_step_name if replayed else '—'} | {'yes' if fits else 'no'} | "
                          + " | ".join(gib(pt.breakdown.get(k, 0)) for k in kinds) + " |")
     misfits = [p for p in r.plans if not p.fits and not p.skipped]
     if misfits:
@@ -113,7 +141,7 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
         for p in misfits:
             lines.append(f"- **{p.strategy} on {p.gpus} GPUs**: " + "; ".join(p.fix[:1]) + ". Computed options:")
             lines += [f"  - {fix}" for fix in p.fix[1:]]
-    lines += ["", "## Known limits", "", KNOWN_LIMITS]
+    lines += ["", "## Known limits", "", KNOWN_LIMITS.format(limit=LIMITS[r.limit])]
     return "\n".join(lines)
 
 
