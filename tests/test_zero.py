@@ -11,12 +11,15 @@ from its one momentum buffer against AdamW's two; Muon's whole step against the 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import gc
 import json
 import os
 import socket
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -57,6 +60,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _profiled(step, batch: int, out: str) -> int:
+    """The smaller peak of three profiled steps: the profiler's timeline sometimes fails its own
+    data-flow check ("version mismatch", as in tests/test_plan_trace.py), and that step is
+    skipped. One real step per try, so every rank runs as many steps."""
+    from cpu_truth import profiled_step_peak
+
+    peaks = []
+    for _ in range(3):
+        try:
+            peaks.append(profiled_step_peak(step, batch, Path(out), warmup=0))
+        except AssertionError:
+            peaks.append(None)
+    return min(p for p in peaks if p is not None)
+
+
 def _gloo_main(rank: int, port: int, out_dir: str) -> None:
     from cpu_truth import profiled_step_peak
 
@@ -65,7 +83,7 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
 
     os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     peaks, grads = {}, {}
     for name in MEASURED:
@@ -78,14 +96,15 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
         step.run(LOCAL_BATCH)
         step.run(LOCAL_BATCH)  # DDP rebuilds its buckets here
         if rank == 0:
-            peaks[name] = min(profiled_step_peak(step, LOCAL_BATCH, Path(out_dir), warmup=0) for _ in range(2))
+            peaks[name] = _profiled(step, LOCAL_BATCH, out_dir)
         else:
-            step.run(LOCAL_BATCH)
-            step.run(LOCAL_BATCH)
+            for _ in range(3):
+                step.run(LOCAL_BATCH)
         # What each rank keeps after a backward (before the step): zero2 only its partition's gradients.
         step.loss_fn(step.model, step.workload.make_batch(LOCAL_BATCH, torch.device("cpu"))).backward()
         grads[name] = sum(p.grad.numel() for p in step.model.parameters() if p.grad is not None)
         del step
+        gc.collect()  # the last strategy's model and optimizer (cycles): freed inside the next profile otherwise
         dist.barrier()
     if rank == 0:
         with open(os.path.join(out_dir, "peaks.json"), "w") as f:
@@ -181,12 +200,12 @@ def test_muon_state_bytes_by_hand_and_against_the_cpu_profiler(tmp_path):
         warnings.simplefilter("ignore")
         with TraceSession(tiny_workload(), StepOptions(optimizer="muon"), cuda_semantics=False) as session:
             traced = session.trace(LOCAL_BATCH).snapshot
-            hidden = sum(p.numel() for g in session.step.optimizer.param_groups if g["use_muon"] for p in g["params"])
-        with TraceSession(tiny_workload(), StepOptions(optimizer="adamw"), cuda_semantics=False) as session:
-            adamw = session.trace(LOCAL_BATCH).snapshot
-    # Muon keeps one fp32 buffer per hidden matrix where AdamW keeps two.
-    assert adamw.breakdown["optimizer_state"] - traced.breakdown["optimizer_state"] == 4 * hidden
-    assert 0 < hidden < total
+    # By hand: the hidden matrices are each block's qkv, proj, up and down (not the embedding,
+    # the head, the norms); Muon keeps one fp32 buffer for each, AdamW two for the rest (its
+    # scalar step counters are host memory on a GPU: not counted).
+    hidden = CFG.n_layers * (64 * 128 + 64 * 64 + 64 * 256 + 128 * 64)
+    assert (total, hidden) == (106816, 73728)
+    assert traced.breakdown["optimizer_state"] == 4 * hidden + 2 * 4 * (total - hidden)
     torch.manual_seed(0)
     real = profiled_step_peak(TrainingStep(tiny_workload(), StepOptions(optimizer="muon"), torch.device("cpu")),
                               LOCAL_BATCH, tmp_path)
@@ -203,3 +222,33 @@ def test_bad_optimizer_is_one_line():
     with pytest.raises(OptionError, match="muon") as error:
         StepOptions(optimizer="muon2")
     assert "\n" not in str(error.value)
+
+
+def test_accelerate_config_of_zero1_and_zero2_is_deepspeed_stage_1_and_2():
+    yaml = pytest.importorskip("yaml")
+    from batchfit.plan.emit import accelerate_yaml
+
+    for shard, stage in (("zero1", 1), ("zero2", 2)):
+        p = SimpleNamespace(strategy=shard, shard=shard, gpus=8, nodes=1, tp=1, dp=8, replicas=1, micro_batch=4,
+                            accumulation_steps=2, global_batch=64)
+        result = SimpleNamespace(recommended=[p], options=StepOptions(precision="bf16-mixed"), workload="w")
+        config = yaml.safe_load(accelerate_yaml(result))
+        assert config["distributed_type"] == "DEEPSPEED"
+        assert config["deepspeed_config"]["zero_stage"] == stage
+        assert config["deepspeed_config"]["gradient_accumulation_steps"] == 2
+
+
+@pytest.mark.parametrize("name", MEASURED)
+def test_zero_is_never_extrapolated_in_depth(name):
+    """ZeroRedundancyOptimizer's partition is by whole parameters: rank 0's share at 2-4 blocks
+    says nothing of 32. DeepSession opens the whole model (no cut), nothing more."""
+    from batchfit.plan.deep import DeepSession
+
+    deep = dataclasses.replace(CFG, n_layers=12)
+    workload = language_model_workload(name="deep-llama", build_model=lambda: Transformer(deep),
+                                       vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, description="12 blocks")
+    for strategy, whole in ((name, True), ("ddp", False)):  # ddp's first session is the model cut to 2 blocks
+        opened = []
+        DeepSession(workload, StepOptions(), get_device("h100-80gb"), parse_strategy(strategy, 8),
+                    session=lambda *a, **k: opened.append(a[0]) or SimpleNamespace(close=lambda: None)).close()
+        assert (opened[0] is workload) == whole and len(opened) == 1
