@@ -269,3 +269,12 @@ def test_zero_is_never_extrapolated_in_depth(name):
         DeepSession(workload, StepOptions(), get_device("h100-80gb"), parse_strategy(strategy, 8),
                     session=lambda *a, **k: opened.append(a[0]) or SimpleNamespace(close=lambda: None)).close()
         assert (opened[0] is workload) == whole and len(opened) == 1
+
+
+def test_a_plan_with_zero_says_it_traced_torch_not_deepspeed():
+    from batchfit.distributed.zero import zero_approximations
+
+    assert zero_approximations([parse_strategy("ddp", 4), parse_strategy("fsdp", 4)]) == []
+    (said,) = zero_approximations([parse_strategy("zero2", 4), parse_strategy("zero1", 4)])
+    assert said.what.startswith("zero1 and zero2 traced as torch's ZeroRedundancyOptimizer")
+    assert "reduce_bucket_size" in said.may_differ_by and "\n" not in said.line()

@@ -117,3 +117,21 @@ def with_sharded_optimizer(workload: Workload, options: StepOptions, strategy: S
 
     return (dataclasses.replace(workload, build_model=build_and_keep, build_optimizer=build),
             dataclasses.replace(options, optimizer=None))
+
+
+def zero_approximations(strategies) -> list:
+    """What a plan with zero1 / zero2 among ``strategies`` says in every output: it traced
+    torch's ZeroRedundancyOptimizer, and the config it emits for them runs DeepSpeed (no torch here)."""
+    from batchfit.trace.approximation import Approximation
+
+    names = sorted({s.name for s in strategies if getattr(s, "shard", None) in ZERO_SHARDS})
+    if not names:
+        return []
+    return [Approximation(
+        what=f"{' and '.join(names)} traced as torch's ZeroRedundancyOptimizer (zero2: each gradient reduced to "
+             "its owner), partitioned by whole tensors; DeepSpeed's ZeRO stage 1 / 2 (plan --emit accelerate) "
+             "partitions flat 1/N slices and adds its own buffers",
+        may_differ_by="nothing for the torch run (2 gloo ranks: within 120 B); under DeepSpeed, more by its reduce "
+                      "bucket (reduce_bucket_size, 5e8 elements by default: 1 GB in bf16) and, for a bf16 model, "
+                      "fp32 master weights of the partition",
+        source="benchmarks/results/zero-gloo-2026-11-25.json; docs/tracing.md, Sharded optimizer state")]
