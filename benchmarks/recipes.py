@@ -13,6 +13,9 @@ policy that keeps every mm output (the model applies it; --checkpointing stays n
 calls checkpoint() with its default preserve_rng_state=True, so the real CPU step also keeps the
 CPU generator's state (5,056 bytes) per block: host memory on a GPU, not counted by the trace.
 
+``optimizer muon`` (``train/muon.py``): torch.optim.Muon for the hidden matrices, AdamW for the
+embeddings, head and norms. zero1 / zero2 need several processes: benchmarks/zero_gloo.py.
+
 Loss recipes (``train/losses.py``): chunked:8 (torchtune's chunked cross-entropy) and
 fused-linear (a torch-native mirror of Liger's fused linear cross-entropy), in fp32 and under
 bf16-mixed autocast (CPU autocast on both sides: the trace runs with CPU semantics); the
@@ -67,6 +70,7 @@ RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "bf16-mixed loss plain": (lambda w: w, StepOptions(precision="bf16-mixed")),
     "bf16-mixed loss chunked:8": (lambda w: w, StepOptions(precision="bf16-mixed", loss="chunked:8")),
     "bf16-mixed loss fused-linear": (lambda w: w, StepOptions(precision="bf16-mixed", loss="fused-linear")),
+    "optimizer muon": (lambda w: w, StepOptions(optimizer="muon")),
 }
 
 
@@ -97,6 +101,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated names of RECIPES")
+    parser.add_argument("--tag", default="", help="results/recipes-<tag>-<date>.json (e.g. a branch's rows alone)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the profiler's FutureWarning on export_memory_timeline
     base = ZOO[args.model](seq_len=args.seq_len)
@@ -114,7 +119,7 @@ def main() -> None:
         rows.append({"recipe": name, "options": options.to_json(), "traced_bytes": traced,
                      "cpu_truth_bytes": measured, "error": error, "seconds": round(seconds, 1)})
         print(f"{name:<28} {traced:>13,} {measured:>13,} {error:>+9.4%} {seconds:>8.1f}", flush=True)
-    path = write_result("recipes", {
+    path = write_result(f"recipes-{args.tag}" if args.tag else "recipes", {
         "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": "fp32",
         "truth": "torch.profiler export_memory_timeline peak of the same real CPU step (the second one)",
         "traced": "TraceSession(cuda_semantics=False) peak", "rows": rows,

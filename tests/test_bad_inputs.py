@@ -53,6 +53,8 @@ ROWS = {
         ([*TINY, "--gpu", "h100-8gb", "--gpus", "2"], "did you mean"),
         ([*TINY, "--gpu", "h100", "--gpus", HUGE], "--gpus"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "zero9"], "fsdp"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "zero3"], "zero1, zero2"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--optimizer", "muon2"], "muon"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--tokens", "lots"], "chinchilla"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--tokens", "1e999"], "not a finite count"),
         ([*TINY, "--gpu", "h100", "--nodes", HUGE, "--gpus-per-node", "8"], "at most 1,048,576 GPUs"),

@@ -19,7 +19,7 @@ from batchfit.errors import OptionError
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "muon")
 CHECKPOINTING: tuple[str, ...] = ("none", "full", "selective", "every:N")
 """The --checkpointing grammar (``train/checkpointing.py``); N is a positive integer."""
 
@@ -100,7 +100,8 @@ class StepOptions:
     precision: Precision = "fp32"
     """fp32; bf16-mixed / fp16-mixed (fp32 weights, autocast); bf16 (weights and states in bf16)."""
     optimizer: str | None = None
-    """Override the Workload's optimizer: one of adamw, adam, sgd, sgd-momentum, adafactor."""
+    """Override the Workload's optimizer: one of adamw, adam, sgd, sgd-momentum, adafactor, muon (Muon
+    for the hidden 2-D matrices, AdamW for embeddings, head, norms and biases: train/muon.py)."""
     checkpointing: str = "none"
     """Activation checkpointing of the model's main stack of blocks: none; full (recompute every
     block); selective (torchtitan's per-op policy: keep matmuls and attention, recompute the rest

@@ -92,7 +92,7 @@ DeviceOpt = Annotated[str | None, typer.Option(help=f"Where to run: {DEVICE_HELP
 ModelArg = Annotated[str, typer.Argument(help=f"What to train: {SPEC_HELP}.", show_default=False)]
 SeqLenOpt = Annotated[int | None, typer.Option(help="Tokens per sample (default: the model's).")]
 PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights) or bf16 (pure).")]
-OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor.")]
+OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor, muon (Muon for hidden matrices, AdamW for the rest).")]
 CheckpointingOpt = Annotated[str, typer.Option(help="Activation checkpointing: none, full (every block), selective (torchtitan's per-op policy) or every:N (every N-th block).")]
 LossOpt = Annotated[str, typer.Option(help="Language-model loss: plain (the model's), chunked:N (cross-entropy over N "
                                            "chunks of the sequence, torchtune's) or fused-linear (Liger's fused linear + "

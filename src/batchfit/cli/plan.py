@@ -49,8 +49,12 @@ def plan_command(
                                                   "above 8, nodes of 8.")] = None,
     nodes: Annotated[int | None, typer.Option(help="Nodes (with --gpus-per-node): multi-node plans.")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(help="GPUs in each node.")] = None,
-    strategies: Annotated[str, typer.Option(help="Comma-separated: ddp, fsdp, fsdp-noreshard, hsdp<R>, tp<N>, "
-                                                 "fsdp+tp<N>; or auto (every one whose degrees divide the GPUs).")]
+    strategies: Annotated[str, typer.Option(help="Comma-separated: ddp, fsdp (ZeRO-3), fsdp-noreshard (FSDP2 "
+                                                 "reshard_after_forward=False: gathered parameters kept from forward to "
+                                                 "backward, sharded at rest), zero1 (DDP + ZeroRedundancyOptimizer: "
+                                                 "optimizer state sharded), zero2 (optimizer state and gradients "
+                                                 "sharded, parameters replicated), hsdp<R>, tp<N>, fsdp+tp<N>; or auto "
+                                                 "(ddp, fsdp, fsdp-noreshard, hsdp, tp, fsdp+tp whose degrees divide the GPUs).")]
     = DEFAULT_STRATEGIES,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step over all GPUs; the plan picks "
                                                           "micro-batch x accumulation to reach it.")] = None,

@@ -11,7 +11,13 @@ code that really runs, mixed-precision policy included.
                  and decoder both) and at the root,
                  as torchtitan does: each rank keeps 1/N of the parameters, gradients and
                  optimizer state, and all-gathers one block at a time
-    fsdp-noreshard  FSDP2 keeping gathered parameters from forward to backward (ZeRO-2)
+    fsdp-noreshard  FSDP2 with ``reshard_after_forward=False``: a block's gathered parameters
+                 stay from its forward to its backward (ZeRO-2-like while they are gathered;
+                 sharded at rest, between steps)
+    zero1        DDP + ZeroRedundancyOptimizer: optimizer state sharded, parameters and
+                 gradients replicated (``distributed/zero.py``)
+    zero2        ZeroRedundancyOptimizer with each gradient reduced to the rank that owns it:
+                 optimizer state and gradients sharded, parameters replicated
     hsdp         FSDP2 sharded within groups, replicated across them (a 2-D mesh)
     tp           tensor parallelism (DTensor) on the tp mesh, before any data-parallel wrap
 
@@ -36,7 +42,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Strategy:
     name: str
-    """As the user typed it, normalised: "ddp", "fsdp", "fsdp-noreshard", "hsdp2", "tp2", "fsdp+tp4"."""
+    """As the user typed it, normalised: "ddp", "fsdp", "fsdp-noreshard", "hsdp2", "tp2", "fsdp+tp4", "zero1"."""
     world_size: int
     """GPUs in all (nodes x GPUs per node)."""
     dp: int
@@ -44,7 +50,7 @@ class Strategy:
     tp: int
     """Tensor-parallel degree (1 when none)."""
     shard: str
-    """"none" (one GPU, no wrapper), "ddp", "fsdp", "fsdp-noreshard", "hsdp"."""
+    """"none" (one GPU, no wrapper), "ddp", "fsdp", "fsdp-noreshard", "hsdp", "zero1", "zero2"."""
     replicas: int = 1
     """HSDP replica groups (hsdp<R>); 1 otherwise."""
 
@@ -90,7 +96,7 @@ def build_meshes(strategy: Strategy, device_type: str = "cpu") -> Meshes:
         if mesh is not None:
             for group in mesh.get_all_groups():
                 groups[group.group_name] = (label, group.size())
-    if strategy.shard == "ddp":
+    if strategy.shard in ("ddp", "zero1", "zero2"):  # DDP and ZeroRedundancyOptimizer use the default group
         default = dist.distributed_c10d._get_default_group()
         groups[default.group_name] = ("dp", default.size())
     return Meshes(dp=dp, tp=tp, groups=groups)
@@ -255,7 +261,7 @@ def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, prec
             raise OptionError(f"{strategy.name}: {type(model).__name__} has no tensor-parallel plan: give the "
                               "Workload a parallelize(model, mesh) function, or pick ddp / fsdp")
         model = parallelize(model, meshes.tp)
-    if strategy.shard == "ddp":
+    if strategy.shard in ("ddp", "zero1"):  # zero1's optimizer: distributed/zero.py, when the step builds it
         return _ddp(model, fake=fake, device=device, on_bucket=on_bucket)
     if strategy.shard in ("fsdp", "fsdp-noreshard", "hsdp"):
         return _fully_shard_blocks(model, meshes.dp, reshard=strategy.shard != "fsdp-noreshard", precision=precision)

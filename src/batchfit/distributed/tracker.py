@@ -97,6 +97,8 @@ def _collective(func, args, kwargs) -> tuple[str, str, int] | None:
         return "reduce_scatter", _group_name(args[2]), _nbytes(args[1])
     if packet is _c10d.allreduce_:  # (tensors, group, ...)
         return "all_reduce", _group_name(args[1]), _nbytes(args[0])
+    if packet is _c10d.reduce_:  # (tensors, group, op, root rank, ...): zero2's gradient to its owner
+        return "reduce", _group_name(args[1]), _nbytes(args[0])
     if packet is _c10d.broadcast_:  # (tensors, group, ...)
         return "broadcast", _group_name(args[1]), _nbytes(args[0])
     if packet is _functional.all_gather_into_tensor:  # (input, group_size, group_name)

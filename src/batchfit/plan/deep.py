@@ -89,8 +89,11 @@ class DeepSession:
         self._depths: list = []
         self._whole = None
         seen = depth.Depth()
-        # every:N checkpoints blocks by position: depths 2-4 say nothing of the whole stack
-        first = self._open(depth.at_depth(workload, depth.DEPTHS[0], seen) if options.blocks_alike else workload)
+        # every:N checkpoints blocks by position: depths 2-4 say nothing of the whole stack; nor
+        # of ZeroRedundancyOptimizer's partition (whole parameters, largest first: at 2-4 blocks
+        # on 8 ranks rank 0 owns the same few, at 32 blocks four times as many)
+        cut = options.blocks_alike and strategy.shard not in ("zero1", "zero2")
+        first = self._open(depth.at_depth(workload, depth.DEPTHS[0], seen) if cut else workload)
         if seen.blocks and seen.blocks >= depth.MIN_BLOCKS:
             self.blocks = seen.blocks
             self._depths = [first]

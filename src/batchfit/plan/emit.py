@@ -142,14 +142,14 @@ ACCELERATE_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16"
 def accelerate_yaml(result) -> str:
     """An Accelerate config for the recommended run on the largest GPU count: FSDP2 for the
     fsdp strategies, HSDP and TP (the last two through Accelerate's ``parallelism_config``, its
-    replicate / shard / tp sizes), MULTI_GPU for DDP."""
+    replicate / shard / tp sizes), MULTI_GPU for DDP, DeepSpeed ZeRO stage 1 / 2 for zero1 / zero2."""
     if not result.recommended:
         raise OptionError("no strategy fits, so there is nothing to emit: see the report's 'what would make it fit'")
     p = result.recommended[-1]
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": ("NO" if p.gpus == 1 else "MULTI_GPU" if p.shard in ("ddp", "none") and p.tp == 1
-                             else "FSDP"),
+                             else "DEEPSPEED" if p.shard in ("zero1", "zero2") else "FSDP"),
         "mixed_precision": ACCELERATE_PRECISION[result.options.precision],
         "num_machines": p.nodes,
         "num_processes": p.gpus,
@@ -160,6 +160,13 @@ def accelerate_yaml(result) -> str:
         "use_cpu": False,
         "gradient_accumulation_steps": p.accumulation_steps,
     }
+    if config["distributed_type"] == "DEEPSPEED":
+        # Accelerate's DeepSpeed plugin, ZeRO stage 1 / 2: the optimizer state (and gradients)
+        # partitioned, the parameters replicated, as zero1 / zero2 traced them.
+        config["deepspeed_config"] = {"zero_stage": 1 if p.shard == "zero1" else 2,
+                                      "gradient_accumulation_steps": p.accumulation_steps,
+                                      "offload_optimizer_device": "none", "offload_param_device": "none",
+                                      "zero3_init_flag": False}
     if config["distributed_type"] == "FSDP":
         fsdp = {
             "fsdp_version": 2,
@@ -181,6 +188,9 @@ def accelerate_yaml(result) -> str:
     head = (f"# batchfit plan: {result.workload}, {p.strategy} on {p.gpus} GPUs; per-GPU batch size "
             f"{p.micro_batch}, {p.accumulation_steps} accumulation steps, global batch {p.global_batch}.\n"
             "# accelerate launch --config_file THIS_FILE your_script.py\n")
+    if config["distributed_type"] == "DEEPSPEED":
+        head += ("# Traced with torch's ZeroRedundancyOptimizer, not DeepSpeed: DeepSpeed's own reduce bucket and\n"
+                 "# gradient partition buffers (reduce_bucket_size) and, under bf16, fp32 master weights come on top.\n")
     return head + dump_yaml(config)
 
 

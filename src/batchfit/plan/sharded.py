@@ -12,7 +12,12 @@ Strategy names:
 
     ddp               DistributedDataParallel over all GPUs
     fsdp              FSDP2, parameters resharded after forward (ZeRO-3)
-    fsdp-noreshard    FSDP2 keeping gathered parameters from forward to backward (ZeRO-2)
+    fsdp-noreshard    FSDP2 with reshard_after_forward=False: a block's gathered parameters kept
+                      from its forward to its backward (ZeRO-2-like then), sharded at rest
+    zero1             DDP + torch's ZeroRedundancyOptimizer: optimizer state sharded, parameters
+                      and gradients replicated (ZeRO stage 1)
+    zero2             ZeroRedundancyOptimizer, each gradient reduced to the rank owning it:
+                      optimizer state and gradients sharded, parameters replicated (ZeRO stage 2)
     hsdp<R>           FSDP2 sharded within groups of world/R GPUs, replicated R times
     tp<N>             tensor parallelism over all N GPUs (N must be the GPU count; for data
                       parallelism over the rest, use fsdp+tp<N>)
@@ -33,13 +38,13 @@ from dataclasses import dataclass
 from batchfit.distributed.strategy import Strategy
 from batchfit.errors import OptionError
 
-SHARDS = ("none", "ddp", "fsdp", "fsdp-noreshard", "hsdp")
+SHARDS = ("none", "ddp", "fsdp", "fsdp-noreshard", "hsdp", "zero1", "zero2")
 MAX_AUTO_TP = 8
 """'auto' tries TP degrees up to one node's GPUs (8): TP beyond a node's NVLink is rarely worth it."""
 
 
-_NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|hsdp(\d+)|tp(\d+)|fsdp\+tp(\d+))$")
-_NAMES_HELP = "ddp, fsdp, fsdp-noreshard, hsdp<R>, tp<N>, fsdp+tp<N> or auto"
+_NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|zero1|zero2|hsdp(\d+)|tp(\d+)|fsdp\+tp(\d+))$")
+_NAMES_HELP = "ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp+tp<N> or auto"
 
 
 def _divisors(n: int) -> list[int]:
@@ -108,7 +113,7 @@ def parse_strategies(text: str, world_size: int) -> list[Strategy]:
 @dataclass(frozen=True)
 class Collective:
     op: str
-    """"all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all"."""
+    """"all_gather", "reduce_scatter", "all_reduce", "reduce", "broadcast", "all_to_all"."""
     group: str
     """"dp" or "tp"."""
     group_size: int
@@ -221,6 +226,7 @@ class ShardedSession:
 
         from batchfit.distributed import apply_strategy, build_meshes
         from batchfit.distributed.tracker import ShardedTracker
+        from batchfit.distributed.zero import with_sharded_optimizer
         from batchfit.distributed.tp_plans import tp_plan
         from batchfit.train.step import TrainingStep
         from batchfit.trace.memory import CUDA_BLOCK_BYTES
@@ -246,11 +252,13 @@ class ShardedSession:
             # (precision, freezing, checkpointing): a TrainingStep on "meta" does exactly that.
             # Its parameters get (fake) memory by to_empty inside the trace. DDP wraps a model
             # that has memory, so it comes after, inside the trace.
-            ddp = strategy.shard == "ddp"
+            ddp = strategy.shard in ("ddp", "zero1")
             prepared = TrainingStep(workload, options, torch.device("meta"), wrap=None if ddp else shard).model
             self.params = sum(p.numel() for p in prepared.parameters())  # DTensors count their global size
             built = dataclasses.replace(workload, build_model=lambda: _to_empty_keeping_ties(prepared))
             prepared_options = dataclasses.replace(options, checkpointing="none")  # done on meta already
+            # zero1 / zero2: the step's optimizer becomes a ZeroRedundancyOptimizer (built inside the trace)
+            built, prepared_options = with_sharded_optimizer(built, prepared_options, strategy)
             self.session = self._exit.enter_context(TraceSession(
                 built, prepared_options, cuda_semantics=cuda_semantics, wrap=shard if ddp else None, tracker=tracker))
             self.params_per_rank = sum(_local_elements(p) for p in self.session.step.model.parameters())

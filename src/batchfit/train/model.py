@@ -14,8 +14,13 @@ from batchfit.errors import OptionError
 from batchfit.workload import StepOptions
 
 
-def build_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """The --optimizer overrides, with the hyper-parameters that do not change memory left default."""
+def build_optimizer(name: str, params: list[nn.Parameter], model: nn.Module | None = None) -> torch.optim.Optimizer:
+    """The --optimizer overrides, with the hyper-parameters that do not change memory left default.
+    ``model`` (the step's, wrapped or not): muon splits its parameters by module (train/muon.py)."""
+    if name == "muon":
+        from batchfit.train.muon import muon_optimizer
+
+        return muon_optimizer(params, model)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=3e-4)
     if name == "adam":

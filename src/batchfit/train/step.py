@@ -173,7 +173,7 @@ class TrainingStep:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise OptionError("every parameter is frozen: loosen --freeze or --train-only")
-        self.optimizer = (build_optimizer(options.optimizer, params) if options.optimizer
+        self.optimizer = (build_optimizer(options.optimizer, params, self.model) if options.optimizer
                           else workload.build_optimizer(params))
         self.loss_fn: LossFn = lm_loss(options.loss, workload)  # plain: workload.loss_fn itself
         self.scaler = _grad_scaler(options, device, self.model)
