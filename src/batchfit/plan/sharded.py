@@ -147,6 +147,10 @@ class ShardedPoint:
     peak_by_part: dict[str, int] = dataclasses.field(default_factory=dict)
     """Each phase's peak by part ('backward:last'; ``trace.memory.PARTS``), for ``trace.depth``."""
     breakdown_by_part: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    tp_loss: str | None = None
+    """Under TP, the loss the plan built: "sharded" (logits split by the vocabulary, loss_parallel),
+    "gathered" (the whole logits on every rank) or "replicated" (the plan leaves the head whole);
+    None without TP."""
 
 
 _world: list[int] = []
@@ -222,6 +226,7 @@ class ShardedSession:
         from batchfit.distributed import apply_strategy, build_meshes
         from batchfit.distributed.tracker import ShardedTracker
         from batchfit.distributed.tp_plans import tp_plan
+        from batchfit.train.losses import tp_loss_of
         from batchfit.train.step import TrainingStep
         from batchfit.trace.memory import CUDA_BLOCK_BYTES
         from batchfit.trace.session import TraceSession
@@ -239,7 +244,8 @@ class ShardedSession:
 
             def shard(model):
                 return apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
-                                      parallelize=own_plan or tp_plan(model), on_bucket=tracker.mark_collective)
+                                      parallelize=own_plan or tp_plan(model, options.tp_loss),
+                                      on_bucket=tracker.mark_collective)
 
             # TP and FSDP2 are applied to the model built on the meta device, outside FakeTensorMode
             # (they build sub-meshes, which read rank tables), after the step's own preparation
@@ -254,6 +260,7 @@ class ShardedSession:
             self.session = self._exit.enter_context(TraceSession(
                 built, prepared_options, cuda_semantics=cuda_semantics, wrap=shard if ddp else None, tracker=tracker))
             self.params_per_rank = sum(_local_elements(p) for p in self.session.step.model.parameters())
+            self.tp_loss = tp_loss_of(prepared) if strategy.tp > 1 else None
         except BaseException:
             self._exit.close()
             raise
@@ -280,6 +287,7 @@ class ShardedSession:
             breakdown_by_phase={k: {**v, "workspace": workspace} for k, v in snapshot.breakdown_by_phase.items()},
             peak_by_part={k: v + workspace for k, v in snapshot.peak_by_part.items()},
             breakdown_by_part={k: {**v, "workspace": workspace} for k, v in snapshot.breakdown_by_part.items()},
+            tp_loss=self.tp_loss,
         )
 
     def close(self) -> None:
