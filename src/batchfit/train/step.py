@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from batchfit.errors import OptionError
 from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
 from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
-from batchfit.train.losses import lm_loss, loss_context
+from batchfit.train.losses import lm_loss, loss_context, tp_loss_of
 from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module
 from batchfit.workload import StepOptions, Workload
 
@@ -162,14 +162,17 @@ class TrainingStep:
             _checkpoint_blocks(self.model, options.checkpointing, preserve_rng_state=device.type == "cuda")
         if options.compile != "none":
             _compile(self.model, options.compile, apply=device.type != "meta" and not _is_fake(self.model))
-        if wrap is not None and options.loss != "plain":  # lm_parts reads the plain model's head
-            raise OptionError(f"--loss {options.loss} is traced on one device only for now: drop --loss "
-                              "for multi-GPU strategies (they use the model's plain loss)")
         if wrap is not None:
             # After freezing and checkpointing (they name and patch the plain model's modules),
             # before the optimizer: FSDP2 replaces the parameters with their shards, and the
             # optimizer (and its state) must be built over those.
             self.model = wrap(self.model)
+        if options.loss != "plain" and tp_loss_of(self.model) is not None:
+            # lm_parts multiplies by the head's weight itself: under TP a DTensor split by the
+            # vocabulary, which the chunked and fused losses do not take.
+            raise OptionError(f"--loss {options.loss} does not run under tensor parallelism: use --loss plain "
+                              "(the TP plan's vocabulary-sharded loss, --tp-loss sharded, never gathers the "
+                              "logits either), or a ddp / fsdp strategy")
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise OptionError("every parameter is frozen: loosen --freeze or --train-only")

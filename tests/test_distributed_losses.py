@@ -1,11 +1,12 @@
-"""The vocabulary-sharded loss of tensor-parallel plans (``--tp-loss sharded``, the default)
-against the gathered one, and both against a real 2-process gloo run on CPU.
+"""Losses under multi-GPU strategies, against real 2-process gloo runs on CPU: the
+vocabulary-sharded loss of tensor-parallel plans (``--tp-loss sharded``, the default) and the
+gathered one, and ``--loss chunked:N`` / ``fused-linear`` under FSDP2 and DDP.
 
-Truth: two real processes run the tiny Llama under tp2 with each loss (``batchfit.distributed``
-on real tensors); rank 0's peak in a steady step is measured by the torch profiler's memory
-timeline and compared with the trace on the fake process group (CPU semantics), and the
-sharded loss's values equal the gathered loss's, step after step (the same weights, the same
-batches: the gradients agree too, or the later steps would drift apart).
+Truth: two real processes run the tiny Llama with each (``batchfit.distributed`` on real
+tensors); rank 0's peak in a steady step is measured by the torch profiler's memory timeline
+and compared with the trace on the fake process group (CPU semantics), and the sharded loss's
+values equal the gathered loss's, step after step (the same weights, the same batches: the
+gradients agree too, or the later steps would drift apart).
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from test_plan_trace import CFG, LOCAL_BATCH, _free_port, _profiled_peak, tiny_w
 
 LOSSES = ("sharded", "gathered")
 STEPS = 3
+CASES = {  # name -> (strategy, StepOptions)
+    "sharded": ("tp2", StepOptions(tp_loss="sharded")),
+    "gathered": ("tp2", StepOptions(tp_loss="gathered")),
+    "fsdp-chunked": ("fsdp", StepOptions(loss="chunked:4")),
+    "ddp-fused": ("ddp", StepOptions(loss="fused-linear")),
+}
 
 
 def _gloo_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -37,22 +44,21 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
-    strategy = parse_strategy("tp2", world_size)
-    meshes = build_meshes(strategy)
     out: dict = {}
-    for tp_loss in LOSSES:
-        options = StepOptions(tp_loss=tp_loss)
+    for case, (name, options) in CASES.items():
+        strategy = parse_strategy(name, world_size)
+        meshes = build_meshes(strategy)
         torch.manual_seed(0)  # the same weights and batches on both ranks and for both losses
         step = TrainingStep(tiny_workload(), options, torch.device("cpu"),
-                            wrap=lambda m: apply_strategy(m, strategy, meshes, precision=options.precision,
-                                                          fake=False, parallelize=tp_plan(m, tp_loss)))
+                            wrap=lambda m: apply_strategy(m, strategy, meshes, precision=options.precision, fake=False,
+                                                          parallelize=tp_plan(m, options.tp_loss)))
         losses = [step.run(LOCAL_BATCH).item() for _ in range(STEPS)]
         # The smaller of two profiled steps (see test_plan_trace); the timeline's data-flow check
         # sometimes trips on the functional all-gather ("version mismatch"): then one more.
         peaks: list[int] = []
         for _ in range(5):
             if rank == 0:
-                peak = _profiled_peak(step, os.path.join(out_dir, f"timeline-{tp_loss}.json"))
+                peak = _profiled_peak(step, os.path.join(out_dir, f"timeline-{case}.json"))
                 peaks += [peak] if peak is not None else []
             else:
                 step.run(LOCAL_BATCH)
@@ -60,7 +66,7 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
             dist.broadcast(done, src=0)
             if done.item():
                 break
-        out[tp_loss] = {"losses": losses, "peak": min(peaks, default=None)}
+        out[case] = {"losses": losses, "peak": min(peaks, default=None)}
         del step
         dist.barrier()
     if rank == 0:
@@ -77,9 +83,10 @@ def measured(tmp_path_factory) -> dict:
     return json.loads((path / "out.json").read_text())
 
 
-def _trace(tp_loss: str):
-    return trace_sharded(tiny_workload(), StepOptions(tp_loss=tp_loss), get_device("h100-80gb"),
-                         parse_strategy("tp2", 2), LOCAL_BATCH, cuda_semantics=False)
+def _trace(case: str):
+    name, options = CASES[case]
+    return trace_sharded(tiny_workload(), options, get_device("h100-80gb"), parse_strategy(name, 2), LOCAL_BATCH,
+                         cuda_semantics=False)
 
 
 def test_sharded_loss_equals_the_gathered_loss(measured):
@@ -88,11 +95,11 @@ def test_sharded_loss_equals_the_gathered_loss(measured):
     assert sharded[0] != sharded[-1]  # the steps trained: equal losses mean equal gradients
 
 
-@pytest.mark.parametrize("tp_loss", LOSSES)
-def test_traced_peak_matches_a_real_gloo_run(measured, tp_loss):
-    real = measured[tp_loss]["peak"]
-    point = _trace(tp_loss)
-    assert point.tp_loss == tp_loss
+@pytest.mark.parametrize("case", CASES)
+def test_traced_peak_matches_a_real_gloo_run(measured, case):
+    real = measured[case]["peak"]
+    point = _trace(case)
+    assert point.tp_loss == (case if case in LOSSES else None)
     assert abs(point.peak_bytes - real) / real < 0.02, (point.peak_bytes, real)
 
 
@@ -111,3 +118,9 @@ def test_sharded_loss_holds_a_vocabulary_shard_of_the_logits():
 def test_an_unknown_tp_loss_is_one_line():
     with pytest.raises(OptionError, match="sharded .* or gathered"):
         StepOptions(tp_loss="split")
+
+
+def test_a_chunked_loss_under_tensor_parallelism_is_one_line():
+    with pytest.raises(OptionError, match="does not run under tensor parallelism: use --loss plain"):
+        trace_sharded(tiny_workload(), StepOptions(loss="chunked:4"), get_device("h100-80gb"),
+                      parse_strategy("tp2", 2), LOCAL_BATCH, cuda_semantics=False)
