@@ -41,6 +41,8 @@ RUNS = {
                       "--batch-sizes", "16", "--checkpointing", "full", *COMMON, "--tp-loss", "gathered"], 16),
 }
 GOAL_S = 180
+SRC = Path(__file__).resolve().parent.parent / "src"
+"""This checkout's batchfit, not whichever is installed."""
 
 
 def run(name: str) -> dict:
@@ -49,7 +51,9 @@ def run(name: str) -> dict:
         load_before = os.getloadavg()
         started = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "batchfit.cli.app", "plan", *args, "--out", folder,
-                               "--json", f"{folder}/plan.json"], capture_output=True, text=True)
+                               "--json", f"{folder}/plan.json"], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))})
         seconds = time.perf_counter() - started
         load_after = os.getloadavg()
         if done.returncode:
