@@ -60,6 +60,9 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--nodes", HUGE, "--gpus-per-node", "8"], "at most 1,048,576 GPUs"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--batch-sizes", HUGE], "from 1 to 16,777,216"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--limit", "reservd"], "use reserved (what a GPU runs out of) or allocated"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "tp2", "--tp-loss", "split"], "gathered"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "tp2", "--loss", "chunked:4"],
+         "does not run under tensor parallelism"),
     ],
     "sweep": [
         (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),

@@ -141,11 +141,18 @@ def test_a_workload_without_lm_parts_says_what_is_missing(tmp_path):
     TrainingStep(workload, StepOptions(loss="plain"), torch.device("cpu"))  # plain needs none
 
 
-def test_a_wrapped_model_refuses_a_non_plain_loss_in_one_line():
-    """DDP / FSDP2 / TP wrap the model: its head is no longer the plain model's (single device only)."""
-    with pytest.raises(OptionError, match="traced on one device only for now: drop --loss"):
-        TrainingStep(tiny(), StepOptions(loss="chunked:4"), torch.device("cpu"), wrap=lambda model: model)
-    TrainingStep(tiny(), StepOptions(), torch.device("cpu"), wrap=lambda model: model)
+def test_a_tensor_parallel_model_refuses_a_non_plain_loss_in_one_line():
+    """A TP plan splits the head's weight by the vocabulary (it says so on the model); DDP and
+    FSDP2 take the chunked and fused losses (tests/test_distributed_losses.py)."""
+    from batchfit.train.losses import TP_LOSS_ATTR
+
+    def tensor_parallel(model):
+        setattr(model, TP_LOSS_ATTR, "sharded")
+        return model
+
+    with pytest.raises(OptionError, match="does not run under tensor parallelism: use --loss plain"):
+        TrainingStep(tiny(), StepOptions(loss="chunked:4"), torch.device("cpu"), wrap=tensor_parallel)
+    TrainingStep(tiny(), StepOptions(loss="chunked:4"), torch.device("cpu"), wrap=lambda model: model)
 
 
 def test_the_report_folder_names_the_loss():

@@ -47,6 +47,18 @@ def check_loss(value: str) -> None:
                           "N a positive integer")
 
 
+TP_LOSSES: tuple[str, ...] = ("sharded", "gathered")
+"""The --tp-loss values (``distributed/tp_plans.py``): the vocabulary-sharded loss (loss_parallel)
+or the logits all-gathered onto every tensor-parallel rank."""
+
+
+def check_tp_loss(value: str) -> None:
+    """Raise a one-line OptionError unless ``value`` is one of :data:`TP_LOSSES`."""
+    if value not in TP_LOSSES:
+        raise OptionError(f"unknown --tp-loss '{value}': use sharded (the logits split by the vocabulary, "
+                          "loss_parallel) or gathered (the whole logits on every tensor-parallel rank)")
+
+
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with PyTorch's defaults: on CUDA it takes the foreach path."""
     import torch
@@ -112,6 +124,10 @@ class StepOptions:
     loss: str = "plain"
     """The language-model loss: plain (the Workload's loss_fn), chunked:N (cross-entropy over N
     chunks of the sequence, torchtune's) or fused-linear (Liger's fused linear + cross-entropy)."""
+    tp_loss: str = "sharded"
+    """Under tensor parallelism, where the plan splits the output head by the vocabulary: sharded
+    (the logits stay split, the cross-entropy runs under loss_parallel, as torchtitan) or
+    gathered (the whole logits all-gathered onto every rank). No effect without TP."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
     trainable: tuple[str, ...] = ()
@@ -136,6 +152,7 @@ class StepOptions:
         if self.compile not in COMPILE:
             raise OptionError(f"unknown compile '{self.compile}': use one of {', '.join(COMPILE)}")
         check_loss(self.loss)
+        check_tp_loss(self.tp_loss)
         if self.accumulation_steps < 1:
             raise OptionError(
                 f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"

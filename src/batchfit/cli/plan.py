@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Annotated
@@ -66,6 +67,9 @@ def plan_command(
     checkpointing: CheckpointingOpt = "none",
     loss: LossOpt = "plain",
     compile_: CompileOpt = "none",
+    tp_loss: Annotated[str, typer.Option(help="Under tp<N> / fsdp+tp<N>: sharded (the logits stay split by the "
+                                              "vocabulary, loss_parallel, as torchtitan) or gathered (the whole "
+                                              "logits on every rank).")] = "sharded",
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
     batch_sizes: Annotated[str | None, typer.Option(help="Also trace these local batch sizes, e.g. 1,2,4.")] = None,
@@ -106,6 +110,7 @@ def plan_command(
     if processes is not None and processes < 1:
         raise OptionError(f"--processes must be 1 or more, got {processes}: e.g. --processes 2")
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss)
+    options = dataclasses.replace(options, tp_loss=tp_loss)
     time_model = (calibrated(calibrate, precision) if calibrate is not None
                   else TimeModel(mfu=mfu, mfu_source="set by the user (--mfu)") if mfu is not None else TimeModel())
     time_model = TimeModel(mfu=time_model.mfu, mfu_source=time_model.mfu_source,
@@ -170,6 +175,10 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
             f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "—",
             f"{p.days:.1f}" if p.days is not None else "—")
     console.print(table)
+    losses = dict.fromkeys(p.tp_loss for p in result.plans if p.tp_loss)
+    if losses:
+        console.print("tensor-parallel loss: " + ", ".join(losses)
+                      + (" (logits split by the vocabulary, loss_parallel)" if "sharded" in losses else ""))
     for best in result.recommended:
         console.print(f"[bold green]{best.gpus} GPU{'s' if best.gpus > 1 else ''}: {best.strategy}[/], micro-batch "
                       f"{best.micro_batch} x {best.accumulation_steps} accumulation = global batch {best.global_batch}"

@@ -6,11 +6,23 @@ plan of PyTorch's Llama example (``pytorch/examples/distributed/tensor_paralleli
 torchtitan): in each block q/k/v and gate/up split by columns, o and down by rows, the norms
 sequence-parallel (the residual stream between blocks holds 1/N of the sequence), the token
 embedding split by rows of the vocabulary (output sharded on the sequence), the head split
-by columns and gathered (every rank holds the whole logits, as the example's loss needs).
+by columns.
+
+The loss (``StepOptions.tp_loss``): ``sharded`` (the default) keeps the head's output sharded
+on the vocabulary (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``) and
+the step computes the cross-entropy under ``torch.distributed.tensor.parallel.loss_parallel``
+(torchtitan: torchtitan/models/llama3/infra/parallelize.py ``apply_tp`` and
+torchtitan/distributed/utils.py ``get_train_context``): each rank holds [B, T, V/N] logits, and
+the log-softmax all-reduces a max and a sum per row. ``gathered`` all-gathers the logits
+(``output_layouts=Replicate()``, the PyTorch example's plan): every rank holds the whole
+[B, T, V]. A plan records which one it built on the model (``train.losses.TP_LOSS_ATTR``),
+and the step reads it there.
+
 GPT-2 and BERT (and the zoo's GPT-2 blocks) get the same split of their blocks; their
 embeddings, norms and heads stay whole on every rank (no sequence parallelism), as
 replicated DTensors: the optimizer's foreach step refuses plain tensors and DTensors
-together, so no shipped plan leaves a plain parameter.
+together, so no shipped plan leaves a plain parameter. Their loss is "replicated": each rank
+computes the whole head and loss itself (no vocabulary split, so no sharded loss).
 
 Fused projections (the zoo's ``qkv`` and gate+up ``up``, GPT-2's ``c_attn``) split by
 columns as one matrix, and each attention module is told its local head counts: each rank
@@ -22,12 +34,15 @@ depend on that layout. GPT-2's ``Conv1D`` layers (a transposed ``nn.Linear``) be
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from batchfit.errors import OptionError
+from batchfit.train.losses import TP_LOSS_ATTR
+from batchfit.workload import check_tp_loss
 
 Parallelize = Callable[[nn.Module, "DeviceMesh"], nn.Module]  # noqa: F821
 
@@ -39,6 +54,15 @@ def _styles():
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
     return Replicate, Shard, ColwiseParallel, RowwiseParallel, PrepareModuleInput, SequenceParallel
+
+
+def _head(loss: str):
+    """The output head's style: its logits kept sharded on the vocabulary (for loss_parallel)
+    or all-gathered onto every rank. Its input is the sequence-sharded residual stream."""
+    Replicate, Shard, Colwise, *_ = _styles()
+    if loss == "sharded":
+        return Colwise(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    return Colwise(input_layouts=Shard(1), output_layouts=Replicate())
 
 
 def _check_heads(name: str, heads: int, kv_heads: int, tp: int) -> None:
@@ -84,7 +108,7 @@ def _replicate_rest(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def _zoo_transformer(model: nn.Module, mesh) -> nn.Module:
+def _zoo_transformer(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
     """batchfit.zoo.transformer.Transformer (GPT-2 or Llama blocks, fused qkv and gate+up)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -99,7 +123,7 @@ def _zoo_transformer(model: nn.Module, mesh) -> nn.Module:
         parallelize_module(model, mesh, {
             "embed": Rowwise(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
-            "head": Colwise(input_layouts=Shard(1), output_layouts=Replicate()),
+            "head": _head(loss),
         })
     for block in model.blocks:
         block_plan = {
@@ -121,10 +145,11 @@ def _zoo_transformer(model: nn.Module, mesh) -> nn.Module:
         block.attn.n_kv_heads //= tp
     if cfg.tied_embeddings and sequence_parallel:
         model.head.weight = model.embed.weight  # both split by vocabulary rows (Shard(0))
+    setattr(model, TP_LOSS_ATTR, loss if sequence_parallel else "replicated")
     return _replicate_rest(model, mesh)
 
 
-def _hf_decoder(model: nn.Module, mesh) -> nn.Module:
+def _hf_decoder(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
     """HF LlamaForCausalLM and its relatives (Qwen2, Mistral): separate q/k/v and gate/up."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -138,7 +163,7 @@ def _hf_decoder(model: nn.Module, mesh) -> nn.Module:
     parallelize_module(model, mesh, {
         "model.embed_tokens": Rowwise(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
         "model.norm": SequenceParallel(),
-        "lm_head": Colwise(input_layouts=Shard(1), output_layouts=Replicate()),
+        "lm_head": _head(loss),
     })
     for layer in model.model.layers:
         parallelize_module(layer, mesh, {
@@ -156,6 +181,7 @@ def _hf_decoder(model: nn.Module, mesh) -> nn.Module:
         })
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight  # both split by vocabulary rows
+    setattr(model, TP_LOSS_ATTR, loss)
     return _replicate_rest(model, mesh)
 
 
@@ -171,7 +197,7 @@ def _conv1d_as_linear(conv: nn.Module) -> nn.Linear:
     return linear
 
 
-def _hf_gpt2(model: nn.Module, mesh) -> nn.Module:
+def _hf_gpt2(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     _, _, Colwise, Rowwise, _, _ = _styles()
@@ -185,10 +211,11 @@ def _hf_gpt2(model: nn.Module, mesh) -> nn.Module:
                                          "mlp.c_fc": Colwise(), "mlp.c_proj": Rowwise()})
         block.attn.split_size //= tp
         block.attn.num_heads //= tp
+    setattr(model, TP_LOSS_ATTR, "replicated")
     return _replicate_rest(model, mesh)
 
 
-def _hf_bert(model: nn.Module, mesh) -> nn.Module:
+def _hf_bert(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     _, _, Colwise, Rowwise, _, _ = _styles()
@@ -202,20 +229,25 @@ def _hf_bert(model: nn.Module, mesh) -> nn.Module:
         attention = layer.attention.self
         attention.num_attention_heads //= tp
         attention.all_head_size //= tp
+    setattr(model, TP_LOSS_ATTR, "replicated")
     return _replicate_rest(model, mesh)
 
 
-def tp_plan(model: nn.Module) -> Parallelize | None:
-    """The shipped plan for ``model``, or None when there is none."""
+def tp_plan(model: nn.Module, loss: str = "sharded") -> Parallelize | None:
+    """The shipped plan for ``model``, or None when there is none; ``loss`` ("sharded" or
+    "gathered") is how a plan that splits the head by the vocabulary leaves its logits."""
     from batchfit.zoo.transformer import Transformer
 
+    check_tp_loss(loss)
+    plan = None
     if isinstance(model, Transformer):
-        return _zoo_transformer
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type in DECODER_TYPES and hasattr(model, "lm_head"):
-        return _hf_decoder
-    if model_type == "gpt2" and hasattr(model, "transformer"):
-        return _hf_gpt2
-    if model_type == "bert" and hasattr(model, "bert"):
-        return _hf_bert
-    return None
+        plan = _zoo_transformer
+    else:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type in DECODER_TYPES and hasattr(model, "lm_head"):
+            plan = _hf_decoder
+        elif model_type == "gpt2" and hasattr(model, "transformer"):
+            plan = _hf_gpt2
+        elif model_type == "bert" and hasattr(model, "bert"):
+            plan = _hf_bert
+    return functools.partial(plan, loss=loss) if plan is not None else None

@@ -217,6 +217,8 @@ class StrategyPlan:
     """When not even local batch 1 fits: what would (computed from its breakdown)."""
     skipped: str | None = None
     """Why this strategy was not traced (``auto`` on a model with no tensor-parallel plan)."""
+    tp_loss: str | None = None
+    """Under TP, the loss the plan traced: sharded (loss_parallel), gathered or replicated; None without TP."""
 
     @property
     def max_global_batch(self) -> int:
@@ -252,6 +254,7 @@ class StrategyPlan:
             "step_time_s_at_max": self.time_at_max.step_time_s if self.time_at_max else None,
             "tokens_per_s_at_max": self.tokens_per_s_at_max,
             "params_per_rank": self.params_per_rank, "fix": self.fix, "skipped": self.skipped,
+            "tp_loss": self.tp_loss,
             "source": SOURCE if self.time else SOURCE.split(";")[0] + "; time not computed (no peak FLOP/s known)",
         }
 
@@ -533,7 +536,8 @@ def _plan_strategy(base: dict, curve: ShardedCurve, strategy, world: World, work
     found = curve.max_batch(capacity, lo=multiple_of, hi=max_batch, multiple_of=multiple_of,
                             reserved=limit == "reserved")
     plan_row = StrategyPlan(**base, points=[], curve=None, max_local_batch=found.max_batch_size,
-                            capped=found.capped, params_per_rank=curve.first.params_per_rank, limit=limit)
+                            capped=found.capped, params_per_rank=curve.first.params_per_rank, limit=limit,
+                            tp_loss=getattr(curve.first, "tp_loss", None))
     if plan_row.fits:
         _choose_micro(plan_row, curve, target_bytes, global_batch, multiple_of)
         _time(plan_row, curve, strategy, world, device, options, time_model, workload)

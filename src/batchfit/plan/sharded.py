@@ -152,6 +152,10 @@ class ShardedPoint:
     peak_by_part: dict[str, int] = dataclasses.field(default_factory=dict)
     """Each phase's peak by part ('backward:last'; ``trace.memory.PARTS``), for ``trace.depth``."""
     breakdown_by_part: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    tp_loss: str | None = None
+    """Under TP, the loss the plan built: "sharded" (logits split by the vocabulary, loss_parallel),
+    "gathered" (the whole logits on every rank) or "replicated" (the plan leaves the head whole);
+    None without TP."""
 
 
 _world: list[int] = []
@@ -228,6 +232,7 @@ class ShardedSession:
         from batchfit.distributed.tracker import ShardedTracker
         from batchfit.distributed.zero import with_sharded_optimizer
         from batchfit.distributed.tp_plans import tp_plan
+        from batchfit.train.losses import tp_loss_of
         from batchfit.train.step import TrainingStep
         from batchfit.trace.memory import CUDA_BLOCK_BYTES
         from batchfit.trace.session import TraceSession
@@ -245,7 +250,8 @@ class ShardedSession:
 
             def shard(model):
                 return apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
-                                      parallelize=own_plan or tp_plan(model), on_bucket=tracker.mark_collective)
+                                      parallelize=own_plan or tp_plan(model, options.tp_loss),
+                                      on_bucket=tracker.mark_collective)
 
             # TP and FSDP2 are applied to the model built on the meta device, outside FakeTensorMode
             # (they build sub-meshes, which read rank tables), after the step's own preparation
@@ -267,6 +273,7 @@ class ShardedSession:
             self.fresh_steps: tuple[int, ...] | None = None
             """Where the first and the second step start in :attr:`fresh_stream` (the build before
             them), and under DDP where its bucket rebuild (at the start of the second step's forward) ends."""
+            self.tp_loss = tp_loss_of(prepared) if strategy.tp > 1 else None
         except BaseException:
             self._exit.close()
             raise
@@ -304,6 +311,7 @@ class ShardedSession:
             breakdown_by_phase={k: {**v, "workspace": workspace} for k, v in snapshot.breakdown_by_phase.items()},
             peak_by_part={k: v + workspace for k, v in snapshot.peak_by_part.items()},
             breakdown_by_part={k: {**v, "workspace": workspace} for k, v in snapshot.breakdown_by_part.items()},
+            tp_loss=self.tp_loss,
         )
 
     def close(self) -> None:

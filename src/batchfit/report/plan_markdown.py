@@ -54,6 +54,24 @@ def _days(value: float | None) -> str:
     return "—" if value is None else f"{value:.1f}"
 
 
+TP_LOSS_WORDS = {
+    "sharded": "sharded: logits split by the vocabulary, cross-entropy under loss_parallel (torchtitan's)",
+    "gathered": "gathered: the whole logits all-gathered onto every rank (--tp-loss gathered)",
+    "replicated": "replicated: the plan leaves the head whole, every rank computes the whole logits",
+}
+
+
+def _tp_loss_rows(r) -> list[str]:
+    """The loss each tensor-parallel strategy traced, when there is one."""
+    used = [(p.strategy, p.tp_loss) for p in r.plans if getattr(p, "tp_loss", None)]
+    if not used:
+        return []
+    kinds = dict.fromkeys(kind for _, kind in used)
+    text = "; ".join(f"{', '.join(dict.fromkeys(s for s, k in used if k == kind))}: {TP_LOSS_WORDS.get(kind, kind)}"
+                     for kind in kinds)
+    return [f"| Tensor-parallel loss | {text} |"]
+
+
 def plan_markdown(result, plot_name: str = "plan.png") -> str:
     r = result
     d = r.device
@@ -90,6 +108,7 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
               f"| Precision | {r.options.precision} |",
               f"| Optimizer | {r.options.optimizer or 'the workload’s (AdamW by default)'} |",
               f"| Activation checkpointing | {r.options.checkpointing} |",
+              *_tp_loss_rows(r),
               f"| Frozen / train-only | {', '.join(r.options.frozen) or '—'} / {', '.join(r.options.trainable) or '—'} |",
               f"| GPU | {d.display_name}: {gib(d.total_bytes)} GiB total, {gib(d.context_bytes)} GiB CUDA context "
               f"(assumed), {gib(d.usable_bytes)} GiB usable; target {r.target_util:.0%} = {gib(r.target_bytes)} GiB |",

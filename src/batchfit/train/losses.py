@@ -28,10 +28,19 @@ output projection, the projection's weight and the targets, which the Workload g
   outputs, the ``mm(out=)`` path (the CPU path allocates the ``[chunk, H]`` product before
   copying it into ``grad_input``, as Liger's own non-CUDA path does), and ``.item()``
   (fake tensors have no values: the count of targets stays a tensor).
+
+Under tensor parallelism the plan may keep the output head's logits sharded on the vocabulary
+(``distributed/tp_plans.py``, ``--tp-loss sharded``): it says so on the model
+(:data:`TP_LOSS_ATTR`), and :func:`loss_context` is then torch's ``loss_parallel()``, which the
+step enters around the forward (where the loss is computed) and the backward, as torchtitan's
+``train_context`` does (torchtitan/distributed/utils.py ``get_train_context``). The Workload's
+own ``F.cross_entropy`` then runs torch's vocabulary-parallel log-softmax and NLL
+(torch/distributed/tensor/parallel/loss.py) on each rank's [B, T, V/N] shard.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +54,29 @@ from batchfit.workload import Workload, check_loss
 IGNORE_INDEX = -100
 """Targets equal to this count for nothing (HF's and torch's default)."""
 
+TP_LOSS_ATTR = "batchfit_tp_loss"
+"""Set by a tensor-parallel plan on the model it parallelized: "sharded" (the head's logits stay
+split by the vocabulary: the loss must run under loss_parallel), "gathered" (all-gathered onto
+every rank) or "replicated" (the plan leaves the head whole). A Workload's own ``parallelize``
+that keeps the logits sharded sets it to "sharded"."""
+
 LmParts = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def tp_loss_of(model: nn.Module) -> str | None:
+    """The loss a tensor-parallel plan built ``model`` for (:data:`TP_LOSS_ATTR`), None without TP
+    (a DDP wrapper is looked through)."""
+    return getattr(getattr(model, "module", model), TP_LOSS_ATTR, None)
+
+
+def loss_context(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    """What the loss's forward and backward run under: torch's ``loss_parallel()`` when the
+    model's logits are sharded on the vocabulary, else nothing."""
+    if tp_loss_of(model) != "sharded":
+        return contextlib.nullcontext
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int,

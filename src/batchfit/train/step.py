@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from batchfit.errors import OptionError
 from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
 from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
-from batchfit.train.losses import lm_loss
+from batchfit.train.losses import lm_loss, loss_context, tp_loss_of
 from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module
 from batchfit.workload import StepOptions, Workload
 
@@ -162,20 +162,26 @@ class TrainingStep:
             _checkpoint_blocks(self.model, options.checkpointing, preserve_rng_state=device.type == "cuda")
         if options.compile != "none":
             _compile(self.model, options.compile, apply=device.type != "meta" and not _is_fake(self.model))
-        if wrap is not None and options.loss != "plain":  # lm_parts reads the plain model's head
-            raise OptionError(f"--loss {options.loss} is traced on one device only for now: drop --loss "
-                              "for multi-GPU strategies (they use the model's plain loss)")
         if wrap is not None:
             # After freezing and checkpointing (they name and patch the plain model's modules),
             # before the optimizer: FSDP2 replaces the parameters with their shards, and the
             # optimizer (and its state) must be built over those.
             self.model = wrap(self.model)
+        if options.loss != "plain" and tp_loss_of(self.model) is not None:
+            # lm_parts multiplies by the head's weight itself: under TP a DTensor split by the
+            # vocabulary, which the chunked and fused losses do not take.
+            raise OptionError(f"--loss {options.loss} does not run under tensor parallelism: use --loss plain "
+                              "(the TP plan's vocabulary-sharded loss, --tp-loss sharded, never gathers the "
+                              "logits either), or a ddp / fsdp strategy")
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise OptionError("every parameter is frozen: loosen --freeze or --train-only")
         self.optimizer = (build_optimizer(options.optimizer, params, self.model) if options.optimizer
                           else workload.build_optimizer(params))
         self.loss_fn: LossFn = lm_loss(options.loss, workload)  # plain: workload.loss_fn itself
+        self.loss_context: Callable[[], contextlib.AbstractContextManager] = loss_context(self.model)
+        """Entered around the forward (which computes the loss) and the backward: torch's
+        loss_parallel() when a tensor-parallel plan kept the logits sharded on the vocabulary."""
         self.scaler = _grad_scaler(options, device, self.model)
         """The GradScaler of a real fp16-mixed step, else None."""
         self.step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -197,15 +203,19 @@ class TrainingStep:
         step.workload, step.options = None, StepOptions()
         step.device = param.device if param is not None else torch.device("cpu")
         step.model, step.optimizer, step.loss_fn, step.scaler = model, optimizer, loss_fn, scaler
-        step.step_context = step.forward_autocast = contextlib.nullcontext
+        step.step_context = step.forward_autocast = step.loss_context = contextlib.nullcontext
         return step
 
     # -- the pieces ------------------------------------------------------------------------
 
     def forward(self, batch: Any) -> torch.Tensor:
         """The loss of ``batch`` (a mean over its samples), under the step's autocast."""
-        with self.forward_autocast():
-            return self.loss_fn(self.model, batch)
+        with self.forward_autocast(), self.loss_context():
+            loss = self.loss_fn(self.model, batch)
+        # loss_parallel's loss is a replicated DTensor: its local value is the loss itself (the
+        # backward goes through the DTensor, under loss_context again).
+        to_local = getattr(loss, "to_local", None)
+        return to_local() if to_local is not None else loss
 
     def backward(self, loss: torch.Tensor, share: float = 1.0) -> torch.Tensor:
         """Backward of ``loss x share`` (times the GradScaler's scale when there is one):
@@ -216,7 +226,8 @@ class TrainingStep:
         return weighted.detach()
 
     def _backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        with self.loss_context():
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def update(self, *, lr: float | None = None, max_grad_norm: float | None = None,
                hooks: StepHooks | None = None) -> bool:

@@ -25,10 +25,14 @@ from batchfit.zoo.transformer import Transformer, TransformerConfig
 def head_input(model: nn.Module, head_name: str, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``model`` with its output head ``head_name`` (a bias-free nn.Linear) passing its input
     through: (the hidden states the head would project, the head's weight). The head module is
-    still called (its hooks and name stay in a trace); only its matmul is skipped."""
-    head = getattr(model, head_name, None)
+    still called (its hooks and name stay in a trace); only its matmul is skipped. ``model`` may be
+    wrapped: DDP (the wrapper runs, its gradient hooks see the head's gradient) or FSDP2 (the root
+    keeps its parameters gathered after forward, so the weight read here is the whole one, and
+    its gradient is reduce-scattered with the root's at the end of backward)."""
+    plain = getattr(model, "module", model)  # DDP's wrapper is called; the head is the model's
+    head = getattr(plain, head_name, None)
     if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise OptionError(f"--loss chunked:N / fused-linear needs {type(model).__name__}.{head_name} to be a "
+        raise OptionError(f"--loss chunked:N / fused-linear needs {type(plain).__name__}.{head_name} to be a "
                           "bias-free nn.Linear output head: use --loss plain")
     head.forward = lambda x: x
     try:

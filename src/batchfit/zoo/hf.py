@@ -35,6 +35,9 @@ CONFIGS: dict[str, dict] = {
     "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          tie_word_embeddings=False),
+    "llama-3.1-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                          tie_word_embeddings=False),
     "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
                        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6,
@@ -48,6 +51,7 @@ CONFIGS: dict[str, dict] = {
                        architectures=["BertForMaskedLM"]),
 }
 ALIASES = {"gpt2": "gpt2-124m", "bert-large-uncased": "bert-large", "llama-3.1-8b-instruct": "llama-3.1-8b",
+           "llama-3.1-70b-instruct": "llama-3.1-70b",
            "mistral-7b-v0.3": "mistral-7b", "qwen2.5-7b-instruct": "qwen2.5-7b"}
 DEFAULT_SEQ_LEN = 2048
 
@@ -162,13 +166,20 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
     def lm_parts(model: nn.Module, batch: dict[str, torch.Tensor]):
         """(the decoder's last hidden states, the lm_head weight, the labels shifted left with -100
         at the end): what ``model(**batch).loss`` computes from (transformers' ForCausalLMLoss)."""
-        with _unpacked_sequences(transformers):
-            hidden = model.base_model(input_ids=batch["input_ids"]).last_hidden_state
-        labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
-        head = model.get_output_embeddings()
+        plain = getattr(model, "module", model)  # DDP's wrapper runs; the head is the model's
+        head = plain.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise OptionError(f"--loss chunked:N / fused-linear needs a bias-free lm_head; {name}'s has a bias: "
                               "use --loss plain")
+        # The whole model runs with the head passing its input through (its matmul skipped): the
+        # root's forward is what DDP and FSDP2 hook (FSDP2 gathers the embedding and head there).
+        head.forward = lambda x: x
+        try:
+            with _unpacked_sequences(transformers):
+                hidden = model(input_ids=batch["input_ids"]).logits
+        finally:
+            del head.forward
+        labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
         return hidden, head.weight, labels
 
     # A masked LM's loss is not next-token; a softcapped or biased head is not hidden @ weight.T.
