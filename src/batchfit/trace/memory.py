@@ -19,7 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_leaves
 
 from batchfit.phases import CATEGORY_OF_PHASE
@@ -251,6 +255,11 @@ class MemoryTracker(TorchDispatchMode):
             # its arithmetic finite (e.g. step ** -0.8). Anywhere else .item() stays an error:
             # there it may decide shapes.
             return 1.0 if args[0].is_floating_point() else 1
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            # A wrapper subclass (torchao's Float8TrainingTensor, DTensor) runs the op on the
+            # tensors it holds, and those ops come back here: what it allocates inside (a float8
+            # matmul's contiguous copies and output) is counted as it happens, not just its result.
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         for tensor in tree_leaves(out):

@@ -1,0 +1,119 @@
+"""float8 training with torchao (``--precision fp8-tensorwise | fp8-rowwise``), as torchtitan applies it.
+
+The model's ``nn.Linear`` layers become torchao's ``Float8Linear`` through torchao's own
+``convert_to_float8_training``, with the config of ``Float8LinearConfig.from_recipe_name``
+(``tensorwise``: one scale per tensor, e4m3 forward, e5m2 gradients; ``rowwise``: one scale per
+row, e4m3 everywhere, scales rounded down to powers of 2). Which linears: torchtitan's
+``module_filter_fn`` (``torchtitan/components/quantization/utils.py``): both dimensions divisible
+by 16 (``torch._scaled_mm``'s requirement) and not a filtered name; its Llama-3 configs filter the
+output head (``filter_fqns=["lm_head"]`` / ``["output"]``), and so does batchfit: the model's output
+head (HF's ``get_output_embeddings()``, else a top-level ``lm_head``, ``output`` or ``head``).
+
+The rest of the step runs bf16-mixed (autocast): what torchtitan does on one GPU
+(``maybe_enable_amp``: ``torch.autocast("cuda", bfloat16)`` when FSDP does not shard; under FSDP2 its
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` instead, which batchfit's FSDP
+strategies apply the same way for every mixed precision).
+
+Under FSDP2 the tensorwise recipe gathers weights in float8 (torchtitan's
+``enable_fsdp_float8_all_gather=True`` with ``precompute_float8_dynamic_scale_for_fsdp``): each
+converted weight is wrapped in torchao's ``WeightWithDynamicFloat8CastTensor`` before sharding
+(:func:`enable_float8_all_gather`, called by ``distributed/strategy.py``), so FSDP2 all-gathers one
+byte per element instead of bf16's two. Rowwise gathers in bf16 (torchao allows float8 all-gather
+for tensorwise only).
+
+Nothing here is a multiplier: the step runs torchao's real modules and tensor subclasses (on fake
+tensors when traced), so what they allocate, cast and save for backward is what the trace counts.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from batchfit.errors import OptionError
+from batchfit.workload import FP8_PRECISIONS
+
+HEAD_NAMES: tuple[str, ...] = ("lm_head", "output", "head")
+"""Top-level names of an output head that stays in high precision (torchtitan's filter_fqns)."""
+
+
+def recipe_name(precision: str) -> str | None:
+    """``fp8-rowwise`` -> ``rowwise``; None for a precision that is not float8."""
+    return precision.removeprefix("fp8-") if precision in FP8_PRECISIONS else None
+
+
+def _torchao():
+    try:
+        import torchao.float8 as float8
+    except ImportError as error:
+        raise OptionError(f"float8 training needs torchao, which cannot be imported here ({error}): "
+                          "pip install 'batchfit[fp8]'") from error
+    return float8
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        head = next((getattr(model, n) for n in HEAD_NAMES if isinstance(getattr(model, n, None), nn.Linear)), None)
+    return head
+
+
+def float8_filter(model: nn.Module):
+    """torchtitan's ``module_filter_fn``: dims divisible by 16, not the output head."""
+    head = _head(model)
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return (module is not head and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    return keep
+
+
+def convert_to_float8(model: nn.Module, precision: str) -> list[str]:
+    """Swap the model's eligible ``nn.Linear`` layers for torchao's ``Float8Linear`` (in place,
+    with torchao's ``convert_to_float8_training``); returns the names converted. Layers already
+    converted (a model prepared on the meta device and filled later, as ``plan`` does) stay."""
+    float8 = _torchao()
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = float8.Float8LinearConfig.from_recipe_name(recipe_name(precision))
+    keep = float8_filter(model)
+    chosen = [name for name, m in model.named_modules()
+              if type(m) is nn.Linear and keep(m, name)]  # noqa: E721 - a subclass is not a plain Linear
+    float8.convert_to_float8_training(
+        model, config=config,
+        module_filter_fn=lambda m, fqn: type(m) is nn.Linear and not isinstance(m, Float8Linear) and keep(m, fqn))
+    return chosen
+
+
+def float8_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's torchao ``Float8Linear`` layers, by name (none without torchao)."""
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return []
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def enable_float8_all_gather(model: nn.Module) -> int:
+    """What ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` makes ``Float8Linear.from_float``
+    do, applied to a model converted without it (torchao's own lines, ``float8_linear.py``): each
+    tensorwise float8 linear's weight becomes a ``WeightWithDynamicFloat8CastTensor``, whose
+    ``fsdp_pre_all_gather`` casts the shard to float8 before FSDP2 gathers it. Call before
+    ``fully_shard``. Returns how many weights were wrapped (rowwise layers: none)."""
+    import dataclasses
+
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    wrapped = 0
+    for _, module in float8_linears(model):
+        cast = module.config.cast_config_weight
+        if (cast.scaling_granularity is not ScalingGranularity.TENSORWISE or cast.scaling_type is not ScalingType.DYNAMIC
+                or isinstance(module.weight, WeightWithDynamicFloat8CastTensor)):
+            continue
+        module.config = dataclasses.replace(module.config, enable_fsdp_float8_all_gather=True)
+        module.weight = nn.Parameter(
+            WeightWithDynamicFloat8CastTensor(module.weight, module.linear_mm_config, cast.target_dtype),
+            requires_grad=module.weight.requires_grad)
+        wrapped += 1
+    return wrapped
