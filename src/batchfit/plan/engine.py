@@ -382,8 +382,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     say = progress or (lambda message: None)
     started = time.perf_counter()
     from batchfit.trace.compiled import workload_approximations  # torch: when a plan runs
+    from batchfit.trace.cuda_float8 import float8_approximations
 
-    approximations = workload_approximations(workload, options)
+    approximations = workload_approximations(workload, options) + float8_approximations(options)
     target_bytes = int(target_util * device.usable_bytes)
     auto = strategies.strip().lower() == "auto"
 

@@ -28,7 +28,7 @@ from batchfit.train.model import main_blocks
 from batchfit.train.step import TrainingStep
 from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
-from batchfit.trace.cuda_float8 import mirror_float8_autocast
+from batchfit.trace.cuda_float8 import cpu_scaled_mm_scratch, mirror_float8_autocast
 from batchfit.trace.cuda_norm import CudaRmsNorm
 from batchfit.trace.compiled import compile_for_trace, retarget_for_trace
 from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot
@@ -327,7 +327,8 @@ class TraceSession:
         try:
             attention = CudaAttention() if self.cuda_semantics else contextlib.nullcontext()
             norm = CudaRmsNorm() if self.cuda_semantics else contextlib.nullcontext()
-            with self.fake_mode, self.tracker, attention, norm, _quiet_fake_tensor_log():
+            cpu_mm = contextlib.nullcontext() if self.cuda_semantics else cpu_scaled_mm_scratch()
+            with self.fake_mode, self.tracker, attention, norm, cpu_mm, _quiet_fake_tensor_log():
                 yield
         except (torch.OutOfMemoryError, BatchfitError):
             raise

@@ -27,6 +27,8 @@ tensors when traced), so what they allocate, cast and save for backward is what 
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 from batchfit.errors import OptionError
@@ -42,11 +44,22 @@ def recipe_name(precision: str) -> str | None:
 
 
 def _torchao():
+    """``torchao.float8``, imported with torchao's import-time warnings (its CUDA extensions do not
+    load on a CPU build) and PyTorch's pytree deprecation note about it kept off the terminal."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
     try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
         import torchao.float8 as float8
     except ImportError as error:
         raise OptionError(f"float8 training needs torchao, which cannot be imported here ({error}): "
                           "pip install 'batchfit[fp8]'") from error
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
     return float8
 
 
@@ -86,11 +99,12 @@ def convert_to_float8(model: nn.Module, precision: str) -> list[str]:
 
 
 def float8_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's torchao ``Float8Linear`` layers, by name (none without torchao)."""
-    try:
-        from torchao.float8.float8_linear import Float8Linear
-    except ImportError:
+    """The model's torchao ``Float8Linear`` layers, by name (none where torchao was never imported:
+    then no model holds one, and a run without float8 does not pay for importing it)."""
+    module = sys.modules.get("torchao.float8.float8_linear")
+    if module is None:
         return []
+    Float8Linear = module.Float8Linear  # noqa: N806 - torchao's class
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Float8Linear)]
 
 
