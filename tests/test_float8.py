@@ -89,7 +89,7 @@ def test_torchtitans_filter_leaves_the_head_and_odd_dims():
     model.lm_head = nn.Linear(64, 128)
     converted = convert_to_float8(model, "fp8-tensorwise")
     assert converted == ["body.0"]
-    assert convert_to_float8(model, "fp8-tensorwise") == []  # idempotent: converted layers stay
+    assert convert_to_float8(model, "fp8-tensorwise") == ["body.0"]  # idempotent: converted layers stay
 
 
 def test_fp8_options_say_what_to_do():
@@ -106,3 +106,21 @@ def test_fp8_without_torchao_says_how_to_install(monkeypatch):
     monkeypatch.setattr(workload, "_installed", lambda name: False)
     error = pytest.raises(OptionError, StepOptions, precision="fp8-tensorwise").value
     assert "pip install 'batchfit[fp8]'" in str(error) and "\n" not in str(error)
+
+
+def test_fsdp2_gathers_float8_weights_with_one_byte_per_element():
+    """Tensorwise under FSDP2 on 2 ranks (the fake process group), torchtitan's settings: each block's
+    all-gather carries its 4 float8 linears' weights at 1 byte per element and its 2 norms in bf16,
+    where bf16-mixed gathers 2 bytes per element; gradients are reduce-scattered in fp32 either way.
+    The scales: one all-reduce of every weight's amax after the optimizer step (torchao's
+    precompute_float8_dynamic_scale_for_fsdp), none in forward. A real 2-process gloo run of the same
+    step peaks 44 B above this trace (benchmarks/recipes.py, "fsdp2 x2" rows)."""
+    from test_plan_trace import BLOCK, ROOT, _bytes, _trace
+
+    linears = 128 * 8 * 32 + 128 * 128 + 128 * 2 * 256 + 256 * 128  # qkv, proj, up (gate+up), down
+    norms = 2 * 128
+    assert linears + norms == BLOCK
+    fp8 = _trace("fsdp", 2, StepOptions(precision="fp8-tensorwise"))
+    assert _bytes(fp8, "all_gather") == [2 * ROOT] + [linears + 2 * norms] * 4  # the root: bf16 (head filtered)
+    assert _bytes(fp8, "reduce_scatter") == [4 * BLOCK, 4 * BLOCK, 4 * ROOT]
+    assert [(c.phase, c.bytes) for c in fp8.collectives if c.op == "all_reduce"] == [("optimizer", 8 * 4)]

@@ -84,6 +84,14 @@ stack more than once (generation, its cache growing) is "repeated", which is not
 (from the gradient of its output to the gradient of its input). See ``trace.depth`` for how a deep model's peak follows from them."""
 
 
+def held_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor that holds ``tensor``'s memory: a DTensor's local shard, and inside it (or
+    alone) the tensor torchao's ``WeightWithDynamicFloat8CastTensor`` wraps (FSDP2 float8 all-gather)."""
+    for attribute in ("_local_tensor", "_tensor"):
+        tensor = getattr(tensor, attribute, tensor)
+    return tensor
+
+
 def active_tracker() -> MemoryTracker | None:
     """The tracker counting the ops that run now, if any (model code calls this while built)."""
     return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, MemoryTracker)), None)
@@ -184,7 +192,7 @@ class MemoryTracker(TorchDispatchMode):
                       for t in state.values() if isinstance(t, torch.Tensor)]
         for role, name, tensor in owned:
             # A DTensor (a sharded parameter, its gradient and state) holds its memory in its local shard.
-            tensor = getattr(tensor, "_local_tensor", tensor)
+            tensor = held_tensor(tensor)
             record = self._live.get(id(tensor.untyped_storage()))
             if record is not None:
                 record.role = role

@@ -31,7 +31,7 @@ from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.cuda_float8 import cpu_scaled_mm_scratch, mirror_float8_autocast
 from batchfit.trace.cuda_norm import CudaRmsNorm
 from batchfit.trace.compiled import compile_for_trace, retarget_for_trace
-from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot
+from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot, held_tensor
 from batchfit.workload import StepOptions, Workload
 
 _CANNOT_FAKE = (
@@ -259,7 +259,7 @@ def _require_fake_parameters(step: TrainingStep, name: str) -> None:
     """A model built before the trace began holds real tensors that the tracker never saw
     being made: it would be traced as 0 bytes of parameters. Say so instead."""
     real = [n for n, t in (*step.model.named_parameters(), *step.model.named_buffers())
-            if not isinstance(getattr(t, "_local_tensor", t), fake_tensor.FakeTensor)]  # a DTensor: its shard
+            if not isinstance(held_tensor(t), fake_tensor.FakeTensor)]  # a DTensor: its shard
     if real:
         raise ModelSpecError(
             f"{name}: build_model returned a model that was built before batchfit called it "

@@ -83,19 +83,17 @@ def float8_filter(model: nn.Module):
 
 def convert_to_float8(model: nn.Module, precision: str) -> list[str]:
     """Swap the model's eligible ``nn.Linear`` layers for torchao's ``Float8Linear`` (in place,
-    with torchao's ``convert_to_float8_training``); returns the names converted. Layers already
-    converted (a model prepared on the meta device and filled later, as ``plan`` does) stay."""
+    with torchao's ``convert_to_float8_training``); returns the names of its float8 linears. Layers
+    already converted (a model prepared on the meta device and filled later, as ``plan`` does) stay."""
     float8 = _torchao()
     from torchao.float8.float8_linear import Float8Linear
 
     config = float8.Float8LinearConfig.from_recipe_name(recipe_name(precision))
     keep = float8_filter(model)
-    chosen = [name for name, m in model.named_modules()
-              if type(m) is nn.Linear and keep(m, name)]  # noqa: E721 - a subclass is not a plain Linear
     float8.convert_to_float8_training(
         model, config=config,
         module_filter_fn=lambda m, fqn: type(m) is nn.Linear and not isinstance(m, Float8Linear) and keep(m, fqn))
-    return chosen
+    return [name for name, _ in float8_linears(model)]
 
 
 def float8_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -131,3 +129,20 @@ def enable_float8_all_gather(model: nn.Module) -> int:
             requires_grad=module.weight.requires_grad)
         wrapped += 1
     return wrapped
+
+
+def precompute_scales_after_step(model: nn.Module, optimizer) -> bool:
+    """torchtitan's ``post_optimizer_hook`` with ``precompute_float8_dynamic_scale_for_fsdp=True``: after
+    each optimizer step, torchao's ``precompute_float8_dynamic_scale_for_fsdp`` works out every float8
+    weight's scale in one all-reduce (instead of one per weight in the next forward). Registered only
+    where FSDP2 gathers float8 weights (a sharded ``WeightWithDynamicFloat8CastTensor``); returns whether."""
+    if not float8_linears(model):
+        return False
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    if not any(isinstance(getattr(m.weight, "_local_tensor", None), WeightWithDynamicFloat8CastTensor)
+               for _, m in float8_linears(model)):
+        return False
+    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+    return True

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from batchfit.errors import OptionError
 from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
 from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
-from batchfit.train.float8 import convert_to_float8
+from batchfit.train.float8 import convert_to_float8, precompute_scales_after_step
 from batchfit.train.losses import lm_loss
 from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module
 from batchfit.workload import FP8_PRECISIONS, StepOptions, Workload
@@ -107,9 +107,10 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 def _is_fake(model: nn.Module) -> bool:
-    """Built on fake tensors (a DTensor: its local shard)?"""
+    """Built on fake tensors (a DTensor: its local shard; torchao's float8 weight: the one it wraps)?"""
     param = next(model.parameters(), None)
-    return param is not None and isinstance(getattr(param, "_local_tensor", param), FakeTensor)
+    held = getattr(getattr(param, "_local_tensor", param), "_tensor", getattr(param, "_local_tensor", param))
+    return param is not None and isinstance(held, FakeTensor)
 
 
 def _grad_scaler(options: StepOptions, device: torch.device, model: nn.Module) -> torch.amp.GradScaler | None:
@@ -181,6 +182,8 @@ class TrainingStep:
             raise OptionError("every parameter is frozen: loosen --freeze or --train-only")
         self.optimizer = (build_optimizer(options.optimizer, params) if options.optimizer
                           else workload.build_optimizer(params))
+        if self.float8_layers:
+            precompute_scales_after_step(self.model, self.optimizer)  # FSDP2 float8 all-gather only
         self.loss_fn: LossFn = lm_loss(options.loss, workload)  # plain: workload.loss_fn itself
         self.scaler = _grad_scaler(options, device, self.model)
         """The GradScaler of a real fp16-mixed step, else None."""
