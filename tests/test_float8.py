@@ -100,12 +100,20 @@ def test_fp8_options_say_what_to_do():
         assert precision_warning(get_device(name), "fp8-rowwise") is None
 
 
-def test_fp8_without_torchao_says_how_to_install(monkeypatch):
+def test_fp8_without_torchao_says_how_to_install(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
     import batchfit.workload as workload
+    from batchfit.cli.app import app
 
     monkeypatch.setattr(workload, "_installed", lambda name: False)
     error = pytest.raises(OptionError, StepOptions, precision="fp8-tensorwise").value
     assert "pip install 'batchfit[fp8]'" in str(error) and "\n" not in str(error)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["estimate", "gpt-tinystories-22m", "--seq-len", "16", "--gpu", "h100",
+                                      "--precision", "fp8-rowwise"])
+    said = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code in (1, 2) and len(said) == 1 and "pip install 'batchfit[fp8]'" in said[0], result.output
 
 
 def test_fsdp2_gathers_float8_weights_with_one_byte_per_element():
