@@ -219,6 +219,10 @@ def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, prec
     a Python all-reduce hook, ``on_bucket`` sees each gradient bucket); ``device`` is the
     rank's own device (a real DDP on CUDA names it).
     """
+    if strategy.tp > 1 and precision == "fp8-tensorwise":
+        raise OptionError(f"{strategy.name}: float8 tensorwise under tensor parallelism needs torchao's float8 TP "
+                          "styles (Float8ColwiseParallel, torchtitan's), not traced yet: use ddp / fsdp strategies, "
+                          "or --precision fp8-rowwise (its TP collectives are bf16)")
     if strategy.tp > 1:
         if parallelize is None:
             raise OptionError(f"{strategy.name}: {type(model).__name__} has no tensor-parallel plan: give the "
