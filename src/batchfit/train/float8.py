@@ -28,6 +28,7 @@ tensors when traced), so what they allocate, cast and save for backward is what 
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 from torch import nn
 
@@ -44,7 +45,8 @@ def recipe_name(precision: str) -> str | None:
 
 
 def _torchao():
-    """``torchao.float8``, imported with torchao's import-time warnings (its CUDA extensions do not
+    """What batchfit uses of ``torchao.float8``, imported with torchao's import-time warnings (its CUDA
+    extensions do not
     load on a CPU build) and PyTorch's pytree deprecation note about it kept off the terminal."""
     import logging
 
@@ -53,14 +55,25 @@ def _torchao():
     try:
         for logger in loggers:
             logger.setLevel(logging.ERROR)
-        import torchao.float8 as float8
+        from torchao.float8 import (
+            Float8LinearConfig,
+            convert_to_float8_training,
+            precompute_float8_dynamic_scale_for_fsdp,
+        )
+        from torchao.float8.config import ScalingGranularity, ScalingType
+        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
     except ImportError as error:
         raise OptionError(f"float8 training needs torchao, which cannot be imported here ({error}): "
                           "pip install 'batchfit[fp8]'") from error
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
-    return float8
+    return SimpleNamespace(
+        Float8LinearConfig=Float8LinearConfig, convert_to_float8_training=convert_to_float8_training,
+        precompute_float8_dynamic_scale_for_fsdp=precompute_float8_dynamic_scale_for_fsdp,
+        ScalingGranularity=ScalingGranularity, ScalingType=ScalingType, Float8Linear=Float8Linear,
+        WeightWithDynamicFloat8CastTensor=WeightWithDynamicFloat8CastTensor)
 
 
 def _head(model: nn.Module) -> nn.Module | None:
@@ -86,7 +99,7 @@ def convert_to_float8(model: nn.Module, precision: str) -> list[str]:
     with torchao's ``convert_to_float8_training``); returns the names of its float8 linears. Layers
     already converted (a model prepared on the meta device and filled later, as ``plan`` does) stay."""
     float8 = _torchao()
-    from torchao.float8.float8_linear import Float8Linear
+    Float8Linear = float8.Float8Linear  # noqa: N806 - torchao's class
 
     config = float8.Float8LinearConfig.from_recipe_name(recipe_name(precision))
     keep = float8_filter(model)
@@ -114,9 +127,9 @@ def enable_float8_all_gather(model: nn.Module) -> int:
     ``fully_shard``. Returns how many weights were wrapped (rowwise layers: none)."""
     import dataclasses
 
-    from torchao.float8.config import ScalingGranularity, ScalingType
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
+    float8 = _torchao()
+    ScalingGranularity, ScalingType = float8.ScalingGranularity, float8.ScalingType  # noqa: N806
+    WeightWithDynamicFloat8CastTensor = float8.WeightWithDynamicFloat8CastTensor  # noqa: N806
     wrapped = 0
     for _, module in float8_linears(model):
         cast = module.config.cast_config_weight
@@ -138,11 +151,9 @@ def precompute_scales_after_step(model: nn.Module, optimizer) -> bool:
     where FSDP2 gathers float8 weights (a sharded ``WeightWithDynamicFloat8CastTensor``); returns whether."""
     if not float8_linears(model):
         return False
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
-    if not any(isinstance(getattr(m.weight, "_local_tensor", None), WeightWithDynamicFloat8CastTensor)
+    float8 = _torchao()
+    if not any(isinstance(getattr(m.weight, "_local_tensor", None), float8.WeightWithDynamicFloat8CastTensor)
                for _, m in float8_linears(model)):
         return False
-    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+    optimizer.register_step_post_hook(lambda *_: float8.precompute_float8_dynamic_scale_for_fsdp(model))
     return True
