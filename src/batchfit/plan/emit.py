@@ -136,7 +136,8 @@ def config_yaml(result) -> str:
     return head + dump_yaml({"training": {"batch_config": entries}})
 
 
-ACCELERATE_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
+ACCELERATE_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16",
+                        "fp8-tensorwise": "fp8", "fp8-rowwise": "fp8"}
 
 
 def accelerate_yaml(result) -> str:
@@ -160,6 +161,12 @@ def accelerate_yaml(result) -> str:
         "use_cpu": False,
         "gradient_accumulation_steps": p.accumulation_steps,
     }
+    fp8_note = ""
+    if config["mixed_precision"] == "fp8":  # Accelerate's torchao backend; the recipe is set in the script
+        config["fp8_config"] = {"backend": "AO"}
+        recipe = result.options.precision.removeprefix("fp8-")
+        fp8_note = (f"# float8 ({recipe}): pass AORecipeKwargs(config=Float8LinearConfig.from_recipe_name('{recipe}')) "
+                    "to Accelerator(kwargs_handlers=...) in your script.\n")
     if config["distributed_type"] == "FSDP":
         fsdp = {
             "fsdp_version": 2,
@@ -180,7 +187,7 @@ def accelerate_yaml(result) -> str:
                                             "parallelism_config_tp_size": p.tp}
     head = (f"# batchfit plan: {result.workload}, {p.strategy} on {p.gpus} GPUs; per-GPU batch size "
             f"{p.micro_batch}, {p.accumulation_steps} accumulation steps, global batch {p.global_batch}.\n"
-            "# accelerate launch --config_file THIS_FILE your_script.py\n")
+            "# accelerate launch --config_file THIS_FILE your_script.py\n" + fp8_note)
     return head + dump_yaml(config)
 
 

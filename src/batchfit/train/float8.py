@@ -46,8 +46,7 @@ def recipe_name(precision: str) -> str | None:
 
 def _torchao():
     """What batchfit uses of ``torchao.float8``, imported with torchao's import-time warnings (its CUDA
-    extensions do not
-    load on a CPU build) and PyTorch's pytree deprecation note about it kept off the terminal."""
+    extensions do not load on a CPU build) and PyTorch's pytree note about it kept off the terminal."""
     import logging
 
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
