@@ -113,13 +113,13 @@ def float8_approximations(options: StepOptions) -> list[Approximation]:
     found = [Approximation(
         what="float8 matmuls traced with torch._scaled_mm's meta kernel (shapes, dtypes and torchao's own "
              "buffers exact; not yet compared with an H100 run)",
-        may_differ_by=("not measured on a GPU; cuBLASLt's own workspace for _scaled_mm is not counted; the same "
-                       "trace with CPU semantics is within 0.001% of a real CPU step"),
+        may_differ_by=("an amount not yet measured on a GPU (cuBLASLt's own workspace for _scaled_mm is not "
+                       "counted); the same trace with CPU semantics is within 0.001% of a real CPU step"),
         source="tests/test_float8.py; docs/tracing.md, float8 training")]
     if options.compile != "none":
         found.append(Approximation(
             what="torchao's float8 casts traced eager",
-            may_differ_by=("high by the cast temporaries inductor fuses away (abs, fp32 upcast, scale, clamp: up to "
-                           "12 bytes per element of a linear's input or output gradient) where they make the peak"),
+            may_differ_by=("+0 to +12 bytes per element of a linear's input or output gradient where they make the "
+                           "peak: the cast temporaries (abs, fp32 upcast, scale, clamp) inductor fuses away"),
             source="docs/tracing.md, float8 training", detail=f"--compile {options.compile}"))
     return found
