@@ -20,6 +20,14 @@ Loss recipes (``train/losses.py``): chunked:8 (torchtune's chunked cross-entropy
 fused-linear (a torch-native mirror of Liger's fused linear cross-entropy), in fp32 and under
 bf16-mixed autocast (CPU autocast on both sides: the trace runs with CPU semantics); the
 "checkpointing none" row is the fp32 plain loss.
+
+float8 recipes (``train/float8.py``, torchao's convert_to_float8_training): fp8-tensorwise and
+fp8-rowwise, the rest bf16-mixed; "bf16-mixed loss plain" is their baseline. torch._scaled_mm runs
+on this CPU as an fp32 emulation whose scratch the CPU-semantics trace runs op by op
+(``trace/cuda_float8.py``). The "fsdp2 x2" rows are rank 0 of a real 2-process gloo run (FSDP2,
+float8 all-gather for tensorwise) against ``trace_sharded`` on the fake process group.
+
+    python benchmarks/recipes.py --recipes "bf16-mixed loss plain,fp8-tensorwise,fp8-rowwise,fsdp2 x2 fp8-tensorwise,fsdp2 x2 fp8-rowwise" --name recipes-fp8
 """
 
 from __future__ import annotations
@@ -71,7 +79,84 @@ RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "bf16-mixed loss chunked:8": (lambda w: w, StepOptions(precision="bf16-mixed", loss="chunked:8")),
     "bf16-mixed loss fused-linear": (lambda w: w, StepOptions(precision="bf16-mixed", loss="fused-linear")),
     "optimizer muon": (lambda w: w, StepOptions(optimizer="muon")),
+    "fp8-tensorwise": (lambda w: w, StepOptions(precision="fp8-tensorwise")),
+    "fp8-rowwise": (lambda w: w, StepOptions(precision="fp8-rowwise")),
 }
+
+GLOO_RECIPES: dict[str, tuple[str, StepOptions]] = {
+    "fsdp2 x2 bf16-mixed": ("fsdp", StepOptions(precision="bf16-mixed")),
+    "fsdp2 x2 fp8-tensorwise": ("fsdp", StepOptions(precision="fp8-tensorwise")),
+    "fsdp2 x2 fp8-rowwise": ("fsdp", StepOptions(precision="fp8-rowwise")),
+}
+"""recipe -> (strategy, options): rank 0 of 2 real gloo processes on this CPU vs the traced rank 0."""
+
+
+def _gloo_rank(rank: int, port: int, model: str, seq_len: int, batch_size: int, strategy_name: str,
+               options: StepOptions, out: str) -> None:
+    """One rank of a real 2-process run; rank 0 profiles its third step (the first two made the
+    optimizer state and, for DDP, rebuilt the buckets) and writes the peak to ``out``."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from batchfit.distributed import apply_strategy, build_meshes
+    from batchfit.plan.sharded import parse_strategy
+
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    strategy = parse_strategy(strategy_name, 2)
+    meshes = build_meshes(strategy)
+    torch.manual_seed(0)
+    step = TrainingStep(ZOO[model](seq_len=seq_len), options, torch.device("cpu"),
+                        wrap=lambda m: apply_strategy(m, strategy, meshes, precision=options.precision, fake=False))
+    step.run(batch_size)
+    step.run(batch_size)
+    # The profiler's data-flow check sometimes fails ("version mismatch", as in tests/test_plan_trace.py):
+    # rank 0 profiles the next step then, and every rank runs as many steps as it profiles.
+    for _ in range(4):
+        peak = None
+        if rank == 0:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                         with_stack=True) as prof:
+                step.run(batch_size)
+            path = Path(out) / "timeline.json"
+            try:
+                prof.export_memory_timeline(str(path), device="cpu")
+                _, sizes = json.loads(path.read_text())
+                peak = max(sum(row) for row in sizes)
+                (Path(out) / "peak.json").write_text(json.dumps(peak))
+            except AssertionError:
+                pass
+        else:
+            step.run(batch_size)
+        done = torch.tensor([int(rank != 0 or peak is not None)])
+        dist.broadcast(done, src=0)
+        if done.item():
+            break
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def gloo_peaks(model: str, seq_len: int, batch_size: int, strategy_name: str, options: StepOptions) -> tuple[int, int]:
+    """(traced rank 0 peak, CPU semantics, on the fake process group; rank 0's profiled peak of a real run)."""
+    import socket
+
+    from batchfit.devices import get_device
+    from batchfit.plan.sharded import parse_strategy, trace_sharded
+
+    traced = trace_sharded(ZOO[model](seq_len=seq_len), options, get_device("h100-80gb"),
+                           parse_strategy(strategy_name, 2), batch_size, cuda_semantics=False).peak_bytes
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        torch.multiprocessing.spawn(_gloo_rank, args=(port, model, seq_len, batch_size, strategy_name, options, folder),
+                                    nprocs=2, join=True)
+        return traced, json.loads((Path(folder) / "peak.json").read_text())
 
 
 def traced_peak(workload: Workload, options: StepOptions, batch_size: int) -> int:
@@ -100,8 +185,9 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-tinystories-22m")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated names of RECIPES")
-    parser.add_argument("--tag", default="", help="results/recipes-<tag>-<date>.json (e.g. a branch's rows alone)")
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated names of RECIPES or GLOO_RECIPES")
+    parser.add_argument("--name", default="recipes", help="results file name: benchmarks/results/<name>-<date>.json")
+    parser.add_argument("--tag", default="", help="results/<name>-<tag>-<date>.json (e.g. a branch's rows alone)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the profiler's FutureWarning on export_memory_timeline
     base = ZOO[args.model](seq_len=args.seq_len)
@@ -109,18 +195,22 @@ def main() -> None:
     print(f"{args.model}, batch {args.batch_size} x {args.seq_len} tokens, fp32 AdamW, on this CPU")
     print(f"{'recipe':<28} {'traced B':>13} {'CPU truth B':>13} {'error':>9} {'seconds':>8}")
     for name in args.recipes.split(","):
-        change, options = RECIPES[name]
-        workload = change(base)
         started = time.perf_counter()
-        traced = traced_peak(workload, options, args.batch_size)
-        measured = profiled_peak(workload, options, args.batch_size)
+        if name in GLOO_RECIPES:
+            strategy_name, options = GLOO_RECIPES[name]
+            traced, measured = gloo_peaks(args.model, args.seq_len, args.batch_size, strategy_name, options)
+        else:
+            change, options = RECIPES[name]
+            workload = change(base)
+            traced = traced_peak(workload, options, args.batch_size)
+            measured = profiled_peak(workload, options, args.batch_size)
         seconds = time.perf_counter() - started
         error = (traced - measured) / measured
         rows.append({"recipe": name, "options": options.to_json(), "traced_bytes": traced,
                      "cpu_truth_bytes": measured, "error": error, "seconds": round(seconds, 1)})
         print(f"{name:<28} {traced:>13,} {measured:>13,} {error:>+9.4%} {seconds:>8.1f}", flush=True)
-    path = write_result(f"recipes-{args.tag}" if args.tag else "recipes", {
-        "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": "fp32",
+    path = write_result(f"{args.name}-{args.tag}" if args.tag else args.name, {
+        "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": "per row (options.precision)",
         "truth": "torch.profiler export_memory_timeline peak of the same real CPU step (the second one)",
         "traced": "TraceSession(cuda_semantics=False) peak", "rows": rows,
         "notes": "user SAC policy: the real step also keeps torch.get_rng_state() (5,056 B) per checkpointed "

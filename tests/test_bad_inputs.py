@@ -20,6 +20,7 @@ ROWS = {
         ([*TINY, "--gpu-memory", "24QB"], "24GiB"),
         ([*TINY, "--gpu", "t4", "--precision", "fp8x"], "bf16-mixed"),
         ([*TINY, "--gpu", "t4", "--precision", "bf16-mix"], "unknown precision"),  # not a bf16 warning first
+        ([*TINY, "--gpu", "t4", "--precision", "fp8"], "fp8-tensorwise"),
         ([*TINY, "--gpu", "t4", "--checkpointing", "some"], "full"),
         ([*TINY, "--gpu", "t4", "--batch-sizes", HUGE], "from 1 to 16,777,216"),
         (["gpt-tinystories-22m", "--gpu", "t4", "--seq-len", HUGE], "from 1 to 16,777,216"),

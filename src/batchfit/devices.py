@@ -78,6 +78,9 @@ class Device:
     """Dense fp32 TFLOP/s without tensor cores (what an fp32 PyTorch run gets by default)."""
     supports_bf16: bool = True
     """The card has bf16 tensor cores (V100 and T4 do fp16 only)."""
+    supports_fp8: bool = True
+    """The card has float8 tensor cores (compute capability 8.9 and up: Ada, Hopper; AMD MI300),
+    which ``torch._scaled_mm`` needs: torchtitan refuses float8 below SM89 (``has_cuda_capability(8, 9)``)."""
     bandwidth_gb_per_s: float | None = None
     """Memory bandwidth in GB/s (10**9 bytes)."""
     source: str = "catalog"
@@ -127,7 +130,7 @@ NET_100G = (12.5, "100 Gb/s per GPU (assumed: no reference cluster design)")
 
 
 def _gpu(name, display, mib, tflops, fp32_tflops, bandwidth_gb_per_s, cc_major, bf16=True,
-         intra=PCIE4, inter=NET_100G) -> Device:
+         intra=PCIE4, inter=NET_100G, fp8=True) -> Device:
     return Device(
         name=name,
         display_name=display,
@@ -136,6 +139,7 @@ def _gpu(name, display, mib, tflops, fp32_tflops, bandwidth_gb_per_s, cc_major, 
         bf16_tflops=tflops,
         fp32_tflops=fp32_tflops,
         supports_bf16=bf16,
+        supports_fp8=fp8,
         bandwidth_gb_per_s=bandwidth_gb_per_s,
         intra_node_gb_per_s=intra[0],
         intra_node_link=intra[1],
@@ -150,16 +154,16 @@ CATALOG: dict[str, Device] = {
         _gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", 81559, 989.0, 67.0, 3350, 9, intra=NVLINK4, inter=IB_NDR),
         _gpu("h100-pcie-80gb", "NVIDIA H100 PCIe 80GB", 81559, 756.0, 51.0, 2000, 9, intra=PCIE5),
         _gpu("h200-141gb", "NVIDIA H200 141GB HBM3e", 143771, 989.0, 67.0, 4800, 9, intra=NVLINK4, inter=IB_NDR),
-        _gpu("a100-80gb", "NVIDIA A100 80GB", 81920, 312.0, 19.5, 2039, 8, intra=NVLINK3, inter=IB_HDR),
-        _gpu("a100-40gb", "NVIDIA A100 40GB", 40960, 312.0, 19.5, 1555, 8, intra=NVLINK3, inter=IB_HDR),
-        _gpu("a10g-24gb", "NVIDIA A10G", 23028, 70.0, 31.2, 600, 8),
+        _gpu("a100-80gb", "NVIDIA A100 80GB", 81920, 312.0, 19.5, 2039, 8, intra=NVLINK3, inter=IB_HDR, fp8=False),
+        _gpu("a100-40gb", "NVIDIA A100 40GB", 40960, 312.0, 19.5, 1555, 8, intra=NVLINK3, inter=IB_HDR, fp8=False),
+        _gpu("a10g-24gb", "NVIDIA A10G", 23028, 70.0, 31.2, 600, 8, fp8=False),
         _gpu("l4-24gb", "NVIDIA L4", 23034, 121.0, 30.3, 300, 8),
         _gpu("l40s-48gb", "NVIDIA L40S", 46068, 362.0, 91.6, 864, 8),
         _gpu("rtx4090-24gb", "NVIDIA GeForce RTX 4090", 24564, 165.0, 82.6, 1008, 8),
         _gpu("rtx6000ada-48gb", "NVIDIA RTX 6000 Ada Generation", 49140, 364.0, 91.1, 960, 8),
-        _gpu("v100-16gb", "NVIDIA Tesla V100 16GB", 16160, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2),
-        _gpu("v100-32gb", "NVIDIA Tesla V100 32GB", 32510, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2),
-        _gpu("t4-16gb", "NVIDIA Tesla T4", 15360, 65.0, 8.1, 320, 7, bf16=False, intra=PCIE3),
+        _gpu("v100-16gb", "NVIDIA Tesla V100 16GB", 16160, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2, fp8=False),
+        _gpu("v100-32gb", "NVIDIA Tesla V100 32GB", 32510, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2, fp8=False),
+        _gpu("t4-16gb", "NVIDIA Tesla T4", 15360, 65.0, 8.1, 320, 7, bf16=False, intra=PCIE3, fp8=False),
         _gpu("mi300x-192gb", "AMD Instinct MI300X", 196592, 1307.0, 163.4, 5300, 9, intra=INFINITY_FABRIC),
     ]
 }
@@ -247,11 +251,15 @@ def detect_cuda_device(index: int = 0) -> Device:
 
     props = torch.cuda.get_device_properties(index)
     return Device(name="cuda", display_name=props.name, total_bytes=props.total_memory,
-                  workspace_bytes=cublas_workspace_bytes(props.major), source="measured")
+                  workspace_bytes=cublas_workspace_bytes(props.major), source="measured",
+                  supports_fp8=(props.major, props.minor) >= (8, 9))
 
 
 def precision_warning(device: Device, precision: str) -> str | None:
     """One line to print when ``precision`` does not suit ``device``; None when it does."""
+    if precision.startswith("fp8") and not device.supports_fp8:
+        return (f"{device.name} has no float8 tensor cores (they start with compute capability 8.9: H100, H200, "
+                "L4, L40S, RTX 4090/6000 Ada): torch._scaled_mm fails there; use --precision bf16-mixed")
     if precision.startswith("bf16") and not device.supports_bf16:
         return (f"{device.name} has no bf16 tensor cores: bf16 runs emulated and slowly there; "
                 "use --precision fp16-mixed")

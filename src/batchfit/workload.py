@@ -17,8 +17,29 @@ if TYPE_CHECKING:
 
 from batchfit.errors import OptionError
 
-Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp8-tensorwise", "fp8-rowwise"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp8-tensorwise", "fp8-rowwise")
+FP8_PRECISIONS: tuple[str, ...] = ("fp8-tensorwise", "fp8-rowwise")
+"""float8 training with torchao's ``convert_to_float8_training`` (``train/float8.py``), the
+recipe after the dash, the rest of the step in bf16-mixed (autocast), as torchtitan runs it."""
+
+
+def check_precision(value: str) -> None:
+    """Raise a one-line OptionError unless ``value`` is one of :data:`PRECISIONS` (and, for the
+    float8 ones, torchao is installed: looked up, not imported)."""
+    if value not in PRECISIONS:
+        raise OptionError(f"unknown precision '{value}': use one of {', '.join(PRECISIONS)}")
+    if value in FP8_PRECISIONS and not _installed("torchao"):
+        raise OptionError(f"--precision {value} needs torchao (float8 training): pip install 'batchfit[fp8]'")
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing, or sys.modules holds None
+        return False
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "muon")
 CHECKPOINTING: tuple[str, ...] = ("none", "full", "selective", "every:N")
 """The --checkpointing grammar (``train/checkpointing.py``); N is a positive integer."""
@@ -110,7 +131,8 @@ class StepOptions:
     """How the step runs, separate from what it trains."""
 
     precision: Precision = "fp32"
-    """fp32; bf16-mixed / fp16-mixed (fp32 weights, autocast); bf16 (weights and states in bf16)."""
+    """fp32; bf16-mixed / fp16-mixed (fp32 weights, autocast); bf16 (weights and states in bf16);
+    fp8-tensorwise / fp8-rowwise (torchao float8 linears, the rest bf16-mixed)."""
     optimizer: str | None = None
     """Override the Workload's optimizer: one of adamw, adam, sgd, sgd-momentum, adafactor, muon (Muon
     for the hidden 2-D matrices, AdamW for embeddings, head, norms and biases: train/muon.py)."""
@@ -140,10 +162,7 @@ class StepOptions:
     """Free-form notes carried into reports."""
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise OptionError(
-                f"unknown precision '{self.precision}': use one of {', '.join(PRECISIONS)}"
-            )
+        check_precision(self.precision)
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise OptionError(
                 f"unknown optimizer '{self.optimizer}': use one of {', '.join(OPTIMIZERS)}"
@@ -166,6 +185,13 @@ class StepOptions:
         which checkpoints blocks by position, so a stack cut to 2, 3 and 4 blocks says nothing
         of the whole one (``trace/depth.py`` extrapolates only when this holds)."""
         return not self.checkpointing.startswith("every:") or self.checkpointing == "every:1"
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        """The autocast dtype's name of a mixed-precision step (float8 runs the rest bf16-mixed)."""
+        if self.precision in ("bf16-mixed", *FP8_PRECISIONS):
+            return "bfloat16"
+        return "float16" if self.precision == "fp16-mixed" else None
 
     def to_json(self) -> dict:
         return asdict(self)

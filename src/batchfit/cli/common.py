@@ -91,7 +91,8 @@ GpuMemoryOpt = Annotated[str | None, typer.Option(help="Any GPU by its memory, t
 DeviceOpt = Annotated[str | None, typer.Option(help=f"Where to run: {DEVICE_HELP}. Default: the GPU here, else a traced H100.")]
 ModelArg = Annotated[str, typer.Argument(help=f"What to train: {SPEC_HELP}.", show_default=False)]
 SeqLenOpt = Annotated[int | None, typer.Option(help="Tokens per sample (default: the model's).")]
-PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights) or bf16 (pure).")]
+PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights), bf16 (pure), or "
+                                                "fp8-tensorwise / fp8-rowwise (torchao float8 linears, the rest bf16-mixed).")]
 OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor, muon (Muon for hidden matrices, AdamW for the rest).")]
 CheckpointingOpt = Annotated[str, typer.Option(help="Activation checkpointing: none, full (every block), selective (torchtitan's per-op policy) or every:N (every N-th block).")]
 LossOpt = Annotated[str, typer.Option(help="Language-model loss: plain (the model's), chunked:N (cross-entropy over N "

@@ -107,7 +107,7 @@ def mixed_precision(precision: str):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if precision == "bf16-mixed":
+    if precision in ("bf16-mixed", "fp8-tensorwise", "fp8-rowwise"):  # float8: torchtitan's bf16 policy
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if precision == "fp16-mixed":
         return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
@@ -235,6 +235,10 @@ def _fully_shard_blocks(model: nn.Module, mesh, *, reshard: bool, precision: str
     from batchfit.train.model import block_lists
 
     policy = mixed_precision(precision)
+    if precision == "fp8-tensorwise":  # torchtitan's enable_fsdp_float8_all_gather=True: one byte per element
+        from batchfit.train.float8 import enable_float8_all_gather
+
+        enable_float8_all_gather(model)
     # One FSDP group per block, so one block's parameters are gathered at a time; the root
     # group holds the rest (embeddings, final norm, head) and any model without blocks. The
     # root keeps its own gathered after forward (backward needs them at once), FSDP2's default.
@@ -256,6 +260,10 @@ def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, prec
     a Python all-reduce hook, ``on_bucket`` sees each gradient bucket); ``device`` is the
     rank's own device (a real DDP on CUDA names it).
     """
+    if strategy.tp > 1 and precision == "fp8-tensorwise":
+        raise OptionError(f"{strategy.name}: float8 tensorwise under tensor parallelism needs torchao's float8 TP "
+                          "styles (Float8ColwiseParallel, torchtitan's), not traced yet: use ddp / fsdp strategies, "
+                          "or --precision fp8-rowwise (its TP collectives are bf16)")
     if strategy.tp > 1:
         if parallelize is None:
             raise OptionError(f"{strategy.name}: {type(model).__name__} has no tensor-parallel plan: give the "

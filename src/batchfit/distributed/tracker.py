@@ -10,7 +10,8 @@ escape that, and this tracker sees them:
   as a free or an allocation.
 - DTensor (tensor parallelism, FSDP2's sharded parameters) is a tensor subclass: an op on
   it is answered ``NotImplemented`` so that DTensor turns it into ops on the local shards,
-  which the tracker then sees and counts (as ``fsdp2_mem_tracker.py`` does).
+  which the tracker then sees and counts (as ``fsdp2_mem_tracker.py`` does); so is any other
+  wrapper subclass (torchao's float8 tensors, as ``MemoryTracker`` does on one device).
 - ``_c10d_functional.wait_tensor`` returns its input on a real device; on fake tensors its
   meta kernel returns a new tensor, which would be counted twice: the input is returned.
 
@@ -30,6 +31,7 @@ import torch
 import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401 - defines the fsdp:: ops
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
 from batchfit.trace.memory import CATEGORIES, MemoryTracker
@@ -199,8 +201,10 @@ class ShardedTracker(MemoryTracker):
 
     # --- ops ----------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # DTensor runs the op on its local shards, which come back here
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            # DTensor runs the op on its local shards, torchao's float8 tensors on their data and
+            # scales; those ops come back here (collectives and FLOPs counted once, on them).
+            return NotImplemented
         if self._propagating:  # DTensor working out an output's shape: fake tensors on a GPU too
             return func(*args, **(kwargs or {}))
         if func is _WAIT:

@@ -136,7 +136,8 @@ def config_yaml(result) -> str:
     return head + dump_yaml({"training": {"batch_config": entries}})
 
 
-ACCELERATE_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
+ACCELERATE_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16",
+                        "fp8-tensorwise": "fp8", "fp8-rowwise": "fp8"}
 
 
 def accelerate_yaml(result) -> str:
@@ -167,6 +168,12 @@ def accelerate_yaml(result) -> str:
                                       "gradient_accumulation_steps": p.accumulation_steps,
                                       "offload_optimizer_device": "none", "offload_param_device": "none",
                                       "zero3_init_flag": False}
+    fp8_note = ""
+    if config["mixed_precision"] == "fp8":  # Accelerate's torchao backend; the recipe is set in the script
+        config["fp8_config"] = {"backend": "AO"}
+        recipe = result.options.precision.removeprefix("fp8-")
+        fp8_note = (f"# float8 ({recipe}): pass AORecipeKwargs(config=Float8LinearConfig.from_recipe_name('{recipe}')) "
+                    "to Accelerator(kwargs_handlers=...) in your script.\n")
     if config["distributed_type"] == "FSDP":
         fsdp = {
             "fsdp_version": 2,
@@ -187,7 +194,7 @@ def accelerate_yaml(result) -> str:
                                             "parallelism_config_tp_size": p.tp}
     head = (f"# batchfit plan: {result.workload}, {p.strategy} on {p.gpus} GPUs; per-GPU batch size "
             f"{p.micro_batch}, {p.accumulation_steps} accumulation steps, global batch {p.global_batch}.\n"
-            "# accelerate launch --config_file THIS_FILE your_script.py\n")
+            "# accelerate launch --config_file THIS_FILE your_script.py\n" + fp8_note)
     if config["distributed_type"] == "DEEPSPEED":
         head += ("# Traced with torch's ZeroRedundancyOptimizer, not DeepSpeed: DeepSpeed's own reduce bucket and\n"
                  "# gradient partition buffers (reduce_bucket_size) and, under bf16, fp32 master weights come on top.\n")

@@ -461,10 +461,11 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     say = progress or (lambda message: None)
     started = time.perf_counter()
     from batchfit.trace.compiled import workload_approximations  # torch: when a plan runs
+    from batchfit.trace.cuda_float8 import float8_approximations
 
     from batchfit.distributed.zero import zero_approximations
 
-    approximations = workload_approximations(workload, options)
+    approximations = workload_approximations(workload, options) + float8_approximations(options)
     approximations += zero_approximations([s for _, chosen in by_world for s in chosen])
     target_bytes = int(target_util * device.usable_bytes)
     auto = strategies.strip().lower() == "auto"

@@ -19,7 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_leaves
 
 from batchfit.phases import CATEGORY_OF_PHASE
@@ -78,6 +82,14 @@ after the last (the time between two blocks goes with the block before; with thr
 the second is also the penultimate). A phase that runs no block is all head; one that runs the
 stack more than once (generation, its cache growing) is "repeated", which is not extrapolated. Forward runs block 0 first; backward runs the last block first
 (from the gradient of its output to the gradient of its input). See ``trace.depth`` for how a deep model's peak follows from them."""
+
+
+def held_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor that holds ``tensor``'s memory: a DTensor's local shard, and inside it (or
+    alone) the tensor torchao's ``WeightWithDynamicFloat8CastTensor`` wraps (FSDP2 float8 all-gather)."""
+    for attribute in ("_local_tensor", "_tensor"):
+        tensor = getattr(tensor, attribute, tensor)
+    return tensor
 
 
 def active_tracker() -> MemoryTracker | None:
@@ -180,7 +192,7 @@ class MemoryTracker(TorchDispatchMode):
                       for t in state.values() if isinstance(t, torch.Tensor)]
         for role, name, tensor in owned:
             # A DTensor (a sharded parameter, its gradient and state) holds its memory in its local shard.
-            tensor = getattr(tensor, "_local_tensor", tensor)
+            tensor = held_tensor(tensor)
             record = self._live.get(id(tensor.untyped_storage()))
             if record is not None:
                 record.role = role
@@ -251,6 +263,11 @@ class MemoryTracker(TorchDispatchMode):
             # its arithmetic finite (e.g. step ** -0.8). Anywhere else .item() stays an error:
             # there it may decide shapes.
             return 1.0 if args[0].is_floating_point() else 1
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            # A wrapper subclass (torchao's Float8TrainingTensor, DTensor) runs the op on the
+            # tensors it holds, and those ops come back here: what it allocates inside (a float8
+            # matmul's contiguous copies and output) is counted as it happens, not just its result.
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         for tensor in tree_leaves(out):

@@ -26,6 +26,7 @@ from batchfit.search import SearchResult, Trial, guided, reserved_search
 from batchfit.trace import depth, forked, stream
 from batchfit.trace.approximation import Approximation, fast_path_approximations
 from batchfit.trace.compiled import COMPILED_TRACED, compile_approximations, graph_breaks
+from batchfit.trace.cuda_float8 import float8_approximations
 from batchfit.trace.curve import MemoryCurve, fit_curve
 from batchfit.trace.session import TracePoint, TraceSession
 from batchfit.workload import StepOptions, Workload
@@ -215,7 +216,7 @@ class TracedCurve:
     def approximations(self) -> list[Approximation]:
         """Where this trace approximates the step it stands for (a compiled model run as eager)."""
         session = self._full or self._first
-        fast_path = fast_path_approximations(session.step.model)
+        fast_path = fast_path_approximations(session.step.model) + float8_approximations(self.options)
         if not session.compiled:
             found = compile_approximations(self.options, session.step.model, self.workload.loss_fn)
             why = "; mixed precision on CUDA is not traced compiled yet"  # the one reason left on one device

@@ -28,9 +28,10 @@ from batchfit.train.model import main_blocks
 from batchfit.train.step import TrainingStep
 from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
+from batchfit.trace.cuda_float8 import cpu_scaled_mm_scratch, mirror_float8_autocast
 from batchfit.trace.cuda_norm import CudaRmsNorm
 from batchfit.trace.compiled import compile_for_trace, retarget_for_trace
-from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot
+from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot, held_tensor
 from batchfit.workload import StepOptions, Workload
 
 _CANNOT_FAKE = (
@@ -248,17 +249,17 @@ def install_cuda_mirrors(step: TrainingStep) -> None:
     for group in step.optimizer.param_groups:
         if group.get("foreach", "absent") is None and not group.get("fused"):
             group["foreach"] = True
-    precision = step.options.precision
-    if precision in ("bf16-mixed", "fp16-mixed"):
-        mirror = CudaAutocast(torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
+    if step.options.autocast_dtype is not None:
+        mirror = CudaAutocast(getattr(torch, step.options.autocast_dtype))
         step.step_context, step.forward_autocast = (lambda: mirror), mirror.forward
+    mirror_float8_autocast(step.model)  # torchao's float8 linears read CUDA's autocast flag
 
 
 def _require_fake_parameters(step: TrainingStep, name: str) -> None:
     """A model built before the trace began holds real tensors that the tracker never saw
     being made: it would be traced as 0 bytes of parameters. Say so instead."""
     real = [n for n, t in (*step.model.named_parameters(), *step.model.named_buffers())
-            if not isinstance(getattr(t, "_local_tensor", t), fake_tensor.FakeTensor)]  # a DTensor: its shard
+            if not isinstance(held_tensor(t), fake_tensor.FakeTensor)]  # a DTensor: its shard
     if real:
         raise ModelSpecError(
             f"{name}: build_model returned a model that was built before batchfit called it "
@@ -298,7 +299,7 @@ class TraceSession:
         self.tracker.host_optimizer_scalars = not any(
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
-        mirrored_autocast = cuda_semantics and options.precision in ("bf16-mixed", "fp16-mixed")
+        mirrored_autocast = cuda_semantics and options.autocast_dtype is not None
         self.compiled = options.compile != "none" and wrap is None and tracker is None and not mirrored_autocast
         """Traced compiled (``trace/compiled.py``), else eager: so are sharded steps, and mixed
         precision on CUDA (dynamo recurses without end in CUDA's autocast mirror)."""
@@ -326,7 +327,8 @@ class TraceSession:
         try:
             attention = CudaAttention() if self.cuda_semantics else contextlib.nullcontext()
             norm = CudaRmsNorm() if self.cuda_semantics else contextlib.nullcontext()
-            with self.fake_mode, self.tracker, attention, norm, _quiet_fake_tensor_log():
+            cpu_mm = contextlib.nullcontext() if self.cuda_semantics else cpu_scaled_mm_scratch()
+            with self.fake_mode, self.tracker, attention, norm, cpu_mm, _quiet_fake_tensor_log():
                 yield
         except (torch.OutOfMemoryError, BatchfitError):
             raise

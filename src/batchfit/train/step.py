@@ -12,7 +12,8 @@ real) and the watcher differ.
 
 Where things live, all in :class:`TrainingStep`:
 
-- precision: bf16 weights (``move_module``), autocast (:attr:`~TrainingStep.forward_autocast`);
+- precision: bf16 weights (``move_module``), autocast (:attr:`~TrainingStep.forward_autocast`),
+  float8 linears (``train/float8.py``: torchao's ``convert_to_float8_training``);
 - the loss: ``--loss plain | chunked:N | fused-linear`` (``train/losses.py``) picks
   :attr:`~TrainingStep.loss_fn` once, in ``__init__``;
 - accumulation: each micro-batch's loss times its share of the batch before its backward;
@@ -45,9 +46,10 @@ from torch.utils.checkpoint import checkpoint
 from batchfit.errors import OptionError
 from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
 from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
+from batchfit.train.float8 import convert_to_float8, precompute_scales_after_step
 from batchfit.train.losses import lm_loss, loss_context, tp_loss_of
 from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module
-from batchfit.workload import StepOptions, Workload
+from batchfit.workload import FP8_PRECISIONS, StepOptions, Workload
 
 class StepHooks(Protocol):
     def phase(self, name: str) -> None:
@@ -105,9 +107,10 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 def _is_fake(model: nn.Module) -> bool:
-    """Built on fake tensors (a DTensor: its local shard)?"""
+    """Built on fake tensors (a DTensor: its local shard; torchao's float8 weight: the one it wraps)?"""
     param = next(model.parameters(), None)
-    return param is not None and isinstance(getattr(param, "_local_tensor", param), FakeTensor)
+    held = getattr(getattr(param, "_local_tensor", param), "_tensor", getattr(param, "_local_tensor", param))
+    return param is not None and isinstance(held, FakeTensor)
 
 
 def _grad_scaler(options: StepOptions, device: torch.device, model: nn.Module) -> torch.amp.GradScaler | None:
@@ -156,6 +159,10 @@ class TrainingStep:
             model = workload.build_model()
         dtype = torch.bfloat16 if options.precision == "bf16" else None
         self.model = move_module(model, device, dtype)
+        # First, as torchtitan's model converters run before parallelisms, AC and compile.
+        self.float8_layers: list[str] = (convert_to_float8(self.model, options.precision)
+                                         if options.precision in FP8_PRECISIONS else [])
+        """The linears torchao's float8 training converted (fp8 precisions only)."""
         apply_freezing(self.model, options)
         if options.checkpointing != "none":
             # Fake tensors cannot snapshot the CPU generator; dropout-free steps do not need it.
@@ -178,6 +185,8 @@ class TrainingStep:
             raise OptionError("every parameter is frozen: loosen --freeze or --train-only")
         self.optimizer = (build_optimizer(options.optimizer, params, self.model) if options.optimizer
                           else workload.build_optimizer(params))
+        if self.float8_layers:
+            precompute_scales_after_step(self.model, self.optimizer)  # FSDP2 float8 all-gather only
         self.loss_fn: LossFn = lm_loss(options.loss, workload)  # plain: workload.loss_fn itself
         self.loss_context: Callable[[], contextlib.AbstractContextManager] = loss_context(self.model)
         """Entered around the forward (which computes the loss) and the backward: torch's
@@ -188,8 +197,8 @@ class TrainingStep:
         """Entered around each whole step (the tracer's CUDA autocast mirror lives here)."""
         self.forward_autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         """The autocast region of the forward pass (and generation)."""
-        if options.precision in ("bf16-mixed", "fp16-mixed"):
-            dtype = torch.bfloat16 if options.precision == "bf16-mixed" else torch.float16
+        if options.autocast_dtype is not None:  # bf16-mixed, fp16-mixed, and float8's other ops
+            dtype = getattr(torch, options.autocast_dtype)
             self.forward_autocast = lambda: torch.autocast(device.type, dtype=dtype)
 
     @classmethod
