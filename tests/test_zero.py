@@ -46,10 +46,10 @@ def tiny_workload() -> Workload:
                                    vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, description="tiny llama")
 
 
-def _trace(name: str, options: StepOptions = StepOptions(), world: int = WORLD):
+def _trace(name: str, options: StepOptions = StepOptions(), world: int = WORLD, workload: Workload | None = None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return trace_sharded(tiny_workload(), options, get_device("h100-80gb"), parse_strategy(name, world),
+        return trace_sharded(workload or tiny_workload(), options, get_device("h100-80gb"), parse_strategy(name, world),
                              LOCAL_BATCH, cuda_semantics=False)
 
 
@@ -278,3 +278,16 @@ def test_a_plan_with_zero_says_it_traced_torch_not_deepspeed():
     (said,) = zero_approximations([parse_strategy("zero2", 4), parse_strategy("zero1", 4)])
     assert said.what.startswith("zero1 and zero2 traced as torch's ZeroRedundancyOptimizer")
     assert "reduce_bucket_size" in said.may_differ_by and "\n" not in said.line()
+
+
+def test_an_optimizer_zero_cannot_rebuild_is_one_line():
+    class Custom(torch.optim.SGD):
+        def __init__(self, params, *, scale):  # defaults it cannot take back
+            super().__init__(params, lr=0.1)
+
+    mlp = Workload(name="mlp", build_model=lambda: nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8)),
+                   make_batch=lambda b, device: torch.randn(b, 8, device=device),
+                   loss_fn=lambda m, x: m(x).pow(2).mean(), build_optimizer=lambda params: Custom(params, scale=2))
+    with pytest.raises(OptionError, match="ZeroRedundancyOptimizer builds each rank's optimizer as Custom") as error:
+        _trace("zero1", workload=mlp)
+    assert "\n" not in str(error.value)

@@ -34,6 +34,8 @@ import dataclasses
 import inspect
 from typing import TYPE_CHECKING
 
+from batchfit.errors import OptionError
+
 if TYPE_CHECKING:
     import torch
 
@@ -54,7 +56,12 @@ def zero_optimizer(inner: torch.optim.Optimizer, *, shard_gradients: bool):
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in inner.defaults.items() if k in accepted}  # AdamW's defaults name more
     groups = [{**group, "params": list(group["params"])} for group in inner.param_groups]
-    zero = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **defaults)
+    try:
+        zero = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **defaults)
+    except (TypeError, ValueError) as error:
+        raise OptionError(f"ZeroRedundancyOptimizer builds each rank's optimizer as {cls.__name__}(param groups, "
+                          f"**defaults), which failed ({str(error).splitlines()[0] if str(error) else type(error).__name__}): "
+                          "pick --optimizer adamw, or ddp / fsdp for this optimizer") from None
     # The rank's state lives in its local optimizer; ZeroRedundancyOptimizer's own .state stays
     # empty. batchfit labels optimizer state (and clears it for a fresh trace) through .state.
     zero.state = zero.optim.state

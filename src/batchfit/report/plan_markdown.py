@@ -72,6 +72,17 @@ def _tp_loss_rows(r) -> list[str]:
     return [f"| Tensor-parallel loss | {text} |"]
 
 
+SHARD_MEANING = {
+    "fsdp-noreshard": "FSDP2 with reshard_after_forward=False: each block's gathered parameters kept from its "
+                      "forward to its backward (ZeRO-2-like while the step runs), sharded at rest",
+    "zero1": "DDP + torch's ZeroRedundancyOptimizer: optimizer state sharded, parameters and gradients "
+             "replicated (ZeRO stage 1)",
+    "zero2": "torch's ZeroRedundancyOptimizer, each gradient reduced to the rank that owns it: optimizer state "
+             "and gradients sharded, parameters replicated (ZeRO stage 2)",
+}
+"""What the strategies whose names do not say it do (docs/tracing.md, Sharded optimizer state)."""
+
+
 def plan_markdown(result, plot_name: str = "plan.png") -> str:
     r = result
     d = r.device
@@ -101,6 +112,8 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
               f"- Parameters: {r.params:,}",
               "- Source: memory **traced** (rank 0 of each strategy on a fake process group, PyTorch's own "
               "DDP / FSDP2 / DTensor code, fake tensors; no GPU was used); time **computed** (see below).",
+              *[f"- `{shard}`: {SHARD_MEANING[shard]}." for shard in dict.fromkeys(p.shard for p in r.plans)
+                if shard in SHARD_MEANING],
               "", f"![memory per GPU and tokens/s by strategy]({plot_name})", "",
               "## Configuration", "", "| | |", "|---|---|",
               f"| Model | `{r.workload}`: {r.description} |",

@@ -16,7 +16,8 @@ Muon and AdamW over its groups. Which parameters are hidden matrices: the 2-D pa
 every module but ``nn.Embedding`` and the output head (a transformers model's
 ``get_output_embeddings()``, else the model's last ``nn.Linear``, as in nanoGPT, the zoo LMs
 and HF causal LMs; for a classifier, its last layer). A head tied to the embedding is the
-embedding's one parameter: AdamW.
+embedding's one parameter: AdamW. Convolution kernels (4-D) go to AdamW too: torch.optim.Muon
+takes 2-D parameters only (the reference flattens them; torch does not).
 
 Memory: one momentum buffer per Muon parameter (``state["momentum_buffer"]``, its shape and
 dtype), AdamW's ``exp_avg`` and ``exp_avg_sq`` (and a scalar ``step``) per other parameter;
