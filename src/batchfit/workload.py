@@ -47,6 +47,21 @@ def check_loss(value: str) -> None:
                           "N a positive integer")
 
 
+OFFLOAD: tuple[str, ...] = ("none", "activations", "params", "activations+params")
+"""The --offload grammar: none, or parts joined by '+' (``train/offload.py``)."""
+OFFLOAD_PARTS: tuple[str, ...] = ("activations", "params")
+
+
+def check_offload(value: str) -> None:
+    """Raise a one-line OptionError unless ``value`` is none or parts of :data:`OFFLOAD_PARTS`
+    joined by '+', each once."""
+    parts = value.split("+")
+    if value == "none" or (all(p in OFFLOAD_PARTS for p in parts) and len(set(parts)) == len(parts)):
+        return
+    raise OptionError(f"unknown offload '{value}': use none, activations, params or activations+params "
+                      "(params: FSDP2's CPUOffloadPolicy, plan with an fsdp strategy)")
+
+
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with PyTorch's defaults: on CUDA it takes the foreach path."""
     import torch
@@ -111,6 +126,11 @@ class StepOptions:
     loss: str = "plain"
     """The language-model loss: plain (the Workload's loss_fn), chunked:N (cross-entropy over N
     chunks of the sequence, torchtune's) or fused-linear (Liger's fused linear + cross-entropy)."""
+    offload: str = "none"
+    """What moves to pinned host memory: none; activations (the tensors autograd saves in the
+    forward, moved out and back by saved-tensor hooks, as torchtune's and TRL's
+    OffloadActivations do); params (FSDP2's CPUOffloadPolicy: sharded parameters, their gradients
+    and the optimizer state, stepped on the CPU; plan only); or both, joined by '+'."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
     trainable: tuple[str, ...] = ()
@@ -135,6 +155,7 @@ class StepOptions:
         if self.compile not in COMPILE:
             raise OptionError(f"unknown compile '{self.compile}': use one of {', '.join(COMPILE)}")
         check_loss(self.loss)
+        check_offload(self.offload)
         if self.accumulation_steps < 1:
             raise OptionError(
                 f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"
@@ -148,6 +169,10 @@ class StepOptions:
         which checkpoints blocks by position, so a stack cut to 2, 3 and 4 blocks says nothing
         of the whole one (``trace/depth.py`` extrapolates only when this holds)."""
         return not self.checkpointing.startswith("every:") or self.checkpointing == "every:1"
+
+    def offloads(self, part: str) -> bool:
+        """Whether ``part`` (one of :data:`OFFLOAD_PARTS`) moves to host memory."""
+        return part in self.offload.split("+")
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -54,12 +54,19 @@ class MemoryPoint:
     reserved_ratio: float | None = None
     """Reserved over allocated: at the peak, or (when it ran out) what it held and asked for
     over what was allocated then; the search predicts the next size with it."""
+    host_peak_bytes: int = 0
+    """Host bytes the step holds at once for ``--offload`` (pinned, rounded to powers of two as
+    PyTorch's host allocator does); 0 without offload."""
+    host_reserved_bytes: int = 0
+    """Pinned host memory the process holds after the step (the host allocator caches its blocks):
+    what ``--host-memory`` is checked against."""
 
     def to_json(self) -> dict:
         return {"batch_size": self.batch_size, "peak_bytes": self.peak_bytes,
                 "peak_reserved_bytes": self.peak_reserved_bytes, "reserved_oom": self.reserved_oom,
                 "breakdown": self.breakdown, "phase": self.phase,
-                "peak_by_phase": self.peak_by_phase, "largest_tensors": self.top}
+                "peak_by_phase": self.peak_by_phase, "largest_tensors": self.top,
+                "host_peak_bytes": self.host_peak_bytes, "host_reserved_bytes": self.host_reserved_bytes}
 
 
 def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
@@ -73,6 +80,7 @@ def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
         breakdown_by_phase={k: {**v, "workspace": workspace_bytes} for k, v in snap.breakdown_by_phase.items()},
         peak_by_part={k: v + workspace_bytes for k, v in snap.peak_by_part.items()},
         breakdown_by_part={k: {**v, "workspace": workspace_bytes} for k, v in snap.breakdown_by_part.items()},
+        host_peak_bytes=snap.host_peak_bytes, host_reserved_bytes=snap.host_reserved_bytes,
     )
 
 
@@ -157,6 +165,7 @@ class TracedCurve:
         self._full: TraceSession | None = None
         self._seen = seen = depth.Depth()
         by_depth = by_depth and options.blocks_alike and options.compile == "none"  # every:N: blocks differ by position; a compiled trace has no per-block parts
+        by_depth = by_depth and options.offload == "none"  # the host account is not extrapolated by depth
         self._first = first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
                                            options)
         if by_depth and first.compiled:  # the workload compiles itself: traced whole, as --compile is

@@ -22,6 +22,8 @@ Where things live, all in :class:`TrainingStep`:
   which reports a step it skipped;
 - the optimizer step: :meth:`~TrainingStep.update` (learning rate, clipping, scaler, zeroing),
   the one place in batchfit that steps an optimizer;
+- activation offloading: ``--offload activations`` (``train/offload.py``) runs the forward under
+  saved-tensor hooks (:meth:`~TrainingStep.forward`);
 - activation checkpointing: the policy (``--checkpointing full | selective | every:N``,
   ``train/checkpointing.py``) wraps the main blocks here (``_checkpoint_blocks``). Saving a
   run to resume it is the sweep's (``sweep/run.py``).
@@ -46,6 +48,7 @@ from batchfit.errors import OptionError
 from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
 from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
 from batchfit.train.losses import lm_loss
+from batchfit.train.offload import OffloadActivations
 from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module
 from batchfit.workload import StepOptions, Workload
 
@@ -170,6 +173,9 @@ class TrainingStep:
             # before the optimizer: FSDP2 replaces the parameters with their shards, and the
             # optimizer (and its state) must be built over those.
             self.model = wrap(self.model)
+        self.offload: OffloadActivations | None = (OffloadActivations(self.model, device)
+                                                   if options.offloads("activations") else None)
+        """The saved-tensor hooks of ``--offload activations`` (``train/offload.py``), else None."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise OptionError("every parameter is frozen: loosen --freeze or --train-only")
@@ -197,14 +203,17 @@ class TrainingStep:
         step.workload, step.options = None, StepOptions()
         step.device = param.device if param is not None else torch.device("cpu")
         step.model, step.optimizer, step.loss_fn, step.scaler = model, optimizer, loss_fn, scaler
+        step.offload = None
         step.step_context = step.forward_autocast = contextlib.nullcontext
         return step
 
     # -- the pieces ------------------------------------------------------------------------
 
     def forward(self, batch: Any) -> torch.Tensor:
-        """The loss of ``batch`` (a mean over its samples), under the step's autocast."""
-        with self.forward_autocast():
+        """The loss of ``batch`` (a mean over its samples), under the step's autocast (and the
+        offload hooks, which cover the loss as TRL's do)."""
+        offload = self.offload.hooks() if self.offload is not None else contextlib.nullcontext()
+        with self.forward_autocast(), offload:
             return self.loss_fn(self.model, batch)
 
     def backward(self, loss: torch.Tensor, share: float = 1.0) -> torch.Tensor:
