@@ -128,6 +128,11 @@ def run_out_at_reserved(session: TraceSession, device: Device, config: Allocator
     return allocator
 
 
+def host_fits(point: MemoryPoint, host_limit_bytes: int | None) -> bool:
+    """Whether the pinned host memory ``point`` holds fits ``--host-memory`` (None: not checked)."""
+    return host_limit_bytes is None or point.host_reserved_bytes <= host_limit_bytes
+
+
 class TracedCurve:
     """A workload on fake tensors, traced at batch sizes on demand (each size once).
 
@@ -338,7 +343,7 @@ class TracedCurve:
         return fit_curve({b: p.peak_by_phase for b, p in self.points.items()})
 
     def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
-                  reserved: bool = False) -> SearchResult:
+                  reserved: bool = False, host_limit_bytes: int | None = None) -> SearchResult:
         """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak is under
         ``limit_bytes``: the curve predicts it, tracing it and the next size up confirms it.
 
@@ -346,11 +351,15 @@ class TracedCurve:
         never less than allocated, so the search first finds the allocated answer (cheap: by
         depth) and then looks for the reserved one at or below it, where each probe is a
         whole-model trace replayed through the allocator model.
+
+        With ``host_limit_bytes`` a batch whose offloaded host bytes (the pinned allocator's hold)
+        pass it does not fit either.
         """
 
         def allocated_probe(batch_size: int) -> Trial:
-            peak = self.point(batch_size).peak_bytes
-            return Trial(batch_size, "ok" if peak <= limit_bytes else "oom", peak_allocated_bytes=peak)
+            point = self.point(batch_size)
+            fits = point.peak_bytes <= limit_bytes and host_fits(point, host_limit_bytes)
+            return Trial(batch_size, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes)
 
         known = [allocated_probe(b) for b in self.points]
         found = guided(allocated_probe, lambda trials: self.curve().max_batch_size(limit_bytes, multiple_of),
