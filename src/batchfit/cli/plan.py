@@ -124,7 +124,7 @@ def plan_command(
         result = plan(workload, device=target.device, worlds=worlds, options=options, strategies=strategies,
                       global_batch=global_batch, tokens=tokens, batch_sizes=sizes, target_util=target_util,
                       multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say,
-                      processes=processes)
+                      processes=processes, host_memory_bytes=host_memory_bytes)
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
 
     def write_all(files):  # the report, every --emit and --json: all or none, JSON last
@@ -165,6 +165,11 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
             f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "—",
             f"{p.days:.1f}" if p.days is not None else "—")
     console.print(table)
+    if result.options.offload != "none":
+        from batchfit.report.host import plan_host_line
+
+        for best in result.recommended:
+            console.print(escape(plan_host_line(best, result.host_limit_bytes)))
     for best in result.recommended:
         console.print(f"[bold green]{best.gpus} GPU{'s' if best.gpus > 1 else ''}: {best.strategy}[/], micro-batch "
                       f"{best.micro_batch} x {best.accumulation_steps} accumulation = global batch {best.global_batch}")

@@ -76,10 +76,15 @@ class PlanPoint:
     breakdown: dict[str, int]
     flops: int
     collectives: tuple
+    host_reserved_bytes: int = 0
+    """Pinned host memory rank 0 holds for --offload (the host allocator's cache)."""
+    offloaded_bytes: int = 0
+    """Bytes rank 0 copies to the host in one micro-step (--offload), and back for activations."""
 
     def to_json(self) -> dict:
         return {"local_batch": self.local_batch, "peak_bytes": self.peak_bytes, "breakdown": self.breakdown,
-                "flops": self.flops}
+                "flops": self.flops, "host_reserved_bytes": self.host_reserved_bytes,
+                "offloaded_bytes": self.offloaded_bytes}
 
 
 def plan_point(traced, workspace_bytes: int) -> PlanPoint:
@@ -90,7 +95,8 @@ def plan_point(traced, workspace_bytes: int) -> PlanPoint:
     if "workspace" not in breakdown:
         breakdown["workspace"] = workspace_bytes
         peak += workspace_bytes
-    return PlanPoint(traced.local_batch, peak, breakdown, traced.flops, tuple(traced.collectives))
+    return PlanPoint(traced.local_batch, peak, breakdown, traced.flops, tuple(traced.collectives),
+                     getattr(traced, "host_reserved_bytes", 0), getattr(traced, "offloaded_bytes", 0))
 
 
 class ShardedCurve:
@@ -117,13 +123,17 @@ class ShardedCurve:
         step peak, fixed (its shards of parameters, gradients, optimizer state) plus per sample."""
         return MemoryCurve((secant("step", [(b, p.peak_bytes) for b, p in self.points.items()]),))
 
-    def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int) -> SearchResult:
+    def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
+                  host_limit_bytes: int | None = None) -> SearchResult:
         """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak is under
-        ``limit_bytes``: predicted by the curve, confirmed by tracing it and the next size up."""
+        ``limit_bytes`` (and whose offloaded host bytes are under ``host_limit_bytes``, when
+        given): predicted by the curve, confirmed by tracing it and the next size up."""
 
         def probe(local_batch: int) -> Trial:
-            peak = self.point(local_batch).peak_bytes
-            return Trial(local_batch, "ok" if peak <= limit_bytes else "oom", peak_allocated_bytes=peak)
+            point = self.point(local_batch)
+            fits = point.peak_bytes <= limit_bytes and (host_limit_bytes is None
+                                                        or point.host_reserved_bytes <= host_limit_bytes)
+            return Trial(local_batch, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes)
 
         known = [probe(b) for b in self.points]
         return guided(probe, lambda trials: self.curve().max_batch_size(limit_bytes, multiple_of),
@@ -192,6 +202,8 @@ class StrategyPlan:
             "capped": self.capped, "micro_batch": self.micro_batch,
             "accumulation_steps": self.accumulation_steps, "global_batch": self.global_batch,
             "peak_bytes_at_micro": self.peak_bytes_at_micro, "above_target": self.above_target,
+            "host_reserved_bytes_at_micro": (self.point(self.micro_batch).host_reserved_bytes
+                                             if self.point(self.micro_batch) else None),
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "samples_per_s": self.samples_per_s,
             "days": self.days, "time": self.time.to_json() if self.time else None,
             "step_time_s_at_max": self.time_at_max.step_time_s if self.time_at_max else None,
@@ -224,6 +236,8 @@ class PlanResult:
     approximations: list[Approximation] = field(default_factory=list)
     """Where the traced figures approximate the step (a compiled model traced as eager): every
     output says each one."""
+    host_limit_bytes: int | None = None
+    """--host-memory: what each rank's offloaded pinned host bytes must fit; None: not checked."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
     @property
@@ -263,6 +277,7 @@ class PlanResult:
                              "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "days": p.days}
                             for p in self.recommended],
             "approximations": [a.to_json() for a in self.approximations],
+            "host_limit_bytes": self.host_limit_bytes,
             "trace_seconds": round(self.trace_seconds, 2), "traces": self.traces, "created": self.created,
         }
 
@@ -317,8 +332,13 @@ def _choose_micro(plan: StrategyPlan, curve: ShardedCurve, target_bytes: int, gl
     plan.accumulation_steps = plan.global_batch // (chosen * plan.dp)
 
 
-def _fix(plan: StrategyPlan, point: PlanPoint, capacity_bytes: int, options: StepOptions) -> list[str]:
+def _fix(plan: StrategyPlan, point: PlanPoint, capacity_bytes: int, options: StepOptions,
+         host_limit_bytes: int | None = None) -> list[str]:
     """What would make local batch 1 fit, computed from its breakdown (labelled computed)."""
+    if point.peak_bytes <= capacity_bytes and host_limit_bytes is not None and point.host_reserved_bytes > host_limit_bytes:
+        return [f"local batch {point.local_batch} fits the GPU, but its offloaded tensors hold "
+                f"{point.host_reserved_bytes / GiB:.2f} GiB of pinned host memory per rank, over --host-memory "
+                f"{host_limit_bytes / GiB:.2f} GiB: offload less (--offload none) or give the host's memory"]
     over = point.peak_bytes - capacity_bytes
     parts = point.breakdown
     state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer", "optimizer_state"))
@@ -346,7 +366,8 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
          batch_sizes: list[int] | None = None, target_util: float = 0.9, multiple_of: int = 1,
          max_batch: int = DEFAULT_MAX_BATCH, time_model: TimeModel | None = None,
          trace: Callable | None = None, parse: Callable | None = None,
-         progress: Callable[[str], None] | None = None, processes: int | None = None) -> PlanResult:
+         progress: Callable[[str], None] | None = None, processes: int | None = None,
+         host_memory_bytes: int | None = None) -> PlanResult:
     """Plan ``workload`` on ``device`` for each of ``worlds`` and each of ``strategies``.
 
     ``trace(workload, options, device, strategy, local_batch) -> ShardedPoint`` and
@@ -354,6 +375,8 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     ``tokens`` is a count, ``'chinchilla'`` (20 x parameters) or a string either way.
     ``processes``: strategies traced at once, each in its own process (default: one per CPU
     core, at most one per strategy; ``plan/workers.py``); 1 traces them one after another.
+    ``host_memory_bytes`` (``--host-memory``): a local batch whose ``--offload``-ed pinned host
+    bytes on a rank pass it does not fit; None does not check them.
     """
     options = options or StepOptions()
     time_model = time_model or TimeModel()
@@ -391,7 +414,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         world, strategy = job
         return _plan_one(open_session, workload, options, device, world, strategy, time_model, say, auto=auto,
                          batch_sizes=batch_sizes, global_batch=global_batch, multiple_of=multiple_of,
-                         max_batch=max_batch, target_bytes=target_bytes)
+                         max_batch=max_batch, target_bytes=target_bytes, host_limit_bytes=host_memory_bytes)
 
     jobs = [(world, strategy) for world, chosen in by_world for strategy in chosen]
     done = workers.run(one, jobs, say, processes=processes if trace is None else 1)
@@ -412,14 +435,14 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         params=params, global_batch=global_batch, tokens=tokens, tokens_asked=tokens_asked,
         target_util=target_util, multiple_of=multiple_of, time_model=time_model,
         links=time_model.links(device), trace_seconds=time.perf_counter() - started, traces=traces,
-        approximations=approximations,
+        approximations=approximations, host_limit_bytes=host_memory_bytes,
     )
 
 
 def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, device: Device, world: World,
               strategy, time_model: TimeModel, say: Callable[[str], None], *, auto: bool,
               batch_sizes: list[int] | None, global_batch: int | None, multiple_of: int, max_batch: int,
-              target_bytes: int) -> tuple[StrategyPlan, int | None]:
+              target_bytes: int, host_limit_bytes: int | None = None) -> tuple[StrategyPlan, int | None]:
     """One strategy on one GPU count, in one tracing session: its row, and the model's
     parameter count (None when ``auto`` skipped it: the model has no tensor-parallel plan)."""
     label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
@@ -432,7 +455,8 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
             trace_first_sizes(curve, batch_sizes, multiple_of, device.usable_bytes)
             plan_row = _plan_strategy(base, curve, strategy, world, workload, device, options, time_model,
                                       global_batch=global_batch, multiple_of=multiple_of,
-                                      max_batch=max_batch, target_bytes=target_bytes)
+                                      max_batch=max_batch, target_bytes=target_bytes,
+                                      host_limit_bytes=host_limit_bytes)
     except OptionError as error:
         if not auto or strategy.tp == 1 or (curve is not None and curve.points):
             raise
@@ -445,18 +469,19 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
 
 def _plan_strategy(base: dict, curve: ShardedCurve, strategy, world: World, workload: Workload, device: Device,
                    options: StepOptions, time_model: TimeModel, *, global_batch: int | None, multiple_of: int,
-                   max_batch: int, target_bytes: int) -> StrategyPlan:
+                   max_batch: int, target_bytes: int, host_limit_bytes: int | None = None) -> StrategyPlan:
     """One strategy's row: the max local batch (traced and confirmed), the micro-batch and its
     time, or, when not even the smallest batch fits, what would make it fit."""
     capacity = device.usable_bytes
-    found = curve.max_batch(capacity, lo=multiple_of, hi=max_batch, multiple_of=multiple_of)
+    found = curve.max_batch(capacity, lo=multiple_of, hi=max_batch, multiple_of=multiple_of,
+                            host_limit_bytes=host_limit_bytes)
     plan_row = StrategyPlan(**base, points=[], curve=None, max_local_batch=found.max_batch_size,
                             capped=found.capped, params_per_rank=curve.first.params_per_rank)
     if plan_row.fits:
         _choose_micro(plan_row, curve, target_bytes, global_batch, multiple_of)
         _time(plan_row, curve, strategy, world, device, options, time_model, workload)
     else:
-        plan_row.fix = _fix(plan_row, curve.points[min(curve.points)], capacity, options)
+        plan_row.fix = _fix(plan_row, curve.points[min(curve.points)], capacity, options, host_limit_bytes)
     return plan_row
 
 

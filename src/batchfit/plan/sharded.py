@@ -147,6 +147,12 @@ class ShardedPoint:
     peak_by_part: dict[str, int] = dataclasses.field(default_factory=dict)
     """Each phase's peak by part ('backward:last'; ``trace.memory.PARTS``), for ``trace.depth``."""
     breakdown_by_part: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    host_peak_bytes: int = 0
+    """Rank 0's most host bytes at once for --offload (pinned, power-of-two rounded)."""
+    host_reserved_bytes: int = 0
+    """Pinned host memory rank 0's host allocator holds (its cache): what --host-memory checks."""
+    offloaded_bytes: int = 0
+    """Bytes rank 0 copied to the host in the step (--offload's transfers)."""
 
 
 _world: list[int] = []
@@ -280,6 +286,8 @@ class ShardedSession:
             breakdown_by_phase={k: {**v, "workspace": workspace} for k, v in snapshot.breakdown_by_phase.items()},
             peak_by_part={k: v + workspace for k, v in snapshot.peak_by_part.items()},
             breakdown_by_part={k: {**v, "workspace": workspace} for k, v in snapshot.breakdown_by_part.items()},
+            host_peak_bytes=snapshot.host_peak_bytes, host_reserved_bytes=snapshot.host_reserved_bytes,
+            offloaded_bytes=snapshot.offloaded_bytes,
         )
 
     def close(self) -> None:

@@ -77,6 +77,8 @@ class Snapshot:
     """What the pinned host allocator holds after the step: it caches every block it made."""
     total_peak_bytes: int = 0
     """The most device + host bytes alive at once (what one CPU's memory holds: the CPU truth)."""
+    offloaded_bytes: int = 0
+    """Bytes the step made on the host (unrounded): the device-to-host copies of --offload."""
 
 
 PARTS: tuple[str, ...] = ("head", "first", "second", "middle", "penultimate", "last", "tail", "repeated")
@@ -156,10 +158,13 @@ class MemoryTracker(TorchDispatchMode):
         """The most host bytes alive at once since start_window()."""
         self.total_peak_bytes = 0
         """The most device + host bytes alive at once since start_window() (a CPU holds both)."""
+        self.host_made_bytes = 0
+        """Bytes of host storages made since start_window() (unrounded): what was copied out."""
         self._host_live_by_size: dict[int, int] = {}
         self._host_cached_by_size: dict[int, int] = {}
         """Blocks of each size the pinned allocator holds: it caches freed blocks by size, never
-        returning them, so it holds the most blocks of each size ever alive at once."""
+        returning them, so it holds the most blocks of each size ever alive at once (since
+        start_window(): the measured step stands for a fresh process at its batch size)."""
 
     @contextlib.contextmanager
     def on_host(self) -> Iterator[None]:
@@ -291,6 +296,10 @@ class MemoryTracker(TorchDispatchMode):
         """Start measuring a new step: the peak restarts from what is live now."""
         self.peak_bytes = self.live_bytes
         self.host_peak_bytes = self.host_live_bytes
+        self.host_made_bytes = 0
+        # The step at this batch size as a fresh process holds: its own sizes' blocks (the
+        # warm-up step before the window has the same sizes), not an earlier batch size's.
+        self._host_cached_by_size = {size: n for size, n in self._host_live_by_size.items() if n}
         self.total_peak_bytes = self.live_bytes + self.host_live_bytes
         self._peak_seq = self._seq
         self._peak_phase = self.current_phase
@@ -358,6 +367,7 @@ class MemoryTracker(TorchDispatchMode):
         record = Allocation(seq=self._seq, nbytes=nbytes, phase=self.current_phase, op=op, shape=shape, dtype=dtype,
                             module=self._module_stack[-1] if self._module_stack else None, role="host")
         self._pinned[key] = record
+        self.host_made_bytes += storage.nbytes()
         weakref.finalize(storage, self._free_host, key).atexit = False
         self.host_live_bytes += nbytes
         live = self._host_live_by_size[nbytes] = self._host_live_by_size.get(nbytes, 0) + 1
@@ -452,6 +462,7 @@ class MemoryTracker(TorchDispatchMode):
             host_peak_bytes=self.host_peak_bytes,
             host_reserved_bytes=self.host_cached_bytes,
             total_peak_bytes=self.total_peak_bytes,
+            offloaded_bytes=self.host_made_bytes,
             breakdown_by_phase={phase: self._breakdown(self._live_at(seq))
                                 for phase, seq in self._peak_seq_by_phase.items()},
             **self._parts(),

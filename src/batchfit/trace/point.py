@@ -60,13 +60,16 @@ class MemoryPoint:
     host_reserved_bytes: int = 0
     """Pinned host memory the process holds after the step (the host allocator caches its blocks):
     what ``--host-memory`` is checked against."""
+    offloaded_bytes: int = 0
+    """Bytes the step copies to the host (and, for activations, back): the transfer time's bytes."""
 
     def to_json(self) -> dict:
         return {"batch_size": self.batch_size, "peak_bytes": self.peak_bytes,
                 "peak_reserved_bytes": self.peak_reserved_bytes, "reserved_oom": self.reserved_oom,
                 "breakdown": self.breakdown, "phase": self.phase,
                 "peak_by_phase": self.peak_by_phase, "largest_tensors": self.top,
-                "host_peak_bytes": self.host_peak_bytes, "host_reserved_bytes": self.host_reserved_bytes}
+                "host_peak_bytes": self.host_peak_bytes, "host_reserved_bytes": self.host_reserved_bytes,
+                "offloaded_bytes": self.offloaded_bytes}
 
 
 def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
@@ -81,6 +84,7 @@ def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
         peak_by_part={k: v + workspace_bytes for k, v in snap.peak_by_part.items()},
         breakdown_by_part={k: {**v, "workspace": workspace_bytes} for k, v in snap.breakdown_by_part.items()},
         host_peak_bytes=snap.host_peak_bytes, host_reserved_bytes=snap.host_reserved_bytes,
+        offloaded_bytes=snap.offloaded_bytes,
     )
 
 
