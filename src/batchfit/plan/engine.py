@@ -406,7 +406,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     started = time.perf_counter()
     from batchfit.trace.compiled import workload_approximations  # torch: when a plan runs
 
-    approximations = workload_approximations(workload, options)
+    from batchfit.trace.approximation import offload_approximations
+
+    approximations = workload_approximations(workload, options) + offload_approximations(options.offload)
     target_bytes = int(target_util * device.usable_bytes)
     auto = strategies.strip().lower() == "auto"
 
@@ -490,9 +492,10 @@ def _time(plan_row: StrategyPlan, curve: ShardedCurve, strategy, world: World, d
     """Step time, samples/s and tokens/s at the micro-batch, and at the max local batch."""
     at_micro = curve.points[plan_row.micro_batch]
     plan_row.time = step_time(at_micro, strategy, world, device, options.precision, model,
-                              plan_row.accumulation_steps)
+                              plan_row.accumulation_steps, param_offload=options.offloads("params"))
     at_max = curve.points.get(plan_row.max_local_batch)
-    plan_row.time_at_max = at_max and step_time(at_max, strategy, world, device, options.precision, model)
+    plan_row.time_at_max = at_max and step_time(at_max, strategy, world, device, options.precision, model,
+                                                param_offload=options.offloads("params"))
     if plan_row.time:
         plan_row.samples_per_s = plan_row.global_batch / plan_row.time.step_time_s
         if workload.tokens_per_sample:

@@ -37,6 +37,12 @@ full duplex and is not shared with the collectives (NVLink or the network carry 
 longer than the pass it hides behind shows as time. Not modelled: the stream's waits (a tensor
 asked back before its copy lands stalls the backward; torchtune's heuristics keep that rare).
 
+``--offload params`` (FSDP2's CPUOffloadPolicy): before each all-gather FSDP2 copies the rank's
+shard to the GPU (the all-gather's bytes / its group size), and after each reduce-scatter the
+gradient shard back; both ride the host link and are prefetched with the collectives, so they
+join the overlapped time. Not modelled: the optimizer step, which then runs on the CPU (CPU Adam
+over the rank's shard: seconds for billions of parameters), stated as such in every plan.
+
 With gradient accumulation every micro-batch repeats the traced step (FSDP re-gathers its
 parameters for each; DDP without ``no_sync`` all-reduces each), so a step of ``k``
 micro-batches takes ``k`` times as long: an upper bound for DDP with ``no_sync``.
@@ -181,7 +187,7 @@ def group_span(collective, strategy) -> int:
 
 
 def step_time(point, strategy, world: World, device: Device, precision: str, model: TimeModel,
-              accumulation_steps: int = 1) -> StepTime | None:
+              accumulation_steps: int = 1, param_offload: bool = False) -> StepTime | None:
     """The computed time of one optimizer step of ``accumulation_steps`` micro-batches, each
     the traced ``point``; None when the GPU's peak FLOP/s for ``precision`` is unknown."""
     peak_tflops = device.peak_tflops(precision)
@@ -211,6 +217,14 @@ def step_time(point, strategy, world: World, device: Device, precision: str, mod
             overlapped += seconds
         else:
             exposed += seconds
+    if param_offload:  # each shard in before its all-gather, each gradient shard out after its reduce-scatter
+        shards = sum(c.bytes / c.group_size for c in point.collectives
+                     if c.group != "tp" and c.op in ("all_gather", "reduce_scatter"))
+        seconds = offload_seconds(int(shards), device)
+        by_group["host"] = seconds
+        sent["host"] = int(shards)
+        link_of["host"] = "host link"
+        overlapped += seconds
     transfer_s = offload_seconds(getattr(point, "offloaded_bytes", 0), device)
     offload_exposed = max(0.0, transfer_s - compute_s / 3) + max(0.0, transfer_s - 2 * compute_s / 3)
     micro = compute_s + max(0.0, overlapped - compute_s) + exposed + offload_exposed

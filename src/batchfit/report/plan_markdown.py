@@ -129,8 +129,11 @@ def _offload_lines(r) -> list[str]:
            "what does not hide shows as time: plan/time_model.py)"]
     for p in r.recommended:
         out.append(f"- {host_line_for_plan(p, r.host_limit_bytes)}"
-                   + (f"; transfer {p.time.offload_transfer_s:.3f} s each way per micro-step, "
-                      f"{p.time.offload_exposed_s:.3f} s exposed" if p.time else ""))
+                   + (f"; activations {p.time.offload_transfer_s:.3f} s each way per micro-step, "
+                      f"{p.time.offload_exposed_s:.3f} s exposed" if p.time and p.time.offload_transfer_s else "")
+                   + (f"; parameter and gradient shards {p.time.communication_s['host']:.3f} s per micro-step "
+                      f"({p.time.bytes_sent['host'] / GiB:.2f} GiB, overlapped with compute)"
+                      if p.time and "host" in p.time.communication_s else ""))
     return out
 
 

@@ -159,7 +159,8 @@ class MemoryTracker(TorchDispatchMode):
         self.total_peak_bytes = 0
         """The most device + host bytes alive at once since start_window() (a CPU holds both)."""
         self.host_made_bytes = 0
-        """Bytes of host storages made since start_window() (unrounded): what was copied out."""
+        """Bytes made on the host inside ``on_host`` since start_window() (unrounded): what the
+        step's activation offload copied out."""
         self._host_live_by_size: dict[int, int] = {}
         self._host_cached_by_size: dict[int, int] = {}
         """Blocks of each size the pinned allocator holds: it caches freed blocks by size, never
@@ -352,8 +353,10 @@ class MemoryTracker(TorchDispatchMode):
                     dtype=str(tensor.dtype).removeprefix("torch."))
 
     def _made_from_host(self, inputs: list[torch.Tensor]) -> bool:
-        """An op on offloaded host tensors only (FSDP2's optimizer step on its CPU shards) runs on the host."""
-        if not self._pinned:
+        """An optimizer step on offloaded host tensors only (FSDP2's on its CPU shards) runs on the
+        host. In forward and backward what is made from them is the device's: FSDP2 copies a
+        shard to the GPU before it casts and gathers it (a copy a CPU trace cannot see)."""
+        if not self._pinned or self.current_phase != "optimizer":
             return False
         storages = [id(t.untyped_storage()) for t in inputs]
         return any(k in self._pinned for k in storages) and not any(k in self._live for k in storages)
@@ -367,7 +370,8 @@ class MemoryTracker(TorchDispatchMode):
         record = Allocation(seq=self._seq, nbytes=nbytes, phase=self.current_phase, op=op, shape=shape, dtype=dtype,
                             module=self._module_stack[-1] if self._module_stack else None, role="host")
         self._pinned[key] = record
-        self.host_made_bytes += storage.nbytes()
+        if self._on_host:  # the step's own copies out (activation offload), not what a wrap moved
+            self.host_made_bytes += storage.nbytes()
         weakref.finalize(storage, self._free_host, key).atexit = False
         self.host_live_bytes += nbytes
         live = self._host_live_by_size[nbytes] = self._host_live_by_size.get(nbytes, 0) + 1

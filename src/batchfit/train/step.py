@@ -103,6 +103,15 @@ def _compile(model: nn.Module, mode: str, *, apply: bool) -> None:
         module.compile()
 
 
+def _require_fsdp(model: nn.Module) -> None:
+    """``--offload params`` is FSDP2's CPUOffloadPolicy: it needs a model FSDP2 wrapped (plan)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise OptionError("--offload params is FSDP2's CPUOffloadPolicy, for sharded steps: use it with "
+                          "`batchfit plan --strategies fsdp`; on one GPU use --offload activations")
+
+
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """(model, batch) -> the mean loss over the batch's samples: ``Workload.loss_fn``'s contract."""
 
@@ -173,6 +182,8 @@ class TrainingStep:
             # before the optimizer: FSDP2 replaces the parameters with their shards, and the
             # optimizer (and its state) must be built over those.
             self.model = wrap(self.model)
+        if options.offloads("params"):
+            _require_fsdp(self.model)
         self.offload: OffloadActivations | None = (OffloadActivations(self.model, device)
                                                    if options.offloads("activations") else None)
         """The saved-tensor hooks of ``--offload activations`` (``train/offload.py``), else None."""
