@@ -243,6 +243,19 @@ def parse_size(text: str) -> int:
     return int(float(found.group(1)) * _UNITS[unit])
 
 
+DEFAULT_HOST_LINK_GB_PER_S = 32.0
+"""For a GPU given only by its memory: PCIe Gen4 x16, per direction (said as assumed)."""
+
+
+def host_link_seconds(nbytes: int, device: Device) -> float:
+    """One direction's time to move ``nbytes`` over ``device``'s host link (PCIe, per direction,
+    the link's signalling rate; PCIe Gen4 x16 when the GPU is known only by its memory):
+    ``--offload``'s copies, in bench and plan."""
+    if not nbytes:
+        return 0.0
+    return nbytes / ((device.host_link_gb_per_s or DEFAULT_HOST_LINK_GB_PER_S) * 1e9)
+
+
 def custom_device(total_bytes: int) -> Device:
     """A GPU known only by its capacity (--gpu-memory); assumes a current NVIDIA card."""
     least = DEFAULT_CONTEXT_BYTES + cublas_workspace_bytes(9)

@@ -14,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target, flag,
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, HostMemoryOpt, LossOpt, OffloadOpt, parse_host_memory
+from batchfit.cli.common import CompileOpt, LossOpt, OffloadOpt
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.distributed.wrap import STRATEGIES
@@ -50,7 +50,6 @@ def probe_command(
     checkpointing: CheckpointingOpt = "none",
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
-    host_memory: HostMemoryOpt = None,
     compile_: CompileOpt = "none",
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
@@ -83,7 +82,6 @@ def probe_command(
                                           "add --gpu t4-16gb or --gpu-memory 16GiB"))
     max_batch = DEFAULT_MAX if max_batch is None else max_batch
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload)
-    host_memory_bytes = parse_host_memory(host_memory)
     warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
     check_probe_options(policy=policy, multiple_of=multiple_of, smallest=min_batch, largest=max_batch, steps=steps,
                         target_util=target_util, global_batch=global_batch, limit=limit)

@@ -55,7 +55,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from batchfit.devices import Device
+from batchfit.devices import Device, host_link_seconds as offload_seconds
 from batchfit.errors import OptionError
 from batchfit.plan.world import World
 
@@ -234,14 +234,3 @@ def step_time(point, strategy, world: World, device: Device, precision: str, mod
                     bytes_sent=sent, links=link_of, offload_transfer_s=transfer_s,
                     offload_exposed_s=offload_exposed)
 
-
-DEFAULT_HOST_LINK_GB_PER_S = 32.0
-"""For a GPU given only by its memory: PCIe Gen4 x16, per direction (said as assumed)."""
-
-
-def offload_seconds(offloaded_bytes: int, device: Device) -> float:
-    """One direction's time of ``--offload``'s copies over the GPU's host link (PCIe, per
-    direction, ``devices.py``; PCIe Gen4 x16 when the GPU is known only by its memory)."""
-    if not offloaded_bytes:
-        return 0.0
-    return offloaded_bytes / ((device.host_link_gb_per_s or DEFAULT_HOST_LINK_GB_PER_S) * 1e9)
