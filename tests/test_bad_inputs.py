@@ -28,6 +28,10 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--multiple-of", "0"], "--multiple-of"),
         ([*TINY, "--gpu", "t4", "--max-batch", HUGE], "at most 16,777,216"),
         ([*TINY, "--gpu", "t4", "--multiple-of", HUGE], "at most 16,777,216"),
+        ([*TINY, "--gpu", "t4", "--offload", "optimizer"], "activations+params"),
+        ([*TINY, "--gpu", "t4", "--offload", "params"], "--strategies fsdp"),
+        ([*TINY, "--gpu", "t4", "--offload", "activations", "--host-memory", "lots"], "512GiB"),
+        ([*TINY, "--gpu", "t4", "--offload", "activations", "--host-memory", "0GiB"], "512GiB"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
@@ -38,6 +42,7 @@ ROWS = {
         ([*TINY, "--device", "virtual:t4", "--policy", "fast"], "guided"),
         ([*TINY, "--device", "virtual:t4", "--multiple-of", HUGE], "at most 16,777,216"),
         ([*TINY, "--device", "virtual:t4", "--global-batch", HUGE], "at most 16,777,216"),
+        ([*TINY, "--device", "virtual:t4", "--offload", "activation"], "activations+params"),
     ],
     "bench": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
@@ -47,6 +52,7 @@ ROWS = {
         ([*TINY, "--device", "virtual:t4", "--steps", "0"], "--steps 10"),
         ([*TINY, "--device", "virtual:t4", "--accumulation-steps", HUGE], "from 1 to 16,777,216"),
         (["gpt-tinystories-22m", "--device", "virtual:t4", "--seq-len", HUGE], "from 1 to 16,777,216"),
+        ([*TINY, "--device", "virtual:t4", "--offload", "none+activations"], "activations+params"),
     ],
     "plan": [
         (["gpt-tinystorie", "--gpu", "h100", "--gpus", "2"], "did you mean 'gpt-tinystories-22m'"),
@@ -57,6 +63,9 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--tokens", "1e999"], "not a finite count"),
         ([*TINY, "--gpu", "h100", "--nodes", HUGE, "--gpus-per-node", "8"], "at most 1,048,576 GPUs"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--batch-sizes", HUGE], "from 1 to 16,777,216"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--offload", "params+params"], "activations+params"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "ddp", "--offload", "params"], "--strategies fsdp"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--host-memory", "512"], "512GiB"),
     ],
     "sweep": [
         (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),

@@ -62,6 +62,10 @@ def check_offload(value: str) -> None:
                       "(params: FSDP2's CPUOffloadPolicy, plan with an fsdp strategy)")
 
 
+PARAMS_OFFLOAD_NEEDS_FSDP = ("--offload params is FSDP2's CPUOffloadPolicy, for sharded steps: use it with "
+                             "`batchfit plan --strategies fsdp`; on one GPU use --offload activations")
+
+
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with PyTorch's defaults: on CUDA it takes the foreach path."""
     import torch

@@ -124,10 +124,11 @@ def parse_host_memory(text: str | None) -> int | None:
 
     try:
         size = parse_size(text)
-    except SizeError as error:
-        raise OptionError(f"--host-memory: {error}") from None
+    except SizeError:
+        raise OptionError(f"--host-memory: cannot read the size '{text}': write a number and a unit, e.g. "
+                          "--host-memory 512GiB (2**30 bytes) or 512GB (10**9 bytes)") from None
     if size <= 0:
-        raise OptionError(f"--host-memory must be more than 0 bytes, e.g. --host-memory 512GiB")
+        raise OptionError("--host-memory must be more than 0 bytes, e.g. --host-memory 512GiB")
     return size
 
 

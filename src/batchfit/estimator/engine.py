@@ -24,7 +24,7 @@ from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve
 from batchfit.trace.depth import DEPTHS
 from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits
-from batchfit.workload import StepOptions, Workload
+from batchfit.workload import PARAMS_OFFLOAD_NEEDS_FSDP, StepOptions, Workload
 
 
 @dataclass
@@ -176,6 +176,8 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     pass it does not fit; None does not check them (they are reported all the same).
     """
     options = options or StepOptions()
+    if options.offloads("params"):  # before any trace: one device has no FSDP
+        raise OptionError(PARAMS_OFFLOAD_NEEDS_FSDP)
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=batch_sizes,
                            max_batch=max_batch, limit=limit)
     multiple_of = workload.batch_multiple(multiple_of)

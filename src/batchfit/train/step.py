@@ -50,7 +50,7 @@ from batchfit.train.checkpointing import checkpointed_blocks, selective_context_
 from batchfit.train.losses import lm_loss
 from batchfit.train.offload import OffloadActivations
 from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module
-from batchfit.workload import StepOptions, Workload
+from batchfit.workload import PARAMS_OFFLOAD_NEEDS_FSDP, StepOptions, Workload
 
 class StepHooks(Protocol):
     def phase(self, name: str) -> None:
@@ -108,8 +108,7 @@ def _require_fsdp(model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     if not any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise OptionError("--offload params is FSDP2's CPUOffloadPolicy, for sharded steps: use it with "
-                          "`batchfit plan --strategies fsdp`; on one GPU use --offload activations")
+        raise OptionError(PARAMS_OFFLOAD_NEEDS_FSDP)
 
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
