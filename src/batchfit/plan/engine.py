@@ -408,7 +408,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
 
     from batchfit.trace.approximation import offload_approximations
 
-    approximations = workload_approximations(workload, options) + offload_approximations(options.offload)
+    approximations = workload_approximations(workload, options) + offload_approximations(options.offload, options.compile)
     target_bytes = int(target_util * device.usable_bytes)
     auto = strategies.strip().lower() == "auto"
 

@@ -232,7 +232,7 @@ class TracedCurve:
     def approximations(self) -> list[Approximation]:
         """Where this trace approximates the step it stands for (a compiled model run as eager)."""
         session = self._full or self._first
-        fast_path = fast_path_approximations(session.step.model) + offload_approximations(self.options.offload)
+        fast_path = fast_path_approximations(session.step.model) + offload_approximations(self.options.offload, self.options.compile)
         if not session.compiled:
             found = compile_approximations(self.options, session.step.model, self.workload.loss_fn)
             why = "; mixed precision on CUDA is not traced compiled yet"  # the one reason left on one device
