@@ -249,6 +249,9 @@ def _suggestions(workload: Workload, options: StepOptions, device: Device,
         traced("bf16 weights, gradients and optimizer state", "--precision bf16", precision="bf16")
     if options.checkpointing == "none":
         traced("activation checkpointing of every block", "--checkpointing full", checkpointing="full")
+    if options.offload == "none":
+        traced("saved activations offloaded to pinned host memory (torchtune's / TRL's hooks)",
+               "--offload activations", offload="activations")
     state = parts["optimizer_state"]
     computed("8-bit optimizer state (bitsandbytes AdamW8bit)", "optimizer=bnb.optim.AdamW8bit",
              state * 3 / 4, "optimizer_state x 3/4 (1 byte per value instead of 4)")
