@@ -64,7 +64,7 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--nodes", HUGE, "--gpus-per-node", "8"], "at most 1,048,576 GPUs"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--batch-sizes", HUGE], "from 1 to 16,777,216"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--offload", "params+params"], "activations+params"),
-        ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "ddp", "--offload", "params"], "--strategies fsdp"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "ddp,fsdp", "--offload", "params"], "ddp on 2 GPUs has no FSDP"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--host-memory", "512"], "512GiB"),
     ],
     "sweep": [

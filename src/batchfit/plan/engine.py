@@ -79,12 +79,14 @@ class PlanPoint:
     host_reserved_bytes: int = 0
     """Pinned host memory rank 0 holds for --offload (the host allocator's cache)."""
     offloaded_bytes: int = 0
-    """Bytes rank 0 copies to the host in one micro-step (--offload), and back for activations."""
+    """Bytes rank 0's activation offload copies to the host in one micro-step, and back."""
+    host_peak_bytes: int = 0
+    """The most host bytes rank 0's step holds at once for --offload (pinned, rounded)."""
 
     def to_json(self) -> dict:
         return {"local_batch": self.local_batch, "peak_bytes": self.peak_bytes, "breakdown": self.breakdown,
-                "flops": self.flops, "host_reserved_bytes": self.host_reserved_bytes,
-                "offloaded_bytes": self.offloaded_bytes}
+                "flops": self.flops, "host_peak_bytes": self.host_peak_bytes,
+                "host_reserved_bytes": self.host_reserved_bytes, "offloaded_bytes": self.offloaded_bytes}
 
 
 def plan_point(traced, workspace_bytes: int) -> PlanPoint:
@@ -96,7 +98,8 @@ def plan_point(traced, workspace_bytes: int) -> PlanPoint:
         breakdown["workspace"] = workspace_bytes
         peak += workspace_bytes
     return PlanPoint(traced.local_batch, peak, breakdown, traced.flops, tuple(traced.collectives),
-                     getattr(traced, "host_reserved_bytes", 0), getattr(traced, "offloaded_bytes", 0))
+                     getattr(traced, "host_reserved_bytes", 0), getattr(traced, "offloaded_bytes", 0),
+                     getattr(traced, "host_peak_bytes", 0))
 
 
 class ShardedCurve:
@@ -399,6 +402,8 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         open_session = functools.partial(DeepSession, session=module.ShardedSession)
     multiple_of = workload.batch_multiple(multiple_of)
     by_world = [(world, parse(strategies, world.gpus)) for world in worlds]  # every bad name before any trace
+    if options.offloads("params"):
+        by_world = _with_fsdp_only(by_world, auto=strategies.strip().lower() == "auto")
     if global_batch is not None:
         for _, chosen in by_world:
             _check_global_batch(global_batch, chosen, multiple_of)
@@ -439,6 +444,22 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         links=time_model.links(device), trace_seconds=time.perf_counter() - started, traces=traces,
         approximations=approximations, host_limit_bytes=host_memory_bytes,
     )
+
+
+FSDP_SHARDS = ("fsdp", "fsdp-noreshard", "hsdp")
+
+
+def _with_fsdp_only(by_world: list, *, auto: bool) -> list:
+    """``--offload params`` is FSDP2's CPUOffloadPolicy: ``auto`` keeps its FSDP strategies; a
+    named strategy without FSDP (ddp, tp<N>, one GPU) stops the plan with one line, before any trace."""
+    if auto:
+        return [(world, [s for s in chosen if s.shard in FSDP_SHARDS]) for world, chosen in by_world]
+    other = sorted({f"{s.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}" for world, chosen in by_world
+                    for s in chosen if s.shard not in FSDP_SHARDS})
+    if other:
+        raise OptionError(f"--offload params is FSDP2's CPUOffloadPolicy, and {', '.join(other)} has no FSDP: "
+                          "plan it with --strategies fsdp (or hsdp<R>, fsdp+tp<N>), or use --offload activations")
+    return by_world
 
 
 def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, device: Device, world: World,
