@@ -72,8 +72,8 @@ class OffloadActivations:
         self._noop_depth = 0
         self.offloaded_bytes = 0
         """Bytes copied to the host in the forwards so far (numel x element size, unrounded)."""
-        self._noop_hooks = [h for name in OUTPUT_HEADS if isinstance(head := getattr(model, name, None), nn.Module)
-                            for h in self._keep_on_device(head)][:2]  # the first head found
+        head = next((m for name in OUTPUT_HEADS if isinstance(m := getattr(model, name, None), nn.Module)), None)
+        self._noop_hooks = self._keep_on_device(head) if head is not None else []
 
     def _keep_on_device(self, module: nn.Module) -> list:
         """The module's saved tensors stay where they are (torchtune's NoOpManager around the head)."""
@@ -87,7 +87,11 @@ class OffloadActivations:
                 module.register_forward_hook(leave, always_call=True)]
 
     def hooks(self) -> contextlib.AbstractContextManager:
-        """The saved-tensor hooks, for one forward."""
+        """The saved-tensor hooks, for one forward (a backward that raised last time leaves no
+        stash behind: the step starts clean)."""
+        self._fwd_stash.clear()
+        self._bwd_stash.clear()
+        self._bwd_node = None
         return saved_tensors_hooks(self._pack, self._unpack)
 
     def _offloads(self, tensor: torch.Tensor) -> bool:
