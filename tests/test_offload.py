@@ -131,3 +131,21 @@ def test_offload_grammar(value: str) -> None:
 def test_offload_grammar_refuses(value: str) -> None:
     with pytest.raises(OptionError, match="use none, activations, params or activations"):
         StepOptions(offload=value)
+
+
+def test_transfer_time_by_hand() -> None:
+    """0.3 s of compute (forward 0.1, backward 0.2); 12.8 GB out and back over the H100's PCIe Gen5
+    x16 (64 GB/s a way): 0.2 s each way, 0.1 s longer than the forward it hides behind."""
+    from types import SimpleNamespace
+
+    from batchfit.devices import custom_device, get_device, host_link_seconds
+    from batchfit.plan.sharded import parse_strategy
+    from batchfit.plan.time_model import TimeModel, step_time
+    from batchfit.plan.world import World
+
+    h100 = get_device("h100-80gb")
+    point = SimpleNamespace(flops=int(0.3 * 989e12 * 0.5), collectives=(), offloaded_bytes=int(12.8e9))
+    time = step_time(point, parse_strategy("fsdp", 1), World(1), h100, "bf16-mixed", TimeModel(mfu=0.5))
+    assert (time.compute_s, time.offload_transfer_s) == (pytest.approx(0.3), pytest.approx(0.2))
+    assert (time.offload_exposed_s, time.step_time_s) == (pytest.approx(0.1), pytest.approx(0.4))
+    assert host_link_seconds(32 * 10**9, custom_device(24 * 2**30)) == 1.0  # PCIe Gen4 x16 assumed
