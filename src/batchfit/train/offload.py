@@ -17,7 +17,8 @@ The streams' double-buffering changes the peak, so it is kept whatever the devic
 their copy is known done (torchtune's ``fwd_stash``); a tensor still stashed when the backward
 asks for it is handed back as it is, without a copy; and a tensor brought back stays alive until
 the backward moves on to another autograd node (``bwd_tensor_stash``), or the backward ends. On a
-CUDA device the copies run on a side stream, as torchtune's do; elsewhere (a CPU step, the
+CUDA device the copies run on a side stream with torchtune's events, waits and ``record_stream``
+(that path has not run in this repository's tests: no GPU here); elsewhere (a CPU step, the
 traced step) they run in order, and only the lifetimes are the same. Not mirrored: TRL's
 dedup of two saved tensors that share a storage (torchtune copies each; so does this).
 
@@ -62,6 +63,11 @@ class OffloadActivations:
         self.host_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         """Entered around each host allocation (the tracer counts what is made inside on the host)."""
         self.pin_memory = device.type == "cuda"  # pinned memory needs an accelerator's host allocator
+        self._streams = ((torch.cuda.default_stream(device), torch.cuda.Stream(device)) if device.type == "cuda"
+                         else None)
+        """(compute, copies) on CUDA, torchtune's s0 and s1; None elsewhere (copies run in order)."""
+        self._events: dict[int, torch.Event] = {}
+        """id -> the event after which a stashed tensor may go (CUDA only)."""
         self._param_storages = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
         self._saved: dict[int, tuple[torch.Tensor, bool]] = {}
         """id -> (host copy, True) or (the tensor itself, False), until the backward asks for it."""
@@ -89,10 +95,20 @@ class OffloadActivations:
     def hooks(self) -> contextlib.AbstractContextManager:
         """The saved-tensor hooks, for one forward (a backward that raised last time leaves no
         stash behind: the step starts clean)."""
-        self._fwd_stash.clear()
-        self._bwd_stash.clear()
-        self._bwd_node = None
+        self._backward_done()
         return saved_tensors_hooks(self._pack, self._unpack)
+
+    def _copying(self) -> contextlib.AbstractContextManager:
+        """The copy stream on CUDA (torchtune's ``torch.cuda.stream(self.s1)``), else nothing."""
+        return torch.cuda.stream(self._streams[1]) if self._streams else contextlib.nullcontext()
+
+    def _drop(self, stash: dict[int, torch.Tensor], ident: int, waiter: int) -> None:
+        """Let a stashed tensor go once the stream ``waiter`` (0 compute, 1 copies) has waited
+        for its event (torchtune's ``wait_event`` before ``del``)."""
+        event = self._events.pop(ident, None)
+        if event is not None and self._streams:
+            self._streams[waiter].wait_event(event)
+        stash.pop(ident, None)
 
     def _offloads(self, tensor: torch.Tensor) -> bool:
         return (self._noop_depth == 0 and tensor.device == self.device
@@ -108,10 +124,15 @@ class OffloadActivations:
             return ident
         # The stash keeps the last few offloaded tensors alive until their copy is done.
         for old in [k for k in self._fwd_stash if k <= ident - self.max_fwd_stash]:
-            del self._fwd_stash[old]
-        with self.host_context():
-            host = torch.empty_like(tensor, device="cpu", pin_memory=self.pin_memory)
-        host.copy_(tensor, non_blocking=self.pin_memory)
+            self._drop(self._fwd_stash, old, 0)
+        if self._streams:
+            self._streams[1].wait_stream(self._streams[0])
+        with self._copying():
+            with self.host_context():
+                host = torch.empty_like(tensor, device="cpu", pin_memory=self.pin_memory)
+            host.copy_(tensor, non_blocking=self.pin_memory)
+        if self._streams:
+            self._events[ident] = self._streams[1].record_event()
         self.offloaded_bytes += tensor.numel() * tensor.element_size()
         self._saved[ident] = (host, True)
         self._fwd_stash[ident] = tensor
@@ -128,8 +149,11 @@ class OffloadActivations:
         else:
             # A new device tensor made from nothing (not empty_like(host)), so a tracker that
             # counts outputs of host tensors on the host counts this one on the device.
-            back = torch.empty_strided(saved.size(), saved.stride(), dtype=saved.dtype, device=self.device)
-            back.copy_(saved, non_blocking=self.pin_memory)
+            with self._copying():
+                back = torch.empty_strided(saved.size(), saved.stride(), dtype=saved.dtype, device=self.device)
+                back.copy_(saved, non_blocking=self.pin_memory)
+            if self._streams:  # the compute waits for the copy
+                self._streams[0].wait_stream(self._streams[1])
         del saved  # the host copy goes (torchtune: del self.tracker[id])
         if node is None:
             return back
@@ -150,18 +174,26 @@ class OffloadActivations:
         previous node's tensors are dropped."""
         def hook(grad_inputs, grad_outputs):
             back = self._bwd_stash.get(ident)
-            if brought_back and back is not None and any(
-                    isinstance(g, torch.Tensor) and g.untyped_storage()._cdata == back.untyped_storage()._cdata
-                    for g in grad_inputs):
-                del self._bwd_stash[ident]
-            self._fwd_stash.clear()
+            if brought_back and back is not None:
+                if any(isinstance(g, torch.Tensor) and g.untyped_storage()._cdata == back.untyped_storage()._cdata
+                       for g in grad_inputs):
+                    if self._streams:  # torchtune's record_stream: freed when the compute is done with it
+                        back.record_stream(self._streams[0])
+                    del self._bwd_stash[ident]
+                elif self._streams:
+                    self._events[ident] = self._streams[0].record_event()
+            for old in list(self._fwd_stash):
+                self._drop(self._fwd_stash, old, 0)
             for old in previous:
-                self._bwd_stash.pop(old, None)
+                self._drop(self._bwd_stash, old, 1)
         return hook
 
     def _backward_done(self) -> None:
-        self._bwd_stash.clear()
-        self._fwd_stash.clear()
+        for old in list(self._bwd_stash):
+            self._drop(self._bwd_stash, old, 1)
+        for old in list(self._fwd_stash):
+            self._drop(self._fwd_stash, old, 0)
+        self._events.clear()
         self._bwd_node = None
 
     def remove(self) -> None:
