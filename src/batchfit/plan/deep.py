@@ -87,9 +87,7 @@ class DeepSession:
         self._whole = None
         seen = depth.Depth()
         # every:N checkpoints blocks by position: depths 2-4 say nothing of the whole stack
-        # (and --offload's host account is not extrapolated by depth: traced whole)
-        by_depth = options.blocks_alike and options.offload == "none"
-        first = self._open(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload)
+        first = self._open(depth.at_depth(workload, depth.DEPTHS[0], seen) if options.blocks_alike else workload)
         if seen.blocks and seen.blocks >= depth.MIN_BLOCKS:
             self.blocks = seen.blocks
             self._depths = [first]

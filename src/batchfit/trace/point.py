@@ -174,7 +174,6 @@ class TracedCurve:
         self._full: TraceSession | None = None
         self._seen = seen = depth.Depth()
         by_depth = by_depth and options.blocks_alike and options.compile == "none"  # every:N: blocks differ by position; a compiled trace has no per-block parts
-        by_depth = by_depth and options.offload == "none"  # the host account is not extrapolated by depth
         self._first = first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
                                            options)
         if by_depth and first.compiled:  # the workload compiles itself: traced whole, as --compile is
