@@ -28,6 +28,14 @@ on this CPU as an fp32 emulation whose scratch the CPU-semantics trace runs op b
 float8 all-gather for tensorwise) against ``trace_sharded`` on the fake process group.
 
     python benchmarks/recipes.py --recipes "bf16-mixed loss plain,fp8-tensorwise,fp8-rowwise,fsdp2 x2 fp8-tensorwise,fsdp2 x2 fp8-rowwise" --name recipes-fp8
+
+Offload recipes (``train/offload.py``, ``--offload activations``): torchtune's / TRL's saved-tensor
+hooks; a CPU holds host and device alike, so the traced figure is the most device + host bytes
+alive at once (``Snapshot.total_peak_bytes``) against the profiler's total. ``offload params``
+(FSDP2's CPUOffloadPolicy) is a real 2-process gloo run of tests/test_offload_fsdp.py's tiny
+Llama (fsdp on 2 ranks, rank 0 profiled) against rank 0's traced device + host total.
+
+    python benchmarks/recipes.py --only offload --name recipes-offload   # these rows only
 """
 
 from __future__ import annotations
@@ -81,7 +89,25 @@ RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "optimizer muon": (lambda w: w, StepOptions(optimizer="muon")),
     "fp8-tensorwise": (lambda w: w, StepOptions(precision="fp8-tensorwise")),
     "fp8-rowwise": (lambda w: w, StepOptions(precision="fp8-rowwise")),
+    "offload activations": (lambda w: w, StepOptions(offload="activations")),
+    "offload activations + checkpointing full": (lambda w: w, StepOptions(offload="activations", checkpointing="full")),
+    "bf16-mixed offload activations": (lambda w: w, StepOptions(precision="bf16-mixed", offload="activations")),
 }
+GLOO = {"offload params (fsdp on 2 gloo ranks)"}
+"""Rows measured by a real multi-process run, not one CPU step."""
+
+
+def gloo_offload_params() -> tuple[int, int]:
+    """(rank 0's traced device + host total, its profiled peak in a real 2-process gloo run)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from test_offload_fsdp import OFFLOAD, _free_port, _gloo_main, _trace
+
+    with tempfile.TemporaryDirectory() as folder:
+        torch.multiprocessing.spawn(_gloo_main, args=(_free_port(), folder), nprocs=2, join=True)
+        measured = json.loads((Path(folder) / "peak.json").read_text())
+    return _trace(OFFLOAD).total_peak_bytes, measured
 
 GLOO_RECIPES: dict[str, tuple[str, StepOptions]] = {
     "fsdp2 x2 bf16-mixed": ("fsdp", StepOptions(precision="bf16-mixed")),
@@ -160,8 +186,10 @@ def gloo_peaks(model: str, seq_len: int, batch_size: int, strategy_name: str, op
 
 
 def traced_peak(workload: Workload, options: StepOptions, batch_size: int) -> int:
+    """The traced peak; with --offload the device + host total (one CPU holds both)."""
     with TraceSession(workload, options, cuda_semantics=False) as session:
-        return session.trace(batch_size).snapshot.peak_bytes
+        snapshot = session.trace(batch_size).snapshot
+        return snapshot.total_peak_bytes if options.offload != "none" else snapshot.peak_bytes
 
 
 def profiled_peak(workload: Workload, options: StepOptions, batch_size: int) -> int:
@@ -185,7 +213,9 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-tinystories-22m")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated names of RECIPES or GLOO_RECIPES")
+    parser.add_argument("--recipes", default=",".join([*RECIPES, *GLOO]),
+                        help="comma-separated names of RECIPES, GLOO_RECIPES or GLOO")
+    parser.add_argument("--only", default=None, help="only the recipes whose name holds this, e.g. offload")
     parser.add_argument("--name", default="recipes", help="results file name: benchmarks/results/<name>-<date>.json")
     parser.add_argument("--tag", default="", help="results/<name>-<tag>-<date>.json (e.g. a branch's rows alone)")
     args = parser.parse_args()
@@ -193,12 +223,15 @@ def main() -> None:
     base = ZOO[args.model](seq_len=args.seq_len)
     rows = []
     print(f"{args.model}, batch {args.batch_size} x {args.seq_len} tokens, fp32 AdamW, on this CPU")
-    print(f"{'recipe':<28} {'traced B':>13} {'CPU truth B':>13} {'error':>9} {'seconds':>8}")
-    for name in args.recipes.split(","):
+    print(f"{'recipe':<40} {'traced B':>13} {'CPU truth B':>13} {'error':>9} {'seconds':>8}")
+    for name in [n for n in args.recipes.split(",") if args.only is None or args.only in n]:
         started = time.perf_counter()
         if name in GLOO_RECIPES:
             strategy_name, options = GLOO_RECIPES[name]
             traced, measured = gloo_peaks(args.model, args.seq_len, args.batch_size, strategy_name, options)
+        elif name in GLOO:
+            options = StepOptions(offload="params")
+            traced, measured = gloo_offload_params()
         else:
             change, options = RECIPES[name]
             workload = change(base)
@@ -208,7 +241,7 @@ def main() -> None:
         error = (traced - measured) / measured
         rows.append({"recipe": name, "options": options.to_json(), "traced_bytes": traced,
                      "cpu_truth_bytes": measured, "error": error, "seconds": round(seconds, 1)})
-        print(f"{name:<28} {traced:>13,} {measured:>13,} {error:>+9.4%} {seconds:>8.1f}", flush=True)
+        print(f"{name:<40} {traced:>13,} {measured:>13,} {error:>+9.4%} {seconds:>8.1f}", flush=True)
     path = write_result(f"{args.name}-{args.tag}" if args.tag else args.name, {
         "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": "per row (options.precision)",
         "truth": "torch.profiler export_memory_timeline peak of the same real CPU step (the second one)",

@@ -29,6 +29,10 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--multiple-of", "0"], "--multiple-of"),
         ([*TINY, "--gpu", "t4", "--max-batch", HUGE], "at most 16,777,216"),
         ([*TINY, "--gpu", "t4", "--multiple-of", HUGE], "at most 16,777,216"),
+        ([*TINY, "--gpu", "t4", "--offload", "optimizer"], "activations+params"),
+        ([*TINY, "--gpu", "t4", "--offload", "params"], "--strategies fsdp"),
+        ([*TINY, "--gpu", "t4", "--offload", "activations", "--host-memory", "lots"], "512GiB"),
+        ([*TINY, "--gpu", "t4", "--offload", "activations", "--host-memory", "0GiB"], "512GiB"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
@@ -39,6 +43,7 @@ ROWS = {
         ([*TINY, "--device", "virtual:t4", "--policy", "fast"], "guided"),
         ([*TINY, "--device", "virtual:t4", "--multiple-of", HUGE], "at most 16,777,216"),
         ([*TINY, "--device", "virtual:t4", "--global-batch", HUGE], "at most 16,777,216"),
+        ([*TINY, "--device", "virtual:t4", "--offload", "activation"], "activations+params"),
     ],
     "bench": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
@@ -48,6 +53,7 @@ ROWS = {
         ([*TINY, "--device", "virtual:t4", "--steps", "0"], "--steps 10"),
         ([*TINY, "--device", "virtual:t4", "--accumulation-steps", HUGE], "from 1 to 16,777,216"),
         (["gpt-tinystories-22m", "--device", "virtual:t4", "--seq-len", HUGE], "from 1 to 16,777,216"),
+        ([*TINY, "--device", "virtual:t4", "--offload", "none+activations"], "activations+params"),
     ],
     "plan": [
         (["gpt-tinystorie", "--gpu", "h100", "--gpus", "2"], "did you mean 'gpt-tinystories-22m'"),
@@ -64,6 +70,9 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "tp2", "--tp-loss", "split"], "gathered"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "tp2", "--loss", "chunked:4"],
          "does not run under tensor parallelism"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--offload", "params+params"], "activations+params"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "ddp,fsdp", "--offload", "params"], "ddp on 2 GPUs has no FSDP"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--host-memory", "512"], "512GiB"),
     ],
     "sweep": [
         (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),

@@ -22,6 +22,13 @@ have without an NVLink bridge. Between nodes: one 400 Gb/s InfiniBand NDR adapte
 link per GPU (12.5 GB/s), an assumption the report prints. Every figure can be overridden
 (``batchfit plan --intra-node-gb-per-s/--inter-node-gb-per-s``).
 
+Host link (``--offload``'s transfer time): the PCIe interface between each GPU and the host,
+per direction, from the same datasheets: PCIe Gen5 x16 (64 GB/s a way) for H100 SXM and PCIe,
+H200 and MI300X; Gen4 x16 (32 GB/s) for A100, A10G, L4, L40S, RTX 4090 and RTX 6000 Ada; Gen3
+x16 (16 GB/s) for V100 and T4. These are the links' signalling rates: a pinned-memory copy
+reaches about 80-90% of them in practice, which the time model does not take off (stated where
+it is used, ``plan/time_model.py``).
+
 What a training process can hand to tensors is less than the total: the CUDA context and
 the kernels PyTorch loads take memory outside the caching allocator (``context_bytes``),
 and cuBLAS keeps a workspace per handle inside it (``workspace_bytes``). Both are stated
@@ -93,6 +100,10 @@ class Device:
     """Bandwidth between nodes, per GPU and per direction, GB/s."""
     inter_node_link: str | None = None
     """What carries it (e.g. 'InfiniBand NDR 400 Gb/s per GPU, as DGX H100')."""
+    host_link_gb_per_s: float | None = None
+    """GPU-to-host bandwidth (PCIe), per direction, GB/s: what ``--offload`` moves over."""
+    host_link: str | None = None
+    """What carries it (e.g. 'PCIe Gen5 x16, 128 GB/s bidirectional')."""
 
     @property
     def usable_bytes(self) -> int:
@@ -130,7 +141,7 @@ NET_100G = (12.5, "100 Gb/s per GPU (assumed: no reference cluster design)")
 
 
 def _gpu(name, display, mib, tflops, fp32_tflops, bandwidth_gb_per_s, cc_major, bf16=True,
-         intra=PCIE4, inter=NET_100G, fp8=True) -> Device:
+         intra=PCIE4, inter=NET_100G, fp8=True, host=PCIE4) -> Device:
     return Device(
         name=name,
         display_name=display,
@@ -145,15 +156,17 @@ def _gpu(name, display, mib, tflops, fp32_tflops, bandwidth_gb_per_s, cc_major, 
         intra_node_link=intra[1],
         inter_node_gb_per_s=inter[0],
         inter_node_link=inter[1],
+        host_link_gb_per_s=host[0],
+        host_link=host[1],
     )
 
 
 CATALOG: dict[str, Device] = {
     d.name: d
     for d in [
-        _gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", 81559, 989.0, 67.0, 3350, 9, intra=NVLINK4, inter=IB_NDR),
-        _gpu("h100-pcie-80gb", "NVIDIA H100 PCIe 80GB", 81559, 756.0, 51.0, 2000, 9, intra=PCIE5),
-        _gpu("h200-141gb", "NVIDIA H200 141GB HBM3e", 143771, 989.0, 67.0, 4800, 9, intra=NVLINK4, inter=IB_NDR),
+        _gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", 81559, 989.0, 67.0, 3350, 9, intra=NVLINK4, inter=IB_NDR, host=PCIE5),
+        _gpu("h100-pcie-80gb", "NVIDIA H100 PCIe 80GB", 81559, 756.0, 51.0, 2000, 9, intra=PCIE5, host=PCIE5),
+        _gpu("h200-141gb", "NVIDIA H200 141GB HBM3e", 143771, 989.0, 67.0, 4800, 9, intra=NVLINK4, inter=IB_NDR, host=PCIE5),
         _gpu("a100-80gb", "NVIDIA A100 80GB", 81920, 312.0, 19.5, 2039, 8, intra=NVLINK3, inter=IB_HDR, fp8=False),
         _gpu("a100-40gb", "NVIDIA A100 40GB", 40960, 312.0, 19.5, 1555, 8, intra=NVLINK3, inter=IB_HDR, fp8=False),
         _gpu("a10g-24gb", "NVIDIA A10G", 23028, 70.0, 31.2, 600, 8, fp8=False),
@@ -161,10 +174,10 @@ CATALOG: dict[str, Device] = {
         _gpu("l40s-48gb", "NVIDIA L40S", 46068, 362.0, 91.6, 864, 8),
         _gpu("rtx4090-24gb", "NVIDIA GeForce RTX 4090", 24564, 165.0, 82.6, 1008, 8),
         _gpu("rtx6000ada-48gb", "NVIDIA RTX 6000 Ada Generation", 49140, 364.0, 91.1, 960, 8),
-        _gpu("v100-16gb", "NVIDIA Tesla V100 16GB", 16160, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2, fp8=False),
-        _gpu("v100-32gb", "NVIDIA Tesla V100 32GB", 32510, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2, fp8=False),
-        _gpu("t4-16gb", "NVIDIA Tesla T4", 15360, 65.0, 8.1, 320, 7, bf16=False, intra=PCIE3, fp8=False),
-        _gpu("mi300x-192gb", "AMD Instinct MI300X", 196592, 1307.0, 163.4, 5300, 9, intra=INFINITY_FABRIC),
+        _gpu("v100-16gb", "NVIDIA Tesla V100 16GB", 16160, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2, host=PCIE3, fp8=False),
+        _gpu("v100-32gb", "NVIDIA Tesla V100 32GB", 32510, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2, host=PCIE3, fp8=False),
+        _gpu("t4-16gb", "NVIDIA Tesla T4", 15360, 65.0, 8.1, 320, 7, bf16=False, intra=PCIE3, host=PCIE3, fp8=False),
+        _gpu("mi300x-192gb", "AMD Instinct MI300X", 196592, 1307.0, 163.4, 5300, 9, intra=INFINITY_FABRIC, host=PCIE5),
     ]
 }
 
@@ -232,6 +245,19 @@ def parse_size(text: str) -> int:
             "or 80GB (10**9 bytes)"
         )
     return int(float(found.group(1)) * _UNITS[unit])
+
+
+DEFAULT_HOST_LINK_GB_PER_S = 32.0
+"""For a GPU given only by its memory: PCIe Gen4 x16, per direction (said as assumed)."""
+
+
+def host_link_seconds(nbytes: int, device: Device) -> float:
+    """One direction's time to move ``nbytes`` over ``device``'s host link (PCIe, per direction,
+    the link's signalling rate; PCIe Gen4 x16 when the GPU is known only by its memory):
+    ``--offload``'s copies, in bench and plan."""
+    if not nbytes:
+        return 0.0
+    return nbytes / ((device.host_link_gb_per_s or DEFAULT_HOST_LINK_GB_PER_S) * 1e9)
 
 
 def custom_device(total_bytes: int) -> Device:

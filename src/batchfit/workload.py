@@ -80,6 +80,25 @@ def check_tp_loss(value: str) -> None:
                           "loss_parallel) or gathered (the whole logits on every tensor-parallel rank)")
 
 
+OFFLOAD: tuple[str, ...] = ("none", "activations", "params", "activations+params")
+"""The --offload grammar: none, or parts joined by '+' (``train/offload.py``)."""
+OFFLOAD_PARTS: tuple[str, ...] = ("activations", "params")
+
+
+def check_offload(value: str) -> None:
+    """Raise a one-line OptionError unless ``value`` is none or parts of :data:`OFFLOAD_PARTS`
+    joined by '+', each once."""
+    parts = value.split("+")
+    if value == "none" or (all(p in OFFLOAD_PARTS for p in parts) and len(set(parts)) == len(parts)):
+        return
+    raise OptionError(f"unknown offload '{value}': use none, activations, params or activations+params "
+                      "(params: FSDP2's CPUOffloadPolicy, plan with an fsdp strategy)")
+
+
+PARAMS_OFFLOAD_NEEDS_FSDP = ("--offload params is FSDP2's CPUOffloadPolicy, for sharded steps: use it with "
+                             "`batchfit plan --strategies fsdp`; on one GPU use --offload activations")
+
+
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with PyTorch's defaults: on CUDA it takes the foreach path."""
     import torch
@@ -150,6 +169,11 @@ class StepOptions:
     """Under tensor parallelism, where the plan splits the output head by the vocabulary: sharded
     (the logits stay split, the cross-entropy runs under loss_parallel, as torchtitan) or
     gathered (the whole logits all-gathered onto every rank). No effect without TP."""
+    offload: str = "none"
+    """What moves to pinned host memory: none; activations (the tensors autograd saves in the
+    forward, moved out and back by saved-tensor hooks, as torchtune's and TRL's
+    OffloadActivations do); params (FSDP2's CPUOffloadPolicy: sharded parameters, their gradients
+    and the optimizer state, stepped on the CPU; plan only); or both, joined by '+'."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
     trainable: tuple[str, ...] = ()
@@ -172,6 +196,7 @@ class StepOptions:
             raise OptionError(f"unknown compile '{self.compile}': use one of {', '.join(COMPILE)}")
         check_loss(self.loss)
         check_tp_loss(self.tp_loss)
+        check_offload(self.offload)
         if self.accumulation_steps < 1:
             raise OptionError(
                 f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"
@@ -192,6 +217,10 @@ class StepOptions:
         if self.precision in ("bf16-mixed", *FP8_PRECISIONS):
             return "bfloat16"
         return "float16" if self.precision == "fp16-mixed" else None
+
+    def offloads(self, part: str) -> bool:
+        """Whether ``part`` (one of :data:`OFFLOAD_PARTS`) moves to host memory."""
+        return part in self.offload.split("+")
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from batchfit.devices import Device
+from batchfit.devices import Device, host_link_seconds
 from batchfit.errors import OptionError
 from batchfit.train.oom import classify, describe
 from batchfit.train.step import TrainingStep
@@ -77,6 +77,13 @@ class BenchRow:
     peak_reserved_bytes: int | None = None
     reserved_expandable_bytes: int | None = None
     """Traced reserved peak with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."""
+    host_reserved_bytes: int | None = None
+    """--offload: pinned host memory the step holds (traced: the host allocator's cache)."""
+    offloaded_bytes: int | None = None
+    """--offload activations: bytes one micro-batch copies to the host and back (traced)."""
+    offload_transfer_s: float | None = None
+    """Computed: ``offloaded_bytes`` / the GPU's host link (PCIe, per direction), each way per
+    micro-batch; on cuda the measured step time already holds the real copies."""
     phase_peak_bytes: dict[str, int] = field(default_factory=dict)
     phase_time_s: dict[str, float] = field(default_factory=dict)
     top: list[dict] = field(default_factory=list)
@@ -138,7 +145,7 @@ def _traced(workload: Workload, options: StepOptions, batch_size: int, device: D
         flops = counter.get_total_flops()
     return {"allocated": point.peak_bytes, "reserved": reserved, "expandable": expandable, "reserved_oom": reserved_oom,
             "phases": {k: v for k, v in point.peak_by_phase.items() if k != "idle"},
-            "top": point.top, "flops": flops}
+            "top": point.top, "flops": flops, "host": point.host_reserved_bytes, "offloaded": point.offloaded_bytes}
 
 
 def _timed(workload: Workload, options: StepOptions, target: Target, batch_size: int, steps: int,
@@ -181,6 +188,9 @@ def bench_row(workload: Workload, options: StepOptions, target: Target, batch_si
     row.peak_allocated_bytes, row.peak_reserved_bytes = traced["allocated"], traced["reserved"]
     row.reserved_expandable_bytes = traced["expandable"]
     row.phase_peak_bytes, row.top, row.flops_per_step = traced["phases"], traced["top"], traced["flops"]
+    if options.offload != "none":
+        row.host_reserved_bytes, row.offloaded_bytes = traced["host"], traced["offloaded"]
+        row.offload_transfer_s = host_link_seconds(traced["offloaded"], target.device) if target.device else None
     if timed:
         times = timed["times"]
         row.step_time_s, row.step_time_min_s, row.step_time_max_s = statistics.median(times), min(times), max(times)

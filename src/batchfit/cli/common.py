@@ -109,6 +109,28 @@ MultipleOfOpt = Annotated[int, typer.Option(help="Batch sizes must be multiples 
 JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON result here too ('-' for stdout).")]
 LimitOpt = Annotated[str, typer.Option(help="What must fit: reserved (what a GPU runs out of: the caching allocator's "
                                             "segments, fragmentation included) or allocated (tensors only).")]
+OffloadOpt = Annotated[str, typer.Option(help="Move to pinned host memory: none, activations (torchtune's / TRL's "
+                                              "saved-tensor hooks), params (FSDP2's CPUOffloadPolicy: parameters, "
+                                              "gradients, optimizer state; plan with fsdp) or activations+params.")]
+HostMemoryOpt = Annotated[str | None, typer.Option(help="Host memory the offloaded bytes must fit, e.g. 512GiB "
+                                                        "(default: not checked, the host figure is only reported).")]
+
+
+def parse_host_memory(text: str | None) -> int | None:
+    """--host-memory as bytes (devices.py's size grammar), or None: not checked."""
+    if text is None:
+        return None
+    from batchfit.devices import parse_size
+    from batchfit.errors import SizeError
+
+    try:
+        size = parse_size(text)
+    except SizeError:
+        raise OptionError(f"--host-memory: cannot read the size '{text}': write a number and a unit, e.g. "
+                          "--host-memory 512GiB (2**30 bytes) or 512GB (10**9 bytes)") from None
+    if size <= 0:
+        raise OptionError("--host-memory must be more than 0 bytes, e.g. --host-memory 512GiB")
+    return size
 
 
 def out_option(files: str) -> object:
@@ -123,14 +145,15 @@ def flag(name: str, help: str) -> object:
 
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
                  train_only: list[str] | None, accumulation_steps: int, compile: str = "none",
-                 loss: str = "plain") -> StepOptions:
+                 loss: str = "plain", offload: str = "none") -> StepOptions:
     if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
         raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
         err.print("[dim]--train-only picks the parameters that train; --freeze then freezes some of those[/]")
     return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
                        frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
-                       accumulation_steps=accumulation_steps, compile=compile, loss=loss)
+                       accumulation_steps=accumulation_steps, compile=compile, loss=loss,
+                       offload=offload)
 
 
 def warn_about_approximations(result) -> None:
@@ -239,11 +262,11 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
     parts = [command, workload, target.spec.removeprefix("virtual:")]
     if seq_len:
         parts.append(f"seq{seq_len}")
-    for name in ("precision", "optimizer", "checkpointing", "compile", "loss"):
+    for name in ("precision", "optimizer", "checkpointing", "compile", "loss", "offload"):
         value = getattr(options, name)
         if value != getattr(default, name):
             parts.append({"checkpointing": f"ckpt-{value}", "compile": f"compile-{value}",
-                          "loss": f"loss-{value}"}.get(name, str(value)))
+                          "loss": f"loss-{value}", "offload": f"offload-{value}"}.get(name, str(value)))
     if options.accumulation_steps != 1:
         parts.append(f"accum{options.accumulation_steps}")
     if options.frozen:

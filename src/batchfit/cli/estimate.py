@@ -14,8 +14,9 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
                                  report_folder, step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LossOpt, warn_about_approximations
+from batchfit.cli.common import CompileOpt, HostMemoryOpt, LossOpt, OffloadOpt, parse_host_memory, warn_about_approximations
 from batchfit.devices import GiB
+from batchfit.report.host import host_line
 from batchfit.errors import OptionError
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
 from batchfit.specs import load_workload
@@ -44,6 +45,8 @@ def estimate_command(
     optimizer: OptimizerOpt = None,
     checkpointing: CheckpointingOpt = "none",
     loss: LossOpt = "plain",
+    offload: OffloadOpt = "none",
+    host_memory: HostMemoryOpt = None,
     compile_: CompileOpt = "none",
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
@@ -68,7 +71,8 @@ def estimate_command(
         raise OptionError("estimate sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb), "
                           "--gpu-memory 24GiB or --device cuda")
     device = target.device
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload)
+    host_memory_bytes = parse_host_memory(host_memory)
     warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
     sizes = parse_batch_sizes(batch_sizes)
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
@@ -79,7 +83,8 @@ def estimate_command(
     workload = load_workload(model, seq_len=seq_len)
     with progress_line() as say:
         result = estimate(workload, device=device, options=options, batch_sizes=sizes, target_util=target_util,
-                          multiple_of=multiple_of, max_batch=max_batch, limit=limit, progress=say)
+                          multiple_of=multiple_of, max_batch=max_batch, limit=limit,
+                          host_memory_bytes=host_memory_bytes, progress=say)
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
     paths = write_outputs(json_path, result.to_json(), lambda files: write_estimate_report(result, folder, files))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
@@ -104,6 +109,8 @@ def _print_summary(result, console, report_path: Path) -> None:
                  else f"allocated {result.point(result.max_batch_size).peak_bytes / GiB:.2f} GiB")
         console.print(f"[bold green]max batch size {result.max_batch_size}[/] ({under}), "
                       f"{result.max_batch_size_at_target} at {result.target_util:.0%}")
+        if result.options.offload != "none":
+            console.print(escape(host_line(result.point(result.max_batch_size), result.host_limit_bytes)))
     else:
         console.print(f"[bold red]batch {result.points[0].batch_size} does not fit[/]: "
                       f"{escape(result.why_smallest_does_not_fit())}")

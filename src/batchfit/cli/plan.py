@@ -17,7 +17,8 @@ from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemo
                                  check_outputs, command_target, handle_errors, out_option, parse_batch_sizes,
                                  progress_line, quiet_if_stdout, report_folder, step_options, warn_about_precision,
                                  write_outputs)
-from batchfit.cli.common import CompileOpt, LimitOpt, LossOpt, warn_about_approximations
+from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, OffloadOpt, parse_host_memory,
+                                 warn_about_approximations)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.plan.emit import parse_emit, write_emit
@@ -66,6 +67,8 @@ def plan_command(
     optimizer: OptimizerOpt = None,
     checkpointing: CheckpointingOpt = "none",
     loss: LossOpt = "plain",
+    offload: OffloadOpt = "none",
+    host_memory: HostMemoryOpt = None,
     compile_: CompileOpt = "none",
     tp_loss: Annotated[str, typer.Option(help="Under tp<N> / fsdp+tp<N>: sharded (the logits stay split by the "
                                               "vocabulary, loss_parallel, as torchtitan) or gathered (the whole "
@@ -109,7 +112,8 @@ def plan_command(
         raise OptionError("give --mfu or --calibrate, not both: --calibrate takes the MFU from a bench run")
     if processes is not None and processes < 1:
         raise OptionError(f"--processes must be 1 or more, got {processes}: e.g. --processes 2")
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss, offload)
+    host_memory_bytes = parse_host_memory(host_memory)
     options = dataclasses.replace(options, tp_loss=tp_loss)
     time_model = (calibrated(calibrate, precision) if calibrate is not None
                   else TimeModel(mfu=mfu, mfu_source="set by the user (--mfu)") if mfu is not None else TimeModel())
@@ -131,7 +135,7 @@ def plan_command(
         result = plan(workload, device=target.device, worlds=worlds, options=options, strategies=strategies,
                       global_batch=global_batch, tokens=tokens, batch_sizes=sizes, target_util=target_util,
                       multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say,
-                      processes=processes, limit=limit)
+                      processes=processes, limit=limit, host_memory_bytes=host_memory_bytes)
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
 
     def write_all(files):  # the report, every --emit and --json: all or none, JSON last
@@ -179,6 +183,11 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
     if losses:
         console.print("tensor-parallel loss: " + ", ".join(losses)
                       + (" (logits split by the vocabulary, loss_parallel)" if "sharded" in losses else ""))
+    if result.options.offload != "none":
+        from batchfit.report.host import plan_host_line
+
+        for best in result.recommended:
+            console.print(escape(plan_host_line(best, result.host_limit_bytes)))
     for best in result.recommended:
         console.print(f"[bold green]{best.gpus} GPU{'s' if best.gpus > 1 else ''}: {best.strategy}[/], micro-batch "
                       f"{best.micro_batch} x {best.accumulation_steps} accumulation = global batch {best.global_batch}"

@@ -227,10 +227,13 @@ def _ddp(model: nn.Module, *, fake: bool, device: torch.device | None,
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
-def _fully_shard_blocks(model: nn.Module, mesh, *, reshard: bool, precision: str) -> nn.Module:
+def _fully_shard_blocks(model: nn.Module, mesh, *, reshard: bool, precision: str,
+                        cpu_offload: bool = False) -> nn.Module:
     """FSDP2 on each block of every stack of repeated blocks (an encoder-decoder's both), then
-    at the root (in place)."""
-    from torch.distributed.fsdp import fully_shard
+    at the root (in place); with ``cpu_offload`` (``--offload params``) FSDP2's
+    ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters, their gradients and the
+    optimizer state live in pinned host memory."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     from batchfit.train.model import block_lists
 
@@ -239,18 +242,22 @@ def _fully_shard_blocks(model: nn.Module, mesh, *, reshard: bool, precision: str
         from batchfit.train.float8 import enable_float8_all_gather
 
         enable_float8_all_gather(model)
+    # Pinned on a GPU, as torchtitan's and torchtune's FSDP2 CPU offload; a CPU has no pinned
+    # allocator (a gloo run on CPU, the fake trace), and pinning changes no byte counts.
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     # One FSDP group per block, so one block's parameters are gathered at a time; the root
     # group holds the rest (embeddings, final norm, head) and any model without blocks. The
     # root keeps its own gathered after forward (backward needs them at once), FSDP2's default.
     for block in (block for stack in block_lists(model) for block in stack):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard if reshard is False else None, mp_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard if reshard is False else None, mp_policy=policy,
+                offload_policy=offload)
     return model
 
 
 def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, precision: str, fake: bool,
                    parallelize: Callable | None = None, on_bucket: Callable[[torch.Tensor], None] | None = None,
-                   device: torch.device | None = None) -> nn.Module:
+                   device: torch.device | None = None, cpu_offload: bool = False) -> nn.Module:
     """``model`` as a rank of ``strategy`` trains it: TP first (on the tp mesh), then the
     data-parallel wrap (DDP, or FSDP2 per block and at the root with the mixed-precision
     policy of ``precision``, as torchtitan does).
@@ -258,12 +265,16 @@ def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, prec
     ``parallelize`` is the TP plan (``plan.tp_plans.tp_plan`` or the Workload's own); ``fake``
     says the model is on fake tensors and the process group is the fake one (DDP then gets
     a Python all-reduce hook, ``on_bucket`` sees each gradient bucket); ``device`` is the
-    rank's own device (a real DDP on CUDA names it).
+    rank's own device (a real DDP on CUDA names it); ``cpu_offload``: FSDP2's CPUOffloadPolicy
+    (``--offload params``), FSDP strategies only.
     """
     if strategy.tp > 1 and precision == "fp8-tensorwise":
         raise OptionError(f"{strategy.name}: float8 tensorwise under tensor parallelism needs torchao's float8 TP "
                           "styles (Float8ColwiseParallel, torchtitan's), not traced yet: use ddp / fsdp strategies, "
                           "or --precision fp8-rowwise (its TP collectives are bf16)")
+    if cpu_offload and strategy.shard not in ("fsdp", "fsdp-noreshard", "hsdp"):
+        raise OptionError(f"--offload params is FSDP2's CPUOffloadPolicy: {strategy.name} has no FSDP; use "
+                          "--strategies fsdp (or hsdp<R>, fsdp+tp<N>), or --offload activations")
     if strategy.tp > 1:
         if parallelize is None:
             raise OptionError(f"{strategy.name}: {type(model).__name__} has no tensor-parallel plan: give the "
@@ -272,5 +283,6 @@ def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, prec
     if strategy.shard in ("ddp", "zero1"):  # zero1's optimizer: distributed/zero.py, when the step builds it
         return _ddp(model, fake=fake, device=device, on_bucket=on_bucket)
     if strategy.shard in ("fsdp", "fsdp-noreshard", "hsdp"):
-        return _fully_shard_blocks(model, meshes.dp, reshard=strategy.shard != "fsdp-noreshard", precision=precision)
+        return _fully_shard_blocks(model, meshes.dp, reshard=strategy.shard != "fsdp-noreshard", precision=precision,
+                                   cpu_offload=cpu_offload)
     return model

@@ -23,8 +23,8 @@ from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options, trace_fir
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve
 from batchfit.trace.depth import DEPTHS
-from batchfit.trace.point import MemoryPoint, TracedCurve
-from batchfit.workload import StepOptions, Workload
+from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits
+from batchfit.workload import PARAMS_OFFLOAD_NEEDS_FSDP, StepOptions, Workload
 
 
 @dataclass
@@ -75,6 +75,8 @@ class EstimateResult:
     output says each one."""
     limit: str = "reserved"
     """What had to fit: 'reserved' (max_memory_reserved, allocator model) or 'allocated'."""
+    host_limit_bytes: int | None = None
+    """--host-memory: what the offloaded pinned host bytes must fit; None: not checked."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
 
@@ -96,6 +98,8 @@ class EstimateResult:
         a capped answer (``--max-batch``) nothing was searched."""
         if point.reserved_oom:
             return "no (cannot reserve)"
+        if not host_fits(point, self.host_limit_bytes):
+            return "no (host memory)"
         if max(point.peak_bytes, point.peak_reserved_bytes or 0) > self.capacity_bytes:
             return "no"
         if self.limit == "reserved" and point.peak_reserved_bytes is None and point.batch_size > self.max_batch_size:
@@ -105,6 +109,9 @@ class EstimateResult:
     def why_smallest_does_not_fit(self) -> str:
         """When nothing fits: what the smallest size needed, or that its memory could not be reserved."""
         small = self.points[0]
+        if not host_fits(small, self.host_limit_bytes) and small.peak_bytes <= self.capacity_bytes:
+            return (f"its offloaded tensors hold {small.host_reserved_bytes / GiB:.2f} GiB of pinned host memory, "
+                    f"over --host-memory {self.host_limit_bytes / GiB:.2f} GiB")
         if small.reserved_oom and small.peak_bytes <= self.capacity_bytes:
             return (f"its tensors take {small.peak_bytes / GiB:.2f} GiB of the {self.capacity_bytes / GiB:.2f} GiB "
                     f"usable, but the caching allocator cannot reserve them ({small.reserved_oom})")
@@ -139,6 +146,9 @@ class EstimateResult:
             "peak_bytes_at_max": self.point(best).peak_bytes if best else None,
             "peak_reserved_bytes_at_max": self.point(best).peak_reserved_bytes if best else None,
             "headroom_bytes": self.headroom_bytes(best) if best else None,
+            "host_peak_bytes": self.point(best).host_peak_bytes if best else None,
+            "host_reserved_bytes": self.point(best).host_reserved_bytes if best else None,
+            "host_limit_bytes": self.host_limit_bytes,
             "suggestions": [vars(s) for s in self.suggestions],
             "known_limits": self.known_limits,
             "approximations": [a.to_json() for a in self.approximations],
@@ -155,14 +165,19 @@ class EstimateResult:
 def estimate(workload: Workload, *, device: Device, options: StepOptions | None = None,
              batch_sizes: list[int] | None = None, target_util: float = 0.9, multiple_of: int = 1,
              max_batch: int = DEFAULT_MAX_BATCH, suggest: bool = True, limit: str = "reserved",
+             host_memory_bytes: int | None = None,
              progress: Callable[[str], None] | None = None) -> EstimateResult:
     """Trace ``workload`` and find the largest batch that fits ``device``.
 
     ``limit`` is what must stay under the usable memory: ``reserved`` (default: what the
     CUDA caching allocator reserves, fragmentation included; a GPU runs out when it cannot
     reserve a segment) or ``allocated`` (what tensors hold, ``max_memory_allocated``).
+    ``host_memory_bytes`` (``--host-memory``): a batch whose ``--offload``-ed pinned host bytes
+    pass it does not fit; None does not check them (they are reported all the same).
     """
     options = options or StepOptions()
+    if options.offloads("params"):  # before any trace: one device has no FSDP
+        raise OptionError(PARAMS_OFFLOAD_NEEDS_FSDP)
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=batch_sizes,
                            max_batch=max_batch, limit=limit)
     multiple_of = workload.batch_multiple(multiple_of)
@@ -171,7 +186,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     with TracedCurve(workload, options, device, say, keep_streams=limit == "reserved") as traced:
         trace_first_sizes(traced, batch_sizes, multiple_of, device.usable_bytes)
         answers = [traced.max_batch(limit_bytes, lo=multiple_of, hi=max_batch, multiple_of=multiple_of,
-                                    reserved=limit == "reserved")
+                                    reserved=limit == "reserved", host_limit_bytes=host_memory_bytes)
                    for limit_bytes in (device.usable_bytes, int(target_util * device.usable_bytes))]
         points = traced.points
         known_limits = traced.known_limits
@@ -187,7 +202,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         max_batch_size_at_target=answers[1].max_batch_size, capped=answers[0].capped,
         trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions, limit=limit,
         depth_blocks=traced.blocks, full_traces=traced.full_traces, whole_reserved=traced.whole_reserved,
-        known_limits=known_limits, approximations=approximations,
+        known_limits=known_limits, approximations=approximations, host_limit_bytes=host_memory_bytes,
     )
 
 
@@ -234,6 +249,9 @@ def _suggestions(workload: Workload, options: StepOptions, device: Device,
         traced("bf16 weights, gradients and optimizer state", "--precision bf16", precision="bf16")
     if options.checkpointing == "none":
         traced("activation checkpointing of every block", "--checkpointing full", checkpointing="full")
+    if options.offload == "none":
+        traced("saved activations offloaded to pinned host memory (torchtune's / TRL's hooks)",
+               "--offload activations", offload="activations")
     state = parts["optimizer_state"]
     computed("8-bit optimizer state (bitsandbytes AdamW8bit)", "optimizer=bnb.optim.AdamW8bit",
              state * 3 / 4, "optimizer_state x 3/4 (1 byte per value instead of 4)")

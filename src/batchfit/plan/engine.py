@@ -81,6 +81,13 @@ class PlanPoint:
     breakdown: dict[str, int]
     flops: int
     collectives: tuple
+    host_reserved_bytes: int = 0
+    """Pinned host memory rank 0 holds for --offload (the host allocator's cache)."""
+    offloaded_bytes: int = 0
+    """Bytes rank 0's activation offload copies to the host in one micro-step, and back."""
+    host_peak_bytes: int = 0
+    """The most host bytes rank 0's step holds at once for --offload (pinned, rounded)."""
+
     reserved: object | None = None
     """Rank 0's fresh process replayed through the caching allocator model (a
     ``plan.reserved.ReservedReplay``: peak reserved bytes, and in which step); None until asked."""
@@ -108,7 +115,8 @@ class PlanPoint:
                 "peak_reserved_bytes": self.peak_reserved_bytes, "reserved_oom": self.reserved_oom,
                 "peak_step": self.reserved.peak_step_name if self.reserved else None,
                 "reserved_by_step": self.reserved.to_json()["by_step"] if self.reserved else None,
-                "breakdown": self.breakdown, "flops": self.flops}
+                "breakdown": self.breakdown, "flops": self.flops, "host_peak_bytes": self.host_peak_bytes,
+                "host_reserved_bytes": self.host_reserved_bytes, "offloaded_bytes": self.offloaded_bytes}
 
 
 def plan_point(traced, workspace_bytes: int) -> PlanPoint:
@@ -119,7 +127,9 @@ def plan_point(traced, workspace_bytes: int) -> PlanPoint:
     if "workspace" not in breakdown:
         breakdown["workspace"] = workspace_bytes
         peak += workspace_bytes
-    return PlanPoint(traced.local_batch, peak, breakdown, traced.flops, tuple(traced.collectives))
+    return PlanPoint(traced.local_batch, peak, breakdown, traced.flops, tuple(traced.collectives),
+                     getattr(traced, "host_reserved_bytes", 0), getattr(traced, "offloaded_bytes", 0),
+                     getattr(traced, "host_peak_bytes", 0))
 
 
 class ShardedCurve:
@@ -158,15 +168,18 @@ class ShardedCurve:
         return MemoryCurve((secant("step", [(b, p.peak_bytes) for b, p in self.points.items()]),))
 
     def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
-                  reserved: bool = False) -> SearchResult:
+                  reserved: bool = False, host_limit_bytes: int | None = None) -> SearchResult:
         """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak is under
-        ``limit_bytes``: predicted by the curve, confirmed by tracing it and the next size up.
+        ``limit_bytes`` (and whose offloaded host bytes are under ``host_limit_bytes``, when
+        given): predicted by the curve, confirmed by tracing it and the next size up.
         With ``reserved``, the reserved peak, searched at or below the allocated answer, as
         ``estimate`` does (``search.reserved_search``): only the sizes that decide are replayed."""
 
         def probe(local_batch: int) -> Trial:
-            peak = self.point(local_batch).peak_bytes
-            return Trial(local_batch, "ok" if peak <= limit_bytes else "oom", peak_allocated_bytes=peak)
+            point = self.point(local_batch)
+            fits = point.peak_bytes <= limit_bytes and (host_limit_bytes is None
+                                                        or point.host_reserved_bytes <= host_limit_bytes)
+            return Trial(local_batch, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes)
 
         known = [probe(b) for b in self.points]
         found = guided(probe, lambda trials: self.curve().max_batch_size(limit_bytes, multiple_of),
@@ -249,6 +262,8 @@ class StrategyPlan:
             "peak_bytes_at_micro": self.peak_bytes_at_micro, "limit": self.limit,
             "peak_reserved_bytes_at_micro": self.peak_reserved_bytes_at_micro, "peak_step": self.peak_step,
             "whole_reserved": self.whole_reserved, "above_target": self.above_target,
+            "host_reserved_bytes_at_micro": (self.point(self.micro_batch).host_reserved_bytes
+                                             if self.point(self.micro_batch) else None),
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "samples_per_s": self.samples_per_s,
             "days": self.days, "time": self.time.to_json() if self.time else None,
             "step_time_s_at_max": self.time_at_max.step_time_s if self.time_at_max else None,
@@ -284,6 +299,8 @@ class PlanResult:
     approximations: list[Approximation] = field(default_factory=list)
     """Where the traced figures approximate the step (a compiled model traced as eager): every
     output says each one."""
+    host_limit_bytes: int | None = None
+    """--host-memory: what each rank's offloaded pinned host bytes must fit; None: not checked."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
     @property
@@ -325,6 +342,7 @@ class PlanResult:
                              "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "days": p.days}
                             for p in self.recommended],
             "approximations": [a.to_json() for a in self.approximations],
+            "host_limit_bytes": self.host_limit_bytes,
             "trace_seconds": round(self.trace_seconds, 2), "traces": self.traces, "created": self.created,
         }
 
@@ -385,8 +403,13 @@ def _choose_micro(plan: StrategyPlan, curve: ShardedCurve, target_bytes: int, gl
     plan.accumulation_steps = plan.global_batch // (chosen * plan.dp)
 
 
-def _fix(plan: StrategyPlan, point: PlanPoint, capacity_bytes: int, options: StepOptions) -> list[str]:
+def _fix(plan: StrategyPlan, point: PlanPoint, capacity_bytes: int, options: StepOptions,
+         host_limit_bytes: int | None = None) -> list[str]:
     """What would make local batch 1 fit, computed from its breakdown (labelled computed)."""
+    if point.peak_bytes <= capacity_bytes and host_limit_bytes is not None and point.host_reserved_bytes > host_limit_bytes:
+        return [f"local batch {point.local_batch} fits the GPU, but its offloaded tensors hold "
+                f"{point.host_reserved_bytes / GiB:.2f} GiB of pinned host memory per rank, over --host-memory "
+                f"{host_limit_bytes / GiB:.2f} GiB: offload less (--offload none) or give the host's memory"]
     parts = point.breakdown
     state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer", "optimizer_state"))
     if point.peak_bytes <= capacity_bytes and point.reserved is not None:  # fits allocated, not reserved
@@ -421,7 +444,8 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
          max_batch: int = DEFAULT_MAX_BATCH, time_model: TimeModel | None = None,
          trace: Callable | None = None, parse: Callable | None = None,
          progress: Callable[[str], None] | None = None, processes: int | None = None,
-         limit: str = "reserved", replay: Callable | None = None) -> PlanResult:
+         limit: str = "reserved", replay: Callable | None = None,
+         host_memory_bytes: int | None = None) -> PlanResult:
     """Plan ``workload`` on ``device`` for each of ``worlds`` and each of ``strategies``.
 
     ``trace(workload, options, device, strategy, local_batch) -> ShardedPoint`` and
@@ -433,6 +457,8 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     ``reserved`` (default: rank 0's fresh process replayed through the caching allocator model,
     ``plan/reserved.py``) or ``allocated``. ``replay(workload, options, device, strategy,
     local_batch) -> ReservedReplay`` goes with a stand-in ``trace``.
+    ``host_memory_bytes`` (``--host-memory``): a local batch whose ``--offload``-ed pinned host
+    bytes on a rank pass it does not fit; None does not check them.
     """
     options = options or StepOptions()
     time_model = time_model or TimeModel()
@@ -455,17 +481,20 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         open_session = functools.partial(DeepSession, session=module.ShardedSession)
     multiple_of = workload.batch_multiple(multiple_of)
     by_world = [(world, parse(strategies, world.gpus)) for world in worlds]  # every bad name before any trace
+    if options.offloads("params"):
+        by_world = _with_fsdp_only(by_world, auto=strategies.strip().lower() == "auto")
     if global_batch is not None:
         for _, chosen in by_world:
             _check_global_batch(global_batch, chosen, multiple_of)
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    from batchfit.trace.compiled import workload_approximations  # torch: when a plan runs
+    from batchfit.distributed.zero import zero_approximations  # torch: when a plan runs
+    from batchfit.trace.approximation import offload_approximations
+    from batchfit.trace.compiled import workload_approximations
     from batchfit.trace.cuda_float8 import float8_approximations
 
-    from batchfit.distributed.zero import zero_approximations
-
     approximations = workload_approximations(workload, options) + float8_approximations(options)
+    approximations += offload_approximations(options.offload, options.compile)
     approximations += zero_approximations([s for _, chosen in by_world for s in chosen])
     target_bytes = int(target_util * device.usable_bytes)
     auto = strategies.strip().lower() == "auto"
@@ -474,7 +503,8 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         world, strategy = job
         return _plan_one(open_session, workload, options, device, world, strategy, time_model, say, auto=auto,
                          batch_sizes=batch_sizes, global_batch=global_batch, multiple_of=multiple_of,
-                         max_batch=max_batch, target_bytes=target_bytes, limit=limit)
+                         max_batch=max_batch, target_bytes=target_bytes, limit=limit,
+                         host_limit_bytes=host_memory_bytes)
 
     jobs = [(world, strategy) for world, chosen in by_world for strategy in chosen]
     done = workers.run(one, jobs, say, processes=processes if trace is None else 1)
@@ -495,14 +525,31 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         params=params, global_batch=global_batch, tokens=tokens, tokens_asked=tokens_asked,
         target_util=target_util, multiple_of=multiple_of, time_model=time_model,
         links=time_model.links(device), trace_seconds=time.perf_counter() - started, traces=traces,
-        approximations=approximations, limit=limit,
+        approximations=approximations, limit=limit, host_limit_bytes=host_memory_bytes,
     )
+
+
+FSDP_SHARDS = ("fsdp", "fsdp-noreshard", "hsdp")
+
+
+def _with_fsdp_only(by_world: list, *, auto: bool) -> list:
+    """``--offload params`` is FSDP2's CPUOffloadPolicy: ``auto`` keeps its FSDP strategies; a
+    named strategy without FSDP (ddp, tp<N>, one GPU) stops the plan with one line, before any trace."""
+    if auto:
+        return [(world, [s for s in chosen if s.shard in FSDP_SHARDS]) for world, chosen in by_world]
+    other = sorted({f"{s.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}" for world, chosen in by_world
+                    for s in chosen if s.shard not in FSDP_SHARDS})
+    if other:
+        raise OptionError(f"--offload params is FSDP2's CPUOffloadPolicy, and {', '.join(other)} has no FSDP: "
+                          "plan it with --strategies fsdp (or hsdp<R>, fsdp+tp<N>), or use --offload activations")
+    return by_world
 
 
 def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, device: Device, world: World,
               strategy, time_model: TimeModel, say: Callable[[str], None], *, auto: bool,
               batch_sizes: list[int] | None, global_batch: int | None, multiple_of: int, max_batch: int,
-              target_bytes: int, limit: str = "reserved") -> tuple[StrategyPlan, int | None]:
+              target_bytes: int, limit: str = "reserved",
+              host_limit_bytes: int | None = None) -> tuple[StrategyPlan, int | None]:
     """One strategy on one GPU count, in one tracing session: its row, and the model's
     parameter count (None when ``auto`` skipped it: the model has no tensor-parallel plan)."""
     label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
@@ -516,7 +563,8 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
             trace_first_sizes(curve, batch_sizes, multiple_of, device.usable_bytes)
             plan_row = _plan_strategy(base, curve, strategy, world, workload, device, options, time_model,
                                       global_batch=global_batch, multiple_of=multiple_of,
-                                      max_batch=max_batch, target_bytes=target_bytes, limit=limit)
+                                      max_batch=max_batch, target_bytes=target_bytes, limit=limit,
+                                      host_limit_bytes=host_limit_bytes)
             plan_row.whole_reserved = list(getattr(session, "whole_reserved", []))
     except OptionError as error:
         if not auto or strategy.tp == 1 or (curve is not None and curve.points):
@@ -530,12 +578,13 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
 
 def _plan_strategy(base: dict, curve: ShardedCurve, strategy, world: World, workload: Workload, device: Device,
                    options: StepOptions, time_model: TimeModel, *, global_batch: int | None, multiple_of: int,
-                   max_batch: int, target_bytes: int, limit: str = "reserved") -> StrategyPlan:
+                   max_batch: int, target_bytes: int, limit: str = "reserved",
+                   host_limit_bytes: int | None = None) -> StrategyPlan:
     """One strategy's row: the max local batch (traced and confirmed), the micro-batch and its
     time, or, when not even the smallest batch fits, what would make it fit."""
     capacity = device.usable_bytes
     found = curve.max_batch(capacity, lo=multiple_of, hi=max_batch, multiple_of=multiple_of,
-                            reserved=limit == "reserved")
+                            reserved=limit == "reserved", host_limit_bytes=host_limit_bytes)
     plan_row = StrategyPlan(**base, points=[], curve=None, max_local_batch=found.max_batch_size,
                             capped=found.capped, params_per_rank=curve.first.params_per_rank, limit=limit,
                             tp_loss=getattr(curve.first, "tp_loss", None))
@@ -543,7 +592,7 @@ def _plan_strategy(base: dict, curve: ShardedCurve, strategy, world: World, work
         _choose_micro(plan_row, curve, target_bytes, global_batch, multiple_of)
         _time(plan_row, curve, strategy, world, device, options, time_model, workload)
     else:
-        plan_row.fix = _fix(plan_row, curve.points[min(curve.points)], capacity, options)
+        plan_row.fix = _fix(plan_row, curve.points[min(curve.points)], capacity, options, host_limit_bytes)
     return plan_row
 
 
@@ -552,9 +601,10 @@ def _time(plan_row: StrategyPlan, curve: ShardedCurve, strategy, world: World, d
     """Step time, samples/s and tokens/s at the micro-batch, and at the max local batch."""
     at_micro = curve.points[plan_row.micro_batch]
     plan_row.time = step_time(at_micro, strategy, world, device, options.precision, model,
-                              plan_row.accumulation_steps)
+                              plan_row.accumulation_steps, param_offload=options.offloads("params"))
     at_max = curve.points.get(plan_row.max_local_batch)
-    plan_row.time_at_max = at_max and step_time(at_max, strategy, world, device, options.precision, model)
+    plan_row.time_at_max = at_max and step_time(at_max, strategy, world, device, options.precision, model,
+                                                param_offload=options.offloads("params"))
     if plan_row.time:
         plan_row.samples_per_s = plan_row.global_batch / plan_row.time.step_time_s
         if workload.tokens_per_sample:

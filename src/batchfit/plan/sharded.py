@@ -156,6 +156,14 @@ class ShardedPoint:
     """Under TP, the loss the plan built: "sharded" (logits split by the vocabulary, loss_parallel),
     "gathered" (the whole logits on every rank) or "replicated" (the plan leaves the head whole);
     None without TP."""
+    host_peak_bytes: int = 0
+    """Rank 0's most host bytes at once for --offload (pinned, power-of-two rounded)."""
+    host_reserved_bytes: int = 0
+    """Pinned host memory rank 0's host allocator holds (its cache): what --host-memory checks."""
+    offloaded_bytes: int = 0
+    """Bytes rank 0's activation offload copied to the host in the step (and back)."""
+    total_peak_bytes: int = 0
+    """Rank 0's most device + host bytes at once, no workspace: what a CPU rank holds (the gloo truth)."""
 
 
 _world: list[int] = []
@@ -211,6 +219,30 @@ def _to_empty_keeping_ties(model):
     return model
 
 
+def _unpinned(model):
+    """FSDP2's CPU offload without ``pin_memory()``: a fake tensor cannot be pinned (no fake
+    kernel for aten._pin_memory). The bytes are the same; the tracker rounds host blocks as the
+    pinned allocator does."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            fsdp_param.pin_memory = False
+    return model
+
+
+def _count_cpu_offload(model, tracker) -> None:
+    """FSDP2's CPUOffloadPolicy on the tracker's accounts: each sharded parameter lives on the
+    host, and so does its gradient once FSDP2 has copied it there after the reduce-scatter (it
+    calls the parameter's post-accumulate-grad hooks then). On this CPU ``.to("cpu")`` copies
+    nothing, so the trace moves them between accounts; the optimizer step's state and temporaries,
+    made from host tensors, count on the host by themselves (``MemoryTracker._made_from_host``)."""
+    for param in model.parameters():
+        tracker.move_to_host(param)
+        param.register_post_accumulate_grad_hook(lambda p: tracker.move_to_host(p.grad))
+
+
 def _local_elements(tensor) -> int:
     return getattr(tensor, "_local_tensor", tensor).numel()
 
@@ -249,9 +281,10 @@ class ShardedSession:
             self.tracker = tracker = ShardedTracker(round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
 
             def shard(model):
-                return apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
-                                      parallelize=own_plan or tp_plan(model, options.tp_loss),
-                                      on_bucket=tracker.mark_collective)
+                return _unpinned(apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
+                                                cpu_offload=options.offloads("params"),
+                                                parallelize=own_plan or tp_plan(model, options.tp_loss),
+                                                on_bucket=tracker.mark_collective))
 
             # TP and FSDP2 are applied to the model built on the meta device, outside FakeTensorMode
             # (they build sub-meshes, which read rank tables), after the step's own preparation
@@ -274,6 +307,8 @@ class ShardedSession:
             """Where the first and the second step start in :attr:`fresh_stream` (the build before
             them), and under DDP where its bucket rebuild (at the start of the second step's forward) ends."""
             self.tp_loss = tp_loss_of(prepared) if strategy.tp > 1 else None
+            if options.offloads("params"):
+                _count_cpu_offload(self.session.step.model, tracker)
         except BaseException:
             self._exit.close()
             raise
@@ -312,6 +347,8 @@ class ShardedSession:
             peak_by_part={k: v + workspace for k, v in snapshot.peak_by_part.items()},
             breakdown_by_part={k: {**v, "workspace": workspace} for k, v in snapshot.breakdown_by_part.items()},
             tp_loss=self.tp_loss,
+            host_peak_bytes=snapshot.host_peak_bytes, host_reserved_bytes=snapshot.host_reserved_bytes,
+            offloaded_bytes=snapshot.offloaded_bytes, total_peak_bytes=snapshot.total_peak_bytes,
         )
 
     def close(self) -> None:

@@ -23,6 +23,26 @@ What overlaps (the rule the report states):
 - Collectives outside forward and backward (in the optimizer step) are not overlapped.
 Overlapped communication that takes longer than the compute it hides behind shows as time.
 
+Offload (``--offload activations``): the saved activations go to the host in the forward and
+come back in the backward, over the GPU's PCIe host link (``devices.py``, per direction, the
+link's signalling rate: a pinned copy reaches 80-90% of it, not taken off here):
+
+    transfer_out = bytes offloaded / host link     (device to host, during the forward)
+    transfer_in  = the same bytes / host link      (host to device, during the backward)
+    exposed      += max(0, transfer_out - compute/3) + max(0, transfer_in - 2 compute/3)
+
+The assumption: torchtune's side stream overlaps the copies with the compute of their own pass
+(the forward taken as a third of the compute, the backward two thirds, the usual 1:2), PCIe is
+full duplex and is not shared with the collectives (NVLink or the network carry those); a copy
+longer than the pass it hides behind shows as time. Not modelled: the stream's waits (a tensor
+asked back before its copy lands stalls the backward; torchtune's heuristics keep that rare).
+
+``--offload params`` (FSDP2's CPUOffloadPolicy): before each all-gather FSDP2 copies the rank's
+shard to the GPU (the all-gather's bytes / its group size), and after each reduce-scatter the
+gradient shard back; both ride the host link and are prefetched with the collectives, so they
+join the overlapped time. Not modelled: the optimizer step, which then runs on the CPU (CPU Adam
+over the rank's shard: seconds for billions of parameters), stated as such in every plan.
+
 With gradient accumulation every micro-batch repeats the traced step (FSDP re-gathers its
 parameters for each; DDP without ``no_sync`` all-reduces each), so a step of ``k``
 micro-batches takes ``k`` times as long: an upper bound for DDP with ``no_sync``.
@@ -35,7 +55,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from batchfit.devices import Device
+from batchfit.devices import Device, host_link_seconds as offload_seconds
 from batchfit.errors import OptionError
 from batchfit.plan.world import World
 
@@ -146,6 +166,10 @@ class StepTime:
     """Per micro-batch, by group: bytes rank 0 sends (ring accounting)."""
     links: dict[str, str] = field(default_factory=dict)
     """By group: 'intra-node' or 'inter-node'."""
+    offload_transfer_s: float = 0.0
+    """Per micro-batch: each direction's host-link time for --offload (bytes / host link)."""
+    offload_exposed_s: float = 0.0
+    """Per micro-batch: the part of it not hidden behind its pass's compute (in ``micro_step_s``)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -163,7 +187,7 @@ def group_span(collective, strategy) -> int:
 
 
 def step_time(point, strategy, world: World, device: Device, precision: str, model: TimeModel,
-              accumulation_steps: int = 1) -> StepTime | None:
+              accumulation_steps: int = 1, param_offload: bool = False) -> StepTime | None:
     """The computed time of one optimizer step of ``accumulation_steps`` micro-batches, each
     the traced ``point``; None when the GPU's peak FLOP/s for ``precision`` is unknown."""
     peak_tflops = device.peak_tflops(precision)
@@ -193,8 +217,20 @@ def step_time(point, strategy, world: World, device: Device, precision: str, mod
             overlapped += seconds
         else:
             exposed += seconds
-    micro = compute_s + max(0.0, overlapped - compute_s) + exposed
+    if param_offload:  # each shard in before its all-gather, each gradient shard out after its reduce-scatter
+        shards = sum(c.bytes / c.group_size for c in point.collectives
+                     if c.group != "tp" and c.op in ("all_gather", "reduce_scatter"))
+        seconds = offload_seconds(int(shards), device)
+        by_group["host"] = seconds
+        sent["host"] = int(shards)
+        link_of["host"] = "host link"
+        overlapped += seconds
+    transfer_s = offload_seconds(getattr(point, "offloaded_bytes", 0), device)
+    offload_exposed = max(0.0, transfer_s - compute_s / 3) + max(0.0, transfer_s - 2 * compute_s / 3)
+    micro = compute_s + max(0.0, overlapped - compute_s) + exposed + offload_exposed
     return StepTime(compute_s=compute_s, communication_s=by_group, overlapped_s=overlapped, exposed_s=exposed,
                     micro_step_s=micro, accumulation_steps=accumulation_steps,
                     step_time_s=micro * accumulation_steps, flops=point.flops, peak_tflops=peak_tflops,
-                    bytes_sent=sent, links=link_of)
+                    bytes_sent=sent, links=link_of, offload_transfer_s=transfer_s,
+                    offload_exposed_s=offload_exposed)
+

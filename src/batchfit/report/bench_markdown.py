@@ -40,6 +40,13 @@ def bench_markdown(result, plot_name: str = "throughput.png") -> str:
             f"{_num(row.mfu * 100 if row.mfu is not None else None, '.1f')}{'%' if row.mfu is not None else ''} | "
             f"{gib(row.peak_allocated_bytes)} | {gib(row.peak_reserved_bytes)} | {gib(row.reserved_expandable_bytes)} | "
             f"{row.source}{': ' + row.error if row.error else ''} |")
+    if r.options.offload != "none":
+        lines += ["", f"Offload ({r.options.offload}), traced host bytes and the computed transfer (bytes / the GPU's "
+                      "host link, each way per micro-batch; a measured GPU step already holds the real copies):", ""]
+        lines += [f"- batch {row.batch_size}: pinned host memory {gib(row.host_reserved_bytes)} GiB; "
+                  f"{gib(row.offloaded_bytes)} GiB copied out and back"
+                  + (f", {row.offload_transfer_s:.3f} s each way" if row.offload_transfer_s is not None else "")
+                  for row in r.rows if row.host_reserved_bytes is not None]
     seen = {p for row in r.rows for p in (*row.phase_peak_bytes, *row.phase_time_s)}
     phases = [p for p in PHASES if p in seen]  # in the order the step runs them
     if phases:

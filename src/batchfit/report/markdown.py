@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from batchfit.devices import GiB, format_bytes
+from batchfit.report.host import host_line
 
 KNOWN_LIMITS = """\
 - Traced on fake tensors with CUDA's rules mirrored: 512-byte allocation rounding, CUDA's
@@ -51,6 +52,8 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
             f"({peak / r.capacity_bytes:.1%}; {gib(at_best.peak_bytes)} GiB allocated); "
             f"headroom {gib(r.capacity_bytes - peak)} GiB",
         ]
+        if r.options.offload != "none":
+            lines += [f"- {host_line(at_best, r.host_limit_bytes)[0].upper()}{host_line(at_best, r.host_limit_bytes)[1:]}"]
     else:
         small = r.points[0]
         lines += [

@@ -8,6 +8,7 @@ from batchfit.devices import GiB
 from batchfit.plan.time_model import OVERLAP_RULE  # pure Python, no torch
 from batchfit.report import write_report
 from batchfit.report.write import StagedFiles
+from batchfit.report.host import plan_host_line as host_line_for_plan
 from batchfit.report.markdown import approximation_lines, gib
 from batchfit.report.plan_plots import plan_plot
 
@@ -177,6 +178,25 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
     return "\n".join(lines)
 
 
+def _offload_lines(r) -> list[str]:
+    """--offload: the host link, the transfer per micro-step and the pinned host memory."""
+    if r.options.offload == "none":
+        return []
+    link = r.device.host_link or "PCIe Gen4 x16 (assumed: the GPU was given by its memory only)"
+    gbps = r.device.host_link_gb_per_s or 32.0
+    out = [f"- Offload ({r.options.offload}): host link {gbps:g} GB/s per direction, {link} (the signalling rate; "
+           "copies overlap their own pass's compute on a side stream, forward = 1/3 and backward = 2/3 of it; "
+           "what does not hide shows as time: plan/time_model.py)"]
+    for p in r.recommended:
+        out.append(f"- {host_line_for_plan(p, r.host_limit_bytes)}"
+                   + (f"; activations {p.time.offload_transfer_s:.3f} s each way per micro-step, "
+                      f"{p.time.offload_exposed_s:.3f} s exposed" if p.time and p.time.offload_transfer_s else "")
+                   + (f"; parameter and gradient shards {p.time.communication_s['host']:.3f} s per micro-step "
+                      f"({p.time.bytes_sent['host'] / GiB:.2f} GiB, overlapped with compute)"
+                      if p.time and "host" in p.time.communication_s else ""))
+    return out
+
+
 def _time_section(r) -> list[str]:
     tm, links = r.time_model, r.links
     lines = ["", "## Time (computed)", "",
@@ -189,7 +209,7 @@ def _time_section(r) -> list[str]:
              f"{links['intra_node_source']}",
              f"- Between nodes: {links['inter_node_gb_per_s']:g} GB/s per GPU and direction: "
              f"{links['inter_node_source']}",
-             f"- Overlap rule: {OVERLAP_RULE}", "",
+             f"- Overlap rule: {OVERLAP_RULE}", *_offload_lines(r), "",
              "Per micro-batch step (at the micro-batch), seconds:", "",
              "| GPUs | strategy | micro | TFLOP per GPU | compute | dp comm | tp comm | overlapped | exposed | "
              "micro step | x accum | step |",

@@ -50,3 +50,38 @@ def fast_path_approximations(model) -> list[Approximation]:
         may_differ_by="about -12% of peak (a frozen eval-mode encoder on a CPU: 1,019,400 B traced, "
                       "1,158,664 B measured); keep it in train mode to be traced exactly",
         source="docs/tracing.md, Code that reads tensor values", detail=f"in eval mode: {shown}")]
+
+
+OFFLOAD_STREAMS = Approximation(
+    what="--offload activations: the side stream's timing is not traced",
+    may_differ_by="up to 5 activations more on the device in the forward, and one autograd node's in the "
+                  "backward (the trace keeps torchtune's stash lifetimes, not when each copy lands: a copy "
+                  "still in flight holds its tensor longer); the host figure rounds each block to a power of "
+                  "two and keeps the allocator's cache per size, as PyTorch's pinned allocator does, but not "
+                  "cudaHostAlloc's own page rounding (4 KiB per block)",
+    source="docs/tracing.md, Activation offloading")
+"""What the traced offload cannot see: CUDA streams' timing, the driver's pinned rounding."""
+
+FSDP_CPU_OFFLOAD = Approximation(
+    what="--offload params: FSDP2's copies of each shard to the GPU before its all-gather are not counted",
+    may_differ_by="one FSDP group's parameter shards on the device while it gathers (its parameters / GPUs, "
+                  "in their stored dtype), and the optimizer step's temporaries counted as host memory "
+                  "with the foreach path (a CPU step takes the per-parameter loop: less); the CPU optimizer "
+                  "step's time is not in the computed step time",
+    source="docs/tracing.md, FSDP2 CPU offload")
+"""What the trace of FSDP2's CPUOffloadPolicy cannot see (a CPU's .to('cpu') copies nothing)."""
+
+
+OFFLOAD_COMPILED = Approximation(
+    what="--offload activations with --compile: the hooks around AOTAutograd's compiled forward",
+    may_differ_by="+1.5% of peak (an 8-layer MLP traced 4,309,000 B against 4,243,464 B under inductor on a "
+                  "CPU: four activations more; not explained yet)",
+    source="docs/tracing.md, Activation offloading")
+
+
+def offload_approximations(offload: str, compile: str = "none") -> list[Approximation]:
+    """What a traced step with ``--offload`` (``StepOptions.offload``) approximates."""
+    parts = offload.split("+")
+    return (([OFFLOAD_STREAMS] if "activations" in parts else [])
+            + ([OFFLOAD_COMPILED] if "activations" in parts and compile != "none" else [])
+            + ([FSDP_CPU_OFFLOAD] if "params" in parts else []))

@@ -77,6 +77,10 @@ def at_depth(workload: Workload, depth: int, seen: Depth) -> Workload:
     return replace(workload, build_model=build_model)
 
 
+HOST_FIGURES = ("host_peak_bytes", "host_reserved_bytes", "offloaded_bytes")
+"""The host account of a traced point (``--offload``), extrapolated as the device's is."""
+
+
 def line_at(values: list[int], depth: int) -> int | None:
     """The value at ``depth`` of the line through the values at ``DEPTHS``; None if they are
     not on one."""
@@ -150,7 +154,13 @@ def extrapolate(points: list[Point], depth: int) -> Point | None:
             return None
         by_phase[phase], breakdown_by_phase[phase] = found
     phase = max(by_phase, key=by_phase.get)
+    # --offload's host account: each block adds the same host blocks (of the same sizes), so the
+    # host bytes, the pinned allocator's cache and the bytes copied lie on lines too, or not at all
+    host = {name: line_at([getattr(p, name, 0) for p in points], depth)
+            for name in HOST_FIGURES if hasattr(points[0], name)}
+    if None in host.values():
+        return None
     # the largest tensors of the deepest trace: one block's tensors have the same sizes at any depth
     return replace(points[-1], peak_bytes=by_phase[phase], phase=phase, breakdown=breakdown_by_phase[phase],
                    peak_by_phase=by_phase, breakdown_by_phase=breakdown_by_phase, peak_by_part={},
-                   breakdown_by_part={})
+                   breakdown_by_part={}, **host)

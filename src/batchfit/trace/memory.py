@@ -14,7 +14,8 @@ the end of the step; otherwise by the phase that made the tensor: inputs, activa
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,15 @@ class Snapshot:
     """Each phase's peak in the parts that its run over the main stack of blocks cuts it into,
     keyed 'phase:part' (:data:`PARTS`): what a deep model's extrapolation needs (trace/depth.py)."""
     breakdown_by_part: dict[str, dict[str, int]] = field(default_factory=dict)
+    host_peak_bytes: int = 0
+    """The most host bytes the step held at once for offloading (pinned, rounded as PyTorch's
+    host allocator rounds on CUDA); 0 without --offload."""
+    host_reserved_bytes: int = 0
+    """What the pinned host allocator holds after the step: it caches every block it made."""
+    total_peak_bytes: int = 0
+    """The most device + host bytes alive at once (what one CPU's memory holds: the CPU truth)."""
+    offloaded_bytes: int = 0
+    """Bytes the step made on the host (unrounded): the device-to-host copies of --offload."""
 
 
 PARTS: tuple[str, ...] = ("head", "first", "second", "middle", "penultimate", "last", "tail", "repeated")
@@ -90,6 +100,13 @@ def held_tensor(tensor: torch.Tensor) -> torch.Tensor:
     for attribute in ("_local_tensor", "_tensor"):
         tensor = getattr(tensor, attribute, tensor)
     return tensor
+
+
+def pinned_rounded(nbytes: int) -> int:
+    """Bytes PyTorch's pinned host allocator takes for ``nbytes``: the next power of two
+    (``CachingHostAllocator.h``, ``PowerOf2Ceil``, with the default unlimited
+    ``pinned_max_round_threshold``)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
 def active_tracker() -> MemoryTracker | None:
@@ -143,6 +160,50 @@ class MemoryTracker(TorchDispatchMode):
         compiled frames while a mode that does not ignore compile internals is active."""
         self.uncounted = False
         """While set, new storages are not counted: buffers a fused kernel never writes."""
+        self.host_round: Callable[[int], int] = pinned_rounded if round_bytes > 1 else (lambda n: n)
+        """How the host allocator rounds (pinned memory on CUDA; exact on a CPU, for the truth)."""
+        self._on_host = False
+        self._pinned: dict[int, Allocation] = {}
+        """Host storages the step made for offloading (``on_host``), and what ops make from them."""
+        self.host_live_bytes = 0
+        self.host_peak_bytes = 0
+        """The most host bytes alive at once since start_window()."""
+        self.total_peak_bytes = 0
+        """The most device + host bytes alive at once since start_window() (a CPU holds both)."""
+        self.host_made_bytes = 0
+        """Bytes made on the host inside ``on_host`` since start_window() (unrounded): what the
+        step's activation offload copied out."""
+        self._host_live_by_size: dict[int, int] = {}
+        self._host_cached_by_size: dict[int, int] = {}
+        """Blocks of each size the pinned allocator holds: it caches freed blocks by size, never
+        returning them, so it holds the most blocks of each size ever alive at once (since
+        start_window(): the measured step stands for a fresh process at its batch size)."""
+
+    @contextlib.contextmanager
+    def on_host(self) -> Iterator[None]:
+        """Storages made inside live in (pinned) host memory: counted in the host account."""
+        self._on_host, before = True, self._on_host
+        try:
+            yield
+        finally:
+            self._on_host = before
+
+    def move_to_host(self, tensor: torch.Tensor) -> None:
+        """Count the storage of ``tensor`` (alive, on the device account) on the host from now:
+        what a wrap placed in host memory (FSDP2's CPU offload of sharded parameters)."""
+        tensor = getattr(tensor, "_local_tensor", tensor)
+        storage = tensor.untyped_storage()
+        record = self._live.pop(id(storage), None)
+        if record is None:
+            return
+        self.live_bytes -= record.nbytes
+        self.events.append(("free", record.seq, 0))
+        self._record_host(id(storage), storage, op=record.op, shape=record.shape, dtype=record.dtype)
+
+    @property
+    def host_cached_bytes(self) -> int:
+        """Host bytes the pinned allocator holds: the most blocks of each size alive at once."""
+        return sum(size * count for size, count in self._host_cached_by_size.items())
 
     def ignore_compile_internals(self) -> bool:  # torch asks the mode on the stack, an instance
         return self.run_compiled
@@ -247,6 +308,12 @@ class MemoryTracker(TorchDispatchMode):
     def start_window(self) -> None:
         """Start measuring a new step: the peak restarts from what is live now."""
         self.peak_bytes = self.live_bytes
+        self.host_peak_bytes = self.host_live_bytes
+        self.host_made_bytes = 0
+        # The step at this batch size as a fresh process holds: its own sizes' blocks (the
+        # warm-up step before the window has the same sizes), not an earlier batch size's.
+        self._host_cached_by_size = {size: n for size, n in self._host_live_by_size.items() if n}
+        self.total_peak_bytes = self.live_bytes + self.host_live_bytes
         self._peak_seq = self._seq
         self._peak_phase = self.current_phase
         self._peak_by_phase = {}
@@ -289,7 +356,11 @@ class MemoryTracker(TorchDispatchMode):
     def _maybe_track(self, tensor: torch.Tensor, func, inputs: list[torch.Tensor]) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)
-        if key in self._live or key in self._host or self.uncounted:
+        if key in self._live or key in self._host or key in self._pinned or self.uncounted:
+            return
+        if self._on_host or self._made_from_host(inputs):
+            self._record_host(key, storage, op=str(func.overloadpacket.__name__), shape=tuple(tensor.shape),
+                              dtype=str(tensor.dtype).removeprefix("torch."))
             return
         if self._is_host(tensor, inputs):
             self._host.add(key)
@@ -297,6 +368,41 @@ class MemoryTracker(TorchDispatchMode):
             return
         self.record(key, storage, op=str(func.overloadpacket.__name__), shape=tuple(tensor.shape),
                     dtype=str(tensor.dtype).removeprefix("torch."))
+
+    def _made_from_host(self, inputs: list[torch.Tensor]) -> bool:
+        """An optimizer step on offloaded host tensors only (FSDP2's on its CPU shards) runs on the
+        host. In forward and backward what is made from them is the device's: FSDP2 copies a
+        shard to the GPU before it casts and gathers it (a copy a CPU trace cannot see)."""
+        if not self._pinned or self.current_phase != "optimizer":
+            return False
+        storages = [id(t.untyped_storage()) for t in inputs]
+        return any(k in self._pinned for k in storages) and not any(k in self._live for k in storages)
+
+    def _record_host(self, key: int, storage: torch.UntypedStorage, *, op: str, shape: tuple[int, ...],
+                     dtype: str) -> None:
+        nbytes = self.host_round(storage.nbytes())
+        if nbytes == 0:
+            return
+        self._seq += 1
+        record = Allocation(seq=self._seq, nbytes=nbytes, phase=self.current_phase, op=op, shape=shape, dtype=dtype,
+                            module=self._module_stack[-1] if self._module_stack else None, role="host")
+        self._pinned[key] = record
+        if self._on_host:  # the step's own copies out (activation offload), not what a wrap moved
+            self.host_made_bytes += storage.nbytes()
+        weakref.finalize(storage, self._free_host, key).atexit = False
+        self.host_live_bytes += nbytes
+        live = self._host_live_by_size[nbytes] = self._host_live_by_size.get(nbytes, 0) + 1
+        self._host_cached_by_size[nbytes] = max(live, self._host_cached_by_size.get(nbytes, 0))
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
+        self.total_peak_bytes = max(self.total_peak_bytes, self.live_bytes + self.host_live_bytes)
+
+    def _free_host(self, key: int) -> None:
+        record = self._pinned.pop(key, None)
+        if record is not None:
+            self._seq += 1
+            record.freed_seq = self._seq
+            self.host_live_bytes -= record.nbytes
+            self._host_live_by_size[record.nbytes] -= 1
 
     def record(self, key: int, storage: torch.UntypedStorage, *, op: str, shape: tuple[int, ...], dtype: str,
                role: str | None = None) -> Allocation | None:
@@ -317,6 +423,7 @@ class MemoryTracker(TorchDispatchMode):
         self.events.append(("malloc", self._seq, storage.nbytes()))
         weakref.finalize(storage, self._free, key).atexit = False
         self.live_bytes += nbytes
+        self.total_peak_bytes = max(self.total_peak_bytes, self.live_bytes + self.host_live_bytes)
         self._note_phase_peak()
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
@@ -373,6 +480,10 @@ class MemoryTracker(TorchDispatchMode):
                   "category": r.category, "op": r.op, "module": r.module, "phase": r.phase}
                  for r in top],
             peak_by_phase=dict(self._peak_by_phase),
+            host_peak_bytes=self.host_peak_bytes,
+            host_reserved_bytes=self.host_cached_bytes,
+            total_peak_bytes=self.total_peak_bytes,
+            offloaded_bytes=self.host_made_bytes,
             breakdown_by_phase={phase: self._breakdown(self._live_at(seq))
                                 for phase, seq in self._peak_seq_by_phase.items()},
             **self._parts(),

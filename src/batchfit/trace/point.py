@@ -24,7 +24,7 @@ from batchfit.devices import Device
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided, reserved_search
 from batchfit.trace import depth, forked, stream
-from batchfit.trace.approximation import Approximation, fast_path_approximations
+from batchfit.trace.approximation import Approximation, fast_path_approximations, offload_approximations
 from batchfit.trace.compiled import COMPILED_TRACED, compile_approximations, graph_breaks
 from batchfit.trace.cuda_float8 import float8_approximations
 from batchfit.trace.curve import MemoryCurve, fit_curve
@@ -55,12 +55,22 @@ class MemoryPoint:
     reserved_ratio: float | None = None
     """Reserved over allocated: at the peak, or (when it ran out) what it held and asked for
     over what was allocated then; the search predicts the next size with it."""
+    host_peak_bytes: int = 0
+    """Host bytes the step holds at once for ``--offload`` (pinned, rounded to powers of two as
+    PyTorch's host allocator does); 0 without offload."""
+    host_reserved_bytes: int = 0
+    """Pinned host memory the process holds after the step (the host allocator caches its blocks):
+    what ``--host-memory`` is checked against."""
+    offloaded_bytes: int = 0
+    """Bytes the step copies to the host (and, for activations, back): the transfer time's bytes."""
 
     def to_json(self) -> dict:
         return {"batch_size": self.batch_size, "peak_bytes": self.peak_bytes,
                 "peak_reserved_bytes": self.peak_reserved_bytes, "reserved_oom": self.reserved_oom,
                 "breakdown": self.breakdown, "phase": self.phase,
-                "peak_by_phase": self.peak_by_phase, "largest_tensors": self.top}
+                "peak_by_phase": self.peak_by_phase, "largest_tensors": self.top,
+                "host_peak_bytes": self.host_peak_bytes, "host_reserved_bytes": self.host_reserved_bytes,
+                "offloaded_bytes": self.offloaded_bytes}
 
 
 def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
@@ -74,6 +84,8 @@ def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
         breakdown_by_phase={k: {**v, "workspace": workspace_bytes} for k, v in snap.breakdown_by_phase.items()},
         peak_by_part={k: v + workspace_bytes for k, v in snap.peak_by_part.items()},
         breakdown_by_part={k: {**v, "workspace": workspace_bytes} for k, v in snap.breakdown_by_part.items()},
+        host_peak_bytes=snap.host_peak_bytes, host_reserved_bytes=snap.host_reserved_bytes,
+        offloaded_bytes=snap.offloaded_bytes,
     )
 
 
@@ -120,6 +132,11 @@ def run_out_at_reserved(session: TraceSession, device: Device, config: Allocator
 
     session.tracker.on_event = on_event
     return allocator
+
+
+def host_fits(point: MemoryPoint, host_limit_bytes: int | None) -> bool:
+    """Whether the pinned host memory ``point`` holds fits ``--host-memory`` (None: not checked)."""
+    return host_limit_bytes is None or point.host_reserved_bytes <= host_limit_bytes
 
 
 class TracedCurve:
@@ -216,7 +233,8 @@ class TracedCurve:
     def approximations(self) -> list[Approximation]:
         """Where this trace approximates the step it stands for (a compiled model run as eager)."""
         session = self._full or self._first
-        fast_path = fast_path_approximations(session.step.model) + float8_approximations(self.options)
+        fast_path = (fast_path_approximations(session.step.model) + float8_approximations(self.options)
+                     + offload_approximations(self.options.offload, self.options.compile))
         if not session.compiled:
             found = compile_approximations(self.options, session.step.model, self.workload.loss_fn)
             why = "; mixed precision on CUDA is not traced compiled yet"  # the one reason left on one device
@@ -331,7 +349,7 @@ class TracedCurve:
         return fit_curve({b: p.peak_by_phase for b, p in self.points.items()})
 
     def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
-                  reserved: bool = False) -> SearchResult:
+                  reserved: bool = False, host_limit_bytes: int | None = None) -> SearchResult:
         """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak is under
         ``limit_bytes``: the curve predicts it, tracing it and the next size up confirms it.
 
@@ -339,11 +357,15 @@ class TracedCurve:
         never less than allocated, so the search first finds the allocated answer (cheap: by
         depth) and then looks for the reserved one at or below it, where each probe is a
         whole-model trace replayed through the allocator model.
+
+        With ``host_limit_bytes`` a batch whose offloaded host bytes (the pinned allocator's hold)
+        pass it does not fit either.
         """
 
         def allocated_probe(batch_size: int) -> Trial:
-            peak = self.point(batch_size).peak_bytes
-            return Trial(batch_size, "ok" if peak <= limit_bytes else "oom", peak_allocated_bytes=peak)
+            point = self.point(batch_size)
+            fits = point.peak_bytes <= limit_bytes and host_fits(point, host_limit_bytes)
+            return Trial(batch_size, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes)
 
         known = [allocated_probe(b) for b in self.points]
         found = guided(allocated_probe, lambda trials: self.curve().max_batch_size(limit_bytes, multiple_of),

@@ -294,6 +294,8 @@ class TraceSession:
         with self.tracing("building the model"), _building_on_fakes():
             self.step = TrainingStep(workload, options, torch.device("cpu"), wrap=wrap)
         _require_fake_parameters(self.step, workload.name)
+        if self.step.offload is not None:  # what the offload hooks copy out is counted on the host
+            self.step.offload.host_context = self.tracker.on_host
         if cuda_semantics:
             install_cuda_mirrors(self.step)
         self.tracker.host_optimizer_scalars = not any(

@@ -23,6 +23,8 @@ Where things live, all in :class:`TrainingStep`:
   which reports a step it skipped;
 - the optimizer step: :meth:`~TrainingStep.update` (learning rate, clipping, scaler, zeroing),
   the one place in batchfit that steps an optimizer;
+- activation offloading: ``--offload activations`` (``train/offload.py``) runs the forward under
+  saved-tensor hooks (:meth:`~TrainingStep.forward`);
 - activation checkpointing: the policy (``--checkpointing full | selective | every:N``,
   ``train/checkpointing.py``) wraps the main blocks here (``_checkpoint_blocks``). Saving a
   run to resume it is the sweep's (``sweep/run.py``).
@@ -49,7 +51,8 @@ from batchfit.train.checkpointing import checkpointed_blocks, selective_context_
 from batchfit.train.float8 import convert_to_float8, precompute_scales_after_step
 from batchfit.train.losses import lm_loss, loss_context, tp_loss_of
 from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module
-from batchfit.workload import FP8_PRECISIONS, StepOptions, Workload
+from batchfit.train.offload import OffloadActivations
+from batchfit.workload import FP8_PRECISIONS, PARAMS_OFFLOAD_NEEDS_FSDP, StepOptions, Workload
 
 class StepHooks(Protocol):
     def phase(self, name: str) -> None:
@@ -100,6 +103,14 @@ def _compile(model: nn.Module, mode: str, *, apply: bool) -> None:
                           "this model has none: use --compile model")
     for module in (blocks or [model]) if apply else ():
         module.compile()
+
+
+def _require_fsdp(model: nn.Module) -> None:
+    """``--offload params`` is FSDP2's CPUOffloadPolicy: it needs a model FSDP2 wrapped (plan)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise OptionError(PARAMS_OFFLOAD_NEEDS_FSDP)
 
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -180,6 +191,11 @@ class TrainingStep:
             raise OptionError(f"--loss {options.loss} does not run under tensor parallelism: use --loss plain "
                               "(the TP plan's vocabulary-sharded loss, --tp-loss sharded, never gathers the "
                               "logits either), or a ddp / fsdp strategy")
+        if options.offloads("params"):
+            _require_fsdp(self.model)
+        self.offload: OffloadActivations | None = (OffloadActivations(self.model, device)
+                                                   if options.offloads("activations") else None)
+        """The saved-tensor hooks of ``--offload activations`` (``train/offload.py``), else None."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise OptionError("every parameter is frozen: loosen --freeze or --train-only")
@@ -212,14 +228,17 @@ class TrainingStep:
         step.workload, step.options = None, StepOptions()
         step.device = param.device if param is not None else torch.device("cpu")
         step.model, step.optimizer, step.loss_fn, step.scaler = model, optimizer, loss_fn, scaler
+        step.offload = None
         step.step_context = step.forward_autocast = step.loss_context = contextlib.nullcontext
         return step
 
     # -- the pieces ------------------------------------------------------------------------
 
     def forward(self, batch: Any) -> torch.Tensor:
-        """The loss of ``batch`` (a mean over its samples), under the step's autocast."""
-        with self.forward_autocast(), self.loss_context():
+        """The loss of ``batch`` (a mean over its samples), under the step's autocast (and the
+        offload hooks, which cover the loss as TRL's do)."""
+        offload = self.offload.hooks() if self.offload is not None else contextlib.nullcontext()
+        with self.forward_autocast(), self.loss_context(), offload:
             loss = self.loss_fn(self.model, batch)
         # loss_parallel's loss is a replicated DTensor: its local value is the loss itself (the
         # backward goes through the DTensor, under loss_context again).

@@ -1,0 +1,92 @@
+"""--offload params: FSDP2's CPUOffloadPolicy in plan, traced on the fake process group.
+
+Truth: a real 2-process gloo run on this CPU (35 s here, over the suite's budget: run with
+BATCHFIT_GLOO_TRUTH=1 or by ``benchmarks/recipes.py --only offload``) of the same FSDP2 step with the policy (torch
+allows it on CPU, without pinning), rank 0 measured by the profiler, against the trace's device +
+host total (a CPU holds both). By hand: the device bytes fall by exactly rank 0's parameter shards
+and its optimizer state (the gradients are gone at the peak either way), and they reappear on the
+host (the tiny Llama of test_plan_trace, 2 ranks: shards exact, no padding).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from batchfit.devices import get_device
+from batchfit.errors import OptionError
+from batchfit.plan.sharded import parse_strategy, trace_sharded
+from batchfit.train.step import TrainingStep
+from batchfit.workload import StepOptions
+from test_plan_trace import LOCAL_BATCH, TOTAL, _free_port, _profiled_peak, tiny_workload
+
+OFFLOAD = StepOptions(offload="params")
+
+
+def _trace(options: StepOptions, name: str = "fsdp"):
+    return trace_sharded(tiny_workload(), options, get_device("h100-80gb"), parse_strategy(name, 2), LOCAL_BATCH,
+                         cuda_semantics=False)
+
+
+def _gloo_main(rank: int, port: int, out_dir: str) -> None:
+    from batchfit.distributed import apply_strategy, build_meshes
+
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    strategy = parse_strategy("fsdp", 2)
+    meshes = build_meshes(strategy)
+    torch.manual_seed(0)
+    step = TrainingStep(tiny_workload(), OFFLOAD, torch.device("cpu"),
+                        wrap=lambda m: apply_strategy(m, strategy, meshes, precision="fp32", fake=False,
+                                                      cpu_offload=True))
+    step.run(LOCAL_BATCH)
+    peaks = []
+    for _ in range(3):  # rank 0 keeps the smaller of two profiled steps (test_plan_trace's reason)
+        if rank == 0:
+            peak = _profiled_peak(step, os.path.join(out_dir, "timeline.json"))
+            peaks += [peak] if peak is not None else []
+        else:
+            step.run(LOCAL_BATCH)
+        done = torch.tensor([int(rank != 0 or len(peaks) >= 2)])
+        dist.broadcast(done, src=0)
+        if done.item():
+            break
+    if rank == 0:
+        with open(os.path.join(out_dir, "peak.json"), "w") as f:
+            json.dump(min(peaks), f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not os.environ.get("BATCHFIT_GLOO_TRUTH"), reason="a 2-process gloo run (35 s here): "
+                    "BATCHFIT_GLOO_TRUTH=1, or benchmarks/recipes.py --only offload, runs it")
+def test_traced_device_plus_host_matches_a_real_gloo_run(tmp_path) -> None:
+    torch.multiprocessing.spawn(_gloo_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    real = json.loads((tmp_path / "peak.json").read_text())
+    point = _trace(OFFLOAD)
+    assert abs(point.total_peak_bytes - real) / real < 0.02, (point.total_peak_bytes, real)
+
+
+def test_device_bytes_fall_by_the_shards_and_state_that_moved() -> None:
+    plain, moved = _trace(StepOptions()), _trace(OFFLOAD)
+    shard = TOTAL // 2 * 4  # rank 0's fp32 parameter shard, bytes
+    buffers = 64 * 32 * 4  # RoPE's table, 8,192 bytes: a buffer, which FSDP2 neither shards nor offloads
+    assert plain.breakdown["parameters"] == shard + buffers and plain.breakdown["optimizer_state"] == 2 * shard  # AdamW
+    assert moved.breakdown["parameters"] == buffers and moved.breakdown["optimizer_state"] == 0
+    assert plain.peak_bytes - moved.peak_bytes == 3 * shard
+    assert moved.total_peak_bytes == plain.total_peak_bytes  # on one CPU nothing moved at all
+    # On the host: the shards, AdamW's two states and the gradients (one flat reduce-scatter
+    # output per FSDP group), and the optimizer step's temporaries, counted where they run.
+    assert moved.host_peak_bytes >= 4 * shard
+
+
+def test_params_offload_needs_fsdp() -> None:
+    with pytest.raises(OptionError, match="--offload params is FSDP2's CPUOffloadPolicy"):
+        _trace(OFFLOAD, "ddp")
