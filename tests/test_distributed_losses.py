@@ -56,7 +56,7 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
         # The smaller of two profiled steps (see test_plan_trace); the timeline's data-flow check
         # sometimes trips on the functional all-gather ("version mismatch"): then one more.
         peaks: list[int] = []
-        for _ in range(5):
+        for _ in range(8):
             if rank == 0:
                 peak = _profiled_peak(step, os.path.join(out_dir, f"timeline-{case}.json"))
                 peaks += [peak] if peak is not None else []
