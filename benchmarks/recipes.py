@@ -25,7 +25,7 @@ bf16-mixed autocast (CPU autocast on both sides: the trace runs with CPU semanti
 float8 recipes (``train/float8.py``, torchao's convert_to_float8_training): fp8-tensorwise and
 fp8-rowwise, the rest bf16-mixed; "bf16-mixed loss plain" is their baseline. torch._scaled_mm runs
 on this CPU as an fp32 emulation whose scratch the CPU-semantics trace runs op by op
-(``trace/cuda_float8.py``). The "fsdp2 x2" rows are rank 0 of a real 2-process gloo run (FSDP2,
+(``trace/cuda_float8.py``). The "fsdp2 x2" rows (in ``DISTRIBUTED``) are rank 0 of a real 2-process gloo run (FSDP2,
 float8 all-gather for tensorwise) against ``trace_sharded`` on the fake process group.
 
     python benchmarks/recipes.py --recipes "bf16-mixed loss plain,fp8-tensorwise,fp8-rowwise,fsdp2 x2 fp8-tensorwise,fsdp2 x2 fp8-rowwise" --name recipes-fp8
@@ -117,81 +117,6 @@ def gloo_offload_params() -> tuple[int, int]:
         measured = json.loads((Path(folder) / "peak.json").read_text())
     return _trace(OFFLOAD).total_peak_bytes, measured
 
-GLOO_RECIPES: dict[str, tuple[str, StepOptions]] = {
-    "fsdp2 x2 bf16-mixed": ("fsdp", StepOptions(precision="bf16-mixed")),
-    "fsdp2 x2 fp8-tensorwise": ("fsdp", StepOptions(precision="fp8-tensorwise")),
-    "fsdp2 x2 fp8-rowwise": ("fsdp", StepOptions(precision="fp8-rowwise")),
-}
-"""recipe -> (strategy, options): rank 0 of 2 real gloo processes on this CPU vs the traced rank 0."""
-
-
-def _gloo_rank(rank: int, port: int, model: str, seq_len: int, batch_size: int, strategy_name: str,
-               options: StepOptions, out: str) -> None:
-    """One rank of a real 2-process run; rank 0 profiles its third step (the first two made the
-    optimizer state and, for DDP, rebuilt the buckets) and writes the peak to ``out``."""
-    import datetime
-    import os
-
-    import torch.distributed as dist
-
-    from batchfit.distributed import apply_strategy, build_meshes
-    from batchfit.plan.sharded import parse_strategy
-
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    strategy = parse_strategy(strategy_name, 2)
-    meshes = build_meshes(strategy)
-    torch.manual_seed(0)
-    step = TrainingStep(ZOO[model](seq_len=seq_len), options, torch.device("cpu"),
-                        wrap=lambda m: apply_strategy(m, strategy, meshes, precision=options.precision, fake=False))
-    step.run(batch_size)
-    step.run(batch_size)
-    # The profiler's data-flow check sometimes fails ("version mismatch", as in tests/test_plan_trace.py):
-    # rank 0 profiles the next step then, and every rank runs as many steps as it profiles.
-    for _ in range(4):
-        peak = None
-        if rank == 0:
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                         with_stack=True) as prof:
-                step.run(batch_size)
-            path = Path(out) / "timeline.json"
-            try:
-                prof.export_memory_timeline(str(path), device="cpu")
-                _, sizes = json.loads(path.read_text())
-                peak = max(sum(row) for row in sizes)
-                (Path(out) / "peak.json").write_text(json.dumps(peak))
-            except AssertionError:
-                pass
-        else:
-            step.run(batch_size)
-        done = torch.tensor([int(rank != 0 or peak is not None)])
-        dist.broadcast(done, src=0)
-        if done.item():
-            break
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def gloo_peaks(model: str, seq_len: int, batch_size: int, strategy_name: str, options: StepOptions) -> tuple[int, int]:
-    """(traced rank 0 peak, CPU semantics, on the fake process group; rank 0's profiled peak of a real run)."""
-    import socket
-
-    from batchfit.devices import get_device
-    from batchfit.plan.sharded import parse_strategy, trace_sharded
-
-    traced = trace_sharded(ZOO[model](seq_len=seq_len), options, get_device("h100-80gb"),
-                           parse_strategy(strategy_name, 2), batch_size, cuda_semantics=False).peak_bytes
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as folder:
-        torch.multiprocessing.spawn(_gloo_rank, args=(port, model, seq_len, batch_size, strategy_name, options, folder),
-                                    nprocs=2, join=True)
-        return traced, json.loads((Path(folder) / "peak.json").read_text())
-
 
 # Multi-GPU recipes: recipe -> (strategy on 2 ranks, the step options). Truth is a real 2-process
 # gloo run on this CPU (rank 0's profiled step), the trace is rank 0 on the fake process group.
@@ -200,6 +125,9 @@ DISTRIBUTED: dict[str, tuple[str, StepOptions]] = {
     "tp2 loss gathered": ("tp2", StepOptions(tp_loss="gathered")),
     "fsdp loss chunked:8": ("fsdp", StepOptions(loss="chunked:8")),
     "ddp loss fused-linear": ("ddp", StepOptions(loss="fused-linear")),
+    "fsdp2 x2 bf16-mixed": ("fsdp", StepOptions(precision="bf16-mixed")),
+    "fsdp2 x2 fp8-tensorwise": ("fsdp", StepOptions(precision="fp8-tensorwise")),
+    "fsdp2 x2 fp8-rowwise": ("fsdp", StepOptions(precision="fp8-rowwise")),
 }
 
 
@@ -322,7 +250,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--recipes", default=",".join([*RECIPES, *DISTRIBUTED, *GLOO]),
-                        help="comma-separated names of RECIPES, DISTRIBUTED, GLOO_RECIPES or GLOO")
+                        help="comma-separated names of RECIPES, DISTRIBUTED or GLOO")
     parser.add_argument("--only", default=None, help="only the recipes whose name holds this, e.g. offload")
     parser.add_argument("--name", "--result-name", dest="name", default="recipes",
                         help="results file name: benchmarks/results/<name>-<date>.json")
@@ -345,9 +273,6 @@ def main() -> None:
                                    args.batch_size, cuda_semantics=False).peak_bytes
             truth = gloo_peak(args.model, args.seq_len, strategy_name, options, args.batch_size)
             measured, timeline = truth["peak"], truth["timeline"]
-        elif name in GLOO_RECIPES:
-            strategy_name, options = GLOO_RECIPES[name]
-            traced, measured = gloo_peaks(args.model, args.seq_len, args.batch_size, strategy_name, options)
         elif name in GLOO:
             options = StepOptions(offload="params")
             traced, measured = gloo_offload_params()
