@@ -19,7 +19,11 @@ from batchfit.errors import OptionError
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor",
+                               "adamw-8bit", "paged-adamw-8bit", "lion-8bit", "paged-lion-8bit",
+                               "adamw-torchao-8bit", "adamw-torchao-4bit")
+"""The last six: bitsandbytes' 8-bit (and paged) AdamW and Lion, torchao's low-bit AdamW
+(``train/quantize.py``; the ``[quant]`` extra)."""
 CHECKPOINTING: tuple[str, ...] = ("none", "full", "selective", "every:N")
 """The --checkpointing grammar (``train/checkpointing.py``); N is a positive integer."""
 
@@ -45,6 +49,50 @@ def check_loss(value: str) -> None:
     if n is None or not (n.isascii() and n.isdigit()) or int(n) < 1:
         raise OptionError(f"unknown loss '{value}': use plain, chunked:N (e.g. chunked:8), fused-linear; "
                           "N a positive integer")
+
+
+QUANTIZE: tuple[str, ...] = ("none", "nf4", "nf4-dq", "fp4", "fp4-dq", "int8")
+"""The --quantize grammar: the frozen base's linear layers in bitsandbytes 4-bit (nf4/fp4; -dq:
+double quantization of the absmax) or 8-bit (LLM.int8), ``train/quantize.py``."""
+
+
+def check_quantize(value: str) -> None:
+    """Raise a one-line OptionError unless ``value`` is one of :data:`QUANTIZE`."""
+    if value not in QUANTIZE:
+        raise OptionError(f"unknown quantize '{value}': use one of {', '.join(QUANTIZE)} "
+                          "(-dq: double quantization, as BitsAndBytesConfig's bnb_4bit_use_double_quant)")
+
+
+LORA = "r=N[,alpha=A][,dora][,targets=a+b]"
+"""The --lora grammar: PEFT LoRA adapters of rank N (DoRA with ``dora``) on the linear layers whose
+names end in one of the targets (default: every linear layer but the output head, PEFT's all-linear)."""
+
+
+def parse_lora(value: str) -> dict[str, Any] | None:
+    """``--lora`` as {'r', 'alpha', 'dora', 'targets'} (None for 'none'); a one-line OptionError
+    that shows the grammar otherwise."""
+    if value == "none":
+        return None
+    spec: dict[str, Any] = {"r": None, "alpha": None, "dora": False, "targets": None}
+    bad = OptionError(f"bad --lora '{value}': use none or {LORA}, e.g. r=16 or r=16,dora,targets=q_proj+v_proj")
+    for part in value.split(","):
+        key, _, arg = part.strip().partition("=")
+        if key in ("r", "alpha") and arg.isascii() and arg.isdigit() and int(arg) >= 1 and spec[key] is None:
+            spec[key] = int(arg)
+        elif key == "dora" and not arg and not spec["dora"]:
+            spec["dora"] = True
+        elif key == "targets" and arg and spec["targets"] is None and all(arg.split("+")):
+            spec["targets"] = tuple(arg.split("+"))
+        else:
+            raise bad
+    if spec["r"] is None:
+        raise bad
+    return spec
+
+
+def check_lora(value: str) -> None:
+    """Raise a one-line OptionError unless ``value`` follows :data:`LORA` (or is 'none')."""
+    parse_lora(value)
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -100,7 +148,7 @@ class StepOptions:
     precision: Precision = "fp32"
     """fp32; bf16-mixed / fp16-mixed (fp32 weights, autocast); bf16 (weights and states in bf16)."""
     optimizer: str | None = None
-    """Override the Workload's optimizer: one of adamw, adam, sgd, sgd-momentum, adafactor."""
+    """Override the Workload's optimizer: one of :data:`OPTIMIZERS`."""
     checkpointing: str = "none"
     """Activation checkpointing of the model's main stack of blocks: none; full (recompute every
     block); selective (torchtitan's per-op policy: keep matmuls and attention, recompute the rest
@@ -111,6 +159,12 @@ class StepOptions:
     loss: str = "plain"
     """The language-model loss: plain (the Workload's loss_fn), chunked:N (cross-entropy over N
     chunks of the sequence, torchtune's) or fused-linear (Liger's fused linear + cross-entropy)."""
+    quantize: str = "none"
+    """The frozen base's linear layers (not the output head) in bitsandbytes: nf4, nf4-dq, fp4,
+    fp4-dq (4-bit, compute dtype from the precision) or int8; none keeps them as they are."""
+    lora: str = "none"
+    """PEFT LoRA adapters on top (``r=16[,alpha=32][,dora][,targets=q_proj+v_proj]``); the base is
+    frozen and only the adapters train."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
     trainable: tuple[str, ...] = ()
@@ -135,6 +189,8 @@ class StepOptions:
         if self.compile not in COMPILE:
             raise OptionError(f"unknown compile '{self.compile}': use one of {', '.join(COMPILE)}")
         check_loss(self.loss)
+        check_quantize(self.quantize)
+        check_lora(self.lora)
         if self.accumulation_steps < 1:
             raise OptionError(
                 f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"

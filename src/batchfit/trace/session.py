@@ -25,7 +25,9 @@ from torch.nn.modules import transformer as _transformer
 
 from batchfit.errors import BatchfitError, ModelSpecError, TraceError
 from batchfit.train.model import main_blocks
+from batchfit.train.quantize import BNB_OPTIMIZERS, load_bitsandbytes
 from batchfit.train.step import TrainingStep
+from batchfit.trace import bnb_fake
 from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.cuda_norm import CudaRmsNorm
@@ -91,6 +93,8 @@ _transformer._detect_is_causal_mask = _detect_causal
 class TracePoint:
     batch_size: int
     snapshot: Snapshot
+    paged_bytes: int = 0
+    """Paged optimizer state (bitsandbytes' paged optimizers: CUDA unified memory), not in the peak."""
 
 
 @contextlib.contextmanager
@@ -290,11 +294,18 @@ class TraceSession:
                                                 round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
         self.warmup_steps = warmup_steps
         self._warm = False
+        self.uses_bnb = options.quantize != "none" or (options.optimizer or "") in BNB_OPTIMIZERS
+        if self.uses_bnb:  # bitsandbytes on fake tensors (trace/bnb_fake.py)
+            load_bitsandbytes(f"--quantize {options.quantize}" if options.quantize != "none"
+                              else f"--optimizer {options.optimizer}")
+            bnb_fake.install()
         with self.tracing("building the model"), _building_on_fakes():
             self.step = TrainingStep(workload, options, torch.device("cpu"), wrap=wrap)
         _require_fake_parameters(self.step, workload.name)
         if cuda_semantics:
             install_cuda_mirrors(self.step)
+            if self.uses_bnb:
+                bnb_fake.page_optimizer_state(self.step.optimizer, self.tracker)
         self.tracker.host_optimizer_scalars = not any(
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
@@ -326,7 +337,9 @@ class TraceSession:
         try:
             attention = CudaAttention() if self.cuda_semantics else contextlib.nullcontext()
             norm = CudaRmsNorm() if self.cuda_semantics else contextlib.nullcontext()
-            with self.fake_mode, self.tracker, attention, norm, _quiet_fake_tensor_log():
+            gemm = (bnb_fake.BnbGemmMirror(self.cuda_semantics) if self.options.quantize not in ("none", "int8")
+                    else contextlib.nullcontext())
+            with self.fake_mode, self.tracker, attention, norm, gemm, _quiet_fake_tensor_log():
                 yield
         except (torch.OutOfMemoryError, BatchfitError):
             raise
@@ -366,7 +379,7 @@ class TraceSession:
             if fresh:
                 self.fresh_stream = (self.tracker.events[:self.build_events] + self.tracker.events[start:]
                                      if clean else None)
-            return TracePoint(batch_size, self.tracker.snapshot())
+            return TracePoint(batch_size, self.tracker.snapshot(), bnb_fake.paged_bytes(self.step.optimizer))
 
     def run_steps(self, batch_size: int, steps: int) -> list[int]:
         """Run ``steps`` more steps; the bytes alive after each (for the leak check)."""

@@ -156,6 +156,12 @@ class TrainingStep:
             model = workload.build_model()
         dtype = torch.bfloat16 if options.precision == "bf16" else None
         self.model = move_module(model, device, dtype)
+        if options.quantize != "none" or options.lora != "none":
+            # The base quantized by bitsandbytes and frozen, PEFT's adapters on top (train/quantize.py)
+            from batchfit.train.quantize import apply_lora, quantize_model
+
+            quantize_model(self.model, options, device)
+            self.model = apply_lora(self.model, options)
         apply_freezing(self.model, options)
         if options.checkpointing != "none":
             # Fake tensors cannot snapshot the CPU generator; dropout-free steps do not need it.
