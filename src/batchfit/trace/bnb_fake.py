@@ -30,10 +30,12 @@ tensors as they are. Four things do not:
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -56,7 +58,13 @@ def _fake_param_class(name: str) -> type:
     import bitsandbytes as bnb
 
     real = getattr(bnb.nn, name)
-    methods = {"_quantize": real._quantize, "__qualname__": name, "__module__": real.__module__}
+    def __deepcopy__(self, memo):  # PEFT's DoRA copies the base layer (Params4bit.__deepcopy__)
+        # the quantization state is shared, not copied: deep-copying fake tensors copies their fake mode
+        attrs = {k: copy.copy(getattr(self, k)) for k in _PARAM_ATTRS[name]}
+        return _fake_param(name, self.detach().clone(), self.requires_grad, attrs)
+
+    methods = {"_quantize": real._quantize, "__qualname__": name, "__module__": real.__module__,
+               "__deepcopy__": __deepcopy__}
     for attr in ("absmax", "code", "quant_map", "offset", "state2", "nested_absmax", "nested_blocksize",
                  "nested_quant_map", "nested_dtype", "nested_offset"):
         if isinstance(getattr(real, attr, None), property):
@@ -105,6 +113,15 @@ def install() -> None:
     for name, new in (("Params4bit", _params4bit_new), ("Int8Params", _int8params_new)):
         cls = getattr(bnb.nn, name)
         cls.__new__ = staticmethod(functools.partial(new, cls.__new__))
+    def linear4bit_deepcopy(self, memo):
+        # PEFT's DoRA deep-copies the base layer only to dequantize it for the weight norm, and
+        # drops it (peft/tuners/lora/dora.py: DoraLinearLayer.update_layer, an FSDP workaround);
+        # deep-copying fake tensors copies their fake mode, so a fake layer is read in place.
+        if isinstance(self.weight, FakeTensor):
+            return self
+        return nn.Module.__deepcopy__(self, memo) if hasattr(nn.Module, "__deepcopy__") else _plain_deepcopy(self, memo)
+
+    bnb.nn.Linear4bit.__deepcopy__ = linear4bit_deepcopy
     signed, unsigned = F.create_dynamic_map(signed=True), F.create_dynamic_map(signed=False)
     F.name2qmap.setdefault("dynamic", signed)  # quantize_blockwise's default code (double quant)
     fill_qmap = Optimizer8bit.fill_qmap
@@ -116,6 +133,15 @@ def install() -> None:
             fill_qmap(self)
 
     Optimizer8bit.fill_qmap = fill_qmap_from_real
+
+
+def _plain_deepcopy(module, memo):
+    """``copy.deepcopy``'s own path for an object without ``__deepcopy__``."""
+    cls = type(module)
+    clone = cls.__new__(cls)
+    memo[id(module)] = clone
+    clone.__dict__.update(copy.deepcopy(module.__dict__, memo))
+    return clone
 
 
 def _in_fake_mode() -> bool:

@@ -118,6 +118,9 @@ def quantize_model(model: nn.Module, options: StepOptions, device: torch.device)
         del old
     for param in model.parameters():  # prepare_model_for_kbit_training: the whole base is frozen
         param.requires_grad_(False)
+    # what from_pretrained sets: PEFT wraps the layers in its bnb classes only when it is set
+    # (peft/tuners/lora/bnb.py: dispatch_bnb_4bit / dispatch_bnb_8bit)
+    model.is_loaded_in_4bit, model.is_loaded_in_8bit = kind != "int8", kind == "int8"
 
 
 def apply_lora(model: nn.Module, options: StepOptions) -> nn.Module:
