@@ -92,7 +92,9 @@ DeviceOpt = Annotated[str | None, typer.Option(help=f"Where to run: {DEVICE_HELP
 ModelArg = Annotated[str, typer.Argument(help=f"What to train: {SPEC_HELP}.", show_default=False)]
 SeqLenOpt = Annotated[int | None, typer.Option(help="Tokens per sample (default: the model's).")]
 PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights) or bf16 (pure).")]
-OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor.")]
+OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor; "
+                                                 "adamw-8bit, paged-adamw-8bit, lion-8bit, paged-lion-8bit (bitsandbytes), "
+                                                 "adamw-torchao-8bit, adamw-torchao-4bit (torchao).")]
 CheckpointingOpt = Annotated[str, typer.Option(help="Activation checkpointing: none, full (every block), selective (torchtitan's per-op policy) or every:N (every N-th block).")]
 LossOpt = Annotated[str, typer.Option(help="Language-model loss: plain (the model's), chunked:N (cross-entropy over N "
                                            "chunks of the sequence, torchtune's) or fused-linear (Liger's fused linear + "
@@ -106,6 +108,11 @@ AccumulationOpt = Annotated[int, typer.Option(help="Micro-batches per optimizer 
 TargetUtilOpt = Annotated[float, typer.Option(help="Fraction of usable memory to plan for.")]
 MultipleOfOpt = Annotated[int, typer.Option(help="Batch sizes must be multiples of this, e.g. 8.")]
 JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON result here too ('-' for stdout).")]
+QuantizeOpt = Annotated[str, typer.Option(help="Quantize the frozen base's linear layers with bitsandbytes (QLoRA): none, "
+                                                 "nf4, nf4-dq, fp4, fp4-dq (4-bit; -dq: double quantization; compute dtype "
+                                                 "from --precision) or int8. Needs batchfit[quant].")]
+LoraOpt = Annotated[str, typer.Option(help="PEFT LoRA adapters: none or r=16[,alpha=32][,dora][,targets=q_proj+v_proj] "
+                                            "(default targets: every linear layer but the output head). Needs batchfit[quant].")]
 LimitOpt = Annotated[str, typer.Option(help="What must fit: reserved (what a GPU runs out of: the caching allocator's "
                                             "segments, fragmentation included) or allocated (tensors only).")]
 
@@ -122,14 +129,15 @@ def flag(name: str, help: str) -> object:
 
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
                  train_only: list[str] | None, accumulation_steps: int, compile: str = "none",
-                 loss: str = "plain") -> StepOptions:
+                 loss: str = "plain", *, quantize: str = "none", lora: str = "none") -> StepOptions:
     if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
         raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
         err.print("[dim]--train-only picks the parameters that train; --freeze then freezes some of those[/]")
     return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
                        frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
-                       accumulation_steps=accumulation_steps, compile=compile, loss=loss)
+                       accumulation_steps=accumulation_steps, compile=compile, loss=loss,
+                       quantize=quantize, lora=lora)
 
 
 def warn_about_approximations(result) -> None:

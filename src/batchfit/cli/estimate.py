@@ -14,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
                                  report_folder, step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LossOpt, warn_about_approximations
+from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, QuantizeOpt, warn_about_approximations
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
@@ -44,6 +44,8 @@ def estimate_command(
     optimizer: OptimizerOpt = None,
     checkpointing: CheckpointingOpt = "none",
     loss: LossOpt = "plain",
+    quantize: QuantizeOpt = "none",
+    lora: LoraOpt = "none",
     compile_: CompileOpt = "none",
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
@@ -68,7 +70,8 @@ def estimate_command(
         raise OptionError("estimate sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb), "
                           "--gpu-memory 24GiB or --device cuda")
     device = target.device
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss,
+                           quantize=quantize, lora=lora)
     warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
     sizes = parse_batch_sizes(batch_sizes)
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
@@ -110,4 +113,8 @@ def _print_summary(result, console, report_path: Path) -> None:
         for s in result.suggestions:
             console.print(escape(f"  {'fits' if s.fits else 'no  '} {s.peak_bytes / GiB:7.2f} GiB  {s.change} "
                                  f"({s.option}; {s.source.split(':')[0]})"))
+    paged = result.points[0].paged_bytes if result.points else 0
+    if paged:
+        console.print(f"paged optimizer state {paged / GiB:.2f} GiB in CUDA unified memory, not in the peaks "
+                      "above (it spills to the host when the GPU is full)")
     console.print(f"report: {report_path}", soft_wrap=True)

@@ -20,8 +20,9 @@ tensors as they are. Four things do not:
    ``_dequant_linear_fallback`` (``backends/cuda/ops.py``): the nested absmax dequantized
    (fp32, one per 64-block) plus its offset, the whole weight dequantized ``[N, K]`` in the
    input's dtype, then ``F.linear``; the CPU runs the same (``_gemm_4bit_default_impl``,
-   ``backends/default/ops.py``). :class:`BnbGemmMirror` runs those ops on the fake tensors, so
+   ``backends/default/ops.py``). :class:`BnbKernels` runs those ops on the fake tensors, so
    the temporaries are counted; below 1536 rows on CUDA only the output (the fused kernel).
+   Likewise the CPU's optimizer kernels, for the truth runs on this CPU.
 4. Paged optimizer state (``Optimizer8bit.get_state_buffer``: ``is_paged`` and at least 1e5
    elements) lives in CUDA unified memory (``functional.get_paged``, ``cudaMallocManaged``),
    outside the caching allocator; on the CPU bitsandbytes falls back to ordinary tensors. While
@@ -148,23 +149,35 @@ def _in_fake_mode() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
-class BnbGemmMirror(TorchDispatchMode):
-    """``bitsandbytes::gemm_4bit`` as the device runs it (see the module's docstring, 3.)."""
+class BnbKernels(TorchDispatchMode):
+    """bitsandbytes' kernels as the device runs them, where the fake kernel says less (3. above).
+
+    For CUDA: ``gemm_4bit`` past 1536 rows dequantizes and calls ``F.linear``; the fused 8-bit and
+    32-bit optimizer kernels allocate nothing (their fake kernels, as they are). For the CPU (the
+    truth runs): ``gemm_4bit`` always dequantizes (``_gemm_4bit_default_impl``), and the optimizer
+    updates run bitsandbytes' CPU kernels (``backends/cpu/ops.py``: ``_optimizer_update_8bit_blockwise_cpu``
+    dequantizes both states to fp32, updates, quantizes them back), op by op on the fake tensors."""
 
     def __init__(self, cuda: bool) -> None:
         super().__init__()
         self.cuda = cuda
-        self._op = torch.ops.bitsandbytes.gemm_4bit.default
+        ops = torch.ops.bitsandbytes
+        self._gemm = ops.gemm_4bit.default
+        self._cpu_optimizer = {ops.optimizer_update_8bit_blockwise.default: "_optimizer_update_8bit_blockwise_cpu",
+                               ops.optimizer_update_32bit.default: "_optimizer_update_32bit_cpu"}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is self._op:
+        if func is self._gemm:
             A = args[0]
-            rows = A.numel() // A.shape[-1]
-            if not self.cuda or rows > CUDA_CUSTOM_MAX_ROWS:
+            if not self.cuda or A.numel() // A.shape[-1] > CUDA_CUSTOM_MAX_ROWS:
                 from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
 
                 return _gemm_4bit_default_impl(*args, **kwargs)
+        elif func in self._cpu_optimizer and not self.cuda:
+            from bitsandbytes.backends.cpu import ops as cpu_ops
+
+            return getattr(cpu_ops, self._cpu_optimizer[func])(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -187,9 +200,58 @@ def page_optimizer_state(optimizer: torch.optim.Optimizer, tracker: MemoryTracke
         return buffer
 
     optimizer.get_state_buffer = get_state_buffer
+    optimizer._cpu_paged_warned = True  # its "not supported on CPU" warning speaks of a CPU run, not this trace
+    optimizer.prefetch_state = lambda p: None  # cudaMemPrefetchAsync: a hint that allocates nothing
+
+
+def place_quantile_maps(optimizer: torch.optim.Optimizer) -> None:
+    """Put a bitsandbytes 8-bit optimizer's quantile maps on the device now (while the model is
+    built), not in its first step: there ``init_state`` moves them with the first parameter's
+    state, which makes the first block's state differ from the others (2 KB, once) and the
+    stream of a model traced by depth irregular."""
+    from bitsandbytes.optim.optimizer import Optimizer8bit
+
+    if isinstance(optimizer, Optimizer8bit) and getattr(optimizer.args, "optim_bits", 32) == 8:
+        if "dynamic" not in optimizer.name2qmap:
+            optimizer.fill_qmap()
+        device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
+        for key in ("dynamic", "udynamic"):
+            optimizer.name2qmap[key] = optimizer.name2qmap[key].to(device)
 
 
 def paged_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of paged optimizer state alive now (CUDA unified memory: it spills to the host)."""
     return sum(t.untyped_storage().nbytes() for state in optimizer.state.values() for t in state.values()
                if isinstance(t, torch.Tensor) and getattr(t, "is_paged", False))
+
+
+def _tensors(value: Any, seen: set[int]) -> list[torch.Tensor]:
+    """The tensors in a quantization state (``QuantState`` and its nested ``state2``, an
+    ``Int8Params``' ``CB`` / ``SCB``, a ``MatmulLtState``), found through their attributes."""
+    if id(value) in seen or value is None or isinstance(value, (int, float, str, bool, torch.dtype)):
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v, seen)]
+    return [t for v in getattr(value, "__dict__", {}).values() for t in _tensors(v, seen)]
+
+
+def record_loaded(model: nn.Module, tracker: MemoryTracker) -> None:
+    """Count what a quantized model holds once built, one allocation per storage, in the order a
+    loader makes them: parameters, buffers and each layer's quantization state."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            found.append(tensor)
+            for attr in ("quant_state", "CB", "SCB"):
+                found += _tensors(getattr(tensor, attr, None), seen)
+        found += _tensors(getattr(module, "state", None), seen) if hasattr(module, "state") else []
+    for tensor in found:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key not in tracker._live:
+            tracker.record(key, storage, op="load", shape=tuple(tensor.shape),
+                           dtype=str(tensor.dtype).removeprefix("torch."))

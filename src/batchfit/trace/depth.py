@@ -150,7 +150,10 @@ def extrapolate(points: list[Point], depth: int) -> Point | None:
             return None
         by_phase[phase], breakdown_by_phase[phase] = found
     phase = max(by_phase, key=by_phase.get)
+    paged = line_at([getattr(p, "paged_bytes", 0) for p in points], depth)  # bitsandbytes' paged optimizer state
+    if paged is None:
+        return None
     # the largest tensors of the deepest trace: one block's tensors have the same sizes at any depth
     return replace(points[-1], peak_bytes=by_phase[phase], phase=phase, breakdown=breakdown_by_phase[phase],
                    peak_by_phase=by_phase, breakdown_by_phase=breakdown_by_phase, peak_by_part={},
-                   breakdown_by_part={})
+                   breakdown_by_part={}, **({"paged_bytes": paged} if hasattr(points[-1], "paged_bytes") else {}))

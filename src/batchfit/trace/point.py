@@ -54,12 +54,16 @@ class MemoryPoint:
     reserved_ratio: float | None = None
     """Reserved over allocated: at the peak, or (when it ran out) what it held and asked for
     over what was allocated then; the search predicts the next size with it."""
+    paged_bytes: int = 0
+    """Paged optimizer state (bitsandbytes' paged optimizers): CUDA unified memory, outside the
+    caching allocator, so not in ``peak_bytes``; it takes device memory while there is room and
+    spills to the host when there is not (``trace/bnb_fake.py``)."""
 
     def to_json(self) -> dict:
         return {"batch_size": self.batch_size, "peak_bytes": self.peak_bytes,
                 "peak_reserved_bytes": self.peak_reserved_bytes, "reserved_oom": self.reserved_oom,
                 "breakdown": self.breakdown, "phase": self.phase,
-                "peak_by_phase": self.peak_by_phase, "largest_tensors": self.top}
+                "peak_by_phase": self.peak_by_phase, "largest_tensors": self.top, "paged_bytes": self.paged_bytes}
 
 
 def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
@@ -73,6 +77,7 @@ def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
         breakdown_by_phase={k: {**v, "workspace": workspace_bytes} for k, v in snap.breakdown_by_phase.items()},
         peak_by_part={k: v + workspace_bytes for k, v in snap.peak_by_part.items()},
         breakdown_by_part={k: {**v, "workspace": workspace_bytes} for k, v in snap.breakdown_by_part.items()},
+        paged_bytes=traced.paged_bytes,
     )
 
 

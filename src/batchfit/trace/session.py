@@ -25,7 +25,7 @@ from torch.nn.modules import transformer as _transformer
 
 from batchfit.errors import BatchfitError, ModelSpecError, TraceError
 from batchfit.train.model import main_blocks
-from batchfit.train.quantize import BNB_OPTIMIZERS, load_bitsandbytes
+from batchfit.train.quantize import BNB_OPTIMIZERS, load_bitsandbytes, preload
 from batchfit.train.step import TrainingStep
 from batchfit.trace import bnb_fake
 from batchfit.trace.cuda_attention import CudaAttention
@@ -299,8 +299,20 @@ class TraceSession:
             load_bitsandbytes(f"--quantize {options.quantize}" if options.quantize != "none"
                               else f"--optimizer {options.optimizer}")
             bnb_fake.install()
+        preload(options)
         with self.tracing("building the model"), _building_on_fakes():
-            self.step = TrainingStep(workload, options, torch.device("cpu"), wrap=wrap)
+            # A quantized model is loaded as from_pretrained loads it, each weight quantized as it
+            # arrives: its build is counted as what it leaves alive, not the full-precision copy
+            # this trace builds first (32 GB for an 8B model, which no QLoRA run holds).
+            self.tracker.uncounted = options.quantize != "none"
+            try:
+                self.step = TrainingStep(workload, options, torch.device("cpu"), wrap=wrap)
+            finally:
+                self.tracker.uncounted = False
+            if options.quantize != "none":
+                bnb_fake.record_loaded(self.step.model, self.tracker)
+            if self.uses_bnb:
+                bnb_fake.place_quantile_maps(self.step.optimizer)
         _require_fake_parameters(self.step, workload.name)
         if cuda_semantics:
             install_cuda_mirrors(self.step)
@@ -323,7 +335,9 @@ class TraceSession:
         if not self.compiled:
             self.tracker.watch_modules(self.step.model, main_blocks(self.step.model))
         params = list(self.step.model.parameters())
-        self.params = sum(p.numel() for p in params)
+        # a 4-bit weight counts its values, not its packed bytes (bitsandbytes' quant_state.shape)
+        self.params = sum(p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else p.numel()
+                          for p in params)
         self.trainable_params = sum(p.numel() for p in params if p.requires_grad)
         self.build_events = len(self.tracker.events)
         """The tracker's events up to here are the model's build."""
@@ -337,8 +351,7 @@ class TraceSession:
         try:
             attention = CudaAttention() if self.cuda_semantics else contextlib.nullcontext()
             norm = CudaRmsNorm() if self.cuda_semantics else contextlib.nullcontext()
-            gemm = (bnb_fake.BnbGemmMirror(self.cuda_semantics) if self.options.quantize not in ("none", "int8")
-                    else contextlib.nullcontext())
+            gemm = bnb_fake.BnbKernels(self.cuda_semantics) if self.uses_bnb else contextlib.nullcontext()
             with self.fake_mode, self.tracker, attention, norm, gemm, _quiet_fake_tensor_log():
                 yield
         except (torch.OutOfMemoryError, BatchfitError):

@@ -15,6 +15,7 @@ bitsandbytes, peft and torchao are imported here, lazily: ``pip install 'batchfi
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -146,7 +147,22 @@ def apply_lora(model: nn.Module, options: StepOptions) -> nn.Module:
                              use_dora=spec["dora"], target_modules=list(targets) if targets else "all-linear")
     for param in model.parameters():
         param.requires_grad_(False)
-    return peft.get_peft_model(model, config)
+    with warnings.catch_warnings():  # transformers' FutureWarning on an attribute PEFT reads
+        warnings.simplefilter("ignore", FutureWarning)
+        return peft.get_peft_model(model, config)
+
+
+def preload(options: StepOptions) -> None:
+    """Import what ``--quantize`` / ``--lora`` need, and let PEFT import its tuners, before a trace:
+    a module that makes tensors at import (peft's LoHa: ``scale=torch.tensor(1)`` defaults) would
+    otherwise make them inside the first traced build only, and depths 2, 3, 4 would differ."""
+    if options.quantize != "none":
+        load_bitsandbytes(f"--quantize {options.quantize}")
+    if options.lora != "none":
+        peft = _load_peft(f"--lora {options.lora}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft.get_peft_model(nn.Sequential(nn.Linear(2, 2)), peft.LoraConfig(r=1, target_modules=["0"]))
 
 
 def _is_linear(module: nn.Module) -> bool:
