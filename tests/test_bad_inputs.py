@@ -28,6 +28,9 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--multiple-of", "0"], "--multiple-of"),
         ([*TINY, "--gpu", "t4", "--max-batch", HUGE], "at most 16,777,216"),
         ([*TINY, "--gpu", "t4", "--multiple-of", HUGE], "at most 16,777,216"),
+        ([*TINY, "--gpu", "t4", "--quantize", "nf5"], "nf4-dq"),
+        ([*TINY, "--gpu", "t4", "--lora", "rank=8"], "r=16"),
+        ([*TINY, "--gpu", "t4", "--optimizer", "adamw-torchao-8bit"], "adamw-8bit"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),

@@ -23,9 +23,9 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules import transformer as _transformer
 
-from batchfit.errors import BatchfitError, ModelSpecError, TraceError
+from batchfit.errors import BatchfitError, ModelSpecError, OptionError, TraceError
 from batchfit.train.model import main_blocks
-from batchfit.train.quantize import BNB_OPTIMIZERS, load_bitsandbytes, preload
+from batchfit.train.quantize import BNB_OPTIMIZERS, TORCHAO_OPTIMIZERS, load_bitsandbytes, preload
 from batchfit.train.step import TrainingStep
 from batchfit.trace import bnb_fake
 from batchfit.trace.cuda_attention import CudaAttention
@@ -294,6 +294,11 @@ class TraceSession:
                                                 round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
         self.warmup_steps = warmup_steps
         self._warm = False
+        if (options.optimizer or "") in TORCHAO_OPTIMIZERS:
+            raise OptionError(f"--optimizer {options.optimizer} cannot be traced yet: torchao's low-bit optimizers "
+                              "compile their step (torch.compile fullgraph=True), which does not run on fake tensors; "
+                              "trace adamw-8bit (bitsandbytes, same state bytes as adamw-torchao-8bit) or measure "
+                              "it with `batchfit probe --device cuda`")
         self.uses_bnb = options.quantize != "none" or (options.optimizer or "") in BNB_OPTIMIZERS
         if self.uses_bnb:  # bitsandbytes on fake tensors (trace/bnb_fake.py)
             load_bitsandbytes(f"--quantize {options.quantize}" if options.quantize != "none"
