@@ -55,6 +55,23 @@ def user_sac(workload: Workload) -> Workload:
     return dataclasses.replace(workload, build_model=build_model)
 
 
+def hf_llama(workload: Workload) -> Workload:
+    """A small HF Llama (LlamaConfig: 2 layers, hidden 256, vocab 2048) at the base's sequence
+    length: the QLoRA rows' model, built with transformers as a QLoRA user's is."""
+    seq = workload.tokens_per_sample or 256
+
+    def build_model():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                            max_position_embeddings=seq, attn_implementation="sdpa"))
+
+    return Workload(name="hf-llama-2x256", build_model=build_model,
+                    make_batch=lambda b, d: torch.randint(0, 2048, (b, seq), device=d),
+                    loss_fn=lambda m, x: m(input_ids=x, labels=x).loss, tokens_per_sample=seq)
+
+
 # recipe -> (how the workload changes, the step options)
 RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "checkpointing none": (lambda w: w, StepOptions(checkpointing="none")),
@@ -67,6 +84,14 @@ RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "bf16-mixed loss plain": (lambda w: w, StepOptions(precision="bf16-mixed")),
     "bf16-mixed loss chunked:8": (lambda w: w, StepOptions(precision="bf16-mixed", loss="chunked:8")),
     "bf16-mixed loss fused-linear": (lambda w: w, StepOptions(precision="bf16-mixed", loss="fused-linear")),
+    # QLoRA (--quantize, --lora, bitsandbytes' optimizers: the [quant] extra) on a small HF Llama;
+    # bitsandbytes' paged optimizers run unpaged on the CPU (its own fallback), so the paged row's
+    # truth is the unpaged step (on CUDA the paged state is reported apart: paged_bytes).
+    "qlora nf4 r16 paged-adamw-8bit": (hf_llama, StepOptions(quantize="nf4", lora="r=16",
+                                                             optimizer="paged-adamw-8bit")),
+    "qlora nf4-dq r16 bf16-mixed": (hf_llama, StepOptions(quantize="nf4-dq", lora="r=16", optimizer="paged-adamw-8bit",
+                                                          precision="bf16-mixed")),
+    "full fine-tune adamw-8bit": (hf_llama, StepOptions(optimizer="adamw-8bit")),
 }
 
 
@@ -96,13 +121,14 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-tinystories-22m")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated names of RECIPES")
+    parser.add_argument("--recipes", "--only", default=",".join(RECIPES), help="comma-separated names of RECIPES")
+    parser.add_argument("--name", default="recipes", help="results file: benchmarks/results/<name>-<date>.json")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the profiler's FutureWarning on export_memory_timeline
     base = ZOO[args.model](seq_len=args.seq_len)
     rows = []
     print(f"{args.model}, batch {args.batch_size} x {args.seq_len} tokens, fp32 AdamW, on this CPU")
-    print(f"{'recipe':<28} {'traced B':>13} {'CPU truth B':>13} {'error':>9} {'seconds':>8}")
+    print(f"{'recipe':<32} {'traced B':>13} {'CPU truth B':>13} {'error':>9} {'seconds':>8}")
     for name in args.recipes.split(","):
         change, options = RECIPES[name]
         workload = change(base)
@@ -111,10 +137,10 @@ def main() -> None:
         measured = profiled_peak(workload, options, args.batch_size)
         seconds = time.perf_counter() - started
         error = (traced - measured) / measured
-        rows.append({"recipe": name, "options": options.to_json(), "traced_bytes": traced,
+        rows.append({"recipe": name, "model": workload.name, "options": options.to_json(), "traced_bytes": traced,
                      "cpu_truth_bytes": measured, "error": error, "seconds": round(seconds, 1)})
-        print(f"{name:<28} {traced:>13,} {measured:>13,} {error:>+9.4%} {seconds:>8.1f}", flush=True)
-    path = write_result("recipes", {
+        print(f"{name:<32} {traced:>13,} {measured:>13,} {error:>+9.4%} {seconds:>8.1f}", flush=True)
+    path = write_result(args.name, {
         "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": "fp32",
         "truth": "torch.profiler export_memory_timeline peak of the same real CPU step (the second one)",
         "traced": "TraceSession(cuda_semantics=False) peak", "rows": rows,
