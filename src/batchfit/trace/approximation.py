@@ -50,3 +50,17 @@ def fast_path_approximations(model) -> list[Approximation]:
         may_differ_by="about -12% of peak (a frozen eval-mode encoder on a CPU: 1,019,400 B traced, "
                       "1,158,664 B measured); keep it in train mode to be traced exactly",
         source="docs/tracing.md, Code that reads tensor values", detail=f"in eval mode: {shown}")]
+
+
+def quantize_approximations(quantize: str) -> list[Approximation]:
+    """--quantize int8 on CUDA trains through ``MatMul8bitLt`` (the input quantized to int8 by rows,
+    an int8 matmul, the outlier columns above 6.0 in fp16, whose count depends on the values);
+    a CPU tensor, fake ones included, takes ``MatMul8bitFp`` (the weight dequantized to the
+    input's dtype, then a plain matmul): the trace runs the CPU path and says so."""
+    if quantize != "int8":
+        return []
+    return [Approximation(
+        what="--quantize int8 traced on bitsandbytes' CPU path (MatMul8bitFp), not CUDA's MatMul8bitLt",
+        may_differ_by="the int8 copy of each layer's input and its outlier columns (value-dependent), "
+                      "not yet measured on a GPU; nf4/fp4 are traced as CUDA runs them",
+        source="docs/tracing.md, QLoRA and 8-bit optimizers")]

@@ -24,7 +24,7 @@ from batchfit.devices import Device
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided
 from batchfit.trace import depth, forked, stream
-from batchfit.trace.approximation import Approximation, fast_path_approximations
+from batchfit.trace.approximation import Approximation, fast_path_approximations, quantize_approximations
 from batchfit.trace.compiled import COMPILED_TRACED, compile_approximations, graph_breaks
 from batchfit.trace.curve import MemoryCurve, fit_curve
 from batchfit.trace.session import TracePoint, TraceSession
@@ -219,7 +219,7 @@ class TracedCurve:
     def approximations(self) -> list[Approximation]:
         """Where this trace approximates the step it stands for (a compiled model run as eager)."""
         session = self._full or self._first
-        fast_path = fast_path_approximations(session.step.model)
+        fast_path = fast_path_approximations(session.step.model) + quantize_approximations(self.options.quantize)
         if not session.compiled:
             found = compile_approximations(self.options, session.step.model, self.workload.loss_fn)
             why = "; mixed precision on CUDA is not traced compiled yet"  # the one reason left on one device
