@@ -40,7 +40,7 @@ def load_bitsandbytes(why: str) -> Any:
         import bitsandbytes
         import bitsandbytes.functional  # noqa: F401 - loads the native library
     except ImportError as error:
-        raise OptionError(f"{why} needs bitsandbytes: {INSTALL}") from error
+        raise OptionError(f"{why} needs bitsandbytes: pip install 'batchfit[quant]'") from error
     except Exception as error:  # noqa: BLE001 - a build whose native library does not load
         raise OptionError(f"{why}: bitsandbytes is installed but cannot load ({type(error).__name__}: "
                           f"{str(error).splitlines()[0] if str(error) else ''}); reinstall it "
@@ -52,7 +52,7 @@ def _load_peft(why: str) -> Any:
     try:
         import peft
     except ImportError as error:
-        raise OptionError(f"{why} needs peft: {INSTALL}") from error
+        raise OptionError(f"{why} needs peft: pip install 'batchfit[quant]'") from error
     return peft
 
 
@@ -179,5 +179,5 @@ def build_low_bit_optimizer(name: str, params: list[nn.Parameter]) -> torch.opti
     try:
         import torchao.optim
     except ImportError as error:
-        raise OptionError(f"--optimizer {name} needs torchao: pip install torchao") from error
+        raise OptionError(f"--optimizer {name} needs torchao: pip install 'batchfit[quant]'") from error
     return getattr(torchao.optim, TORCHAO_OPTIMIZERS[name])(params, lr=1e-4)
