@@ -253,6 +253,10 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
                           "loss": f"loss-{value}"}.get(name, str(value)))
     if options.accumulation_steps != 1:
         parts.append(f"accum{options.accumulation_steps}")
+    if options.quantize != "none":
+        parts.append(options.quantize)
+    if options.lora != "none":
+        parts.append("lora-" + options.lora.replace(",", "-").replace("=", "").replace("+", "-"))
     if options.frozen:
         parts.append("freeze-" + "+".join(options.frozen))
     if options.trainable:
