@@ -15,7 +15,10 @@ bitsandbytes, peft and torchao are imported here, lazily: ``pip install 'batchfi
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,12 +36,29 @@ TORCHAO_OPTIMIZERS = {"adamw-torchao-8bit": "AdamW8bit", "adamw-torchao-4bit": "
 INSTALL = "pip install 'batchfit[quant]'"
 
 
+@contextlib.contextmanager
+def _quiet_imports() -> Iterator[None]:
+    """bitsandbytes (an optional CPU kernel package it looks for), and torchao when peft imports it
+    (CUDA-only libraries, a torch.compile notice), log warnings at import that concern neither a
+    trace nor a CPU step: silenced for the import, as the rest of batchfit's output is one line."""
+    loggers = [logging.getLogger(name) for name in ("bitsandbytes", "torchao", "torch.utils._pytree", "root")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def load_bitsandbytes(why: str) -> Any:
     """``import bitsandbytes``, or a one-line OptionError that says what to install (or that the
     installed build cannot load its native library)."""
     try:
-        import bitsandbytes
-        import bitsandbytes.functional  # noqa: F401 - loads the native library
+        with _quiet_imports():
+            import bitsandbytes
+            import bitsandbytes.functional  # noqa: F401 - loads the native library
     except ImportError as error:
         raise OptionError(f"{why} needs bitsandbytes: pip install 'batchfit[quant]'") from error
     except Exception as error:  # noqa: BLE001 - a build whose native library does not load
@@ -50,7 +70,8 @@ def load_bitsandbytes(why: str) -> Any:
 
 def _load_peft(why: str) -> Any:
     try:
-        import peft
+        with _quiet_imports():
+            import peft
     except ImportError as error:
         raise OptionError(f"{why} needs peft: pip install 'batchfit[quant]'") from error
     return peft
