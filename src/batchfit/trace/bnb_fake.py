@@ -240,7 +240,8 @@ def _tensors(value: Any, seen: set[int]) -> list[torch.Tensor]:
 
 def record_loaded(model: nn.Module, tracker: MemoryTracker) -> None:
     """Count what a quantized model holds once built, one allocation per storage, in the order a
-    loader makes them: parameters, buffers and each layer's quantization state."""
+    loader makes them: parameters, buffers and each layer's quantization state (absmax, codes:
+    labelled parameters too, as bitsandbytes saves them with the weight)."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
     for module in model.modules():
@@ -254,4 +255,4 @@ def record_loaded(model: nn.Module, tracker: MemoryTracker) -> None:
         key = id(storage)
         if key not in tracker._live:
             tracker.record(key, storage, op="load", shape=tuple(tensor.shape),
-                           dtype=str(tensor.dtype).removeprefix("torch."))
+                           dtype=str(tensor.dtype).removeprefix("torch."), role="parameters")
