@@ -105,14 +105,14 @@ CompileOpt = Annotated[str, typer.Option("--compile", help="torch.compile: none,
 FreezeOpt = Annotated[list[str] | None, typer.Option(help="Freeze parameters matching this glob (repeatable), e.g. 'model.layers.*'.")]
 TrainOnlyOpt = Annotated[list[str] | None, typer.Option(help="Train only parameters matching this glob (repeatable), e.g. '*lora*'.")]
 AccumulationOpt = Annotated[int, typer.Option(help="Micro-batches per optimizer step.")]
-TargetUtilOpt = Annotated[float, typer.Option(help="Fraction of usable memory to plan for.")]
-MultipleOfOpt = Annotated[int, typer.Option(help="Batch sizes must be multiples of this, e.g. 8.")]
-JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON result here too ('-' for stdout).")]
 QuantizeOpt = Annotated[str, typer.Option(help="Quantize the frozen base's linear layers with bitsandbytes (QLoRA): none, "
                                                  "nf4, nf4-dq, fp4, fp4-dq (4-bit; -dq: double quantization; compute dtype "
                                                  "from --precision) or int8. Needs batchfit[quant].")]
 LoraOpt = Annotated[str, typer.Option(help="PEFT LoRA adapters: none or r=16[,alpha=32][,dora][,targets=q_proj+v_proj] "
                                             "(default targets: every linear layer but the output head). Needs batchfit[quant].")]
+TargetUtilOpt = Annotated[float, typer.Option(help="Fraction of usable memory to plan for.")]
+MultipleOfOpt = Annotated[int, typer.Option(help="Batch sizes must be multiples of this, e.g. 8.")]
+JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON result here too ('-' for stdout).")]
 LimitOpt = Annotated[str, typer.Option(help="What must fit: reserved (what a GPU runs out of: the caching allocator's "
                                             "segments, fragmentation included) or allocated (tensors only).")]
 
