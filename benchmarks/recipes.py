@@ -82,6 +82,23 @@ def user_sac(workload: Workload) -> Workload:
     return dataclasses.replace(workload, build_model=build_model)
 
 
+def hf_llama(workload: Workload) -> Workload:
+    """A small HF Llama (LlamaConfig: 2 layers, hidden 256, vocab 2048) at the base's sequence
+    length: the QLoRA rows' model, built with transformers as a QLoRA user's is."""
+    seq = workload.tokens_per_sample or 256
+
+    def build_model():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                            max_position_embeddings=seq, attn_implementation="sdpa"))
+
+    return Workload(name="hf-llama-2x256", build_model=build_model,
+                    make_batch=lambda b, d: torch.randint(0, 2048, (b, seq), device=d),
+                    loss_fn=lambda m, x: m(input_ids=x, labels=x).loss, tokens_per_sample=seq)
+
+
 # recipe -> (how the workload changes, the step options)
 RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "checkpointing none": (lambda w: w, StepOptions(checkpointing="none")),
@@ -100,6 +117,14 @@ RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "offload activations": (lambda w: w, StepOptions(offload="activations")),
     "offload activations + checkpointing full": (lambda w: w, StepOptions(offload="activations", checkpointing="full")),
     "bf16-mixed offload activations": (lambda w: w, StepOptions(precision="bf16-mixed", offload="activations")),
+    # QLoRA (--quantize, --lora, bitsandbytes' optimizers: the [quant] extra) on a small HF Llama;
+    # bitsandbytes' paged optimizers run unpaged on the CPU (its own fallback), so the paged row's
+    # truth is the unpaged step (on CUDA the paged state is reported apart: paged_bytes).
+    "qlora nf4 r16 paged-adamw-8bit": (hf_llama, StepOptions(quantize="nf4", lora="r=16",
+                                                             optimizer="paged-adamw-8bit")),
+    "qlora nf4-dq r16 bf16-mixed": (hf_llama, StepOptions(quantize="nf4-dq", lora="r=16", optimizer="paged-adamw-8bit",
+                                                          precision="bf16-mixed")),
+    "full fine-tune adamw-8bit": (hf_llama, StepOptions(optimizer="adamw-8bit")),
 }
 GLOO = {"offload params (fsdp on 2 gloo ranks)"}
 """Rows measured by a real multi-process run, not one CPU step."""
