@@ -30,10 +30,15 @@ def write_report(out_dir: Path, json_name: str, data: dict, markdown: Callable[[
     return paths
 
 
-def write_estimate_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+def write_estimate_report(result, out_dir: Path, files: StagedFiles | None = None,
+                          trainer: dict | None = None) -> dict[str, Path]:
+    """``trainer``: the ``--trainer`` section (``cli/trainer.py``), added to the JSON and the report."""
     from batchfit.report.plots import memory_plot  # matplotlib: not for --help (report.write is used there)
+    from batchfit.report.trainer_markdown import trainer_markdown
 
-    return write_report(out_dir, "estimate.json", result.to_json(), lambda: estimate_markdown(result),
+    data = result.to_json() if trainer is None else {**result.to_json(), "trainer": trainer}
+    return write_report(out_dir, "estimate.json", data,
+                        lambda: estimate_markdown(result) + ("\n" + trainer_markdown(trainer) if trainer else ""),
                         lambda path: memory_plot(result, path), files=files)
 
 

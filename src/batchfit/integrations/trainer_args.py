@@ -1,0 +1,582 @@
+"""A Hugging Face ``TrainingArguments`` / TRL ``SFTConfig`` in batchfit's terms: one mapping.
+
+    mapping = from_training_arguments(json.load(open("args.json")))
+    StepOptions(**mapping.step)        # precision, optimizer, checkpointing, compile, loss, ...
+    mapping.seq_len, mapping.per_device_train_batch_size, mapping.strategy, mapping.unused
+
+The CLI's ``--trainer args.json`` and the HF Trainer / Lightning integrations all call
+:func:`from_training_arguments`, so an estimate started from a file and one started inside a
+Trainer trace the same step. Every field is accounted for: mapped onto a batchfit option
+(``used``, with the option it became), or listed in ``unused`` with why (it does not change
+training memory; batchfit has no such option yet; the value cannot be expressed). What this
+batchfit accepts is read at run time (``StepOptions``' fields and checks, ``OPTIMIZERS``, the
+plan's strategy parser): options other branches add are used as soon as they exist.
+
+Beyond the TrainingArguments fields, a ``peft_config`` (PEFT ``LoraConfig.to_dict()``) and a
+``quantization_config`` (``BitsAndBytesConfig.to_dict()``) section are read, at the top level
+of the args or, for the quantization config, under TRL's ``model_init_kwargs``.
+
+Pure Python: no torch, no transformers needed (with transformers installed, its field list
+tells a typo from a field of another version).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchfit.errors import OptionError
+
+SECTIONS = ("peft_config", "quantization_config")
+"""Sections batchfit reads beside the TrainingArguments fields (its own design, see the module)."""
+
+TRL_FIELDS = frozenset({
+    # trl/trainer/sft_config.py: SFTConfig's own fields (TRL need not be installed to read them)
+    "model_init_kwargs", "chat_template_path", "dataset_text_field", "dataset_kwargs", "dataset_num_proc",
+    "eos_token", "pad_token", "max_length", "max_seq_length", "truncation_mode", "shuffle_dataset", "packing",
+    "packing_strategy", "padding_free", "pad_to_multiple_of", "eval_packing", "completion_only_loss",
+    "assistant_only_loss", "loss_type", "activation_offloading", "dataset_batch_size", "use_liger",
+    "model_init_kwargs", "dataset_test_split", "dataset_train_split",
+})
+
+OPTIMIZERS_BY_OPTIM: dict[str, tuple[tuple[str, ...], str]] = {
+    # transformers' OptimizerNames -> batchfit's --optimizer (first one this batchfit accepts), and what
+    # differs (transformers/trainer_optimizer.py, _OPTIMIZER_HANDLERS)
+    "adamw_torch": (("adamw",), ""),
+    "adamw_torch_fused": (("adamw",), "fused AdamW holds the same two fp32 states; it also keeps each "
+                                      "parameter's step counter on the GPU (one 512-byte block each)"),
+    "adamw_hf": (("adamw",), ""),
+    "adamw_torch_xla": (("adamw",), ""),
+    "adamw_torch_npu_fused": (("adamw",), ""),
+    "adamw_apex_fused": (("adamw",), ""),
+    "adafactor": (("adafactor",), "transformers' Adafactor traced as torch.optim.Adafactor: both keep factored "
+                                  "second moments"),
+    "sgd": (("sgd",), ""),
+    "adamw_bnb_8bit": (("adamw-8bit",), ""),
+    "adamw_8bit": (("adamw-8bit",), ""),
+    "paged_adamw_8bit": (("paged-adamw-8bit",), ""),
+    "lion_8bit": (("lion-8bit",), ""),
+    "paged_lion_8bit": (("paged-lion-8bit",), ""),
+    "paged_adamw_32bit": (("paged-adamw-32bit", "paged-adamw"), ""),
+    "lion_32bit": (("lion-32bit", "lion"), ""),
+    "paged_lion_32bit": (("paged-lion-32bit", "paged-lion"), ""),
+    "adamw_torch_8bit": (("adamw-torchao-8bit",), ""),
+    "adamw_torch_4bit": (("adamw-torchao-4bit",), ""),
+}
+"""Every other optim value (ademamix, galore, apollo, lomo, rmsprop, adagrad, schedule-free, ...)
+is listed unused: its state is not what any batchfit optimizer holds."""
+
+NO_MEMORY = "does not change training memory"
+
+MEMORY_FIELDS_NOT_MAPPED: dict[str, str] = {
+    # fields that do change memory, with why they are not traced
+    "label_smoothing_factor": "the Trainer's LabelSmoother takes a log-softmax of the whole logits, not traced",
+    "max_grad_norm": "gradient clipping (clip_grad_norm_: one norm per parameter tensor, small) is not traced",
+    "torch_empty_cache_steps": "emptying the cache changes reserved memory between steps, not the peak",
+    "neftune_noise_alpha": "NEFTune's noise on the embeddings (one activation more) is not traced",
+    "ddp_bucket_cap_mb": "DDP's buckets are traced at torch's default size (plan)",
+    "auto_find_batch_size": "batchfit answers that question itself: see per_device_train_batch_size below",
+    "padding_free": "padding-free batches (one flattened sequence) are traced as padded [batch, seq_len]",
+    "loss_type": "TRL's chunked_nll / dft losses are traced as the model's own loss (--loss chunked:N is the "
+                 "nearest; give it as a flag)",
+    "torch_compile_mode": "the compile mode (e.g. max-autotune) is not traced; --compile model is",
+    "torch_compile_backend": "the compile backend is not traced; --compile model (inductor) is",
+    "liger_kernel_config": "Liger's other kernels (RMSNorm, RoPE, SwiGLU) are not traced; --loss fused-linear is",
+    "optim_args": "hyper-parameters of the optimizer, not its state",
+    "optim_target_modules": "GaLore / APOLLO target modules: those optimizers are not traced",
+    "half_precision_backend": "apex is not traced",
+    "parallelism_config": "accelerate's ParallelismConfig is not read (give plan --strategies)",
+}
+
+OUTSIDE_THE_STEP: dict[str, str] = {
+    # fields that change memory, but not the training step's: listed, not shown in the terminal
+    "use_cpu": "batchfit sizes the GPU given with --gpu",
+    "per_device_eval_batch_size": "evaluation runs outside the training step",
+    "eval_accumulation_steps": "evaluation runs outside the training step",
+    "bf16_full_eval": "evaluation runs outside the training step",
+    "fp16_full_eval": "evaluation runs outside the training step",
+    "accelerator_config": "accelerate's data-loading settings are outside the training step",
+}
+
+
+@dataclass(kw_only=True)
+class FieldUse:
+    """One field of the args and what batchfit made of it."""
+
+    field: str
+    """The field's name, as in the args (peft_config.r for a section's key)."""
+    value: Any
+    """Its value, as read."""
+    option: str = ""
+    """The batchfit option it became (``--precision bf16-mixed``); empty when unused."""
+    why: str = ""
+    """For an unused field: why. For a used one: what differs from what the Trainer runs, if anything."""
+
+    def line(self) -> str:
+        value = json.dumps(self.value) if not isinstance(self.value, str) else self.value
+        if self.option:
+            return f"{self.field}={value} -> {self.option}" + (f" ({self.why})" if self.why else "")
+        return f"not used: {self.field}={value} ({self.why})"
+
+    def to_json(self) -> dict:
+        return {"field": self.field, "value": self.value, **({"option": self.option} if self.option else {}),
+                "why": self.why}
+
+    @property
+    def matters(self) -> bool:
+        """Worth a terminal line: it changes memory, or it was set (unknown fields always)."""
+        if self.why == NO_MEMORY or self.field in OUTSIDE_THE_STEP:
+            return False
+        return self.value not in (None, False, 0, "", [], {}, "no")
+
+
+@dataclass(kw_only=True)
+class TrainerMapping:
+    """A TrainingArguments in batchfit's terms."""
+
+    step: dict[str, Any] = field(default_factory=dict)
+    """StepOptions keyword arguments (only those the args set)."""
+    seq_len: int | None = None
+    """Tokens per sample (max_length / max_seq_length); None: the model's."""
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    world_size: int = 1
+    """Devices the args train on (1 unless given: a saved TrainingArguments does not record it)."""
+    strategy: str | None = None
+    """plan's strategy for fsdp / deepspeed (None: one device or DDP)."""
+    used: list[FieldUse] = field(default_factory=list)
+    unused: list[FieldUse] = field(default_factory=list)
+
+    @property
+    def global_batch(self) -> int:
+        """per_device_train_batch_size x gradient_accumulation_steps x world size."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    def flags(self, command: str = "estimate") -> list[str]:
+        """The equivalent batchfit flags, e.g. ['--precision', 'bf16-mixed', '--batch-sizes', '4']."""
+        flags: list[str] = []
+        for name, value in self.step.items():
+            if name == "accumulation_steps":
+                if command != "plan":
+                    flags += ["--accumulation-steps", str(value)]
+                continue
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+        if self.seq_len is not None:
+            flags += ["--seq-len", str(self.seq_len)]
+        if command == "plan" and self.strategy:
+            flags += ["--strategies", self.strategy]
+        if command in ("estimate", "plan"):
+            flags += ["--batch-sizes", str(self.per_device_train_batch_size)]
+        return flags
+
+    def to_json(self) -> dict:
+        return {"step_options": dict(self.step), "seq_len": self.seq_len,
+                "per_device_train_batch_size": self.per_device_train_batch_size,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps, "world_size": self.world_size,
+                "global_batch": self.global_batch, "strategy": self.strategy,
+                "trainer_fields_used": [u.to_json() for u in self.used],
+                "trainer_fields_unused": [u.to_json() for u in self.unused]}
+
+
+def args_to_dict(args: Any) -> dict[str, Any]:
+    """A TrainingArguments object (or any dataclass / object / mapping) as the dict its
+    ``to_json_string()`` would write: ``to_dict()`` where it has one (enums become strings)."""
+    if isinstance(args, Mapping):
+        return dict(args)
+    if hasattr(args, "to_dict"):
+        data = dict(args.to_dict())
+    elif dataclasses.is_dataclass(args):
+        data = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    else:
+        data = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    return {k: getattr(v, "value", v) for k, v in data.items()}
+
+
+def known_fields() -> frozenset[str] | None:
+    """The TrainingArguments fields of the transformers installed here, and SFTConfig's; None
+    without transformers (a typo cannot be told from a field of another version then)."""
+    try:
+        from transformers import TrainingArguments
+    except Exception:  # noqa: BLE001 - not installed, or broken: no field list
+        return None
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    try:
+        from trl import SFTConfig
+        names |= {f.name for f in dataclasses.fields(SFTConfig)}
+    except Exception:  # noqa: BLE001 - TRL is optional: its fields are listed in TRL_FIELDS
+        pass
+    return frozenset(names | TRL_FIELDS | set(SECTIONS))
+
+
+def from_training_arguments(args: Any, *, world_size: int | None = None, source: str = "the args",
+                            deepspeed_config: Mapping | None = None,
+                            fields: frozenset[str] | None = None) -> TrainerMapping:
+    """Map ``args`` (a dict read from ``to_json_string()``, or a TrainingArguments / SFTConfig
+    object) onto batchfit's options; every field ends up in ``used`` or ``unused``.
+
+    ``world_size``: the devices it trains on (a live TrainingArguments knows; a file does not:
+    1). ``deepspeed_config``: the DeepSpeed JSON the ``deepspeed`` field names, already read
+    (``trainer_files.load_trainer_args`` reads it). ``fields``: the known field names (default:
+    :func:`known_fields`); an unknown field close to a known one is an OptionError naming it.
+    """
+    data = args_to_dict(args)
+    if world_size is None:
+        live = getattr(args, "world_size", None) if not isinstance(args, Mapping) else data.get("world_size")
+        world_size = live if isinstance(live, int) and live >= 1 else 1
+    fields = known_fields() if fields is None else fields
+    _refuse_typos(data, fields, source)
+    return _Mapper(data, world_size, deepspeed_config, fields).run()
+
+
+def _refuse_typos(data: Mapping, fields: frozenset[str] | None, source: str) -> None:
+    if fields is None:
+        return
+    for name in data:
+        if name in fields or name == "world_size":
+            continue
+        close = difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.8)
+        if close:
+            raise OptionError(f"{source}: unknown field '{name}': did you mean '{close[0]}'? (fix the name, or "
+                              "save the args with TrainingArguments(...).to_json_string())")
+
+
+class _Mapper:
+    """One pass over the fields; each handler marks what it read."""
+
+    def __init__(self, data: dict, world_size: int, deepspeed_config: Mapping | None,
+                 fields: frozenset[str] | None) -> None:
+        self.data, self.fields, self.deepspeed_config = data, fields, deepspeed_config
+        self.mapping = TrainerMapping(world_size=world_size)
+        self.seen: set[str] = set()
+
+    # -- bookkeeping
+    def use(self, name: str, option: str, why: str = "", value: Any = None) -> None:
+        self.seen.add(name.split(".")[0])
+        self.mapping.used.append(FieldUse(field=name, value=self.data.get(name) if value is None else value,
+                                          option=option, why=why))
+
+    def skip(self, name: str, why: str, value: Any = None) -> None:
+        self.seen.add(name.split(".")[0])
+        self.mapping.unused.append(FieldUse(field=name, value=self.data.get(name) if value is None else value,
+                                            why=why))
+
+    def set_step(self, name: str, value: Any, source_field: str, why: str = "", shown: Any = None) -> bool:
+        """Set StepOptions' ``name`` if this batchfit has the field and takes ``value``; else unused."""
+        from batchfit.workload import StepOptions
+
+        if name == "offload" and self.mapping.step.get("offload", "none") not in ("none", value):
+            value = f"{self.mapping.step['offload']}+{value}"  # DeepSpeed offloads optimizer and parameters
+        option = "--accumulation-steps" if name == "accumulation_steps" else f"--{name.replace('_', '-')}"
+        if name not in {f.name for f in dataclasses.fields(StepOptions)}:
+            self.skip(source_field, f"this batchfit has no {option} option yet", shown)
+            return False
+        try:
+            StepOptions(**{name: value})
+        except OptionError as error:
+            self.skip(source_field, f"this batchfit cannot take {option} {value}: {error}", shown)
+            return False
+        self.mapping.step[name] = value
+        self.use(source_field, f"{option} {value}", why, shown)
+        return True
+
+    def run(self) -> TrainerMapping:
+        data = self.data
+        self.batch()
+        self.precision()
+        self.checkpointing()
+        self.optimizer()
+        self.sequence()
+        self.kernels()
+        self.sharding()
+        self.peft(data.get("peft_config"))
+        quantization = data.get("quantization_config")
+        init_kwargs = data.get("model_init_kwargs")
+        if quantization is None and isinstance(init_kwargs, Mapping) and "quantization_config" in init_kwargs:
+            quantization = init_kwargs["quantization_config"]
+            self.seen.add("model_init_kwargs")
+            self.mapping.used.append(FieldUse(field="model_init_kwargs", value="{...}",
+                                              option="quantization_config below"))
+        self.quantization(quantization)
+        for name, value in data.items():
+            if name in self.seen or name == "world_size":
+                continue
+            if name in MEMORY_FIELDS_NOT_MAPPED or name in OUTSIDE_THE_STEP:
+                self.skip(name, MEMORY_FIELDS_NOT_MAPPED.get(name) or OUTSIDE_THE_STEP[name])
+            elif self.fields is not None and name not in self.fields:
+                self.skip(name, "not a field of the TrainingArguments / SFTConfig batchfit knows")
+            else:
+                self.skip(name, NO_MEMORY)
+        return self.mapping
+
+    # -- the handlers, one concern each
+    def batch(self) -> None:
+        m, data = self.mapping, self.data
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            value = data.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise OptionError(f"{name} must be a positive integer, got {value!r}")
+            if name == "per_device_train_batch_size":
+                m.per_device_train_batch_size = value
+                self.use(name, f"--batch-sizes {value}", "traced as one of the sizes, to say whether it fits")
+            elif self.set_step("accumulation_steps", value, name):
+                m.gradient_accumulation_steps = value
+        if "gradient_accumulation_steps" in data and "accumulation_steps" not in m.step:
+            m.gradient_accumulation_steps = data["gradient_accumulation_steps"]
+
+    def precision(self) -> None:
+        bf16, fp16 = bool(self.data.get("bf16")), bool(self.data.get("fp16"))
+        if bf16 and fp16:
+            raise OptionError("the args set both bf16 and fp16: the Trainer refuses that too; keep one")
+        for name, on, value in (("bf16", bf16, "bf16-mixed"), ("fp16", fp16, "fp16-mixed")):
+            if on:
+                self.set_step("precision", value, name, "autocast over fp32 weights, as the Trainer runs it")
+            elif name in self.data:
+                self.skip(name, "off")
+        if "tf32" in self.data:
+            self.skip("tf32", "TF32 changes how fp32 matmuls round, not the bytes they hold")
+
+    def checkpointing(self) -> None:
+        data = self.data
+        on_name = next((n for n in ("activation_checkpointing", "gradient_checkpointing") if data.get(n)), None)
+        kwargs_name = next((n for n in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+                            if data.get(n)), None)
+        for name in ("activation_checkpointing", "gradient_checkpointing"):
+            if name in data and name != on_name:
+                self.skip(name, "off" if on_name is None else f"{on_name} is the one read")
+        if on_name is None:
+            for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+                if name in data:
+                    self.skip(name, "checkpointing is off")
+            return
+        kwargs = dict(data.get(kwargs_name) or {})
+        every = kwargs.pop("every_n_layers", 1)
+        policy = "full" if every in (None, 1) else f"every:{every}"
+        self.set_step("checkpointing", policy, on_name, "each decoder layer recomputed in backward"
+                      if policy == "full" else f"every {every}-th decoder layer recomputed")
+        if kwargs_name:
+            if kwargs.pop("offload", False):
+                self.set_step("offload", "activations", f"{kwargs_name}.offload", shown=True)
+            reentrant = kwargs.pop("use_reentrant", None)
+            if reentrant is not None:
+                self.skip(f"{kwargs_name}.use_reentrant", "reentrant and non-reentrant checkpointing keep the "
+                          "same block inputs; traced non-reentrant", reentrant)
+            for key, value in kwargs.items():
+                self.skip(f"{kwargs_name}.{key}", "a torch.utils.checkpoint setting batchfit does not read", value)
+            self.seen.add(kwargs_name)
+
+    def optimizer(self) -> None:
+        from batchfit.workload import OPTIMIZERS
+
+        optim = self.data.get("optim")
+        if optim is None:
+            return
+        optim = str(getattr(optim, "value", optim))
+        known = OPTIMIZERS_BY_OPTIM.get(optim)
+        if known is None:
+            self.skip("optim", "its optimizer state is not one batchfit traces (batchfit's: "
+                      f"{', '.join(OPTIMIZERS)}); traced with the model's default optimizer instead")
+            return
+        names, why = known
+        if optim == "sgd" and "momentum" in str(self.data.get("optim_args") or ""):
+            names = ("sgd-momentum",)
+        name = next((n for n in names if n in OPTIMIZERS), None)
+        if name is None:
+            self.skip("optim", f"this batchfit has no --optimizer {names[0]} yet; traced with the model's default "
+                      "optimizer instead")
+            return
+        self.set_step("optimizer", name, "optim", why)
+
+    def sequence(self) -> None:
+        data = self.data
+        name = next((n for n in ("max_length", "max_seq_length") if data.get(n) is not None), None)
+        for other in ("max_length", "max_seq_length"):
+            if other in data and other != name:
+                self.skip(other, "not set" if name is None else f"{name} is the one read")
+        packing = bool(data.get("packing"))
+        if name is not None:
+            value = data[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise OptionError(f"{name} must be a positive integer, got {value!r}")
+            self.mapping.seq_len = value
+            self.use(name, f"--seq-len {value}", "every sample packed to this length" if packing else
+                     "traced at the longest a sample can be: a padded batch is as long as its longest sample")
+        if packing and name is None:
+            self.skip("packing", "packing needs max_length to set the sequence length; the model's is traced")
+        elif packing:
+            self.use("packing", f"--seq-len {self.mapping.seq_len}", "samples packed to max_length")
+        elif "packing" in data:
+            self.skip("packing", "off: batches are padded to their longest sample, traced at max_length")
+
+    def kernels(self) -> None:
+        data = self.data
+        if data.get("use_liger_kernel") or data.get("use_liger"):
+            name = "use_liger_kernel" if data.get("use_liger_kernel") else "use_liger"
+            self.set_step("loss", "fused-linear", name, "Liger's fused linear + cross-entropy; its other kernels "
+                          "(RMSNorm, RoPE, SwiGLU) are traced as the model's own")
+        for name in ("use_liger_kernel", "use_liger"):
+            if name in data and name not in self.seen:
+                self.skip(name, "off")
+        if data.get("torch_compile"):
+            self.set_step("compile", "model", "torch_compile", "the whole model, as the Trainer compiles it")
+        elif "torch_compile" in data:
+            self.skip("torch_compile", "off")
+        if data.get("activation_offloading"):
+            self.set_step("offload", "activations", "activation_offloading")
+        elif "activation_offloading" in data:
+            self.skip("activation_offloading", "off")
+
+    def sharding(self) -> None:
+        data = self.data
+        fsdp, deepspeed = data.get("fsdp"), data.get("deepspeed")
+        fsdp_modes = fsdp.split() if isinstance(fsdp, str) else list(fsdp or [])
+        if fsdp_modes:
+            self.fsdp(fsdp_modes)
+        elif "fsdp" in data:
+            self.skip("fsdp", "off")
+        if "fsdp_config" in data and "fsdp_config" not in self.seen:
+            self.skip("fsdp_config", "fsdp is off" if not fsdp_modes else "not read", data.get("fsdp_config"))
+        if deepspeed:
+            self.deepspeed(deepspeed)
+        elif "deepspeed" in data:
+            self.skip("deepspeed", "off")
+
+    def strategy(self, source_field: str, name: str, why: str, value: Any = None) -> None:
+        from batchfit.plan.sharded import parse_strategy
+
+        try:
+            parse_strategy(name, 8)
+        except OptionError as error:
+            self.skip(source_field, f"this batchfit's plan has no '{name}' strategy yet ({error})", value)
+            return
+        self.mapping.strategy = name
+        self.use(source_field, f"plan --strategies {name}", why, value)
+
+    def fsdp(self, modes: list[str]) -> None:
+        shard = next((m for m in modes if m in ("full_shard", "shard_grad_op", "hybrid_shard",
+                                                "hybrid_shard_zero2", "no_shard")), None)
+        table = {"full_shard": ("fsdp", "FSDP2 fully_shard on each block (ZeRO-3)"),
+                 "shard_grad_op": ("zero2", "parameters gathered from forward to backward (ZeRO-2)"),
+                 "no_shard": ("ddp", "no sharding: every rank keeps everything")}
+        if shard in table:
+            self.strategy("fsdp", *table[shard], value=" ".join(modes))
+        else:
+            self.skip("fsdp", f"'{shard or modes[0]}' has no plan strategy here (hybrid sharding: give "
+                      "plan --strategies hsdp<R>)", " ".join(modes))
+        if "offload" in modes:
+            self.set_step("offload", "params", "fsdp.offload", "FSDP's CPUOffload moves parameters (and their "
+                          "gradients and optimizer state) to the host", shown="offload")
+        config = self.data.get("fsdp_config")
+        if isinstance(config, Mapping):
+            self.seen.add("fsdp_config")
+            for key, value in config.items():
+                if key in ("activation_checkpointing",) and value:
+                    self.set_step("checkpointing", "full", f"fsdp_config.{key}", shown=value)
+                elif key in ("reshard_after_forward",) and value is False and shard == "full_shard":
+                    self.strategy(f"fsdp_config.{key}", "zero2", "FSDP2 reshard_after_forward=False (ZeRO-2)",
+                                  value)
+                else:
+                    self.skip(f"fsdp_config.{key}", "an FSDP setting batchfit does not read", value)
+
+    def deepspeed(self, deepspeed: Any) -> None:
+        config = deepspeed if isinstance(deepspeed, Mapping) else self.deepspeed_config
+        if not isinstance(config, Mapping):
+            self.skip("deepspeed", "the DeepSpeed config file was not read (give its path relative to the args "
+                      "file)")
+            return
+        zero = config.get("zero_optimization") or {}
+        stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+        shown = deepspeed if isinstance(deepspeed, str) else "{...}"
+        table = {1: ("zero1", "DeepSpeed ZeRO-1 -> zero1: optimizer state sharded"),
+                 2: ("zero2", "DeepSpeed ZeRO-2 -> zero2: optimizer state and gradients sharded"),
+                 3: ("fsdp", "DeepSpeed ZeRO-3 -> fsdp: FSDP2 shards parameters, gradients and optimizer state "
+                             "as ZeRO-3 does (its buffers differ: stage3_prefetch_bucket_size and co. not read)")}
+        if stage in table:
+            self.strategy("deepspeed", *table[stage], value=shown)
+        else:
+            self.skip("deepspeed", f"ZeRO stage {stage}: plain data parallel, plan's ddp", shown)
+        for part, offload in (("offload_optimizer", "optimizer"), ("offload_param", "params")):
+            device = (zero.get(part) or {}).get("device", "none") if isinstance(zero, Mapping) else "none"
+            if device not in (None, "none"):
+                self.set_step("offload", offload, f"deepspeed.zero_optimization.{part}",
+                              f"DeepSpeed offloads to {device}", shown=device)
+        for key in ("bf16", "fp16"):
+            if isinstance(config.get(key), Mapping) and config[key].get("enabled") is True \
+                    and not self.data.get(key):
+                self.skip(f"deepspeed.{key}", f"set {key}=true in the TrainingArguments too (the Trainer requires "
+                          "them to agree); the args' precision is traced", True)
+
+    def peft(self, config: Any) -> None:
+        if config is None:
+            return
+        config = args_to_dict(config)
+        self.seen.add("peft_config")
+        kind = str(config.get("peft_type", "LORA")).upper()
+        if kind not in ("LORA", "PEFTTYPE.LORA"):
+            self.skip("peft_config", f"PEFT type {kind}: batchfit traces LoRA / DoRA adapters only", kind)
+            return
+        r = config.get("r", 8)
+        parts = [f"r={r}"]
+        if config.get("use_dora"):
+            parts.append("dora")
+        targets = config.get("target_modules")
+        why = ""
+        if isinstance(targets, (list, tuple, set)):
+            parts.append("targets=" + "+".join(sorted(targets)))
+        elif isinstance(targets, str) and targets != "all-linear":
+            parts.append(f"targets={targets}")  # a regex in PEFT: the lora grammar says if it cannot take it
+        elif targets is None:
+            why = ("no target_modules: PEFT picks per architecture (q_proj, v_proj for Llama); batchfit's default "
+                   "is every linear layer: give target_modules")
+        if self.set_step("lora", ",".join(parts), "peft_config", why, shown="{...}"):
+            for key in ("r", "use_dora", "target_modules"):
+                if key in config:
+                    self.mapping.used.append(FieldUse(field=f"peft_config.{key}", value=_plain(config[key]),
+                                                      option=f"--lora {','.join(parts)}"))
+        for key, value in config.items():
+            if key in ("r", "use_dora", "target_modules", "peft_type"):
+                continue
+            why = {"lora_dropout": "PEFT's dropout keeps a copy of each adapted layer's input when > 0: "
+                                   "not traced",
+                   "modules_to_save": "fully trained extra modules: give them with --train-only"}.get(key, NO_MEMORY)
+            self.mapping.unused.append(FieldUse(field=f"peft_config.{key}", value=_plain(value), why=why))
+
+    def quantization(self, config: Any) -> None:
+        if config is None:
+            return
+        config = args_to_dict(config)
+        self.seen.add("quantization_config")
+        method = config.get("quant_method", "bitsandbytes")
+        if config.get("load_in_4bit") or config.get("_load_in_4bit"):
+            kind = str(config.get("bnb_4bit_quant_type", "fp4"))
+            value = kind + ("-dq" if config.get("bnb_4bit_use_double_quant") else "")
+            read = ("load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
+        elif config.get("load_in_8bit") or config.get("_load_in_8bit"):
+            value, read = "int8", ("load_in_8bit",)
+        else:
+            self.skip("quantization_config", f"{method}: batchfit traces bitsandbytes 4-bit and 8-bit bases only",
+                      method)
+            return
+        self.set_step("quantize", value, "quantization_config", "compute dtype follows --precision",
+                      shown="{...}")
+        for key, item in config.items():
+            if key in read or key.startswith("_") or key == "quant_method":
+                continue
+            why = ("the compute dtype follows --precision (bf16 / fp16 autocast)" if key == "bnb_4bit_compute_dtype"
+                   else NO_MEMORY if key.startswith("llm_int8_threshold") else "a bitsandbytes setting batchfit "
+                   "does not read")
+            self.mapping.unused.append(FieldUse(field=f"quantization_config.{key}", value=_plain(item), why=why))
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-able form of a config value (PEFT keeps target_modules as a set)."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, (str, int, float, bool, type(None), list, dict)):
+        return value
+    return str(value)
