@@ -434,13 +434,16 @@ class _Mapper:
     def sharding(self) -> None:
         data = self.data
         fsdp, deepspeed = data.get("fsdp"), data.get("deepspeed")
-        fsdp_modes = fsdp.split() if isinstance(fsdp, str) else list(fsdp or [])
-        if fsdp_modes:
-            self.fsdp(fsdp_modes)
+        if isinstance(fsdp, bool):  # transformers 5: fsdp=True, the rest in fsdp_config
+            modes = ["full_shard"] if fsdp else []
+        else:
+            modes = fsdp.split() if isinstance(fsdp, str) else list(fsdp or [])
+        if modes:
+            self.fsdp(modes, fsdp)
         elif "fsdp" in data:
             self.skip("fsdp", "off")
         if "fsdp_config" in data and "fsdp_config" not in self.seen:
-            self.skip("fsdp_config", "fsdp is off" if not fsdp_modes else "not read", data.get("fsdp_config"))
+            self.skip("fsdp_config", "fsdp is off")
         if deepspeed:
             self.deepspeed(deepspeed)
         elif "deepspeed" in data:
@@ -457,31 +460,38 @@ class _Mapper:
         self.mapping.strategy = name
         self.use(source_field, f"plan --strategies {name}", why, value)
 
-    def fsdp(self, modes: list[str]) -> None:
+    def fsdp(self, modes: list[str], shown: Any) -> None:
+        """FSDP (transformers/training_args.py: FSDPOption, fsdp_config) -> plan's strategies."""
+        config = self.data.get("fsdp_config")
+        config = dict(config) if isinstance(config, Mapping) else {}
+        self.seen.add("fsdp_config")
         shard = next((m for m in modes if m in ("full_shard", "shard_grad_op", "hybrid_shard",
-                                                "hybrid_shard_zero2", "no_shard")), None)
+                                                "hybrid_shard_zero2", "no_shard")), "full_shard")
+        reshard = config.pop("reshard_after_forward", None)
+        if shard == "full_shard" and reshard in (False, "SHARD_GRAD_OP", "shard_grad_op"):
+            shard = "shard_grad_op"
         table = {"full_shard": ("fsdp", "FSDP2 fully_shard on each block (ZeRO-3)"),
-                 "shard_grad_op": ("zero2", "parameters gathered from forward to backward (ZeRO-2)"),
+                 "shard_grad_op": ("zero2", "parameters kept gathered from forward to backward (ZeRO-2)"),
                  "no_shard": ("ddp", "no sharding: every rank keeps everything")}
         if shard in table:
-            self.strategy("fsdp", *table[shard], value=" ".join(modes))
+            self.strategy("fsdp", *table[shard], value=shown)
         else:
-            self.skip("fsdp", f"'{shard or modes[0]}' has no plan strategy here (hybrid sharding: give "
-                      "plan --strategies hsdp<R>)", " ".join(modes))
-        if "offload" in modes:
-            self.set_step("offload", "params", "fsdp.offload", "FSDP's CPUOffload moves parameters (and their "
-                          "gradients and optimizer state) to the host", shown="offload")
-        config = self.data.get("fsdp_config")
-        if isinstance(config, Mapping):
-            self.seen.add("fsdp_config")
-            for key, value in config.items():
-                if key in ("activation_checkpointing",) and value:
-                    self.set_step("checkpointing", "full", f"fsdp_config.{key}", shown=value)
-                elif key in ("reshard_after_forward",) and value is False and shard == "full_shard":
-                    self.strategy(f"fsdp_config.{key}", "zero2", "FSDP2 reshard_after_forward=False (ZeRO-2)",
-                                  value)
-                else:
-                    self.skip(f"fsdp_config.{key}", "an FSDP setting batchfit does not read", value)
+            self.skip("fsdp", f"'{shard}' has no plan strategy here (hybrid sharding: give plan --strategies "
+                      "hsdp<R>)", shown)
+        if reshard is not None:
+            self.mapping.used.append(FieldUse(field="fsdp_config.reshard_after_forward", value=reshard,
+                                              option=f"plan --strategies {table.get(shard, ('-',))[0]}"))
+        offload = [config.pop("cpu_offload", None), config.pop("offload_params", None), "offload" in modes]
+        if any(offload):
+            self.set_step("offload", "params", "fsdp_config.cpu_offload", "FSDP's CPUOffload keeps parameters "
+                          "(and their gradients and optimizer state) on the host", shown=True)
+        if config.pop("activation_checkpointing", False):
+            self.set_step("checkpointing", "full", "fsdp_config.activation_checkpointing", shown=True)
+        for key, value in config.items():
+            self.skip(f"fsdp_config.{key}", "an FSDP setting batchfit does not read", value)
+        if "fsdp_config" in self.data and not any(u.field.startswith("fsdp_config")
+                                                  for u in self.mapping.used + self.mapping.unused):
+            self.skip("fsdp_config", "nothing in it batchfit reads")
 
     def deepspeed(self, deepspeed: Any) -> None:
         config = deepspeed if isinstance(deepspeed, Mapping) else self.deepspeed_config
