@@ -176,3 +176,40 @@ def test_a_python_file_that_builds_the_args_with_peft_and_quantization(tmp_path)
     assert "--quantize nf4-dq" in lines or "no --quantize option" in lines
     with pytest.raises(OptionError, match="has no 'build'"):
         load_trainer_args(str(tmp_path / "args.py") + ":build")
+
+
+def test_a_trainer_started_estimate_takes_the_same_mapping(monkeypatch, caplog):
+    """Item 4: fit_training (HF) and BatchFit (Lightning) build their StepOptions with the mapping
+    --trainer uses: Liger and every-N checkpointing come through, and what is not used is logged."""
+    import logging
+
+    import batchfit.integrations.transformers as hf
+
+    seen = {}
+
+    def plan_global_batch(workload, *, options, **kwargs):  # capture, do not trace
+        seen["options"], seen["seq"] = options, workload.tokens_per_sample
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(hf, "plan_global_batch", plan_global_batch)
+    args = transformers.TrainingArguments(output_dir="run", report_to=[], use_cpu=True, use_liger_kernel=True,
+                                          gradient_checkpointing=True, label_smoothing_factor=0.1,
+                                          gradient_checkpointing_kwargs={"every_n_layers": 2})
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=128))
+    with caplog.at_level(logging.INFO, logger="batchfit"), pytest.raises(RuntimeError, match="captured"):
+        hf.fit_training(model, args, global_batch=8, seq_len=16)
+    assert (seen["options"].loss, seen["options"].checkpointing, seen["seq"]) == ("fused-linear", "every:2", 16)
+    assert "not used: label_smoothing_factor=0.1" in caplog.text
+
+    lightning = pytest.importorskip("lightning.pytorch")
+    from batchfit.integrations.lightning import trainer_options
+
+    trainer = lightning.Trainer(precision="bf16-mixed", accumulate_grad_batches=4, gradient_clip_val=1.0,
+                                logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                accelerator="cpu")
+    with caplog.at_level(logging.INFO, logger="batchfit"):
+        options = trainer_options(trainer)
+    assert options.precision == "bf16-mixed" and options.accumulation_steps == 1  # BatchFit picks accumulation
+    assert "not used: max_grad_norm=1.0" in caplog.text

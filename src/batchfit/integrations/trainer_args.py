@@ -182,6 +182,13 @@ class TrainerMapping:
                 "trainer_fields_unused": [u.to_json() for u in self.unused]}
 
 
+def traced_in_a_trainer(mapping: TrainerMapping) -> dict[str, Any]:
+    """The StepOptions of a step traced from inside a Trainer (the HF and Lightning
+    integrations): the mapping's, less the optimizer (the integration traces the Trainer's own
+    optimizer object) and the accumulation (the integration picks it for the global batch)."""
+    return {k: v for k, v in mapping.step.items() if k not in ("optimizer", "accumulation_steps")}
+
+
 def args_to_dict(args: Any) -> dict[str, Any]:
     """A TrainingArguments object (or any dataclass / object / mapping) as the dict its
     ``to_json_string()`` would write: ``to_dict()`` where it has one (enums become strings)."""
@@ -192,7 +199,7 @@ def args_to_dict(args: Any) -> dict[str, Any]:
     elif dataclasses.is_dataclass(args):
         data = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     else:
-        data = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+        data = {k: v for k, v in getattr(args, "__dict__", {}).items() if not k.startswith("_")}
     return {k: getattr(v, "value", v) for k, v in data.items()}
 
 
@@ -214,7 +221,7 @@ def known_fields() -> frozenset[str] | None:
 
 def from_training_arguments(args: Any, *, world_size: int | None = None, source: str = "the args",
                             deepspeed_config: Mapping | None = None,
-                            fields: frozenset[str] | None = None) -> TrainerMapping:
+                            fields: frozenset[str] | None = None, check_fields: bool = True) -> TrainerMapping:
     """Map ``args`` (a dict read from ``to_json_string()``, or a TrainingArguments / SFTConfig
     object) onto batchfit's options; every field ends up in ``used`` or ``unused``.
 
@@ -222,13 +229,17 @@ def from_training_arguments(args: Any, *, world_size: int | None = None, source:
     1). ``deepspeed_config``: the DeepSpeed JSON the ``deepspeed`` field names, already read
     (``trainer_files.load_trainer_args`` reads it). ``fields``: the known field names (default:
     :func:`known_fields`); an unknown field close to a known one is an OptionError naming it.
+    ``check_fields=False``: no field list (args built by batchfit itself, e.g. from a Lightning
+    Trainer: no typo possible, and no transformers import).
     """
     data = args_to_dict(args)
     if world_size is None:
         live = getattr(args, "world_size", None) if not isinstance(args, Mapping) else data.get("world_size")
         world_size = live if isinstance(live, int) and live >= 1 else 1
-    fields = known_fields() if fields is None else fields
-    _refuse_typos(data, fields, source)
+    if fields is None and check_fields:
+        fields = known_fields()
+    if isinstance(args, Mapping):  # a live TrainingArguments (or a user's subclass) has no typos
+        _refuse_typos(data, fields, source)
     return _Mapper(data, world_size, deepspeed_config, fields).run()
 
 
