@@ -15,6 +15,8 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
 from batchfit.cli.common import CompileOpt, LossOpt
+from batchfit.cli.trainer import (TrainerOpt, answer, merged_options, merged_seq_len, print_answer, print_mapping,
+                                  read_trainer)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.distributed.wrap import STRATEGIES
@@ -66,6 +68,7 @@ def probe_command(
     json_path: JsonOpt = None,
     limit: LimitOpt = "reserved",
     out: Annotated[Path | None, out_option("report.md, memory.png, probe.json")] = None,
+    trainer: TrainerOpt = None,
 ) -> None:
     """Find the largest batch that really fits: run real training steps, few probes, safely.
 
@@ -80,8 +83,15 @@ def probe_command(
         raise OptionError(no_memory_limit("probe --device cpu", "--max N",
                                           "add --gpu t4-16gb or --gpu-memory 16GiB"))
     max_batch = DEFAULT_MAX if max_batch is None else max_batch
+    door = read_trainer(trainer)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss)
-    warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
+    options = merged_options(options, door)
+    seq_len = merged_seq_len(seq_len, door)
+    if door is not None and global_batch is None:  # the args' global batch, per device
+        global_batch = door.mapping.global_batch // door.mapping.world_size
+    warn_about_precision(target, options.precision)  # after StepOptions refused an unknown precision
+    if door is not None:
+        print_mapping(door, quiet_if_stdout(json_path))
     check_probe_options(policy=policy, multiple_of=multiple_of, smallest=min_batch, largest=max_batch, steps=steps,
                         target_util=target_util, global_batch=global_batch, limit=limit)
     from batchfit.probe.find import find_max_batch  # torch: after the options are checked
@@ -98,8 +108,17 @@ def probe_command(
     if rank() != 0:  # every rank probed; one writes
         return
     folder = report_folder(out, "probe", result.workload, target, options, seq_len)
-    paths = write_outputs(json_path, result.to_json(), lambda files: write_probe_report(result, folder, files))
+    fitted = None
+    if door is not None:
+        tier = next((r for r in result.recommendations if r.name == "production"), None)
+        fitted = answer(door, tier.batch_size if tier else result.max_batch_size, options.accumulation_steps,
+                        multiple_of=multiple_of, source="probed" if target.kind == "cuda" else "traced (virtual)")
+    section = door.section(fitted) if door is not None else None
+    data = result.to_json() if section is None else {**result.to_json(), "trainer": section}
+    paths = write_outputs(json_path, data, lambda files: write_probe_report(result, folder, files, trainer=section))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
+    if fitted is not None:
+        print_answer(fitted, quiet_if_stdout(json_path))
     if result.stopped_by:
         raise typer.Exit(1)
 

@@ -42,15 +42,24 @@ def write_estimate_report(result, out_dir: Path, files: StagedFiles | None = Non
                         lambda path: memory_plot(result, path), files=files)
 
 
-def write_probe_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+def write_probe_report(result, out_dir: Path, files: StagedFiles | None = None,
+                       trainer: dict | None = None) -> dict[str, Path]:
     from batchfit.report.plots import probe_plot
+    from batchfit.report.trainer_markdown import trainer_markdown
 
     plot = (lambda path: probe_plot(result, path)) if result.target.device is not None else None
-    return write_report(out_dir, "probe.json", result.to_json(), lambda: probe_markdown(result), plot, files=files)
+    data = result.to_json() if trainer is None else {**result.to_json(), "trainer": trainer}
+    return write_report(out_dir, "probe.json", data,
+                        lambda: probe_markdown(result) + ("\n" + trainer_markdown(trainer) if trainer else ""), plot,
+                        files=files)
 
 
-def write_bench_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+def write_bench_report(result, out_dir: Path, files: StagedFiles | None = None,
+                       trainer: dict | None = None) -> dict[str, Path]:
     from batchfit.report.plots import throughput_plot
+    from batchfit.report.trainer_markdown import trainer_markdown
 
-    return write_report(out_dir, "bench.json", result.to_json(), lambda: bench_markdown(result),
+    data = result.to_json() if trainer is None else {**result.to_json(), "trainer": trainer}
+    return write_report(out_dir, "bench.json", data,
+                        lambda: bench_markdown(result) + ("\n" + trainer_markdown(trainer) if trainer else ""),
                         lambda path: throughput_plot(result, path), plot_name="throughput.png", files=files)
