@@ -28,6 +28,8 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--multiple-of", "0"], "--multiple-of"),
         ([*TINY, "--gpu", "t4", "--max-batch", HUGE], "at most 16,777,216"),
         ([*TINY, "--gpu", "t4", "--multiple-of", HUGE], "at most 16,777,216"),
+        ([*TINY, "--gpu", "t4", "--trainer", "args.json"], "no such file"),
+        ([*TINY, "--gpu", "t4", "--emit", "trainer:fitted.json"], "--trainer args.json"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
@@ -47,6 +49,7 @@ ROWS = {
         ([*TINY, "--device", "virtual:t4", "--steps", "0"], "--steps 10"),
         ([*TINY, "--device", "virtual:t4", "--accumulation-steps", HUGE], "from 1 to 16,777,216"),
         (["gpt-tinystories-22m", "--device", "virtual:t4", "--seq-len", HUGE], "from 1 to 16,777,216"),
+        ([*TINY, "--device", "virtual:t4", "--trainer", "args.py"], "no such file"),
     ],
     "plan": [
         (["gpt-tinystorie", "--gpu", "h100", "--gpus", "2"], "did you mean 'gpt-tinystories-22m'"),
@@ -57,6 +60,7 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--tokens", "1e999"], "not a finite count"),
         ([*TINY, "--gpu", "h100", "--nodes", HUGE, "--gpus-per-node", "8"], "at most 1,048,576 GPUs"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--batch-sizes", HUGE], "from 1 to 16,777,216"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--emit", "trainer:fitted.json"], "--trainer args.json"),
     ],
     "sweep": [
         (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),

@@ -204,18 +204,14 @@ def args_to_dict(args: Any) -> dict[str, Any]:
 
 
 def known_fields() -> frozenset[str] | None:
-    """The TrainingArguments fields of the transformers installed here, and SFTConfig's; None
-    without transformers (a typo cannot be told from a field of another version then)."""
+    """The TrainingArguments fields of the transformers installed here, and SFTConfig's
+    (:data:`TRL_FIELDS`); None without transformers (a typo cannot be told from a field of
+    another version then)."""
     try:
         from transformers import TrainingArguments
     except Exception:  # noqa: BLE001 - not installed, or broken: no field list
         return None
-    names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    try:
-        from trl import SFTConfig
-        names |= {f.name for f in dataclasses.fields(SFTConfig)}
-    except Exception:  # noqa: BLE001 - TRL is optional: its fields are listed in TRL_FIELDS
-        pass
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}  # TRL's own: TRL_FIELDS, no TRL needed
     return frozenset(names | TRL_FIELDS | set(SECTIONS))
 
 
