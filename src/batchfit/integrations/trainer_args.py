@@ -209,7 +209,11 @@ def known_fields() -> frozenset[str] | None:
     another version then)."""
     try:
         from transformers import TrainingArguments
-    except Exception:  # noqa: BLE001 - not installed, or broken: no field list
+    except ImportError:
+        import warnings
+
+        warnings.warn("transformers is not installed, so the args' field names are not checked for typos: "
+                      "pip install 'batchfit[hf]'", stacklevel=3)
         return None
     names = {f.name for f in dataclasses.fields(TrainingArguments)}  # TRL's own: TRL_FIELDS, no TRL needed
     return frozenset(names | TRL_FIELDS | set(SECTIONS))
