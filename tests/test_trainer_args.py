@@ -77,7 +77,8 @@ def _comparable(data: dict) -> dict:
 
 @pytest.mark.parametrize("fields, flags", CASES, ids=["bf16-ckpt", "fp16-adafactor", "sgd-liger", "every2",
                                                       "sft-packing"])
-def test_trainer_reproduces_the_equivalent_flags_byte_for_byte(model_spec, tmp_path, fields, flags):
+def test_trainer_reproduces_the_equivalent_flags_byte_for_byte(model_spec, tmp_path, monkeypatch, fields, flags):
+    monkeypatch.chdir(tmp_path)  # the reports/ folders go here
     path = training_args(tmp_path, **fields)
     seq = [] if "max_length" in fields else ["--seq-len", "16"]
     batch = fields["per_device_train_batch_size"]
@@ -123,7 +124,8 @@ def test_deepspeed_stages_map_onto_plan_strategies_and_stage3_offload_is_listed(
         assert any("offload_optimizer" in line for line in lines)  # used as --offload, or listed
 
 
-def test_bad_args_files_are_one_line_errors(model_spec, tmp_path):
+def test_bad_args_files_are_one_line_errors(model_spec, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     typo = tmp_path / "typo.json"
     typo.write_text(json.dumps({"per_device_train_batchsize": 4, "bf16": True}))
     not_json = tmp_path / "args.json"
