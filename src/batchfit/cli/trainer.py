@@ -108,15 +108,15 @@ def print_mapping(door: FrontDoor, console: Console) -> None:
     for use in door.mapping.used:
         if use.option:
             console.print(f"  {escape(use.line())}", soft_wrap=True, highlight=False)
-    quiet = 0
+    quiet = []
     for use in door.mapping.unused:
         if use.matters:
             console.print(f"  [yellow]{escape(use.line())}[/]", soft_wrap=True, highlight=False)
         else:
-            quiet += 1
+            quiet.append(use.field)
     if quiet:
-        console.print(f"  not used: {quiet} more field(s) that are off, at their default, or do not change "
-                      "training memory (all listed in the JSON's trainer.trainer_fields_unused and in report.md)",
+        console.print(f"  [dim]not used, off or not changing training memory ({len(quiet)}; why: "
+                      f"trainer.trainer_fields_unused in the JSON, report.md): {escape(', '.join(quiet))}[/]",
                       soft_wrap=True, highlight=False)
 
 

@@ -79,9 +79,8 @@ def _from_python(path: Path, attribute: str) -> TrainerArgs:
     try:
         module_spec.loader.exec_module(module)
     except Exception as error:  # the user's file failed: say where, in one line
-        line = error.__traceback__.tb_next.tb_lineno if error.__traceback__ and error.__traceback__.tb_next else "?"
-        raise OptionError(f"--trainer {path}:{line}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-                          " (raised while building the args): fix that line") from None
+        raise OptionError(f"--trainer {path}:{_line_in(error, path)}: {_first_line(error)} (raised while building "
+                          "the args): fix that line") from None
     finally:
         sys.modules.pop(name, None)
     if not hasattr(module, attribute):
@@ -92,8 +91,8 @@ def _from_python(path: Path, attribute: str) -> TrainerArgs:
         try:
             args = args()
         except Exception as error:
-            raise OptionError(f"--trainer {path}: {attribute}() raised {type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}") from None
+            raise OptionError(f"--trainer {path}:{_line_in(error, path)}: {_first_line(error)} (raised in "
+                              f"{attribute}()): fix that line") from None
     data = args_to_dict(args)
     for section in SECTIONS:
         value = getattr(module, section, None)
@@ -101,6 +100,19 @@ def _from_python(path: Path, attribute: str) -> TrainerArgs:
             data[section] = args_to_dict(value)
     live = getattr(args, "world_size", None)
     return TrainerArgs(path=path, data=data, world_size=live if isinstance(live, int) and live > 1 else None)
+
+
+def _line_in(error: BaseException, path: Path) -> int | str:
+    """The line of ``path`` the error came through (the last frame in the user's file)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    return frames[-1].lineno if frames else "?"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _deepspeed(value: Any, args_path: Path) -> dict | None:
