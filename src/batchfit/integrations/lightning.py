@@ -126,10 +126,7 @@ def trainer_options(trainer: pl.Trainer) -> StepOptions:
 
     mapping = from_training_arguments(training_arguments(trainer), world_size=trainer.world_size,
                                       check_fields=False)
-    for use in mapping.unused:
-        if use.matters:
-            logger.info("BatchFit: %s", use.line())
-    options = traced_in_a_trainer(mapping)
+    options = traced_in_a_trainer(mapping, say=lambda line: logger.info("BatchFit: %s", line))
     if PRECISIONS.get(str(trainer.precision)) == "bf16":
         options["precision"] = "bf16"
     return StepOptions(**options)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,10 +182,18 @@ class TrainerMapping:
                 "trainer_fields_unused": [u.to_json() for u in self.unused]}
 
 
-def traced_in_a_trainer(mapping: TrainerMapping) -> dict[str, Any]:
+def traced_in_a_trainer(mapping: TrainerMapping, say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The StepOptions of a step traced from inside a Trainer (the HF and Lightning
     integrations): the mapping's, less the optimizer (the integration traces the Trainer's own
-    optimizer object) and the accumulation (the integration picks it for the global batch)."""
+    optimizer object) and the accumulation (the integration picks it for the global batch).
+    ``say`` gets a line for each unused field that can change memory, and for a sharded
+    strategy (the integrations trace one device's whole step)."""
+    for use in mapping.unused:
+        if use.matters and say is not None:
+            say(use.line())
+    if mapping.strategy and mapping.strategy != "ddp" and say is not None:
+        say(f"not traced: the {mapping.strategy} strategy (one device's whole step is traced, an upper bound); "
+            f"batchfit plan --strategies {mapping.strategy} traces it sharded")
     return {k: v for k, v in mapping.step.items() if k not in ("optimizer", "accumulation_steps")}
 
 

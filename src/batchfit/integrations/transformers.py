@@ -125,10 +125,7 @@ def fit_training(model: nn.Module, args: Any, *, global_batch: int, seq_len: int
     by default the one the Trainer builds from ``args.optim``.
     """
     mapping = from_training_arguments(args)  # the one mapping --trainer args.json takes too
-    options = StepOptions(**traced_in_a_trainer(mapping))
-    for use in mapping.unused:
-        if use.matters:
-            logger.info("batchfit: %s", use.line())
+    options = StepOptions(**traced_in_a_trainer(mapping, say=lambda line: logger.info("batchfit: %s", line)))
     seq_len = seq_len or mapping.seq_len
     if seq_len is None:
         raise OptionError("fit_training needs the tokens per sample: pass seq_len=2048 (or max_length in an SFTConfig)")
