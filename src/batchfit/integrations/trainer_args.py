@@ -117,13 +117,14 @@ class FieldUse:
     """For an unused field: why. For a used one: what differs from what the Trainer runs, if anything."""
 
     def line(self) -> str:
-        value = json.dumps(self.value) if not isinstance(self.value, str) else self.value
+        value = self.value if isinstance(self.value, str) else json.dumps(_plain(self.value), default=str)
         if self.option:
             return f"{self.field}={value} -> {self.option}" + (f" ({self.why})" if self.why else "")
         return f"not used: {self.field}={value} ({self.why})"
 
     def to_json(self) -> dict:
-        return {"field": self.field, "value": self.value, **({"option": self.option} if self.option else {}),
+        value = json.loads(json.dumps(_plain(self.value), default=str))  # a .py file's args may hold any object
+        return {"field": self.field, "value": value, **({"option": self.option} if self.option else {}),
                 "why": self.why}
 
     @property
