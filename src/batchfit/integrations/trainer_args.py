@@ -366,20 +366,30 @@ class _Mapper:
         on_name = next((n for n in ("activation_checkpointing", "gradient_checkpointing") if data.get(n)), None)
         kwargs_name = next((n for n in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
                             if data.get(n)), None)
-        for name in ("activation_checkpointing", "gradient_checkpointing"):
-            if name in data and name != on_name:
-                self.skip(name, "off" if on_name is None else f"{on_name} is the one read")
         if on_name is None:
-            for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+            for name in ("activation_checkpointing", "gradient_checkpointing", "activation_checkpointing_kwargs",
+                         "gradient_checkpointing_kwargs"):
                 if name in data:
-                    self.skip(name, "checkpointing is off")
+                    self.skip(name, "off" if name.endswith("checkpointing") else "checkpointing is off")
             return
         kwargs = dict(data.get(kwargs_name) or {})
         every = kwargs.pop("every_n_layers", 1)
         policy = "full" if every in (None, 1) else f"every:{every}"
-        self.set_step("checkpointing", policy, on_name, "each decoder layer recomputed in backward"
-                      if policy == "full" else f"every {every}-th decoder layer recomputed")
+        if not self.set_step("checkpointing", policy, on_name, "each decoder layer recomputed in backward"
+                             if policy == "full" else f"one decoder layer in {every} recomputed"):
+            return
+        for name, read in (("activation_checkpointing", on_name), ("gradient_checkpointing", on_name),
+                           ("activation_checkpointing_kwargs", kwargs_name),
+                           ("gradient_checkpointing_kwargs", kwargs_name)):
+            if name == read or name not in data:
+                continue
+            if data[name] == data.get(read):  # transformers 5 keeps the deprecated alias beside the new name
+                self.use(name, f"--checkpointing {policy}", f"the same as {read}")
+            else:
+                self.skip(name, f"{read} is the one read" if data[name] else "off")
         if kwargs_name:
+            if every not in (None, 1):
+                self.use(f"{kwargs_name}.every_n_layers", f"--checkpointing {policy}", value=every)
             if kwargs.pop("offload", False):
                 self.set_step("offload", "activations", f"{kwargs_name}.offload", shown=True)
             reentrant = kwargs.pop("use_reentrant", None)
