@@ -8,7 +8,8 @@ import json
 
 def _value(value: object) -> str:
     text = value if isinstance(value, str) else json.dumps(value)
-    return f"`{text}`" if len(text) <= 80 else f"`{text[:77]}...`"
+    text = text if len(text) <= 80 else f"{text[:77]}..."
+    return "`" + text.replace("|", "\\|").replace("`", "'") + "`"  # a | would end the table cell
 
 
 def trainer_markdown(section: dict) -> str:
