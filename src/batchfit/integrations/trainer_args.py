@@ -247,7 +247,7 @@ def from_training_arguments(args: Any, *, world_size: int | None = None, source:
         world_size = live if isinstance(live, int) and live >= 1 else 1
     if fields is None and check_fields:
         fields = known_fields()
-    if isinstance(args, Mapping):  # a live TrainingArguments (or a user's subclass) has no typos
+    if isinstance(args, Mapping):  # only a file can hold a typo: a live TrainingArguments refuses one
         _refuse_typos(data, fields, source)
     return _Mapper(data, world_size, deepspeed_config, fields).run()
 
@@ -299,6 +299,9 @@ class _Mapper:
         except OptionError as error:
             self.skip(source_field, f"this batchfit cannot take {option} {value}: {error}", shown)
             return False
+        before = self.mapping.step.get(name)
+        if before is not None and before != value and name != "offload":
+            why = f"{why}; it replaces {option} {before}" if why else f"it replaces {option} {before}"
         self.mapping.step[name] = value
         self.use(source_field, f"{option} {value}", why, shown)
         return True
@@ -315,11 +318,8 @@ class _Mapper:
         self.peft(data.get("peft_config"))
         quantization = data.get("quantization_config")
         init_kwargs = data.get("model_init_kwargs")
-        if quantization is None and isinstance(init_kwargs, Mapping) and "quantization_config" in init_kwargs:
-            quantization = init_kwargs["quantization_config"]
-            self.seen.add("model_init_kwargs")
-            self.mapping.used.append(FieldUse(field="model_init_kwargs", value="{...}",
-                                              option="quantization_config below"))
+        if isinstance(init_kwargs, Mapping):
+            quantization = self.model_init(init_kwargs, quantization)
         self.quantization(quantization)
         for name, value in data.items():
             if name in self.seen or name == "world_size":
@@ -550,6 +550,28 @@ class _Mapper:
                     and not self.data.get(key):
                 self.skip(f"deepspeed.{key}", f"set {key}=true in the TrainingArguments too (the Trainer requires "
                           "them to agree); the args' precision is traced", True)
+
+    def model_init(self, kwargs: Mapping, quantization: Any) -> Any:
+        """TRL's model_init_kwargs (``from_pretrained``'s): the weights' dtype, and a
+        quantization_config (returned, unless the args have one of their own)."""
+        self.seen.add("model_init_kwargs")
+        for key, value in kwargs.items():
+            name = f"model_init_kwargs.{key}"
+            if key == "quantization_config" and quantization is None:
+                quantization = value
+                self.mapping.used.append(FieldUse(field=name, value="{...}", option="see quantization_config"))
+            elif key in ("dtype", "torch_dtype") and str(value).removeprefix("torch.") == "bfloat16":
+                self.set_step("precision", "bf16", name, "weights loaded in bf16: weights, gradients and optimizer "
+                              "states in bf16 (autocast on top changes no bytes)", shown=value)
+            elif key in ("dtype", "torch_dtype") and value == "auto":
+                self.skip(name, "the checkpoint's own dtype (bf16 for most recent LLMs) cannot be read from the "
+                          "args: give --precision bf16 if it is bf16", value)
+            elif key == "attn_implementation":
+                self.skip(name, "the attention kernel is traced as the model spec's (SDPA's memory-efficient or "
+                          "flash kernel on a GPU)", value)
+            else:
+                self.skip(name, "a from_pretrained setting batchfit does not read", _plain(value))
+        return quantization
 
     def peft(self, config: Any) -> None:
         if config is None:
