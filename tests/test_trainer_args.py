@@ -215,3 +215,18 @@ def test_a_trainer_started_estimate_takes_the_same_mapping(monkeypatch, caplog):
         options = trainer_options(trainer)
     assert options.precision == "bf16-mixed" and options.accumulation_steps == 1  # BatchFit picks accumulation
     assert "not used: max_grad_norm=1.0" in caplog.text
+
+
+def test_sft_model_init_kwargs_and_checkpointing_aliases():
+    """TRL's model_init_kwargs load the weights in bf16 (pure bf16, not autocast over fp32), and
+    transformers 5's deprecated gradient_checkpointing alias is the same setting, not a second one."""
+    mapping = from_training_arguments(
+        {"bf16": True, "activation_checkpointing": True, "gradient_checkpointing": True,
+         "activation_checkpointing_kwargs": {"every_n_layers": 2}, "gradient_checkpointing_kwargs": {"every_n_layers": 2},
+         "model_init_kwargs": {"torch_dtype": "bfloat16", "attn_implementation": "sdpa"}, "max_length": 512},
+        check_fields=False)
+    assert mapping.step == {"precision": "bf16", "checkpointing": "every:2"} and mapping.seq_len == 512
+    used = {u.field: u for u in mapping.used}
+    assert "replaces --precision bf16-mixed" in used["model_init_kwargs.torch_dtype"].why
+    assert used["gradient_checkpointing"].why == "the same as activation_checkpointing"
+    assert "model_init_kwargs.attn_implementation" in {u.field for u in mapping.unused}
