@@ -94,8 +94,8 @@ def estimate_command(
         result = estimate(workload, device=device, options=options, batch_sizes=sizes, target_util=target_util,
                           multiple_of=multiple_of, max_batch=max_batch, limit=limit, progress=say)
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
-    fitted = (answer(door, result.max_batch_size_at_target, options.accumulation_steps, multiple_of=result.multiple_of)
-              if door is not None else None)
+    fitted = (answer(door, result.max_batch_size_at_target, options.accumulation_steps, multiple_of=result.multiple_of,
+                     fits_whole=result.max_batch_size) if door is not None else None)
     section = door.section(fitted) if door is not None else None
     data = result.to_json() if section is None else {**result.to_json(), "trainer": section}
 

@@ -121,8 +121,9 @@ def print_mapping(door: FrontDoor, console: Console) -> None:
 
 
 def answer(door: FrontDoor, max_micro_batch: int, traced_accumulation: int, *, multiple_of: int = 1,
-           world_size: int | None = None, source: str = "traced") -> dict:
-    """per_device_train_batch_size and gradient_accumulation_steps for the args' global batch."""
+           world_size: int | None = None, source: str = "traced", fits_whole: int | None = None) -> dict:
+    """per_device_train_batch_size and gradient_accumulation_steps for the args' global batch.
+    ``max_micro_batch``: the largest under the target; ``fits_whole``: the largest in all the memory."""
     from batchfit.integrations.trainer_files import split_for_global_batch
 
     mapping = door.mapping
@@ -133,10 +134,15 @@ def answer(door: FrontDoor, max_micro_batch: int, traced_accumulation: int, *, m
                               "per_device_train_batch_size": split[0] if split else None,
                               "gradient_accumulation_steps": split[1] if split else None}
     notes = []
-    if split is None:
+    if split is None and max_micro_batch:
         notes.append(f"no per-device batch of at most {max_micro_batch} divides the {mapping.global_batch} samples "
-                     f"of the global batch over {world} device(s)" if max_micro_batch else
-                     "not even a micro-batch of 1 fits")
+                     f"of the global batch over {world} device(s)")
+    elif split is None and fits_whole:
+        notes.append(f"a micro-batch of {fits_whole} fits the whole usable memory but none fits under the target "
+                     "(--target-util): raise it (e.g. --target-util 1.0) to take it, or lower the memory of a sample")
+    elif split is None:
+        notes.append("not even a micro-batch of 1 fits: lower the memory of a sample (checkpointing, bf16, "
+                     "--loss fused-linear, LoRA) or pick a larger GPU")
     elif split[1] > 1 and traced_accumulation == 1:
         notes.append(f"traced without accumulation; with {split[1]} accumulation steps the gradients stay alive "
                      "through the next forward: trace the emitted args to confirm (--trainer FILE)")

@@ -132,7 +132,9 @@ class Mapper:
                            ("gradient_checkpointing_kwargs", kwargs_name)):
             if name == read or name not in data:
                 continue
-            if data[name] == data.get(read):  # transformers 5 keeps the deprecated alias beside the new name
+            if read is None:  # no kwargs given under either name
+                self.skip(name, "not set")
+            elif data[name] == data.get(read):  # transformers 5 keeps the deprecated alias beside the new name
                 self.use(name, f"--checkpointing {policy}", f"the same as {read}")
             else:
                 self.skip(name, f"{read} is the one read" if data[name] else "off")
