@@ -36,6 +36,8 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--quantize", "nf5"], "nf4-dq"),
         ([*TINY, "--gpu", "t4", "--lora", "rank=8"], "r=16"),
         ([*TINY, "--gpu", "t4", "--optimizer", "adamw-torchao-8bit"], "adamw-8bit"),
+        ([*TINY, "--gpu", "t4", "--trainer", "args.json"], "no such file"),
+        ([*TINY, "--gpu", "t4", "--emit", "trainer:fitted.json"], "--trainer args.json"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
@@ -57,6 +59,7 @@ ROWS = {
         ([*TINY, "--device", "virtual:t4", "--accumulation-steps", HUGE], "from 1 to 16,777,216"),
         (["gpt-tinystories-22m", "--device", "virtual:t4", "--seq-len", HUGE], "from 1 to 16,777,216"),
         ([*TINY, "--device", "virtual:t4", "--offload", "none+activations"], "activations+params"),
+        ([*TINY, "--device", "virtual:t4", "--trainer", "args.py"], "no such file"),
     ],
     "plan": [
         (["gpt-tinystorie", "--gpu", "h100", "--gpus", "2"], "did you mean 'gpt-tinystories-22m'"),
@@ -76,6 +79,7 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--offload", "params+params"], "activations+params"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "ddp,fsdp", "--offload", "params"], "ddp on 2 GPUs has no FSDP"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--host-memory", "512"], "512GiB"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--emit", "trainer:fitted.json"], "--trainer args.json"),
     ],
     "sweep": [
         (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),

@@ -16,6 +16,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
 from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, OffloadOpt, QuantizeOpt
+from batchfit.cli.trainer import TrainerOpt, merged_options, merged_seq_len, print_mapping, read_trainer
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
 
@@ -30,13 +31,17 @@ Examples:
 """
 
 
+BENCH_SIZES = "8,16,32,64"
+
+
 @handle_errors
 def bench_command(
     model: ModelArg,
     device: DeviceOpt = None,
     gpu: GpuOpt = None,
     gpu_memory: GpuMemoryOpt = None,
-    batch_sizes: Annotated[str, typer.Option(help="Batch sizes to bench, e.g. 8,16,32,64.")] = "8,16,32,64",
+    batch_sizes: Annotated[str, typer.Option(help="Batch sizes to bench, e.g. 8,16,32,64 (with --trainer: its "
+                                                  "per_device_train_batch_size).")] = "8,16,32,64",
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = None,
@@ -54,6 +59,7 @@ def bench_command(
     leak_check: Annotated[bool, flag("--leak-check", "Watch allocated memory over --steps steps and say if it grows.")] = False,
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, throughput.png, bench.json")] = None,
+    trainer: TrainerOpt = None,
 ) -> None:
     """Measure throughput (tokens/s, samples/s, MFU), allocated and reserved memory per batch size.
 
@@ -65,12 +71,19 @@ def bench_command(
 
     if steps < 1 or warmup < 0:
         raise OptionError("--steps must be 1 or more and --warmup 0 or more, e.g. --steps 10 --warmup 3")
+    door = read_trainer(trainer)
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
                            quantize=quantize, lora=lora)
-    warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
+    options = merged_options(options, door)
+    seq_len = merged_seq_len(seq_len, door)
+    warn_about_precision(target, options.precision)  # after StepOptions refused an unknown precision
+    if door is not None and batch_sizes == BENCH_SIZES:  # the args' batch, unless sizes were given
+        batch_sizes = str(door.mapping.per_device_train_batch_size)
     sizes = parse_batch_sizes(batch_sizes)
+    if door is not None:
+        print_mapping(door, quiet_if_stdout(json_path))
     from batchfit.bench.engine import bench  # torch: after the options are checked
     from batchfit.report import write_bench_report
 
@@ -79,7 +92,9 @@ def bench_command(
         result = bench(workload, target=target, options=options, batch_sizes=sizes, steps=steps, warmup=warmup,
                        leak_check_steps=steps if leak_check else None, progress=say)
     folder = report_folder(out, "bench", result.workload, target, options, seq_len)
-    paths = write_outputs(json_path, result.to_json(), lambda files: write_bench_report(result, folder, files))
+    section = door.section(None) if door is not None else None
+    data = result.to_json() if section is None else {**result.to_json(), "trainer": section}
+    paths = write_outputs(json_path, data, lambda files: write_bench_report(result, folder, files, trainer=section))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
     if not any(r.status == "ok" for r in result.rows):  # nothing ran: a script must not read success
         raise typer.Exit(1)

@@ -16,6 +16,9 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  report_folder, step_options, warn_about_precision, write_outputs)
 from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, OffloadOpt, QuantizeOpt,
                                  parse_host_memory, warn_about_approximations)
+from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, emitted_text, merged_batch_sizes,
+                                  merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
+                                  read_trainer)
 from batchfit.devices import GiB
 from batchfit.report.host import host_line
 from batchfit.errors import OptionError
@@ -32,6 +35,8 @@ Examples:
   batchfit estimate gpt2-124m --gpu-memory 48GiB --batch-sizes 64,128,192 --json out.json --out report/
 
   batchfit estimate gpt2-124m --gpu t4 --precision fp16-mixed --limit allocated
+
+  batchfit estimate hf:llama-3.2-1b --gpu rtx4090-24gb --trainer args.json --emit trainer:args.fitted.json
 """
 
 
@@ -61,6 +66,8 @@ def estimate_command(
     json_path: JsonOpt = None,
     limit: LimitOpt = "reserved",
     out: Annotated[Path | None, out_option("report.md, memory.png, estimate.json")] = None,
+    trainer: TrainerOpt = None,
+    emit: EmitTrainerOpt = None,
 ) -> None:
     """Predict peak training memory and the largest batch that fits a GPU, without a GPU.
 
@@ -68,7 +75,9 @@ def estimate_command(
     counting every byte as the CUDA caching allocator would, at a few batch sizes; fits the
     memory curve; and confirms the largest batch by tracing it and the next size up.
     """
-    check_outputs(json_path, out)
+    door = read_trainer(trainer)
+    emit_path = parse_trainer_emit(emit, door)
+    check_outputs(json_path, out, *([("--emit", emit_path)] if emit_path else []))
     target = command_target(gpu, gpu_memory, device)
     if target.device is None:
         raise OptionError("estimate sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb), "
@@ -77,8 +86,12 @@ def estimate_command(
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
                            quantize=quantize, lora=lora)
     host_memory_bytes = parse_host_memory(host_memory)
-    warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
-    sizes = parse_batch_sizes(batch_sizes)
+    options = merged_options(options, door)
+    seq_len = merged_seq_len(seq_len, door)
+    warn_about_precision(target, options.precision)  # after StepOptions refused an unknown precision
+    sizes = merged_batch_sizes(parse_batch_sizes(batch_sizes), door)
+    if door is not None:
+        print_mapping(door, quiet_if_stdout(json_path))
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
                            max_batch=max_batch, limit=limit)
     from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
@@ -90,8 +103,25 @@ def estimate_command(
                           multiple_of=multiple_of, max_batch=max_batch, limit=limit,
                           host_memory_bytes=host_memory_bytes, progress=say)
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
-    paths = write_outputs(json_path, result.to_json(), lambda files: write_estimate_report(result, folder, files))
-    _print_summary(result, quiet_if_stdout(json_path), paths["md"])
+    fitted = (answer(door, result.max_batch_size_at_target, options.accumulation_steps, multiple_of=result.multiple_of,
+                     fits_whole=result.max_batch_size) if door is not None else None)
+    section = door.section(fitted) if door is not None else None
+    data = result.to_json() if section is None else {**result.to_json(), "trainer": section}
+
+    def write_all(files):  # the report, --emit and --json: all or none, JSON last
+        paths = write_estimate_report(result, folder, files, trainer=section)
+        if emit_path is not None and fitted["per_device_train_batch_size"] is not None:
+            files.text(emit_path, emitted_text(door, fitted))
+        return paths
+
+    paths = write_outputs(json_path, data, write_all)
+    console = quiet_if_stdout(json_path)
+    _print_summary(result, console, paths["md"])
+    if fitted is not None:
+        print_answer(fitted, console)
+        if emit_path is not None:
+            console.print(f"wrote {emit_path}" if fitted["per_device_train_batch_size"] is not None
+                          else f"[red]--emit {emit_path} not written[/]: no per-device batch fits", soft_wrap=True)
     warn_about_approximations(result)
 
 

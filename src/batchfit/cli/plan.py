@@ -19,6 +19,8 @@ from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemo
                                  write_outputs)
 from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, OffloadOpt, parse_host_memory,
                                  warn_about_approximations)
+from batchfit.cli.trainer import (TrainerOpt, emitted_text, merged_batch_sizes, merged_options, merged_seq_len,
+                                  print_answer, print_mapping, read_trainer)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.plan.emit import parse_emit, write_emit
@@ -89,12 +91,15 @@ def plan_command(
     inter_node_gb_per_s: Annotated[float | None, typer.Option(help="GB/s per GPU between nodes, per direction "
                                                                    "(default: the GPU catalog's).")] = None,
     emit: Annotated[list[str] | None, typer.Option(help="Write the recommended configuration: FILE (YAML + torchrun "
-                                                        "line) or accelerate:FILE (Accelerate config); repeatable.")]
+                                                        "line), accelerate:FILE (Accelerate config) or trainer:FILE "
+                                                        "(the --trainer args with the recommended batch); "
+                                                        "repeatable.")]
     = None,
     processes: Annotated[int | None, typer.Option(help="Strategies traced at once, one process each (default: one "
                                                        "per CPU core); 1 traces them one after another.")] = None,
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, plan.png, plan.json")] = None,
+    trainer: TrainerOpt = None,
 ) -> None:
     """Plan a multi-GPU run: memory per GPU, max global batch, step time and a launch config.
 
@@ -106,15 +111,23 @@ def plan_command(
     """
     from batchfit.report.plan_markdown import write_plan_report  # matplotlib: not for --help
 
-    check_outputs(json_path, out, *(("--emit", path) for path in map(_emit_path, emit or []) if path))
-    emits = [parse_emit(text) for text in emit or []]
+    door = read_trainer(trainer)
+    trainer_emits = [Path(text.partition(":")[2]) for text in emit or [] if text.startswith("trainer:")]
+    if trainer_emits and door is None:
+        raise OptionError("--emit trainer:FILE writes your TrainingArguments back: give them with --trainer args.json")
+    emit = [text for text in emit or [] if not text.startswith("trainer:")]
+    check_outputs(json_path, out, *(("--emit", path) for path in map(_emit_path, emit) if path),
+                  *(("--emit", path) for path in trainer_emits))
+    emits = [parse_emit(text) for text in emit]
     if mfu is not None and calibrate is not None:
         raise OptionError("give --mfu or --calibrate, not both: --calibrate takes the MFU from a bench run")
     if processes is not None and processes < 1:
         raise OptionError(f"--processes must be 1 or more, got {processes}: e.g. --processes 2")
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss, offload)
-    host_memory_bytes = parse_host_memory(host_memory)
+    options = merged_options(step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss,
+                                          offload), door, accumulation=False)  # the plan picks the accumulation
     options = dataclasses.replace(options, tp_loss=tp_loss)
+    host_memory_bytes = parse_host_memory(host_memory)
+    seq_len = merged_seq_len(seq_len, door)
     time_model = (calibrated(calibrate, precision) if calibrate is not None
                   else TimeModel(mfu=mfu, mfu_source="set by the user (--mfu)") if mfu is not None else TimeModel())
     time_model = TimeModel(mfu=time_model.mfu, mfu_source=time_model.mfu_source,
@@ -125,11 +138,15 @@ def plan_command(
                           "e.g. --gpus 64 or --nodes 8 --gpus-per-node 8")
     if parse_tokens(tokens) == math.inf:  # a bad --tokens is one line before any trace
         raise OptionError(f"--tokens {tokens} is not a finite count: e.g. --tokens 2e11 or --tokens chinchilla")
-    sizes = parse_batch_sizes(batch_sizes)
+    sizes = merged_batch_sizes(parse_batch_sizes(batch_sizes), door)
+    if door is not None:
+        strategies, global_batch = _trainer_plan(door, strategies, global_batch, worlds)
     target = command_target(gpu, gpu_memory, device)
     if target.device is None:
         raise OptionError("plan sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb) or --gpu-memory 80GiB")
-    warn_about_precision(target, precision)
+    warn_about_precision(target, options.precision)
+    if door is not None:
+        print_mapping(door, quiet_if_stdout(json_path))
     workload = load_workload(model, seq_len=seq_len)
     with progress_line() as say:
         result = plan(workload, device=target.device, worlds=worlds, options=options, strategies=strategies,
@@ -137,15 +154,46 @@ def plan_command(
                       multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say,
                       processes=processes, limit=limit, host_memory_bytes=host_memory_bytes)
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
+    fitted = _trainer_answer(door, result) if door is not None else None
+    section = door.section(fitted) if door is not None else None
+    data = result.to_json() if section is None else {**result.to_json(), "trainer": section}
 
     def write_all(files):  # the report, every --emit and --json: all or none, JSON last
-        paths = write_plan_report(result, folder, files)
-        return paths, [files.write(path, lambda temporary, kind=kind: write_emit(kind, temporary, result))
-                       for kind, path in emits]
+        paths = write_plan_report(result, folder, files, trainer=section)
+        written = [files.write(path, lambda temporary, kind=kind: write_emit(kind, temporary, result))
+                   for kind, path in emits]
+        if fitted is not None and fitted["per_device_train_batch_size"] is not None:
+            written += [files.text(path, emitted_text(door, fitted)) for path in trainer_emits]
+        return paths, written
 
-    paths, written = write_outputs(json_path, result.to_json(), write_all)
-    _print_summary(result, quiet_if_stdout(json_path), paths["md"], written)
+    paths, written = write_outputs(json_path, data, write_all)
+    console = quiet_if_stdout(json_path)
+    _print_summary(result, console, paths["md"], written)
+    if fitted is not None:
+        print_answer(fitted, console)
     warn_about_approximations(result)
+
+
+def _trainer_plan(door, strategies: str, global_batch: int | None, worlds) -> tuple[str, int]:
+    """--trainer's strategy (fsdp, deepspeed) unless --strategies was given, and its global batch
+    (per-device batch x accumulation x its world size, else x the GPUs planned) unless --global-batch was."""
+    mapping = door.mapping
+    if mapping.strategy and strategies == DEFAULT_STRATEGIES:
+        strategies = mapping.strategy
+    if mapping.world_size == 1:  # a saved TrainingArguments does not record it: the GPUs planned
+        mapping.world_size = worlds[0].gpus
+    return strategies, global_batch or mapping.global_batch
+
+
+def _trainer_answer(door, result) -> dict:
+    """per_device_train_batch_size and gradient_accumulation_steps of the recommended plan."""
+    best = result.recommended[0] if result.recommended else None
+    return {"global_batch": result.global_batch, "world_size": best.gpus if best else None,
+            "max_micro_batch": best.max_local_batch if best else 0, "source": "traced",
+            "strategy": best.strategy if best else None,
+            "per_device_train_batch_size": best.micro_batch if best and best.fits else None,
+            "gradient_accumulation_steps": best.accumulation_steps if best and best.fits else None,
+            "notes": [] if best and best.fits else ["no strategy fits"]}
 
 
 def _emit_path(text: str) -> str:

@@ -15,6 +15,8 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
 from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, OffloadOpt, QuantizeOpt
+from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, emitted_text, merged_options, merged_seq_len,
+                                  parse_trainer_emit, print_answer, print_mapping, read_trainer)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.distributed.wrap import STRATEGIES
@@ -69,6 +71,8 @@ def probe_command(
     json_path: JsonOpt = None,
     limit: LimitOpt = "reserved",
     out: Annotated[Path | None, out_option("report.md, memory.png, probe.json")] = None,
+    trainer: TrainerOpt = None,
+    emit: EmitTrainerOpt = None,
 ) -> None:
     """Find the largest batch that really fits: run real training steps, few probes, safely.
 
@@ -77,7 +81,9 @@ def probe_command(
     search and is reported as itself, with the probes before it kept. The answer is always a
     batch size that ran, with the next size up shown to fail (or the cap).
     """
-    check_outputs(json_path, out)
+    door = read_trainer(trainer)
+    emit_path = parse_trainer_emit(emit, door)
+    check_outputs(json_path, out, *([("--emit", emit_path)] if emit_path else []))
     target = command_target(gpu, gpu_memory, device)
     if target.kind == "cpu" and target.device is None and max_batch is None:  # before torch loads
         raise OptionError(no_memory_limit("probe --device cpu", "--max N",
@@ -85,7 +91,13 @@ def probe_command(
     max_batch = DEFAULT_MAX if max_batch is None else max_batch
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
                            quantize=quantize, lora=lora)
-    warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
+    options = merged_options(options, door)
+    seq_len = merged_seq_len(seq_len, door)
+    if door is not None and global_batch is None:  # the args' global batch, per device
+        global_batch = door.mapping.global_batch // door.mapping.world_size
+    warn_about_precision(target, options.precision)  # after StepOptions refused an unknown precision
+    if door is not None:
+        print_mapping(door, quiet_if_stdout(json_path))
     check_probe_options(policy=policy, multiple_of=multiple_of, smallest=min_batch, largest=max_batch, steps=steps,
                         target_util=target_util, global_batch=global_batch, limit=limit)
     from batchfit.probe.find import find_max_batch  # torch: after the options are checked
@@ -102,8 +114,26 @@ def probe_command(
     if rank() != 0:  # every rank probed; one writes
         return
     folder = report_folder(out, "probe", result.workload, target, options, seq_len)
-    paths = write_outputs(json_path, result.to_json(), lambda files: write_probe_report(result, folder, files))
+    fitted = None
+    if door is not None:
+        tier = next((r for r in result.recommendations if r.name == "production"), None)
+        fitted = answer(door, tier.batch_size if tier else result.max_batch_size, options.accumulation_steps,
+                        multiple_of=multiple_of, source="probed" if target.kind == "cuda" else "traced (virtual)")
+    section = door.section(fitted) if door is not None else None
+    data = result.to_json() if section is None else {**result.to_json(), "trainer": section}
+
+    def write_all(files):  # the report, --emit and --json: all or none, JSON last
+        paths = write_probe_report(result, folder, files, trainer=section)
+        if emit_path is not None and fitted["per_device_train_batch_size"] is not None:
+            files.text(emit_path, emitted_text(door, fitted))
+        return paths
+
+    paths = write_outputs(json_path, data, write_all)
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
+    if fitted is not None:
+        print_answer(fitted, quiet_if_stdout(json_path))
+        if emit_path is not None and fitted["per_device_train_batch_size"] is not None:
+            quiet_if_stdout(json_path).print(f"wrote {emit_path}", soft_wrap=True)
     if result.stopped_by:
         raise typer.Exit(1)
 

@@ -77,7 +77,7 @@ class BatchFit(Callback):
                 "LightningDataModule and build train_dataloader() with it (or pass batch_size_attr=)")
         sample = next(iter(_train_dataloader(trainer, pl_module)))
         precision = str(trainer.precision)
-        options = StepOptions(precision=PRECISIONS.get(precision, "fp32"))
+        options = trainer_options(trainer)
         if precision not in PRECISIONS:
             logger.warning("BatchFit: precision '%s' is traced as fp32", precision)
         with warnings.catch_warnings():
@@ -100,6 +100,36 @@ class BatchFit(Callback):
                     self.batch_size_attr, self.plan.micro_batch, self.plan.accumulation_steps,
                     f" ({self.plan.describe()}; report: {self.report_path})" if self.report_path
                     else f" ({self.plan.describe()})")
+
+
+def training_arguments(trainer: pl.Trainer) -> dict[str, Any]:
+    """The Lightning Trainer's settings that change memory, in TrainingArguments' terms, so the
+    one mapping (``integrations/trainer_args.py``) reads them as it reads an HF Trainer's."""
+    precision = PRECISIONS.get(str(trainer.precision), "fp32")
+    fields: dict[str, Any] = {"bf16": precision == "bf16-mixed", "fp16": precision == "fp16-mixed",
+                              "gradient_accumulation_steps": trainer.accumulate_grad_batches}
+    if trainer.gradient_clip_val:
+        fields["max_grad_norm"] = float(trainer.gradient_clip_val)
+    strategy = type(trainer.strategy).__name__
+    if strategy.startswith("FSDP"):
+        fields["fsdp"] = True
+    elif strategy.startswith("DeepSpeed"):
+        fields["deepspeed"] = dict(getattr(trainer.strategy, "config", None) or {})
+    return fields
+
+
+def trainer_options(trainer: pl.Trainer) -> StepOptions:
+    """The traced step's options for ``trainer``: through the mapping the HF Trainer and
+    ``--trainer args.json`` take; Lightning's true-half precisions (no TrainingArguments field)
+    are traced as bf16 weights and states."""
+    from batchfit.integrations.trainer_args import from_training_arguments, traced_in_a_trainer
+
+    mapping = from_training_arguments(training_arguments(trainer), world_size=trainer.world_size,
+                                      check_fields=False)
+    options = traced_in_a_trainer(mapping, say=lambda line: logger.info("BatchFit: %s", line))
+    if PRECISIONS.get(str(trainer.precision)) == "bf16":
+        options["precision"] = "bf16"
+    return StepOptions(**options)
 
 
 def _train_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule):

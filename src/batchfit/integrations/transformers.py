@@ -4,8 +4,9 @@
     Trainer(model=model, args=args, ...)   # per_device_train_batch_size, gradient_accumulation_steps set
 
 The model is traced as the Trainer will run it: a copy on fake tensors (no GPU, no memory),
-at the precision of ``args`` (``bf16`` / ``fp16`` are autocast, as the Trainer does), with
-activation checkpointing when ``args.gradient_checkpointing``, and with the optimizer class and
+with the options ``args`` map onto (``integrations/trainer_args.py``, the mapping ``batchfit
+estimate --trainer args.json`` uses: precision, activation checkpointing, torch_compile, Liger,
+LoRA / quantization sections where given; what is not used is logged), and with the optimizer class and
 settings the Trainer builds from ``args.optim`` (``Trainer.get_optimizer_cls_and_kwargs``), or
 the one given as ``optimizer=``; an optimizer it cannot build is an error, never AdamW instead.
 Unlike ``auto_find_batch_size``, the global batch stays what was asked for: a smaller
@@ -35,19 +36,12 @@ except ImportError as error:  # say what to install, not just what is missing
 
 from batchfit.integrations.elastic_split import GlobalBatchPlan, fake_copy, plan_global_batch, same_optimizer
 from batchfit.errors import OptionError
+from batchfit.integrations.trainer_args import from_training_arguments, traced_in_a_trainer
 from batchfit.workload import StepOptions, Workload
 
 logger = logging.getLogger(__name__)
 
 GiB = 2**30
-
-
-def _precision(args: Any) -> str:
-    if getattr(args, "bf16", False):
-        return "bf16-mixed"
-    if getattr(args, "fp16", False):
-        return "fp16-mixed"
-    return "fp32"
 
 
 def _optimizer_builder(args: Any, model: nn.Module, optimizer: Any = None):
@@ -120,8 +114,8 @@ class TrainerFit:
         return PeakCheck(self.traced_peak_bytes, self.plan.micro_batch, after_steps=after_steps)
 
 
-def fit_training(model: nn.Module, args: Any, *, global_batch: int, seq_len: int, target_util: float = 0.9,
-                 multiple_of: int = 1, gpu: str | None = None, gpu_memory: str | None = None,
+def fit_training(model: nn.Module, args: Any, *, global_batch: int, seq_len: int | None = None,
+                 target_util: float = 0.9, multiple_of: int = 1, gpu: str | None = None, gpu_memory: str | None = None,
                  mode: str = "estimate", limit: str = "reserved", optimizer: Any = None) -> TrainerFit:
     """Size ``model`` as ``args`` will train it, and split ``global_batch`` over the devices of ``args``.
 
@@ -130,9 +124,12 @@ def fit_training(model: nn.Module, args: Any, *, global_batch: int, seq_len: int
     ``Trainer(optimizers=...)`` (an optimizer, or a function of the parameters that builds it);
     by default the one the Trainer builds from ``args.optim``.
     """
-    options = StepOptions(precision=_precision(args),
-                          checkpointing="full" if getattr(args, "gradient_checkpointing", False) else "none")
-    world_size = getattr(args, "world_size", 1)
+    mapping = from_training_arguments(args)  # the one mapping --trainer args.json takes too
+    options = StepOptions(**traced_in_a_trainer(mapping, say=lambda line: logger.info("batchfit: %s", line)))
+    seq_len = seq_len or mapping.seq_len
+    if seq_len is None:
+        raise OptionError("fit_training needs the tokens per sample: pass seq_len=2048 (or max_length in an SFTConfig)")
+    world_size = mapping.world_size
     workload = hf_model_workload(model, seq_len, _optimizer_builder(args, model, optimizer))
     plan = plan_global_batch(workload, model=model, global_batch=global_batch, world_size=world_size,
                              multiple_of=multiple_of, target_util=target_util, gpu=gpu, gpu_memory=gpu_memory,
@@ -156,7 +153,8 @@ def _with(args: Any, changes: dict) -> Any:
     return fitted
 
 
-def fit_training_args(model: nn.Module, args: Any, *, global_batch: int, seq_len: int, **kwargs) -> Any:
+def fit_training_args(model: nn.Module, args: Any, *, global_batch: int, seq_len: int | None = None,
+                      **kwargs) -> Any:
     """``args`` with ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` set so
     that their product x the number of devices == ``global_batch`` (see ``fit_training``)."""
     return fit_training(model, args, global_batch=global_batch, seq_len=seq_len, **kwargs).args

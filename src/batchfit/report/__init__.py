@@ -30,22 +30,36 @@ def write_report(out_dir: Path, json_name: str, data: dict, markdown: Callable[[
     return paths
 
 
-def write_estimate_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+def write_estimate_report(result, out_dir: Path, files: StagedFiles | None = None,
+                          trainer: dict | None = None) -> dict[str, Path]:
+    """``trainer``: the ``--trainer`` section (``cli/trainer.py``), added to the JSON and the report."""
     from batchfit.report.plots import memory_plot  # matplotlib: not for --help (report.write is used there)
+    from batchfit.report.trainer_markdown import trainer_markdown
 
-    return write_report(out_dir, "estimate.json", result.to_json(), lambda: estimate_markdown(result),
+    data = result.to_json() if trainer is None else {**result.to_json(), "trainer": trainer}
+    return write_report(out_dir, "estimate.json", data,
+                        lambda: estimate_markdown(result) + ("\n" + trainer_markdown(trainer) if trainer else ""),
                         lambda path: memory_plot(result, path), files=files)
 
 
-def write_probe_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+def write_probe_report(result, out_dir: Path, files: StagedFiles | None = None,
+                       trainer: dict | None = None) -> dict[str, Path]:
     from batchfit.report.plots import probe_plot
+    from batchfit.report.trainer_markdown import trainer_markdown
 
     plot = (lambda path: probe_plot(result, path)) if result.target.device is not None else None
-    return write_report(out_dir, "probe.json", result.to_json(), lambda: probe_markdown(result), plot, files=files)
+    data = result.to_json() if trainer is None else {**result.to_json(), "trainer": trainer}
+    return write_report(out_dir, "probe.json", data,
+                        lambda: probe_markdown(result) + ("\n" + trainer_markdown(trainer) if trainer else ""), plot,
+                        files=files)
 
 
-def write_bench_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
+def write_bench_report(result, out_dir: Path, files: StagedFiles | None = None,
+                       trainer: dict | None = None) -> dict[str, Path]:
     from batchfit.report.plots import throughput_plot
+    from batchfit.report.trainer_markdown import trainer_markdown
 
-    return write_report(out_dir, "bench.json", result.to_json(), lambda: bench_markdown(result),
+    data = result.to_json() if trainer is None else {**result.to_json(), "trainer": trainer}
+    return write_report(out_dir, "bench.json", data,
+                        lambda: bench_markdown(result) + ("\n" + trainer_markdown(trainer) if trainer else ""),
                         lambda path: throughput_plot(result, path), plot_name="throughput.png", files=files)

@@ -230,6 +230,12 @@ def _time_section(r) -> list[str]:
     return lines
 
 
-def write_plan_report(result, out_dir: Path, files: StagedFiles | None = None) -> dict[str, Path]:
-    return write_report(out_dir, "plan.json", result.to_json(), lambda: plan_markdown(result),
+def write_plan_report(result, out_dir: Path, files: StagedFiles | None = None,
+                      trainer: dict | None = None) -> dict[str, Path]:
+    """``trainer``: the ``--trainer`` section (``cli/trainer.py``), added to the JSON and the report."""
+    from batchfit.report.trainer_markdown import trainer_markdown
+
+    data = result.to_json() if trainer is None else {**result.to_json(), "trainer": trainer}
+    return write_report(out_dir, "plan.json", data,
+                        lambda: plan_markdown(result) + ("\n" + trainer_markdown(trainer) if trainer else ""),
                         lambda path: plan_plot(result, path), plot_name="plan.png", files=files)

@@ -1,0 +1,173 @@
+"""``--trainer args.json`` and ``--emit trainer:args.json``: the CLI side of the HF front door.
+
+The mapping is the library's (``integrations/trainer_args.py``); here only what a command
+needs: merging it with the flags typed beside it, printing what was used and what was not,
+and the answer in the Trainer's own terms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from batchfit.errors import OptionError
+from batchfit.workload import StepOptions
+
+TrainerOpt = Annotated[str | None, typer.Option(
+    "--trainer", help="Start from a Hugging Face TrainingArguments / TRL SFTConfig: the JSON to_json_string() wrote "
+                      "(with optional peft_config / quantization_config sections), or a .py file defining `args`. "
+                      "Its batch, precision, checkpointing, optimizer, compile, Liger loss, sequence length, "
+                      "sharding, LoRA and quantization become the options; every field it does not use is listed.")]
+EmitTrainerOpt = Annotated[list[str] | None, typer.Option(
+    "--emit", help="trainer:FILE: the --trainer args with per_device_train_batch_size and "
+                   "gradient_accumulation_steps for the same global batch (every other field kept).")]
+
+
+@dataclasses.dataclass(kw_only=True)
+class FrontDoor:
+    """The --trainer file, read and mapped."""
+
+    args: Any
+    """The TrainerArgs read (``integrations/trainer_files.py``)."""
+    mapping: Any
+    """Its TrainerMapping."""
+
+    def section(self, answer: dict | None) -> dict:
+        """The JSON's ``trainer`` section: the source, the mapping, the answer."""
+        return {"source": str(self.args.path), **self.mapping.to_json(), "answer": answer}
+
+
+def read_trainer(spec: str | None, *, world_size: int | None = None) -> FrontDoor | None:
+    """Read and map --trainer (None when not given); one-line errors for a bad file."""
+    if spec is None:
+        return None
+    from batchfit.integrations.trainer_files import load_trainer_args, map_trainer_args
+
+    args = load_trainer_args(spec)
+    return FrontDoor(args=args, mapping=map_trainer_args(args, world_size=world_size))
+
+
+def parse_trainer_emit(values: list[str] | None, door: FrontDoor | None) -> Path | None:
+    """--emit trainer:FILE (the only kind a single-device command takes) -> FILE."""
+    if not values:
+        return None
+    if len(values) > 1:
+        raise OptionError("give --emit trainer:FILE once")
+    kind, _, rest = values[0].partition(":")
+    if kind != "trainer" or not rest:
+        raise OptionError(f"--emit {values[0]}: this command writes trainer:FILE, e.g. --emit trainer:args.fitted.json")
+    if door is None:
+        raise OptionError("--emit trainer:FILE writes your TrainingArguments back: give them with --trainer args.json")
+    return Path(rest)
+
+
+def merged_options(options: StepOptions, door: FrontDoor | None, *, accumulation: bool = True) -> StepOptions:
+    """``options`` (from the flags) with the args' settings; a flag set to something else than
+    the args say is an error (which one wins would be a guess)."""
+    if door is None:
+        return options
+    default = StepOptions()
+    changes = {name: value for name, value in door.mapping.step.items()
+               if accumulation or name != "accumulation_steps"}
+    for name, value in changes.items():
+        typed = getattr(options, name)
+        if typed != getattr(default, name) and typed != value:
+            option = "--accumulation-steps" if name == "accumulation_steps" else f"--{name.replace('_', '-')}"
+            source = next((u.field for u in door.mapping.used if u.option.startswith(f"{option} ")), "the args")
+            raise OptionError(f"{option} {typed} contradicts --trainer {door.args.path} ({source} -> {option} "
+                              f"{value}): drop {option}, or change the args")
+    return dataclasses.replace(options, **changes)
+
+
+def merged_seq_len(seq_len: int | None, door: FrontDoor | None) -> int | None:
+    if door is None or door.mapping.seq_len is None:
+        return seq_len
+    if seq_len is not None and seq_len != door.mapping.seq_len:
+        raise OptionError(f"--seq-len {seq_len} contradicts --trainer {door.args.path} (max_length "
+                          f"{door.mapping.seq_len}): drop --seq-len, or change the args")
+    return door.mapping.seq_len
+
+
+def merged_batch_sizes(sizes: list[int] | None, door: FrontDoor | None) -> list[int] | None:
+    """The typed sizes and the args' per_device_train_batch_size: it is traced, so the answer says if it fits."""
+    if door is None:
+        return sizes
+    return sorted({*(sizes or []), door.mapping.per_device_train_batch_size})
+
+
+def print_mapping(door: FrontDoor, console: Console) -> None:
+    """What the args became, what was not used and why (one line each for what can change memory)."""
+    console.print(f"[bold]--trainer {escape(str(door.args.path))}[/] (global batch "
+                  f"{door.mapping.per_device_train_batch_size} x {door.mapping.gradient_accumulation_steps} x "
+                  f"{door.mapping.world_size} device(s) = {door.mapping.global_batch})", soft_wrap=True)
+    for use in door.mapping.used:
+        if use.option:
+            console.print(f"  {escape(use.line())}", soft_wrap=True, highlight=False)
+    quiet = []
+    for use in door.mapping.unused:
+        if use.matters:
+            console.print(f"  [yellow]{escape(use.line())}[/]", soft_wrap=True, highlight=False)
+        else:
+            quiet.append(use.field)
+    if quiet:
+        console.print(f"  [dim]not used, off or not changing training memory ({len(quiet)}; why: "
+                      f"trainer.trainer_fields_unused in the JSON, report.md): {escape(', '.join(quiet))}[/]",
+                      soft_wrap=True, highlight=False)
+
+
+def answer(door: FrontDoor, max_micro_batch: int, traced_accumulation: int, *, multiple_of: int = 1,
+           world_size: int | None = None, source: str = "traced", fits_whole: int | None = None) -> dict:
+    """per_device_train_batch_size and gradient_accumulation_steps for the args' global batch.
+    ``max_micro_batch``: the largest under the target; ``fits_whole``: the largest in all the memory."""
+    from batchfit.integrations.trainer_files import split_for_global_batch
+
+    mapping = door.mapping
+    world = world_size or mapping.world_size
+    split = split_for_global_batch(mapping, max_micro_batch, multiple_of, world)
+    result: dict[str, Any] = {"global_batch": mapping.global_batch, "world_size": world,
+                              "max_micro_batch": max_micro_batch, "source": source,
+                              "per_device_train_batch_size": split[0] if split else None,
+                              "gradient_accumulation_steps": split[1] if split else None}
+    notes = []
+    if split is None and max_micro_batch:
+        notes.append(f"no per-device batch of at most {max_micro_batch} divides the {mapping.global_batch} samples "
+                     f"of the global batch over {world} device(s)")
+    elif split is None and fits_whole:
+        notes.append(f"a micro-batch of {fits_whole} fits the whole usable memory but none fits under the target "
+                     "(--target-util): raise it (e.g. --target-util 1.0) to take it, or lower the memory of a sample")
+    elif split is None:
+        notes.append("not even a micro-batch of 1 fits: lower the memory of a sample (checkpointing, bf16, "
+                     "--loss fused-linear, LoRA) or pick a larger GPU")
+    elif split[1] > 1 and traced_accumulation == 1:
+        notes.append(f"traced without accumulation; with {split[1]} accumulation steps the gradients stay alive "
+                     "through the next forward: trace the emitted args to confirm (--trainer FILE)")
+    result["notes"] = notes
+    return result
+
+
+def print_answer(result: dict, console: Console) -> None:
+    if result["per_device_train_batch_size"] is None:
+        console.print(f"[bold red]no TrainingArguments for global batch {result['global_batch']}[/]: "
+                      f"{escape('; '.join(result['notes']))}", soft_wrap=True)
+        return
+    console.print(f"[bold green]per_device_train_batch_size={result['per_device_train_batch_size']}, "
+                  f"gradient_accumulation_steps={result['gradient_accumulation_steps']}[/] for global batch "
+                  f"{result['global_batch']} over {result['world_size']} device(s) (largest micro-batch "
+                  f"{result['max_micro_batch']}, {result['source']})", soft_wrap=True)
+    for note in result["notes"]:
+        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
+
+
+def emitted_text(door: FrontDoor, result: dict) -> str:
+    """The args file to write for --emit trainer:FILE."""
+    from batchfit.integrations.trainer_files import patched_args_text
+
+    if result["per_device_train_batch_size"] is None:
+        raise OptionError("--emit trainer: nothing fits, so there are no arguments to write: "
+                          + "; ".join(result["notes"]))
+    return patched_args_text(door.args, result["per_device_train_batch_size"], result["gradient_accumulation_steps"])
