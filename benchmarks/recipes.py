@@ -17,6 +17,10 @@ Loss recipes (``train/losses.py``): chunked:8 (torchtune's chunked cross-entropy
 fused-linear (a torch-native mirror of Liger's fused linear cross-entropy), in fp32 and under
 bf16-mixed autocast (CPU autocast on both sides: the trace runs with CPU semantics); the
 "checkpointing none" row is the fp32 plain loss.
+
+torch.compile recipes (``trace/compiled.py``): --compile model in fp32, under bf16-mixed, and
+with --memory-budget 0.5; the truth is the same step compiled with inductor on this CPU (the
+third step: inductor compiles in the first).
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "bf16-mixed loss plain": (lambda w: w, StepOptions(precision="bf16-mixed")),
     "bf16-mixed loss chunked:8": (lambda w: w, StepOptions(precision="bf16-mixed", loss="chunked:8")),
     "bf16-mixed loss fused-linear": (lambda w: w, StepOptions(precision="bf16-mixed", loss="fused-linear")),
+    "compile model": (lambda w: w, StepOptions(compile="model")),
+    "bf16-mixed compile model": (lambda w: w, StepOptions(precision="bf16-mixed", compile="model")),
+    "compile model memory-budget 0.5": (lambda w: w, StepOptions(compile="model", memory_budget=0.5)),
 }
 
 
@@ -80,7 +87,8 @@ def profiled_peak(workload: Workload, options: StepOptions, batch_size: int) -> 
     optimizer state, as in the trace): the largest total of live bytes."""
     torch.manual_seed(0)
     step = TrainingStep(workload, options, torch.device("cpu"))
-    step.run(batch_size)
+    for _ in range(2 if options.compile != "none" else 1):  # compiled: inductor compiles in the first
+        step.run(batch_size)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
         step.run(batch_size)
@@ -97,12 +105,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated names of RECIPES")
+    parser.add_argument("--name", default="recipes", help="results/<name>-<date>.json (e.g. recipes-<branch>)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the profiler's FutureWarning on export_memory_timeline
     base = ZOO[args.model](seq_len=args.seq_len)
     rows = []
     print(f"{args.model}, batch {args.batch_size} x {args.seq_len} tokens, fp32 AdamW, on this CPU")
-    print(f"{'recipe':<28} {'traced B':>13} {'CPU truth B':>13} {'error':>9} {'seconds':>8}")
+    print(f"{'recipe':<32} {'traced B':>13} {'CPU truth B':>13} {'error':>9} {'seconds':>8}")
     for name in args.recipes.split(","):
         change, options = RECIPES[name]
         workload = change(base)
@@ -113,8 +122,8 @@ def main() -> None:
         error = (traced - measured) / measured
         rows.append({"recipe": name, "options": options.to_json(), "traced_bytes": traced,
                      "cpu_truth_bytes": measured, "error": error, "seconds": round(seconds, 1)})
-        print(f"{name:<28} {traced:>13,} {measured:>13,} {error:>+9.4%} {seconds:>8.1f}", flush=True)
-    path = write_result("recipes", {
+        print(f"{name:<32} {traced:>13,} {measured:>13,} {error:>+9.4%} {seconds:>8.1f}", flush=True)
+    path = write_result(args.name, {
         "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": "fp32",
         "truth": "torch.profiler export_memory_timeline peak of the same real CPU step (the second one)",
         "traced": "TraceSession(cuda_semantics=False) peak", "rows": rows,

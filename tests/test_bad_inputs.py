@@ -28,6 +28,9 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--multiple-of", "0"], "--multiple-of"),
         ([*TINY, "--gpu", "t4", "--max-batch", HUGE], "at most 16,777,216"),
         ([*TINY, "--gpu", "t4", "--multiple-of", HUGE], "at most 16,777,216"),
+        ([*TINY, "--gpu", "t4", "--memory-budget", "0.5"], "add --compile model"),
+        ([*TINY, "--gpu", "t4", "--compile", "model", "--memory-budget", "1.5"], "from 0 to 1"),
+        ([*TINY, "--gpu", "t4", "--compile", "model", "--memory-budget", "half"], "--memory-budget"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),

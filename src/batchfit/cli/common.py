@@ -108,6 +108,9 @@ MultipleOfOpt = Annotated[int, typer.Option(help="Batch sizes must be multiples 
 JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON result here too ('-' for stdout).")]
 LimitOpt = Annotated[str, typer.Option(help="What must fit: reserved (what a GPU runs out of: the caching allocator's "
                                             "segments, fragmentation included) or allocated (tensors only).")]
+MemoryBudgetOpt = Annotated[float | None, typer.Option(
+    "--memory-budget", metavar="F", help="With --compile: torch.compile's activation memory budget (0 to 1, "
+    "torch._functorch.config.activation_memory_budget); the partitioner recomputes the rest. Traced, not assumed.")]
 
 
 def out_option(files: str) -> object:
@@ -122,14 +125,15 @@ def flag(name: str, help: str) -> object:
 
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
                  train_only: list[str] | None, accumulation_steps: int, compile: str = "none",
-                 loss: str = "plain") -> StepOptions:
+                 loss: str = "plain", memory_budget: float | None = None) -> StepOptions:
     if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
         raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
         err.print("[dim]--train-only picks the parameters that train; --freeze then freezes some of those[/]")
     return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
                        frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
-                       accumulation_steps=accumulation_steps, compile=compile, loss=loss)
+                       accumulation_steps=accumulation_steps, compile=compile, loss=loss,
+                       memory_budget=memory_budget)
 
 
 def warn_about_approximations(result) -> None:
@@ -243,6 +247,8 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
         if value != getattr(default, name):
             parts.append({"checkpointing": f"ckpt-{value}", "compile": f"compile-{value}",
                           "loss": f"loss-{value}"}.get(name, str(value)))
+    if options.memory_budget is not None:
+        parts.append(f"budget{options.memory_budget:g}")
     if options.accumulation_steps != 1:
         parts.append(f"accum{options.accumulation_steps}")
     if options.frozen:

@@ -16,7 +16,7 @@ from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemo
                                  check_outputs, command_target, handle_errors, out_option, parse_batch_sizes,
                                  progress_line, quiet_if_stdout, report_folder, step_options, warn_about_precision,
                                  write_outputs)
-from batchfit.cli.common import CompileOpt, LossOpt, warn_about_approximations
+from batchfit.cli.common import CompileOpt, LossOpt, MemoryBudgetOpt, warn_about_approximations
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.plan.emit import parse_emit, write_emit
@@ -62,6 +62,7 @@ def plan_command(
     checkpointing: CheckpointingOpt = "none",
     loss: LossOpt = "plain",
     compile_: CompileOpt = "none",
+    memory_budget: MemoryBudgetOpt = None,
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
     batch_sizes: Annotated[str | None, typer.Option(help="Also trace these local batch sizes, e.g. 1,2,4.")] = None,
@@ -100,7 +101,7 @@ def plan_command(
         raise OptionError("give --mfu or --calibrate, not both: --calibrate takes the MFU from a bench run")
     if processes is not None and processes < 1:
         raise OptionError(f"--processes must be 1 or more, got {processes}: e.g. --processes 2")
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss, memory_budget)
     time_model = (calibrated(calibrate, precision) if calibrate is not None
                   else TimeModel(mfu=mfu, mfu_source="set by the user (--mfu)") if mfu is not None else TimeModel())
     time_model = TimeModel(mfu=time_model.mfu, mfu_source=time_model.mfu_source,

@@ -5,9 +5,13 @@ dynamo captures the graph, AOTAutograd partitions it with inductor's decompositi
 min-cut partitioner (what inductor saves for backward), and the forward and backward graphs
 run op by op on fake tensors under the tracker, which does not count the buffers inductor's
 pointwise fusion never writes (:func:`unmaterialized`). Inductor itself cannot run on fake
-tensors. Such a result carries :data:`COMPILED_TRACED` (the residual against inductor on
-this CPU). A workload that compiles its model itself, and ``plan`` (a sharded step), are
-still traced as eager and carry :data:`COMPILED_AS_EAGER` (docs/tracing.md, "torch.compile").
+tensors. Mixed precision on CUDA semantics runs the same way, under CUDA's autocast mirror
+(``trace/cuda_autocast.py``: its kernels step aside differently under the Python dispatcher
+that dynamo and AOTAutograd trace with). ``--memory-budget F`` is set around the partition
+(:func:`trace_backend`), as ``train/step.py`` sets it around inductor for real steps. Such a
+result carries :data:`COMPILED_TRACED` (the residual against inductor on this CPU). ``plan``
+(a sharded step) still traces compiled models as eager and carries :data:`COMPILED_AS_EAGER`
+(docs/tracing.md, "torch.compile").
 
 Compiled is either asked for (``--compile model|blocks``: ``StepOptions.compile``), or done
 by the workload itself: ``torch.compile(module)`` returns an ``OptimizedModule``,
@@ -104,9 +108,13 @@ class _FusedRun(fx.Interpreter):
             self.tracker.uncounted = False
 
 
-def trace_backend(tracker: Any) -> Callable:
+def trace_backend(tracker: Any, memory_budget: float | None = None) -> Callable:
     """A torch.compile backend for the trace: AOTAutograd with inductor's decompositions and
-    min-cut partitioner (inductor's saved activations), each graph run by :class:`_FusedRun`."""
+    min-cut partitioner (inductor's saved activations, under ``memory_budget`` when given: the
+    knapsack of ``_optimize_runtime_with_given_memory`` picks what to save, on the same joint
+    graph and flop estimates inductor's partition sees), each graph run by :class:`_FusedRun`."""
+    from batchfit.train.step import with_memory_budget
+
     from torch._functorch.partitioners import min_cut_rematerialization_partition  # functorch.compile's, in torch
     from torch._dynamo.backends.common import aot_autograd
 
@@ -124,11 +132,13 @@ def trace_backend(tracker: Any) -> Callable:
 
         return select_decomp_table()
 
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decompositions,
-                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+    return with_memory_budget(
+        aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decompositions,
+                     partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor")),
+        memory_budget)
 
 
-def compile_for_trace(model: nn.Module, mode: str, tracker: Any) -> None:
+def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budget: float | None = None) -> None:
     """Compile ``model`` (``mode``: model or blocks, as ``TrainingStep`` does on a real device)
     with :func:`trace_backend`, and let compiled code run under ``tracker``."""
     from batchfit.train.step import block_list
@@ -145,7 +155,7 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any) -> None:
     for name in ("graph_break", "stats"):  # graph_breaks() counts this model's
         counters[name].clear()
     tracker.run_compiled = True
-    backend = trace_backend(tracker)
+    backend = trace_backend(tracker, memory_budget)
     for module in (block_list(model) or []) if mode == "blocks" else [model]:
         module.compile(backend=backend)
 
@@ -166,7 +176,7 @@ def retarget_for_trace(step: Any, tracker: Any) -> list[str]:
     for name in ("graph_break", "stats"):
         counters[name].clear()
     tracker.run_compiled = True
-    backend = trace_backend(tracker)
+    backend = trace_backend(tracker)  # a budget the workload set itself (functorch's config) holds here too
     # Modules whose call was compiled: Module.compile() left _compiled_call_impl; an
     # OptimizedModule (torch.compile(module)) is replaced by the module it wraps.
     compiled = {id(m) for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}
@@ -233,7 +243,8 @@ def compile_approximations(options: StepOptions, model: nn.Module, loss_fn: Any 
     """What a traced step of ``model`` under ``options`` approximates about torch.compile."""
     parts = compiled_parts(model, loss_fn)
     if options.compile != "none":
-        detail = f"--compile {options.compile}" + (f"; {_summary(parts)}" if parts else "")
+        budget = f" --memory-budget {options.memory_budget:g}" if options.memory_budget is not None else ""
+        detail = f"--compile {options.compile}{budget}" + (f"; {_summary(parts)}" if parts else "")
     elif parts:
         detail = _summary(parts)
     else:

@@ -215,12 +215,12 @@ class TracedCurve:
         """Where this trace approximates the step it stands for (a compiled model run as eager)."""
         session = self._full or self._first
         fast_path = fast_path_approximations(session.step.model)
-        if not session.compiled:
-            found = compile_approximations(self.options, session.step.model, self.workload.loss_fn)
-            why = "; mixed precision on CUDA is not traced compiled yet"  # the one reason left on one device
-            return [dataclasses.replace(a, detail=a.detail + why) for a in found] + fast_path
+        if not session.compiled:  # nothing compiled (a sharded step is traced by plan's own session)
+            return compile_approximations(self.options, session.step.model, self.workload.loss_fn) + fast_path
         asked = (f"--compile {self.options.compile}" if self.options.compile != "none"
                  else f"the workload calls torch.compile itself, on {', '.join(session.compiled_parts)}")
+        if self.options.memory_budget is not None:
+            asked += f" --memory-budget {self.options.memory_budget:g}"
         return [dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")] + fast_path
 
     @property

@@ -298,15 +298,13 @@ class TraceSession:
         self.tracker.host_optimizer_scalars = not any(
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
-        mirrored_autocast = cuda_semantics and options.precision in ("bf16-mixed", "fp16-mixed")
-        self.compiled = options.compile != "none" and wrap is None and tracker is None and not mirrored_autocast
-        """Traced compiled (``trace/compiled.py``), else eager: so are sharded steps, and mixed
-        precision on CUDA (dynamo recurses without end in CUDA's autocast mirror)."""
+        self.compiled = options.compile != "none" and wrap is None and tracker is None
+        """Traced compiled (``trace/compiled.py``), else eager: so are sharded steps (``plan``)."""
         self.compiled_parts: list[str] = []
         """What the workload compiled itself, recompiled with the trace's backend."""
         if self.compiled:  # batchfit's module hooks stay out: dynamo would break the graph at each
-            compile_for_trace(self.step.model, options.compile, self.tracker)
-        elif wrap is None and tracker is None and not mirrored_autocast:
+            compile_for_trace(self.step.model, options.compile, self.tracker, memory_budget=options.memory_budget)
+        elif wrap is None and tracker is None:
             self.compiled_parts = retarget_for_trace(self.step, self.tracker)
             self.compiled = bool(self.compiled_parts)
         if not self.compiled:
