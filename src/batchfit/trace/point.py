@@ -25,7 +25,7 @@ from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, Cach
 from batchfit.search import SearchResult, Trial, guided
 from batchfit.trace import depth, forked, stream
 from batchfit.trace.approximation import Approximation, fast_path_approximations
-from batchfit.trace.compiled import COMPILED_TRACED, compile_approximations, graph_breaks
+from batchfit.trace.compiled import COMPILED_TRACED, MEMORY_BUDGET_TRACED, compile_approximations, graph_breaks
 from batchfit.trace.curve import MemoryCurve, fit_curve
 from batchfit.trace.session import TracePoint, TraceSession
 from batchfit.workload import StepOptions, Workload
@@ -219,9 +219,12 @@ class TracedCurve:
             return compile_approximations(self.options, session.step.model, self.workload.loss_fn) + fast_path
         asked = (f"--compile {self.options.compile}" if self.options.compile != "none"
                  else f"the workload calls torch.compile itself, on {', '.join(session.compiled_parts)}")
+        budget = []
         if self.options.memory_budget is not None:
             asked += f" --memory-budget {self.options.memory_budget:g}"
-        return [dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")] + fast_path
+            budget = [dataclasses.replace(MEMORY_BUDGET_TRACED,
+                                          detail=f"--memory-budget {self.options.memory_budget:g}")]
+        return [dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")] + budget + fast_path
 
     @property
     def by_depth(self) -> bool:
