@@ -144,6 +144,17 @@ def test_the_memory_budget_range_is_the_measured_one():
     assert {row["budget"] for row in rows} == {1, 0.8, 0.5, 0.3, 0.1, 0}
 
 
+def test_the_h100_range_is_the_measured_one():
+    """The compiled trace against inductor on an H100 (benchmarks/compiled_vs_h100.py), rounded."""
+    data = json.loads((ROOT / "benchmarks/results/compiled_vs_h100-2026-11-25.json").read_text())
+    errors = [row["error"] for row in data["rows"] if row["compile"] == "model"]
+    measured = {row["model"]: row["h100_bytes"] for row in data["rows"] if row["compile"] == "model"}
+    fresh = [data["fresh_process_static_shapes"][f"{m} compiled"] / measured[m.split(" ")[0]] - 1
+             for m in ("gpt2-124m b8", "llama-1b b4")]
+    assert f"process): {min(errors):.2%} to 0%" in COMPILED_TRACED.may_differ_by and max(errors) <= 0
+    assert f"dynamic ones: {min(fresh):.1%} to {max(fresh):+.1%}" in COMPILED_TRACED.may_differ_by
+
+
 def test_real_steps_compile_in_place(tmp_path):
     """--compile model / blocks compile the real step's model (names unchanged); a fake or meta
     model is checked, not compiled; blocks needs a block stack."""
