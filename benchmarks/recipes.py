@@ -43,6 +43,10 @@ real 2-process gloo run on this CPU (rank 0's profiled third step, or fourth wit
 timeline's data-flow checks relaxed where they trip: ``_lenient_data_flow_checks``): tp2 with the vocabulary-
 sharded loss (loss_parallel, the default) and with the gathered logits, FSDP2 with chunked:8,
 DDP with fused-linear.
+
+torch.compile recipes (``trace/compiled.py``): --compile model in fp32, under bf16-mixed, and
+with --memory-budget 0.5; the truth is the same step compiled with inductor on this CPU (the
+third step: inductor compiles in the first).
 """
 
 from __future__ import annotations
@@ -125,6 +129,9 @@ RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "qlora nf4-dq r16 bf16-mixed": (hf_llama, StepOptions(quantize="nf4-dq", lora="r=16", optimizer="paged-adamw-8bit",
                                                           precision="bf16-mixed")),
     "full fine-tune adamw-8bit": (hf_llama, StepOptions(optimizer="adamw-8bit")),
+    "compile model": (lambda w: w, StepOptions(compile="model")),
+    "bf16-mixed compile model": (lambda w: w, StepOptions(precision="bf16-mixed", compile="model")),
+    "compile model memory-budget 0.5": (lambda w: w, StepOptions(compile="model", memory_budget=0.5)),
 }
 GLOO = {"offload params (fsdp on 2 gloo ranks)"}
 """Rows measured by a real multi-process run, not one CPU step."""
@@ -258,7 +265,8 @@ def profiled_peak(workload: Workload, options: StepOptions, batch_size: int, ste
     if step is None:
         torch.manual_seed(0)
         step = TrainingStep(workload, options, torch.device("cpu"))
-        step.run(batch_size)
+        for _ in range(2 if options.compile != "none" else 1):  # compiled: inductor compiles in the first
+            step.run(batch_size)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
         step.run(batch_size)

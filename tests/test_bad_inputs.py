@@ -38,6 +38,9 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--optimizer", "adamw-torchao-8bit"], "adamw-8bit"),
         ([*TINY, "--gpu", "t4", "--trainer", "args.json"], "no such file"),
         ([*TINY, "--gpu", "t4", "--emit", "trainer:fitted.json"], "--trainer args.json"),
+        ([*TINY, "--gpu", "t4", "--memory-budget", "0.5"], "add --compile model"),
+        ([*TINY, "--gpu", "t4", "--compile", "model", "--memory-budget", "1.5"], "from 0 to 1"),
+        ([*TINY, "--gpu", "t4", "--compile", "model", "--memory-budget", "half"], "--memory-budget"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),

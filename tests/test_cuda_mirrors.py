@@ -88,6 +88,20 @@ def test_ops_give_cudas_dtype(name):
         assert fn().dtype == dtype
 
 
+def test_the_mirror_holds_under_the_python_dispatcher():
+    """dynamo and AOTAutograd trace fake tensors with the Python dispatcher on, which turns the
+    mirror's redispatch into a fresh call that met the mirror again, without end (compiled traces
+    under mixed precision ran eager because of it): the same dtypes there, and outside forward()."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with CudaAutocast(torch.bfloat16) as mirror, FakeTensorMode(allow_non_fake_inputs=True), \
+            enable_python_dispatcher():
+        with mirror.forward():
+            assert {name: fn().dtype for name, (fn, _) in CUDA_DTYPES.items()} == {
+                name: dtype for name, (_, dtype) in CUDA_DTYPES.items()}
+        assert torch.softmax(xb, -1).dtype == torch.bfloat16 and torch.cat([xb, xb]).dtype == torch.bfloat16
+
+
 def test_binary_cross_entropy_is_refused_as_on_cuda():
     probs, target = torch.sigmoid(xb), torch.rand(4, 8)
     with CudaAutocast(torch.bfloat16) as mirror, mirror.forward():

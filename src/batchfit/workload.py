@@ -147,6 +147,19 @@ def check_lora(value: str) -> None:
     parse_lora(value)
 
 
+def check_memory_budget(value: float | None, compile: str) -> None:
+    """Raise a one-line OptionError unless ``value`` is None, or a fraction in torch's range
+    (0 <= F <= 1, ``_optimize_runtime_with_given_memory`` in torch/_functorch/partitioners.py)
+    for a step that is compiled (the budget is the compiled partitioner's)."""
+    if value is None:
+        return
+    if not 0 <= value <= 1:
+        raise OptionError(f"--memory-budget must be a fraction from 0 to 1 (e.g. 0.5), got {value:g}")
+    if compile == "none":
+        raise OptionError("--memory-budget is torch.compile's activation memory budget: add --compile model "
+                          "(or blocks)")
+
+
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with PyTorch's defaults: on CUDA it takes the foreach path."""
     import torch
@@ -209,7 +222,8 @@ class StepOptions:
     and every second matmul); every:N (recompute every N-th block, keep the others)."""
     compile: str = "none"
     """torch.compile: none, model (the whole model) or blocks (each block of the main stack, as
-    torchtitan does). Real steps compile; the traced step runs eager and says so."""
+    torchtitan does). Real steps compile with inductor; the traced step is compiled with AOTAutograd's
+    partition (``trace/compiled.py``), except in ``plan``."""
     loss: str = "plain"
     """The language-model loss: plain (the Workload's loss_fn), chunked:N (cross-entropy over N
     chunks of the sequence, torchtune's) or fused-linear (Liger's fused linear + cross-entropy)."""
@@ -228,6 +242,10 @@ class StepOptions:
     lora: str = "none"
     """PEFT LoRA adapters on top (``r=16[,alpha=32][,dora][,targets=q_proj+v_proj]``); the base is
     frozen and only the adapters train."""
+    memory_budget: float | None = None
+    """torch.compile's activation memory budget (``torch._functorch.config.activation_memory_budget``,
+    0 to 1: the fraction of the activations the partitioner may save; the rest is recomputed);
+    None leaves torch's default (1.0). Needs ``compile``."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
     trainable: tuple[str, ...] = ()
@@ -256,6 +274,7 @@ class StepOptions:
         if self.quantize != "none" and self.precision in FP8_PRECISIONS:
             raise OptionError(f"--precision {self.precision} makes the linear layers torchao float8 ones and --quantize "
                               f"{self.quantize} makes them bitsandbytes ones: use one of them (QLoRA: --precision bf16-mixed)")
+        check_memory_budget(self.memory_budget, self.compile)
         if self.accumulation_steps < 1:
             raise OptionError(
                 f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"

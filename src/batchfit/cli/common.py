@@ -141,6 +141,11 @@ def parse_host_memory(text: str | None) -> int | None:
     return size
 
 
+MemoryBudgetOpt = Annotated[float | None, typer.Option(
+    "--memory-budget", metavar="F", help="With --compile: torch.compile's activation memory budget (0 to 1, "
+    "torch._functorch.config.activation_memory_budget); the partitioner recomputes the rest. Traced, not assumed.")]
+
+
 def out_option(files: str) -> object:
     """--out, naming the files this command writes."""
     return typer.Option(help=f"Report folder ({files}); default reports/<command>-<model>-<device>[-<options>]/.")
@@ -154,7 +159,7 @@ def flag(name: str, help: str) -> object:
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
                  train_only: list[str] | None, accumulation_steps: int, compile: str = "none",
                  loss: str = "plain", offload: str = "none", *, quantize: str = "none",
-                 lora: str = "none") -> StepOptions:
+                 lora: str = "none", memory_budget: float | None = None) -> StepOptions:
     if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
         raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
@@ -162,7 +167,7 @@ def step_options(precision: str, optimizer: str | None, checkpointing: str, free
     return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
                        frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
                        accumulation_steps=accumulation_steps, compile=compile, loss=loss,
-                       offload=offload, quantize=quantize, lora=lora)
+                       offload=offload, quantize=quantize, lora=lora, memory_budget=memory_budget)
 
 
 def warn_about_approximations(result) -> None:
@@ -276,6 +281,8 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
         if value != getattr(default, name):
             parts.append({"checkpointing": f"ckpt-{value}", "compile": f"compile-{value}",
                           "loss": f"loss-{value}", "offload": f"offload-{value}"}.get(name, str(value)))
+    if options.memory_budget is not None:
+        parts.append(f"budget{options.memory_budget:g}")
     if options.accumulation_steps != 1:
         parts.append(f"accum{options.accumulation_steps}")
     if options.quantize != "none":

@@ -14,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
                                  report_folder, step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, OffloadOpt, QuantizeOpt,
+from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, QuantizeOpt,
                                  parse_host_memory, warn_about_approximations)
 from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, emitted_text, merged_batch_sizes,
                                   merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
@@ -56,6 +56,7 @@ def estimate_command(
     quantize: QuantizeOpt = "none",
     lora: LoraOpt = "none",
     compile_: CompileOpt = "none",
+    memory_budget: MemoryBudgetOpt = None,
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
     accumulation_steps: AccumulationOpt = 1,
@@ -84,7 +85,7 @@ def estimate_command(
                           "--gpu-memory 24GiB or --device cuda")
     device = target.device
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
-                           quantize=quantize, lora=lora)
+                           quantize=quantize, lora=lora, memory_budget=memory_budget)
     host_memory_bytes = parse_host_memory(host_memory)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)

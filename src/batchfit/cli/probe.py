@@ -14,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target, flag,
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, OffloadOpt, QuantizeOpt
+from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, QuantizeOpt
 from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, emitted_text, merged_options, merged_seq_len,
                                   parse_trainer_emit, print_answer, print_mapping, read_trainer)
 from batchfit.devices import GiB
@@ -55,6 +55,7 @@ def probe_command(
     quantize: QuantizeOpt = "none",
     lora: LoraOpt = "none",
     compile_: CompileOpt = "none",
+    memory_budget: MemoryBudgetOpt = None,
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
     accumulation_steps: AccumulationOpt = 1,
@@ -90,7 +91,7 @@ def probe_command(
                                           "add --gpu t4-16gb or --gpu-memory 16GiB"))
     max_batch = DEFAULT_MAX if max_batch is None else max_batch
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
-                           quantize=quantize, lora=lora)
+                           quantize=quantize, lora=lora, memory_budget=memory_budget)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)
     if door is not None and global_batch is None:  # the args' global batch, per device

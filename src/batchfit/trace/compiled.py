@@ -5,9 +5,13 @@ dynamo captures the graph, AOTAutograd partitions it with inductor's decompositi
 min-cut partitioner (what inductor saves for backward), and the forward and backward graphs
 run op by op on fake tensors under the tracker, which does not count the buffers inductor's
 pointwise fusion never writes (:func:`unmaterialized`). Inductor itself cannot run on fake
-tensors. Such a result carries :data:`COMPILED_TRACED` (the residual against inductor on
-this CPU). A workload that compiles its model itself, and ``plan`` (a sharded step), are
-still traced as eager and carry :data:`COMPILED_AS_EAGER` (docs/tracing.md, "torch.compile").
+tensors. Mixed precision on CUDA semantics runs the same way, under CUDA's autocast mirror
+(``trace/cuda_autocast.py``: its kernels step aside differently under the Python dispatcher
+that dynamo and AOTAutograd trace with). ``--memory-budget F`` is set around the partition
+(:func:`trace_backend`), as ``train/step.py`` sets it around inductor for real steps. Such a
+result carries :data:`COMPILED_TRACED` (the residual against inductor on this CPU). ``plan``
+(a sharded step) still traces compiled models as eager and carries :data:`COMPILED_AS_EAGER`
+(docs/tracing.md, "torch.compile").
 
 Compiled is either asked for (``--compile model|blocks``: ``StepOptions.compile``), or done
 by the workload itself: ``torch.compile(module)`` returns an ``OptimizedModule``,
@@ -44,11 +48,24 @@ and ``compiled_vs_eager`` in :data:`VALIDATION`; ``tests/test_compile.py`` check
 COMPILED_TRACED = Approximation(
     what="compiled step traced with AOTAutograd's partition and a model of inductor's pointwise fusion",
     may_differ_by=("0.02% of inductor's peak on this CPU with --compile model, 0% to +2.8% with --compile blocks "
-                   "(4-layer Llama, batch 2 and 4); inductor on CUDA (Triton templates, workspaces, other fusion "
-                   "choices) not measured"),
-    source="tests/test_compile.py::test_the_compiled_trace_matches_inductor_on_cpu; docs/tracing.md (blocks)",
+                   "(4-layer Llama, batch 2 and 4); bf16-mixed: -0.9% to +0.01% (2-layer Llama, tinystories-22m); "
+                   "against inductor on an H100 (bf16-mixed, 3 models, dynamo's shapes as in the measured "
+                   "process): -0.28% to 0%; shapes compiled static where the H100 run had dynamic ones: -7.4% "
+                   "to +1.3%"),
+    source=("tests/test_compile.py::test_the_compiled_trace_matches_inductor_on_cpu; docs/tracing.md (blocks); "
+            "benchmarks/results/compiled_vs_h100-2026-11-25.json"),
 )
 """The compiled trace against the profiler's memory timeline of the same step compiled with inductor."""
+
+MEMORY_BUDGET_TRACED = Approximation(
+    what="--memory-budget: the partitioner's choice is traced, inductor's backward schedule of the recomputation is not",
+    may_differ_by=("-8% to 0% of inductor's peak on this CPU (2-layer Llama, budgets 1 to 0; 0.02% at 1 and 0.8; "
+                   "tinystories-22m at 0.5: +0.01%); the peak is traced at each budget, not assumed to fall with "
+                   "it (pytorch/pytorch#197838)"),
+    source="benchmarks/results/memory_budget-2026-11-25.json (python benchmarks/memory_budget.py); "
+           "benchmarks/results/recipes-compile2-2026-11-25.json",
+)
+"""The compiled trace under ``activation_memory_budget`` against inductor on this CPU, budget by budget."""
 
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var_mean", "var", "prod", "any", "all"}
 _VIEWS = {"view", "reshape", "_unsafe_view", "permute", "expand", "unsqueeze", "squeeze", "t", "transpose",
@@ -104,9 +121,13 @@ class _FusedRun(fx.Interpreter):
             self.tracker.uncounted = False
 
 
-def trace_backend(tracker: Any) -> Callable:
+def trace_backend(tracker: Any, memory_budget: float | None = None) -> Callable:
     """A torch.compile backend for the trace: AOTAutograd with inductor's decompositions and
-    min-cut partitioner (inductor's saved activations), each graph run by :class:`_FusedRun`."""
+    min-cut partitioner (inductor's saved activations, under ``memory_budget`` when given: the
+    knapsack of ``_optimize_runtime_with_given_memory`` picks what to save, on the same joint
+    graph and flop estimates inductor's partition sees), each graph run by :class:`_FusedRun`."""
+    from batchfit.train.step import with_memory_budget
+
     from torch._functorch.partitioners import min_cut_rematerialization_partition  # functorch.compile's, in torch
     from torch._dynamo.backends.common import aot_autograd
 
@@ -124,11 +145,18 @@ def trace_backend(tracker: Any) -> Callable:
 
         return select_decomp_table()
 
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decompositions,
-                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    if memory_budget is not None:
+        # Inductor's own partition_fn (compile_fx.py): its joint-graph passes first, then the same
+        # min-cut. They change the nodes the budget's knapsack weighs (budget 0.3 on a 2-layer
+        # Llama: -11.6% without them, -1.9% with); with no budget they change nothing measured.
+        from torch._inductor.compile_fx import partition_fn as partition
+    return with_memory_budget(
+        aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decompositions,
+                     partition_fn=partition), memory_budget)
 
 
-def compile_for_trace(model: nn.Module, mode: str, tracker: Any) -> None:
+def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budget: float | None = None) -> None:
     """Compile ``model`` (``mode``: model or blocks, as ``TrainingStep`` does on a real device)
     with :func:`trace_backend`, and let compiled code run under ``tracker``."""
     from batchfit.train.step import block_list
@@ -145,7 +173,7 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any) -> None:
     for name in ("graph_break", "stats"):  # graph_breaks() counts this model's
         counters[name].clear()
     tracker.run_compiled = True
-    backend = trace_backend(tracker)
+    backend = trace_backend(tracker, memory_budget)
     for module in (block_list(model) or []) if mode == "blocks" else [model]:
         module.compile(backend=backend)
 
@@ -166,7 +194,7 @@ def retarget_for_trace(step: Any, tracker: Any) -> list[str]:
     for name in ("graph_break", "stats"):
         counters[name].clear()
     tracker.run_compiled = True
-    backend = trace_backend(tracker)
+    backend = trace_backend(tracker)  # a budget the workload set itself (functorch's config) holds here too
     # Modules whose call was compiled: Module.compile() left _compiled_call_impl; an
     # OptimizedModule (torch.compile(module)) is replaced by the module it wraps.
     compiled = {id(m) for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}
@@ -197,9 +225,17 @@ def graph_breaks() -> str:
     breaks = counters["graph_break"]
     text = f"{counters['stats']['unique_graphs']} graphs compiled, {sum(breaks.values())} graph breaks"
     if breaks:
-        reason = max(breaks, key=breaks.get).strip().splitlines()[0]
-        text += f" (most often: {reason})"
+        text += f" (most often: {_reason(max(breaks, key=breaks.get))})"
     return text
+
+
+def _reason(message: str) -> str:
+    """A graph break's headline and dynamo's explanation of it, one line ("Failed to trace builtin
+    operator: Dynamo does not know how to trace builtin operator `print` ...")."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    explanation = next((line.removeprefix("Explanation:").strip() for line in lines[1:]
+                        if line.startswith("Explanation:")), "")
+    return f"{lines[0]}: {explanation}" if lines and explanation else (lines[0] if lines else "unknown")
 
 
 def _is_compiled_fn(fn: Any) -> bool:
@@ -233,7 +269,8 @@ def compile_approximations(options: StepOptions, model: nn.Module, loss_fn: Any 
     """What a traced step of ``model`` under ``options`` approximates about torch.compile."""
     parts = compiled_parts(model, loss_fn)
     if options.compile != "none":
-        detail = f"--compile {options.compile}" + (f"; {_summary(parts)}" if parts else "")
+        budget = f" --memory-budget {options.memory_budget:g}" if options.memory_budget is not None else ""
+        detail = f"--compile {options.compile}{budget}" + (f"; {_summary(parts)}" if parts else "")
     elif parts:
         detail = _summary(parts)
     else:

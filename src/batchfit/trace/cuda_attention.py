@@ -29,7 +29,7 @@ that no op returns; it is not counted.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import is_fake
 
 from batchfit.trace.cuda_kernel import KernelMirror, mirrored_here
 
@@ -132,7 +132,7 @@ def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         # The math path repeats K/V to Q's heads itself (pre_process_group_query_attention_input).
         return _MATH(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                      is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)[0]
-    if not isinstance(query, FakeTensor):
+    if not is_fake(query):  # a FakeTensor, or AOTAutograd's FunctionalTensor over one (a compiled trace)
         # Real tensors (the tests' numerics): the CUDA kernels have no CPU kernel; the CPU flash
         # kernel saves the same tensors. K/V go in with their own (fewer) heads.
         out, _ = _FLASH_CPU(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)

@@ -40,6 +40,7 @@ _HEADER = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
 _MIRROR_KEY = torch._C.DispatchKey.AutocastIPU
 _CPU_KEY = torch._C.DispatchKey.AutocastCPU
 _BOTH_KEYS = torch._C.DispatchKeySet(_MIRROR_KEY) | torch._C.DispatchKeySet(_CPU_KEY)
+_COMPOSITE_KEY = torch._C.DispatchKey.CompositeImplicitAutograd
 
 _MACRO_POLICIES = {
     "AT_FORALL_LOWER_PRECISION_FP": "lower_precision_fp",
@@ -239,7 +240,7 @@ def _mirror_kernel(op: torch._ops.OpOverload, policy: str):
         # Off outside forward: CPU autocast's flag is what checkpointing saves and restores.
         # (The keyset cannot tell: it drops AutocastCPU for ops CPU autocast has no kernel for.)
         if not torch.is_autocast_enabled("cpu"):
-            return op.redispatch(keyset.remove(_MIRROR_KEY), *args, **kwargs)
+            return _past(op, keyset, _MIRROR_KEY, args, kwargs)
         # As CUDA's wrappers do, the op and everything it calls run with autocast off.
         with torch._C._ExcludeDispatchKeyGuard(_BOTH_KEYS):
             return _policy_call(op, policy, args, kwargs)
@@ -250,10 +251,40 @@ def _mirror_kernel(op: torch._ops.OpOverload, policy: str):
 def _skip_cpu_autocast_kernel(op: torch._ops.OpOverload):
     # An op that CPU autocast casts and CUDA autocast does not: run it past both keys, so a
     # composite one (cross_entropy_loss) decomposes into ops that meet CUDA's table again.
+    composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), _COMPOSITE_KEY)
+
     def kernel(keyset, *args, **kwargs):
-        return op.redispatch(keyset.remove(_MIRROR_KEY).remove(_CPU_KEY), *args, **kwargs)
+        if composite and _python_dispatcher_on():
+            return op.decompose(*args, **kwargs)  # what the Autograd key runs after a fallthrough
+        return _past(op, keyset, _BOTH_KEYS, args, kwargs)
 
     return kernel
+
+
+def _python_dispatcher_on() -> bool:
+    return torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
+
+
+def _past(op: torch._ops.OpOverload, keyset: torch._C.DispatchKeySet, keys, args: tuple, kwargs: dict) -> object:
+    """``op`` run past ``keys`` (the mirror's, or both autocast keys).
+
+    Eager, a redispatch with them removed: ops ``op`` calls inside meet the mirror again. Under
+    the Python dispatcher (dynamo and AOTAutograd trace with it on) a redispatch is not one:
+    ``ConcretePyInterpreterVTable::python_dispatcher`` (torch/csrc/PyInterpreter.cpp) calls the
+    next key's kernel with ``callBoxedForDispatchKey`` ("not redispatch, as that will
+    permanently remove the python dispatcher"), which computes the keys afresh from the
+    tensors and the thread's set, finds the mirror's key again and comes back here, without
+    end (the RecursionError that kept compiled traces under mixed precision eager). There the
+    keys are excluded from the thread's set for the call instead.
+    """
+    keys = torch._C.DispatchKeySet(keys) if isinstance(keys, torch._C.DispatchKey) else keys
+    if not _python_dispatcher_on():
+        for key in (_MIRROR_KEY, _CPU_KEY):
+            if keys.has(key):
+                keyset = keyset.remove(key)
+        return op.redispatch(keyset, *args, **kwargs)
+    with torch._C._ExcludeDispatchKeyGuard(keys):
+        return op(*args, **kwargs)
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from batchfit.search import SearchResult, Trial, guided, reserved_search
 from batchfit.trace import depth, forked, stream
 from batchfit.trace.approximation import (Approximation, fast_path_approximations, offload_approximations,
                                            quantize_approximations)
-from batchfit.trace.compiled import COMPILED_TRACED, compile_approximations, graph_breaks
+from batchfit.trace.compiled import COMPILED_TRACED, MEMORY_BUDGET_TRACED, compile_approximations, graph_breaks
 from batchfit.trace.cuda_float8 import float8_approximations
 from batchfit.trace.curve import MemoryCurve, fit_curve
 from batchfit.trace.session import TracePoint, TraceSession
@@ -242,13 +242,16 @@ class TracedCurve:
         fast_path = (fast_path_approximations(session.step.model) + float8_approximations(self.options)
                      + offload_approximations(self.options.offload, self.options.compile)
                      + quantize_approximations(self.options.quantize))
-        if not session.compiled:
-            found = compile_approximations(self.options, session.step.model, self.workload.loss_fn)
-            why = "; mixed precision on CUDA is not traced compiled yet"  # the one reason left on one device
-            return [dataclasses.replace(a, detail=a.detail + why) for a in found] + fast_path
+        if not session.compiled:  # nothing compiled (a sharded step is traced by plan's own session)
+            return compile_approximations(self.options, session.step.model, self.workload.loss_fn) + fast_path
         asked = (f"--compile {self.options.compile}" if self.options.compile != "none"
                  else f"the workload calls torch.compile itself, on {', '.join(session.compiled_parts)}")
-        return [dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")] + fast_path
+        budget = []
+        if self.options.memory_budget is not None:
+            asked += f" --memory-budget {self.options.memory_budget:g}"
+            budget = [dataclasses.replace(MEMORY_BUDGET_TRACED,
+                                          detail=f"--memory-budget {self.options.memory_budget:g}")]
+        return [dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")] + budget + fast_path
 
     @property
     def by_depth(self) -> bool:

@@ -34,7 +34,7 @@ from batchfit.trace.cuda_float8 import cpu_scaled_mm_scratch, mirror_float8_auto
 from batchfit.trace.cuda_norm import CudaRmsNorm
 from batchfit.trace.compiled import compile_for_trace, retarget_for_trace
 from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot, held_tensor
-from batchfit.workload import StepOptions, Workload
+from batchfit.workload import FP8_PRECISIONS, StepOptions, Workload
 
 _CANNOT_FAKE = (
     fake_tensor.DataDependentOutputException,
@@ -329,15 +329,15 @@ class TraceSession:
         self.tracker.host_optimizer_scalars = not any(
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
-        mirrored_autocast = cuda_semantics and options.autocast_dtype is not None
-        self.compiled = options.compile != "none" and wrap is None and tracker is None and not mirrored_autocast
-        """Traced compiled (``trace/compiled.py``), else eager: so are sharded steps, and mixed
-        precision on CUDA (dynamo recurses without end in CUDA's autocast mirror)."""
+        self.compiled = (options.compile != "none" and wrap is None and tracker is None
+                         and options.precision not in FP8_PRECISIONS)
+        """Traced compiled (``trace/compiled.py``), else eager: so are sharded steps (``plan``), and
+        float8 steps (torchao's subclasses under dynamo on fake tensors are untried; said in every output)."""
         self.compiled_parts: list[str] = []
         """What the workload compiled itself, recompiled with the trace's backend."""
         if self.compiled:  # batchfit's module hooks stay out: dynamo would break the graph at each
-            compile_for_trace(self.step.model, options.compile, self.tracker)
-        elif wrap is None and tracker is None and not mirrored_autocast:
+            compile_for_trace(self.step.model, options.compile, self.tracker, memory_budget=options.memory_budget)
+        elif wrap is None and tracker is None:
             self.compiled_parts = retarget_for_trace(self.step, self.tracker)
             self.compiled = bool(self.compiled_parts)
         if not self.compiled:

@@ -93,16 +93,38 @@ def _checkpoint_blocks(model: nn.Module, policy: str, preserve_rng_state: bool) 
         block.forward = checkpointed
 
 
-def _compile(model: nn.Module, mode: str, *, apply: bool) -> None:
+def _compile(model: nn.Module, mode: str, *, apply: bool, memory_budget: float | None = None) -> None:
     """torch.compile in place (``Module.compile``: names, parameters and hooks stay the model's):
     the whole model, or each block of its main stack (torchtitan's per-block compile). Checked
-    but not ``apply``-ed on fake or meta models: the traced step runs eager (trace/compiled.py)."""
+    but not ``apply``-ed on fake or meta models: the trace compiles them its own way (trace/compiled.py)."""
     blocks = block_list(model) if mode == "blocks" else None
     if mode == "blocks" and blocks is None:
         raise OptionError("--compile blocks needs a model with an nn.ModuleList of blocks; "
                           "this model has none: use --compile model")
     for module in (blocks or [model]) if apply else ():
-        module.compile()
+        module.compile(**({} if memory_budget is None else {"backend": inductor_with_budget(memory_budget)}))
+
+
+def with_memory_budget(compiler: Callable, memory_budget: float | None) -> Callable:
+    """``compiler`` (a torch.compile backend) with ``torch._functorch.config.activation_memory_budget``
+    set while it runs: AOTAutograd's partitioner reads it when dynamo hands a graph to the backend
+    (the first call and each recompile), not when ``compile()`` is called."""
+    if memory_budget is None:
+        return compiler
+    import torch._functorch.config as functorch_config
+
+    def backend(module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        with functorch_config.patch(activation_memory_budget=memory_budget):
+            return compiler(module, example_inputs)
+
+    return backend
+
+
+def inductor_with_budget(memory_budget: float) -> Callable:
+    """Inductor (what ``compile()`` uses by default) under ``memory_budget``."""
+    from torch._dynamo import lookup_backend
+
+    return with_memory_budget(lookup_backend("inductor"), memory_budget)
 
 
 def _require_fsdp(model: nn.Module) -> None:
@@ -185,7 +207,8 @@ class TrainingStep:
             # Fake tensors cannot snapshot the CPU generator; dropout-free steps do not need it.
             _checkpoint_blocks(self.model, options.checkpointing, preserve_rng_state=device.type == "cuda")
         if options.compile != "none":
-            _compile(self.model, options.compile, apply=device.type != "meta" and not _is_fake(self.model))
+            _compile(self.model, options.compile, apply=device.type != "meta" and not _is_fake(self.model),
+                     memory_budget=options.memory_budget)
         if wrap is not None:
             # After freezing and checkpointing (they name and patch the plain model's modules),
             # before the optimizer: FSDP2 replaces the parameters with their shards, and the
