@@ -12,6 +12,8 @@ ratio, and recommend's training tokens as a share of the sweep's.
 
     python benchmarks/recommend_cpu.py                       # both setups, a few minutes on 2 cores
     python benchmarks/recommend_cpu.py --tokens 32768        # smaller
+    python benchmarks/recommend_cpu.py --setups fixed --batch-sizes 1,2,4,8,16,32,64,128,256 --tokens 425984 \
+        --name recommend_cpu_seed002                         # seed 002's shape: fixed rate, batch 1-256
 
 Writes benchmarks/results/recommend_cpu-<date>.json.
 """
@@ -87,6 +89,8 @@ def main() -> None:
     parser.add_argument("--fixed-lr", type=float, default=3e-3)
     parser.add_argument("--scaled-lr", type=float, default=1e-3)
     parser.add_argument("--eval-samples", type=int, default=64)
+    parser.add_argument("--setups", default="fixed,scaled", help="fixed, scaled or both")
+    parser.add_argument("--name", default="recommend_cpu", help="the result file's name")
     args = parser.parse_args()
     torch.set_num_threads(1)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -97,11 +101,12 @@ def main() -> None:
         corpus = folder / "stories.txt"
         corpus.write_text("\n".join(story(rng) for _ in range(12000)))
         spec = f"{folder / 'gpt.py'}:workload"
-        setups = [setup(folder, name="fixed", tokens=args.tokens, batch_sizes=sizes, lr=args.fixed_lr,
-                        scaling="none", spec=spec, corpus=corpus, eval_samples=args.eval_samples),
-                  setup(folder, name="scaled", tokens=args.tokens, batch_sizes=sizes, lr=args.scaled_lr,
-                        scaling="sqrt", spec=spec, corpus=corpus, eval_samples=args.eval_samples)]
-    path = write_result("recommend_cpu", {"setups": setups,
+        chosen = args.setups.split(",")
+        setups = [setup(folder, name=name, tokens=args.tokens, batch_sizes=sizes,
+                        lr=args.fixed_lr if name == "fixed" else args.scaled_lr,
+                        scaling="none" if name == "fixed" else "sqrt", spec=spec, corpus=corpus,
+                        eval_samples=args.eval_samples) for name in ("fixed", "scaled") if name in chosen]
+    path = write_result(args.name, {"setups": setups,
                                           "goal": "within 2x of the sweep's best at <= 20% of the sweep's tokens",
                                           "met": all(s["within_2x"] and s["within_20_percent"] for s in setups)})
     print(f"wrote {path}")
