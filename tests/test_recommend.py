@@ -92,13 +92,67 @@ def test_extrapolation_is_log_linear():
     assert extrapolate(val, 400, -1.0) == pytest.approx(3.0 - 2 * math.log(2))
 
 
-def test_a_small_recommendation(tiny):
+SMALL = dict(batch_sizes=[1, 2, 4], tokens=16 * 800, lrs=[3e-3], branch_points=(0.1, 0.2), window=0.05,
+             eval_samples=4)
+
+
+@pytest.fixture(scope="module")
+def small(tiny):
     workload, tokens = tiny
-    config = RecommendConfig(batch_sizes=[1, 2, 4], tokens=16 * 800, lrs=[3e-3], branch_points=(0.1, 0.2),
-                             window=0.05, eval_samples=4)
-    plan = plan_recommend(config, workload, tokens)
-    source = BatchSource(workload, seed=0, tokens=tokens, eval_samples=4)
-    result = run_recommend(plan, workload, source)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module-scoped: set up before the autouse one_thread
+    plan = plan_recommend(RecommendConfig(**SMALL), workload, tokens)
+    result = run_recommend(plan, workload, BatchSource(workload, seed=0, tokens=tokens, eval_samples=4))
+    torch.set_num_threads(threads)
+    return plan, result
+
+
+KILLED = """
+import os, signal, sys
+import torch
+from batchfit import load_workload
+from batchfit.recommend.engine import RecommendConfig, identity, plan_recommend, run_recommend
+from batchfit.recommend.store import BranchStore
+from batchfit.train.data import BatchSource, open_tokens
+torch.set_num_threads(1)
+spec, cache, store, config = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])
+workload, tokens = load_workload(spec), open_tokens(__import__("pathlib").Path(cache))
+plan = plan_recommend(RecommendConfig(**config), workload, tokens)
+steps = [0]
+def stop():  # a real kill -9, three steps into the fifth branch
+    if len(list(__import__("pathlib").Path(store).glob("branch-*"))) >= 4:
+        steps[0] += 1
+        if steps[0] >= 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+run_recommend(plan, workload, BatchSource(workload, seed=0, tokens=tokens, eval_samples=4), stop=stop,
+              store=BranchStore(store, identity(plan, workload, tokens)))
+"""
+
+
+def test_kill_9_during_a_branch_then_resume_gives_the_same_result(tiny, small, tmp_path):
+    import subprocess
+    import sys
+
+    workload, tokens = tiny
+    plan, whole = small
+    spec = next(tokens.folder.parent.parent.glob("*.py"))  # the tiny GPT beside the token cache
+    done = subprocess.run([sys.executable, "-c", KILLED, f"{spec}:workload", str(tokens.folder), str(tmp_path / "s"),
+                           repr(SMALL)], env={**__import__("os").environ, "PYTHONPATH": "src"}, capture_output=True,
+                          text=True)
+    assert done.returncode == -9, done.stderr
+    assert len(list((tmp_path / "s").glob("branch-*"))) == 4  # killed mid-way
+    from batchfit.recommend.engine import identity
+    from batchfit.recommend.store import BranchStore
+
+    resumed = run_recommend(plan, workload, BatchSource(workload, seed=0, tokens=tokens, eval_samples=4),
+                            store=BranchStore(tmp_path / "s", identity(plan, workload, tokens)))
+    a, b = whole.to_json(), resumed.to_json()
+    a.pop("seconds"), b.pop("seconds")
+    assert a == b
+
+
+def test_a_small_recommendation(small):
+    plan, result = small
     data = result.to_json()
     assert data["recommended_batch_size"] in (1, 2, 4)
     low, high = data["recommended_interval"]

@@ -65,6 +65,8 @@ def recommend_command(
     gpu_memory: GpuMemoryOpt = None,
     device: DeviceOpt = None,
     cache_dir: CacheDirOpt = None,
+    store: Annotated[Path | None, typer.Option(help="A folder for branch points and finished branches: run the "
+                                                   "same command again after a crash to resume.")] = None,
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, branches.png, sources.png, recommend.json")] = None,
 ) -> None:
@@ -78,7 +80,8 @@ def recommend_command(
     """
     import torch  # here: --help does not load it
 
-    from batchfit.recommend.engine import RecommendConfig, plan_recommend, run_recommend
+    from batchfit.recommend.engine import RecommendConfig, identity, plan_recommend, run_recommend
+    from batchfit.recommend.store import BranchStore
     from batchfit.report.recommend_markdown import write_recommend_report
     from batchfit.train.data import BatchSource, lm_format, tokenize
 
@@ -107,7 +110,9 @@ def recommend_command(
         plan = plan_recommend(config, workload, token_data, largest_fitting=_largest_fitting(workload, target),
                               fit_device_name=target.device.display_name if target.device else "the GPU")
         source = BatchSource(workload, seed=seed, tokens=token_data, eval_samples=eval_samples)
-        result = run_recommend(plan, workload, source, device=torch.device(train_on), progress=say)
+        branch_store = BranchStore(store, identity(plan, workload, token_data)) if store is not None else None
+        result = run_recommend(plan, workload, source, device=torch.device(train_on), progress=say,
+                               store=branch_store)
         if noise:
             from batchfit.sweep.noise import gradient_noise_scale
 

@@ -33,6 +33,7 @@ from batchfit.errors import OptionError, UsageError
 from batchfit.recommend.branch import Curve, Trainer
 from batchfit.recommend.priors import priors
 from batchfit.recommend.result import RecommendResult
+from batchfit.recommend.store import BranchStore
 from batchfit.train.budget import LR_SCALINGS, Budget, Schedule, micro_batch_for, parse_amount, scaled_lr
 from batchfit.train.data import BatchSource, TokenData, lm_format
 from batchfit.workload import StepOptions, Workload
@@ -164,6 +165,15 @@ def plan_recommend(config: RecommendConfig, workload: Workload, tokens: TokenDat
                 window_samples=window, lrs=lrs, micro_batches=micro, fits=fits, notes=notes)
 
 
+def identity(plan: Plan, workload: Workload, tokens: TokenData | None) -> dict:
+    """What decides a recommendation's numbers: a store made with anything else is refused."""
+    from dataclasses import asdict
+
+    return {**asdict(plan.config), "branch_points": list(plan.config.branch_points), "workload": workload.name,
+            "data": tokens.key if tokens is not None else None, "lrs_per_batch": {str(b): v for b, v in plan.lrs.items()},
+            "micro_batches": {str(b): m for b, m in plan.micro_batches.items()}}
+
+
 def _evaluator(workload: Workload, source: BatchSource, micro: int, device: torch.device, autocast
                ) -> Callable[[torch.nn.Module], float]:
     def evaluate(model: torch.nn.Module) -> float:
@@ -195,8 +205,9 @@ def extrapolate(val: list[tuple[int, float]], end: int, slope: float) -> float:
 
 def run_recommend(plan: Plan, workload: Workload, source: BatchSource, *, device: torch.device | None = None,
                   progress: Callable[[str], None] | None = None,
-                  stop: Callable[[], None] | None = None) -> RecommendResult:
-    """Train the parent and its branches; read the answer off them."""
+                  stop: Callable[[], None] | None = None, store: BranchStore | None = None) -> RecommendResult:
+    """Train the parent and its branches; read the answer off them. With ``store``, every
+    branch point and finished branch is saved there, and a run that finds them resumes."""
     say = progress or (lambda message: None)
     started = time.perf_counter()
     device = device or torch.device("cpu")
@@ -208,27 +219,47 @@ def run_recommend(plan: Plan, workload: Workload, source: BatchSource, *, device
     trainer = Trainer(step, source, plan.schedule, per_sample=per_sample, grad_clip=config.grad_clip,
                       evaluate=evaluate)
     step.model.train()
-    parent = Curve(batch_size=b0, lr=plan.lrs[b0][0], start_samples=0)
-    parent.val.append((0, evaluate(step.model)))
-    branches: list[dict] = []
-    position = 0
     W = plan.window_samples
+    branches: list[dict] = []
+    resumed = store.last_point() if store is not None else None
+    if resumed is not None:
+        first, snap, parent = resumed
+        trainer.restore(snap)
+        position = snap.samples
+        say(f"resuming at branch point {first + 1} of {len(plan.points)} ({position * per_sample:,} {plan.budget.unit})")
+    else:
+        first, snap = 0, None
+        parent = Curve(batch_size=b0, lr=plan.lrs[b0][0], start_samples=0)
+        parent.val.append((0, evaluate(step.model)))
+        position = 0
     for n, point in enumerate(plan.points):
-        say(f"parent at batch {b0}: training to {point * per_sample:,} {plan.budget.unit}")
-        position = trainer.train(parent, start=position, samples=point - position, micro=plan.micro_batches[b0],
-                                 eval_at={point}, stop=stop)
-        snap = trainer.snapshot(position)
+        if n < first:  # done before the run stopped: every branch of it is in the store
+            for seed in range(config.seeds if n == len(plan.points) - 1 else 1):
+                branches += [{"point": point, "seed": seed, "curve": store.branch(point, seed, b, lr)}
+                             for b in config.batch_sizes for lr in plan.lrs[b]]
+            continue
+        if snap is None or n > first:
+            say(f"parent at batch {b0}: training to {point * per_sample:,} {plan.budget.unit}")
+            position = trainer.train(parent, start=position, samples=point - position,
+                                     micro=plan.micro_batches[b0], eval_at={point}, stop=stop)
+            snap = trainer.snapshot(position)
+            if store is not None:
+                store.save_point(n, snap, parent)
         last = n == len(plan.points) - 1
         for seed in range(config.seeds if last else 1):
             start = point + seed * W
             evals = {start + W * (i + 1) // config.evals_per_window for i in range(config.evals_per_window)}
             for b in config.batch_sizes:
                 for lr in plan.lrs[b]:
-                    trainer.restore(snap)
-                    curve = Curve(batch_size=b, lr=lr, start_samples=start)
-                    aligned = {start + (e - start) // b * b for e in evals}
-                    trainer.train(curve, start=start, samples=W, micro=plan.micro_batches[b], eval_at=aligned,
-                                  stop=stop)
+                    curve = store.branch(point, seed, b, lr) if store is not None else None
+                    if curve is None:
+                        trainer.restore(snap)
+                        curve = Curve(batch_size=b, lr=lr, start_samples=start)
+                        aligned = {start + (e - start) // b * b for e in evals}
+                        trainer.train(curve, start=start, samples=W, micro=plan.micro_batches[b], eval_at=aligned,
+                                      stop=stop)
+                        if store is not None:
+                            store.save_branch(point, seed, curve)
                     branches.append({"point": point, "seed": seed, "curve": curve})
                     say(f"branch at {point * per_sample:,}, window {seed}: batch {b}, lr {lr:.3g}: "
                         f"val {curve.val[-1][1]:.4f}")
