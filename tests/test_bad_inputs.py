@@ -4,6 +4,8 @@ instead, and no traceback. Each row names the words the line must hold."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -11,7 +13,8 @@ from batchfit.cli.app import app
 
 runner = CliRunner()
 TINY = ["gpt-tinystories-22m", "--seq-len", "16"]
-HUGE = "99999999999999999999"  # past int64: overflowed inside torch
+HUGE = "99999999999999999999"
+TEXT = ["--data", str(Path(__file__).resolve().parents[1] / "README.md"), "--tokenizer", "bytes", "--cache-dir", "cache"]  # past int64: overflowed inside torch
 
 ROWS = {
     "estimate": [
@@ -98,6 +101,16 @@ ROWS = {
         ([*TINY, "--batch-sizes", HUGE + ",8"], "from 1 to 16,777,216"),
         ([*TINY, "--batch-sizes", "2,8", "--device", "tpu"], "cuda"),
         ([*TINY, "--batch-sizes", "2,8", "--gpu", "t4"], "give --data"),  # --gpu sizes, the CPU trains
+    ],
+    "recommend": [
+        (["gpt-tinystorie", "--batch-sizes", "1,2", "--tokens", "1M"], "did you mean 'gpt-tinystories-22m'"),
+        ([*TINY, "--batch-sizes", "1,2", "--tokens", "1M", "--lr-scaling", "cube"], "sqrt"),
+        ([*TINY, "--batch-sizes", "1,2", "--tokens", "1M", "--branch-at", "150%"], "10%,25%"),
+        ([*TINY, "--batch-sizes", "4", "--tokens", "1M"], "at least two"),
+        ([*TINY, "--batch-sizes", "1,2"], "--tokens"),
+        ([*TINY, *TEXT, "--batch-sizes", "1,64", "--tokens", "16384"], "budget too small to branch"),
+        ([*TINY, *TEXT, "--batch-sizes", "1,2", "--tokens", "16M"], "data too short for the budget"),
+        ([*TINY, *TEXT, "--batch-sizes", "1,2", "--tokens", "16384", "--gpu-memory", "600MiB"], "even at micro-batch 1"),
     ],
     "gpus": [
         (["--gpu", "t4"], "No such option"),

@@ -86,7 +86,7 @@ def test_every_import_is_declared_or_behind_its_extra():
 
 
 BLOCKED = sorted(OPTIONAL | {"yaml"})
-COMMANDS = ["estimate", "probe", "bench", "plan", "sweep", "noise", "gpus", "zoo"]
+COMMANDS = ["estimate", "probe", "bench", "plan", "sweep", "noise", "recommend", "gpus", "zoo"]
 NO_EXTRAS = f"""
 import sys
 for name in {BLOCKED!r}:

@@ -161,11 +161,11 @@ def test_device_options_are_declared_once_and_read_the_same_in_every_command():
 
     commands = typer.main.get_command(app).commands
     declared = {"gpu": common.GpuOpt, "gpu_memory": common.GpuMemoryOpt, "device": common.DeviceOpt}
-    for command in ("estimate", "probe", "bench", "plan", "sweep", "noise"):
+    for command in ("estimate", "probe", "bench", "plan", "sweep", "noise", "recommend"):
         options = {p.name: p for p in commands[command].params}
         for name, alias in declared.items():
             if name in options:
                 assert options[name].help == alias.__metadata__[0].help, (command, name)
         assert "device" in options
-    # estimate, probe, bench, plan, sweep and noise take all three; gpus takes none (it lists them)
-    assert sum(name in {p.name for p in commands[c].params} for c in commands for name in declared) == 6 * 3
+    # estimate, probe, bench, plan, sweep, noise and recommend take all three; gpus takes none (it lists them)
+    assert sum(name in {p.name for p in commands[c].params} for c in commands for name in declared) == 7 * 3

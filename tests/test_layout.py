@@ -12,7 +12,7 @@ LAYERS = [  # bottom to top
     {"train"},
     {"trace"},
     {"distributed"},
-    {"estimator", "probe", "bench", "plan", "sweep"},
+    {"estimator", "probe", "bench", "plan", "sweep", "recommend"},
     {"report"},
     {"integrations", "lightning", "transformers"},
     {"cli", "__init__"},

@@ -14,6 +14,8 @@ from batchfit.cli.plan import EXAMPLES as PLAN_EXAMPLES
 from batchfit.cli.plan import plan_command
 from batchfit.cli.probe import EXAMPLES as PROBE_EXAMPLES
 from batchfit.cli.probe import probe_command
+from batchfit.cli.recommend import EXAMPLES as RECOMMEND_EXAMPLES
+from batchfit.cli.recommend import recommend_command
 from batchfit.cli.sweep import EXAMPLES as SWEEP_EXAMPLES
 from batchfit.cli.sweep import sweep_command
 
@@ -49,6 +51,7 @@ app.command("bench", epilog=BENCH_EXAMPLES)(bench_command)
 app.command("plan", epilog=PLAN_EXAMPLES)(plan_command)
 app.command("sweep", epilog=SWEEP_EXAMPLES)(sweep_command)
 app.command("noise", epilog=NOISE_EXAMPLES)(noise_command)
+app.command("recommend", epilog=RECOMMEND_EXAMPLES)(recommend_command)
 app.command("gpus")(gpus_command)
 app.command("zoo")(zoo_command)
 

@@ -21,8 +21,8 @@ import torch
 
 from batchfit.devices import Device
 from batchfit.errors import OptionError, UsageError
-from batchfit.sweep.budget import LR_SCALINGS, Budget, Schedule, parse_amount, scaled_lr
-from batchfit.sweep.data import TokenData, lm_format, tokenize
+from batchfit.train.budget import LR_SCALINGS, Budget, Schedule, parse_amount, scaled_lr
+from batchfit.train.data import TokenData, lm_format, tokenize
 from batchfit.sweep.executors import WorkerContext, check_executor, run_in_process, run_local, run_ray
 from batchfit.sweep.result import SweepResult, read_result
 from batchfit.sweep.run import RunSpec, micro_batch_for

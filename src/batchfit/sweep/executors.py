@@ -40,7 +40,7 @@ import torch
 
 from batchfit.errors import OptionError
 from batchfit.train.oom import classify, describe
-from batchfit.sweep.data import BatchSource, TokenData, open_tokens
+from batchfit.train.data import BatchSource, TokenData, open_tokens
 from batchfit.sweep.run import RunSpec, micro_batch_for, train_run
 from batchfit.sweep.store import Store, owner_id
 from batchfit.workload import Workload

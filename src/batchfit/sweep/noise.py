@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from batchfit.errors import OptionError
-from batchfit.sweep.data import BatchSource
+from batchfit.train.data import BatchSource
 from batchfit.workload import Workload
 
 if TYPE_CHECKING:

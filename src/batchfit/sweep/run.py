@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from batchfit.train.step import TrainingStep
-from batchfit.sweep.budget import Budget, Schedule
-from batchfit.sweep.data import BatchSource
+from batchfit.train.budget import Budget, Schedule, micro_batch_for
+from batchfit.train.data import BatchSource
 from batchfit.sweep.store import Store
 from batchfit.workload import StepOptions, Workload
 
@@ -63,17 +63,6 @@ class RunSpec:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def micro_batch_for(batch_size: int, fits: int | None) -> int:
-    """The largest divisor of ``batch_size`` that is at most ``fits`` (equal micro-batches,
-    so each sample weighs the same); ``batch_size`` when there is no limit; 0 when not even
-    one sample fits."""
-    if fits is None or fits >= batch_size:
-        return batch_size
-    if fits < 1:
-        return 0
-    return max(d for d in range(1, fits + 1) if batch_size % d == 0)
 
 
 class Evaluator:

@@ -1,0 +1,89 @@
+"""Branched training (Merrill, Arora, Groeneveld, Hajishirzi 2025, "Critical batch size
+revisited", arXiv:2505.23971): one parent run at a small batch; at a few points of it, copies
+of the exact state train a short window at k times the batch.
+
+A branch starts from the parent's exact state: the model, the optimizer state (Adam's moments
+and step count), the RNG state, and the data position (samples consumed: the data order is a
+function of the seed and that one integer, ``batchfit.train.data``). So a branch at k = 1 with
+the parent's learning rate repeats the parent's next steps bit for bit on a CPU
+(``tests/test_recommend.py`` checks it). Every step is the one training step
+(``TrainingStep.step``), with micro-batches of the size the caller sized (traced), so a
+branch at a large batch accumulates instead of running out of memory.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from batchfit.train.budget import Schedule
+from batchfit.train.data import BatchSource
+from batchfit.train.step import TrainingStep
+
+
+@dataclass(kw_only=True)
+class Snapshot:
+    """The parent's whole state at a branch point."""
+
+    samples: int
+    """Data position: samples consumed."""
+    model: dict
+    optimizer: dict
+    rng: torch.Tensor
+
+
+@dataclass(kw_only=True)
+class Curve:
+    """One run or branch: per step its training loss, and validation points."""
+
+    batch_size: int
+    lr: float
+    start_samples: int
+    train: list[tuple[int, float]] = field(default_factory=list)
+    """(samples consumed after the step, training loss of the step)."""
+    val: list[tuple[int, float]] = field(default_factory=list)
+    """(samples consumed, validation loss)."""
+
+    def to_json(self, per_sample: int) -> dict:
+        return {"batch_size": self.batch_size, "lr": self.lr, "start": self.start_samples * per_sample,
+                "train": [[s * per_sample, loss] for s, loss in self.train],
+                "val": [[s * per_sample, loss] for s, loss in self.val]}
+
+
+class Trainer:
+    """The one training step around a model, and what a branch needs to copy it."""
+
+    def __init__(self, trainer: TrainingStep, source: BatchSource, schedule: Schedule, *, per_sample: int,
+                 grad_clip: float | None, evaluate: Callable[[torch.nn.Module], float]) -> None:
+        self.step_, self.source, self.schedule, self.per_sample = trainer, source, schedule, per_sample
+        self.grad_clip, self.evaluate = grad_clip, evaluate
+
+    def snapshot(self, samples: int) -> Snapshot:
+        return Snapshot(samples=samples, model=copy.deepcopy(self.step_.model.state_dict()),
+                        optimizer=copy.deepcopy(self.step_.optimizer.state_dict()), rng=torch.get_rng_state())
+
+    def restore(self, snap: Snapshot) -> None:
+        self.step_.model.load_state_dict(snap.model)
+        self.step_.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+        torch.set_rng_state(snap.rng)
+
+    def train(self, curve: Curve, *, start: int, samples: int, micro: int, eval_at: set[int] = frozenset(),
+              stop: Callable[[], None] | None = None) -> int:
+        """Train ``samples`` samples at ``curve.batch_size`` from data position ``start``;
+        validate when the position reaches a value in ``eval_at``. Returns the new position."""
+        b, device = curve.batch_size, self.step_.device
+        position = start
+        while position < start + samples:
+            lr = curve.lr * self.schedule.factor((position + b) * self.per_sample)
+            pieces = [(micro, self.source.train(position + i * micro, micro, device)) for i in range(b // micro)]
+            result = self.step_.step(pieces, b, lr=lr, max_grad_norm=self.grad_clip)
+            position += b
+            curve.train.append((position, result.loss))
+            if position in eval_at:
+                curve.val.append((position, self.evaluate(self.step_.model)))
+            if stop is not None:
+                stop()
+        return position

@@ -1,0 +1,163 @@
+"""batchfit recommend: exact branches (k = 1 repeats the parent bit for bit), the checks
+before any training, the priors' arithmetic, and a whole small recommendation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from batchfit import load_workload
+from batchfit.errors import UsageError
+from batchfit.recommend.branch import Curve, Trainer
+from batchfit.recommend.engine import RecommendConfig, _evaluator, extrapolate, log_slope, plan_recommend, run_recommend
+from batchfit.recommend.priors import power_lines, step_law
+from batchfit.train.budget import Schedule
+from batchfit.train.data import BatchSource, tokenize
+from batchfit.train.step import TrainingStep
+from batchfit.workload import StepOptions
+from tests.test_sweep_helpers import write_corpus, write_tiny
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("recommend")
+    workload = load_workload(write_tiny(folder))
+    tokens = tokenize(str(write_corpus(folder / "stories.txt", lines=1500)), tokenizer="bytes", vocab_size=320,
+                      cache_dir=folder / "cache")
+    return workload, tokens
+
+
+def test_a_branch_at_k_1_repeats_the_parent_bit_for_bit(tiny):
+    workload, tokens = tiny
+    source = BatchSource(workload, seed=0, tokens=tokens, eval_samples=4)
+    torch.manual_seed(0)
+    step = TrainingStep(workload, StepOptions(), torch.device("cpu"))
+    trainer = Trainer(step, source, Schedule(total=64 * 16, warmup=16), per_sample=16, grad_clip=1.0,
+                      evaluate=_evaluator(workload, source, 4, step.device, step.forward_autocast))
+    parent = Curve(batch_size=2, lr=3e-3, start_samples=0)
+    at = trainer.train(parent, start=0, samples=8, micro=2)
+    snap = trainer.snapshot(at)
+    trainer.train(parent, start=at, samples=8, micro=2, eval_at={at + 8})
+    after = {k: v.clone() for k, v in step.model.state_dict().items()}
+    moments = [t.clone() for s in step.optimizer.state_dict()["state"].values() for t in s.values()]
+    trainer.restore(snap)
+    branch = Curve(batch_size=2, lr=3e-3, start_samples=at)
+    trainer.train(branch, start=at, samples=8, micro=2, eval_at={at + 8})
+    assert branch.train == parent.train[4:]  # the same losses, bit for bit
+    assert branch.val == parent.val
+    assert all(torch.equal(v, after[k]) for k, v in step.model.state_dict().items())
+    assert all(torch.equal(t, m) for t, m in zip(
+        (t for s in step.optimizer.state_dict()["state"].values() for t in s.values()), moments))
+
+
+def test_checks_come_before_any_training(tiny):
+    workload, tokens = tiny
+    with pytest.raises(UsageError, match="budget too small to branch"):
+        plan_recommend(RecommendConfig(batch_sizes=[1, 8], tokens=16 * 64), workload, tokens)
+    with pytest.raises(UsageError, match="data too short for the budget"):
+        plan_recommend(RecommendConfig(batch_sizes=[1, 2], tokens=16 * 2**16), workload, tokens)
+    with pytest.raises(UsageError, match="even at micro-batch 1"):
+        plan_recommend(RecommendConfig(batch_sizes=[1, 2], tokens=16 * 1024), workload, tokens,
+                       largest_fitting=lambda b: 0)
+    plan = plan_recommend(RecommendConfig(batch_sizes=[1, 2, 4], tokens=16 * 1024), workload, tokens,
+                          largest_fitting=lambda b: 2)
+    assert plan.micro_batches == {1: 1, 2: 2, 4: 2}
+
+
+def test_step_law_at_its_published_test_point():
+    # 1B parameters, 100B tokens (the paper's test point): the formula by hand.
+    prior = step_law(10**9, 10**11, 2048)
+    assert prior.batch_tokens == pytest.approx(0.58 * 1e11 ** 0.571)
+    assert prior.batch_tokens == pytest.approx(1.107e6, rel=1e-3)
+    assert prior.lr == pytest.approx(1.79 * 1e9 ** -0.713 * 1e11 ** 0.307)
+    assert prior.lr == pytest.approx(1.631e-3, rel=1e-3)
+    assert prior.batch_size == pytest.approx(prior.batch_tokens / 2048)
+    assert "extrapolation" in " ".join(step_law(40_000, 10**6, 16).notes)
+    assert power_lines(10**9).batch_size is None  # constants not found: no invented number
+
+
+def test_extrapolation_is_log_linear():
+    val = [(100, 3.0), (200, 3.0 - math.log(2))]
+    assert log_slope(val) == pytest.approx(-1.0)
+    assert extrapolate(val, 400, -1.0) == pytest.approx(3.0 - 2 * math.log(2))
+
+
+SMALL = dict(batch_sizes=[1, 2, 4], tokens=16 * 800, lrs=[3e-3], branch_points=(0.1, 0.2), window=0.05,
+             eval_samples=4)
+
+
+@pytest.fixture(scope="module")
+def small(tiny):
+    workload, tokens = tiny
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module-scoped: set up before the autouse one_thread
+    plan = plan_recommend(RecommendConfig(**SMALL), workload, tokens)
+    result = run_recommend(plan, workload, BatchSource(workload, seed=0, tokens=tokens, eval_samples=4))
+    torch.set_num_threads(threads)
+    return plan, result
+
+
+KILLED = """
+import os, signal, sys
+import torch
+from batchfit import load_workload
+from batchfit.recommend.engine import RecommendConfig, identity, plan_recommend, run_recommend
+from batchfit.recommend.store import BranchStore
+from batchfit.train.data import BatchSource, open_tokens
+torch.set_num_threads(1)
+spec, cache, store, config = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])
+workload, tokens = load_workload(spec), open_tokens(__import__("pathlib").Path(cache))
+plan = plan_recommend(RecommendConfig(**config), workload, tokens)
+steps = [0]
+def stop():  # a real kill -9, three steps into the fifth branch
+    if len(list(__import__("pathlib").Path(store).glob("branch-*"))) >= 4:
+        steps[0] += 1
+        if steps[0] >= 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+run_recommend(plan, workload, BatchSource(workload, seed=0, tokens=tokens, eval_samples=4), stop=stop,
+              store=BranchStore(store, identity(plan, workload, tokens)))
+"""
+
+
+def test_kill_9_during_a_branch_then_resume_gives_the_same_result(tiny, small, tmp_path):
+    import subprocess
+    import sys
+
+    workload, tokens = tiny
+    plan, whole = small
+    spec = next(tokens.folder.parent.parent.glob("*.py"))  # the tiny GPT beside the token cache
+    done = subprocess.run([sys.executable, "-c", KILLED, f"{spec}:workload", str(tokens.folder), str(tmp_path / "s"),
+                           repr(SMALL)], env={**__import__("os").environ, "PYTHONPATH": "src"}, capture_output=True,
+                          text=True)
+    assert done.returncode == -9, done.stderr
+    assert len(list((tmp_path / "s").glob("branch-*"))) == 4  # killed mid-way
+    from batchfit.recommend.engine import identity
+    from batchfit.recommend.store import BranchStore
+
+    resumed = run_recommend(plan, workload, BatchSource(workload, seed=0, tokens=tokens, eval_samples=4),
+                            store=BranchStore(tmp_path / "s", identity(plan, workload, tokens)))
+    a, b = whole.to_json(), resumed.to_json()
+    a.pop("seconds"), b.pop("seconds")
+    assert a == b
+
+
+def test_a_small_recommendation(small):
+    plan, result = small
+    data = result.to_json()
+    assert data["recommended_batch_size"] in (1, 2, 4)
+    low, high = data["recommended_interval"]
+    assert low <= data["recommended_batch_size"] <= high
+    assert data["cost_tokens"] == (plan.points[-1] + 3 * 3 * plan.window_samples) * 16
+    assert data["sweep_tokens_equivalent"] == 3 * 16 * 800
+    assert data["cost_share_of_sweep"] < 0.3
+    assert {r["kind"] for r in result.evidence()} >= {"measured", "prior (formula)"}
