@@ -18,7 +18,7 @@ import torch
 
 from batchfit import load_workload
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
-from batchfit.sweep.budget import Budget, Schedule
+from batchfit.train.budget import Budget, Schedule
 from batchfit.sweep.executors import DevicePool, local_devices, run_pool
 from batchfit.sweep.run import RunSpec
 from batchfit.sweep.store import Store

@@ -8,7 +8,7 @@ import torch
 
 from batchfit import load_workload
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
-from batchfit.sweep.data import BatchSource, lm_format, tokenize
+from batchfit.train.data import BatchSource, lm_format, tokenize
 from batchfit.train.step import TrainingStep
 from batchfit.sweep.run import micro_batch_for
 from batchfit.workload import StepOptions

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from batchfit.train.step import TrainingStep
-from batchfit.sweep.budget import Budget, Schedule
-from batchfit.sweep.data import BatchSource
+from batchfit.train.budget import Budget, Schedule
+from batchfit.train.data import BatchSource
 from batchfit.sweep.run import RunSpec, train_run
 from batchfit.sweep.store import Store
 from batchfit.trace.session import TraceSession

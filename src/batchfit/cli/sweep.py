@@ -15,7 +15,7 @@ from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, Model
                                  write_outputs)
 from batchfit.errors import BatchfitError, OptionError
 from batchfit.specs import load_workload
-from batchfit.sweep.budget import parse_count, parse_lrs
+from batchfit.train.budget import parse_count, parse_lrs
 from batchfit.targets import Target
 from batchfit.workload import StepOptions
 
@@ -155,7 +155,7 @@ def _with_noise(plan, say, repeats: int, save_noise, read_result):
     """The noise scale from the sweep's smallest batch size and the largest multiple of it."""
     import torch
 
-    from batchfit.sweep.data import BatchSource
+    from batchfit.train.data import BatchSource
     from batchfit.sweep.noise import gradient_noise_scale
 
     sizes = plan.config.batch_sizes

@@ -1,8 +1,8 @@
 """Training runs: the batch-size sweep (``batchfit sweep``) and the gradient noise scale
-(``batchfit noise``).
+(``batchfit noise``). Their budgets and data live one floor down, shared with ``recommend``:
+``train/budget.py`` (token/sample budgets, the schedule, learning rate per batch size) and
+``train/data.py`` (text -> token ids, batches in a seeded order).
 
-    budget.py     exact token/sample budgets, the schedule in tokens, learning rate per batch size
-    data.py       text -> token ids (cached, memory-mapped), batches in a seeded order
     store.py      the SQLite store every worker writes to
     run.py        one training run: accumulation, checkpoint and resume
     executors.py  this process, local worker processes, or Ray
@@ -16,14 +16,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from batchfit.sweep.budget import Budget, Schedule
+    from batchfit.train.budget import Budget, Schedule
     from batchfit.sweep.engine import SweepConfig, plan_sweep, run_sweep
     from batchfit.sweep.noise import NoiseResult, gradient_noise_scale
     from batchfit.sweep.result import SweepResult, read_result
 
-_LAZY = {"Budget": "budget", "Schedule": "budget", "SweepConfig": "engine", "plan_sweep": "engine",
-         "run_sweep": "engine", "NoiseResult": "noise", "gradient_noise_scale": "noise", "SweepResult": "result",
-         "read_result": "result"}
+_LAZY = {"Budget": "batchfit.train.budget", "Schedule": "batchfit.train.budget", "SweepConfig": "batchfit.sweep.engine",
+         "plan_sweep": "batchfit.sweep.engine", "run_sweep": "batchfit.sweep.engine", "NoiseResult": "batchfit.sweep.noise",
+         "gradient_noise_scale": "batchfit.sweep.noise", "SweepResult": "batchfit.sweep.result",
+         "read_result": "batchfit.sweep.result"}
 
 __all__ = ["Budget", "NoiseResult", "Schedule", "SweepConfig", "SweepResult", "gradient_noise_scale",
            "plan_sweep", "read_result", "run_sweep"]
@@ -34,5 +35,5 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f"batchfit.sweep.{_LAZY[name]}"), name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'batchfit.sweep' has no attribute '{name}'")
