@@ -27,11 +27,13 @@ def test_plan_strategies_and_tokens_per_s_are_whole_at_80_columns():
         # the widest a real plan prints: 64 GPUs, the longest strategy name, 128 accumulation steps
         return NS(gpus=gpus, strategy=strategy, skipped=False, fits=fits, max_local_batch=6553,
                   max_global_batch=104848, micro_batch=512, accumulation_steps=128, peak_bytes_at_micro=79.9 * GiB,
-                  step_time_s=12.34, tokens_per_s=12345678.0, days=123.4)
+                  step_time_s=12.34, tokens_per_s=12345678.0, days=123.4, peak_reserved_bytes_at_micro=79.99 * GiB,
+                  tp_loss=None)
 
     plans = [row(64, "fsdp-noreshard+tp4"), row(16, "hsdp2+tp4", fits=False)]
-    result = NS(workload="llama-1b", device=NS(display_name="NVIDIA H100 80GB HBM3"), options=NS(precision="bf16-mixed"),
-                plans=plans, recommended=[])
+    result = NS(workload="llama-1b", device=NS(display_name="NVIDIA H100 80GB HBM3"),
+                options=NS(precision="bf16-mixed", offload="none"), plans=plans, recommended=[], limit="reserved",
+                host_limit_bytes=None)
     text = printed(plan_summary, result)
     for whole in ("fsdp-noreshard+tp4", "hsdp2+tp4", "12,345,678", "512 x 128", "104848", "123.4"):
         assert whole in text, text
