@@ -11,7 +11,10 @@ per block, and everything else (embeddings, head, loss) is the same at any depth
 The stream at depth ``d + 1`` is the one at depth ``d`` with one more period inserted into
 each run. What ties the runs together is which allocation each free releases: block ``k``'s
 backward frees what block ``k``'s forward saved (in a run that goes the other way), block
-``k`` frees block ``k - 1``'s output, the last block's output is freed by the head. Each
+``k`` frees block ``k - 1``'s output, the last block's output is freed by the head. (Where only
+the adapters train, as with LoRA, runs meet with nothing between them: a loop up the blocks
+and one back down make a single insertion, split at their junction; and two loops whose
+events look alike abut, the later one starting where the earlier ends.) Each
 free is written as a rule that holds at every depth: the same copy index plus an offset, the
 mirrored copy index plus an offset, or a fixed allocation outside the runs; the first and the
 last copy of a run may have rules of their own (the edges of the stack). Rules are learnt at
