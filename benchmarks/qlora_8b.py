@@ -4,9 +4,12 @@ the gradient accumulation for a global batch of 64 (estimate has no --global-bat
 ``plan/engine.py: _choose_micro``, is applied to estimate's answer: the largest batch under the
 90% target that divides 64). Each limit (reserved: the default; allocated) is one CLI run, timed.
 
-    python benchmarks/qlora_8b.py [--limits reserved,allocated]
+    python benchmarks/qlora_8b.py [--limits reserved,allocated] [--baseline OTHER/src --name qlora-8b-speed]
 
-Writes benchmarks/results/qlora-8b-<date>.json.
+Writes benchmarks/results/<name, default qlora-8b>-<date>.json. With ``--baseline`` each limit is also
+timed with another checkout's source first (e.g. the commit before a speed-up), so the before and
+after figures are taken on the same machine, minutes apart; each row has the load average before it,
+since the machine is shared (wall time is the CPU time over the share of a core the run got).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ COMMAND = ["estimate", "hf:llama-3.1-8b", "--quantize", "nf4-dq", "--lora", "r=1
 GLOBAL_BATCH = 64
 
 
-def run(limit: str) -> dict:
-    src = str(Path(__file__).resolve().parents[1] / "src")
+def run(limit: str, src: str) -> dict:
+    load_before = os.getloadavg()[0]
     env = {**os.environ, "PYTHONPATH": src}
     with tempfile.TemporaryDirectory() as folder:
         json_path = Path(folder) / "estimate.json"
@@ -45,7 +48,9 @@ def run(limit: str) -> dict:
         result = json.loads(json_path.read_text())
     at_target = result["max_batch_size_at_target"]
     micro = max((m for m in range(1, at_target + 1) if GLOBAL_BATCH % m == 0), default=0)
-    return {"limit": limit, "wall_s": round(wall, 1),
+    commit = subprocess.run(["git", "-C", src, "describe", "--always", "--dirty"], capture_output=True,
+                            text=True).stdout.strip()
+    return {"limit": limit, "source_commit": commit, "load_average_1min_before": round(load_before, 2), "wall_s": round(wall, 1),
             "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
             "tokens_per_sample": result["tokens_per_sample"], "max_batch_size": result["max_batch_size"],
             "max_batch_size_at_target": at_target, "micro_batch_for_global_64": micro,
@@ -60,17 +65,21 @@ def run(limit: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--limits", default="reserved,allocated")
+    parser.add_argument("--baseline", help="another checkout's src folder, timed first")
+    parser.add_argument("--name", default="qlora-8b")
     args = parser.parse_args()
     rows = []
     print("batchfit " + " ".join(COMMAND))
-    for limit in args.limits.split(","):
-        row = run(limit)
+    here = str(Path(__file__).resolve().parents[1] / "src")
+    for limit, src in [(limit, src) for src in filter(None, (args.baseline, here)) for limit in args.limits.split(",")]:
+        row = run(limit, src)
         rows.append(row)
         print(f"--limit {limit}: max batch {row['max_batch_size']} ({row['max_batch_size_at_target']} at 90%), "
               f"global 64 = {row['micro_batch_for_global_64']} x {row['accumulation_steps_for_global_64']} "
-              f"accumulation; paged {row['paged_bytes']:,} B; {row['wall_s']} s wall, {row['cpu_s']} s CPU",
+              f"accumulation; paged {row['paged_bytes']:,} B; {row['wall_s']} s wall, {row['cpu_s']} s CPU "
+              f"(load {row['load_average_1min_before']}; at {row['source_commit']}; traced whole for reserved: {row['whole_reserved']})",
               flush=True)
-    path = write_result("qlora-8b", {"estimate_command": "batchfit " + " ".join(COMMAND), "global_batch": GLOBAL_BATCH,
+    path = write_result(args.name, {"estimate_command": "batchfit " + " ".join(COMMAND), "global_batch": GLOBAL_BATCH,
                                      "rows": rows})
     print(f"wrote {path}")
 

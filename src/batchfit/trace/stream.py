@@ -11,7 +11,10 @@ per block, and everything else (embeddings, head, loss) is the same at any depth
 The stream at depth ``d + 1`` is the one at depth ``d`` with one more period inserted into
 each run. What ties the runs together is which allocation each free releases: block ``k``'s
 backward frees what block ``k``'s forward saved (in a run that goes the other way), block
-``k`` frees block ``k - 1``'s output, the last block's output is freed by the head. Each
+``k`` frees block ``k - 1``'s output, the last block's output is freed by the head. (Where only
+the adapters train, as with LoRA, runs meet with nothing between them: a loop up the blocks
+and one back down make a single insertion, split at their junction; and two loops whose
+events look alike abut, the later one starting where the earlier ends.) Each
 free is written as a rule that holds at every depth: the same copy index plus an offset, the
 mirrored copy index plus an offset, or a fixed allocation outside the runs; the first and the
 last copy of a run may have rules of their own (the edges of the stack). Rules are learnt at
@@ -68,6 +71,52 @@ def _canonical(events: list[Event]) -> list[tuple[str, int]]:
     return out
 
 
+def _run_at(longer: list[tuple[str, int]], j1: int, j2: int) -> Run:
+    """The run holding the period inserted at ``[j1, j2)``, rotated to its leftmost start."""
+    period, start = j2 - j1, j1
+    while start > 0 and longer[start - 1] == longer[start - 1 + period]:
+        start -= 1  # the leftmost rotation: the same rule at every depth
+    end = start + period
+    while end < len(longer) and longer[end] == longer[end - period]:
+        end += 1
+    return Run(start, period, (end - start) // period)
+
+
+def _split_runs(longer: list[tuple[str, int]], j1: int, j2: int) -> list[Run]:
+    """Two runs that meet at the insertion: one block's events of a loop that goes up the
+    blocks and, right after it, of one that comes back down (a foreach op over the adapters
+    alone allocates one result per block, then frees them in reverse, with nothing between):
+    the deeper stream inserts one period of each at their junction ``s``, which ends the left
+    run and starts the right one. The split covering the most events wins; None fits when
+    either side repeats less than twice."""
+    best: tuple[int, list[Run]] = (0, [])
+    for s in range(j1 + 1, j2):
+        left, start = s - j1, j1
+        while start > 0 and longer[start - 1] == longer[start - 1 + left]:
+            start -= 1
+        right, end = j2 - s, j2
+        while end < len(longer) and longer[end] == longer[end - right]:
+            end += 1
+        copies = ((s - start) // left, (end - s) // right)
+        if min(copies) >= 2 and copies[0] * left + copies[1] * right > best[0]:
+            best = (copies[0] * left + copies[1] * right,
+                    [Run(s - copies[0] * left, left, copies[0]), Run(s, right, copies[1])])
+    return best[1]
+
+
+def _after(previous: Run, run: Run, longer: list[tuple[str, int]]) -> Run:
+    """``run`` starting where ``previous`` ends, when its leftmost rotation reached into it:
+    two loops back to back whose events look alike (the optimizer's frees of one foreach op's
+    results, in reverse, then of the adapters' gradients) are two runs, not one."""
+    start = previous.start + previous.period * previous.copies
+    end = run.start + run.period * run.copies
+    while end < len(longer) and longer[end] == longer[end - run.period]:
+        end += 1
+    if start >= end:
+        raise NotRegular("runs overlap")
+    return Run(start, run.period, (end - start) // run.period)
+
+
 def _runs(shorter: list[tuple[str, int]], longer: list[tuple[str, int]]) -> list[Run]:
     """The runs of ``longer``: where it has one more period than ``shorter``."""
     runs = []
@@ -76,13 +125,11 @@ def _runs(shorter: list[tuple[str, int]], longer: list[tuple[str, int]]) -> list
             continue
         if tag != "insert":
             raise NotRegular("the deeper stream is not the shallower one with insertions")
-        period, start = j2 - j1, j1
-        while start > 0 and longer[start - 1] == longer[start - 1 + period]:
-            start -= 1  # the leftmost rotation: the same rule at every depth
-        end = start + period
-        while end < len(longer) and longer[end] == longer[end - period]:
-            end += 1
-        runs.append(Run(start, period, (end - start) // period))
+        run = _run_at(longer, j1, j2)
+        for found in [run] if run.copies >= 2 else (_split_runs(longer, j1, j2) or [run]):
+            if runs and runs[-1].start + runs[-1].period * runs[-1].copies > found.start:
+                found = _after(runs[-1], found, longer)
+            runs.append(found)
     if any(a.start + a.period * a.copies > b.start for a, b in zip(runs, runs[1:])):
         raise NotRegular("runs overlap")
     return runs
