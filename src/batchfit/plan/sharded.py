@@ -281,6 +281,10 @@ class ShardedSession:
             self.tracker = tracker = ShardedTracker(round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
 
             def shard(model):
+                if hasattr(model, "stage_indices"):  # a pipeline rank's stages: each wrapped as its own root
+                    for i, stage in enumerate(model.stages):
+                        model.stages[i] = shard(stage)
+                    return model
                 return _unpinned(apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
                                                 cpu_offload=options.offloads("params"),
                                                 parallelize=own_plan or tp_plan(model, options.tp_loss),
