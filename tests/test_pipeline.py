@@ -88,13 +88,15 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
 
         step.run = run
         run(MICRO)  # builds the stage's buffers and the optimizer state
-        tries = []
-        for _ in range(3):  # the profiler's timeline sometimes fails its own data-flow check
+        for _ in range(3):  # the profiler's timeline sometimes fails its own data-flow check: try again
             try:
-                tries.append(profiled_step_peak(step, MICRO, Path(out_dir) / str(rank), warmup=0))
+                peaks[name] = profiled_step_peak(step, MICRO, Path(out_dir) / str(rank), warmup=0)
+                ok = torch.tensor(1)
             except AssertionError:
-                pass
-        peaks[name] = min(tries)
+                ok = torch.tensor(0)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # both ranks run as many steps
+            if ok.item():
+                break
         dist.barrier()
     with open(os.path.join(out_dir, f"peaks{rank}.json"), "w") as f:
         json.dump(peaks, f)
@@ -118,10 +120,11 @@ def test_each_stage_peak_matches_a_real_gloo_pipeline(measured, name):
         warnings.simplefilter("ignore")
         session = PipelineSession(tiny_workload(), StepOptions(), get_device("h100-80gb"), strategy,
                                   cuda_semantics=False)
-        session.trace(MICRO)
+        session.trace(MICRO * MICROBATCHES)
     for stage in session.stage_points:
         real = measured[stage.rank][name]
         traced = stage.point.total_peak_bytes or stage.point.peak_bytes
+        print(f"{name} stage {stage.rank}: traced {traced} B, gloo {real} B, {(traced - real) / real:+.2%}")
         assert abs(traced - real) / real < 0.03, (name, stage.rank, traced, real)
 
 

@@ -55,7 +55,8 @@ def plan_command(
                                                  "reshard_after_forward=False: gathered parameters kept from forward to "
                                                  "backward, sharded at rest), zero1 (DDP + ZeroRedundancyOptimizer: "
                                                  "optimizer state sharded), zero2 (optimizer state and gradients "
-                                                 "sharded, parameters replicated), hsdp<R>, tp<N>, fsdp+tp<N>; or auto "
+                                                 "sharded, parameters replicated), hsdp<R>, tp<N>, fsdp+tp<N>, "
+                                                 "pp<N>[+any of these] (pipeline stages: pp4+fsdp, pp2+fsdp+tp2); or auto "
                                                  "(ddp, fsdp, fsdp-noreshard, hsdp, tp, fsdp+tp whose degrees divide the GPUs).")]
     = DEFAULT_STRATEGIES,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step over all GPUs; the plan picks "
@@ -95,6 +96,10 @@ def plan_command(
                                                        "per CPU core); 1 traces them one after another.")] = None,
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, plan.png, plan.json")] = None,
+    pp_schedule: Annotated[str, typer.Option(help="Pipeline schedule of pp<N> strategies: gpipe, 1f1b or "
+                                                  "interleaved-1f1b[:V] (V stages per GPU, default 2).")] = "1f1b",
+    microbatches: Annotated[int, typer.Option(help="Pipeline micro-batches per step of pp<N> strategies (default: "
+                                                   "as many as the stages); the local batch is split into them.")] = 0,
 ) -> None:
     """Plan a multi-GPU run: memory per GPU, max global batch, step time and a launch config.
 
@@ -135,7 +140,8 @@ def plan_command(
         result = plan(workload, device=target.device, worlds=worlds, options=options, strategies=strategies,
                       global_batch=global_batch, tokens=tokens, batch_sizes=sizes, target_util=target_util,
                       multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say,
-                      processes=processes, limit=limit, host_memory_bytes=host_memory_bytes)
+                      processes=processes, limit=limit, host_memory_bytes=host_memory_bytes,
+                      pp_schedule=pp_schedule, microbatches=microbatches)
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
 
     def write_all(files):  # the report, every --emit and --json: all or none, JSON last

@@ -110,6 +110,10 @@ class PipelineSession:
         self._build_rank = build_rank
         self._sharded = ShardedSession
         self.stage_points: list[StagePoint] = []
+        """Each traced pipeline rank at the last local batch traced."""
+        self.by_batch: dict[int, list[StagePoint]] = {}
+        """Each pipeline rank, by local batch."""
+        self._streams: dict[int, tuple] = {}
 
     def _trace_rank(self, rank: int, local_batch: int):
         from batchfit.distributed.pipeline import PipelineRun, in_flight
@@ -123,16 +127,33 @@ class PipelineSession:
             step.run = PipelineRun(step, actions=self.actions[rank], microbatches=self.strategy.microbatches,
                                    stages=pp * v, d_model=self.d_model, seq_len=self.seq_len)
             point = session.trace(local_batch)
+            stream = (session.fresh_stream, session.fresh_steps)
         stages = tuple(rank + k * pp for k in range(v))
-        return StagePoint(rank=rank, stages=stages, in_flight=in_flight(self.actions[rank]), point=point)
+        return StagePoint(rank=rank, stages=stages, in_flight=in_flight(self.actions[rank]), point=point), stream
 
     def trace(self, local_batch: int):
-        """Each pipeline rank's step at micro-batch size ``local_batch``; the largest rank's point."""
-        if local_batch < 1:
-            raise OptionError(f"the local batch must be 1 or more, got {local_batch}")
-        self.stage_points = [self._trace_rank(r, local_batch) for r in self.ranks]
-        worst = max(self.stage_points, key=lambda s: s.point.peak_bytes)
-        return dataclasses.replace(worst.point, strategy=self.strategy)
+        """Each pipeline rank's step at ``local_batch`` samples per step (``microbatches`` micro-batches
+        of local_batch / microbatches); the largest rank's point."""
+        m = self.strategy.microbatches
+        if local_batch < 1 or local_batch % m:
+            raise OptionError(f"{self.strategy.name}: the local batch ({local_batch}) must be a multiple of the "
+                              f"{m} micro-batches: --multiple-of {m}, or --microbatches that divides it")
+        traced = [self._trace_rank(r, local_batch) for r in self.ranks]
+        self.stage_points = [stage for stage, _ in traced]
+        worst, stream = max(traced, key=lambda t: t[0].point.peak_bytes)
+        self._streams[local_batch] = stream
+        self.by_batch[local_batch] = self.stage_points
+        return dataclasses.replace(worst.point, strategy=self.strategy,
+                                   stage_peak_bytes=tuple(s.point.peak_bytes for s in self.stage_points))
+
+    def reserved(self, local_batch: int):
+        """The reserved peak (``plan.reserved.ReservedReplay``) of the rank with the largest
+        allocated peak at ``local_batch``: its fresh process's stream through the allocator model."""
+        from batchfit.plan.reserved import replay_steps
+
+        if local_batch not in self._streams:
+            self.trace(local_batch)
+        return replay_steps(*self._streams[local_batch], self.device)
 
     def close(self) -> None:
         pass
@@ -142,3 +163,15 @@ class PipelineSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def pipeline_or(open_session):
+    """``open_session`` for every strategy but pp<N>, which gets a :class:`PipelineSession`
+    (each pipeline rank traced whole: the depth extrapolation cuts whole models, not stages)."""
+
+    def open_any(workload, options, device, strategy, **kw):
+        if getattr(strategy, "pp", 1) > 1:
+            return PipelineSession(workload, options, device, strategy, **kw)
+        return open_session(workload, options, device, strategy, **kw)
+
+    return open_any
