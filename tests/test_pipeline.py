@@ -51,11 +51,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gloo_main(rank: int, port: int, out_dir: str) -> None:
+def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatches: int = MICROBATCHES) -> None:
+    """Rank ``rank`` of a real ``world``-stage pipeline: its peak per schedule in peaks<rank>.json."""
     from cpu_truth import profiled_step_peak
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank),
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
@@ -64,25 +65,25 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
         workload = tiny_workload()
         torch.manual_seed(0)
         step = TrainingStep(workload, StepOptions(), torch.device("cpu"),
-                            wrap=lambda m: split_stage(m, rank, WORLD))
-        stage = PipelineStage(step.model, rank, WORLD, torch.device("cpu"))
+                            wrap=lambda m: split_stage(m, rank, world))
+        stage = PipelineStage(step.model, rank, world, torch.device("cpu"))
 
         def loss_fn(logits, y):
             return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
         cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
-        schedule = cls(stage, MICROBATCHES, loss_fn=loss_fn)
-        x, y = workload.make_batch(MICRO * MICROBATCHES, torch.device("cpu"))
-        if rank == 0:
-            y = None
-        else:
-            x = None
+        schedule = cls(stage, microbatches, loss_fn=loss_fn)
+        x, y = workload.make_batch(MICRO * microbatches, torch.device("cpu"))
+        x = x if rank == 0 else None
+        y = y if rank == world - 1 else None
 
         def run(batch_size, hooks=None, _schedule=schedule, _step=step, _x=x, _y=y):
             if _x is not None:
                 _schedule.step(_x, return_outputs=False)
-            else:
+            elif _y is not None:
                 _schedule.step(target=_y, return_outputs=False)
+            else:
+                _schedule.step(return_outputs=False)
             _step.optimizer.step()
             _step.optimizer.zero_grad(set_to_none=True)
 

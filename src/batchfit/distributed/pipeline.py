@@ -227,11 +227,57 @@ class RankStages:
         return holder
 
 
-def build_rank(build_model: Callable[[], nn.Module], pp: int, rank: int, virtual: int) -> nn.Module:
+def build_rank(build_model: Callable[[], nn.Module], pp: int, rank: int, virtual: int,
+               checkpointing: str = "none") -> nn.Module:
     """The stages of pipeline rank ``rank``: stage ``rank + k pp`` for k < ``virtual`` (torch's
-    interleaved layout: ``ScheduleInterleaved1F1B``'s ``local_index * pp_group_size + rank``)."""
+    interleaved layout: ``ScheduleInterleaved1F1B``'s ``local_index * pp_group_size + rank``).
+    ``checkpointing`` (--checkpointing) is applied to each stage's own blocks, as torchtitan
+    applies AC per stage model (the step's own pass would pick one stack of the rank)."""
+    from batchfit.train.step import _checkpoint_blocks
+
     indices = [rank + k * pp for k in range(virtual)]
-    return RankStages([split_stage(build_model(), s, pp * virtual) for s in indices], indices)
+    stages = [split_stage(build_model(), s, pp * virtual) for s in indices]
+    if checkpointing != "none":
+        for stage in stages:
+            _checkpoint_blocks(stage, checkpointing, preserve_rng_state=False)  # fake tensors: no CPU RNG snapshot
+    return RankStages(stages, indices)
+
+
+def _backward_sync(module, *, last: bool):
+    """What ``PipelineStage.backward_maybe_with_nosync`` does around a micro-batch's backward:
+    under FSDP2 no reduce-scatter and no reshard after it (the stage's parameters stay gathered,
+    its unsharded gradients accumulate, until REDUCE_GRAD); under DDP ``no_sync`` but for the
+    stage's last backward."""
+    import contextlib
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, FSDPModule):
+        module.set_is_last_backward(False)
+        module.set_reshard_after_backward(False)
+        module.set_requires_gradient_sync(False)
+    elif isinstance(module, DistributedDataParallel) and not last:
+        return module.no_sync()
+    return contextlib.nullcontext()
+
+
+def _reduce_grad(module) -> None:
+    """``PipelineStage.perform_reduce_grad`` under FSDP2: the post-backward of every parameter
+    group by hand (each reduce-scatters its accumulated gradients and reshards), then the root's
+    final callback."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not isinstance(module, FSDPModule):
+        return
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 class PipelineRun:
@@ -249,6 +295,8 @@ class PipelineRun:
         self.d_model, self.seq_len = d_model, seq_len
         self.act_buffers: dict[tuple[int, int], torch.Tensor] = {}
         self.grad_buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self.last_backward = {s: (s, mb) for kind, s, mb in actions if kind == "B"}
+        """Each stage's last backward action (DDP syncs in it)."""
 
     def _buffer(self, table: dict, key: tuple[int, int], micro: int, dtype, requires_grad: bool):
         import torch
@@ -271,13 +319,13 @@ class PipelineRun:
         micro = batch_size // self.m
         holder = step.model
         by_index = dict(zip(holder.stage_indices, holder.stages))
-        last_context = loss_context(by_index.get(self.stages - 1, holder))  # the TP plan marks the stage
+        last_stage = self.stages - 1
+        last_context = loss_context(by_index.get(last_stage, holder))  # the TP plan marks the stage
         with step.step_context():
-            for (_, _), buf in self.act_buffers.items():  # clear_runtime_states
+            for buf in self.act_buffers.values():  # clear_runtime_states
                 buf.grad = None
             hooks.phase("inputs")
-            first, last = 0 in by_index, self.stages - 1 in by_index
-            # The schedule splits the whole batch (tensor_split: views); first and last stages read it.
+            first, last = 0 in by_index, last_stage in by_index
             # The first stage reads the inputs, the last the targets: each rank keeps only its own.
             batch = None
             if first or last:
@@ -291,18 +339,15 @@ class PipelineRun:
             phase = None
             for kind, s, mb in self.actions:
                 module = by_index[s]
-                dtype = next(module.parameters()).dtype
                 if kind == "F":
                     if phase != "forward":
                         hooks.phase("forward")
                         phase = "forward"
-                    if s == 0:
-                        x = parts[mb][0]
-                    else:
-                        x = self._buffer(self.act_buffers, (s, mb), micro, dtype, True)
+                    dtype = next(module.parameters()).dtype
+                    x = parts[mb][0] if s == 0 else self._buffer(self.act_buffers, (s, mb), micro, dtype, True)
                     with step.forward_autocast(), last_context():
                         out = module(x)
-                        if s == self.stages - 1:
+                        if s == last_stage:
                             # The schedule computes the loss from the stage's output, which fwd_cache
                             # keeps until this micro-batch's backward (the logits, not only the loss).
                             logits = out
@@ -310,19 +355,23 @@ class PipelineRun:
                             out = (loss_mb, logits)
                             del logits, loss_mb
                     cache[(s, mb)] = (out, x)
+                    del out, x
                 else:
                     if phase != "backward":
                         hooks.phase("backward")
                         phase = "backward"
                     out, x = cache.pop((s, mb))
-                    if s == self.stages - 1:
-                        with last_context():  # loss_parallel under a TP plan's sharded loss
-                            out[0].backward()
-                        loss = out[0].detach()
-                    else:
-                        grad = self._buffer(self.grad_buffers, (s, mb), micro, out.dtype, False)
-                        torch.autograd.backward(out, grad)
+                    with _backward_sync(module, last=self.last_backward[s] == (s, mb)):
+                        if s == last_stage:
+                            with last_context():  # loss_parallel under a TP plan's sharded loss
+                                out[0].backward()
+                            loss = out[0].detach()
+                        else:
+                            grad = self._buffer(self.grad_buffers, (s, mb), micro, out.dtype, False)
+                            torch.autograd.backward(out, grad)
                     del out, x
+            for module in holder.stages:  # the schedule's REDUCE_GRAD: FSDP2's reduce-scatter, once
+                _reduce_grad(module)
             del batch, parts
             hooks.phase("optimizer")
             step.update(hooks=hooks)

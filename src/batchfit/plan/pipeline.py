@@ -120,8 +120,10 @@ class PipelineSession:
 
         pp, v = self.strategy.pp, self.schedule.virtual
         build = self.workload.build_model
-        staged = dataclasses.replace(self.workload, build_model=lambda: self._build_rank(build, pp, rank, v))
-        with self._sharded(staged, self.options, self.device, inner_strategy(self.strategy),
+        policy = self.options.checkpointing
+        staged = dataclasses.replace(self.workload, build_model=lambda: self._build_rank(build, pp, rank, v, policy))
+        options = dataclasses.replace(self.options, checkpointing="none")  # applied per stage by build_rank
+        with self._sharded(staged, options, self.device, inner_strategy(self.strategy),
                            cuda_semantics=self.cuda_semantics) as session:
             step = session.session.step
             step.run = PipelineRun(step, actions=self.actions[rank], microbatches=self.strategy.microbatches,
