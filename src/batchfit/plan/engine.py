@@ -479,7 +479,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
                           "drop --accumulation-steps")
     if trace is None or parse is None:
         module = sharded()
-        parse = parse or functools.partial(module.parse_strategies, pp_schedule=pp_schedule, microbatches=microbatches)
+        pp_options = {} if (pp_schedule, microbatches) == ("1f1b", 0) else dict(pp_schedule=pp_schedule,
+                                                                                  microbatches=microbatches)
+        parse = parse or functools.partial(module.parse_strategies, **pp_options)  # a stand-in need not take them
     if trace is not None:
         open_session = functools.partial(PointSession, trace, replay=replay)
     else:
