@@ -170,3 +170,22 @@ def test_layers_not_divisible_by_stages_is_one_line():
     with pytest.raises(OptionError, match="4 layers do not split into 3") as error:
         PipelineSession(tiny_workload(), StepOptions(), get_device("h100-80gb"), strategy)
     assert "\n" not in str(error.value)
+
+
+def test_plan_reports_every_stage_and_the_bubble():
+    from batchfit.plan import plan
+    from batchfit.plan.world import World
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = plan(tiny_workload(), device=get_device("h100-80gb"), worlds=[World(gpus=2, nodes=1)],
+                      strategies="pp2", pp_schedule="1f1b", microbatches=2, max_batch=8, processes=1,
+                      limit="allocated")
+    row = result.plans[0]
+    assert row.max_local_batch == 8 and row.max_local_batch % 2 == 0
+    for point in row.points:
+        assert len(point.stage_peak_bytes) == 2 and point.peak_bytes == max(point.stage_peak_bytes)
+        assert point.to_json()["stage_peak_bytes"] == list(point.stage_peak_bytes)
+    # 1F1B on 2 stages, 2 micro-batches: idle 1/3 of the step, so the bubble is half the compute
+    assert row.time.pipeline_bubble_s == pytest.approx(row.time.compute_s / 2)
+    assert any("pipeline rank" in a.what for a in result.approximations)
