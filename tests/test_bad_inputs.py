@@ -86,6 +86,10 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "ddp,fsdp", "--offload", "params"], "ddp on 2 GPUs has no FSDP"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--host-memory", "512"], "512GiB"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--emit", "trainer:fitted.json"], "--trainer args.json"),
+        ([*TINY, "--gpu", "h100", "--gpus", "3", "--strategies", "pp2"], "must equal the GPU count"),
+        ([*TINY, "--gpu", "h100", "--gpus", "4", "--strategies", "pp4", "--microbatches", "2"], "at least 4 micro-batches"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "pp2", "--pp-schedule", "zb"], "interleaved-1f1b"),
+        ([*TINY, "--gpu", "h100", "--gpus", "3", "--strategies", "pp3"], "do not split into 3 equal stages"),
     ],
     "sweep": [
         (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),

@@ -57,7 +57,8 @@ def plan_command(
                                                  "reshard_after_forward=False: gathered parameters kept from forward to "
                                                  "backward, sharded at rest), zero1 (DDP + ZeroRedundancyOptimizer: "
                                                  "optimizer state sharded), zero2 (optimizer state and gradients "
-                                                 "sharded, parameters replicated), hsdp<R>, tp<N>, fsdp+tp<N>; or auto "
+                                                 "sharded, parameters replicated), hsdp<R>, tp<N>, fsdp+tp<N>, "
+                                                 "pp<N>[+any of these] (pipeline stages: pp4+fsdp, pp2+fsdp+tp2); or auto "
                                                  "(ddp, fsdp, fsdp-noreshard, hsdp, tp, fsdp+tp whose degrees divide the GPUs).")]
     = DEFAULT_STRATEGIES,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step over all GPUs; the plan picks "
@@ -101,6 +102,10 @@ def plan_command(
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, plan.png, plan.json")] = None,
     trainer: TrainerOpt = None,
+    pp_schedule: Annotated[str, typer.Option(help="Pipeline schedule of pp<N> strategies: gpipe, 1f1b or "
+                                                  "interleaved-1f1b[:V] (V stages per GPU, default 2).")] = "1f1b",
+    microbatches: Annotated[int, typer.Option(help="Pipeline micro-batches per step of pp<N> strategies (default: "
+                                                   "as many as the stages); the local batch is split into them.")] = 0,
 ) -> None:
     """Plan a multi-GPU run: memory per GPU, max global batch, step time and a launch config.
 
@@ -153,7 +158,8 @@ def plan_command(
         result = plan(workload, device=target.device, worlds=worlds, options=options, strategies=strategies,
                       global_batch=global_batch, tokens=tokens, batch_sizes=sizes, target_util=target_util,
                       multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say,
-                      processes=processes, limit=limit, host_memory_bytes=host_memory_bytes)
+                      processes=processes, limit=limit, host_memory_bytes=host_memory_bytes,
+                      pp_schedule=pp_schedule, microbatches=microbatches)
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
     fitted = _trainer_answer(door, result) if door is not None else None
     section = door.section(fitted) if door is not None else None

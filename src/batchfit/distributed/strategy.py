@@ -53,6 +53,12 @@ class Strategy:
     """"none" (one GPU, no wrapper), "ddp", "fsdp", "fsdp-noreshard", "hsdp", "zero1", "zero2"."""
     replicas: int = 1
     """HSDP replica groups (hsdp<R>); 1 otherwise."""
+    pp: int = 1
+    """Pipeline-parallel degree (pp<N>+...; ``distributed/pipeline.py``): world_size = pp x dp x tp."""
+    pp_schedule: str = ""
+    """The pipeline schedule as --pp-schedule names it ("1f1b", "gpipe", "interleaved-1f1b:2"); "" without pp."""
+    microbatches: int = 0
+    """Pipeline micro-batches per step (--microbatches; 0: as many as the stages); 0 without pp."""
 
 
 def data_parallel(shard: str, world_size: int) -> Strategy:

@@ -147,6 +147,9 @@ def accelerate_yaml(result) -> str:
     if not result.recommended:
         raise OptionError("no strategy fits, so there is nothing to emit: see the report's 'what would make it fit'")
     p = result.recommended[-1]
+    if p.strategy.startswith("pp"):
+        raise OptionError(f"the recommended {p.strategy} is pipeline-parallel, which Accelerate's config cannot say: "
+                          "emit the YAML (--emit config.yaml), or plan without pp<N> strategies")
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": ("NO" if p.gpus == 1 else "MULTI_GPU" if p.shard in ("ddp", "none") and p.tp == 1

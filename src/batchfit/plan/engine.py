@@ -87,6 +87,9 @@ class PlanPoint:
     """Bytes rank 0's activation offload copies to the host in one micro-step, and back."""
     host_peak_bytes: int = 0
     """The most host bytes rank 0's step holds at once for --offload (pinned, rounded)."""
+    stage_peak_bytes: tuple[int, ...] = ()
+    """Under pp<N>: each pipeline rank's traced peak (allocated, workspace included), rank 0 first;
+    ``peak_bytes`` is the largest."""
 
     reserved: object | None = None
     """Rank 0's fresh process replayed through the caching allocator model (a
@@ -116,7 +119,8 @@ class PlanPoint:
                 "peak_step": self.reserved.peak_step_name if self.reserved else None,
                 "reserved_by_step": self.reserved.to_json()["by_step"] if self.reserved else None,
                 "breakdown": self.breakdown, "flops": self.flops, "host_peak_bytes": self.host_peak_bytes,
-                "host_reserved_bytes": self.host_reserved_bytes, "offloaded_bytes": self.offloaded_bytes}
+                "host_reserved_bytes": self.host_reserved_bytes, "offloaded_bytes": self.offloaded_bytes,
+                **({"stage_peak_bytes": list(self.stage_peak_bytes)} if self.stage_peak_bytes else {})}
 
 
 def plan_point(traced, workspace_bytes: int) -> PlanPoint:
@@ -129,7 +133,7 @@ def plan_point(traced, workspace_bytes: int) -> PlanPoint:
         peak += workspace_bytes
     return PlanPoint(traced.local_batch, peak, breakdown, traced.flops, tuple(traced.collectives),
                      getattr(traced, "host_reserved_bytes", 0), getattr(traced, "offloaded_bytes", 0),
-                     getattr(traced, "host_peak_bytes", 0))
+                     getattr(traced, "host_peak_bytes", 0), stage_peak_bytes=tuple(getattr(traced, "stage_peak_bytes", ())))
 
 
 class ShardedCurve:
@@ -445,7 +449,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
          trace: Callable | None = None, parse: Callable | None = None,
          progress: Callable[[str], None] | None = None, processes: int | None = None,
          limit: str = "reserved", replay: Callable | None = None,
-         host_memory_bytes: int | None = None) -> PlanResult:
+         host_memory_bytes: int | None = None, pp_schedule: str = "1f1b", microbatches: int = 0) -> PlanResult:
     """Plan ``workload`` on ``device`` for each of ``worlds`` and each of ``strategies``.
 
     ``trace(workload, options, device, strategy, local_batch) -> ShardedPoint`` and
@@ -459,6 +463,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     local_batch) -> ReservedReplay`` goes with a stand-in ``trace``.
     ``host_memory_bytes`` (``--host-memory``): a local batch whose ``--offload``-ed pinned host
     bytes on a rank pass it does not fit; None does not check them.
+    ``pp_schedule`` / ``microbatches`` (``--pp-schedule``, ``--microbatches``): for pp<N> strategies
+    (``plan/pipeline.py``), whose local batch is a pipeline's samples per step (a multiple of the
+    micro-batches).
     """
     options = options or StepOptions()
     time_model = time_model or TimeModel()
@@ -472,15 +479,20 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
                           "drop --accumulation-steps")
     if trace is None or parse is None:
         module = sharded()
-        parse = parse or module.parse_strategies
+        pp_options = {} if (pp_schedule, microbatches) == ("1f1b", 0) else dict(pp_schedule=pp_schedule,
+                                                                                  microbatches=microbatches)
+        parse = parse or functools.partial(module.parse_strategies, **pp_options)  # a stand-in need not take them
     if trace is not None:
         open_session = functools.partial(PointSession, trace, replay=replay)
     else:
         from batchfit.plan.deep import DeepSession  # the tracer: torch, when a plan runs
+        from batchfit.plan.pipeline import pipeline_or
 
-        open_session = functools.partial(DeepSession, session=module.ShardedSession)
+        open_session = pipeline_or(functools.partial(DeepSession, session=module.ShardedSession))
     multiple_of = workload.batch_multiple(multiple_of)
     by_world = [(world, parse(strategies, world.gpus)) for world in worlds]  # every bad name before any trace
+    for _, chosen in by_world:  # a pipeline's local batch is whole micro-batches
+        multiple_of = math.lcm(multiple_of, *(s.microbatches for s in chosen if getattr(s, "pp", 1) > 1))
     if options.offloads("params"):
         by_world = _with_fsdp_only(by_world, auto=strategies.strip().lower() == "auto")
     if global_batch is not None:
@@ -496,6 +508,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     approximations = workload_approximations(workload, options) + float8_approximations(options)
     approximations += offload_approximations(options.offload, options.compile)
     approximations += zero_approximations([s for _, chosen in by_world for s in chosen])
+    from batchfit.distributed.pipeline import pipeline_approximations
+
+    approximations += pipeline_approximations([s for _, chosen in by_world for s in chosen])
     target_bytes = int(target_util * device.usable_bytes)
     auto = strategies.strip().lower() == "auto"
 

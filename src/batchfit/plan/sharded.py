@@ -22,6 +22,8 @@ Strategy names:
     tp<N>             tensor parallelism over all N GPUs (N must be the GPU count; for data
                       parallelism over the rest, use fsdp+tp<N>)
     fsdp+tp<N>        a 2-D mesh: TP over groups of N GPUs, FSDP2 across the groups
+    pp<N>[+X]         a pipeline of N stages (torch.distributed.pipelining; plan/pipeline.py), each
+                      running X (any name above) on world/N GPUs: pp2, pp4+fsdp, pp2+fsdp+tp2
 
 On one GPU every strategy is the plain single-GPU step (``shard`` "none").
 """
@@ -44,16 +46,22 @@ MAX_AUTO_TP = 8
 
 
 _NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|zero1|zero2|hsdp(\d+)|tp(\d+)|fsdp\+tp(\d+))$")
-_NAMES_HELP = "ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp+tp<N> or auto"
+_NAMES_HELP = "ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp+tp<N>, pp<N>[+any of these] or auto"
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def parse_strategy(text: str, world_size: int) -> Strategy:
-    """One strategy name on ``world_size`` GPUs (see the module docstring)."""
+def parse_strategy(text: str, world_size: int, *, pp_schedule: str = "1f1b", microbatches: int = 0) -> Strategy:
+    """One strategy name on ``world_size`` GPUs (see the module docstring); ``pp<N>+X``: a
+    pipeline of N stages, each running X on world_size / N GPUs (``plan/pipeline.py``), with
+    ``pp_schedule`` (--pp-schedule) and ``microbatches`` (--microbatches)."""
+    from batchfit.plan.pipeline import parse_pp_strategy, split_pp
+
     name = text.strip().lower().replace(" ", "")
+    if split_pp(name) is not None:
+        return parse_pp_strategy(name, world_size, parse_strategy, pp_schedule=pp_schedule, microbatches=microbatches)
     match = _NAME.match(name)
     if match is None:
         raise OptionError(f"unknown strategy '{text.strip()}': use {_NAMES_HELP}, e.g. --strategies ddp,fsdp,fsdp+tp2")
@@ -86,7 +94,7 @@ def parse_strategy(text: str, world_size: int) -> Strategy:
     return Strategy(name, world_size, world_size, 1, name)
 
 
-def parse_strategies(text: str, world_size: int) -> list[Strategy]:
+def parse_strategies(text: str, world_size: int, *, pp_schedule: str = "1f1b", microbatches: int = 0) -> list[Strategy]:
     """'ddp,fsdp,fsdp+tp2' or 'auto' (every strategy whose degrees divide ``world_size``).
     Raises OptionError with one line saying what to type instead for an unknown name or a
     degree that does not divide ``world_size`` (e.g. 'tp3' on 4 GPUs)."""
@@ -104,7 +112,7 @@ def parse_strategies(text: str, world_size: int) -> list[Strategy]:
     for name in names:
         if name.strip().lower() == "auto":
             raise OptionError("'auto' stands alone: --strategies auto, or a list such as ddp,fsdp")
-        strategy = parse_strategy(name, world_size)
+        strategy = parse_strategy(name, world_size, pp_schedule=pp_schedule, microbatches=microbatches)
         if strategy not in strategies:
             strategies.append(strategy)
     return strategies
@@ -164,6 +172,8 @@ class ShardedPoint:
     """Bytes rank 0's activation offload copied to the host in the step (and back)."""
     total_peak_bytes: int = 0
     """Rank 0's most device + host bytes at once, no workspace: what a CPU rank holds (the gloo truth)."""
+    stage_peak_bytes: tuple[int, ...] = ()
+    """Under pp<N> (``plan/pipeline.py``): each pipeline rank's peak, rank 0 first; the point is the largest's."""
 
 
 _world: list[int] = []
@@ -281,6 +291,10 @@ class ShardedSession:
             self.tracker = tracker = ShardedTracker(round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
 
             def shard(model):
+                if hasattr(model, "stage_indices"):  # a pipeline rank's stages: each wrapped as its own root
+                    for i, stage in enumerate(model.stages):
+                        model.stages[i] = shard(stage)
+                    return model
                 return _unpinned(apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
                                                 cpu_offload=options.offloads("params"),
                                                 parallelize=own_plan or tp_plan(model, options.tp_loss),

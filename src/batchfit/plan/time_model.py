@@ -170,6 +170,10 @@ class StepTime:
     """Per micro-batch: each direction's host-link time for --offload (bytes / host link)."""
     offload_exposed_s: float = 0.0
     """Per micro-batch: the part of it not hidden behind its pass's compute (in ``micro_step_s``)."""
+    pipeline_bubble_s: float = 0.0
+    """Per step of a pp<N> strategy: the pipeline's idle time, compute x f / (1 - f) with the bubble
+    fraction f = (p-1)/(m+p-1) (GPipe, 1F1B), (p-1)/V over m + (p-1)/V (interleaved 1F1B, V stages per
+    rank): Narayanan et al. 2021 (arXiv 2104.04473) sec. 2.2 and 2.2.1 (in ``micro_step_s``)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -227,10 +231,16 @@ def step_time(point, strategy, world: World, device: Device, precision: str, mod
         overlapped += seconds
     transfer_s = offload_seconds(getattr(point, "offloaded_bytes", 0), device)
     offload_exposed = max(0.0, transfer_s - compute_s / 3) + max(0.0, transfer_s - 2 * compute_s / 3)
-    micro = compute_s + max(0.0, overlapped - compute_s) + exposed + offload_exposed
+    bubble_s = 0.0
+    if getattr(strategy, "pp", 1) > 1:  # the traced rank's compute covers its m micro-batches
+        from batchfit.distributed.pipeline import bubble_fraction, parse_schedule
+
+        fraction = bubble_fraction(parse_schedule(strategy.pp_schedule, strategy.microbatches), strategy.pp)
+        bubble_s = compute_s * fraction / (1 - fraction)
+    micro = compute_s + max(0.0, overlapped - compute_s) + exposed + offload_exposed + bubble_s
     return StepTime(compute_s=compute_s, communication_s=by_group, overlapped_s=overlapped, exposed_s=exposed,
                     micro_step_s=micro, accumulation_steps=accumulation_steps,
                     step_time_s=micro * accumulation_steps, flops=point.flops, peak_tflops=peak_tflops,
                     bytes_sent=sent, links=link_of, offload_transfer_s=transfer_s,
-                    offload_exposed_s=offload_exposed)
+                    offload_exposed_s=offload_exposed, pipeline_bubble_s=bubble_s)
 

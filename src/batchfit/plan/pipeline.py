@@ -1,0 +1,179 @@
+"""Pipeline-parallel strategies in ``plan``: ``pp<N>`` alone or before another strategy
+(``pp4+fsdp``, ``pp2+fsdp+tp2``), each pipeline rank's stages traced on the fake process group.
+
+A pp<N>+X strategy on W GPUs is N pipeline ranks, each running X on W/N GPUs. Rank r's step
+(its stage modules, ``distributed/pipeline.py``) is traced as ``sharded.ShardedSession`` traces
+any rank 0: X applied with torch's own code on a fake process group of W/N ranks, then the
+micro-batch forwards and backwards in the order torch's schedule runs them. Every pipeline
+rank is traced (they differ: the first holds the most in-flight micro-batches under 1F1B, the
+first the embeddings, the last the head and the loss); the plan's peak is the largest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from batchfit.distributed.pipeline import check_pipeline, parse_schedule
+from batchfit.distributed.strategy import Strategy
+from batchfit.errors import OptionError
+
+_PP = re.compile(r"^pp(\d+)(?:\+(.+))?$")
+
+
+def split_pp(name: str) -> tuple[int, str] | None:
+    """('pp4+fsdp') -> (4, 'fsdp'); ('pp2') -> (2, ''); None when the name has no pp."""
+    match = _PP.match(name.strip().lower().replace(" ", ""))
+    if match is None:
+        return None
+    return int(match.group(1)), match.group(2) or ""
+
+
+def parse_pp_strategy(text: str, world_size: int, parse_rest, *, pp_schedule: str = "1f1b",
+                      microbatches: int = 0) -> Strategy:
+    """A pp<N>[+X] strategy on ``world_size`` GPUs; ``parse_rest(X, world_size // N)`` parses X."""
+    pp, rest = split_pp(text)
+    name = text.strip().lower().replace(" ", "")
+    if pp < 2:
+        raise OptionError(f"{name}: a pipeline needs 2 or more stages, e.g. pp2+fsdp (or drop pp)")
+    if world_size % pp:
+        good = [d for d in range(2, world_size + 1) if world_size % d == 0]
+        raise OptionError(f"{name} on {world_size} GPUs: pp{pp} x the other degrees must equal the GPU count; "
+                          f"use pp<N> with N in {', '.join(map(str, good)) or '(none: one GPU)'}")
+    schedule = parse_schedule(pp_schedule, microbatches)
+    check_pipeline(schedule, pp, None)
+    inner_world = world_size // pp
+    if rest:
+        if split_pp(rest) is not None:
+            raise OptionError(f"{name}: pp<N> comes once, first: e.g. pp2+fsdp+tp2")
+        inner = parse_rest(rest, inner_world)
+    elif inner_world == 1:
+        inner = Strategy("none", 1, 1, 1, "none")
+    else:
+        raise OptionError(f"{name} on {world_size} GPUs: pp{pp} x the other degrees must equal the GPU count; "
+                          f"use pp{world_size}, or pp{pp}+fsdp (data parallel over the other {inner_world})")
+    return dataclasses.replace(inner, name=name, world_size=world_size, pp=pp, pp_schedule=schedule.name,
+                               microbatches=schedule.microbatches or pp)
+
+
+def inner_strategy(strategy: Strategy) -> Strategy:
+    """What each pipeline rank runs on its world_size / pp GPUs."""
+    return dataclasses.replace(strategy, name=split_pp(strategy.name)[1] or "none",
+                               world_size=strategy.world_size // strategy.pp, pp=1, pp_schedule="", microbatches=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePoint:
+    """One pipeline rank's traced step."""
+
+    rank: int
+    """The pipeline rank (it holds stages rank, rank + pp, ... under interleaved 1F1B)."""
+    stages: tuple[int, ...]
+    """The stage indices it holds."""
+    in_flight: int
+    """The most micro-batch forwards it holds at once, from the schedule's action order."""
+    point: object
+    """Its ``sharded.ShardedPoint``."""
+
+
+class PipelineSession:
+    """Every pipeline rank of ``strategy`` (pp > 1), each a ``ShardedSession`` of its inner
+    strategy over stage modules, run in torch's schedule order. ``trace`` returns the largest
+    rank's ShardedPoint (as ShardedSession does) and keeps each rank's in :attr:`stage_points`."""
+
+    def __init__(self, workload, options, device, strategy: Strategy, *, cuda_semantics: bool = True,
+                 ranks: list[int] | None = None) -> None:
+        from batchfit.distributed.pipeline import build_rank, n_layers_of, rank_actions
+        from batchfit.plan.sharded import ShardedSession
+
+        import torch
+
+        self.strategy = strategy
+        self.workload, self.options, self.device = workload, options, device
+        self.cuda_semantics = cuda_semantics
+        self.schedule = parse_schedule(strategy.pp_schedule or "1f1b", strategy.microbatches)
+        if options.loss != "plain":
+            raise OptionError(f"{strategy.name}: --loss {options.loss} is not traced under pipeline parallelism yet "
+                              "(the last stage computes the plain loss from its logits): use --loss plain")
+        with torch.device("meta"):
+            probe = workload.build_model()
+        check_pipeline(self.schedule, strategy.pp, n_layers_of(probe))
+        self.d_model = probe.embed.embedding_dim
+        # Under TP with sequence parallelism (the zoo's Llama plan) the residual stream a stage
+        # sends holds 1/tp of the sequence (the embedding's Rowwise output is Shard(1), local).
+        sp = strategy.tp > 1 and getattr(probe, "pos", None) is None
+        self.seq_len = workload.tokens_per_sample // (strategy.tp if sp else 1)
+        del probe
+        self.ranks = list(range(strategy.pp)) if ranks is None else ranks
+        self.actions = {r: rank_actions(self.schedule, strategy.pp, r) for r in self.ranks}
+        self._build_rank = build_rank
+        self._sharded = ShardedSession
+        self.stage_points: list[StagePoint] = []
+        """Each traced pipeline rank at the last local batch traced."""
+        self.by_batch: dict[int, list[StagePoint]] = {}
+        """Each pipeline rank, by local batch."""
+        self._streams: dict[int, tuple] = {}
+
+    def _trace_rank(self, rank: int, local_batch: int):
+        from batchfit.distributed.pipeline import PipelineRun, in_flight
+
+        pp, v = self.strategy.pp, self.schedule.virtual
+        build = self.workload.build_model
+        policy = self.options.checkpointing
+        staged = dataclasses.replace(self.workload, build_model=lambda: self._build_rank(build, pp, rank, v, policy))
+        options = dataclasses.replace(self.options, checkpointing="none")  # applied per stage by build_rank
+        with self._sharded(staged, options, self.device, inner_strategy(self.strategy),
+                           cuda_semantics=self.cuda_semantics) as session:
+            step = session.session.step
+            step.run = PipelineRun(step, actions=self.actions[rank], microbatches=self.strategy.microbatches,
+                                   stages=pp * v, d_model=self.d_model, seq_len=self.seq_len)
+            point = session.trace(local_batch)
+            stream = (session.fresh_stream, session.fresh_steps)
+        stages = tuple(rank + k * pp for k in range(v))
+        return StagePoint(rank=rank, stages=stages, in_flight=in_flight(self.actions[rank]), point=point), stream
+
+    def trace(self, local_batch: int):
+        """Each pipeline rank's step at ``local_batch`` samples per step (``microbatches`` micro-batches
+        of local_batch / microbatches); the largest rank's point."""
+        m = self.strategy.microbatches
+        if local_batch < 1 or local_batch % m:
+            raise OptionError(f"{self.strategy.name}: the local batch ({local_batch}) must be a multiple of the "
+                              f"{m} micro-batches: --multiple-of {m}, or --microbatches that divides it")
+        traced = [self._trace_rank(r, local_batch) for r in self.ranks]
+        self.stage_points = [stage for stage, _ in traced]
+        worst, stream = max(traced, key=lambda t: t[0].point.peak_bytes)
+        self._streams[local_batch] = stream
+        self.by_batch[local_batch] = self.stage_points
+        return dataclasses.replace(worst.point, strategy=self.strategy,
+                                   stage_peak_bytes=tuple(s.point.peak_bytes for s in self.stage_points))
+
+    def reserved(self, local_batch: int):
+        """The reserved peak (``plan.reserved.ReservedReplay``) of the rank with the largest
+        allocated peak at ``local_batch``: its fresh process's stream through the allocator model."""
+        from batchfit.plan.reserved import replay_steps
+
+        if local_batch not in self._streams:
+            self.trace(local_batch)
+        return replay_steps(*self._streams[local_batch], self.device)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> PipelineSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def pipeline_or(open_session):
+    """``open_session`` for every strategy but pp<N>, which gets a :class:`PipelineSession`
+    (each pipeline rank traced whole: the depth extrapolation cuts whole models, not stages)."""
+
+    def open_any(workload, options, device, strategy, **kw):
+        if getattr(strategy, "pp", 1) > 1:
+            return PipelineSession(workload, options, device, strategy, **kw)
+        return open_session(workload, options, device, strategy, **kw)
+
+    return open_any
