@@ -95,6 +95,26 @@ def check_offload(value: str) -> None:
                       "(params: FSDP2's CPUOffloadPolicy, plan with an fsdp strategy)")
 
 
+ROUTINGS: tuple[str, ...] = ("balanced", "capacity:F", "worst")
+"""The --routing grammar (``trace/routing.py``): how many tokens each expert of an MoE layer gets
+on fake tensors, where a router's values decide it; F is a positive number."""
+
+
+def check_routing(value: str) -> None:
+    """Raise a one-line OptionError unless ``value`` is one of :data:`ROUTINGS`."""
+    if value in ("balanced", "worst"):
+        return
+    factor = value.removeprefix("capacity:") if value.startswith("capacity:") else None
+    try:
+        ok = factor is not None and math.isfinite(float(factor)) and float(factor) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise OptionError(f"unknown routing '{value}': use balanced (tokens x top_k / experts each), "
+                          "capacity:F (e.g. capacity:1.25, F a positive number) or worst (every token to "
+                          "the same top_k experts)")
+
+
 PARAMS_OFFLOAD_NEEDS_FSDP = ("--offload params is FSDP2's CPUOffloadPolicy, for sharded steps: use it with "
                              "`batchfit plan --strategies fsdp`; on one GPU use --offload activations")
 
@@ -174,6 +194,11 @@ class StepOptions:
     forward, moved out and back by saved-tensor hooks, as torchtune's and TRL's
     OffloadActivations do); params (FSDP2's CPUOffloadPolicy: sharded parameters, their gradients
     and the optimizer state, stepped on the CPU; plan only); or both, joined by '+'."""
+    routing: str = "balanced"
+    """How many tokens each expert of an MoE layer gets on fake tensors (a router's values decide it
+    on real ones): balanced (tokens x top_k / experts each), capacity:F (filled to a capacity of
+    ceil(F x tokens x top_k / experts) in turn, the rest dropped) or worst (every token to the same
+    top_k experts). No effect on a dense model."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
     trainable: tuple[str, ...] = ()
@@ -197,6 +222,7 @@ class StepOptions:
         check_loss(self.loss)
         check_tp_loss(self.tp_loss)
         check_offload(self.offload)
+        check_routing(self.routing)
         if self.accumulation_steps < 1:
             raise OptionError(
                 f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"

@@ -14,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
                                  report_folder, step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, HostMemoryOpt, LossOpt, OffloadOpt, parse_host_memory, warn_about_approximations
+from batchfit.cli.common import CompileOpt, HostMemoryOpt, LossOpt, OffloadOpt, RoutingOpt, parse_host_memory, warn_about_approximations
 from batchfit.devices import GiB
 from batchfit.report.host import host_line
 from batchfit.errors import OptionError
@@ -46,6 +46,7 @@ def estimate_command(
     checkpointing: CheckpointingOpt = "none",
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
+    routing: RoutingOpt = "balanced",
     host_memory: HostMemoryOpt = None,
     compile_: CompileOpt = "none",
     freeze: FreezeOpt = None,
@@ -71,7 +72,7 @@ def estimate_command(
         raise OptionError("estimate sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb), "
                           "--gpu-memory 24GiB or --device cuda")
     device = target.device
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload, routing)
     host_memory_bytes = parse_host_memory(host_memory)
     warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
     sizes = parse_batch_sizes(batch_sizes)

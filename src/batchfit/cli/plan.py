@@ -17,7 +17,7 @@ from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemo
                                  check_outputs, command_target, handle_errors, out_option, parse_batch_sizes,
                                  progress_line, quiet_if_stdout, report_folder, step_options, warn_about_precision,
                                  write_outputs)
-from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, OffloadOpt, parse_host_memory,
+from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, OffloadOpt, RoutingOpt, parse_host_memory,
                                  warn_about_approximations)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
@@ -68,6 +68,7 @@ def plan_command(
     checkpointing: CheckpointingOpt = "none",
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
+    routing: RoutingOpt = "balanced",
     host_memory: HostMemoryOpt = None,
     compile_: CompileOpt = "none",
     tp_loss: Annotated[str, typer.Option(help="Under tp<N> / fsdp+tp<N>: sharded (the logits stay split by the "
@@ -112,7 +113,7 @@ def plan_command(
         raise OptionError("give --mfu or --calibrate, not both: --calibrate takes the MFU from a bench run")
     if processes is not None and processes < 1:
         raise OptionError(f"--processes must be 1 or more, got {processes}: e.g. --processes 2")
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss, offload)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss, offload, routing)
     host_memory_bytes = parse_host_memory(host_memory)
     options = dataclasses.replace(options, tp_loss=tp_loss)
     time_model = (calibrated(calibrate, precision) if calibrate is not None

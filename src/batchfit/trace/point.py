@@ -25,6 +25,7 @@ from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, Cach
 from batchfit.search import SearchResult, Trial, guided, reserved_search
 from batchfit.trace import depth, forked, stream
 from batchfit.trace.approximation import Approximation, fast_path_approximations, offload_approximations
+from batchfit.trace.routing import routing_approximation
 from batchfit.trace.compiled import COMPILED_TRACED, compile_approximations, graph_breaks
 from batchfit.trace.cuda_float8 import float8_approximations
 from batchfit.trace.curve import MemoryCurve, fit_curve
@@ -234,7 +235,8 @@ class TracedCurve:
         """Where this trace approximates the step it stands for (a compiled model run as eager)."""
         session = self._full or self._first
         fast_path = (fast_path_approximations(session.step.model) + float8_approximations(self.options)
-                     + offload_approximations(self.options.offload, self.options.compile))
+                     + offload_approximations(self.options.offload, self.options.compile)
+                     + routing_approximation(session.step.model, self.options.routing))
         if not session.compiled:
             found = compile_approximations(self.options, session.step.model, self.workload.loss_fn)
             why = "; mixed precision on CUDA is not traced compiled yet"  # the one reason left on one device
