@@ -113,6 +113,10 @@ class RoutedExperts(TorchDispatchMode):
         self.routing = routing
         self._local = threading.local()
         self.handles = []
+        self.expert_shapes = {(tuple(p.shape), p.dtype) for _, m in moe_experts(model)
+                              for p in m.parameters(recurse=False) if p.dim() == 3}
+        """The stacked expert weights' shapes: each expert's slice of one sends its gradient back
+        through ``select_backward``, a whole-weight-sized tensor, summed by the autograd engine."""
         for _, module in moe_experts(model):
             self.handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._exit, always_call=True))
@@ -137,6 +141,14 @@ class RoutedExperts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if (func is torch.ops.aten.add.Tensor and not torch.is_grad_enabled() and len(args) == 2 and not kwargs
+                and all(isinstance(a, torch.Tensor) and (tuple(a.shape), a.dtype) in self.expert_shapes
+                        and a._base is None for a in args)):
+            # The autograd engine sums the experts' gradients of one stacked weight in place on a
+            # real tensor (torch/csrc/autograd/input_buffer.cpp: can_accumulate_inplace, the buffer
+            # holding the only reference), out of place on a tensor subclass such as a fake one:
+            # one weight-sized buffer more per sum, which a GPU never holds.
+            return args[0].add_(args[1])
         frames = self._frames()
         if not (frames and frames[-1].counts):
             return func(*args, **kwargs)
