@@ -33,6 +33,7 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--offload", "params"], "--strategies fsdp"),
         ([*TINY, "--gpu", "t4", "--offload", "activations", "--host-memory", "lots"], "512GiB"),
         ([*TINY, "--gpu", "t4", "--offload", "activations", "--host-memory", "0GiB"], "512GiB"),
+        ([*TINY, "--gpu", "t4", "--routing", "even"], "capacity:F"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
@@ -44,6 +45,7 @@ ROWS = {
         ([*TINY, "--device", "virtual:t4", "--multiple-of", HUGE], "at most 16,777,216"),
         ([*TINY, "--device", "virtual:t4", "--global-batch", HUGE], "at most 16,777,216"),
         ([*TINY, "--device", "virtual:t4", "--offload", "activation"], "activations+params"),
+        ([*TINY, "--device", "virtual:t4", "--routing", "capacity:0"], "capacity:1.25"),
     ],
     "bench": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
@@ -54,6 +56,7 @@ ROWS = {
         ([*TINY, "--device", "virtual:t4", "--accumulation-steps", HUGE], "from 1 to 16,777,216"),
         (["gpt-tinystories-22m", "--device", "virtual:t4", "--seq-len", HUGE], "from 1 to 16,777,216"),
         ([*TINY, "--device", "virtual:t4", "--offload", "none+activations"], "activations+params"),
+        ([*TINY, "--device", "virtual:t4", "--routing", "capacity:x"], "capacity:1.25"),
     ],
     "plan": [
         (["gpt-tinystorie", "--gpu", "h100", "--gpus", "2"], "did you mean 'gpt-tinystories-22m'"),
@@ -73,6 +76,7 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--offload", "params+params"], "activations+params"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "ddp,fsdp", "--offload", "params"], "ddp on 2 GPUs has no FSDP"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--host-memory", "512"], "512GiB"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--routing", "best"], "worst"),
     ],
     "sweep": [
         (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),
