@@ -101,3 +101,14 @@ def test_a_forced_balanced_router_matches_the_balanced_trace_and_no_routing_exce
     real = measured(tiny_moe(), tmp_path)  # random router weights: uneven
     bound = max(traced(tiny_moe(), r) for r in ("balanced", "worst", "capacity:1.5"))
     assert real <= bound, (real, bound)
+
+
+def test_hf_grouped_gemm_reads_no_routing_and_matches_a_real_step(tmp_path):
+    """HF's grouped-GEMM experts (grouped_mm_experts_forward: tokens x top_k rows sorted by expert,
+    one grouped_mm) read no values: the same bytes under every routing; against a real bf16 CPU step."""
+    grouped = tiny_moe(implementation="grouped_mm")
+    balanced, worst = traced(grouped, "balanced", "bf16"), traced(grouped, "worst", "bf16")
+    assert balanced == worst
+    real = measured(tiny_moe(implementation="grouped_mm"), tmp_path, "bf16")
+    print(balanced, real)
+    assert abs(balanced - real) <= 0.02 * real, (balanced, real)
