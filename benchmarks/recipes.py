@@ -6,6 +6,7 @@ gpt-tinystories-22m (Llama-style: 4 blocks, d 512, 16 heads, SwiGLU 1344, no bia
 10000), fp32 AdamW, batch 4 x 256 tokens. Writes benchmarks/results/recipes-<date>.json.
 
     python benchmarks/recipes.py [--model gpt-tinystories-22m] [--batch-size 4] [--seq-len 256]
+        [--recipes NAME,NAME] [--result-name recipes-BRANCH]
 
 Checkpointing recipes: none, full, every:2 (torchtitan's layer AC: blocks 1 and 3 of 4),
 selective (torchtitan's per-op SAC), and a user's own ``create_selective_checkpoint_contexts``
@@ -24,7 +25,7 @@ bf16-mixed autocast (CPU autocast on both sides: the trace runs with CPU semanti
 float8 recipes (``train/float8.py``, torchao's convert_to_float8_training): fp8-tensorwise and
 fp8-rowwise, the rest bf16-mixed; "bf16-mixed loss plain" is their baseline. torch._scaled_mm runs
 on this CPU as an fp32 emulation whose scratch the CPU-semantics trace runs op by op
-(``trace/cuda_float8.py``). The "fsdp2 x2" rows are rank 0 of a real 2-process gloo run (FSDP2,
+(``trace/cuda_float8.py``). The "fsdp2 x2" rows (in ``DISTRIBUTED``) are rank 0 of a real 2-process gloo run (FSDP2,
 float8 all-gather for tensorwise) against ``trace_sharded`` on the fake process group.
 
     python benchmarks/recipes.py --recipes "bf16-mixed loss plain,fp8-tensorwise,fp8-rowwise,fsdp2 x2 fp8-tensorwise,fsdp2 x2 fp8-rowwise" --name recipes-fp8
@@ -36,11 +37,18 @@ alive at once (``Snapshot.total_peak_bytes``) against the profiler's total. ``of
 Llama (fsdp on 2 ranks, rank 0 profiled) against rank 0's traced device + host total.
 
     python benchmarks/recipes.py --only offload --name recipes-offload   # these rows only
+
+Multi-GPU recipes (``DISTRIBUTED``): rank 0 of 2 traced on the fake process group against a
+real 2-process gloo run on this CPU (rank 0's profiled third step, or fourth with the
+timeline's data-flow checks relaxed where they trip: ``_lenient_data_flow_checks``): tp2 with the vocabulary-
+sharded loss (loss_parallel, the default) and with the gathered logits, FSDP2 with chunked:8,
+DDP with fused-linear.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -74,6 +82,23 @@ def user_sac(workload: Workload) -> Workload:
     return dataclasses.replace(workload, build_model=build_model)
 
 
+def hf_llama(workload: Workload) -> Workload:
+    """A small HF Llama (LlamaConfig: 2 layers, hidden 256, vocab 2048) at the base's sequence
+    length: the QLoRA rows' model, built with transformers as a QLoRA user's is."""
+    seq = workload.tokens_per_sample or 256
+
+    def build_model():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                            max_position_embeddings=seq, attn_implementation="sdpa"))
+
+    return Workload(name="hf-llama-2x256", build_model=build_model,
+                    make_batch=lambda b, d: torch.randint(0, 2048, (b, seq), device=d),
+                    loss_fn=lambda m, x: m(input_ids=x, labels=x).loss, tokens_per_sample=seq)
+
+
 # recipe -> (how the workload changes, the step options)
 RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "checkpointing none": (lambda w: w, StepOptions(checkpointing="none")),
@@ -92,6 +117,14 @@ RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "offload activations": (lambda w: w, StepOptions(offload="activations")),
     "offload activations + checkpointing full": (lambda w: w, StepOptions(offload="activations", checkpointing="full")),
     "bf16-mixed offload activations": (lambda w: w, StepOptions(precision="bf16-mixed", offload="activations")),
+    # QLoRA (--quantize, --lora, bitsandbytes' optimizers: the [quant] extra) on a small HF Llama;
+    # bitsandbytes' paged optimizers run unpaged on the CPU (its own fallback), so the paged row's
+    # truth is the unpaged step (on CUDA the paged state is reported apart: paged_bytes).
+    "qlora nf4 r16 paged-adamw-8bit": (hf_llama, StepOptions(quantize="nf4", lora="r=16",
+                                                             optimizer="paged-adamw-8bit")),
+    "qlora nf4-dq r16 bf16-mixed": (hf_llama, StepOptions(quantize="nf4-dq", lora="r=16", optimizer="paged-adamw-8bit",
+                                                          precision="bf16-mixed")),
+    "full fine-tune adamw-8bit": (hf_llama, StepOptions(optimizer="adamw-8bit")),
 }
 GLOO = {"offload params (fsdp on 2 gloo ranks)"}
 """Rows measured by a real multi-process run, not one CPU step."""
@@ -109,80 +142,106 @@ def gloo_offload_params() -> tuple[int, int]:
         measured = json.loads((Path(folder) / "peak.json").read_text())
     return _trace(OFFLOAD).total_peak_bytes, measured
 
-GLOO_RECIPES: dict[str, tuple[str, StepOptions]] = {
+
+# Multi-GPU recipes: recipe -> (strategy on 2 ranks, the step options). Truth is a real 2-process
+# gloo run on this CPU (rank 0's profiled step), the trace is rank 0 on the fake process group.
+DISTRIBUTED: dict[str, tuple[str, StepOptions]] = {
+    "tp2 loss sharded (loss_parallel)": ("tp2", StepOptions(tp_loss="sharded")),
+    "tp2 loss gathered": ("tp2", StepOptions(tp_loss="gathered")),
+    "fsdp loss chunked:8": ("fsdp", StepOptions(loss="chunked:8")),
+    "ddp loss fused-linear": ("ddp", StepOptions(loss="fused-linear")),
     "fsdp2 x2 bf16-mixed": ("fsdp", StepOptions(precision="bf16-mixed")),
     "fsdp2 x2 fp8-tensorwise": ("fsdp", StepOptions(precision="fp8-tensorwise")),
     "fsdp2 x2 fp8-rowwise": ("fsdp", StepOptions(precision="fp8-rowwise")),
 }
-"""recipe -> (strategy, options): rank 0 of 2 real gloo processes on this CPU vs the traced rank 0."""
 
 
-def _gloo_rank(rank: int, port: int, model: str, seq_len: int, batch_size: int, strategy_name: str,
-               options: StepOptions, out: str) -> None:
-    """One rank of a real 2-process run; rank 0 profiles its third step (the first two made the
-    optimizer state and, for DDP, rebuilt the buckets) and writes the peak to ``out``."""
+@contextlib.contextmanager
+def _lenient_data_flow_checks():
+    """The memory timeline without its data-flow graph's two consistency checks, which trip
+    ("version mismatch", "duplicate outputs") in most profiled steps of a 2-rank run here, on
+    the functional collectives (an op that allocates its output and writes it in place). The
+    checks guard the graph the timeline sorts tensors into categories with, and the versions it
+    reads pre-existing tensors from: relaxed, a storage reused within one op can be counted
+    twice (seen: tp2 sharded +8.4 MB, 2.5% over the strict timeline's 329,507,960 B; gathered,
+    FSDP and DDP rows the same to the byte). Used only after 6 strict tries failed."""
+    from torch.profiler import _memory_profiler as memory_profiler
+
+    node_init, validate = memory_profiler.DataFlowNode.__init__, memory_profiler.DataFlowGraph.validate
+
+    def lenient_init(self, event, graph):  # DataFlowNode.__init__ less its final assertion
+        self._event, self._graph = event, graph
+        self._edges = self._determine_edges()
+        for key, edge in self._edges.items():
+            if edge.mutated and not edge.is_allocation:
+                self._graph.bump(key)
+
+    memory_profiler.DataFlowNode.__init__ = lenient_init
+    memory_profiler.DataFlowGraph.validate = lambda self: None
+    try:
+        yield
+    finally:
+        memory_profiler.DataFlowNode.__init__, memory_profiler.DataFlowGraph.validate = node_init, validate
+
+
+def _gloo_rank(rank: int, port: int, model: str, seq_len: int, strategy_name: str, options: StepOptions,
+               batch_size: int, out: str) -> None:
+    """One rank of a real 2-process gloo run; rank 0 writes its profiled peak to ``out``."""
     import datetime
     import os
 
     import torch.distributed as dist
 
     from batchfit.distributed import apply_strategy, build_meshes
+    from batchfit.distributed.tp_plans import tp_plan
     from batchfit.plan.sharded import parse_strategy
 
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
     strategy = parse_strategy(strategy_name, 2)
     meshes = build_meshes(strategy)
     torch.manual_seed(0)
     step = TrainingStep(ZOO[model](seq_len=seq_len), options, torch.device("cpu"),
-                        wrap=lambda m: apply_strategy(m, strategy, meshes, precision=options.precision, fake=False))
+                        wrap=lambda m: apply_strategy(m, strategy, meshes, precision=options.precision, fake=False,
+                                                      parallelize=tp_plan(m, options.tp_loss)))
     step.run(batch_size)
-    step.run(batch_size)
-    # The profiler's data-flow check sometimes fails ("version mismatch", as in tests/test_plan_trace.py):
-    # rank 0 profiles the next step then, and every rank runs as many steps as it profiles.
-    for _ in range(4):
-        peak = None
+    step.run(batch_size)  # DDP rebuilds its buckets in the second step
+    # The strict timeline trips ("version mismatch", "duplicate outputs") on the functional
+    # collectives in many profiled steps here: up to 6 steps are profiled, then one more with the
+    # data-flow checks relaxed (flagged in the row: not byte-exact, see _lenient_data_flow_checks).
+    found: dict = {}
+    for attempt in range(7):
         if rank == 0:
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                         with_stack=True) as prof:
-                step.run(batch_size)
-            path = Path(out) / "timeline.json"
             try:
-                prof.export_memory_timeline(str(path), device="cpu")
-                _, sizes = json.loads(path.read_text())
-                peak = max(sum(row) for row in sizes)
-                (Path(out) / "peak.json").write_text(json.dumps(peak))
+                with _lenient_data_flow_checks() if attempt == 6 else contextlib.nullcontext():
+                    found = {"peak": profiled_peak(None, options, batch_size, step=step),
+                             "timeline": "lenient" if attempt == 6 else "strict"}
             except AssertionError:
                 pass
         else:
             step.run(batch_size)
-        done = torch.tensor([int(rank != 0 or peak is not None)])
+        done = torch.tensor([int(bool(found))])
         dist.broadcast(done, src=0)
         if done.item():
             break
+    if rank == 0:
+        Path(out).write_text(json.dumps(found))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def gloo_peaks(model: str, seq_len: int, batch_size: int, strategy_name: str, options: StepOptions) -> tuple[int, int]:
-    """(traced rank 0 peak, CPU semantics, on the fake process group; rank 0's profiled peak of a real run)."""
+def gloo_peak(model: str, seq_len: int, strategy_name: str, options: StepOptions, batch_size: int) -> dict:
     import socket
 
-    from batchfit.devices import get_device
-    from batchfit.plan.sharded import parse_strategy, trace_sharded
-
-    traced = trace_sharded(ZOO[model](seq_len=seq_len), options, get_device("h100-80gb"),
-                           parse_strategy(strategy_name, 2), batch_size, cuda_semantics=False).peak_bytes
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as folder:
-        torch.multiprocessing.spawn(_gloo_rank, args=(port, model, seq_len, batch_size, strategy_name, options, folder),
+        out = str(Path(folder) / "peak.json")
+        torch.multiprocessing.spawn(_gloo_rank, args=(port, model, seq_len, strategy_name, options, batch_size, out),
                                     nprocs=2, join=True)
-        return traced, json.loads((Path(folder) / "peak.json").read_text())
+        return json.loads(Path(out).read_text())
 
 
 def traced_peak(workload: Workload, options: StepOptions, batch_size: int) -> int:
@@ -192,12 +251,14 @@ def traced_peak(workload: Workload, options: StepOptions, batch_size: int) -> in
         return snapshot.total_peak_bytes if options.offload != "none" else snapshot.peak_bytes
 
 
-def profiled_peak(workload: Workload, options: StepOptions, batch_size: int) -> int:
+def profiled_peak(workload: Workload, options: StepOptions, batch_size: int, step: TrainingStep | None = None) -> int:
     """The profiler's memory timeline over the second real CPU step (the first made the
-    optimizer state, as in the trace): the largest total of live bytes."""
-    torch.manual_seed(0)
-    step = TrainingStep(workload, options, torch.device("cpu"))
-    step.run(batch_size)
+    optimizer state, as in the trace): the largest total of live bytes. ``step``: one already
+    warmed up (a gloo rank's), profiled as it is."""
+    if step is None:
+        torch.manual_seed(0)
+        step = TrainingStep(workload, options, torch.device("cpu"))
+        step.run(batch_size)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
         step.run(batch_size)
@@ -213,10 +274,11 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-tinystories-22m")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--recipes", default=",".join([*RECIPES, *GLOO]),
-                        help="comma-separated names of RECIPES, GLOO_RECIPES or GLOO")
+    parser.add_argument("--recipes", default=",".join([*RECIPES, *DISTRIBUTED, *GLOO]),
+                        help="comma-separated names of RECIPES, DISTRIBUTED or GLOO")
     parser.add_argument("--only", default=None, help="only the recipes whose name holds this, e.g. offload")
-    parser.add_argument("--name", default="recipes", help="results file name: benchmarks/results/<name>-<date>.json")
+    parser.add_argument("--name", "--result-name", dest="name", default="recipes",
+                        help="results file name: benchmarks/results/<name>-<date>.json")
     parser.add_argument("--tag", default="", help="results/<name>-<tag>-<date>.json (e.g. a branch's rows alone)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the profiler's FutureWarning on export_memory_timeline
@@ -226,9 +288,16 @@ def main() -> None:
     print(f"{'recipe':<40} {'traced B':>13} {'CPU truth B':>13} {'error':>9} {'seconds':>8}")
     for name in [n for n in args.recipes.split(",") if args.only is None or args.only in n]:
         started = time.perf_counter()
-        if name in GLOO_RECIPES:
-            strategy_name, options = GLOO_RECIPES[name]
-            traced, measured = gloo_peaks(args.model, args.seq_len, args.batch_size, strategy_name, options)
+        timeline = "strict"
+        if name in DISTRIBUTED:  # rank 0 of 2: the fake process group against a real gloo run
+            from batchfit.devices import get_device
+            from batchfit.plan.sharded import parse_strategy, trace_sharded
+
+            strategy_name, options = DISTRIBUTED[name]
+            traced = trace_sharded(base, options, get_device("h100-80gb"), parse_strategy(strategy_name, 2),
+                                   args.batch_size, cuda_semantics=False).peak_bytes
+            truth = gloo_peak(args.model, args.seq_len, strategy_name, options, args.batch_size)
+            measured, timeline = truth["peak"], truth["timeline"]
         elif name in GLOO:
             options = StepOptions(offload="params")
             traced, measured = gloo_offload_params()
@@ -240,8 +309,10 @@ def main() -> None:
         seconds = time.perf_counter() - started
         error = (traced - measured) / measured
         rows.append({"recipe": name, "options": options.to_json(), "traced_bytes": traced,
-                     "cpu_truth_bytes": measured, "error": error, "seconds": round(seconds, 1)})
-        print(f"{name:<40} {traced:>13,} {measured:>13,} {error:>+9.4%} {seconds:>8.1f}", flush=True)
+                     "cpu_truth_bytes": measured, "error": error, "seconds": round(seconds, 1),
+                     **({"timeline": timeline} if timeline != "strict" else {})})
+        print(f"{name:<40} {traced:>13,} {measured:>13,} {error:>+9.4%} {seconds:>8.1f}"
+              + (" (timeline checks relaxed)" if timeline != "strict" else ""), flush=True)
     path = write_result(f"{args.name}-{args.tag}" if args.tag else args.name, {
         "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": "per row (options.precision)",
         "truth": "torch.profiler export_memory_timeline peak of the same real CPU step (the second one)",

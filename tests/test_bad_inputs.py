@@ -33,6 +33,9 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--offload", "params"], "--strategies fsdp"),
         ([*TINY, "--gpu", "t4", "--offload", "activations", "--host-memory", "lots"], "512GiB"),
         ([*TINY, "--gpu", "t4", "--offload", "activations", "--host-memory", "0GiB"], "512GiB"),
+        ([*TINY, "--gpu", "t4", "--quantize", "nf5"], "nf4-dq"),
+        ([*TINY, "--gpu", "t4", "--lora", "rank=8"], "r=16"),
+        ([*TINY, "--gpu", "t4", "--optimizer", "adamw-torchao-8bit"], "adamw-8bit"),
         ([*TINY, "--gpu", "t4", "--routing", "even"], "capacity:F"),
     ],
     "probe": [

@@ -30,6 +30,8 @@ OPTIONAL = set().union(*EXTRAS.values())
 
 UNGUARDED_BY_DESIGN = {
     ("sweep/executors.py", "ray"): "run_ray runs only after check_executor said pip install 'batchfit[ray]'",
+    ("trace/bnb_fake.py", "bitsandbytes"): "runs only after train/quantize.py's load_bitsandbytes said "
+                                           "pip install 'batchfit[quant]'",
 }
 
 

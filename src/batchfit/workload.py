@@ -40,7 +40,11 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent package is missing, or sys.modules holds None
         return False
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "muon")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "muon",
+                               "adamw-8bit", "paged-adamw-8bit", "lion-8bit", "paged-lion-8bit",
+                               "adamw-torchao-8bit", "adamw-torchao-4bit")
+"""muon: train/muon.py; the last six: bitsandbytes' 8-bit (and paged) AdamW and Lion, torchao's low-bit
+AdamW (``train/quantize.py``; the ``[quant]`` extra)."""
 CHECKPOINTING: tuple[str, ...] = ("none", "full", "selective", "every:N")
 """The --checkpointing grammar (``train/checkpointing.py``); N is a positive integer."""
 
@@ -119,6 +123,50 @@ PARAMS_OFFLOAD_NEEDS_FSDP = ("--offload params is FSDP2's CPUOffloadPolicy, for 
                              "`batchfit plan --strategies fsdp`; on one GPU use --offload activations")
 
 
+QUANTIZE: tuple[str, ...] = ("none", "nf4", "nf4-dq", "fp4", "fp4-dq", "int8")
+"""The --quantize grammar: the frozen base's linear layers in bitsandbytes 4-bit (nf4/fp4; -dq:
+double quantization of the absmax) or 8-bit (LLM.int8), ``train/quantize.py``."""
+
+
+def check_quantize(value: str) -> None:
+    """Raise a one-line OptionError unless ``value`` is one of :data:`QUANTIZE`."""
+    if value not in QUANTIZE:
+        raise OptionError(f"unknown quantize '{value}': use one of {', '.join(QUANTIZE)} "
+                          "(-dq: double quantization, as BitsAndBytesConfig's bnb_4bit_use_double_quant)")
+
+
+LORA = "r=N[,alpha=A][,dora][,targets=a+b]"
+"""The --lora grammar: PEFT LoRA adapters of rank N (DoRA with ``dora``) on the linear layers whose
+names end in one of the targets (default: every linear layer but the output head, PEFT's all-linear)."""
+
+
+def parse_lora(value: str) -> dict[str, Any] | None:
+    """``--lora`` as {'r', 'alpha', 'dora', 'targets'} (None for 'none'); a one-line OptionError
+    that shows the grammar otherwise."""
+    if value == "none":
+        return None
+    spec: dict[str, Any] = {"r": None, "alpha": None, "dora": False, "targets": None}
+    bad = OptionError(f"bad --lora '{value}': use none or {LORA}, e.g. r=16 or r=16,dora,targets=q_proj+v_proj")
+    for part in value.split(","):
+        key, _, arg = part.strip().partition("=")
+        if key in ("r", "alpha") and arg.isascii() and arg.isdigit() and int(arg) >= 1 and spec[key] is None:
+            spec[key] = int(arg)
+        elif key == "dora" and not arg and not spec["dora"]:
+            spec["dora"] = True
+        elif key == "targets" and arg and spec["targets"] is None and all(arg.split("+")):
+            spec["targets"] = tuple(arg.split("+"))
+        else:
+            raise bad
+    if spec["r"] is None:
+        raise bad
+    return spec
+
+
+def check_lora(value: str) -> None:
+    """Raise a one-line OptionError unless ``value`` follows :data:`LORA` (or is 'none')."""
+    parse_lora(value)
+
+
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with PyTorch's defaults: on CUDA it takes the foreach path."""
     import torch
@@ -194,6 +242,12 @@ class StepOptions:
     forward, moved out and back by saved-tensor hooks, as torchtune's and TRL's
     OffloadActivations do); params (FSDP2's CPUOffloadPolicy: sharded parameters, their gradients
     and the optimizer state, stepped on the CPU; plan only); or both, joined by '+'."""
+    quantize: str = "none"
+    """The frozen base's linear layers (not the output head) in bitsandbytes: nf4, nf4-dq, fp4,
+    fp4-dq (4-bit, compute dtype from the precision) or int8; none keeps them as they are."""
+    lora: str = "none"
+    """PEFT LoRA adapters on top (``r=16[,alpha=32][,dora][,targets=q_proj+v_proj]``); the base is
+    frozen and only the adapters train."""
     routing: str = "balanced"
     """How many tokens each expert of an MoE layer gets on fake tensors (a router's values decide it
     on real ones): balanced (tokens x top_k / experts each), capacity:F (filled to a capacity of
@@ -222,6 +276,11 @@ class StepOptions:
         check_loss(self.loss)
         check_tp_loss(self.tp_loss)
         check_offload(self.offload)
+        check_quantize(self.quantize)
+        check_lora(self.lora)
+        if self.quantize != "none" and self.precision in FP8_PRECISIONS:
+            raise OptionError(f"--precision {self.precision} makes the linear layers torchao float8 ones and --quantize "
+                              f"{self.quantize} makes them bitsandbytes ones: use one of them (QLoRA: --precision bf16-mixed)")
         check_routing(self.routing)
         if self.accumulation_steps < 1:
             raise OptionError(

@@ -15,7 +15,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  check_outputs, command_target, flag, handle_errors, out_option,
                                  parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LossOpt, OffloadOpt, RoutingOpt
+from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, OffloadOpt, RoutingOpt, QuantizeOpt
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
 
@@ -44,6 +44,8 @@ def bench_command(
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
     routing: RoutingOpt = "balanced",
+    quantize: QuantizeOpt = "none",
+    lora: LoraOpt = "none",
     compile_: CompileOpt = "none",
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
@@ -66,7 +68,8 @@ def bench_command(
         raise OptionError("--steps must be 1 or more and --warmup 0 or more, e.g. --steps 10 --warmup 3")
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload, routing)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
+                           quantize=quantize, lora=lora, routing=routing)
     warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
     sizes = parse_batch_sizes(batch_sizes)
     from batchfit.bench.engine import bench  # torch: after the options are checked

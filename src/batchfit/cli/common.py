@@ -93,7 +93,10 @@ ModelArg = Annotated[str, typer.Argument(help=f"What to train: {SPEC_HELP}.", sh
 SeqLenOpt = Annotated[int | None, typer.Option(help="Tokens per sample (default: the model's).")]
 PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights), bf16 (pure), or "
                                                 "fp8-tensorwise / fp8-rowwise (torchao float8 linears, the rest bf16-mixed).")]
-OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor, muon (Muon for hidden matrices, AdamW for the rest).")]
+OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor, "
+                                                 "muon (Muon for hidden matrices, AdamW for the rest); "
+                                                 "adamw-8bit, paged-adamw-8bit, lion-8bit, paged-lion-8bit (bitsandbytes), "
+                                                 "adamw-torchao-8bit, adamw-torchao-4bit (torchao).")]
 CheckpointingOpt = Annotated[str, typer.Option(help="Activation checkpointing: none, full (every block), selective (torchtitan's per-op policy) or every:N (every N-th block).")]
 LossOpt = Annotated[str, typer.Option(help="Language-model loss: plain (the model's), chunked:N (cross-entropy over N "
                                            "chunks of the sequence, torchtune's) or fused-linear (Liger's fused linear + "
@@ -104,6 +107,11 @@ CompileOpt = Annotated[str, typer.Option("--compile", help="torch.compile: none,
 FreezeOpt = Annotated[list[str] | None, typer.Option(help="Freeze parameters matching this glob (repeatable), e.g. 'model.layers.*'.")]
 TrainOnlyOpt = Annotated[list[str] | None, typer.Option(help="Train only parameters matching this glob (repeatable), e.g. '*lora*'.")]
 AccumulationOpt = Annotated[int, typer.Option(help="Micro-batches per optimizer step.")]
+QuantizeOpt = Annotated[str, typer.Option(help="Quantize the frozen base's linear layers with bitsandbytes (QLoRA): none, "
+                                                 "nf4, nf4-dq, fp4, fp4-dq (4-bit; -dq: double quantization; compute dtype "
+                                                 "from --precision) or int8. Needs batchfit[quant].")]
+LoraOpt = Annotated[str, typer.Option(help="PEFT LoRA adapters: none or r=16[,alpha=32][,dora][,targets=q_proj+v_proj] "
+                                            "(default targets: every linear layer but the output head). Needs batchfit[quant].")]
 TargetUtilOpt = Annotated[float, typer.Option(help="Fraction of usable memory to plan for.")]
 MultipleOfOpt = Annotated[int, typer.Option(help="Batch sizes must be multiples of this, e.g. 8.")]
 JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON result here too ('-' for stdout).")]
@@ -149,7 +157,8 @@ def flag(name: str, help: str) -> object:
 
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
                  train_only: list[str] | None, accumulation_steps: int, compile: str = "none",
-                 loss: str = "plain", offload: str = "none", routing: str = "balanced") -> StepOptions:
+                 loss: str = "plain", offload: str = "none", *, quantize: str = "none",
+                 lora: str = "none", routing: str = "balanced") -> StepOptions:
     if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
         raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
@@ -157,7 +166,7 @@ def step_options(precision: str, optimizer: str | None, checkpointing: str, free
     return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
                        frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
                        accumulation_steps=accumulation_steps, compile=compile, loss=loss,
-                       offload=offload, routing=routing)
+                       offload=offload, quantize=quantize, lora=lora, routing=routing)
 
 
 def warn_about_approximations(result) -> None:
@@ -274,6 +283,10 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
                           "routing": f"routing-{value}"}.get(name, str(value)))
     if options.accumulation_steps != 1:
         parts.append(f"accum{options.accumulation_steps}")
+    if options.quantize != "none":
+        parts.append(options.quantize)
+    if options.lora != "none":
+        parts.append("lora-" + options.lora.replace(",", "-").replace("=", "").replace("+", "-"))
     if options.frozen:
         parts.append("freeze-" + "+".join(options.frozen))
     if options.trainable:

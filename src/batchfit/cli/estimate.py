@@ -14,7 +14,8 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
                                  report_folder, step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, HostMemoryOpt, LossOpt, OffloadOpt, RoutingOpt, parse_host_memory, warn_about_approximations
+from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, OffloadOpt, RoutingOpt, QuantizeOpt,
+                                 parse_host_memory, warn_about_approximations)
 from batchfit.devices import GiB
 from batchfit.report.host import host_line
 from batchfit.errors import OptionError
@@ -48,6 +49,8 @@ def estimate_command(
     offload: OffloadOpt = "none",
     routing: RoutingOpt = "balanced",
     host_memory: HostMemoryOpt = None,
+    quantize: QuantizeOpt = "none",
+    lora: LoraOpt = "none",
     compile_: CompileOpt = "none",
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
@@ -72,7 +75,8 @@ def estimate_command(
         raise OptionError("estimate sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb), "
                           "--gpu-memory 24GiB or --device cuda")
     device = target.device
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload, routing)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
+                           quantize=quantize, lora=lora, routing=routing)
     host_memory_bytes = parse_host_memory(host_memory)
     warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
     sizes = parse_batch_sizes(batch_sizes)
@@ -118,4 +122,8 @@ def _print_summary(result, console, report_path: Path) -> None:
         for s in result.suggestions:
             console.print(escape(f"  {'fits' if s.fits else 'no  '} {s.peak_bytes / GiB:7.2f} GiB  {s.change} "
                                  f"({s.option}; {s.source.split(':')[0]})"))
+    paged = result.points[0].paged_bytes if result.points else 0
+    if paged:
+        console.print(f"paged optimizer state {paged / GiB:.2f} GiB in CUDA unified memory, not in the peaks "
+                      "above (it spills to the host when the GPU is full)")
     console.print(f"report: {report_path}", soft_wrap=True)

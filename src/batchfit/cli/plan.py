@@ -113,7 +113,7 @@ def plan_command(
         raise OptionError("give --mfu or --calibrate, not both: --calibrate takes the MFU from a bench run")
     if processes is not None and processes < 1:
         raise OptionError(f"--processes must be 1 or more, got {processes}: e.g. --processes 2")
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss, offload, routing)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss, offload, routing=routing)
     host_memory_bytes = parse_host_memory(host_memory)
     options = dataclasses.replace(options, tp_loss=tp_loss)
     time_model = (calibrated(calibrate, precision) if calibrate is not None

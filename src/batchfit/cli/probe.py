@@ -14,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target, flag,
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LossOpt, OffloadOpt, RoutingOpt
+from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, OffloadOpt, RoutingOpt, QuantizeOpt
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.distributed.wrap import STRATEGIES
@@ -51,6 +51,8 @@ def probe_command(
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
     routing: RoutingOpt = "balanced",
+    quantize: QuantizeOpt = "none",
+    lora: LoraOpt = "none",
     compile_: CompileOpt = "none",
     freeze: FreezeOpt = None,
     train_only: TrainOnlyOpt = None,
@@ -82,7 +84,8 @@ def probe_command(
         raise OptionError(no_memory_limit("probe --device cpu", "--max N",
                                           "add --gpu t4-16gb or --gpu-memory 16GiB"))
     max_batch = DEFAULT_MAX if max_batch is None else max_batch
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload, routing)
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
+                           quantize=quantize, lora=lora, routing=routing)
     warn_about_precision(target, precision)  # after StepOptions refused an unknown precision
     check_probe_options(policy=policy, multiple_of=multiple_of, smallest=min_batch, largest=max_batch, steps=steps,
                         target_util=target_util, global_batch=global_batch, limit=limit)

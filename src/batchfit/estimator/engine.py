@@ -145,6 +145,7 @@ class EstimateResult:
             "limit": self.limit,
             "peak_bytes_at_max": self.point(best).peak_bytes if best else None,
             "peak_reserved_bytes_at_max": self.point(best).peak_reserved_bytes if best else None,
+            "paged_bytes": self.points[0].paged_bytes if self.points else 0,
             "headroom_bytes": self.headroom_bytes(best) if best else None,
             "host_peak_bytes": self.point(best).host_peak_bytes if best else None,
             "host_reserved_bytes": self.point(best).host_reserved_bytes if best else None,
@@ -253,8 +254,9 @@ def _suggestions(workload: Workload, options: StepOptions, device: Device,
         traced("saved activations offloaded to pinned host memory (torchtune's / TRL's hooks)",
                "--offload activations", offload="activations")
     state = parts["optimizer_state"]
-    computed("8-bit optimizer state (bitsandbytes AdamW8bit)", "optimizer=bnb.optim.AdamW8bit",
-             state * 3 / 4, "optimizer_state x 3/4 (1 byte per value instead of 4)")
+    if not (options.optimizer or "").endswith("bit"):  # not already an 8-bit / 4-bit optimizer
+        computed("8-bit optimizer state (bitsandbytes AdamW8bit)", "--optimizer adamw-8bit",
+                 state * 3 / 4, "optimizer_state x 3/4 (1 byte per value instead of 4)")
     if not options.trainable and _has_parameters(workload, LORA):  # else --train-only '*lora*' is refused
         computed("train adapters only (LoRA), base frozen", f"--train-only '{LORA}'",
                  parts["gradients"] + state, "gradients + optimizer_state at the peak (the adapters' own are ~1%)")

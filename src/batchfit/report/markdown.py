@@ -60,6 +60,11 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
             f"- **Even batch {small.batch_size} does not fit**: {r.why_smallest_does_not_fit()} "
             f"(peak in the {small.phase} phase).",
         ]
+    paged = r.points[0].paged_bytes if r.points else 0
+    if paged:
+        lines.append(f"- Paged optimizer state: {gib(paged)} GiB in CUDA unified memory (bitsandbytes' paged "
+                     "optimizer), **not in the peak above**: it takes free device memory and spills to the host "
+                     "when there is none (traced)")
     lines += [
         f"- Parameters: {r.params:,} ({r.trainable_params:,} trainable)",
         "- Source: **traced** on fake tensors (no GPU was used); every figure below is traced "
@@ -75,6 +80,8 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
         f"| Precision | {r.options.precision} |",
         f"| Optimizer | {r.options.optimizer or 'the workload’s (AdamW by default)'} |",
         f"| Activation checkpointing | {r.options.checkpointing} |",
+        *([f"| Quantized base (bitsandbytes) | {r.options.quantize} |"] if r.options.quantize != "none" else []),
+        *([f"| LoRA (PEFT) | {r.options.lora} |"] if r.options.lora != "none" else []),
         f"| Gradient accumulation | {r.options.accumulation_steps} micro-batches |",
         f"| Frozen / train-only | {', '.join(r.options.frozen) or '—'} / {', '.join(r.options.trainable) or '—'} |",
         f"| GPU | {d.display_name}: {gib(d.total_bytes)} GiB total, {gib(d.context_bytes)} GiB CUDA "

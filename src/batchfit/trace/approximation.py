@@ -85,3 +85,17 @@ def offload_approximations(offload: str, compile: str = "none") -> list[Approxim
     return (([OFFLOAD_STREAMS] if "activations" in parts else [])
             + ([OFFLOAD_COMPILED] if "activations" in parts and compile != "none" else [])
             + ([FSDP_CPU_OFFLOAD] if "params" in parts else []))
+
+
+def quantize_approximations(quantize: str) -> list[Approximation]:
+    """--quantize int8 on CUDA trains through ``MatMul8bitLt`` (the input quantized to int8 by rows,
+    an int8 matmul, the outlier columns above 6.0 in fp16, whose count depends on the values);
+    a CPU tensor, fake ones included, takes ``MatMul8bitFp`` (the weight dequantized to the
+    input's dtype, then a plain matmul): the trace runs the CPU path and says so."""
+    if quantize != "int8":
+        return []
+    return [Approximation(
+        what="--quantize int8 traced on bitsandbytes' CPU path (MatMul8bitFp), not CUDA's MatMul8bitLt",
+        may_differ_by="the int8 copy of each layer's input and its outlier columns (value-dependent), "
+                      "not yet measured on a GPU; nf4/fp4 are traced as CUDA runs them",
+        source="docs/tracing.md, QLoRA and 8-bit optimizers")]

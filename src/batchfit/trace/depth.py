@@ -158,9 +158,11 @@ def extrapolate(points: list[Point], depth: int) -> Point | None:
     # host bytes, the pinned allocator's cache and the bytes copied lie on lines too, or not at all
     host = {name: line_at([getattr(p, name, 0) for p in points], depth)
             for name in HOST_FIGURES if hasattr(points[0], name)}
-    if None in host.values():
+    paged = line_at([getattr(p, "paged_bytes", 0) for p in points], depth)  # bitsandbytes' paged optimizer state
+    if None in host.values() or paged is None:
         return None
     # the largest tensors of the deepest trace: one block's tensors have the same sizes at any depth
     return replace(points[-1], peak_bytes=by_phase[phase], phase=phase, breakdown=breakdown_by_phase[phase],
                    peak_by_phase=by_phase, breakdown_by_phase=breakdown_by_phase, peak_by_part={},
-                   breakdown_by_part={}, **host)
+                   breakdown_by_part={}, **host,
+                   **({"paged_bytes": paged} if hasattr(points[-1], "paged_bytes") else {}))

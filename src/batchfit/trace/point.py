@@ -24,7 +24,8 @@ from batchfit.devices import Device
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided, reserved_search
 from batchfit.trace import depth, forked, stream
-from batchfit.trace.approximation import Approximation, fast_path_approximations, offload_approximations
+from batchfit.trace.approximation import (Approximation, fast_path_approximations, offload_approximations,
+                                           quantize_approximations)
 from batchfit.trace.routing import routing_approximation
 from batchfit.trace.compiled import COMPILED_TRACED, compile_approximations, graph_breaks
 from batchfit.trace.cuda_float8 import float8_approximations
@@ -64,6 +65,10 @@ class MemoryPoint:
     what ``--host-memory`` is checked against."""
     offloaded_bytes: int = 0
     """Bytes the step copies to the host (and, for activations, back): the transfer time's bytes."""
+    paged_bytes: int = 0
+    """Paged optimizer state (bitsandbytes' paged optimizers): CUDA unified memory, outside the
+    caching allocator, so not in ``peak_bytes``; it takes device memory while there is room and
+    spills to the host when there is not (``trace/bnb_fake.py``)."""
 
     def to_json(self) -> dict:
         return {"batch_size": self.batch_size, "peak_bytes": self.peak_bytes,
@@ -71,7 +76,7 @@ class MemoryPoint:
                 "breakdown": self.breakdown, "phase": self.phase,
                 "peak_by_phase": self.peak_by_phase, "largest_tensors": self.top,
                 "host_peak_bytes": self.host_peak_bytes, "host_reserved_bytes": self.host_reserved_bytes,
-                "offloaded_bytes": self.offloaded_bytes}
+                "offloaded_bytes": self.offloaded_bytes, "paged_bytes": self.paged_bytes}
 
 
 def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
@@ -87,6 +92,7 @@ def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
         breakdown_by_part={k: {**v, "workspace": workspace_bytes} for k, v in snap.breakdown_by_part.items()},
         host_peak_bytes=snap.host_peak_bytes, host_reserved_bytes=snap.host_reserved_bytes,
         offloaded_bytes=snap.offloaded_bytes,
+        paged_bytes=traced.paged_bytes,
     )
 
 
@@ -236,6 +242,7 @@ class TracedCurve:
         session = self._full or self._first
         fast_path = (fast_path_approximations(session.step.model) + float8_approximations(self.options)
                      + offload_approximations(self.options.offload, self.options.compile)
+                     + quantize_approximations(self.options.quantize)
                      + routing_approximation(session.step.model, self.options.routing))
         if not session.compiled:
             found = compile_approximations(self.options, session.step.model, self.workload.loss_fn)

@@ -23,9 +23,11 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules import transformer as _transformer
 
-from batchfit.errors import BatchfitError, ModelSpecError, TraceError
+from batchfit.errors import BatchfitError, ModelSpecError, OptionError, TraceError
 from batchfit.train.model import main_blocks
+from batchfit.train.quantize import BNB_OPTIMIZERS, TORCHAO_OPTIMIZERS, load_bitsandbytes, preload
 from batchfit.train.step import TrainingStep
+from batchfit.trace import bnb_fake
 from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.cuda_float8 import cpu_scaled_mm_scratch, mirror_float8_autocast
@@ -93,6 +95,8 @@ _transformer._detect_is_causal_mask = _detect_causal
 class TracePoint:
     batch_size: int
     snapshot: Snapshot
+    paged_bytes: int = 0
+    """Paged optimizer state (bitsandbytes' paged optimizers: CUDA unified memory), not in the peak."""
 
 
 @contextlib.contextmanager
@@ -294,8 +298,30 @@ class TraceSession:
         self._warm = False
         self.routed: RoutedExperts | None = None
         """Answers the expert loop's value reads by ``options.routing`` (MoE models only)."""
+        if (options.optimizer or "") in TORCHAO_OPTIMIZERS:
+            raise OptionError(f"--optimizer {options.optimizer} cannot be traced yet: torchao's low-bit optimizers "
+                              "compile their step (torch.compile fullgraph=True), which does not run on fake tensors; "
+                              "trace adamw-8bit (bitsandbytes, same state bytes as adamw-torchao-8bit) or measure "
+                              "it with `batchfit probe --device cuda`")
+        self.uses_bnb = options.quantize != "none" or (options.optimizer or "") in BNB_OPTIMIZERS
+        if self.uses_bnb:  # bitsandbytes on fake tensors (trace/bnb_fake.py)
+            load_bitsandbytes(f"--quantize {options.quantize}" if options.quantize != "none"
+                              else f"--optimizer {options.optimizer}")
+            bnb_fake.install()
+        preload(options)
         with self.tracing("building the model"), _building_on_fakes():
-            self.step = TrainingStep(workload, options, torch.device("cpu"), wrap=wrap)
+            # A quantized model is loaded as from_pretrained loads it, each weight quantized as it
+            # arrives: its build is counted as what it leaves alive, not the full-precision copy
+            # this trace builds first (32 GB for an 8B model, which no QLoRA run holds).
+            self.tracker.uncounted = options.quantize != "none"
+            try:
+                self.step = TrainingStep(workload, options, torch.device("cpu"), wrap=wrap)
+            finally:
+                self.tracker.uncounted = False
+            if options.quantize != "none":
+                bnb_fake.record_loaded(self.step.model, self.tracker)
+            if self.uses_bnb:
+                bnb_fake.place_quantile_maps(self.step.optimizer)
         _require_fake_parameters(self.step, workload.name)
         if moe_experts(self.step.model):
             self.routed = RoutedExperts(self.step.model, options.routing)
@@ -303,6 +329,8 @@ class TraceSession:
             self.step.offload.host_context = self.tracker.on_host
         if cuda_semantics:
             install_cuda_mirrors(self.step)
+            if self.uses_bnb:
+                bnb_fake.page_optimizer_state(self.step.optimizer, self.tracker)
         self.tracker.host_optimizer_scalars = not any(
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
@@ -320,7 +348,9 @@ class TraceSession:
         if not self.compiled:
             self.tracker.watch_modules(self.step.model, main_blocks(self.step.model))
         params = list(self.step.model.parameters())
-        self.params = sum(p.numel() for p in params)
+        # a 4-bit weight counts its values, not its packed bytes (bitsandbytes' quant_state.shape)
+        self.params = sum(p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else p.numel()
+                          for p in params)
         self.trainable_params = sum(p.numel() for p in params if p.requires_grad)
         self.build_events = len(self.tracker.events)
         """The tracker's events up to here are the model's build."""
@@ -335,8 +365,9 @@ class TraceSession:
             attention = CudaAttention() if self.cuda_semantics else contextlib.nullcontext()
             norm = CudaRmsNorm() if self.cuda_semantics else contextlib.nullcontext()
             cpu_mm = contextlib.nullcontext() if self.cuda_semantics else cpu_scaled_mm_scratch()
+            gemm = bnb_fake.BnbKernels(self.cuda_semantics) if self.uses_bnb else contextlib.nullcontext()
             routed = self.routed or contextlib.nullcontext()  # above the fake mode: it sees the reads first
-            with self.fake_mode, self.tracker, attention, norm, cpu_mm, routed, _quiet_fake_tensor_log():
+            with self.fake_mode, self.tracker, attention, norm, cpu_mm, gemm, routed, _quiet_fake_tensor_log():
                 yield
         except (torch.OutOfMemoryError, BatchfitError):
             raise
@@ -376,7 +407,7 @@ class TraceSession:
             if fresh:
                 self.fresh_stream = (self.tracker.events[:self.build_events] + self.tracker.events[start:]
                                      if clean else None)
-            return TracePoint(batch_size, self.tracker.snapshot())
+            return TracePoint(batch_size, self.tracker.snapshot(), bnb_fake.paged_bytes(self.step.optimizer))
 
     def run_steps(self, batch_size: int, steps: int) -> list[int]:
         """Run ``steps`` more steps; the bytes alive after each (for the leak check)."""

@@ -29,6 +29,10 @@ def build_optimizer(name: str, params: list[nn.Parameter], model: nn.Module | No
         return torch.optim.SGD(params, lr=1e-2)
     if name == "sgd-momentum":
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    if name != "adafactor":  # bitsandbytes' and torchao's low-bit optimizers (the [quant] extra)
+        from batchfit.train.quantize import build_low_bit_optimizer
+
+        return build_low_bit_optimizer(name, params)
     if not hasattr(torch.optim, "Adafactor"):
         raise OptionError("--optimizer adafactor needs torch>=2.5: upgrade torch or pick adamw")
     return torch.optim.Adafactor(params, lr=1e-2)

@@ -170,6 +170,12 @@ class TrainingStep:
             model = workload.build_model()
         dtype = torch.bfloat16 if options.precision == "bf16" else None
         self.model = move_module(model, device, dtype)
+        if options.quantize != "none" or options.lora != "none":
+            # The base quantized by bitsandbytes and frozen, PEFT's adapters on top (train/quantize.py)
+            from batchfit.train.quantize import apply_lora, quantize_model
+
+            quantize_model(self.model, options, device)
+            self.model = apply_lora(self.model, options)
         # First, as torchtitan's model converters run before parallelisms, AC and compile.
         self.float8_layers: list[str] = (convert_to_float8(self.model, options.precision)
                                          if options.precision in FP8_PRECISIONS else [])
