@@ -44,6 +44,7 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--memory-budget", "0.5"], "add --compile model"),
         ([*TINY, "--gpu", "t4", "--compile", "model", "--memory-budget", "1.5"], "from 0 to 1"),
         ([*TINY, "--gpu", "t4", "--compile", "model", "--memory-budget", "half"], "--memory-budget"),
+        ([*TINY, "--gpu", "t4", "--routing", "even"], "capacity:F"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
@@ -55,6 +56,7 @@ ROWS = {
         ([*TINY, "--device", "virtual:t4", "--multiple-of", HUGE], "at most 16,777,216"),
         ([*TINY, "--device", "virtual:t4", "--global-batch", HUGE], "at most 16,777,216"),
         ([*TINY, "--device", "virtual:t4", "--offload", "activation"], "activations+params"),
+        ([*TINY, "--device", "virtual:t4", "--routing", "capacity:0"], "capacity:1.25"),
     ],
     "bench": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
@@ -66,6 +68,7 @@ ROWS = {
         (["gpt-tinystories-22m", "--device", "virtual:t4", "--seq-len", HUGE], "from 1 to 16,777,216"),
         ([*TINY, "--device", "virtual:t4", "--offload", "none+activations"], "activations+params"),
         ([*TINY, "--device", "virtual:t4", "--trainer", "args.py"], "no such file"),
+        ([*TINY, "--device", "virtual:t4", "--routing", "capacity:x"], "capacity:1.25"),
     ],
     "plan": [
         (["gpt-tinystorie", "--gpu", "h100", "--gpus", "2"], "did you mean 'gpt-tinystories-22m'"),
@@ -90,6 +93,7 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--gpus", "4", "--strategies", "pp4", "--microbatches", "2"], "at least 4 micro-batches"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "pp2", "--pp-schedule", "zb"], "interleaved-1f1b"),
         ([*TINY, "--gpu", "h100", "--gpus", "3", "--strategies", "pp3"], "do not split into 3 equal stages"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--routing", "best"], "worst"),
     ],
     "sweep": [
         (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),

@@ -99,6 +99,26 @@ def check_offload(value: str) -> None:
                       "(params: FSDP2's CPUOffloadPolicy, plan with an fsdp strategy)")
 
 
+ROUTINGS: tuple[str, ...] = ("balanced", "capacity:F", "worst")
+"""The --routing grammar (``trace/routing.py``): how many tokens each expert of an MoE layer gets
+on fake tensors, where a router's values decide it; F is a positive number."""
+
+
+def check_routing(value: str) -> None:
+    """Raise a one-line OptionError unless ``value`` is one of :data:`ROUTINGS`."""
+    if value in ("balanced", "worst"):
+        return
+    factor = value.removeprefix("capacity:") if value.startswith("capacity:") else None
+    try:
+        ok = factor is not None and math.isfinite(float(factor)) and float(factor) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise OptionError(f"unknown routing '{value}': use balanced (tokens x top_k / experts each), "
+                          "capacity:F (e.g. capacity:1.25, F a positive number) or worst (every token to "
+                          "the same top_k experts)")
+
+
 PARAMS_OFFLOAD_NEEDS_FSDP = ("--offload params is FSDP2's CPUOffloadPolicy, for sharded steps: use it with "
                              "`batchfit plan --strategies fsdp`; on one GPU use --offload activations")
 
@@ -246,6 +266,11 @@ class StepOptions:
     """torch.compile's activation memory budget (``torch._functorch.config.activation_memory_budget``,
     0 to 1: the fraction of the activations the partitioner may save; the rest is recomputed);
     None leaves torch's default (1.0). Needs ``compile``."""
+    routing: str = "balanced"
+    """How many tokens each expert of an MoE layer gets on fake tensors (a router's values decide it
+    on real ones): balanced (tokens x top_k / experts each), capacity:F (filled to a capacity of
+    ceil(F x tokens x top_k / experts) in turn, the rest dropped) or worst (every token to the same
+    top_k experts). No effect on a dense model."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
     trainable: tuple[str, ...] = ()
@@ -275,6 +300,7 @@ class StepOptions:
             raise OptionError(f"--precision {self.precision} makes the linear layers torchao float8 ones and --quantize "
                               f"{self.quantize} makes them bitsandbytes ones: use one of them (QLoRA: --precision bf16-mixed)")
         check_memory_budget(self.memory_budget, self.compile)
+        check_routing(self.routing)
         if self.accumulation_steps < 1:
             raise OptionError(
                 f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"

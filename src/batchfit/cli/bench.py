@@ -15,7 +15,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  check_outputs, command_target, flag, handle_errors, out_option,
                                  parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, QuantizeOpt
+from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
 from batchfit.cli.trainer import TrainerOpt, merged_options, merged_seq_len, print_mapping, read_trainer
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
@@ -48,6 +48,7 @@ def bench_command(
     checkpointing: CheckpointingOpt = "none",
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
+    routing: RoutingOpt = "balanced",
     quantize: QuantizeOpt = "none",
     lora: LoraOpt = "none",
     compile_: CompileOpt = "none",
@@ -76,7 +77,8 @@ def bench_command(
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
-                           quantize=quantize, lora=lora, memory_budget=memory_budget)
+                           quantize=quantize, lora=lora, memory_budget=memory_budget,
+                           routing=routing)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)
     warn_about_precision(target, options.precision)  # after StepOptions refused an unknown precision

@@ -122,6 +122,10 @@ OffloadOpt = Annotated[str, typer.Option(help="Move to pinned host memory: none,
                                               "gradients, optimizer state; plan with fsdp) or activations+params.")]
 HostMemoryOpt = Annotated[str | None, typer.Option(help="Host memory the offloaded bytes must fit, e.g. 512GiB "
                                                         "(default: not checked, the host figure is only reported).")]
+RoutingOpt = Annotated[str, typer.Option(help="MoE routing assumed on fake tensors: balanced (tokens x top_k / experts "
+                                              "each), capacity:F (experts filled to ceil(F x tokens x top_k / experts) "
+                                              "in turn, the rest dropped) or worst (every token to the same top_k "
+                                              "experts: the bound). Named in every output.")]
 
 
 def parse_host_memory(text: str | None) -> int | None:
@@ -159,7 +163,8 @@ def flag(name: str, help: str) -> object:
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
                  train_only: list[str] | None, accumulation_steps: int, compile: str = "none",
                  loss: str = "plain", offload: str = "none", *, quantize: str = "none",
-                 lora: str = "none", memory_budget: float | None = None) -> StepOptions:
+                 lora: str = "none", memory_budget: float | None = None,
+                 routing: str = "balanced") -> StepOptions:
     if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
         raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
@@ -167,7 +172,8 @@ def step_options(precision: str, optimizer: str | None, checkpointing: str, free
     return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
                        frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
                        accumulation_steps=accumulation_steps, compile=compile, loss=loss,
-                       offload=offload, quantize=quantize, lora=lora, memory_budget=memory_budget)
+                       offload=offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
+                       routing=routing)
 
 
 def warn_about_approximations(result) -> None:
@@ -276,11 +282,12 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
     parts = [command, workload, target.spec.removeprefix("virtual:")]
     if seq_len:
         parts.append(f"seq{seq_len}")
-    for name in ("precision", "optimizer", "checkpointing", "compile", "loss", "offload"):
+    for name in ("precision", "optimizer", "checkpointing", "compile", "loss", "offload", "routing"):
         value = getattr(options, name)
         if value != getattr(default, name):
             parts.append({"checkpointing": f"ckpt-{value}", "compile": f"compile-{value}",
-                          "loss": f"loss-{value}", "offload": f"offload-{value}"}.get(name, str(value)))
+                          "loss": f"loss-{value}", "offload": f"offload-{value}",
+                          "routing": f"routing-{value}"}.get(name, str(value)))
     if options.memory_budget is not None:
         parts.append(f"budget{options.memory_budget:g}")
     if options.accumulation_steps != 1:

@@ -14,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
                                  report_folder, step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, QuantizeOpt,
+from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt,
                                  parse_host_memory, warn_about_approximations)
 from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, emitted_text, merged_batch_sizes,
                                   merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
@@ -52,6 +52,7 @@ def estimate_command(
     checkpointing: CheckpointingOpt = "none",
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
+    routing: RoutingOpt = "balanced",
     host_memory: HostMemoryOpt = None,
     quantize: QuantizeOpt = "none",
     lora: LoraOpt = "none",
@@ -85,7 +86,8 @@ def estimate_command(
                           "--gpu-memory 24GiB or --device cuda")
     device = target.device
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
-                           quantize=quantize, lora=lora, memory_budget=memory_budget)
+                           quantize=quantize, lora=lora, memory_budget=memory_budget,
+                           routing=routing)
     host_memory_bytes = parse_host_memory(host_memory)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)

@@ -17,7 +17,7 @@ from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemo
                                  check_outputs, command_target, handle_errors, out_option, parse_batch_sizes,
                                  progress_line, quiet_if_stdout, report_folder, step_options, warn_about_precision,
                                  write_outputs)
-from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, parse_host_memory,
+from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, parse_host_memory,
                                  warn_about_approximations)
 from batchfit.cli.trainer import (TrainerOpt, emitted_text, merged_batch_sizes, merged_options, merged_seq_len,
                                   print_answer, print_mapping, read_trainer)
@@ -71,6 +71,7 @@ def plan_command(
     checkpointing: CheckpointingOpt = "none",
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
+    routing: RoutingOpt = "balanced",
     host_memory: HostMemoryOpt = None,
     compile_: CompileOpt = "none",
     tp_loss: Annotated[str, typer.Option(help="Under tp<N> / fsdp+tp<N>: sharded (the logits stay split by the "
@@ -130,7 +131,7 @@ def plan_command(
     if processes is not None and processes < 1:
         raise OptionError(f"--processes must be 1 or more, got {processes}: e.g. --processes 2")
     options = merged_options(step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss,
-                                          offload, memory_budget=memory_budget), door, accumulation=False)  # the plan picks the accumulation
+                                          offload, memory_budget=memory_budget, routing=routing), door, accumulation=False)  # the plan picks the accumulation
     options = dataclasses.replace(options, tp_loss=tp_loss)
     host_memory_bytes = parse_host_memory(host_memory)
     seq_len = merged_seq_len(seq_len, door)

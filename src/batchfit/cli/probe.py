@@ -14,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target, flag,
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, QuantizeOpt
+from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
 from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, emitted_text, merged_options, merged_seq_len,
                                   parse_trainer_emit, print_answer, print_mapping, read_trainer)
 from batchfit.devices import GiB
@@ -52,6 +52,7 @@ def probe_command(
     checkpointing: CheckpointingOpt = "none",
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
+    routing: RoutingOpt = "balanced",
     quantize: QuantizeOpt = "none",
     lora: LoraOpt = "none",
     compile_: CompileOpt = "none",
@@ -91,7 +92,8 @@ def probe_command(
                                           "add --gpu t4-16gb or --gpu-memory 16GiB"))
     max_batch = DEFAULT_MAX if max_batch is None else max_batch
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
-                           quantize=quantize, lora=lora, memory_budget=memory_budget)
+                           quantize=quantize, lora=lora, memory_budget=memory_budget,
+                           routing=routing)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)
     if door is not None and global_batch is None:  # the args' global batch, per device

@@ -504,8 +504,10 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     from batchfit.trace.approximation import offload_approximations
     from batchfit.trace.compiled import workload_approximations
     from batchfit.trace.cuda_float8 import float8_approximations
+    from batchfit.trace.routing import workload_routing_approximation
 
     approximations = workload_approximations(workload, options) + float8_approximations(options)
+    approximations += workload_routing_approximation(workload, options)
     approximations += offload_approximations(options.offload, options.compile)
     approximations += zero_approximations([s for _, chosen in by_world for s in chosen])
     from batchfit.distributed.pipeline import pipeline_approximations

@@ -27,6 +27,7 @@ from batchfit.trace import depth, forked, stream
 from batchfit.trace.approximation import (Approximation, fast_path_approximations, offload_approximations,
                                            quantize_approximations)
 from batchfit.trace.compiled import COMPILED_TRACED, MEMORY_BUDGET_TRACED, compile_approximations, graph_breaks
+from batchfit.trace.routing import routing_approximation
 from batchfit.trace.cuda_float8 import float8_approximations
 from batchfit.trace.curve import MemoryCurve, fit_curve
 from batchfit.trace.session import TracePoint, TraceSession
@@ -241,7 +242,8 @@ class TracedCurve:
         session = self._full or self._first
         fast_path = (fast_path_approximations(session.step.model) + float8_approximations(self.options)
                      + offload_approximations(self.options.offload, self.options.compile)
-                     + quantize_approximations(self.options.quantize))
+                     + quantize_approximations(self.options.quantize)
+                     + routing_approximation(session.step.model, self.options.routing))
         if not session.compiled:  # nothing compiled (a sharded step is traced by plan's own session)
             return compile_approximations(self.options, session.step.model, self.workload.loss_fn) + fast_path
         asked = (f"--compile {self.options.compile}" if self.options.compile != "none"

@@ -34,6 +34,7 @@ from batchfit.trace.cuda_float8 import cpu_scaled_mm_scratch, mirror_float8_auto
 from batchfit.trace.cuda_norm import CudaRmsNorm
 from batchfit.trace.compiled import compile_for_trace, retarget_for_trace
 from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot, held_tensor
+from batchfit.trace.routing import RoutedExperts, moe_experts
 from batchfit.workload import FP8_PRECISIONS, StepOptions, Workload
 
 _CANNOT_FAKE = (
@@ -295,6 +296,8 @@ class TraceSession:
                                                 round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
         self.warmup_steps = warmup_steps
         self._warm = False
+        self.routed: RoutedExperts | None = None
+        """Answers the expert loop's value reads by ``options.routing`` (MoE models only)."""
         if (options.optimizer or "") in TORCHAO_OPTIMIZERS:
             raise OptionError(f"--optimizer {options.optimizer} cannot be traced yet: torchao's low-bit optimizers "
                               "compile their step (torch.compile fullgraph=True), which does not run on fake tensors; "
@@ -320,6 +323,8 @@ class TraceSession:
             if self.uses_bnb:
                 bnb_fake.place_quantile_maps(self.step.optimizer)
         _require_fake_parameters(self.step, workload.name)
+        if moe_experts(self.step.model):
+            self.routed = RoutedExperts(self.step.model, options.routing)
         if self.step.offload is not None:  # what the offload hooks copy out is counted on the host
             self.step.offload.host_context = self.tracker.on_host
         if cuda_semantics:
@@ -361,7 +366,8 @@ class TraceSession:
             norm = CudaRmsNorm() if self.cuda_semantics else contextlib.nullcontext()
             cpu_mm = contextlib.nullcontext() if self.cuda_semantics else cpu_scaled_mm_scratch()
             gemm = bnb_fake.BnbKernels(self.cuda_semantics) if self.uses_bnb else contextlib.nullcontext()
-            with self.fake_mode, self.tracker, attention, norm, cpu_mm, gemm, _quiet_fake_tensor_log():
+            routed = self.routed or contextlib.nullcontext()  # above the fake mode: it sees the reads first
+            with self.fake_mode, self.tracker, attention, norm, cpu_mm, gemm, routed, _quiet_fake_tensor_log():
                 yield
         except (torch.OutOfMemoryError, BatchfitError):
             raise

@@ -46,13 +46,23 @@ CONFIGS: dict[str, dict] = {
                        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, max_position_embeddings=32768, rope_theta=1e6,
                        sliding_window=None, tie_word_embeddings=False),
+    "qwen3-moe-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                              intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                              num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                              num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                              mlp_only_layers=[], max_position_embeddings=40960, rope_theta=1e6,
+                              rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+                         rope_theta=1e6, rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False),
     "bert-large": dict(model_type="bert", vocab_size=30522, hidden_size=1024, num_hidden_layers=24,
                        num_attention_heads=16, intermediate_size=4096, max_position_embeddings=512,
                        architectures=["BertForMaskedLM"]),
 }
 ALIASES = {"gpt2": "gpt2-124m", "bert-large-uncased": "bert-large", "llama-3.1-8b-instruct": "llama-3.1-8b",
            "llama-3.1-70b-instruct": "llama-3.1-70b",
-           "mistral-7b-v0.3": "mistral-7b", "qwen2.5-7b-instruct": "qwen2.5-7b"}
+           "mistral-7b-v0.3": "mistral-7b", "qwen3-30b-a3b": "qwen3-moe-30b-a3b", "mixtral-8x7b-v0.1": "mixtral-8x7b", "qwen2.5-7b-instruct": "qwen2.5-7b"}
 DEFAULT_SEQ_LEN = 2048
 
 
@@ -135,6 +145,11 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
             f"e.g. llama, gpt2, qwen2, mistral, bert (a transformers newer than {transformers.__version__} "
             "may know it)"
         )
+    # MoE layers: HF's expert loop (the "eager" experts implementation, which runs anywhere: on
+    # fake tensors its routing is answered by --routing, trace/routing.py) unless the config
+    # names another ("experts_implementation": "grouped_mm", which needs bf16 weights).
+    moe = any(k in config_dict for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    experts = config_dict.pop("experts_implementation", "eager") if moe else None
     try:
         config = transformers.AutoConfig.for_model(model_type, **config_dict)
     except Exception as error:  # a value transformers rejects: say which config, in one line
@@ -150,7 +165,8 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
     auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
 
     def build_model() -> nn.Module:
-        model = auto.from_config(config, attn_implementation="sdpa")
+        more = {"experts_implementation": experts} if experts else {}
+        model = auto.from_config(config, attn_implementation="sdpa", **more)
         if not masked:  # GPT-2's class name does not tell transformers which loss it uses
             model.loss_type = "ForCausalLM"
         return model
