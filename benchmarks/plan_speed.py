@@ -38,7 +38,8 @@ def main() -> None:
         data = json.loads(Path(folder, "plan.json").read_text())
     rows = [{k: s[k] for k in ("strategy", "dp", "tp", "max_local_batch", "max_global_batch", "micro_batch",
                                "accumulation_steps", "peak_bytes_at_micro", "step_time_s", "tokens_per_s", "days")}
-            | {"traced_local_batches": [p["local_batch"] for p in s["points"]]} for s in data["strategies"]]
+            | {"traced_local_batches": [p["local_batch"] for p in s["points"]],
+               "whole_reserved": s.get("whole_reserved")} for s in data["strategies"]]
     print(f"batchfit plan {' '.join(COMMAND)}")
     print(f"{seconds:.1f} s for the whole command (goal {GOAL_S} s), {data['traces']} sharded traces "
           f"({data['trace_seconds']:.1f} s tracing)")
