@@ -71,6 +71,7 @@ def run(name: str) -> dict:
         "peak_gib_per_rank": round(at["peak_bytes"] / 2**30, 2), "breakdown": at["breakdown"],
         "max_local_batch": row["max_local_batch"], "traced_local_batches": [p["local_batch"] for p in row["points"]],
         "traces": data["traces"], "trace_seconds": data["trace_seconds"],
+        "whole_reserved": row.get("whole_reserved"),
         "traced": {
             "what": "rank 0's training step on a fake process group (PyTorch's FSDP2 / DTensor code, fake "
                     "tensors), CUDA semantics, peak allocated + cuBLAS workspace",
@@ -97,7 +98,8 @@ def main() -> None:
               f"{os.cpu_count()} cores); {result['traces']} traces")
         print(f"  {result['strategy']} on {result['gpus']} GPUs: {result['peak_gib_per_rank']} GiB per rank at local "
               f"batch {result['local_batch']}; max local batch {result['max_local_batch']}; "
-              f"TP loss {result['traced']['tp_loss'] or '-'}")
+              f"TP loss {result['traced']['tp_loss'] or '-'}; reserved traced whole at "
+              f"{result['whole_reserved'] or 'no local batch'}")
         for a in result["traced"]["approximations"]:
             print(f"  approximated: {a['what']} ({a.get('detail', '')}): may differ by {a['may_differ_by']}")
     path = write_result("plan_recipes", {"goal_s": GOAL_S, "runs": results})

@@ -13,6 +13,7 @@ the number of traced steps. Writes benchmarks/results/plan_speed-<date>.json.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -29,19 +30,23 @@ GOAL_S = 60
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
+        load_before = os.getloadavg()
         started = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "batchfit.cli.app", "plan", *COMMAND, "--out", folder,
                                "--json", f"{folder}/plan.json"], capture_output=True, text=True)
         seconds = time.perf_counter() - started
+        load_after = os.getloadavg()
         if done.returncode:
             sys.exit(f"batchfit plan failed ({done.returncode}):\n{done.stderr[-3000:]}")
         data = json.loads(Path(folder, "plan.json").read_text())
     rows = [{k: s[k] for k in ("strategy", "dp", "tp", "max_local_batch", "max_global_batch", "micro_batch",
                                "accumulation_steps", "peak_bytes_at_micro", "step_time_s", "tokens_per_s", "days")}
-            | {"traced_local_batches": [p["local_batch"] for p in s["points"]]} for s in data["strategies"]]
+            | {"traced_local_batches": [p["local_batch"] for p in s["points"]],
+               "whole_reserved": s.get("whole_reserved")} for s in data["strategies"]]
     print(f"batchfit plan {' '.join(COMMAND)}")
     print(f"{seconds:.1f} s for the whole command (goal {GOAL_S} s), {data['traces']} sharded traces "
-          f"({data['trace_seconds']:.1f} s tracing)")
+          f"({data['trace_seconds']:.1f} s tracing; load average {load_before[0]:.2f} -> {load_after[0]:.2f} "
+          f"on {os.cpu_count()} cores)")
     print(f"{'strategy':10} {'max local':>9} {'max global':>10} {'micro x acc':>11} {'GiB':>6} {'step s':>7} "
           f"{'tokens/s':>9} {'days':>6}")
     for r in rows:
@@ -51,6 +56,7 @@ def main() -> None:
               f"{r['tokens_per_s'] or 0:9,.0f} {r['days'] or 0:6.1f}")
     path = write_result("plan_speed", {
         "plan_command": "batchfit plan " + " ".join(COMMAND), "command_s": round(seconds, 1), "goal_s": GOAL_S,
+        "load_average_1min": {"before": round(load_before[0], 2), "after": round(load_after[0], 2)},
         "traces": data["traces"], "trace_seconds": data["trace_seconds"], "params": data["params"],
         "strategies": rows, "recommended": data["recommended"],
     })

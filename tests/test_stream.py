@@ -114,7 +114,49 @@ def test_streams_that_are_not_runs_of_blocks_are_refused():
     assert stream.extend(bent, 32) is None
 
 
+def test_a_run_freeing_what_a_shorter_run_and_the_stream_around_it_allocated():
+    """FSDP2's shape (see the next test): the backward allocates one gradient shard per block,
+    the last ``edge`` blocks to run differently (outside the run), and zero_grad frees them in
+    block order, so its first ``edge`` copies free fixed allocations. Two such copies at an end
+    are written; three are not (nothing checks the backward run's rule then)."""
+    def stream_of(d: int, edge: int) -> list:
+        events, grads = [], {}
+        for k in reversed(range(d)):  # backward: the last block first
+            if k < edge:
+                events += [("malloc", 1000 + k, 4), ("free", 1000 + k, 0)]
+            grads[k] = k + 1
+            events.append(("malloc", k + 1, 16))
+        return events + [("free", grads[k], 0) for k in range(d)]
+
+    written = stream.extend({d: stream_of(d, 2) for d in (2, 3, 4)}, 32)
+    assert written is not None and stream._canonical(written) == stream._canonical(stream_of(32, 2))
+    assert stream.extend({d: stream_of(d, 3) for d in (2, 3, 4)}, 32) is None
+
+
 def test_without_cut_drops_the_cut_blocks_allocations():
     events = [("malloc", 1, 8), ("malloc", 2, 8), ("malloc", 3, 8), ("free", 2, 0), ("free", 3, 0),
               ("free", 1, 0)]
     assert stream.without_cut(events, (3, 5)) == [("malloc", 1, 8), ("free", 1, 0)]
+
+
+@pytest.mark.parametrize("strategy,gpus", [("fsdp", 2)])
+def test_fsdp_rank_zeros_stream_is_written_from_the_depths(strategy, gpus):
+    """FSDP2's backward run holds two blocks fewer than the depth (zero_grad then frees the last
+    two backward blocks' gradient shards from outside any run, and at depth 2 the run is
+    empty): rank 0's stream is still written from depths 2-4, equal to the whole model's."""
+    from batchfit.plan.deep import DeepSession
+    from batchfit.plan.reserved import replay_steps
+    from batchfit.plan.sharded import parse_strategy
+    from batchfit.zoo import language_model_workload
+    from batchfit.zoo.transformer import Transformer, TransformerConfig
+
+    cfg = TransformerConfig(vocab_size=256, seq_len=16, d_model=32, n_layers=10, n_heads=2, n_kv_heads=1, d_ff=64,
+                            llama=True, tied_embeddings=False)
+    workload = language_model_workload(name="tiny-llama-10", build_model=lambda: Transformer(cfg),
+                                       vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, description="10 tiny blocks")
+    device = get_device("h100-80gb")
+    with DeepSession(workload, StepOptions(precision="bf16-mixed"), device, parse_strategy(strategy, gpus)) as deep:
+        written, starts = deep._extended(2)
+        whole, whole_starts = deep._fresh(workload, 2)
+    assert stream._canonical(written) == stream._canonical(whole) and starts == whole_starts
+    assert replay_steps(written, starts, device) == replay_steps(whole, whole_starts, device)

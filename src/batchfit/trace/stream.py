@@ -188,6 +188,16 @@ def _encodings(src: tuple, dst: tuple, copies: tuple[int, ...]) -> set[tuple]:
     return {("same", run, offset, k_dst - k), ("mirror", run, offset, k_dst - (m - 1 - k))}
 
 
+def _may_repeat(encoding: tuple, run: int) -> bool:
+    """Whether ``encoding`` can name what every interior copy of ``run`` frees at a full depth
+    (ten blocks or more). Not a fixed allocation: it can be freed only once. Not the mirrored
+    copy of the same run: copy ``k`` can free only a copy allocated before it, ``m - 1 - k + v
+    <= k`` for every interior ``k``, which no ``v`` meets once the run has more than four
+    copies. (At depth 4 a run may hold two copies, its first an edge: without this, a fixed
+    free of the first copy ties with the second copy's rule.)"""
+    return encoding[0] == "same" or (encoding[0] == "mirror" and encoding[1] != run)
+
+
 def _rules(events: list[Event], labels: list[tuple], copies: tuple[int, ...]) -> dict[tuple, dict]:
     """For each free slot (a base event, or an offset of a run), the encodings its frees
     admit: ``interior`` for the run's copies, ``first``/``last`` for an edge that differs."""
@@ -202,17 +212,40 @@ def _rules(events: list[Event], labels: list[tuple], copies: tuple[int, ...]) ->
     rules = {}
     for slot, frees in seen.items():
         if slot[0] == "base":
-            rules[slot] = {"interior": frees[0][1], "first": None, "last": None}
+            rules[slot] = {"interior": frees[0][1], "first": None, "second": None, "last": None, "second_last": None}
             continue
         n = copies[slot[1]]
-        counts = Counter(e for _, encodings in frees for e in encodings)
-        best = max(counts.values())
+        counts = Counter(e for _, encodings in frees for e in encodings if _may_repeat(e, slot[1]))
+        best = max(counts.values(), default=0)
         interior = {e for e, c in counts.items() if c == best}
         edges = {k: enc for k, enc in frees if not enc & interior}
-        if set(edges) - {0, n - 1}:
-            raise NotRegular(f"a free rule breaks inside a run ({slot})")
-        rules[slot] = {"interior": interior, "first": edges.get(0), "last": edges.get(n - 1) if n > 1 else None}
+        rules[slot] = {"interior": interior, **_edge_rules(edges, n, slot)}
     return rules
+
+
+EDGE_PARTS = (("first", lambda k, n: k == 0), ("second", lambda k, n: k == 1),
+              ("last", lambda k, n: k == n - 1), ("second_last", lambda k, n: k == n - 2))
+"""A rule's edge parts and the copies they name, in the order ``_write`` tries them."""
+
+
+def _edge_rules(edges: dict[int, set], n: int, slot: tuple) -> dict[str, set | None]:
+    """The parts of a rule for the copies of a run whose frees the interior rule does not write.
+
+    Usually only the first and the last copy (the edges of the stack). A run can also free,
+    in the opposite order, what another run with fewer copies allocated plus the copies that
+    run left outside itself: under FSDP2 the optimizer's ``zero_grad`` frees each block's
+    reduce-scattered gradient shard in block order, but the backward's run holds two blocks
+    fewer (the last two blocks to run backward wait on no prefetch and differ), so copies 0
+    and 1 free fixed allocations outside the runs. Two copies at each end may have their own
+    rule, while at least one copy follows the interior one (so that it is seen, not guessed);
+    the streams the rules write at the smaller depths are still checked event for event."""
+    if not set(edges) - {0, n - 1}:
+        return {"first": edges.get(0), "second": None, "last": edges.get(n - 1) if n > 1 else None,
+                "second_last": None}
+    if set(edges) - {0, 1, n - 2, n - 1} or n - len(edges) < 1:
+        raise NotRegular(f"a free rule breaks inside a run ({slot})")
+    return {"first": edges.get(0), "second": edges.get(1), "last": edges.get(n - 1),
+            "second_last": edges.get(n - 2)}
 
 
 def _agree(smaller: dict[tuple, dict], larger: dict[tuple, dict]) -> dict[tuple, dict]:
@@ -278,7 +311,7 @@ def _write(shape: _Shape, rules: dict[tuple, dict], depth: int) -> list[Event]:
                     malloc(("run", run, k, offset), token[1])
                     continue
                 rule = rules[("run", run, offset)]
-                edge = rule["first"] if k == 0 else rule["last"] if k == n - 1 else None
+                edge = next((rule.get(part) for part, names in EDGE_PARTS if names(k, n) and rule.get(part)), None)
                 free(edge or rule["interior"], k)
     return events
 
@@ -291,6 +324,20 @@ def without_cut(events: list[Event], cut: tuple[int, int] | None) -> list[Event]
     start, end = cut
     gone = {ident for _, ident, _ in events[start:end]}
     return [e for i, e in enumerate(events) if not (start <= i < end or e[1] in gone)]
+
+
+def _checked_depths(shape: _Shape, depths: tuple[int, int, int]) -> tuple[int, ...]:
+    """The depths whose traced streams the rules must write, event for event: the two smaller
+    ones. Where a run has no copy at the smallest depth (FSDP2's backward run holds two blocks
+    fewer than the depth: at depth 2 it is empty, and a fixed free that names its last copy at
+    depths 3 and 4 frees something else there), the smallest is left out and the largest, the
+    one the rules were learnt at, is written too; the middle one must always be written."""
+    d0, d1, d2 = depths
+    if min((d1 + c for c in shape.copies_offset), default=1) < 1:
+        raise NotRegular(f"a run has no copy at depth {d1}: nothing checks its rules")
+    if min((d0 + c for c in shape.copies_offset), default=1) >= 1:
+        return d0, d1
+    return d1, d2
 
 
 def extend(streams: dict[int, list[Event]], depth: int) -> list[Event] | None:
@@ -311,7 +358,7 @@ def extend(streams: dict[int, list[Event]], depth: int) -> list[Event] | None:
         if shapes[0] != shapes[1]:
             raise NotRegular("the two depths have different layouts")
         agreed = _agree(*rules)
-        for d in (d0, d1):
+        for d in _checked_depths(shapes[0], (d0, d1, d2)):
             if _canonical(_write(shapes[0], agreed, d)) != _canonical(streams[d]):
                 raise NotRegular(f"the rules do not write the stream traced at depth {d}")
         return _write(shapes[0], agreed, depth)
