@@ -14,18 +14,14 @@ fp32 AdamW. Writes benchmarks/results/memory_budget-<date>.json.
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 import time
 import warnings
-from pathlib import Path
 
 import torch
 from _common import write_result
-from torch.profiler import ProfilerActivity, profile
+from recipes import profiled_peak  # the third step, compiled: inductor compiles in the first
 
 from batchfit.trace.session import TraceSession
-from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 
 
@@ -48,23 +44,6 @@ def traced_peak(workload: Workload, options: StepOptions, batch_size: int) -> in
         return session.trace(batch_size).snapshot.peak_bytes
 
 
-def inductor_peak(workload: Workload, options: StepOptions, batch_size: int) -> int:
-    """The profiler's memory timeline over the third real CPU step compiled with inductor (the
-    first compiles, the second is the first with optimizer state), as tests/cpu_truth.py does."""
-    torch.manual_seed(0)
-    step = TrainingStep(workload, options, torch.device("cpu"))
-    for _ in range(2):
-        step.run(batch_size)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        step.run(batch_size)
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "timeline.json"
-        prof.export_memory_timeline(str(path), device="cpu")
-        _, sizes = json.loads(path.read_text())
-    return max(sum(row) for row in sizes)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=2)
@@ -81,7 +60,7 @@ def main() -> None:
         options = StepOptions(compile="model", memory_budget=budget, precision=args.precision)
         started = time.perf_counter()
         traced = traced_peak(workload, options, args.batch_size)
-        measured = inductor_peak(workload, options, args.batch_size)
+        measured = profiled_peak(workload, options, args.batch_size)
         seconds = time.perf_counter() - started
         error = (traced - measured) / measured
         rows.append({"budget": budget, "traced_bytes": traced, "cpu_truth_bytes": measured, "error": error,

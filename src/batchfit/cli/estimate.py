@@ -16,9 +16,9 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  report_folder, step_options, warn_about_precision, write_outputs)
 from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt,
                                  parse_host_memory, warn_about_approximations)
-from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, emitted_text, merged_batch_sizes,
+from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, merged_batch_sizes,
                                   merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
-                                  read_trainer)
+                                  read_trainer, trainer_outputs)
 from batchfit.devices import GiB
 from batchfit.report.host import host_line
 from batchfit.errors import OptionError
@@ -108,15 +108,8 @@ def estimate_command(
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
     fitted = (answer(door, result.max_batch_size_at_target, options.accumulation_steps, multiple_of=result.multiple_of,
                      fits_whole=result.max_batch_size) if door is not None else None)
-    section = door.section(fitted) if door is not None else None
-    data = result.to_json() if section is None else {**result.to_json(), "trainer": section}
-
-    def write_all(files):  # the report, --emit and --json: all or none, JSON last
-        paths = write_estimate_report(result, folder, files, trainer=section)
-        if emit_path is not None and fitted["per_device_train_batch_size"] is not None:
-            files.text(emit_path, emitted_text(door, fitted))
-        return paths
-
+    data, write_all = trainer_outputs(result.to_json(), door, fitted, lambda files, trainer: write_estimate_report(
+        result, folder, files, trainer=trainer), emit_path)
     paths = write_outputs(json_path, data, write_all)
     console = quiet_if_stdout(json_path)
     _print_summary(result, console, paths["md"])

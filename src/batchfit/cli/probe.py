@@ -15,8 +15,9 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
 from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
-from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, emitted_text, merged_options, merged_seq_len,
-                                  parse_trainer_emit, print_answer, print_mapping, read_trainer)
+from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, merged_options, merged_seq_len,
+                                  parse_trainer_emit, print_answer, print_mapping, read_trainer,
+                                  trainer_outputs)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.distributed.wrap import STRATEGIES
@@ -122,15 +123,8 @@ def probe_command(
         tier = next((r for r in result.recommendations if r.name == "production"), None)
         fitted = answer(door, tier.batch_size if tier else result.max_batch_size, options.accumulation_steps,
                         multiple_of=multiple_of, source="probed" if target.kind == "cuda" else "traced (virtual)")
-    section = door.section(fitted) if door is not None else None
-    data = result.to_json() if section is None else {**result.to_json(), "trainer": section}
-
-    def write_all(files):  # the report, --emit and --json: all or none, JSON last
-        paths = write_probe_report(result, folder, files, trainer=section)
-        if emit_path is not None and fitted["per_device_train_batch_size"] is not None:
-            files.text(emit_path, emitted_text(door, fitted))
-        return paths
-
+    data, write_all = trainer_outputs(result.to_json(), door, fitted, lambda files, trainer: write_probe_report(
+        result, folder, files, trainer=trainer), emit_path)
     paths = write_outputs(json_path, data, write_all)
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
     if fitted is not None:

@@ -171,3 +171,21 @@ def emitted_text(door: FrontDoor, result: dict) -> str:
         raise OptionError("--emit trainer: nothing fits, so there are no arguments to write: "
                           + "; ".join(result["notes"]))
     return patched_args_text(door.args, result["per_device_train_batch_size"], result["gradient_accumulation_steps"])
+
+
+def trainer_outputs(result_json: dict, door: FrontDoor | None, fitted: dict | None, write_report,
+                    emit_path: Path | None):
+    """(the JSON, the all-or-none writer) of a command that may have started from ``--trainer``:
+    ``write_report(files, trainer=section)`` writes the report, then the patched args
+    (``--emit trainer:``) when there is an answer; the JSON (written last) and the report carry the
+    trainer section."""
+    section = door.section(fitted) if door is not None else None
+    data = result_json if section is None else {**result_json, "trainer": section}
+
+    def write_all(files):  # the report, --emit and --json: all or none, JSON last
+        paths = write_report(files, trainer=section)
+        if emit_path is not None and fitted["per_device_train_batch_size"] is not None:
+            files.text(emit_path, emitted_text(door, fitted))
+        return paths
+
+    return data, write_all
