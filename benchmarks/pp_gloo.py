@@ -26,7 +26,8 @@ def main() -> None:
 
     import test_pipeline as t
     from batchfit.devices import get_device
-    from batchfit.plan.pipeline import PipelineSession, parse_pp_strategy
+    from batchfit.plan.pipeline import PipelineSession
+    from batchfit.plan.pp_strategy import parse_pp_strategy
     from batchfit.plan.sharded import parse_strategy
     from batchfit.workload import StepOptions
 

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from batchfit.devices import get_device
 from batchfit.distributed.pipeline import bubble_fraction, in_flight, parse_schedule, rank_actions, split_stage
 from batchfit.errors import OptionError
-from batchfit.plan.pipeline import PipelineSession, parse_pp_strategy
+from batchfit.plan.pipeline import PipelineSession
+from batchfit.plan.pp_strategy import parse_pp_strategy
 from batchfit.plan.sharded import parse_strategy
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload

@@ -57,7 +57,7 @@ def parse_strategy(text: str, world_size: int, *, pp_schedule: str = "1f1b", mic
     """One strategy name on ``world_size`` GPUs (see the module docstring); ``pp<N>+X``: a
     pipeline of N stages, each running X on world_size / N GPUs (``plan/pipeline.py``), with
     ``pp_schedule`` (--pp-schedule) and ``microbatches`` (--microbatches)."""
-    from batchfit.plan.pipeline import parse_pp_strategy, split_pp
+    from batchfit.plan.pp_strategy import parse_pp_strategy, split_pp
 
     name = text.strip().lower().replace(" ", "")
     if split_pp(name) is not None:
