@@ -62,6 +62,9 @@ def test_report_folders_differ_by_options():
     ckpt = common.report_folder(None, "probe", "hf:llama-3.1-8b", parse_target("virtual:h100-80gb"),
                                 StepOptions(checkpointing="full", accumulation_steps=4), seq_len=8192)
     assert ckpt == Path("reports/probe-hf_llama-3.1-8b-h100-80gb-seq8192-ckpt-full-accum4")
+    gathered = common.report_folder(None, "plan", "hf:llama-3.1-70b", parse_target("virtual:h100-80gb"),
+                                    StepOptions(tp_loss="gathered"))
+    assert gathered == Path("reports/plan-hf_llama-3.1-70b-h100-80gb-tp-loss-gathered")  # not the sharded run's
 
 
 @pytest.mark.parametrize("command,files", [("estimate", "estimate.json"), ("probe", "probe.json"),

@@ -282,11 +282,11 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
     parts = [command, workload, target.spec.removeprefix("virtual:")]
     if seq_len:
         parts.append(f"seq{seq_len}")
-    for name in ("precision", "optimizer", "checkpointing", "compile", "loss", "offload", "routing"):
+    for name in ("precision", "optimizer", "checkpointing", "compile", "loss", "tp_loss", "offload", "routing"):
         value = getattr(options, name)
         if value != getattr(default, name):
             parts.append({"checkpointing": f"ckpt-{value}", "compile": f"compile-{value}",
-                          "loss": f"loss-{value}", "offload": f"offload-{value}",
+                          "loss": f"loss-{value}", "tp_loss": f"tp-loss-{value}", "offload": f"offload-{value}",
                           "routing": f"routing-{value}"}.get(name, str(value)))
     if options.memory_budget is not None:
         parts.append(f"budget{options.memory_budget:g}")
