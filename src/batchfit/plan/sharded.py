@@ -276,6 +276,7 @@ class ShardedSession:
         from batchfit.distributed.tp_plans import tp_plan
         from batchfit.train.losses import tp_loss_of
         from batchfit.train.step import TrainingStep
+        from batchfit.trace.compiled import sharded_traces_compiled
         from batchfit.trace.memory import CUDA_BLOCK_BYTES
         from batchfit.trace.session import TraceSession
 
@@ -289,6 +290,7 @@ class ShardedSession:
                 _meshes[strategy] = build_meshes(strategy)
             self.meshes = meshes = _meshes[strategy]
             self.tracker = tracker = ShardedTracker(round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
+            tracker.trace_compiled = sharded_traces_compiled(strategy, options)  # read by TraceSession
 
             def shard(model):
                 if hasattr(model, "stage_indices"):  # a pipeline rank's stages: each wrapped as its own root

@@ -10,8 +10,8 @@ tensors. Mixed precision on CUDA semantics runs the same way, under CUDA's autoc
 that dynamo and AOTAutograd trace with). ``--memory-budget F`` is set around the partition
 (:func:`trace_backend`), as ``train/step.py`` sets it around inductor for real steps. Such a
 result carries :data:`COMPILED_TRACED` (the residual against inductor on this CPU). ``plan``
-(a sharded step) still traces compiled models as eager and carries :data:`COMPILED_AS_EAGER`
-(docs/tracing.md, "torch.compile").
+traces FSDP2's rank 0 compiled too (:func:`sharded_traces_compiled`); its other sharded
+steps stay eager and carry :data:`COMPILED_AS_EAGER` (docs/tracing.md, "torch.compile").
 
 Compiled is either asked for (``--compile model|blocks``: ``StepOptions.compile``), or done
 by the workload itself: ``torch.compile(module)`` returns an ``OptimizedModule``,
@@ -22,6 +22,7 @@ by the workload itself: ``torch.compile(module)`` returns an ``OptimizedModule``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -31,7 +32,7 @@ import torch
 from torch import fx, nn
 
 from batchfit.trace.approximation import Approximation
-from batchfit.workload import StepOptions, Workload
+from batchfit.workload import FP8_PRECISIONS, StepOptions, Workload
 
 VALIDATION = "benchmarks/results/validate_gpu_compile-2026-11-24.json"
 
@@ -47,12 +48,15 @@ and ``compiled_vs_eager`` in :data:`VALIDATION`; ``tests/test_compile.py`` check
 
 COMPILED_TRACED = Approximation(
     what="compiled step traced with AOTAutograd's partition and a model of inductor's pointwise fusion",
-    may_differ_by=("0.02% of inductor's peak on this CPU with --compile model, 0% to +2.8% with --compile blocks "
-                   "(4-layer Llama, batch 2 and 4); bf16-mixed: -0.9% to +0.01% (2-layer Llama, tinystories-22m); "
+    may_differ_by=("0.02% of inductor's peak on this CPU with --compile model, 0% with --compile blocks "
+                   "(4-layer Llama, batch 2 and 4); plan's fsdp rank 0 against a 2-process gloo run compiled "
+                   "with inductor: -0.001% (blocks) to +0.02% (model), fp32; "
+                   "bf16-mixed: -0.9% to +0.01% (2-layer Llama, tinystories-22m); "
                    "against inductor on an H100 (bf16-mixed, 3 models, dynamo's shapes as in the measured "
                    "process): -0.28% to 0%; shapes compiled static where the H100 run had dynamic ones: -7.4% "
                    "to +1.3%"),
     source=("tests/test_compile.py::test_the_compiled_trace_matches_inductor_on_cpu; docs/tracing.md (blocks); "
+            "tests/test_plan_compiled.py; "
             "benchmarks/results/compiled_vs_h100-2026-11-25.json"),
 )
 """The compiled trace against the profiler's memory timeline of the same step compiled with inductor."""
@@ -95,13 +99,27 @@ def _consumers(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+def _fuses_into(user: fx.Node) -> bool:
+    """Whether a pointwise producer read by ``user`` is fused into ``user``'s kernel: pointwise
+    ops, reductions, and ``cat`` (inductor's cat lowering has its pointwise inputs write straight
+    into their slices of the output, ``ConcatKernel``, or fuses them into a pointwise cat)."""
+    return _fusible(user) or (user.op == "call_function" and _name(user.target) in _REDUCTIONS | {"cat"})
+
+
 def unmaterialized(graph: fx.Graph) -> set[str]:
     """Nodes whose output inductor never writes to memory: a pointwise op read only by pointwise
-    ops and reductions is fused into them. Graph outputs (saved activations, gradients) and the
-    inputs of matmuls and other extern kernels are written."""
+    ops, reductions and cats is fused into them. Graph outputs (saved activations, gradients) and
+    the inputs of matmuls and other extern kernels are written."""
     return {node.name for node in graph.nodes
-            if _fusible(node) and (users := _consumers(node))
-            and all(_fusible(u) or (u.op == "call_function" and _name(u.target) in _REDUCTIONS) for u in users)}
+            if _fusible(node) and (users := _consumers(node)) and all(_fuses_into(u) for u in users)}
+
+
+def _kernels_of(node: fx.Node, fused: set[str]) -> list[fx.Node]:
+    """The nodes whose kernels compute ``node``: itself when it is written, else (it is fused)
+    the written nodes it is fused into, through views and other fused nodes."""
+    if node.name not in fused:
+        return [node]
+    return [kernel for user in _consumers(node) for kernel in _kernels_of(user, fused)]
 
 
 class _FusedRun(fx.Interpreter):
@@ -110,6 +128,16 @@ class _FusedRun(fx.Interpreter):
     def __init__(self, module: fx.GraphModule, fused: set[str], tracker: Any) -> None:
         super().__init__(module)
         self.fused, self.tracker = fused, tracker
+        # What a fused node reads stays alive until the kernel it is fused into has run (and
+        # allocated its output): inductor frees a buffer after the kernel that reads it. Run op by
+        # op, the graph would free it at the fused node, before that kernel's output exists (a
+        # SwiGLU backward's saved input was freed before the cat of its two gradients).
+        order = {node: i for i, node in enumerate(module.graph.nodes)}
+        last_uses: dict[fx.Node, list[fx.Node]] = {}
+        for user, values in self.user_to_last_uses.items():
+            cats = [k for k in _kernels_of(user, fused) if _name(k.target) == "cat"] if user.name in fused else []
+            last_uses.setdefault(max(cats, key=order.__getitem__, default=user), []).extend(values)
+        self.user_to_last_uses = last_uses
 
     def run_node(self, node: fx.Node) -> Any:
         if node.name not in self.fused:
@@ -276,6 +304,33 @@ def compile_approximations(options: StepOptions, model: nn.Module, loss_fn: Any 
     else:
         return []
     return [Approximation(**{**COMPILED_AS_EAGER.to_json(), "detail": detail})]
+
+
+def sharded_traces_compiled(strategy: Any, options: StepOptions) -> bool:
+    """Whether ``plan`` traces rank 0 of ``strategy`` (``plan/sharded.py``'s Strategy) compiled
+    under ``--compile``: FSDP2 alone (its all-gathers and reduce-scatters run in its hooks, outside
+    dynamo's graphs: ``skip_fsdp_hooks``), checked against inductor on a real gloo run
+    (``tests/test_plan_compiled.py``). DDP (dynamo's DDPOptimizer fails on the trace's fake
+    tensors), TP, HSDP, ZeRO, pipelines and FSDP2's CPU offload are untried under compile and
+    traced eager, which the plan says (``COMPILED_AS_EAGER``)."""
+    return (options.compile != "none" and getattr(strategy, "shard", None) == "fsdp"
+            and getattr(strategy, "tp", 1) == 1 and getattr(strategy, "pp", 1) == 1
+            and not options.offloads("params") and options.precision not in FP8_PRECISIONS)
+
+
+def plan_compile_approximations(workload: Workload, options: StepOptions, compiled: list[str],
+                                eager: list[str]) -> list[Approximation]:
+    """``plan``'s torch.compile approximations: the strategies named in ``compiled`` are traced
+    compiled (``COMPILED_TRACED``, with the FSDP2 gloo figure), those in ``eager`` as eager
+    (:func:`workload_approximations`, per strategy named)."""
+    if options.compile == "none" or not compiled:
+        return workload_approximations(workload, options)
+    detail = f"--compile {options.compile}"
+    said = [dataclasses.replace(COMPILED_TRACED, detail=f"{detail}: {', '.join(compiled)} traced compiled")]
+    if eager:
+        said += [dataclasses.replace(a, detail=f"{a.detail}: {', '.join(eager)}")
+                 for a in workload_approximations(workload, options)]
+    return said
 
 
 def workload_approximations(workload: Workload, options: StepOptions) -> list[Approximation]:

@@ -334,10 +334,12 @@ class TraceSession:
         self.tracker.host_optimizer_scalars = not any(
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
-        self.compiled = (options.compile != "none" and wrap is None and tracker is None
+        self.compiled = (options.compile != "none" and wrap is None
+                         and (tracker is None or getattr(tracker, "trace_compiled", False))
                          and options.precision not in FP8_PRECISIONS)
-        """Traced compiled (``trace/compiled.py``), else eager: so are sharded steps (``plan``), and
-        float8 steps (torchao's subclasses under dynamo on fake tensors are untried; said in every output)."""
+        """Traced compiled (``trace/compiled.py``), else eager: so are sharded steps (``plan``) but
+        plain FSDP2's (its tracker is marked ``trace_compiled``: ``plan/sharded.py``), and float8
+        steps (torchao's subclasses under dynamo on fake tensors are untried; said in every output)."""
         self.compiled_parts: list[str] = []
         """What the workload compiled itself, recompiled with the trace's backend."""
         if self.compiled:  # batchfit's module hooks stay out: dynamo would break the graph at each
