@@ -296,9 +296,9 @@ class MemoryTracker(TorchDispatchMode):
                     event = ("free", ident.pop(seq), 0)
                 else:
                     event = ("free", current[stands_for[seq]], 0)
-                self.events.append(event)
-                if self.on_event is not None:
+                if self.on_event is not None:  # first, as in record(): it may raise out of memory
                     self.on_event(*event)
+                self.events.append(event)
             current = {seq: ident[seq] for seq in left}
         self._event_ident.update(current)
         return True
