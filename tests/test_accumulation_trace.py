@@ -53,3 +53,31 @@ def test_a_step_without_accumulation_or_wrapped_runs_every_micro_batch():
         assert not session.tracker.repeats_micro_batches  # offload: host bytes add up per micro-batch
         session.trace(2)
         assert session.tracker.micro_batches_run == 2 * 3
+
+
+class _Remembers(torch.nn.Module):
+    """Keeps a tensor from every forward: each micro-batch leaves something new alive, so the
+    second is not the pattern of the third, and the step must run them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        self.kept.append(y.detach().sum(0))
+        return y.square().mean()
+
+
+def test_micro_batches_that_leave_more_alive_each_time_all_run():
+    workload = Workload(name="remembers", build_model=_Remembers,
+                        make_batch=lambda b, d: torch.randn(b, 32, device=d), loss_fn=lambda m, x: m(x))
+    options = StepOptions(accumulation_steps=4)
+    with TraceSession(workload, options) as session:
+        assert session.tracker.repeats_micro_batches
+        peak = session.trace(8, fresh=True).snapshot
+        assert session.tracker.micro_batches_run == 2 * 4  # the check refused: none written
+    with TraceSession(workload, options) as session:
+        session.tracker.repeats_micro_batches = False
+        assert session.trace(8, fresh=True).snapshot == peak
