@@ -155,6 +155,16 @@ class MemoryTracker(TorchDispatchMode):
         """Called with each event as it happens (the allocator model of the virtual device)."""
         self._module_stack: list[str] = []
         self._hooks: list = []
+        self.repeats_micro_batches = False
+        """Run two micro-batches of an accumulating step and write the rest's events down as
+        repeats of the second's (``repeat_micro_batch``); the session sets it where that is exact."""
+        self._micro_starts: list[tuple[int, int]] = []
+        """(index in ``events``, seq) where each micro-batch of the current step began."""
+        self._event_ident: dict[int, int] = {}
+        """seq -> the ident its free is written with: the survivors of the second micro-batch
+        stand for those of the last, written repeat (their copies' idents)."""
+        self.micro_batches_run = 0
+        """Micro-batches the steps traced so far ran (the repeated ones not counted)."""
         self.run_compiled = False
         """Let torch.compile'd code run under this mode (``trace/compiled.py``); dynamo skips
         compiled frames while a mode that does not ignore compile internals is active."""
@@ -197,7 +207,7 @@ class MemoryTracker(TorchDispatchMode):
         if record is None:
             return
         self.live_bytes -= record.nbytes
-        self.events.append(("free", record.seq, 0))
+        self.events.append(("free", self._event_ident.pop(record.seq, record.seq), 0))
         self._record_host(id(storage), storage, op=record.op, shape=record.shape, dtype=record.dtype)
 
     @property
@@ -236,6 +246,65 @@ class MemoryTracker(TorchDispatchMode):
         if self._segment % 2 == 1:
             self._segment += 1
             self._note_phase_peak()
+
+    def micro_batches(self, accumulation: int) -> int:
+        """How many of a step's ``accumulation`` micro-batches to run (the rest are repeated)."""
+        self._micro_starts = []
+        return min(accumulation, 2) if self.repeats_micro_batches else accumulation
+
+    def micro_batch_begins(self, index: int) -> None:
+        self.micro_batches_run += 1
+        if index < 2:
+            self._micro_starts.append((len(self.events), self._seq))
+
+    def repeat_micro_batch(self, times: int) -> bool:
+        """Write ``times`` more copies of the second micro-batch's events, as if it ran again.
+
+        After the first micro-batch every one starts from the same live memory (parameters,
+        optimizer state, the gradients the first backward allocated and later ones add to in
+        place), so each later one allocates and frees what the second did: its own tensors, and
+        what the one before it left alive (its detached loss) where the second freed the first's.
+        That is checked here: what the second freed from before it must be what the first left
+        alive, matched in order one for one with what the second leaves alive (same op, shape,
+        dtype, phase, bytes). Otherwise returns False and the step runs the rest itself.
+        Peaks and breakdowns need nothing: each repeat holds what the second held."""
+        if len(self._micro_starts) != 2:
+            return False
+        (first_event, first_seq), (second_event, second_seq) = self._micro_starts
+        period = self.events[second_event:]
+        made = {ident for kind, ident, _ in period if kind == "malloc"}
+        freed_before = [ident for kind, ident, _ in period if kind == "free" and ident not in made]
+        # idents in events are seqs, except for frees already renamed: none inside one step
+        records = {r.seq: r for r in self._window}
+        left = sorted(r.seq for r in self._live.values() if r.seq > second_seq)
+        if any(not first_seq < seq <= second_seq or seq not in records for seq in freed_before):
+            return False
+        key = lambda r: (r.op, r.shape, r.dtype, r.phase, r.nbytes)  # noqa: E731
+        if len(freed_before) != len(left) or any(key(records[a]) != key(self._live_record(b))
+                                                 for a, b in zip(sorted(freed_before), left)):
+            return False
+        stands_for = dict(zip(sorted(freed_before), left))  # what the first left -> what the second left
+        current = {seq: seq for seq in left}  # the second's survivors -> the ident of the latest copy
+        for _ in range(times):
+            ident: dict[int, int] = {}
+            for kind, seq, nbytes in period:
+                if kind == "malloc":
+                    self._seq += 1
+                    ident[seq] = self._seq
+                    event = ("malloc", self._seq, nbytes)
+                elif seq in ident:
+                    event = ("free", ident.pop(seq), 0)
+                else:
+                    event = ("free", current[stands_for[seq]], 0)
+                if self.on_event is not None:  # first, as in record(): it may raise out of memory
+                    self.on_event(*event)
+                self.events.append(event)
+            current = {seq: ident[seq] for seq in left}
+        self._event_ident.update(current)
+        return True
+
+    def _live_record(self, seq: int) -> Allocation:
+        return next(r for r in self._live.values() if r.seq == seq)
 
     def before_zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.label(model, optimizer)
@@ -440,9 +509,10 @@ class MemoryTracker(TorchDispatchMode):
     def _free(self, key: int) -> None:
         record = self._live.pop(key, None)
         if record is not None:
-            self.events.append(("free", record.seq, 0))
+            ident = self._event_ident.pop(record.seq, record.seq)
+            self.events.append(("free", ident, 0))
             if self.on_event is not None:
-                self.on_event("free", record.seq, 0)
+                self.on_event("free", ident, 0)
             self._seq += 1
             record.freed_seq = self._seq
             self.live_bytes -= record.nbytes

@@ -349,6 +349,14 @@ class TraceSession:
             self.compiled = bool(self.compiled_parts)
         if not self.compiled:
             self.tracker.watch_modules(self.step.model, main_blocks(self.step.model))
+        # Micro-batches 3..N of an accumulating step are written as repeats of the second
+        # (MemoryTracker.repeat_micro_batch, docs/tracing.md "Gradient accumulation"), except
+        # where a later micro-batch may differ from the second: a wrapped model (DDP's no_sync
+        # and bucket rebuild, zero2's per-micro-batch reduce), offloading (its host bytes add up
+        # per micro-batch), compiled or MoE-routed steps, float8 and quantized layers (untried).
+        self.tracker.repeats_micro_batches = (
+            wrap is None and tracker is None and options.offload == "none" and not self.compiled
+            and self.routed is None and options.precision not in FP8_PRECISIONS and options.quantize == "none")
         params = list(self.step.model.parameters())
         # a 4-bit weight counts its values, not its packed bytes (bitsandbytes' quant_state.shape)
         self.params = sum(p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else p.numel()

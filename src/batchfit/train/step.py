@@ -349,8 +349,16 @@ class TrainingStep:
     def _run(self, batch_size: int, hooks: StepHooks) -> torch.Tensor:
         forward_autocast = self.forward_autocast
         accumulation = self.options.accumulation_steps
+        # A tracer may run fewer micro-batches and write the rest's allocations down (the
+        # tracker's ``repeat_micro_batch``, trace/memory.py); every other watcher runs them all.
+        ran = getattr(hooks, "micro_batches", lambda n: n)(accumulation)
         loss = None
-        for _ in range(accumulation):
+        index = 0
+        while index < accumulation:
+            if index == ran and getattr(hooks, "repeat_micro_batch", lambda n: False)(accumulation - ran):
+                break
+            getattr(hooks, "micro_batch_begins", lambda i: None)(index)
+            index += 1
             hooks.phase("inputs")
             batch = self.workload.make_batch(batch_size, self.device)
             if self.workload.generate is not None:
