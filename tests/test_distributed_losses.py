@@ -19,12 +19,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cpu_truth import spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
-from test_plan_trace import CFG, LOCAL_BATCH, _free_port, _profiled_peak, tiny_workload
+from test_plan_trace import CFG, LOCAL_BATCH, _profiled_peak, tiny_workload
 
 LOSSES = ("sharded", "gathered")
 STEPS = 2
@@ -80,7 +81,7 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("gloo-tp-loss")
-    torch.multiprocessing.spawn(_gloo_main, args=(2, _free_port(), str(path)), nprocs=2, join=True)
+    spawn_profiled_gloo(_gloo_main, lambda port: (2, port, str(path)), nprocs=2)
     return json.loads((path / "out.json").read_text())
 
 

@@ -18,12 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cpu_truth import spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
-from test_plan_trace import LOCAL_BATCH, TOTAL, _free_port, _profiled_peak, tiny_workload
+from test_plan_trace import LOCAL_BATCH, TOTAL, _profiled_peak, tiny_workload
 
 OFFLOAD = StepOptions(offload="params")
 
@@ -68,7 +69,7 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.skipif(not os.environ.get("BATCHFIT_GLOO_TRUTH"), reason="a 2-process gloo run (35 s here): "
                     "BATCHFIT_GLOO_TRUTH=1, or benchmarks/recipes.py --only offload, runs it")
 def test_traced_device_plus_host_matches_a_real_gloo_run(tmp_path) -> None:
-    torch.multiprocessing.spawn(_gloo_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_profiled_gloo(_gloo_main, lambda port: (port, str(tmp_path)), nprocs=2)
     real = json.loads((tmp_path / "peak.json").read_text())
     point = _trace(OFFLOAD)
     assert abs(point.total_peak_bytes - real) / real < 0.02, (point.total_peak_bytes, real)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cpu_truth import spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.distributed.pipeline import bubble_fraction, in_flight, parse_schedule, rank_actions, split_stage
 from batchfit.errors import OptionError
@@ -111,7 +112,7 @@ def measured(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("pp-gloo")
     for rank in range(WORLD):
         (path / str(rank)).mkdir()
-    torch.multiprocessing.spawn(_gloo_main, args=(_free_port(), str(path)), nprocs=WORLD, join=True)
+    spawn_profiled_gloo(_gloo_main, lambda port: (port, str(path)), nprocs=WORLD)
     return {rank: json.loads((path / f"peaks{rank}.json").read_text()) for rank in range(WORLD)}
 
 

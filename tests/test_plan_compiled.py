@@ -16,11 +16,12 @@ import os
 import torch
 import torch.distributed as dist
 
+from cpu_truth import spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.plan.sharded import ShardedSession, parse_strategy
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
-from test_plan_trace import LOCAL_BATCH, _free_port, _profiled_peak, tiny_workload
+from test_plan_trace import LOCAL_BATCH, _profiled_peak, tiny_workload
 
 OPTIONS = StepOptions(compile="blocks")  # fp32, AdamW; torchtitan compiles per block under FSDP2
 
@@ -57,7 +58,7 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_fsdp_compiled_trace_matches_a_real_gloo_run_compiled_with_inductor(tmp_path):
-    torch.multiprocessing.spawn(_gloo_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_profiled_gloo(_gloo_main, lambda port: (port, str(tmp_path)), nprocs=2)
     real = min(json.loads((tmp_path / "peaks.json").read_text()))
     with ShardedSession(tiny_workload(), OPTIONS, get_device("h100-80gb"), parse_strategy("fsdp", 2),
                         cuda_semantics=False) as session:

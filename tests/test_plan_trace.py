@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpu_truth import spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import Collective, Strategy, parse_strategies, parse_strategy, trace_sharded
@@ -139,8 +140,7 @@ def measured(tmp_path_factory) -> dict[int, dict[str, int]]:
     out = {}
     for world_size in MEASURED:
         path = tmp_path_factory.mktemp(f"gloo{world_size}")
-        torch.multiprocessing.spawn(_gloo_main, args=(world_size, _free_port(), str(path)), nprocs=world_size,
-                                    join=True)
+        spawn_profiled_gloo(_gloo_main, lambda port: (world_size, port, str(path)), nprocs=world_size)
         out[world_size] = json.loads((path / "peaks.json").read_text())
     return out
 

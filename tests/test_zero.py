@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpu_truth import spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
@@ -130,7 +131,7 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("zero-gloo")
-    torch.multiprocessing.spawn(_gloo_main, args=(_free_port(), str(path)), nprocs=WORLD, join=True)
+    spawn_profiled_gloo(_gloo_main, lambda port: (port, str(path)), nprocs=WORLD)
     return json.loads((path / "peaks.json").read_text())
 
 
