@@ -58,3 +58,18 @@ def spawn_profiled_gloo(main, args_for_port, nprocs: int, attempts: int = 3) -> 
         except mp.ProcessExitedException as error:
             if error.signal_name is None or attempt == attempts - 1:
                 raise
+
+
+def join_gloo(rank: int, world_size: int, port: int, timeout_s: int) -> None:
+    """Make this spawned process rank ``rank`` of a gloo group on ``port`` (one thread each: two
+    ranks share this 2-core machine)."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    torch.set_num_threads(1)

@@ -11,7 +11,6 @@ gradients agree too, or the later steps would drift apart).
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpu_truth import spawn_profiled_gloo
+from cpu_truth import join_gloo, spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
@@ -40,10 +39,7 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
     from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.tp_plans import tp_plan
 
-    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
+    join_gloo(rank, world_size, port, timeout_s=60)
     out: dict = {}
     for case, (name, options) in CASES.items():
         strategy = parse_strategy(name, world_size)

@@ -10,7 +10,6 @@ host (the tiny Llama of test_plan_trace, 2 ranks: shards exact, no padding).
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpu_truth import spawn_profiled_gloo
+from cpu_truth import join_gloo, spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
@@ -37,10 +36,7 @@ def _trace(options: StepOptions, name: str = "fsdp"):
 def _gloo_main(rank: int, port: int, out_dir: str) -> None:
     from batchfit.distributed import apply_strategy, build_meshes
 
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
+    join_gloo(rank, 2, port, timeout_s=60)
     strategy = parse_strategy("fsdp", 2)
     meshes = build_meshes(strategy)
     torch.manual_seed(0)

@@ -10,7 +10,6 @@ own IR where torch's IR is what runs (interleaved 1F1B), and the bubble by hand.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import socket
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cpu_truth import spawn_profiled_gloo
+from cpu_truth import join_gloo, spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.distributed.pipeline import bubble_fraction, in_flight, parse_schedule, rank_actions, split_stage
 from batchfit.errors import OptionError
@@ -58,10 +57,7 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatc
     from cpu_truth import profiled_step_peak
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    torch.set_num_threads(1)
+    join_gloo(rank, world, port, timeout_s=120)
     peaks = {}
     for name in SCHEDULES:
         workload = tiny_workload()

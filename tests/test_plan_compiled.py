@@ -9,14 +9,13 @@ by inductor straight into their cat, allocated while the saved input they read i
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 
 import torch
 import torch.distributed as dist
 
-from cpu_truth import spawn_profiled_gloo
+from cpu_truth import join_gloo, spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.plan.sharded import ShardedSession, parse_strategy
 from batchfit.train.step import TrainingStep
@@ -29,10 +28,7 @@ OPTIONS = StepOptions(compile="blocks")  # fp32, AdamW; torchtitan compiles per 
 def _gloo_main(rank: int, port: int, out_dir: str) -> None:
     from batchfit.distributed import apply_strategy, build_meshes
 
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    torch.set_num_threads(1)
+    join_gloo(rank, 2, port, timeout_s=300)
     strategy = parse_strategy("fsdp", 2)
     meshes = build_meshes(strategy)
     torch.manual_seed(0)

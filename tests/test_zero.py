@@ -12,7 +12,6 @@ from its one momentum buffer against AdamW's two; Muon's whole step against the 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
 import json
 import os
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpu_truth import spawn_profiled_gloo
+from cpu_truth import join_gloo, spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
@@ -82,10 +81,7 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
     from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.zero import with_sharded_optimizer
 
-    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    torch.set_num_threads(1)
+    join_gloo(rank, WORLD, port, timeout_s=120)
     peaks, grads = {}, {}
     for name in MEASURED:
         strategy = parse_strategy(name, WORLD)
