@@ -59,6 +59,10 @@ class Strategy:
     """The pipeline schedule as --pp-schedule names it ("1f1b", "gpipe", "interleaved-1f1b:2"); "" without pp."""
     microbatches: int = 0
     """Pipeline micro-batches per step (--microbatches; 0: as many as the stages); 0 without pp."""
+    cp: int = 1
+    """Context-parallel degree (cp<N>: each rank holds sequence/N of every sample; torch's ring
+    attention, ``distributed/context_parallel.py``): world_size = pp x dp x cp x tp, and FSDP / DDP
+    run over the dp x cp ranks (torchtitan's dp_shard_cp mesh)."""
 
 
 def data_parallel(shard: str, world_size: int) -> Strategy:
@@ -73,7 +77,9 @@ class Meshes:
 
     dp: object | None  # DeviceMesh over the data-parallel ranks (2-D for HSDP), None without one
     tp: object | None  # DeviceMesh over the tensor-parallel ranks, None without TP
-    groups: dict[str, tuple[str, int]]  # process group name -> ("dp" | "tp", ranks in it)
+    groups: dict[str, tuple[str, int]]  # process group name -> ("dp" | "tp" | "cp", ranks in it)
+    cp: object | None = None  # DeviceMesh over the context-parallel ranks (the ring), None without CP
+    ring_groups: frozenset[str] = frozenset()  # the cp mesh's group names (one may be FSDP2's too, at dp 1)
 
 
 def build_meshes(strategy: Strategy, device_type: str = "cpu") -> Meshes:
@@ -82,6 +88,8 @@ def build_meshes(strategy: Strategy, device_type: str = "cpu") -> Meshes:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    if strategy.cp > 1:
+        return _cp_meshes(strategy, device_type)
     if strategy.tp > 1 and strategy.dp > 1:
         mesh = init_device_mesh(device_type, (strategy.dp, strategy.tp), mesh_dim_names=("dp", "tp"))
         dp, tp = mesh["dp"], mesh["tp"]
@@ -106,6 +114,26 @@ def build_meshes(strategy: Strategy, device_type: str = "cpu") -> Meshes:
         default = dist.distributed_c10d._get_default_group()
         groups[default.group_name] = ("dp", default.size())
     return Meshes(dp=dp, tp=tp, groups=groups)
+
+
+def _cp_meshes(strategy: Strategy, device_type: str) -> Meshes:
+    """Context parallelism's meshes, as torchtitan's ``ParallelDims`` builds them
+    (``distributed/parallel_dims.py``): one (dp, cp, tp) mesh, tp innermost; FSDP2 (or DDP) over
+    dp x cp flattened (torchtitan's dp_shard_cp, its "fsdp" mesh: parameters are sharded over the
+    cp ranks too, which hold the same parameters and see other tokens of the same samples), the
+    ring over cp, TP over tp. A dimension of size 1 is kept (a group of one rank talks to nobody)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (strategy.dp, strategy.cp, strategy.tp), mesh_dim_names=("dp", "cp", "tp"))
+    dp = mesh["dp", "cp"]._flatten("dp_cp") if strategy.shard != "none" else None
+    cp, tp = mesh["cp"], mesh["tp"] if strategy.tp > 1 else None
+    groups: dict[str, tuple[str, int]] = {}
+    for label, sub in (("cp", cp), ("tp", tp), ("dp", dp)):  # at dp 1 the dp x cp group may be the ring's:
+        if sub is not None:                                   # labelled dp, the ring's calls told by ring_groups
+            for group in sub.get_all_groups():
+                groups[group.group_name] = (label, group.size())
+    return Meshes(dp=dp, tp=tp, groups=groups, cp=cp,
+                  ring_groups=frozenset(group.group_name for group in cp.get_all_groups()))
 
 
 def mixed_precision(precision: str):

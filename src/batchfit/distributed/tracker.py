@@ -70,6 +70,9 @@ class CollectiveCall:
     group_name: str
     bytes: int
     phase: str
+    functional: bool = False
+    """A ``_c10d_functional`` op (DTensor's, context parallelism's ring) rather than a c10d one
+    (FSDP2's, DDP's): what tells the ring's calls from FSDP2's on a group both use (cp<N>, dp 1)."""
 
 
 def _nbytes(tensors) -> int:
@@ -212,7 +215,8 @@ class ShardedTracker(MemoryTracker):
         call = _collective(func, args, kwargs or {})
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if call is not None:
-            self.calls.append(CollectiveCall(*call, phase=self.current_phase))
+            self.calls.append(CollectiveCall(*call, phase=self.current_phase,
+                                             functional=func.namespace == "_c10d_functional"))
         formula = FLOP_FORMULAS.get(func._overloadpacket)
         if formula is not None:
             self.flops += formula(*args, **(kwargs or {}), out_val=out)

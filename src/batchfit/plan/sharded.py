@@ -22,6 +22,10 @@ Strategy names:
     tp<N>             tensor parallelism over all N GPUs (N must be the GPU count; for data
                       parallelism over the rest, use fsdp+tp<N>)
     fsdp+tp<N>        a 2-D mesh: TP over groups of N GPUs, FSDP2 across the groups
+    fsdp+cp<N>[+tp<T>], ddp+cp<N>
+                      context parallelism: each rank holds sequence/N of its samples, attention by
+                      torch's ring (plan/cp_strategy.py, distributed/context_parallel.py); FSDP2 / DDP
+                      over dp x cp
     pp<N>[+X]         a pipeline of N stages (torch.distributed.pipelining; plan/pipeline.py), each
                       running X (any name above) on world/N GPUs: pp2, pp4+fsdp, pp2+fsdp+tp2
 
@@ -46,7 +50,8 @@ MAX_AUTO_TP = 8
 
 
 _NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|zero1|zero2|hsdp(\d+)|tp(\d+)|fsdp\+tp(\d+))$")
-_NAMES_HELP = "ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp+tp<N>, pp<N>[+any of these] or auto"
+_NAMES_HELP = ("ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp+tp<N>, fsdp+cp<N>[+tp<T>], "
+               "pp<N>[+any of these] or auto")
 
 
 def _divisors(n: int) -> list[int]:
@@ -62,6 +67,10 @@ def parse_strategy(text: str, world_size: int, *, pp_schedule: str = "1f1b", mic
     name = text.strip().lower().replace(" ", "")
     if split_pp(name) is not None:
         return parse_pp_strategy(name, world_size, parse_strategy, pp_schedule=pp_schedule, microbatches=microbatches)
+    from batchfit.plan.cp_strategy import parse_cp_strategy, split_cp
+
+    if split_cp(name) is not None:  # cp<N> anywhere in a + name (plan/cp_strategy.py)
+        return parse_cp_strategy(name, world_size, parse_strategy)
     match = _NAME.match(name)
     if match is None:
         raise OptionError(f"unknown strategy '{text.strip()}': use {_NAMES_HELP}, e.g. --strategies ddp,fsdp,fsdp+tp2")
@@ -123,7 +132,7 @@ class Collective:
     op: str
     """"all_gather", "reduce_scatter", "all_reduce", "reduce", "broadcast", "all_to_all"."""
     group: str
-    """"dp" or "tp"."""
+    """"dp", "tp" or "cp" (context parallelism's ring: K/V all-gathered, dK/dV passed on)."""
     group_size: int
     """Ranks in the group."""
     bytes: int
@@ -311,6 +320,8 @@ class ShardedSession:
             prepared = TrainingStep(workload, options, torch.device("meta"), wrap=None if ddp else shard).model
             self.params = sum(p.numel() for p in prepared.parameters())  # DTensors count their global size
             built = dataclasses.replace(workload, build_model=lambda: _to_empty_keeping_ties(prepared))
+            if strategy.cp > 1:  # the sequence sharded, attention by torch's ring (distributed/context_parallel.py)
+                built = self._context_parallel(built, meshes, cuda_semantics)
             prepared_options = dataclasses.replace(options, checkpointing="none")  # done on meta already
             # zero1 / zero2: the step's optimizer becomes a ZeroRedundancyOptimizer (built inside the trace)
             built, prepared_options = with_sharded_optimizer(built, prepared_options, strategy)
@@ -329,6 +340,36 @@ class ShardedSession:
             self._exit.close()
             raise
 
+    def _context_parallel(self, workload, meshes, cuda_semantics: bool):
+        """``workload`` as a cp rank runs it: its batch and position tables cut to this rank's
+        sequence/N (head-tail), torch's ring attention entered for the session."""
+        from batchfit.distributed.context_parallel import (
+            check_sequence,
+            ring_attention,
+            shard_position_tables,
+            sharded_make_batch,
+        )
+
+        seq_len, mesh, build = workload.tokens_per_sample, meshes.cp, workload.build_model
+        check_sequence(seq_len, self.strategy.cp)
+        self._exit.enter_context(ring_attention(mesh, cpu=not cuda_semantics))
+
+        def build_sharded():
+            model = build()
+            shard_position_tables(model, mesh, seq_len)
+            return model
+
+        return dataclasses.replace(workload, build_model=build_sharded,
+                                   make_batch=sharded_make_batch(workload.make_batch, mesh, seq_len))
+
+    def _check_ring(self) -> None:
+        """cp<N> with no attention through the ring: the model calls no F.scaled_dot_product_attention."""
+        if self.strategy.cp > 1 and not any(c.functional and c.group_name in self.meshes.ring_groups
+                                            for c in self.tracker.calls):
+            raise OptionError(f"{self.strategy.name}: the model runs no attention through "
+                              "F.scaled_dot_product_attention, which context parallelism's ring replaces "
+                              "(torch's context_parallel): use a model with SDPA attention, or drop cp<N>")
+
     def trace(self, local_batch: int) -> ShardedPoint:
         """One steady-state step at ``local_batch`` (the first also runs the warm-up step).
 
@@ -344,6 +385,7 @@ class ShardedSession:
             # FSDP2 warns that a module returned a view; the step never writes into the output.
             warnings.filterwarnings("ignore", message=".*returned a view tensor")
             snapshot = session.trace(local_batch).snapshot
+        self._check_ring()
         if first:
             self.fresh_stream = list(tracker.events)
             rebuilt = getattr(getattr(session.step.model, "reducer", None), "rebuilt_at", None)
@@ -352,6 +394,8 @@ class ShardedSession:
         collectives = []
         for call in self.tracker.calls:
             group, size = self.meshes.groups.get(call.group_name, ("dp", strategy.dp))
+            if call.functional and call.group_name in self.meshes.ring_groups:  # the ring's K/V, dK/dV
+                group, size = "cp", strategy.cp
             collectives.append(Collective(call.op, group, size, call.bytes, call.phase))
         return ShardedPoint(
             strategy=strategy, local_batch=local_batch, peak_bytes=snapshot.peak_bytes + workspace,
