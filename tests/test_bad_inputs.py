@@ -94,6 +94,13 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "pp2", "--pp-schedule", "zb"], "interleaved-1f1b"),
         ([*TINY, "--gpu", "h100", "--gpus", "3", "--strategies", "pp3"], "do not split into 3 equal stages"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--routing", "best"], "worst"),
+        ([*TINY, "--gpu", "h100", "--gpus", "3", "--strategies", "fsdp+cp2"], "must equal the GPU count"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "cp2"], "data-parallel wrap"),
+        (["gpt-tinystories-22m", "--seq-len", "20", "--gpu", "h100", "--gpus", "4", "--strategies", "fsdp+cp4"],
+         "must divide by 2 x cp = 8"),
+        ([*TINY, "--gpu", "h100", "--gpus", "4", "--strategies", "pp2+fsdp+cp2"], "inside a pipeline"),
+        (["byte-elman-400m", "--seq-len", "16", "--gpu", "h100", "--gpus", "2", "--strategies", "fsdp+cp2"],
+         "no attention through"),
     ],
     "sweep": [
         (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),

@@ -58,7 +58,8 @@ def plan_command(
                                                  "backward, sharded at rest), zero1 (DDP + ZeroRedundancyOptimizer: "
                                                  "optimizer state sharded), zero2 (optimizer state and gradients "
                                                  "sharded, parameters replicated), hsdp<R>, tp<N>, fsdp+tp<N>, "
-                                                 "pp<N>[+any of these] (pipeline stages: pp4+fsdp, pp2+fsdp+tp2); or auto "
+                                                 "fsdp+cp<N>[+tp<T>], ddp+cp<N> (context parallelism: sequence/N per rank, ring "
+                                                 "attention), pp<N>[+any of these] (pipeline stages: pp4+fsdp, pp2+fsdp+tp2); or auto "
                                                  "(ddp, fsdp, fsdp-noreshard, hsdp, tp, fsdp+tp whose degrees divide the GPUs).")]
     = DEFAULT_STRATEGIES,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step over all GPUs; the plan picks "

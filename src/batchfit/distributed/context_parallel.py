@@ -154,6 +154,12 @@ def _cpu_ring_backward(op_call, args, kwargs):
     return tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in grads[:3])
 
 
+_entered: list[object] = []
+"""The meshes of the :func:`ring_attention` contexts open in this process: torch's dispatcher is
+process-wide, so it is enabled by the first and disabled by the last (plan's depth sessions, 2, 3
+and 4 blocks, are open together)."""
+
+
 @contextlib.contextmanager
 def ring_attention(mesh, *, cpu: bool = False) -> Iterator[None]:
     """torch's context-parallel dispatcher while entered: SDPA monkey-patched, the attention ops
@@ -165,6 +171,16 @@ def ring_attention(mesh, *, cpu: bool = False) -> Iterator[None]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
+    if _entered:
+        if _entered[0] is not mesh:
+            raise RuntimeError("a context-parallel ring over another mesh is open: close it first")
+        _entered.append(mesh)
+        try:
+            yield
+        finally:
+            _entered.pop()
+        return
+    _entered.append(mesh)
     before = cp._cp_options.enable_load_balance
     cp._cp_options.enable_load_balance = True
     cp._dispatch_mode = cp._DispatchMode.MONKEY_PATCH
@@ -180,5 +196,23 @@ def ring_attention(mesh, *, cpu: bool = False) -> Iterator[None]:
     try:
         yield
     finally:
+        _entered.pop()
         cp._disable_context_parallel_dispatcher_impl()
         cp._cp_options.enable_load_balance = before
+
+
+def context_parallel_approximations(strategies) -> list:
+    """What a plan with cp<N> among ``strategies`` says in every output: rank 0 of the ring is traced,
+    and the other cp ranks take torch's other load-balancing branch."""
+    from batchfit.trace.approximation import Approximation
+
+    names = sorted({s.name for s in strategies if getattr(s, "cp", 1) > 1})
+    if not names:
+        return []
+    return [Approximation(
+        what=f"{', '.join(names)}: rank 0 of the context-parallel ring traced (torch's _templated_ring_attention "
+             "on the fake process group); ranks r > 0 take the ring's other head-tail branch (K/V halves at steps "
+             "i <= r instead of half the queries), and NCCL's own all-gather / all-to-all staging is not counted",
+        may_differ_by="rank 0 -0.46%, rank 1 -1.20% of a real step's peak (2 gloo ranks, fsdp+cp2, tiny Llama, "
+                      "the CPU flash kernel through the same ring)",
+        source="tests/test_context_parallel.py; docs/tracing.md, Context parallelism")]

@@ -49,6 +49,9 @@ class PipelineSession:
         self.workload, self.options, self.device = workload, options, device
         self.cuda_semantics = cuda_semantics
         self.schedule = parse_schedule(strategy.pp_schedule or "1f1b", strategy.microbatches)
+        if getattr(strategy, "cp", 1) > 1:
+            raise OptionError(f"{strategy.name}: context parallelism inside a pipeline is not traced yet: use "
+                              "fsdp+cp<N>[+tp<T>] without pp, or pp<N>+fsdp without cp")
         if options.loss != "plain":
             raise OptionError(f"{strategy.name}: --loss {options.loss} is not traced under pipeline parallelism yet "
                               "(the last stage computes the plain loss from its logits): use --loss plain")

@@ -385,7 +385,8 @@ class ShardedSession:
             # FSDP2 warns that a module returned a view; the step never writes into the output.
             warnings.filterwarnings("ignore", message=".*returned a view tensor")
             snapshot = session.trace(local_batch).snapshot
-        self._check_ring()
+        if first:
+            self._check_ring()
         if first:
             self.fresh_stream = list(tracker.events)
             rebuilt = getattr(getattr(session.step.model, "reducer", None), "rebuilt_at", None)

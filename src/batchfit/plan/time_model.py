@@ -21,6 +21,11 @@ What overlaps (the rule the report states):
   the backward, all but the last bucket (nothing computes after it).
 - Tensor-parallel collectives sit between two matmuls that wait for them: never overlapped.
 - Collectives outside forward and backward (in the optimizer step) are not overlapped.
+- Context parallelism (cp<N>, group "cp"): per attention layer, the forward all-gathers every
+  rank's K/V once (torch's default rotater: (N-1) x the rank's K/V bytes sent, the N-1 ring
+  rotations' worth), the backward all-gathers them again and passes dK/dV (fp32) on N times
+  (permute_tensor: a rank's whole buffer to its next, factor 1). Ring attention computes one block
+  while the next arrives: overlapped, as FSDP's are. The cp group is cp x tp consecutive ranks.
 Overlapped communication that takes longer than the compute it hides behind shows as time.
 
 Offload (``--offload activations``): the saved activations go to the host in the forward and
@@ -184,6 +189,8 @@ def group_span(collective, strategy) -> int:
     data-parallel shard group, then the replicas)."""
     if collective.group == "tp":
         return collective.group_size
+    if collective.group == "cp":  # the ring: cp ranks next to each other, each cp x tp consecutive ranks
+        return collective.group_size * strategy.tp
     if (strategy.shard == "hsdp" and strategy.replicas > 1 and collective.op != "all_reduce"
             and collective.group_size == strategy.dp // strategy.replicas):
         return collective.group_size * strategy.tp  # the shard group inside one replica
@@ -209,7 +216,8 @@ def step_time(point, strategy, world: World, device: Device, precision: str, mod
     for i, c in enumerate(point.collectives):
         inter = group_span(c, strategy) > world.gpus_per_node
         gb_per_s = links["inter_node_gb_per_s"] if inter else links["intra_node_gb_per_s"]
-        nbytes = bus_factor(c.op, c.group_size) * c.bytes
+        # the ring's dK/dV pass (torch's _AllToAllRotater: permute_tensor) sends a rank's whole buffer to its next
+        nbytes = (1.0 if c.group == "cp" and c.op == "all_to_all" else bus_factor(c.op, c.group_size)) * c.bytes
         seconds = nbytes / (gb_per_s * 1e9)
         by_group[c.group] = by_group.get(c.group, 0.0) + seconds
         sent[c.group] = sent.get(c.group, 0) + int(nbytes)
