@@ -42,7 +42,8 @@ Multi-GPU recipes (``DISTRIBUTED``): rank 0 of 2 traced on the fake process grou
 real 2-process gloo run on this CPU (rank 0's profiled third step, or fourth with the
 timeline's data-flow checks relaxed where they trip: ``_lenient_data_flow_checks``): tp2 with the vocabulary-
 sharded loss (loss_parallel, the default) and with the gathered logits, FSDP2 with chunked:8,
-DDP with fused-linear.
+DDP with fused-linear; fsdp+cp2 (context parallelism, torch's ring attention with the CPU flash kernel
+added to its table: ``distributed/context_parallel.py``), fp32 and bf16-mixed.
 
 torch.compile recipes (``trace/compiled.py``): --compile model in fp32, under bf16-mixed, and
 with --memory-budget 0.5; the truth is the same step compiled with inductor on this CPU (the
@@ -160,6 +161,9 @@ DISTRIBUTED: dict[str, tuple[str, StepOptions]] = {
     "fsdp2 x2 bf16-mixed": ("fsdp", StepOptions(precision="bf16-mixed")),
     "fsdp2 x2 fp8-tensorwise": ("fsdp", StepOptions(precision="fp8-tensorwise")),
     "fsdp2 x2 fp8-rowwise": ("fsdp", StepOptions(precision="fp8-rowwise")),
+    # context parallelism: torch's ring (the CPU flash kernel added to its table), sequence/2 per rank
+    "fsdp+cp2 ring attention": ("fsdp+cp2", StepOptions()),
+    "fsdp+cp2 ring attention bf16-mixed": ("fsdp+cp2", StepOptions(precision="bf16-mixed")),
 }
 
 
@@ -209,9 +213,24 @@ def _gloo_rank(rank: int, port: int, model: str, seq_len: int, strategy_name: st
     strategy = parse_strategy(strategy_name, 2)
     meshes = build_meshes(strategy)
     torch.manual_seed(0)
-    step = TrainingStep(ZOO[model](seq_len=seq_len), options, torch.device("cpu"),
-                        wrap=lambda m: apply_strategy(m, strategy, meshes, precision=options.precision, fake=False,
-                                                      parallelize=tp_plan(m, options.tp_loss)))
+    workload, ring = ZOO[model](seq_len=seq_len), contextlib.nullcontext()
+
+    def wrap(m):
+        return apply_strategy(m, strategy, meshes, precision=options.precision, fake=False,
+                              parallelize=tp_plan(m, options.tp_loss))
+
+    if strategy.cp > 1:  # cp<N>: the batch and RoPE tables sharded, SDPA through torch's ring (CPU flash op)
+        from batchfit.distributed.context_parallel import ring_attention, shard_position_tables, sharded_make_batch
+
+        workload = dataclasses.replace(workload, make_batch=sharded_make_batch(workload.make_batch, meshes.cp, seq_len))
+        ring, plain = ring_attention(meshes.cp, cpu=True), wrap
+
+        def wrap(m):
+            shard_position_tables(m, meshes.cp, seq_len)
+            return plain(m)
+
+    ring.__enter__()
+    step = TrainingStep(workload, options, torch.device("cpu"), wrap=wrap)
     step.run(batch_size)
     step.run(batch_size)  # DDP rebuilds its buckets in the second step
     # The strict timeline trips ("version mismatch", "duplicate outputs") on the functional
@@ -232,6 +251,7 @@ def _gloo_rank(rank: int, port: int, model: str, seq_len: int, strategy_name: st
         dist.broadcast(done, src=0)
         if done.item():
             break
+    ring.__exit__(None, None, None)
     if rank == 0:
         Path(out).write_text(json.dumps(found))
     dist.barrier()

@@ -113,6 +113,8 @@ def _entry_name(result, p) -> str:
 
 def config_yaml(result) -> str:
     """Seed 001's ``config.yaml`` shape: ``training.batch_config.<gpu>_<n>gpu`` entries."""
+    from batchfit.plan.cp_strategy import split_cp
+
     if not result.recommended:
         raise OptionError("no strategy fits, so there is nothing to emit: see the report's 'what would make it fit'")
     entries = {}
@@ -126,6 +128,7 @@ def config_yaml(result) -> str:
             "strategy": p.strategy,
             "data_parallel": p.dp,
             "tensor_parallel": p.tp,
+            **({"context_parallel": cp} if (cp := (split_cp(p.strategy) or (1, ""))[0]) > 1 else {}),
             "elastic_target_util": result.target_util,
             "peak_gib_per_gpu": round(p.peak_bytes_at_micro / 2**30, 2),
             "launch": torchrun_line(p),
@@ -150,6 +153,12 @@ def accelerate_yaml(result) -> str:
     if p.strategy.startswith("pp"):
         raise OptionError(f"the recommended {p.strategy} is pipeline-parallel, which Accelerate's config cannot say: "
                           "emit the YAML (--emit config.yaml), or plan without pp<N> strategies")
+    from batchfit.plan.cp_strategy import split_cp
+
+    cp = (split_cp(p.strategy) or (1, ""))[0]
+    if cp > 1 and p.shard not in ("fsdp", "fsdp-noreshard"):
+        raise OptionError(f"the recommended {p.strategy}: Accelerate runs context parallelism with FSDP2 only: "
+                          "emit the YAML (--emit config.yaml), or plan fsdp+cp<N> strategies")
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": ("NO" if p.gpus == 1 else "MULTI_GPU" if p.shard in ("ddp", "none") and p.tp == 1
@@ -190,11 +199,14 @@ def accelerate_yaml(result) -> str:
         # No fsdp_transformer_layer_cls_to_wrap: Accelerate then wraps a transformers model's
         # _no_split_modules (its decoder layers), one FSDP group per block as the trace did.
         config["fsdp_config"] = fsdp
-        if p.shard == "hsdp" or p.tp > 1:
+        if p.shard == "hsdp" or p.tp > 1 or cp > 1:
             replicas = p.replicas if p.shard == "hsdp" else 1
             config["parallelism_config"] = {"parallelism_config_dp_replicate_size": replicas,
                                             "parallelism_config_dp_shard_size": p.dp // replicas,
                                             "parallelism_config_tp_size": p.tp}
+            if cp > 1:  # torch's ring, its default all-gather rotation: what the trace ran
+                config["parallelism_config"].update(parallelism_config_cp_size=cp,
+                                                    parallelism_config_cp_comm_strategy="allgather")
     head = (f"# batchfit plan: {result.workload}, {p.strategy} on {p.gpus} GPUs; per-GPU batch size "
             f"{p.micro_batch}, {p.accumulation_steps} accumulation steps, global batch {p.global_batch}.\n"
             "# accelerate launch --config_file THIS_FILE your_script.py\n" + fp8_note)
