@@ -173,3 +173,44 @@ def test_model_without_sdpa():
     with pytest.raises(OptionError, match="no attention through"):
         trace_sharded(workload, StepOptions(), get_device("h100-80gb"), parse_strategy("fsdp+cp2", 2), 1,
                       cuda_semantics=False)
+
+
+def test_accelerate_config_says_the_cp_size():
+    yaml = pytest.importorskip("yaml")
+    from types import SimpleNamespace
+
+    from batchfit.plan.emit import accelerate_yaml
+
+    p = SimpleNamespace(strategy="fsdp+cp4+tp2", shard="fsdp", gpus=16, nodes=2, tp=2, dp=2, replicas=1, micro_batch=1,
+                        accumulation_steps=4, global_batch=8, peak_bytes_at_micro=0)
+    result = SimpleNamespace(recommended=[p], options=StepOptions(precision="bf16-mixed"), workload="w")
+    config = yaml.safe_load(accelerate_yaml(result))
+    assert config["distributed_type"] == "FSDP"
+    assert config["parallelism_config"] == {
+        "parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2,
+        "parallelism_config_tp_size": 2, "parallelism_config_cp_size": 4,
+        "parallelism_config_cp_comm_strategy": "allgather"}
+    with pytest.raises(OptionError, match="FSDP2 only"):
+        accelerate_yaml(SimpleNamespace(recommended=[SimpleNamespace(**{**vars(p), "strategy": "ddp+cp2",
+                                                                         "shard": "ddp", "tp": 1})],
+                                        options=StepOptions(), workload="w"))
+
+
+def test_time_model_sends_the_ring_bytes_on_the_cp_group():
+    """By hand: an all-gather of B bytes over cp 4 sends 3/4 B (three rotations of a rank's K/V); a dK/dV
+    pass sends its whole buffer; the cp group of cp 4 x tp 2 spans 8 consecutive ranks (one node)."""
+    from types import SimpleNamespace
+
+    from batchfit.plan.sharded import Collective
+    from batchfit.plan.time_model import TimeModel, group_span, step_time
+    from batchfit.plan.world import World
+
+    strategy = parse_strategy("fsdp+cp4+tp2", 16)
+    gather = Collective("all_gather", "cp", 4, 4_000_000, "forward")
+    passed = Collective("all_to_all", "cp", 4, 1_000_000, "backward")
+    assert group_span(gather, strategy) == 8
+    point = SimpleNamespace(flops=10**12, collectives=(gather, passed), offloaded_bytes=0)
+    timing = step_time(point, strategy, World(gpus=16, nodes=2), get_device("h100-80gb"),
+                       "bf16-mixed", TimeModel())
+    assert timing.bytes_sent["cp"] == 3_000_000 + 1_000_000
+    assert timing.links["cp"] == "intra-node"
