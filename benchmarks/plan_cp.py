@@ -11,7 +11,9 @@ Printed beside each plan row: the ring's bytes rank 0 moves per step on the cp g
 model's "cp" collective) and, by hand, what one attention layer's forward all-gathers:
 N x 2 x b x 32 heads x S/N x 128 x 2 B (bf16), which the traced collective must equal.
 
-    PYTHONPATH=src python benchmarks/plan_cp.py [--seq-len 32768] [--gpus 8]
+    PYTHONPATH=src python benchmarks/plan_cp.py [--seq-len 32768] [--gpus 8] [--global-batch 8]
+    PYTHONPATH=src python benchmarks/plan_cp.py --seq-len 131072 --gpus 16 --global-batch 16 \
+        --strategies fsdp,fsdp+cp8,fsdp+cp16,fsdp+cp8+tp2
 """
 
 from __future__ import annotations
@@ -51,13 +53,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--strategies", default="fsdp,fsdp+cp2,fsdp+cp4,fsdp+cp8")
+    parser.add_argument("--global-batch", type=int, default=8)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     device = get_device("h100-80gb")
     options = StepOptions(precision="bf16-mixed", checkpointing="full")
     started = time.perf_counter()
     result = plan(workload(args.seq_len), device=device, worlds=parse_worlds(str(args.gpus), None, None),
-                  options=options, strategies=args.strategies, global_batch=8, processes=1, limit="allocated",
+                  options=options, strategies=args.strategies, global_batch=args.global_batch, processes=1, limit="allocated",
                   progress=lambda line: print(f"[{time.perf_counter() - started:6.0f} s] {line}", flush=True))
     seconds = time.perf_counter() - started
     data = result.to_json()
@@ -83,7 +86,7 @@ def main() -> None:
             "fix": row.get("fix"),
         })
     print(f"\nLlama-3.1-8B-shaped at seq {args.seq_len} on {args.gpus} H100 80GB, bf16-mixed, full AC, "
-          f"global batch 8 ({seconds:.0f} s)")
+          f"global batch {args.global_batch} ({seconds:.0f} s)")
     print(f"{'strategy':<12} {'dp':>3} {'max local':>9} {'micro x acc':>11} {'GiB@micro':>9} {'GiB@b1':>7} "
           f"{'tokens/s':>10} {'cp GB/micro':>11}")
     for r in rows:
@@ -94,7 +97,7 @@ def main() -> None:
     path = write_result(f"plan_cp-seq{args.seq_len}", {
         "model": "Llama-3.1-8B-shaped (zoo Transformer: K/V repeated to 32 heads before SDPA, as torchtitan's Llama)",
         "gpus": args.gpus, "gpu": "h100-80gb", "precision": "bf16-mixed", "checkpointing": "full",
-        "seq_len": args.seq_len, "global_batch": 8, "limit": "allocated",
+        "seq_len": args.seq_len, "global_batch": args.global_batch, "limit": "allocated",
         "method": "batchfit.plan: rank 0 traced on the fake process group with torch's ring attention "
                   "(context_parallel's dispatcher and _context_parallel_buffers), depths 2/3/4 extrapolated",
         "rows": rows, "seconds": round(seconds, 1), "approximations": data.get("approximations"),

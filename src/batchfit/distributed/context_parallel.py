@@ -214,5 +214,8 @@ def context_parallel_approximations(strategies) -> list:
              "on the fake process group); ranks r > 0 take the ring's other head-tail branch (K/V halves at steps "
              "i <= r instead of half the queries), and NCCL's own all-gather / all-to-all staging is not counted",
         may_differ_by="rank 0 -0.46%, rank 1 -1.20% of a real step's peak (2 gloo ranks, fsdp+cp2, tiny Llama, "
-                      "the CPU flash kernel through the same ring)",
+                      "the CPU flash kernel through the same ring); the position tables are sharded once, as "
+                      "torchtitan's _context_parallel_shard path does: torch's context_parallel(buffers=...) "
+                      "also keeps a clone of each table it restores for the step (seq x head_dim x 4 B for a "
+                      "RoPE cos + sin pair: 64 MiB at seq 131072, head 128), not counted",
         source="tests/test_context_parallel.py; docs/tracing.md, Context parallelism")]

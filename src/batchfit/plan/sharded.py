@@ -387,7 +387,6 @@ class ShardedSession:
             snapshot = session.trace(local_batch).snapshot
         if first:
             self._check_ring()
-        if first:
             self.fresh_stream = list(tracker.events)
             rebuilt = getattr(getattr(session.step.model, "reducer", None), "rebuilt_at", None)
             self.fresh_steps = (session.build_events, tracker.window_event) + ((rebuilt[1],) if rebuilt else ())
