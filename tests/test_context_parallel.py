@@ -214,3 +214,19 @@ def test_time_model_sends_the_ring_bytes_on_the_cp_group():
                        "bf16-mixed", TimeModel())
     assert timing.bytes_sent["cp"] == 3_000_000 + 1_000_000
     assert timing.links["cp"] == "intra-node"
+
+
+def test_fp32_cuda_trace_runs_the_ring_over_the_efficient_op():
+    """fp32 with CUDA semantics: memory-efficient attention, which torch's ring takes too (its logsumexp is
+    padded to 32 rows, so S/(2 x cp) must be a multiple of 32 on a GPU as here: seq 128 on cp 2)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, seq_len=128)
+    workload = language_model_workload(name="tiny-llama-128", build_model=lambda: Transformer(cfg),
+                                       vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, description="tiny llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        point = trace_sharded(workload, StepOptions(), get_device("h100-80gb"), parse_strategy(NAME, WORLD), 1)
+    kv_block = 2 * 1 * 4 * 64 * 32 * 4
+    forward = [c for c in point.collectives if c.group == "cp" and c.phase == "forward"]
+    assert [(c.op, c.bytes) for c in forward] == [("all_gather", 2 * kv_block)] * CFG.n_layers

@@ -120,6 +120,13 @@ def _bool_mask_as_bias(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> to
     return torch.where(attn_mask.logical_not(), -float("inf"), torch.zeros((), dtype=dtype))
 
 
+def _sharded_on_sequence(query: torch.Tensor) -> bool:
+    """A DTensor query: torch's context-parallel SDPA (the ring) is running."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(query, DTensor)
+
+
 def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                      scale=None, enable_gqa=False):
     if not mirrored_here("scaled_dot_product_attention"):  # another thread's SDPA, not the trace's
@@ -144,6 +151,11 @@ def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     # Memory-efficient attention (fp32, or a mask): its output is allocated [B, S, H, D] and
     # returned transposed, so the usual out.transpose(1, 2).reshape(B, S, H * D) is free.
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if _sharded_on_sequence(query):
+        # context parallelism (distributed/context_parallel.py): q, k, v are DTensors, and torch's ring
+        # takes CUDA's own op (its CP table names it); its seed and offset come out as 0-dim tensors
+        return _EFFICIENT(query, key, value, _bool_mask_as_bias(attn_mask, query.dtype), True, dropout_p,
+                          is_causal, scale=scale)[0]
     return cuda_efficient_attention(query, key, value, _bool_mask_as_bias(attn_mask, query.dtype), grad,
                                     dropout_p, is_causal, scale)[0]
 
