@@ -60,7 +60,8 @@ def main() -> None:
     options = StepOptions(precision="bf16-mixed", checkpointing="full")
     started = time.perf_counter()
     result = plan(workload(args.seq_len), device=device, worlds=parse_worlds(str(args.gpus), None, None),
-                  options=options, strategies=args.strategies, global_batch=args.global_batch, processes=1, limit="allocated",
+                  options=options, strategies=args.strategies, global_batch=args.global_batch, processes=1,
+                  limit="allocated",
                   progress=lambda line: print(f"[{time.perf_counter() - started:6.0f} s] {line}", flush=True))
     seconds = time.perf_counter() - started
     data = result.to_json()
@@ -78,7 +79,8 @@ def main() -> None:
             "micro_batch": micro, "accumulation_steps": row.get("accumulation_steps"),
             "peak_gib_at_micro": round((row.get("peak_bytes_at_micro") or 0) / GIB, 2),
             "peak_gib_at_local_1": round(points[1]["peak_bytes"] / GIB, 2) if 1 in points else None,
-            "activations_gib_at_local_1": round(points[1]["breakdown"]["activations"] / GIB, 2) if 1 in points else None,
+            "activations_gib_at_local_1": (round(points[1]["breakdown"]["activations"] / GIB, 2)
+                                           if 1 in points else None),
             "tokens_per_s": row.get("tokens_per_s"), "step_time_s": row.get("step_time_s"),
             "cp_bytes_sent_per_micro_batch": cp_sent, "cp_seconds_per_micro_batch":
                 (timing.get("communication_s") or {}).get("cp", 0.0),
@@ -91,7 +93,8 @@ def main() -> None:
           f"{'tokens/s':>10} {'cp GB/micro':>11}")
     for r in rows:
         acc = f"{r['micro_batch']} x {r['accumulation_steps']}" if r["micro_batch"] else "-"
-        print(f"{r['strategy']:<12} {r['dp']:>3} {r['max_local_batch'] or 0:>9} {acc:>11} {r['peak_gib_at_micro']:>9.2f} "
+        print(f"{r['strategy']:<12} {r['dp']:>3} {r['max_local_batch'] or 0:>9} {acc:>11} "
+              f"{r['peak_gib_at_micro']:>9.2f} "
               f"{r['peak_gib_at_local_1'] or 0:>7.2f} {r['tokens_per_s'] or 0:>10,.0f} "
               f"{r['cp_bytes_sent_per_micro_batch'] / 1e9:>11.2f}")
     path = write_result(f"plan_cp-seq{args.seq_len}", {

@@ -151,11 +151,12 @@ def test_bad_names(name, world, message):
 
 
 def test_sequence_not_divisible_by_twice_cp():
+    cfg = TransformerConfig(vocab_size=64, seq_len=36, d_model=64, n_layers=1, n_heads=2, d_ff=64, llama=True)
+    workload = language_model_workload(name="t", build_model=lambda: Transformer(cfg), vocab_size=64, seq_len=36,
+                                       description="t")
     with pytest.raises(OptionError, match="must divide by 2 x cp = 8"):
-        trace_sharded(language_model_workload(name="t", build_model=lambda: Transformer(
-            TransformerConfig(vocab_size=64, seq_len=36, d_model=64, n_layers=1, n_heads=2, d_ff=64, llama=True)),
-            vocab_size=64, seq_len=36, description="t"), StepOptions(), get_device("h100-80gb"), parse_strategy("fsdp+cp4", 4), 1,
-            cuda_semantics=False)
+        trace_sharded(workload, StepOptions(), get_device("h100-80gb"), parse_strategy("fsdp+cp4", 4), 1,
+                      cuda_semantics=False)
 
 
 def test_model_without_sdpa():

@@ -50,7 +50,7 @@ MAX_AUTO_TP = 8
 
 
 _NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|zero1|zero2|hsdp(\d+)|tp(\d+)|fsdp\+tp(\d+))$")
-_NAMES_HELP = ("ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp+tp<N>, fsdp+cp<N>[+tp<T>], "
+_NAMES_HELP = ("ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp+tp<N>, fsdp+cp<N>[+tp<T>], ddp+cp<N>, "
                "pp<N>[+any of these] or auto")
 
 
