@@ -42,16 +42,16 @@ def tiny_workload() -> Workload:
                                    vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, description="tiny llama")
 
 
-def _gloo_main(rank: int, port: int, out_dir: str) -> None:
-    """Rank ``rank`` of a real fsdp+cp2 run: its steady-step peak in peak<rank>.json."""
+def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, name: str = NAME) -> None:
+    """Rank ``rank`` of a real ``name`` run (fsdp+cp2 on 2): its steady-step peak in peak<rank>.json."""
     import dataclasses
 
     from cpu_truth import profiled_step_peak
     from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.context_parallel import ring_attention, shard_position_tables, sharded_make_batch
 
-    join_gloo(rank, WORLD, port, timeout_s=120)
-    strategy = parse_strategy(NAME, WORLD)
+    join_gloo(rank, world, port, timeout_s=120)
+    strategy = parse_strategy(name, world)
     meshes = build_meshes(strategy)
     workload = tiny_workload()
     workload = dataclasses.replace(workload, make_batch=sharded_make_batch(workload.make_batch, meshes.cp, CFG.seq_len))
