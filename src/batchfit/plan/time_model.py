@@ -78,7 +78,8 @@ OVERLAP_RULE = (
     "while a block computes, and DDP all-reduces each gradient bucket while backward goes on, so "
     "data-parallel collectives overlap compute, except the first all-gather of the forward (FSDP) and the "
     "last gradient bucket (DDP); tensor-parallel collectives sit between matmuls that wait for them and "
-    "never overlap. step = compute + max(0, overlapped - compute) + exposed; with k accumulation steps, "
+    "never overlap; context parallelism's ring (cp) passes the next K/V block while one computes, so it "
+    "overlaps too. step = compute + max(0, overlapped - compute) + exposed; with k accumulation steps, "
     "k x that (every micro-batch repeats the traced step's collectives).")
 
 

@@ -199,6 +199,8 @@ def _offload_lines(r) -> list[str]:
 
 def _time_section(r) -> list[str]:
     tm, links = r.time_model, r.links
+    # context parallelism's ring (cp<N> strategies) gets its own column
+    cp_rows = any(p.time is not None and "cp" in p.time.communication_s for p in r.plans)
     lines = ["", "## Time (computed)", "",
              "compute = FLOPs rank 0 runs in the traced step / (GPU peak for the precision x MFU); a collective = "
              "bytes one rank sends in a ring (all-gather, reduce-scatter (n-1)/n x the tensor, all-reduce "
@@ -211,9 +213,9 @@ def _time_section(r) -> list[str]:
              f"{links['inter_node_source']}",
              f"- Overlap rule: {OVERLAP_RULE}", *_offload_lines(r), "",
              "Per micro-batch step (at the micro-batch), seconds:", "",
-             "| GPUs | strategy | micro | TFLOP per GPU | compute | dp comm | tp comm | overlapped | exposed | "
-             "micro step | x accum | step |",
-             "|---:|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+             "| GPUs | strategy | micro | TFLOP per GPU | compute | dp comm | tp comm | "
+             + ("cp comm | " if cp_rows else "") + "overlapped | exposed | micro step | x accum | step |",
+             "|---:|---|---:|---:|---:|---|---|" + ("---|" if cp_rows else "") + "---:|---:|---:|---:|---:|"]
     for p in r.plans:
         t = p.time
         if t is None:
@@ -225,7 +227,8 @@ def _time_section(r) -> list[str]:
             return f"{t.communication_s[group]:.3f} ({t.links[group]}, {t.bytes_sent[group] / GiB:.2f} GiB sent)"
 
         lines.append(f"| {p.gpus} | {p.strategy} | {p.micro_batch} | {t.flops / 1e12:,.1f} | {t.compute_s:.3f} | "
-                     f"{comm('dp')} | {comm('tp')} | {t.overlapped_s:.3f} | {t.exposed_s:.3f} | {t.micro_step_s:.3f} | "
+                     f"{comm('dp')} | {comm('tp')} | " + (f"{comm('cp')} | " if cp_rows else "")
+                     + f"{t.overlapped_s:.3f} | {t.exposed_s:.3f} | {t.micro_step_s:.3f} | "
                      f"{t.accumulation_steps} | {t.step_time_s:.2f} |")
     return lines
 
