@@ -56,7 +56,7 @@ def recommend_command(
     branch_at: Annotated[str, typer.Option(help="Where the parent run branches, as shares of the budget.")] = "10%,25%",
     window: Annotated[str, typer.Option(help="How long each branch trains, as a share of the budget.")] = "4%",
     cooldown: Annotated[str, typer.Option(help="The last share of each window in which the rate decays to the "
-                                               "schedule's final rate (0: none).")] = "50%",
+                                               "schedule's final rate (0: none).")] = "75%",
     epsilon: Annotated[float, typer.Option(help="Relative loss tolerance: within it, a batch loses nothing.")] = 0.01,
     seeds: Annotated[int, typer.Option(help="Data windows at the last branch point (the interval).")] = 2,
     noise: Annotated[bool, flag("--noise/--no-noise", "Also measure the gradient noise scale (shown, biased).")] = True,

@@ -14,8 +14,8 @@
    Each window ends with a cooldown: over its last ``cooldown`` share the rate decays linearly
    to the schedule's final rate. The sweep compares runs after their decay; at peak rate a
    larger batch's smaller gradient noise shows as a loss advantage that the decay takes away
-   (seed 002's shape at a fixed rate: without the cooldown the windows pick batch 8 where the
-   sweep's best is 2; ``benchmarks/recommend_cpu.py``).
+   (seed 002's shape at a fixed rate, ``benchmarks/recommend_cpu.py``: the sweep's best is 2;
+   the windows pick 8 without a cooldown, 4 with 50% of the window cooled, 2 with 75% or 90%).
 4. Critical batch size (Merrill et al. 2025): the largest batch whose validation loss at the
    end of the window is within ``epsilon`` (relative) of the smallest batch's.
 5. Short-horizon extrapolation (``read.py``): one slope c (validation loss = a + c ln(tokens),
@@ -68,7 +68,7 @@ class RecommendConfig:
     """Relative loss tolerance: a batch within it of the best (or the smallest batch) loses nothing."""
     seeds: int = 2
     """Data windows at the last branch point (2 or more gives an interval)."""
-    cooldown: float = 0.5
+    cooldown: float = 0.75
     """The last share of each window in which the rate decays linearly to the schedule's final
     rate, so branches are compared as the sweep's runs end: decayed (0: no cooldown)."""
     evals_per_window: int = 1
@@ -97,7 +97,7 @@ class RecommendConfig:
         if self.epsilon <= 0:
             raise OptionError(f"--epsilon must be above 0, e.g. 0.01; got {self.epsilon}")
         if not 0 <= self.cooldown < 1:
-            raise OptionError(f"--cooldown must be a share of the window from 0 to below 1, e.g. 50%; got {self.cooldown}")
+            raise OptionError(f"--cooldown must be a share of the window from 0 to below 1, e.g. 75%; got {self.cooldown}")
         if self.seeds < 1:
             raise OptionError(f"--seeds must be 1 or more, got {self.seeds}")
         self.branch_points = tuple(sorted(set(self.branch_points)))

@@ -7,7 +7,9 @@ so far), written whole and then renamed, so a ``kill -9`` leaves the old file or
 A branch job loads it, trains its window (``branch.py``) and writes its row and curve to the
 store in one transaction; a branch killed mid-way is pending again (``Store.reclaim_stale``) and
 is trained again from the point's file, so a resumed recommendation has the numbers of one that
-was never stopped (``tests/test_recommend.py``).
+was never stopped (``tests/test_recommend.py``). A Ray task reads the point's file by its path:
+on a cluster of several machines that folder must be on storage every node reads (the store
+itself stays on the driver, as the sweep's does).
 """
 
 from __future__ import annotations
