@@ -1,11 +1,13 @@
-"""`recommend` against the full sweep it replaces, on two small CPU setups.
+"""`recommend` against the full sweep it replaces, on three small CPU setups.
 
 The model is a zoo-style Llama GPT (d 64, 2 layers, 4 heads, FFN 128, byte vocabulary, seq 32;
 about 0.1M parameters) on the synthetic story corpus of ``sweep_cpu.py``. Each setup runs the
 whole sweep (every batch size trained on the full budget) and ``recommend`` (one parent run at
-the smallest batch, branches at 10% and 25% of the budget, windows of 4%, two data windows at
-the last point), and writes: the sweep's best batch, recommend's answer and interval, their
-ratio, and recommend's training tokens as a share of the sweep's.
+the smallest batch, branches at 10% and 25% of the budget, windows of 4% whose last 75% decays
+the rate to the schedule's final one, two data windows at the last point), and writes: the
+sweep's best batch, recommend's answer and interval, their ratio, and recommend's tokens
+(trained and validated) as a share of the sweep's (counted by the same rule, validated at
+batchfit sweep's default --eval-every 10%).
 
 - fixed: one learning rate at every batch size (as seed 002: the best batch is interior);
 - scaled: the rate scaled by sqrt(batch), i.e. a different rate per batch size;
