@@ -4,7 +4,6 @@ run as jobs of the executors into the runs store (killed and resumed; on Ray).""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from batchfit import load_workload
 from batchfit.errors import UsageError
 from batchfit.recommend.branch import Curve, Trainer
 from batchfit.recommend.engine import RecommendConfig, evaluator, plan_recommend, run_recommend
-from batchfit.recommend.read import extrapolate, log_slope
+from batchfit.recommend.read import extrapolate, power_exponent
 from batchfit.recommend.priors import power_lines, step_law
 from batchfit.train.budget import Schedule
 from batchfit.train.data import BatchSource, tokenize
@@ -88,10 +87,12 @@ def test_step_law_at_its_published_test_point():
     assert power_lines(10**9).batch_size is None  # constants not found: no invented number
 
 
-def test_extrapolation_is_log_linear():
-    val = [(100, 3.0), (200, 3.0 - math.log(2))]
-    assert log_slope(val) == pytest.approx(-1.0)
-    assert extrapolate(val, 400, -1.0) == pytest.approx(3.0 - 2 * math.log(2))
+def test_extrapolation_is_a_power_law():
+    val = [(100, 2.0), (200, 2.0 * 2 ** -0.5)]
+    assert power_exponent(val) == pytest.approx(-0.5)
+    assert extrapolate(val, 800, -0.5) == pytest.approx(2.0 * 8 ** -0.5)
+    assert extrapolate(val, 800, -0.5, position=100) == pytest.approx(2.0 * 2 ** -0.5 * 8 ** -0.5)
+    assert power_exponent([(100, 1.0), (200, -0.5)]) == 0.0  # not a power law: carried flat
 
 
 SMALL = dict(batch_sizes=[1, 2, 4], tokens=16 * 800, lrs=[3e-3], branch_points=(0.1, 0.2), window=0.05,

@@ -18,9 +18,9 @@
    the windows pick 8 without a cooldown, 4 with 50% of the window cooled, 2 with 75% or 90%).
 4. Critical batch size (Merrill et al. 2025): the largest batch whose validation loss at the
    end of the window is within ``epsilon`` (relative) of the smallest batch's.
-5. Short-horizon extrapolation (``read.py``): one slope c (validation loss = a + c ln(tokens),
-   least squares over the parent's validation losses at the branch points), and every
-   branch's window-end validation loss carried to the budget along it from what it has
+5. Short-horizon extrapolation (``read.py``): one power law (validation loss = a tokens^p,
+   least squares in log-log over the parent's validation losses at the branch points), and
+   every branch's window-end validation loss carried to the budget along it from what it has
    trained on. The recommended batch (and its rate) has the lowest extrapolated loss, averaged
    over the data windows; its interval is every batch within ``epsilon`` of the best in any
    window. Stated, simple: one shared slope keeps the window's ranking (the gaps between batch

@@ -3,7 +3,6 @@ extrapolation to the budget, the recommendation with its interval, and what it c
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,32 +18,35 @@ if TYPE_CHECKING:
     from batchfit.recommend.engine import Plan
 
 
-def log_slope(val: list[tuple[int, float]]) -> float:
-    """c in loss = a + c ln(position), least squares over the points (0 with one point)."""
-    if len(val) < 2:
+def power_exponent(val: list[tuple[int, float]]) -> float:
+    """p in loss = a x position^p (a power law: a straight line in log-log), least squares over
+    the points; 0 with one point, or with a loss that is not positive (no power law then)."""
+    if len(val) < 2 or min(loss for _, loss in val) <= 0:
         return 0.0
-    c, _ = np.polyfit(np.log([p for p, _ in val]), [loss for _, loss in val], 1)
-    return float(c)
+    p, _ = np.polyfit(np.log([x for x, _ in val]), np.log([loss for _, loss in val]), 1)
+    return float(p)
 
 
-def extrapolate(val: list[tuple[int, float]], end: int, slope: float, position: int | None = None) -> float:
-    """The window's last validation loss carried to ``end`` along ``slope`` (per ln position),
-    from ``position`` (what the model has trained on; default the last point's position)."""
+def extrapolate(val: list[tuple[int, float]], end: int, exponent: float, position: int | None = None) -> float:
+    """The window's last validation loss carried to ``end`` along the power law's ``exponent``,
+    from ``position`` (what the model has trained on; default the last point's position): one
+    factor for every branch, so the ranking at the window's end is kept, and a positive loss
+    stays positive."""
     at, loss = val[-1]
-    return loss + slope * math.log(end / (position or at))
+    return loss * (end / (position or at)) ** exponent
 
 
 def _shared_slope(plan: Plan, parent: Curve, branches: list[dict]) -> float:
-    """The slope every branch is carried along: the parent's, over its validation losses at the
-    branch points (a baseline of the whole stretch between them, at the schedule's own rate);
-    with one branch point, the smallest batch's first window before its cooldown."""
+    """The exponent every branch is carried along: the parent's power law over its validation
+    losses at the branch points (a baseline of the whole stretch between them, at the schedule's
+    own rate); with one branch point, the smallest batch's first window before its cooldown."""
     at_points = [(p, v) for p, v in parent.val if p > 0]
     if len(at_points) >= 2:
-        return log_slope(at_points)
+        return power_exponent(at_points)
     config = plan.config
     first = next(e["curve"] for e in branches if e["seed"] == 0 and e["curve"].batch_size == config.batch_sizes[0])
     edge = cooldown_from(first.start_samples, plan.window_samples, config.cooldown)
-    return log_slope([v for v in first.val if edge is None or v[0] <= edge])
+    return power_exponent([v for v in first.val if edge is None or v[0] <= edge])
 
 
 def _best_per_batch(rows: list[dict], key: str) -> dict[int, dict]:
@@ -65,7 +67,7 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
         c: Curve = entry["curve"]
         trained = entry["point"] + W  # a later data window starts from the same state: W trained since the point
         rows.append({"point": entry["point"] * per_sample, "seed": entry["seed"], "batch_size": c.batch_size,
-                     "lr": c.lr, "window_val": c.val[-1][1], "slope": slope,
+                     "lr": c.lr, "window_val": c.val[-1][1], "exponent": slope,
                      "extrapolated_val": extrapolate(c.val, end, slope, trained)})
     critical: dict[int, int] = {}
     for point in plan.points:

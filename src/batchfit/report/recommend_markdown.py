@@ -48,9 +48,9 @@ def recommend_markdown(data: dict) -> str:
               "- Cooldown: each window ends with the rate decaying linearly to the schedule's final rate, so the "
               "branches are compared as the sweep's runs end, decayed; at peak rate a larger batch's lower gradient "
               "noise shows as a loss it keeps only while the rate is high.",
-              "- Extrapolation: the parent's validation losses at the branch points give a slope in ln(tokens); "
-              "each branch's window-end validation loss is carried to the budget along it (the ranking at the "
-              "window's end is kept).",
+              "- Extrapolation: the parent's validation losses at the branch points give a power law in tokens "
+              "(loss = a tokens^p); each branch's window-end validation loss is carried to the budget along it "
+              "(one factor for all: the ranking at the window's end is kept).",
               "- Priors are formulas with their published constants, shown beside the measurements, never mixed in."]
     lines += ["", "## Notes", ""] + [f"- {n}" for n in data["notes"]]
     return "\n".join(lines) + "\n"
