@@ -126,6 +126,9 @@ ROWS = {
         ([*TINY, *TEXT, "--batch-sizes", "1,64", "--tokens", "16384"], "budget too small to branch"),
         ([*TINY, *TEXT, "--batch-sizes", "1,2", "--tokens", "16M"], "data too short for the budget"),
         ([*TINY, *TEXT, "--batch-sizes", "1,2", "--tokens", "16384", "--gpu-memory", "600MiB"], "even at micro-batch 1"),
+        ([*TINY, "--batch-sizes", "1,2", "--tokens", "1M", "--cooldown", "100%"], "e.g. 75%"),
+        ([*TINY, "--batch-sizes", "1,2", "--tokens", "1M", "--executor", "slurm"], "local"),
+        ([*TINY, "--batch-sizes", "1,2", "--tokens", "1M", "--workers", "0"], "--workers must be 1 or more"),
     ],
     "gpus": [
         (["--gpu", "t4"], "No such option"),

@@ -1,9 +1,9 @@
 """batchfit recommend: exact branches (k = 1 repeats the parent bit for bit), the checks
-before any training, the priors' arithmetic, and a whole small recommendation."""
+before any training, the priors' arithmetic, and a whole small recommendation whose branches
+run as jobs of the executors into the runs store (killed and resumed; on Ray)."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -11,7 +11,8 @@ import torch
 from batchfit import load_workload
 from batchfit.errors import UsageError
 from batchfit.recommend.branch import Curve, Trainer
-from batchfit.recommend.engine import RecommendConfig, _evaluator, extrapolate, log_slope, plan_recommend, run_recommend
+from batchfit.recommend.engine import RecommendConfig, evaluator, plan_recommend, run_recommend
+from batchfit.recommend.read import extrapolate, power_exponent
 from batchfit.recommend.priors import power_lines, step_law
 from batchfit.train.budget import Schedule
 from batchfit.train.data import BatchSource, tokenize
@@ -43,7 +44,7 @@ def test_a_branch_at_k_1_repeats_the_parent_bit_for_bit(tiny):
     torch.manual_seed(0)
     step = TrainingStep(workload, StepOptions(), torch.device("cpu"))
     trainer = Trainer(step, source, Schedule(total=64 * 16, warmup=16), per_sample=16, grad_clip=1.0,
-                      evaluate=_evaluator(workload, source, 4, step.device, step.forward_autocast))
+                      evaluate=evaluator(workload, source, 4, step.device, step.forward_autocast))
     parent = Curve(batch_size=2, lr=3e-3, start_samples=0)
     at = trainer.train(parent, start=0, samples=8, micro=2)
     snap = trainer.snapshot(at)
@@ -86,10 +87,12 @@ def test_step_law_at_its_published_test_point():
     assert power_lines(10**9).batch_size is None  # constants not found: no invented number
 
 
-def test_extrapolation_is_log_linear():
-    val = [(100, 3.0), (200, 3.0 - math.log(2))]
-    assert log_slope(val) == pytest.approx(-1.0)
-    assert extrapolate(val, 400, -1.0) == pytest.approx(3.0 - 2 * math.log(2))
+def test_extrapolation_is_a_power_law():
+    val = [(100, 2.0), (200, 2.0 * 2 ** -0.5)]
+    assert power_exponent(val) == pytest.approx(-0.5)
+    assert extrapolate(val, 800, -0.5) == pytest.approx(2.0 * 8 ** -0.5)
+    assert extrapolate(val, 800, -0.5, position=100) == pytest.approx(2.0 * 2 ** -0.5 * 8 ** -0.5)
+    assert power_exponent([(100, 1.0), (200, -0.5)]) == 0.0  # not a power law: carried flat
 
 
 SMALL = dict(batch_sizes=[1, 2, 4], tokens=16 * 800, lrs=[3e-3], branch_points=(0.1, 0.2), window=0.05,
@@ -102,53 +105,83 @@ def small(tiny):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # module-scoped: set up before the autouse one_thread
     plan = plan_recommend(RecommendConfig(**SMALL), workload, tokens)
-    result = run_recommend(plan, workload, BatchSource(workload, seed=0, tokens=tokens, eval_samples=4))
+    result = run_recommend(plan, workload, tokens)
     torch.set_num_threads(threads)
     return plan, result
 
 
 KILLED = """
-import os, signal, sys
+import os, signal, sqlite3, sys
 import torch
 from batchfit import load_workload
-from batchfit.recommend.engine import RecommendConfig, identity, plan_recommend, run_recommend
-from batchfit.recommend.store import BranchStore
-from batchfit.train.data import BatchSource, open_tokens
+from batchfit.recommend.engine import RecommendConfig, plan_recommend, run_recommend
+from batchfit.train.data import open_tokens
+from batchfit.train.step import TrainingStep
 torch.set_num_threads(1)
 spec, cache, store, config = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])
 workload, tokens = load_workload(spec), open_tokens(__import__("pathlib").Path(cache))
 plan = plan_recommend(RecommendConfig(**config), workload, tokens)
-steps = [0]
-def stop():  # a real kill -9, three steps into the fifth branch
-    if len(list(__import__("pathlib").Path(store).glob("branch-*"))) >= 4:
-        steps[0] += 1
-        if steps[0] >= 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-run_recommend(plan, workload, BatchSource(workload, seed=0, tokens=tokens, eval_samples=4), stop=stop,
-              store=BranchStore(store, identity(plan, workload, tokens)))
+step, steps = TrainingStep.step, [0]
+def stop(self, *args, **kwargs):  # a real kill -9, three steps into the fifth branch
+    out = step(self, *args, **kwargs)
+    if os.path.exists(store):
+        with sqlite3.connect(store) as db:
+            done = db.execute("SELECT COUNT(*) FROM runs WHERE branch != '' AND status = 'done'").fetchone()[0]
+        if done >= 4:
+            steps[0] += 1
+            if steps[0] >= 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+    return out
+TrainingStep.step = stop
+run_recommend(plan, workload, tokens, store=store)
 """
 
 
+def comparable(result) -> dict:
+    data = result.to_json()
+    data.pop("seconds")
+    return data
+
+
 def test_kill_9_during_a_branch_then_resume_gives_the_same_result(tiny, small, tmp_path):
+    import sqlite3
     import subprocess
     import sys
 
     workload, tokens = tiny
     plan, whole = small
     spec = next(tokens.folder.parent.parent.glob("*.py"))  # the tiny GPT beside the token cache
-    done = subprocess.run([sys.executable, "-c", KILLED, f"{spec}:workload", str(tokens.folder), str(tmp_path / "s"),
+    store = tmp_path / "recommend.db"
+    done = subprocess.run([sys.executable, "-c", KILLED, f"{spec}:workload", str(tokens.folder), str(store),
                            repr(SMALL)], env={**__import__("os").environ, "PYTHONPATH": "src"}, capture_output=True,
                           text=True)
     assert done.returncode == -9, done.stderr
-    assert len(list((tmp_path / "s").glob("branch-*"))) == 4  # killed mid-way
-    from batchfit.recommend.engine import identity
-    from batchfit.recommend.store import BranchStore
+    with sqlite3.connect(store) as db:  # killed mid-way: 4 branches done, the fifth running
+        status = dict(db.execute("SELECT status, COUNT(*) FROM runs WHERE branch != '' GROUP BY status").fetchall())
+    assert status["done"] == 4 and status["running"] == 1
+    resumed = run_recommend(plan, workload, tokens, store=store)
+    assert comparable(resumed) == comparable(whole)
 
-    resumed = run_recommend(plan, workload, BatchSource(workload, seed=0, tokens=tokens, eval_samples=4),
-                            store=BranchStore(tmp_path / "s", identity(plan, workload, tokens)))
-    a, b = whole.to_json(), resumed.to_json()
-    a.pop("seconds"), b.pop("seconds")
-    assert a == b
+
+def test_branches_on_a_local_ray_cluster_give_the_same_result(tiny, small, tmp_path, monkeypatch):
+    pytest.importorskip("ray")
+    import os
+    from pathlib import Path
+
+    workload, tokens = tiny
+    plan, whole = small
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    monkeypatch.setenv("PYTHONPATH", src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    spec = next(tokens.folder.parent.parent.glob("*.py"))
+    said = []
+    on_ray = run_recommend(plan, workload, tokens, store=tmp_path / "r.db", executor="ray", workers=2,
+                           model=f"{spec}:workload", progress=said.append)
+    assert sum("queued on Ray" in m for m in said) == 9  # every branch a Ray task
+    a, b = comparable(on_ray), comparable(whole)
+    assert a["recommended_batch_size"] == b["recommended_batch_size"]
+    assert [r["window_val"] for r in a["branches"]] == pytest.approx([r["window_val"] for r in b["branches"]],
+                                                                     rel=1e-5)
 
 
 def test_a_small_recommendation(small):
@@ -157,7 +190,23 @@ def test_a_small_recommendation(small):
     assert data["recommended_batch_size"] in (1, 2, 4)
     low, high = data["recommended_interval"]
     assert low <= data["recommended_batch_size"] <= high
-    assert data["cost_tokens"] == (plan.points[-1] + 3 * 3 * plan.window_samples) * 16
-    assert data["sweep_tokens_equivalent"] == 3 * 16 * 800
+    # trained: the parent to 160 samples, 3 windows x 3 batch sizes x 40 samples; validated: the parent
+    # at 0, 80 and 160, every branch at its window's end, 4 samples each: 12 x 4 samples; 16 tokens each.
+    assert (plan.points, plan.window_samples) == ([80, 160], 40)
+    assert data["cost_val_tokens"] == 12 * 4 * 16
+    assert data["cost_tokens"] == (160 + 3 * 3 * 40) * 16 + 12 * 4 * 16
+    # the sweep: 3 runs of 12,800 tokens, each validated at step 0 and at every 10% (11 times), 4 samples each
+    assert data["sweep_val_tokens"] == 3 * 11 * 4 * 16
+    assert data["sweep_tokens_equivalent"] == 3 * 16 * 800 + 3 * 11 * 4 * 16
     assert data["cost_share_of_sweep"] < 0.3
     assert {r["kind"] for r in result.evidence()} >= {"measured", "prior (formula)"}
+
+
+def test_validation_is_counted_by_hand(tiny):
+    workload, tokens = tiny
+    plan = plan_recommend(RecommendConfig(**{**SMALL, "evals_per_window": 4}), workload, tokens)
+    # the parent at 0, 80 and 160 samples; each of 3 windows x 3 batch sizes at 10, 20, 30 and 40 samples
+    # into its 40-sample window (at batch 4: 8, 20, 28, 40, whole steps): 3 + 36 passes of 4 samples
+    assert plan.val_samples == (3 + 36) * 4
+    # the sweep at --eval-every 10%: step 0 and each tenth of 800 samples, at every batch size
+    assert plan.sweep_val_samples() == 3 * 11 * 4

@@ -55,6 +55,8 @@ def recommend_command(
     seq_len: SeqLenOpt = None,
     branch_at: Annotated[str, typer.Option(help="Where the parent run branches, as shares of the budget.")] = "10%,25%",
     window: Annotated[str, typer.Option(help="How long each branch trains, as a share of the budget.")] = "4%",
+    cooldown: Annotated[str, typer.Option(help="The last share of each window in which the rate decays to the "
+                                               "schedule's final rate (0: none).")] = "75%",
     epsilon: Annotated[float, typer.Option(help="Relative loss tolerance: within it, a batch loses nothing.")] = 0.01,
     seeds: Annotated[int, typer.Option(help="Data windows at the last branch point (the interval).")] = 2,
     noise: Annotated[bool, flag("--noise/--no-noise", "Also measure the gradient noise scale (shown, biased).")] = True,
@@ -65,8 +67,13 @@ def recommend_command(
     gpu_memory: GpuMemoryOpt = None,
     device: DeviceOpt = None,
     cache_dir: CacheDirOpt = None,
-    store: Annotated[Path | None, typer.Option(help="A folder for branch points and finished branches: run the "
-                                                   "same command again after a crash to resume.")] = None,
+    store: Annotated[Path | None, typer.Option(help="The SQLite store of branches (the sweep's kind; branch points "
+                                                   "beside it): run the same command again after a crash to "
+                                                   "resume.")] = None,
+    executor: Annotated[str, typer.Option(help="Where branches train: local (--workers processes here) or ray "
+                                               "(pip install 'batchfit\\[ray]'), as batchfit sweep.")] = "local",
+    workers: Annotated[int, typer.Option(help="Branches at once (local: processes; ray: tasks).")] = 1,
+    ray_address: Annotated[str | None, typer.Option(help="A Ray cluster's address (default: a local cluster).")] = None,
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, branches.png, sources.png, recommend.json")] = None,
 ) -> None:
@@ -80,8 +87,8 @@ def recommend_command(
     """
     import torch  # here: --help does not load it
 
-    from batchfit.recommend.engine import RecommendConfig, identity, plan_recommend, run_recommend
-    from batchfit.recommend.store import BranchStore
+    from batchfit.recommend.engine import RecommendConfig, plan_recommend, run_recommend
+    from batchfit.train.executors import check_executor
     from batchfit.report.recommend_markdown import write_recommend_report
     from batchfit.train.data import BatchSource, lm_format, tokenize
 
@@ -92,8 +99,10 @@ def recommend_command(
     config = RecommendConfig(
         batch_sizes=parse_batch_sizes(batch_sizes), tokens=parse_count(tokens, "--tokens") if tokens else None,
         samples=parse_count(samples, "--samples") if samples else None, lrs=parse_lrs(lrs), lr_scaling=lr_scaling,
-        branch_points=tuple(points), window=parse_shares(window, "--window")[0], epsilon=epsilon, seeds=seeds,
-        eval_samples=eval_samples, seed=seed)
+        branch_points=tuple(points), window=parse_shares(window, "--window")[0],
+        cooldown=parse_shares(cooldown, "--cooldown")[0], epsilon=epsilon, seeds=seeds, eval_samples=eval_samples,
+        seed=seed)
+    check_executor(executor, workers)
     target, train_on = sweep_target(gpu, gpu_memory, device)
     workload = load_workload(model, seq_len=seq_len)
     token_data = None
@@ -110,9 +119,8 @@ def recommend_command(
         plan = plan_recommend(config, workload, token_data, largest_fitting=_largest_fitting(workload, target),
                               fit_device_name=target.device.display_name if target.device else "the GPU")
         source = BatchSource(workload, seed=seed, tokens=token_data, eval_samples=eval_samples)
-        branch_store = BranchStore(store, identity(plan, workload, token_data)) if store is not None else None
-        result = run_recommend(plan, workload, source, device=torch.device(train_on), progress=say,
-                               store=branch_store)
+        result = run_recommend(plan, workload, token_data, device=torch.device(train_on), progress=say, store=store,
+                               executor=executor, workers=workers, ray_address=ray_address, model=model)
         if noise:
             from batchfit.sweep.noise import gradient_noise_scale
 

@@ -4,7 +4,9 @@ on its own.
 
     priors.py   Step Law and Power Lines: formulas, never measurements
     branch.py   the parent run and its exact branches (model, optimizer, RNG, data position)
-    engine.py   RecommendConfig -> Plan (every check before training) -> RecommendResult
+    jobs.py     a branch as a job of the executors (train/executors.py), its row in the runs store
+    engine.py   RecommendConfig -> Plan (every check before training) -> the parent, the branches
+    read.py     the critical batch size, the extrapolation, the recommendation and its cost
     result.py   the answer, its interval, the evidence table, the cost (no torch)
 """
 

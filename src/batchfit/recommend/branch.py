@@ -70,14 +70,25 @@ class Trainer:
         self.step_.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
         torch.set_rng_state(snap.rng)
 
+    def factor(self, position: int, cooldown_from: int | None, end: int) -> float:
+        """The schedule's rate factor after a step that ends at ``position`` (samples); from
+        ``cooldown_from`` on, a straight line from the schedule's factor there down to its final
+        one (``min_lr_ratio``) at ``end``."""
+        if cooldown_from is None or position <= cooldown_from:
+            return self.schedule.factor(position * self.per_sample)
+        high = self.schedule.factor(cooldown_from * self.per_sample)
+        share = (position - cooldown_from) / (end - cooldown_from)
+        return high + (self.schedule.min_lr_ratio - high) * share
+
     def train(self, curve: Curve, *, start: int, samples: int, micro: int, eval_at: set[int] = frozenset(),
-              stop: Callable[[], None] | None = None) -> int:
+              stop: Callable[[], None] | None = None, cooldown_from: int | None = None) -> int:
         """Train ``samples`` samples at ``curve.batch_size`` from data position ``start``;
-        validate when the position reaches a value in ``eval_at``. Returns the new position."""
+        validate when the position reaches a value in ``eval_at``; from ``cooldown_from`` (a
+        position) the rate decays linearly to the schedule's final one. Returns the new position."""
         b, device = curve.batch_size, self.step_.device
         position = start
         while position < start + samples:
-            lr = curve.lr * self.schedule.factor((position + b) * self.per_sample)
+            lr = curve.lr * self.factor(position + b, cooldown_from, start + samples)
             pieces = [(micro, self.source.train(position + i * micro, micro, device)) for i in range(b // micro)]
             result = self.step_.step(pieces, b, lr=lr, max_grad_norm=self.grad_clip)
             position += b

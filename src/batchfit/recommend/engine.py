@@ -4,19 +4,27 @@
    and a window that hold whole steps at every batch size, data long enough for the budget,
    and (with a GPU to fit) a micro-batch of at least 1 at every batch size.
 2. Train one parent run at the smallest batch size, on the sweep's schedule (warmup and
-   cosine in tokens over the whole budget), up to the last branch point.
+   cosine in tokens over the whole budget), up to the last branch point, its exact state saved
+   at each point (``jobs.py``).
 3. At each branch point, branch every (batch size, learning rate) for a window of tokens
    (``branch.py``); at the last one, repeat the branches on ``seeds`` - 1 further windows of
-   data (the same state, the data position moved on by whole windows) for an interval.
+   data (the same state, the data position moved on by whole windows) for an interval. Every
+   branch is a job of the executors (``train/executors.py``: here, local processes or Ray)
+   and a row of the runs store (``train/store.py``), so a killed recommendation resumes.
+   Each window ends with a cooldown: over its last ``cooldown`` share the rate decays linearly
+   to the schedule's final rate. The sweep compares runs after their decay; at peak rate a
+   larger batch's smaller gradient noise shows as a loss advantage that the decay takes away
+   (seed 002's shape at a fixed rate, ``benchmarks/recommend_cpu.py``: the sweep's best is 2;
+   the windows pick 8 without a cooldown, 4 with 50% of the window cooled, 2 with 75% or 90%).
 4. Critical batch size (Merrill et al. 2025): the largest batch whose validation loss at the
    end of the window is within ``epsilon`` (relative) of the smallest batch's.
-5. Short-horizon extrapolation: the smallest batch's branch at the last point gives a slope c
-   (validation loss = a + c ln(tokens), least squares over its window), and every branch's
-   window-end validation loss is carried to the budget along it. The recommended batch (and
-   its rate) has the lowest extrapolated loss, averaged over the data windows; its interval is
-   every batch within ``epsilon`` of the best in any window. Stated, simple: one shared slope
-   keeps the window's ranking (the gaps between batch sizes are assumed to stay as they are at
-   the window's end), and the cosine decay's late drop is left out (the same for every batch).
+5. Short-horizon extrapolation (``read.py``): one power law (validation loss = a tokens^p,
+   least squares in log-log over the parent's validation losses at the branch points), and
+   every branch's window-end validation loss carried to the budget along it from what it has
+   trained on. The recommended batch (and its rate) has the lowest extrapolated loss, averaged
+   over the data windows; its interval is every batch within ``epsilon`` of the best in any
+   window. Stated, simple: one shared slope keeps the window's ranking (the gaps between batch
+   sizes are assumed to stay as they are at the window's end, cooled).
 """
 
 from __future__ import annotations
@@ -25,15 +33,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import numpy as np
 import torch
 
 from batchfit.errors import OptionError, UsageError
 from batchfit.recommend.branch import Curve, Trainer
-from batchfit.recommend.priors import priors
-from batchfit.recommend.result import RecommendResult
-from batchfit.recommend.store import BranchStore
+from batchfit.recommend.read import read_recommendation
+from batchfit.recommend.result import SWEEP_EVAL_EVERY, RecommendResult
+from batchfit.recommend.jobs import (BranchSpec, branch_name, cooldown_from, last_point, load_point, point_path,
+                                      read_branch, save_point)
 from batchfit.train.budget import LR_SCALINGS, Budget, Schedule, micro_batch_for, parse_amount, scaled_lr
 from batchfit.train.data import BatchSource, TokenData, lm_format
 from batchfit.workload import StepOptions, Workload
@@ -59,7 +68,12 @@ class RecommendConfig:
     """Relative loss tolerance: a batch within it of the best (or the smallest batch) loses nothing."""
     seeds: int = 2
     """Data windows at the last branch point (2 or more gives an interval)."""
-    evals_per_window: int = 4
+    cooldown: float = 0.75
+    """The last share of each window in which the rate decays linearly to the schedule's final
+    rate, so branches are compared as the sweep's runs end: decayed (0: no cooldown)."""
+    evals_per_window: int = 1
+    """Validation passes per branch: 1, at the window's end, is all the recommendation reads;
+    more draw the curves (each pass costs ``eval_samples``, counted in the cost)."""
     warmup: str = "1%"
     min_lr_ratio: float = 0.1
     eval_samples: int = 64
@@ -82,6 +96,8 @@ class RecommendConfig:
             raise OptionError(f"--window must be a share of the budget between 0 and 1, e.g. 4%; got {self.window}")
         if self.epsilon <= 0:
             raise OptionError(f"--epsilon must be above 0, e.g. 0.01; got {self.epsilon}")
+        if not 0 <= self.cooldown < 1:
+            raise OptionError(f"--cooldown must be a share of the window from 0 to below 1, e.g. 75%; got {self.cooldown}")
         if self.seeds < 1:
             raise OptionError(f"--seeds must be 1 or more, got {self.seeds}")
         self.branch_points = tuple(sorted(set(self.branch_points)))
@@ -109,10 +125,39 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def windows(self) -> int:
+        """Data windows branched: one per point, ``seeds`` at the last."""
+        return len(self.points) + self.config.seeds - 1
+
+    @property
     def cost_samples(self) -> int:
+        """Trained: the parent to its last point, and every branch's window."""
         branches = sum(len(v) for v in self.lrs.values())
-        windows = len(self.points) + self.config.seeds - 1
-        return self.points[-1] + windows * branches * self.window_samples
+        return self.points[-1] + self.windows * branches * self.window_samples
+
+    @property
+    def val_samples(self) -> int:
+        """Validated (forward only, the fixed set of ``eval_samples``): the parent at its start and
+        at each point; each branch at each of its evaluations (``evals_per_window``, fewer when a
+        large batch's steps hold two)."""
+        config, W = self.config, self.window_samples
+        evals = 1 + len(self.points)
+        for b in config.batch_sizes:
+            aligned = {W * (i + 1) // config.evals_per_window // b * b for i in range(config.evals_per_window)}
+            evals += self.windows * len(self.lrs[b]) * len([e for e in aligned if e > 0])
+        return evals * config.eval_samples
+
+    def sweep_val_samples(self, eval_every: float = SWEEP_EVAL_EVERY) -> int:
+        """What the sweep it replaces validates, by the sweep's rule (``sweep/run.py``): at step 0,
+        and after each step that crosses a multiple of ``eval_every`` of the budget or ends the run."""
+        every, u = max(1, round(eval_every * self.budget.total)), self.budget.per_sample
+        evals = 0
+        for b in self.config.batch_sizes:
+            steps = self.total_samples // b
+            crossed = sum(1 for s in range(1, steps + 1)
+                          if (s * b * u) // every > ((s - 1) * b * u) // every or s == steps)
+            evals += (1 + crossed) * len(self.lrs[b])
+        return evals * self.config.eval_samples
 
 
 def default_lr(workload: Workload) -> float:
@@ -174,7 +219,7 @@ def identity(plan: Plan, workload: Workload, tokens: TokenData | None) -> dict:
             "micro_batches": {str(b): m for b, m in plan.micro_batches.items()}}
 
 
-def _evaluator(workload: Workload, source: BatchSource, micro: int, device: torch.device, autocast
+def evaluator(workload: Workload, source: BatchSource, micro: int, device: torch.device, autocast
                ) -> Callable[[torch.nn.Module], float]:
     def evaluate(model: torch.nn.Module) -> float:
         model.eval()
@@ -189,151 +234,120 @@ def _evaluator(workload: Workload, source: BatchSource, micro: int, device: torc
     return evaluate
 
 
-def log_slope(val: list[tuple[int, float]]) -> float:
-    """c in loss = a + c ln(position), least squares over the points (0 with one point)."""
-    if len(val) < 2:
-        return 0.0
-    c, _ = np.polyfit(np.log([p for p, _ in val]), [loss for _, loss in val], 1)
-    return float(c)
+def run_recommend(plan: Plan, workload: Workload, tokens: TokenData | None, *, device: torch.device | None = None,
+                  progress: Callable[[str], None] | None = None, store: Path | str | None = None,
+                  executor: str = "local", workers: int = 1, ray_address: str | None = None,
+                  model: str | None = None) -> RecommendResult:
+    """Train the parent to every branch point (its state saved at each), then every branch as a
+    job of the executors (``train/executors.py``: this process, ``workers`` local processes, or
+    Ray), into the runs store at ``store`` (a temporary one if None). A run that finds the store
+    and the points' files of the same recommendation resumes: the parent from its last saved
+    point, and only the branches not done. ``model`` is the MODEL spec workers rebuild the
+    workload from (needed with worker processes or Ray)."""
+    import tempfile
 
+    from batchfit.train.executors import WorkerContext, check_executor, run_in_process, run_local, run_ray
+    from batchfit.train.store import Store, check_store
 
-def extrapolate(val: list[tuple[int, float]], end: int, slope: float) -> float:
-    """The window's last validation loss carried to ``end`` along ``slope`` (per ln position)."""
-    position, loss = val[-1]
-    return loss + slope * math.log(end / position)
-
-
-def run_recommend(plan: Plan, workload: Workload, source: BatchSource, *, device: torch.device | None = None,
-                  progress: Callable[[str], None] | None = None,
-                  stop: Callable[[], None] | None = None, store: BranchStore | None = None) -> RecommendResult:
-    """Train the parent and its branches; read the answer off them. With ``store``, every
-    branch point and finished branch is saved there, and a run that finds them resumes."""
+    check_executor(executor, workers)
+    if (executor == "ray" or workers > 1) and model is None:
+        raise UsageError("branches in worker processes or on Ray rebuild the model from its MODEL spec: pass model=")
     say = progress or (lambda message: None)
     started = time.perf_counter()
     device = device or torch.device("cpu")
+    with tempfile.TemporaryDirectory(prefix="batchfit-recommend-") as tmp:
+        path = Path(store) if store is not None else Path(tmp) / "recommend.db"
+        checkpoints = path.with_name(path.name + ".checkpoints")
+        ident = identity(plan, workload, tokens)
+        check_store(path, ident, resume=True)
+        parent = _train_parent(plan, workload, tokens, device, checkpoints, say)
+        config, W = plan.config, plan.window_samples
+        keys, specs = [], []
+        with Store(path) as db:
+            db.set_config(ident, {"kind": "recommend", "workload": workload.name})
+            stale = db.reclaim_stale()
+            if stale:
+                say(f"{len(stale)} branch(es) left running by a recommendation that stopped are pending again")
+            for n, point in enumerate(plan.points):
+                for seed in range(config.seeds if n == len(plan.points) - 1 else 1):
+                    start = point + seed * W
+                    evals = {start + W * (i + 1) // config.evals_per_window for i in range(config.evals_per_window)}
+                    for b in config.batch_sizes:
+                        for lr in plan.lrs[b]:
+                            run_id = db.add_run(b, lr, W // b, branch=branch_name(point, seed))
+                            keys.append((point, seed, start, run_id))
+                            if db.run(run_id)["status"] == "done":
+                                continue
+                            specs.append(BranchSpec(
+                                run_id=run_id, batch_size=b, lr=lr, micro_batch=plan.micro_batches[b], point=point,
+                                start=start, window=W, eval_at=tuple(sorted({start + (e - start) // b * b
+                                                                             for e in evals})),
+                                cooldown_from=cooldown_from(start, W, config.cooldown),
+                                snapshot=str(point_path(checkpoints, n)), schedule=plan.schedule,
+                                per_sample=plan.budget.per_sample, tokens_per_sample=plan.budget.tokens_per_sample,
+                                seed=config.seed, eval_batch=eval_batch(plan), grad_clip=config.grad_clip))
+        context = WorkerContext(model=model or "", seq_len=workload.tokens_per_sample,
+                                token_cache=str(tokens.folder) if tokens is not None else None, seed=config.seed,
+                                eval_samples=config.eval_samples, store=str(path), checkpoints=str(checkpoints),
+                                device=str(device))
+        if not specs:
+            say("every branch is done already")
+        elif executor == "ray":
+            run_ray(context, specs, workers, ray_address, say)
+        elif workers > 1:
+            run_local(context, specs, workers, say)
+        else:
+            run_in_process(workload, tokens, context, specs, say)
+        with Store(path) as db:
+            failed = [r for r in db.runs() if r["branch"] and r["status"] != "done"]
+            if failed:
+                raise UsageError(f"{len(failed)} branch(es) did not finish, e.g. batch {failed[0]['batch_size']}: "
+                                 f"{failed[0]['status']} ({failed[0]['error']}); run the same command again to resume")
+            branches = [{"point": point, "seed": seed, "curve": read_branch(db, run_id, start)}
+                        for point, seed, start, run_id in keys]
+    return read_recommendation(plan, workload, parent, branches, time.perf_counter() - started)
+
+
+def eval_batch(plan: Plan) -> int:
+    """Validation in pieces of the smallest micro-batch, the same for the parent and every branch."""
+    return min(plan.micro_batches.values())
+
+
+def _train_parent(plan: Plan, workload: Workload, tokens: TokenData | None, device: torch.device,
+                  checkpoints: Path, say: Callable[[str], None]) -> Curve:
+    """The parent at the smallest batch, to every branch point, its state saved at each; from
+    the last saved point when there is one. Returns its curve."""
     config, per_sample = plan.config, plan.budget.per_sample
     b0 = config.batch_sizes[0]
+    saved = last_point(checkpoints, len(plan.points))
+    if saved == len(plan.points) - 1:
+        return load_point(point_path(checkpoints, saved))[1]
+    source = BatchSource(workload, seed=config.seed, tokens=tokens, eval_samples=config.eval_samples)
     torch.manual_seed(config.seed)
     step = _training_step(workload, device)
-    evaluate = _evaluator(workload, source, min(plan.micro_batches.values()), device, step.forward_autocast)
     trainer = Trainer(step, source, plan.schedule, per_sample=per_sample, grad_clip=config.grad_clip,
-                      evaluate=evaluate)
+                      evaluate=evaluator(workload, source, eval_batch(plan), device, step.forward_autocast))
     step.model.train()
-    W = plan.window_samples
-    branches: list[dict] = []
-    resumed = store.last_point() if store is not None else None
-    if resumed is not None:
-        first, snap, parent = resumed
+    if saved is not None:
+        snap, parent = load_point(point_path(checkpoints, saved), device)
         trainer.restore(snap)
         position = snap.samples
-        say(f"resuming at branch point {first + 1} of {len(plan.points)} ({position * per_sample:,} {plan.budget.unit})")
+        say(f"resuming the parent at branch point {saved + 1} of {len(plan.points)}")
     else:
-        first, snap = 0, None
         parent = Curve(batch_size=b0, lr=plan.lrs[b0][0], start_samples=0)
-        parent.val.append((0, evaluate(step.model)))
+        parent.val.append((0, trainer.evaluate(step.model)))
         position = 0
     for n, point in enumerate(plan.points):
-        if n < first:  # done before the run stopped: every branch of it is in the store
-            for seed in range(config.seeds if n == len(plan.points) - 1 else 1):
-                branches += [{"point": point, "seed": seed, "curve": store.branch(point, seed, b, lr)}
-                             for b in config.batch_sizes for lr in plan.lrs[b]]
+        if saved is not None and n <= saved:
             continue
-        if snap is None or n > first:
-            say(f"parent at batch {b0}: training to {point * per_sample:,} {plan.budget.unit}")
-            position = trainer.train(parent, start=position, samples=point - position,
-                                     micro=plan.micro_batches[b0], eval_at={point}, stop=stop)
-            snap = trainer.snapshot(position)
-            if store is not None:
-                store.save_point(n, snap, parent)
-        last = n == len(plan.points) - 1
-        for seed in range(config.seeds if last else 1):
-            start = point + seed * W
-            evals = {start + W * (i + 1) // config.evals_per_window for i in range(config.evals_per_window)}
-            for b in config.batch_sizes:
-                for lr in plan.lrs[b]:
-                    curve = store.branch(point, seed, b, lr) if store is not None else None
-                    if curve is None:
-                        trainer.restore(snap)
-                        curve = Curve(batch_size=b, lr=lr, start_samples=start)
-                        aligned = {start + (e - start) // b * b for e in evals}
-                        trainer.train(curve, start=start, samples=W, micro=plan.micro_batches[b], eval_at=aligned,
-                                      stop=stop)
-                        if store is not None:
-                            store.save_branch(point, seed, curve)
-                    branches.append({"point": point, "seed": seed, "curve": curve})
-                    say(f"branch at {point * per_sample:,}, window {seed}: batch {b}, lr {lr:.3g}: "
-                        f"val {curve.val[-1][1]:.4f}")
-        trainer.restore(snap)
-    return _read(plan, workload, parent, branches, time.perf_counter() - started)
+        say(f"parent at batch {b0}: training to {point * per_sample:,} {plan.budget.unit}")
+        position = trainer.train(parent, start=position, samples=point - position, micro=plan.micro_batches[b0],
+                                 eval_at={point})
+        save_point(checkpoints, n, trainer.snapshot(position), parent)
+    return parent
 
 
 def _training_step(workload: Workload, device: torch.device):
     from batchfit.train.step import TrainingStep
 
     return TrainingStep(workload, StepOptions(), device)
-
-
-def _best_per_batch(rows: list[dict], key: str) -> dict[int, dict]:
-    best: dict[int, dict] = {}
-    for row in rows:
-        b = row["batch_size"]
-        if b not in best or row[key] < best[b][key]:
-            best[b] = row
-    return dict(sorted(best.items()))
-
-
-def _read(plan: Plan, workload: Workload, parent: Curve, branches: list[dict], seconds: float) -> RecommendResult:
-    config, per_sample, eps = plan.config, plan.budget.per_sample, plan.config.epsilon
-    end = plan.total_samples
-    b0 = config.batch_sizes[0]
-    slopes = {(e["point"], e["seed"]): log_slope(e["curve"].val) for e in branches
-              if e["curve"].batch_size == b0 and e["curve"].lr == plan.lrs[b0][0]}
-    rows = []
-    for entry in branches:
-        c: Curve = entry["curve"]
-        slope = slopes[(entry["point"], entry["seed"])]
-        rows.append({"point": entry["point"] * per_sample, "seed": entry["seed"], "batch_size": c.batch_size,
-                     "lr": c.lr, "window_val": c.val[-1][1], "slope": slope,
-                     "extrapolated_val": extrapolate(c.val, end, slope)})
-    critical: dict[int, int] = {}
-    for point in plan.points:
-        at = _best_per_batch([r for r in rows if r["point"] == point * per_sample and r["seed"] == 0], "window_val")
-        small = at[config.batch_sizes[0]]["window_val"]
-        critical[point * per_sample] = max(b for b, r in at.items() if r["window_val"] <= small + eps * abs(small))
-    last = plan.points[-1] * per_sample
-    per_seed = []
-    interval: set[int] = set()
-    for seed in range(config.seeds):
-        best = _best_per_batch([r for r in rows if r["point"] == last and r["seed"] == seed], "extrapolated_val")
-        low = min(r["extrapolated_val"] for r in best.values())
-        per_seed.append(best)
-        interval |= {b for b, r in best.items() if r["extrapolated_val"] <= low + eps * abs(low)}
-    mean = {b: float(np.mean([s[b]["extrapolated_val"] for s in per_seed])) for b in config.batch_sizes}
-    choice = min(mean, key=mean.get)
-    lrs = [s[choice]["lr"] for s in per_seed]
-    lr = max(set(lrs), key=lrs.count)
-    n_lrs = len(plan.lrs[config.batch_sizes[0]])
-    params = sum(p.numel() for p in _parameters(workload))
-    notes = list(plan.notes)
-    if config.seeds < 2:
-        notes.append("one data window (--seeds 1): the interval is only the batches within epsilon of the best")
-    notes.append("validation passes (forward only, on the fixed validation set) are not counted in cost_tokens")
-    return RecommendResult(
-        workload=workload.name, description=workload.description, unit=plan.budget.unit, budget=plan.budget.total,
-        batch_sizes=config.batch_sizes, lr_scaling=config.lr_scaling, epsilon=config.epsilon,
-        recommended_batch_size=choice, interval=(min(interval), max(interval)), lr=lr,
-        critical_batch_size=critical[last], critical_by_point=critical, extrapolated=mean,
-        branches=rows, curves=[{**e["curve"].to_json(per_sample), "point": e["point"] * per_sample,
-                                "seed": e["seed"]} for e in branches],
-        parent=parent.to_json(per_sample), cost=plan.cost_samples * per_sample,
-        sweep_equivalent=plan.budget.total * len(config.batch_sizes) * n_lrs, params=params,
-        priors=[p.to_json() for p in priors(params, plan.budget.total if plan.budget.unit == "tokens" else None,
-                                             workload.tokens_per_sample)],
-        window=plan.window_samples * per_sample, points=[p * per_sample for p in plan.points], seeds=config.seeds,
-        notes=notes, seconds=seconds)
-
-
-def _parameters(workload: Workload):
-    """The model's parameters, built on the meta device (no memory), for the priors' N."""
-    with torch.device("meta"):
-        return list(workload.build_model().parameters())

@@ -16,9 +16,12 @@ tokens and 1B parameters on 100B tokens (step-law.github.io, figure 1), so a mod
 
 Power Lines (Bergsma et al. 2025, "Power Lines: Scaling Laws for Weight Decay and Batch Size in
 LLM Pre-training", arXiv:2505.13738): B_opt and B_crit are power laws in D alone, independent
-of N. Its fitted coefficient and exponent could not be found from this machine (the paper's
-pages reachable here show the abstract, not the fit), so batchfit shows the law's form and no
-number, rather than inventing one.
+of N. Its fitted coefficients and exponents could not be found from this machine, so batchfit
+shows the law's form and no number rather than inventing one. Looked for (2026-11-25): the
+stored arXiv pages (2505.13738v1 and v2: their opening, abstract and figure 1 caption only, not
+the fit), public paper-note repositories and reading lists (titles and links only), issue
+threads on critical batch size (marin-community/marin, karpathy/nanochat: no constants), and
+documentation pages (none).
 """
 
 from __future__ import annotations

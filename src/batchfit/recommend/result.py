@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SWEEP_EVAL_EVERY = 0.1
+"""``batchfit sweep``'s default --eval-every (10%): how the sweep a recommendation is compared
+with validates (its validated tokens count in ``sweep_equivalent``)."""
+
 NOISE_BIAS = ("the gradient noise scale B_simple (McCandlish et al. 2018) is known to underestimate the critical "
               "batch size under Adam, by up to orders of magnitude (Merrill et al. 2025): shown, not used")
 
@@ -33,12 +37,20 @@ class RecommendResult:
     curves: list[dict]
     parent: dict
     cost: int
-    """Trained in the budget's unit: the parent to its last branch point, and every branch."""
+    """In the budget's unit: trained (the parent to its last branch point, every branch) plus
+    validated (forward passes over the fixed validation set, counted alike)."""
     sweep_equivalent: int
-    """A sweep of the same batch sizes and rates at the same budget, in the same unit."""
+    """A sweep of the same batch sizes and rates at the same budget, in the same unit, counted
+    by the same rule: trained plus validated (at batchfit sweep's default --eval-every)."""
+    cost_val: int = 0
+    """The validated part of ``cost``."""
+    sweep_val: int = 0
+    """The validated part of ``sweep_equivalent``."""
     params: int
     priors: list[dict]
     window: int
+    cooldown: float = 0.0
+    """The share of each window that decays the rate to the schedule's final one."""
     points: list[int]
     seeds: int
     notes: list[str] = field(default_factory=list)
@@ -81,7 +93,10 @@ class RecommendResult:
             "cost_tokens" if tokens else "cost_samples": self.total_cost,
             "sweep_tokens_equivalent" if tokens else "sweep_samples_equivalent": self.sweep_equivalent,
             "cost_share_of_sweep": self.cost_share, "noise_cost": self.noise_cost,
-            "params": self.params, "branch_points": self.points, "window": self.window, "seeds": self.seeds,
+            ("cost_val_tokens" if tokens else "cost_val_samples"): self.cost_val,
+            ("sweep_val_tokens" if tokens else "sweep_val_samples"): self.sweep_val,
+            "params": self.params, "branch_points": self.points, "window": self.window,
+            "cooldown": self.cooldown, "seeds": self.seeds,
             "sources": {"branched": {"recommended_batch_size": self.recommended_batch_size,
                                      "interval": list(self.interval), "lr": self.lr,
                                      "critical_batch_size": self.critical_batch_size,

@@ -24,10 +24,13 @@ def recommend_markdown(data: dict) -> str:
              f"{data['lr']:.3g}, for {data['budget']:,} {unit} (branched training, measured and extrapolated).",
              f"- Critical batch size (largest batch within {data['epsilon']:.0%} of the smallest batch's loss, "
              f"Merrill et al. 2025): **{data['critical_batch_size']}**.",
-             f"- Cost: {cost:,} {unit} trained, {data['cost_share_of_sweep']:.1%} of the {sweep:,} a sweep of the "
-             f"same {len(data['batch_sizes'])} batch sizes at the same budget would train.",
+             f"- Cost: {cost:,} {unit} ({data.get(f'cost_val_{unit}', 0):,} of them validated, forward only, counted "
+             f"alike), {data['cost_share_of_sweep']:.1%} of the {sweep:,} a sweep of the same "
+             f"{len(data['batch_sizes'])} batch sizes at the same budget would train and validate (counted by the "
+             f"same rule, {data.get(f'sweep_val_{unit}', 0):,} validated).",
              f"- Parent at batch {data['batch_sizes'][0]}; branches at {', '.join(f'{p:,}' for p in data['branch_points'])}"
-             f" {unit}, each {data['window']:,} {unit} long; learning rate scaled by {data['lr_scaling']} of the "
+             f" {unit}, each {data['window']:,} {unit} long, the last {data.get('cooldown', 0):.0%} of it a linear "
+             f"decay to the schedule's final rate; learning rate scaled by {data['lr_scaling']} of the "
              "batch ratio; the last point repeated on "
              f"{data['seeds']} data window(s).", "", "## Evidence", "",
              "| source | batch size | learning rate | kind | note |", "|---|---:|---:|---|---|"]
@@ -42,8 +45,12 @@ def recommend_markdown(data: dict) -> str:
     lines += ["", "## How", "",
               "- Branched training (Merrill, Arora, Groeneveld, Hajishirzi 2025): each branch restores the parent's "
               "exact model, optimizer state, RNG state and data position, then trains at k x the batch.",
-              "- Extrapolation: the smallest batch's branch gives a slope in ln(tokens); each branch's window-end "
-              "validation loss is carried to the budget along it (the ranking at the window's end is kept).",
+              "- Cooldown: each window ends with the rate decaying linearly to the schedule's final rate, so the "
+              "branches are compared as the sweep's runs end, decayed; at peak rate a larger batch's lower gradient "
+              "noise shows as a loss it keeps only while the rate is high.",
+              "- Extrapolation: the parent's validation losses at the branch points give a power law in tokens "
+              "(loss = a tokens^p); each branch's window-end validation loss is carried to the budget along it "
+              "(one factor for all: the ranking at the window's end is kept).",
               "- Priors are formulas with their published constants, shown beside the measurements, never mixed in."]
     lines += ["", "## Notes", ""] + [f"- {n}" for n in data["notes"]]
     return "\n".join(lines) + "\n"

@@ -27,7 +27,7 @@ import torch
 from batchfit.train.step import TrainingStep
 from batchfit.train.budget import Budget, Schedule, micro_batch_for
 from batchfit.train.data import BatchSource
-from batchfit.sweep.store import Store
+from batchfit.train.store import Store
 from batchfit.workload import StepOptions, Workload
 
 
@@ -63,6 +63,11 @@ class RunSpec:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def train(self, workload: Workload, source: BatchSource, store: Store, checkpoints: Path, device: torch.device,
+              progress: Callable[[str], None] | None = None) -> dict:
+        """The executors' entry (``train/executors.py``): :func:`train_run`."""
+        return train_run(workload, source, self, store, checkpoints, device, progress)
 
 
 class Evaluator:
