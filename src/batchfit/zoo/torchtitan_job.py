@@ -223,6 +223,10 @@ def read_job(path: str | Path) -> TitanJob:
     compile_section = data.get("compile", {})
     compiled = bool(compile_section.get("enable", False)) and "model" in compile_section.get("components",
                                                                                             ["model", "loss"])
+    if compiled:
+        raise ModelSpecError(f"{path}: [compile] enable = true with 'model': torchtitan compiles each block of its "
+                             "layers ModuleDict, which batchfit's compiled trace (a ModuleList of blocks) does not "
+                             "reach yet; set enable = false to plan the eager step")
     ac = data.get("activation_checkpoint", {})
     if ac.get("mode", "selective") not in ("none", "selective", "full"):
         raise ModelSpecError(f"{path}: [activation_checkpoint] mode = {ac.get('mode')!r}: use none, selective or "
@@ -272,8 +276,8 @@ _USED = {
     "activation_checkpoint.mode": "torchtitan's apply_ac",
     "activation_checkpoint.selective_ac_option": "torchtitan's apply_ac",
     "activation_checkpoint.memory_budget": "torchtitan's apply_ac (mode memory_budget only)",
-    "compile.enable": "--compile {compile} (torchtitan compiles each TransformerBlock)",
-    "compile.components": "--compile {compile}; the loss is traced eager",
+    "compile.enable": "false: the eager step (enable = true is refused: not traced yet)",
+    "compile.components": "not used while compile is off",
     "quantize.linear.float8.recipe_name": "--precision {precision}",
     "quantize.linear.float8.enable_fsdp_float8_all_gather": "false: FSDP2 gathers bf16 weights",
     "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": "not traced (one scale per weight)",
