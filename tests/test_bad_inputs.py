@@ -14,6 +14,7 @@ from batchfit.cli.app import app
 runner = CliRunner()
 TINY = ["gpt-tinystories-22m", "--seq-len", "16"]
 HUGE = "99999999999999999999"
+TITAN = Path(__file__).resolve().parent / "data" / "torchtitan"  # torchtitan job tomls (tests/test_torchtitan.py)
 TEXT = ["--data", str(Path(__file__).resolve().parents[1] / "README.md"), "--tokenizer", "bytes", "--cache-dir", "cache"]  # past int64: overflowed inside torch
 
 ROWS = {
@@ -94,6 +95,14 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "pp2", "--pp-schedule", "zb"], "interleaved-1f1b"),
         ([*TINY, "--gpu", "h100", "--gpus", "3", "--strategies", "pp3"], "do not split into 3 equal stages"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--routing", "best"], "worst"),
+        ([f"torchtitan:{TITAN / 'unknown_model.toml'}", "--gpu", "h100", "--gpus", "2"], "for other models use hf:"),
+        ([f"torchtitan:{TITAN / 'malformed.toml'}", "--gpu", "h100", "--gpus", "2"], "is not valid TOML"),
+        ([f"torchtitan:{TITAN / 'unknown_section.toml'}", "--gpu", "h100", "--gpus", "2"], "unknown section [trainer]"),
+        ([f"torchtitan:{TITAN / 'debug_model.toml'}", "--gpu", "h100"], "give --gpus N"),
+        ([f"torchtitan:{TITAN / 'debug_model.toml'}", "--gpu", "h100", "--gpus", "2", "--checkpointing", "full"],
+         "set [activation_checkpoint] mode"),
+        ([f"torchtitan:{TITAN / 'missing.toml'}", "--gpu", "h100", "--gpus", "2"], "cannot read torchtitan job"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--emit", "torchtitan:nofolder/job.toml"], "does not exist"),
     ],
     "sweep": [
         (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),

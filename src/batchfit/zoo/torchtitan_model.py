@@ -32,7 +32,7 @@ import sys
 import types
 from typing import TYPE_CHECKING
 
-from batchfit.errors import ModelSpecError
+from batchfit.errors import ModelSpecError, OptionError
 from batchfit.workload import Workload
 from batchfit.zoo.torchtitan_job import TORCHTITAN_VERSION, TitanJob
 
@@ -43,7 +43,7 @@ _KERNELS = "torchtitan.models.moe.kernels"
 
 
 def _import_torchtitan():
-    """torchtitan's llama3 package, importable without Triton (see the module docstring)."""
+    """torchtitan's modules this front door calls, importable without Triton (see the module docstring)."""
     import importlib.util
 
     if importlib.util.find_spec("torchtitan") is None:
@@ -62,10 +62,19 @@ def _import_torchtitan():
         stand_in.generate_permute_indices = stand_in.fill_indices_wrapper = _needs_triton
         sys.modules[_KERNELS] = stand_in
     logging.getLogger("torchtitan").setLevel(logging.ERROR)  # its info lines would interleave with plan's
-    import torchtitan.models.llama3  # noqa: F401 - registers the train spec
-    from torchtitan.tools.logging import logger
-
+    try:
+        import torchtitan.distributed.parallel_dims as parallel_dims_module
+        import torchtitan.models.llama3  # noqa: F401 - registers the train spec
+        from torchtitan.components.loss import cross_entropy_loss
+        from torchtitan.config import ConfigManager, JobConfig
+        from torchtitan.protocols.train_spec import get_train_spec
+        from torchtitan.tools.logging import logger
+    except ImportError as error:
+        raise ModelSpecError(f"torchtitan {version} cannot be imported ({error}): pip install "
+                             f"'batchfit[torchtitan]' (torchtitan=={TORCHTITAN_VERSION})") from None
     logger.setLevel(logging.ERROR)
+    return types.SimpleNamespace(parallel_dims=parallel_dims_module, cross_entropy_loss=cross_entropy_loss,
+                                 ConfigManager=ConfigManager, JobConfig=JobConfig, get_train_spec=get_train_spec)
 
 
 def _dist_version() -> str | None:
@@ -81,9 +90,7 @@ def job_config(job: TitanJob, *, strategy=None):
     """torchtitan's ``JobConfig`` of ``job`` (its own dataclasses, filled from the toml as its
     ``ConfigManager`` does), with compile off (batchfit traces it) and, for ``strategy``, the
     parallel degrees of the strategy being traced."""
-    _import_torchtitan()
-    from torchtitan.config import ConfigManager, JobConfig
-
+    titan = _import_torchtitan()
     data = copy.deepcopy(job.data)
     data.setdefault("compile", {})["enable"] = False
     if strategy is not None:
@@ -91,8 +98,10 @@ def job_config(job: TitanJob, *, strategy=None):
         parallelism["data_parallel_replicate_degree"] = strategy.replicas if strategy.shard == "hsdp" else 1
         parallelism["data_parallel_shard_degree"] = strategy.dp // (strategy.replicas if strategy.shard == "hsdp" else 1)
         parallelism["tensor_parallel_degree"] = strategy.tp
+        if strategy.shard == "fsdp-noreshard":  # FSDP2's reshard_after_forward=False, as torchtitan names it
+            parallelism["fsdp_reshard_after_forward"] = "never"
     try:
-        return ConfigManager()._dict_to_dataclass(JobConfig, data)
+        return titan.ConfigManager()._dict_to_dataclass(titan.JobConfig, data)
     except (TypeError, ValueError) as error:
         raise ModelSpecError(f"{job.path}: torchtitan rejects it: {str(error).splitlines()[0]}") from None
 
@@ -101,12 +110,10 @@ def _parallel_dims(strategy):
     """torchtitan's ``ParallelDims`` for ``strategy``, its meshes built on the process group now
     open (plan's fake one). torchtitan picks its mesh device from the machine (``cuda`` unless
     another accelerator is found); on this CPU the meshes are built on ``cpu``, as a gloo run's are."""
-    import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.distributed import ParallelDims
-
+    parallel_dims_module = _import_torchtitan().parallel_dims
     replicate = strategy.replicas if strategy.shard == "hsdp" else 1
-    dims = ParallelDims(dp_replicate=replicate, dp_shard=strategy.dp // replicate, cp=1, tp=strategy.tp, pp=1,
-                        ep=1, etp=1, world_size=strategy.world_size)
+    dims = parallel_dims_module.ParallelDims(dp_replicate=replicate, dp_shard=strategy.dp // replicate, cp=1,
+                                             tp=strategy.tp, pp=1, ep=1, etp=1, world_size=strategy.world_size)
     saved = parallel_dims_module.device_type
     parallel_dims_module.device_type = "cpu"
     try:
@@ -130,12 +137,11 @@ def _mixed_precision_context(model: nn.Module):
 
 def torchtitan_workload(job: TitanJob, seq_len: int | None = None) -> Workload:
     """The Workload of ``job`` built with torchtitan's own code (see the module docstring)."""
-    _import_torchtitan()
+    titan = _import_torchtitan()
     import torch
-    from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.protocols.train_spec import get_train_spec
 
-    spec = get_train_spec(job.model)
+    cross_entropy_loss = titan.cross_entropy_loss
+    spec = titan.get_train_spec(job.model)
     config = job_config(job)
     if seq_len is not None:
         config.training.seq_len = seq_len
@@ -167,6 +173,10 @@ def torchtitan_workload(job: TitanJob, seq_len: int | None = None) -> Workload:
                                fused=implementation == "fused", foreach=implementation == "foreach")
 
     def parallelize_all(model: nn.Module, strategy, groups: dict) -> nn.Module:
+        if strategy.shard not in ("none", "fsdp", "fsdp-noreshard", "hsdp") or strategy.pp > 1 or \
+                getattr(strategy, "cp", 1) > 1 or getattr(strategy, "ep", 1) > 1:
+            raise OptionError(f"{strategy.name} on a torchtitan job: batchfit runs torchtitan's parallelize_llama "
+                              "with FSDP2 / HSDP / TP only; use --strategies fsdp, hsdp<R>, fsdp+tp<N> or tp<N>")
         dims = _parallel_dims(strategy)
         model = spec.parallelize_fn(model, dims, job_config(job, strategy=strategy))
         for name, mesh in dims._meshes.items():
