@@ -179,7 +179,10 @@ def torchtitan_toml(result, source_text: str | None = None) -> str:
     p = result.recommended[-1]
     values = job_values(p, result.options)
     if source_text is not None:
-        return patch_toml(source_text, _unchanged(values, tomllib.loads(source_text)))
+        source = tomllib.loads(source_text)
+        if p.accumulation_steps == 1 and source.get("training", {}).get("global_batch_size", -1) == -1:
+            del values["training"]["global_batch_size"]  # -1 (local x data-parallel ranks) already says it
+        return patch_toml(source_text, _unchanged(values, source))
     head = (f"# batchfit plan: {result.workload} on {p.gpus} x {result.device.display_name}, {p.strategy}: "
             f"micro-batch {p.micro_batch} x {p.accumulation_steps} accumulation.\n"
             "# torchtitan 0.2.2 job config keys; merge into your job's toml (memory traced, not measured).\n")
