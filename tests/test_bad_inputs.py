@@ -102,6 +102,7 @@ ROWS = {
         ([f"torchtitan:{TITAN / 'debug_model.toml'}", "--gpu", "h100", "--gpus", "2", "--checkpointing", "full"],
          "set [activation_checkpoint] mode"),
         ([f"torchtitan:{TITAN / 'missing.toml'}", "--gpu", "h100", "--gpus", "2"], "cannot read torchtitan job"),
+        (["torchtitan:config_registry.py:llama3_debug", "--gpu", "h100", "--gpus", "2"], "give a torchtitan 0.2.x job .toml"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--emit", "torchtitan:nofolder/job.toml"], "does not exist"),
     ],
     "sweep": [

@@ -171,6 +171,10 @@ def read_job(path: str | Path) -> TitanJob:
     a section torchtitan does not have, a model or flavor it does not have, or settings batchfit
     cannot trace with torchtitan's code."""
     path = Path(path)
+    if path.suffix == ".py" or ".py:" in str(path):
+        raise ModelSpecError(f"torchtitan:{path}: torchtitan 0.3's Python configs are not read (torchtitan 0.3.0 pins "
+                             "datasets<4.8 and is not installed here): give a torchtitan 0.2.x job .toml, e.g. "
+                             "torchtitan:train_configs/llama3_8b.toml")
     if path.suffix != ".toml":
         raise ModelSpecError(f"torchtitan:{path}: give a torchtitan job config (.toml), e.g. "
                              "torchtitan:train_configs/llama3_8b.toml")
