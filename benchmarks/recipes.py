@@ -167,8 +167,9 @@ def gloo_torchtitan() -> tuple[int, int]:
     with tempfile.TemporaryDirectory() as folder:
         spawn_profiled_gloo(_gloo_main, lambda port: (2, port, folder), nprocs=2)
         measured = json.loads((Path(folder) / "peak.json").read_text())
-    point = trace_sharded(load_workload(f"torchtitan:{DEBUG}", seq_len=SEQ), _options(), get_device("h100-80gb"),
-                          parse_strategy("fsdp", 2), LOCAL_BATCH, cuda_semantics=False)
+    workload = load_workload(f"torchtitan:{DEBUG}", seq_len=SEQ, for_plan=True)
+    point = trace_sharded(workload, _options(), get_device("h100-80gb"), parse_strategy("fsdp", 2), LOCAL_BATCH,
+                          cuda_semantics=False)
     return point.peak_bytes, measured
 
 

@@ -46,6 +46,7 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--compile", "model", "--memory-budget", "1.5"], "from 0 to 1"),
         ([*TINY, "--gpu", "t4", "--compile", "model", "--memory-budget", "half"], "--memory-budget"),
         ([*TINY, "--gpu", "t4", "--routing", "even"], "capacity:F"),
+        ([f"torchtitan:{TITAN / 'debug_model.toml'}", "--gpu", "t4"], "use batchfit plan torchtitan:"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),

@@ -99,7 +99,7 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
     from batchfit.train.step import TrainingStep
 
     join_gloo(rank, world_size, port, 120)
-    workload = load_workload(f"torchtitan:{DEBUG}", seq_len=SEQ)
+    workload = load_workload(f"torchtitan:{DEBUG}", seq_len=SEQ, for_plan=True)
     strategy = parse_strategy("fsdp", world_size)
     torch.manual_seed(0)
     def wrap(model):
@@ -149,7 +149,7 @@ def test_traced_torchtitan_fsdp_step_matches_a_real_gloo_run(tmp_path):
 
     spawn_profiled_gloo(_gloo_main, lambda port: (2, port, str(tmp_path)), nprocs=2)
     real = json.loads((tmp_path / "peak.json").read_text())
-    workload = load_workload(f"torchtitan:{DEBUG}", seq_len=SEQ)
+    workload = load_workload(f"torchtitan:{DEBUG}", seq_len=SEQ, for_plan=True)
     point = trace_sharded(workload, _options(), get_device("h100-80gb"), parse_strategy("fsdp", 2), LOCAL_BATCH,
                           cuda_semantics=False)
     assert point.params == 6_163_712  # debugmodel: dim 256, 6 layers, vocab 2048, FFN 768 (torchtitan's own)

@@ -27,13 +27,18 @@ SPEC_HELP = ("a zoo name (batchfit zoo), hf:<name>, hf:config.json or hf:folder,
              "torchtitan:job.toml")
 
 
-def load_workload(spec: str, *, seq_len: int | None = None) -> Workload:
-    """Resolve ``spec``; ``seq_len`` overrides the workload's sequence length."""
+def load_workload(spec: str, *, seq_len: int | None = None, for_plan: bool = False) -> Workload:
+    """Resolve ``spec``; ``seq_len`` overrides the workload's sequence length. A ``torchtitan:``
+    job only with ``for_plan``: its activation checkpointing and sharding are torchtitan's
+    ``parallelize_llama``, which only ``plan`` applies (``Workload.parallelize_all``)."""
     if seq_len is not None and not 1 <= seq_len <= 1 << 24:  # beyond: overflows in the model's own code
         raise ModelSpecError(f"--seq-len must be from 1 to {1 << 24:,} (2^24 tokens), got {seq_len}")
     from batchfit.zoo import ZOO  # here: the zoo's models load torch
 
     if spec.startswith("torchtitan:"):
+        if not for_plan:
+            raise ModelSpecError(f"{spec}: a torchtitan job is planned with its own parallelize_llama (activation "
+                                 "checkpointing, FSDP2, TP): use batchfit plan " + spec + " (--gpus 1 for one GPU)")
         from batchfit.zoo.torchtitan_job import read_job
         from batchfit.zoo.torchtitan_model import torchtitan_workload
 

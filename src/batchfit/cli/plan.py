@@ -168,7 +168,7 @@ def plan_command(
         print_mapping(door, quiet_if_stdout(json_path))
     if titan is not None:
         print_torchtitan(titan, quiet_if_stdout(json_path))
-    workload = load_workload(model, seq_len=seq_len)
+    workload = load_workload(model, seq_len=seq_len, for_plan=True)
     with progress_line() as say:
         result = plan(workload, device=target.device, worlds=worlds, options=options, strategies=strategies,
                       global_batch=global_batch, tokens=tokens, batch_sizes=sizes, target_util=target_util,
