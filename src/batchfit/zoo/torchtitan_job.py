@@ -188,8 +188,8 @@ def read_job(path: str | Path) -> TitanJob:
         raise ModelSpecError(f"{path} is not valid TOML ({error}): fix that line") from None
     unknown = [name for name in data if name not in SECTIONS]
     if unknown:
-        raise ModelSpecError(f"{path}: unknown section [{unknown[0]}]: torchtitan {TORCHTITAN_VERSION}'s job config has "
-                             f"{', '.join(SECTIONS)}")
+        raise ModelSpecError(f"{path}: unknown section [{unknown[0]}]: torchtitan {TORCHTITAN_VERSION}'s job config "
+                             f"has {', '.join(SECTIONS)}")
     model = data.get("model", {})
     name, flavor = model.get("name", "llama3"), model.get("flavor", "debugmodel")
     if name not in MODELS:
@@ -204,7 +204,7 @@ def read_job(path: str | Path) -> TitanJob:
     for key, why in _REFUSED.items():
         section, _, option = key.partition(".")
         value = data.get(section, {}).get(option)
-        if value not in (None, 1, False):
+        if not (value is None or value is False or (type(value) is int and value == 1)):  # True == 1 in Python
             raise ModelSpecError(f"{path}: [{section}] {option} = {value!r}: {why}")
     converters = model.get("converters", [])
     if [c for c in converters if c != "float8"]:

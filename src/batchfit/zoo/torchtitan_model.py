@@ -95,8 +95,9 @@ def job_config(job: TitanJob, *, strategy=None):
     data.setdefault("compile", {})["enable"] = False
     if strategy is not None:
         parallelism = data.setdefault("parallelism", {})
-        parallelism["data_parallel_replicate_degree"] = strategy.replicas if strategy.shard == "hsdp" else 1
-        parallelism["data_parallel_shard_degree"] = strategy.dp // (strategy.replicas if strategy.shard == "hsdp" else 1)
+        replicate = strategy.replicas if strategy.shard == "hsdp" else 1
+        parallelism["data_parallel_replicate_degree"] = replicate
+        parallelism["data_parallel_shard_degree"] = strategy.dp // replicate
         parallelism["tensor_parallel_degree"] = strategy.tp
         if strategy.shard == "fsdp-noreshard":  # FSDP2's reshard_after_forward=False, as torchtitan names it
             parallelism["fsdp_reshard_after_forward"] = "never"
