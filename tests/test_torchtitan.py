@@ -89,7 +89,7 @@ def _options():
     return StepOptions(precision="bf16-mixed")
 
 
-def _gloo_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def _gloo_main(rank: int, world_size: int, port: int, out_dir: str, strategy_name: str = "fsdp") -> None:
     import torch
     import torch.distributed as dist
     from cpu_truth import join_gloo, profiled_step_peak
@@ -100,7 +100,7 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
     join_gloo(rank, world_size, port, 120)
     workload = load_workload(f"torchtitan:{DEBUG}", seq_len=SEQ, for_plan=True)
-    strategy = parse_strategy("fsdp", world_size)
+    strategy = parse_strategy(strategy_name, world_size)
     torch.manual_seed(0)
     def wrap(model):
         # torchtitan's apply_fsdp sets FSDP2's gradient divide factor to 1.0, which FSDP2 then
