@@ -178,6 +178,7 @@ def test_plan_cli_reads_the_job_and_emits_it_back(tmp_path):
     titan = data["torchtitan"]
     assert titan["flavor"] == "debugmodel" and "torchtitan's own model" in titan["code"]
     assert data["global_batch"] == 16  # local_batch_size 8 x 2 data-parallel ranks (global_batch_size -1)
+    assert any("clip_grad_norm_" in a["what"] for a in data["approximations"])
     best = data["recommended"][0]
     assert (best["strategy"], best["micro_batch"] * best["accumulation_steps"] * 2) == ("fsdp", 16)
     job = tomllib.loads(emitted.read_text())

@@ -19,7 +19,8 @@ from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemo
                                  write_outputs)
 from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, parse_host_memory,
                                  warn_about_approximations)
-from batchfit.cli.torchtitan import print_torchtitan, read_torchtitan, torchtitan_defaults, torchtitan_section
+from batchfit.cli.torchtitan import (print_torchtitan, read_torchtitan, torchtitan_approximation, torchtitan_defaults,
+                                     torchtitan_section)
 from batchfit.cli.trainer import (TrainerOpt, emitted_text, merged_batch_sizes, merged_options, merged_seq_len,
                                   print_answer, print_mapping, read_trainer)
 from batchfit.devices import GiB
@@ -175,6 +176,8 @@ def plan_command(
                       multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say,
                       processes=processes, limit=limit, host_memory_bytes=host_memory_bytes,
                       pp_schedule=pp_schedule, microbatches=microbatches)
+    if titan is not None:
+        result.approximations.append(torchtitan_approximation(titan))
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
     fitted = _trainer_answer(door, result) if door is not None else None
     section = door.section(fitted) if door is not None else None

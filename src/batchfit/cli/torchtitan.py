@@ -54,6 +54,22 @@ def torchtitan_defaults(job: TitanJob, *, gpus: str | None, nodes: int | None, s
     return gpus, strategies, global_batch, precision, compile_, sizes
 
 
+def torchtitan_approximation(job: TitanJob):
+    """What torchtitan's train loop does around the step that the trace does not run, said on the result."""
+    from batchfit.trace.approximation import Approximation
+
+    parallelism = job.data.get("parallelism", {})
+    extra = ("; enable_async_tensor_parallel: TP's collectives traced as plain ones, not symmetric-memory async TP"
+             if parallelism.get("enable_async_tensor_parallel") and job.tp > 1 else "")
+    return Approximation(
+        what="torchtitan's train loop around the step is not traced: clip_grad_norm_ (max_norm) and the loss's "
+             "all-reduce of the global token count" + extra,
+        may_differ_by="one fp32 norm per parameter tensor (512 B each with CUDA's rounding: under 0.2 MiB for "
+                      "Llama 3 8B's 291 tensors) and a few scalars",
+        source="torchtitan 0.2.2 torchtitan/train.py (train_step); docs/tracing.md, From a torchtitan job",
+        detail=f"torchtitan job {job.path.name}")
+
+
 def print_torchtitan(job: TitanJob, console) -> None:
     """What was read from the job and what became of each key (the unused ones counted, listed in the JSON)."""
     from batchfit.zoo.torchtitan_job import TORCHTITAN_VERSION
