@@ -134,7 +134,8 @@ RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "bf16-mixed compile model": (lambda w: w, StepOptions(precision="bf16-mixed", compile="model")),
     "compile model memory-budget 0.5": (lambda w: w, StepOptions(compile="model", memory_budget=0.5)),
 }
-GLOO = {"offload params (fsdp on 2 gloo ranks)"}
+GLOO = {"offload params (fsdp on 2 gloo ranks)", "torchtitan debugmodel fsdp (2 gloo ranks)",
+        "torchtitan debugmodel tp2 (2 gloo ranks)"}
 """Rows measured by a real multi-process run, not one CPU step."""
 
 
@@ -149,6 +150,30 @@ def gloo_offload_params() -> tuple[int, int]:
         torch.multiprocessing.spawn(_gloo_main, args=(_free_port(), folder), nprocs=2, join=True)
         measured = json.loads((Path(folder) / "peak.json").read_text())
     return _trace(OFFLOAD).total_peak_bytes, measured
+
+
+def gloo_torchtitan(strategy_name: str = "fsdp") -> tuple[int, int]:
+    """torchtitan's own debug_model.toml (seq 64, local batch 2) with its parallelize_llama (``strategy_name``
+    fsdp: FSDP2 with its bf16 policy; tp2: its apply_tp with loss_parallel; both with its selective AC every
+    2nd block) on 2 gloo ranks: (rank 0 traced on the fake process group, the smallest of its three profiled
+    steps), as tests/test_torchtitan.py measures fsdp."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from cpu_truth import spawn_profiled_gloo
+    from test_torchtitan import DEBUG, LOCAL_BATCH, SEQ, _gloo_main, _options
+
+    from batchfit.devices import get_device
+    from batchfit.plan.sharded import parse_strategy, trace_sharded
+    from batchfit.specs import load_workload
+
+    with tempfile.TemporaryDirectory() as folder:
+        spawn_profiled_gloo(_gloo_main, lambda port: (2, port, folder, strategy_name), nprocs=2)
+        measured = json.loads((Path(folder) / "peak.json").read_text())
+    workload = load_workload(f"torchtitan:{DEBUG}", seq_len=SEQ, for_plan=True)
+    point = trace_sharded(workload, _options(), get_device("h100-80gb"), parse_strategy(strategy_name, 2), LOCAL_BATCH,
+                          cuda_semantics=False)
+    return point.peak_bytes, measured
 
 
 # Multi-GPU recipes: recipe -> (strategy on 2 ranks, the step options). Truth is a real 2-process
@@ -327,8 +352,9 @@ def main() -> None:
             truth = gloo_peak(args.model, args.seq_len, strategy_name, options, args.batch_size)
             measured, timeline = truth["peak"], truth["timeline"]
         elif name in GLOO:
-            options = StepOptions(offload="params")
-            traced, measured = gloo_offload_params()
+            options = StepOptions(precision="bf16-mixed") if name.startswith("torchtitan") else StepOptions(offload="params")
+            traced, measured = (gloo_torchtitan(name.split()[2]) if name.startswith("torchtitan")
+                                else gloo_offload_params())
         else:
             change, options = RECIPES[name]
             workload = change(base)

@@ -14,6 +14,7 @@ from batchfit.cli.app import app
 runner = CliRunner()
 TINY = ["gpt-tinystories-22m", "--seq-len", "16"]
 HUGE = "99999999999999999999"
+TITAN = Path(__file__).resolve().parent / "data" / "torchtitan"  # torchtitan job tomls (tests/test_torchtitan.py)
 TEXT = ["--data", str(Path(__file__).resolve().parents[1] / "README.md"), "--tokenizer", "bytes", "--cache-dir", "cache"]  # past int64: overflowed inside torch
 
 ROWS = {
@@ -45,6 +46,7 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--compile", "model", "--memory-budget", "1.5"], "from 0 to 1"),
         ([*TINY, "--gpu", "t4", "--compile", "model", "--memory-budget", "half"], "--memory-budget"),
         ([*TINY, "--gpu", "t4", "--routing", "even"], "capacity:F"),
+        ([f"torchtitan:{TITAN / 'debug_model.toml'}", "--gpu", "t4"], "use batchfit plan torchtitan:"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),
@@ -101,6 +103,15 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--gpus", "4", "--strategies", "pp2+fsdp+cp2"], "inside a pipeline"),
         (["byte-elman-400m", "--seq-len", "16", "--gpu", "h100", "--gpus", "2", "--strategies", "fsdp+cp2"],
          "no attention through"),
+        ([f"torchtitan:{TITAN / 'unknown_model.toml'}", "--gpu", "h100", "--gpus", "2"], "for other models use hf:"),
+        ([f"torchtitan:{TITAN / 'malformed.toml'}", "--gpu", "h100", "--gpus", "2"], "is not valid TOML"),
+        ([f"torchtitan:{TITAN / 'unknown_section.toml'}", "--gpu", "h100", "--gpus", "2"], "unknown section [trainer]"),
+        ([f"torchtitan:{TITAN / 'debug_model.toml'}", "--gpu", "h100"], "give --gpus N"),
+        ([f"torchtitan:{TITAN / 'debug_model.toml'}", "--gpu", "h100", "--gpus", "2", "--checkpointing", "full"],
+         "set [activation_checkpoint] mode"),
+        ([f"torchtitan:{TITAN / 'missing.toml'}", "--gpu", "h100", "--gpus", "2"], "cannot read torchtitan job"),
+        (["torchtitan:config_registry.py:llama3_debug", "--gpu", "h100", "--gpus", "2"], "give a torchtitan 0.2.x job .toml"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--emit", "torchtitan:nofolder/job.toml"], "does not exist"),
     ],
     "sweep": [
         (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),

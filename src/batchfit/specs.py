@@ -5,6 +5,8 @@
                              hf:path/to/folder (a model folder with a config.json)
     my_model.py:workload     a function in a file that returns a Workload
     my_pkg.models:workload   a function in an importable module
+    torchtitan:job.toml      a torchtitan job config: its model and parallelisms, torchtitan's own
+                             code (zoo/torchtitan_job.py; the [torchtitan] extra)
 """
 
 from __future__ import annotations
@@ -21,15 +23,26 @@ from types import ModuleType
 from batchfit.errors import BatchfitError, ModelSpecError
 from batchfit.workload import Workload
 
-SPEC_HELP = "a zoo name (batchfit zoo), hf:<name>, hf:config.json or hf:folder, or file.py:function"
+SPEC_HELP = ("a zoo name (batchfit zoo), hf:<name>, hf:config.json or hf:folder, file.py:function, or "
+             "torchtitan:job.toml")
 
 
-def load_workload(spec: str, *, seq_len: int | None = None) -> Workload:
-    """Resolve ``spec``; ``seq_len`` overrides the workload's sequence length."""
+def load_workload(spec: str, *, seq_len: int | None = None, for_plan: bool = False) -> Workload:
+    """Resolve ``spec``; ``seq_len`` overrides the workload's sequence length. A ``torchtitan:``
+    job only with ``for_plan``: its activation checkpointing and sharding are torchtitan's
+    ``parallelize_llama``, which only ``plan`` applies (``Workload.parallelize_all``)."""
     if seq_len is not None and not 1 <= seq_len <= 1 << 24:  # beyond: overflows in the model's own code
         raise ModelSpecError(f"--seq-len must be from 1 to {1 << 24:,} (2^24 tokens), got {seq_len}")
     from batchfit.zoo import ZOO  # here: the zoo's models load torch
 
+    if spec.startswith("torchtitan:"):
+        if not for_plan:
+            raise ModelSpecError(f"{spec}: a torchtitan job is planned with its own parallelize_llama (activation "
+                                 "checkpointing, FSDP2, TP): use batchfit plan " + spec + " (--gpus 1 for one GPU)")
+        from batchfit.zoo.torchtitan_job import read_job
+        from batchfit.zoo.torchtitan_model import torchtitan_workload
+
+        return torchtitan_workload(read_job(spec.removeprefix("torchtitan:")), seq_len)
     if spec.startswith("hf:"):
         from batchfit.zoo.hf import hf_workload
 

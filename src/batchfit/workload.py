@@ -216,6 +216,11 @@ class Workload:
     parallelize: Callable[[nn.Module, Any], nn.Module] | None = None
     """(model, tp_mesh) -> model: the tensor-parallel plan ``batchfit plan`` applies (DTensor
     ``parallelize_module``); the built-in plans cover the zoo's and HF's decoders."""
+    parallelize_all: Callable[[nn.Module, Any, dict], nn.Module] | None = None
+    """(model, strategy, groups) -> model: the model's own way to apply a whole strategy (TP,
+    activation checkpointing, FSDP2), used by ``batchfit plan`` instead of its own
+    (``zoo/torchtitan_model.py``: torchtitan's ``parallelize_llama``); it fills ``groups`` with
+    {process group name: ("dp" | "tp", ranks)} for the collectives it creates."""
     lm_parts: Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     """(model, batch) -> (hidden states before the output head [B, T, H], the head's weight [V, H],
     the targets [B, T], -100 where ignored), what ``--loss chunked:N`` and ``--loss fused-linear``

@@ -19,6 +19,8 @@ from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemo
                                  write_outputs)
 from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, parse_host_memory,
                                  warn_about_approximations)
+from batchfit.cli.torchtitan import (print_torchtitan, read_torchtitan, torchtitan_approximation, torchtitan_defaults,
+                                     torchtitan_section)
 from batchfit.cli.trainer import (TrainerOpt, emitted_text, merged_batch_sizes, merged_options, merged_seq_len,
                                   print_answer, print_mapping, read_trainer)
 from batchfit.devices import GiB
@@ -95,8 +97,10 @@ def plan_command(
     inter_node_gb_per_s: Annotated[float | None, typer.Option(help="GB/s per GPU between nodes, per direction "
                                                                    "(default: the GPU catalog's).")] = None,
     emit: Annotated[list[str] | None, typer.Option(help="Write the recommended configuration: FILE (YAML + torchrun "
-                                                        "line), accelerate:FILE (Accelerate config) or trainer:FILE "
-                                                        "(the --trainer args with the recommended batch); "
+                                                        "line), accelerate:FILE (Accelerate config), torchtitan:FILE (a "
+                                                        "torchtitan job toml's [parallelism] and batch sizes; patches "
+                                                        "the torchtitan:job.toml planned) or trainer:FILE (the "
+                                                        "--trainer args with the recommended batch); "
                                                         "repeatable.")]
     = None,
     processes: Annotated[int | None, typer.Option(help="Strategies traced at once, one process each (default: one "
@@ -120,6 +124,9 @@ def plan_command(
     from batchfit.report.plan_markdown import write_plan_report  # matplotlib: not for --help
 
     door = read_trainer(trainer)
+    titan = read_torchtitan(model)  # torchtitan:job.toml: its settings are the defaults below
+    if titan is not None and door is not None:
+        raise OptionError("give a torchtitan job or --trainer, not both: each says how the model trains")
     trainer_emits = [Path(text.partition(":")[2]) for text in emit or [] if text.startswith("trainer:")]
     if trainer_emits and door is None:
         raise OptionError("--emit trainer:FILE writes your TrainingArguments back: give them with --trainer args.json")
@@ -131,6 +138,12 @@ def plan_command(
         raise OptionError("give --mfu or --calibrate, not both: --calibrate takes the MFU from a bench run")
     if processes is not None and processes < 1:
         raise OptionError(f"--processes must be 1 or more, got {processes}: e.g. --processes 2")
+    sizes = parse_batch_sizes(batch_sizes)
+    if titan is not None:
+        gpus, strategies, global_batch, precision, compile_, sizes = torchtitan_defaults(
+            titan, gpus=gpus, nodes=nodes, strategies=strategies, default_strategies=DEFAULT_STRATEGIES,
+            global_batch=global_batch, precision=precision, compile_=compile_, checkpointing=checkpointing,
+            batch_sizes=sizes)
     options = merged_options(step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss,
                                           offload, memory_budget=memory_budget, routing=routing), door, accumulation=False)  # the plan picks the accumulation
     options = dataclasses.replace(options, tp_loss=tp_loss)
@@ -146,7 +159,7 @@ def plan_command(
                           "e.g. --gpus 64 or --nodes 8 --gpus-per-node 8")
     if parse_tokens(tokens) == math.inf:  # a bad --tokens is one line before any trace
         raise OptionError(f"--tokens {tokens} is not a finite count: e.g. --tokens 2e11 or --tokens chinchilla")
-    sizes = merged_batch_sizes(parse_batch_sizes(batch_sizes), door)
+    sizes = merged_batch_sizes(sizes, door)
     if door is not None:
         strategies, global_batch = _trainer_plan(door, strategies, global_batch, worlds)
     target = command_target(gpu, gpu_memory, device)
@@ -155,21 +168,29 @@ def plan_command(
     warn_about_precision(target, options.precision)
     if door is not None:
         print_mapping(door, quiet_if_stdout(json_path))
-    workload = load_workload(model, seq_len=seq_len)
+    if titan is not None:
+        print_torchtitan(titan, quiet_if_stdout(json_path))
+    workload = load_workload(model, seq_len=seq_len, for_plan=True)
     with progress_line() as say:
         result = plan(workload, device=target.device, worlds=worlds, options=options, strategies=strategies,
                       global_batch=global_batch, tokens=tokens, batch_sizes=sizes, target_util=target_util,
                       multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say,
                       processes=processes, limit=limit, host_memory_bytes=host_memory_bytes,
                       pp_schedule=pp_schedule, microbatches=microbatches)
+    if titan is not None:
+        result.approximations.append(torchtitan_approximation(titan))
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
     fitted = _trainer_answer(door, result) if door is not None else None
     section = door.section(fitted) if door is not None else None
     data = result.to_json() if section is None else {**result.to_json(), "trainer": section}
+    if titan is not None:
+        data = {**data, "torchtitan": torchtitan_section(titan, result)}
 
     def write_all(files):  # the report, every --emit and --json: all or none, JSON last
         paths = write_plan_report(result, folder, files, trainer=section)
-        written = [files.write(path, lambda temporary, kind=kind: write_emit(kind, temporary, result))
+        source = titan.path if titan is not None else None
+        written = [files.write(path, lambda temporary, kind=kind: write_emit(kind, temporary, result,
+                                                                             torchtitan_source=source))
                    for kind, path in emits]
         if fitted is not None and fitted["per_device_train_batch_size"] is not None:
             written += [files.text(path, emitted_text(door, fitted)) for path in trainer_emits]
@@ -206,9 +227,9 @@ def _trainer_answer(door, result) -> dict:
 
 
 def _emit_path(text: str) -> str:
-    """The file of an --emit value ('accelerate:FILE' or FILE), to check before any trace."""
+    """The file of an --emit value ('accelerate:FILE', 'torchtitan:FILE' or FILE), to check before any trace."""
     kind, _, rest = text.partition(":")
-    path = rest if kind == "accelerate" else text
+    path = rest if kind in ("accelerate", "torchtitan") else text
     return "" if path in ("", ".") else path
 
 

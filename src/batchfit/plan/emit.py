@@ -4,6 +4,8 @@
                                    count, each with its ``torchrun`` command line
     --emit accelerate:fsdp.yaml    an Accelerate config (``accelerate launch --config_file``)
                                    for the recommended DDP / FSDP2 / HSDP run
+    --emit torchtitan:job.toml     a torchtitan job config's [parallelism] and batch sizes
+                                   (``plan/emit_torchtitan.py``; patches the torchtitan:job.toml planned)
 
 Pure Python, no torch and no PyYAML (a base install has no YAML library): a PlanResult in,
 text out. The YAML is written by :func:`dump_yaml`, for the only shapes emitted here: nested
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from batchfit.errors import OptionError
 
-EMIT_HELP = "FILE (YAML + torchrun line) or accelerate:FILE"
+EMIT_HELP = "FILE (YAML + torchrun line), accelerate:FILE or torchtitan:FILE"
 SCRIPT = "train.py"
 """The training script in the torchrun line: batchfit cannot know it; the YAML says to replace it."""
 
@@ -87,7 +89,7 @@ def parse_emit(text: str) -> tuple[str, Path]:
     """'config.yaml' -> ('yaml', path); 'accelerate:fsdp.yaml' -> ('accelerate', path).
     The folder must exist: refused before any trace, so no result is lost."""
     kind, _, rest = text.partition(":")
-    kind, path = ("accelerate", Path(rest)) if kind == "accelerate" else ("yaml", Path(text))
+    kind, path = (kind, Path(rest)) if kind in ("accelerate", "torchtitan") else ("yaml", Path(text))
     if not str(path) or str(path) == ".":
         raise OptionError(f"--emit {text}: give a file, e.g. --emit config.yaml or --emit accelerate:fsdp.yaml")
     if not path.parent.is_dir():
@@ -216,7 +218,15 @@ def accelerate_yaml(result) -> str:
     return head + dump_yaml(config)
 
 
-def write_emit(kind: str, path: Path, result) -> Path:
-    text = accelerate_yaml(result) if kind == "accelerate" else config_yaml(result)
+def write_emit(kind: str, path: Path, result, *, torchtitan_source: Path | None = None) -> Path:
+    """Write ``kind``'s file for ``result``; ``torchtitan_source``: the torchtitan toml the plan
+    started from, which ``torchtitan:`` patches."""
+    if kind == "torchtitan":
+        from batchfit.plan.emit_torchtitan import torchtitan_toml
+
+        source = torchtitan_source.read_text() if torchtitan_source is not None else None
+        text = torchtitan_toml(result, source)
+    else:
+        text = accelerate_yaml(result) if kind == "accelerate" else config_yaml(result)
     path.write_text(text)
     return path

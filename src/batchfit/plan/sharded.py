@@ -306,6 +306,8 @@ class ShardedSession:
                     for i, stage in enumerate(model.stages):
                         model.stages[i] = shard(stage)
                     return model
+                if workload.parallelize_all is not None:  # the model's own (torchtitan's parallelize_llama)
+                    return workload.parallelize_all(model, strategy, meshes.groups)
                 return _unpinned(apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
                                                 cpu_offload=options.offloads("params"),
                                                 parallelize=own_plan or tp_plan(model, options.tp_loss),

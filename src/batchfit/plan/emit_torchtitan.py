@@ -1,0 +1,189 @@
+"""``--emit torchtitan:FILE``: the recommended plan as a torchtitan job config (.toml).
+
+What is written: ``[parallelism]`` (the degrees of the recommended strategy), ``[training]``
+``local_batch_size`` (the micro-batch) and ``global_batch_size`` (micro-batch x accumulation x
+data-parallel ranks: torchtitan derives its accumulation steps from it), and, when the plan's
+options set them, ``[activation_checkpoint]``, ``[compile]`` and float8 (``[model] converters``,
+``[quantize.linear.float8] recipe_name``). Keys as torchtitan 0.2.2's ``job_config.py`` names them.
+
+When the plan started from a torchtitan toml (``torchtitan:job.toml``), that file is patched: each
+key whose value changes is rewritten in place (its comment kept), a missing key is added at the end
+of its section, a missing section at the end of the file; every other byte stays. Pure Python, no
+torch: a PlanResult in, text out.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+from batchfit.errors import OptionError
+
+_PART = re.compile(r"^(pp|cp|ep|tp|hsdp)(\d+)$")
+
+
+def degrees(strategy: str, gpus: int) -> dict[str, object]:
+    """torchtitan's [parallelism] keys for a batchfit strategy name on ``gpus`` GPUs:
+    'fsdp+tp2' on 8 -> shard 4, tp 2; 'hsdp2' on 8 -> replicate 2, shard 4; 'pp2+fsdp' -> pipeline 2."""
+    found = {"pp": 1, "cp": 1, "ep": 1, "tp": 1, "hsdp": 0}
+    shard = ""
+    for part in strategy.split("+"):
+        match = _PART.match(part)
+        if match:
+            found[match.group(1)] = int(match.group(2))
+            shard = "hsdp" if match.group(1) == "hsdp" else shard
+        elif part in ("fsdp", "fsdp-noreshard", "ddp"):
+            shard = part
+        else:  # zero1 / zero2: ZeroRedundancyOptimizer, which torchtitan has no setting for
+            raise OptionError(f"--emit torchtitan: the recommended {strategy} has no torchtitan equivalent "
+                              "(torchtitan shards with FSDP2): plan with --strategies fsdp,hsdp<R>,fsdp+tp<N>")
+    pp, cp, tp = found["pp"], found["cp"], found["tp"]
+    dp = gpus // (pp * cp * tp)
+    replicate = found["hsdp"] or (dp if shard == "ddp" else 1)
+    out: dict[str, object] = {
+        "data_parallel_replicate_degree": replicate,
+        "data_parallel_shard_degree": dp // replicate,
+        "tensor_parallel_degree": tp,
+        "pipeline_parallel_degree": pp,
+        "context_parallel_degree": cp,
+    }
+    if found["ep"] > 1:
+        out["expert_parallel_degree"] = found["ep"]
+    if shard == "fsdp-noreshard":
+        out["fsdp_reshard_after_forward"] = "never"
+    return out
+
+
+def job_values(p, options) -> dict[str, dict[str, object]]:
+    """{section: {key: value}} of the plan ``p`` (a StrategyPlan) with the plan's ``options``."""
+    values: dict[str, dict[str, object]] = {
+        "parallelism": degrees(p.strategy, p.gpus),
+        "training": {"local_batch_size": p.micro_batch, "global_batch_size": p.global_batch},
+    }
+    checkpointing = options.checkpointing
+    if checkpointing == "full":
+        values["activation_checkpoint"] = {"mode": "full"}
+    elif checkpointing.startswith("every:"):  # torchtitan's layer SAC: every N-th block recomputed
+        values["activation_checkpoint"] = {"mode": "selective", "selective_ac_option": checkpointing.split(":")[1]}
+    elif checkpointing == "selective":
+        values["activation_checkpoint"] = {"mode": "selective", "selective_ac_option": "op"}
+    if options.compile != "none":
+        values["compile"] = {"enable": True}
+    if options.precision.startswith("fp8-"):
+        values["model"] = {"converters": ["float8"]}
+        values["quantize.linear.float8"] = {"recipe_name": options.precision.removeprefix("fp8-")}
+    elif options.precision in ("bf16-mixed", "fp32"):
+        values["training"]["mixed_precision_param"] = "bfloat16" if options.precision == "bf16-mixed" else "float32"
+    return values
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+_HEADER = re.compile(r"^\s*\[([A-Za-z0-9_.\- \"]+)\]\s*(#.*)?$")
+_KEY = re.compile(r"^(\s*)([A-Za-z0-9_\-]+)(\s*=\s*)(.*)$")
+
+
+def _value_end(rest: str) -> int:
+    """Where the value on ``key = <rest>`` ends (the comment after it kept): the longest prefix
+    that TOML reads as one value with only a comment or blanks after it."""
+    for end in range(len(rest), 0, -1):
+        if re.fullmatch(r"\s*(#.*)?", rest[end:]) is None:
+            continue
+        try:
+            tomllib.loads("x = " + rest[:end])
+        except tomllib.TOMLDecodeError:
+            continue
+        return end
+    return len(rest)
+
+
+def patch_toml(text: str, values: dict[str, dict[str, object]]) -> str:
+    """``text`` (a TOML file) with ``values`` ({section: {key: value}}) set, every other byte kept."""
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    current = tomllib.loads(text)
+    for section, keys in values.items():
+        have = current
+        for part in section.split("."):
+            have = have.get(part, {}) if isinstance(have, dict) else {}
+        keys = {k: v for k, v in keys.items() if have.get(k) != v}
+        if not keys:
+            continue
+        start = next((i for i, line in enumerate(lines)
+                      if (m := _HEADER.match(line)) and m.group(1).strip().replace('"', "") == section), None)
+        if start is None:
+            lines += ["\n", f"[{section}]\n"] + [f"{k} = {_toml(v)}\n" for k, v in keys.items()]
+            continue
+        end = next((i for i in range(start + 1, len(lines)) if _HEADER.match(lines[i])), len(lines))
+        last_key = start
+        for i in range(start + 1, end):
+            m = _KEY.match(lines[i])
+            if m is None:
+                continue
+            last_key = i
+            if m.group(2) in keys:
+                rest = m.group(4).rstrip("\n")
+                cut = _value_end(rest)
+                newline = "\n" if lines[i].endswith("\n") else ""
+                lines[i] = m.group(1) + m.group(2) + m.group(3) + _toml(keys.pop(m.group(2))) + rest[cut:] + newline
+        lines[last_key + 1:last_key + 1] = [f"{k} = {_toml(v)}\n" for k, v in keys.items()]
+    out = "".join(lines)
+    tomllib.loads(out)  # still TOML (a bug here must not write a file torchtitan cannot read)
+    return out
+
+
+DEFAULTS = {"parallelism": {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1,
+                            "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1, "context_parallel_degree": 1,
+                            "expert_parallel_degree": 1, "fsdp_reshard_after_forward": "default"},
+            "training": {"local_batch_size": 8, "global_batch_size": -1, "mixed_precision_param": "bfloat16"},
+            "activation_checkpoint": {"mode": "selective", "selective_ac_option": "2"},
+            "compile": {"enable": False}, "model": {"converters": []},
+            "quantize.linear.float8": {"recipe_name": None}}
+"""torchtitan 0.2.2's defaults of the keys written here (job_config.py): a key the file leaves out
+and whose default already is the plan's value is not added."""
+
+
+def _unchanged(values: dict, source: dict) -> dict:
+    """``values`` less what ``source`` (the toml read) already says, its defaults included; a shard
+    degree of -1 ("the GPUs left over") stays when it comes to the plan's."""
+    out = {}
+    for section, keys in values.items():
+        have = source
+        for part in section.split("."):
+            have = have.get(part, {}) if isinstance(have, dict) else {}
+        defaults = DEFAULTS.get(section, {})
+        kept = {k: v for k, v in keys.items() if have.get(k, defaults.get(k, object())) != v}
+        if section == "parallelism" and have.get("data_parallel_shard_degree", -1) == -1:
+            kept.pop("data_parallel_shard_degree", None)  # the other degrees are written: -1 resolves to it
+        if kept:
+            out[section] = kept
+    return out
+
+
+def torchtitan_toml(result, source_text: str | None = None) -> str:
+    """The recommended plan (on the largest GPU count) as a torchtitan job toml: ``source_text``
+    patched, or a new file with the sections batchfit sets."""
+    if not result.recommended:
+        raise OptionError("no strategy fits, so there is nothing to emit: see the report's 'what would make it fit'")
+    p = result.recommended[-1]
+    values = job_values(p, result.options)
+    if source_text is not None:
+        source = tomllib.loads(source_text)
+        if p.accumulation_steps == 1 and source.get("training", {}).get("global_batch_size", -1) == -1:
+            del values["training"]["global_batch_size"]  # -1 (local x data-parallel ranks) already says it
+        return patch_toml(source_text, _unchanged(values, source))
+    head = (f"# batchfit plan: {result.workload} on {p.gpus} x {result.device.display_name}, {p.strategy}: "
+            f"micro-batch {p.micro_batch} x {p.accumulation_steps} accumulation.\n"
+            "# torchtitan 0.2.2 job config keys; merge into your job's toml (memory traced, not measured).\n")
+    return head + patch_toml("", values).lstrip("\n")
