@@ -24,6 +24,9 @@ Strategy names:
     fsdp+tp<N>        a 2-D mesh: TP over groups of N GPUs, FSDP2 across the groups
     pp<N>[+X]         a pipeline of N stages (torch.distributed.pipelining; plan/pipeline.py), each
                       running X (any name above) on world/N GPUs: pp2, pp4+fsdp, pp2+fsdp+tp2
+    ep<N>+X           expert parallelism (plan/ep_strategy.py, distributed/expert_parallel.py): each
+                      MoE layer's experts split over groups of N data-parallel ranks, X being fsdp,
+                      fsdp-noreshard or fsdp+tp<M>: ep8+fsdp, ep2+fsdp+tp2
 
 On one GPU every strategy is the plain single-GPU step (``shard`` "none").
 """
@@ -46,7 +49,8 @@ MAX_AUTO_TP = 8
 
 
 _NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|zero1|zero2|hsdp(\d+)|tp(\d+)|fsdp\+tp(\d+))$")
-_NAMES_HELP = "ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp+tp<N>, pp<N>[+any of these] or auto"
+_NAMES_HELP = ("ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp+tp<N>, pp<N>[+any of these], "
+               "ep<N>+fsdp[+tp<M>] or auto")
 
 
 def _divisors(n: int) -> list[int]:
@@ -62,6 +66,10 @@ def parse_strategy(text: str, world_size: int, *, pp_schedule: str = "1f1b", mic
     name = text.strip().lower().replace(" ", "")
     if split_pp(name) is not None:
         return parse_pp_strategy(name, world_size, parse_strategy, pp_schedule=pp_schedule, microbatches=microbatches)
+    from batchfit.plan.ep_strategy import parse_ep_strategy, split_ep
+
+    if split_ep(name) is not None:
+        return parse_ep_strategy(name, world_size, parse_strategy)
     match = _NAME.match(name)
     if match is None:
         raise OptionError(f"unknown strategy '{text.strip()}': use {_NAMES_HELP}, e.g. --strategies ddp,fsdp,fsdp+tp2")
@@ -298,7 +306,7 @@ class ShardedSession:
                         model.stages[i] = shard(stage)
                     return model
                 return _unpinned(apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
-                                                cpu_offload=options.offloads("params"),
+                                                cpu_offload=options.offloads("params"), routing=options.routing,
                                                 parallelize=own_plan or tp_plan(model, options.tp_loss),
                                                 on_bucket=tracker.mark_collective))
 
