@@ -10,7 +10,8 @@ experts' forward in a dispatch and a combine:
    all-to-all (``num_tokens_per_expert_group``), whose sums are the all-to-all's splits;
 2. ``all_to_all_single_autograd`` sends each (token, expert) row to its expert's rank: the
    dispatch buffer, rows by source rank then local expert;
-3. the rows are permuted local-expert-major (``_permute``) and the local experts run as one
+3. the rows are permuted local-expert-major (``models/common/moe/utils.py: _permute``, no padding
+   in bf16) and the local experts run as one
    grouped GEMM per projection (``torch._grouped_mm`` with the per-expert offsets);
 4. the rows are put back in arrival order (``_unpermute``) and a second all-to-all returns them
    to their tokens' rank (the combine buffer), where they are weighted and summed per token.
@@ -26,6 +27,8 @@ routes to those experts: under ``worst`` every token's top_k experts are rank 0'
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import nn
@@ -77,6 +80,33 @@ def shard_experts(model: nn.Module, mesh, **fsdp_kwargs) -> None:
     for module in model.modules():
         if isinstance(module, ExpertParallelExperts):
             fully_shard(module, mesh=mesh, shard_placement_fn=placement, **fsdp_kwargs)
+
+
+def experts_elsewhere(model: nn.Module) -> int:
+    """Expert parameters the other ranks of this rank's ep group hold (the model's total less this rank's)."""
+    return sum((m.ep - 1) * (m.gate_up_proj.numel() + m.down_proj.numel())
+               for m in model.modules() if isinstance(m, ExpertParallelExperts))
+
+
+def ep_approximations(strategies, routing: str) -> list:
+    """What an ep<N> trace runs differently from a GPU, for every output (empty without ep)."""
+    from batchfit.trace.approximation import Approximation
+
+    names = sorted({s.name for s in strategies if getattr(s, "ep", 1) > 1})
+    if not names:
+        return []
+    return [Approximation(
+        what=f"expert parallelism ({', '.join(names)}): rank 0 traced, every rank routing its tokens by "
+             f"--routing {routing}; rank 0 holds experts 0 .. E/ep-1",
+        may_differ_by="the dispatch and combine buffers and the grouped GEMM's rows of rank 0 follow the stated "
+                      "routing (worst: every token's experts are rank 0's, the bound); a real router's imbalance "
+                      "between ranks moves rows (hidden x dtype bytes each, a few tensors per MoE layer) to "
+                      "whichever rank is hottest: take the most of --routing balanced and worst",
+        source="docs/tracing.md, Expert parallelism",
+        detail="torchtitan's dispatch (ExpertParallel: all-to-all, _permute local-expert-major, torch._grouped_mm, "
+               "_unpermute, all-to-all) around HF's stacked expert weights, the routing weights applied after the "
+               "combine (HF's order); torchtitan's float8 / MXFP8 paths pad each expert's rows to 16 / 32 (not "
+               "traced: at most local experts x 32 rows more)")]
 
 
 def _local_slice(param: torch.Tensor, lo: int, hi: int) -> nn.Parameter:
@@ -162,18 +192,20 @@ class ExpertParallelExperts(nn.Module):
         routed = hidden_states[token_of_row]
         dispatched = all_to_all_single_autograd(routed, output_splits, input_splits, self.group)
         # arrival order: by source rank, then local expert; the grouped GEMM wants local-expert-major
-        starts, start = [], 0
-        for row in table:
-            for n in row:
-                starts.append(start)
-                start += n
-        permutation = [starts[r * local + e] + i for e in range(local) for r in range(self.ep)
-                       for i in range(table[r][e])]
-        with torch.no_grad():
-            permuted_indices = torch.tensor(permutation, dtype=torch.long, device=hidden_states.device)
-            per_expert = [sum(table[r][e] for r in range(self.ep)) for e in range(local)]
-            offsets = torch.tensor(per_expert, dtype=torch.int32, device=hidden_states.device).cumsum(0,
-                                                                                                    dtype=torch.int32)
+        # (torchtitan's _permute): segment (r, e) starts at ``starts`` in the arrival order
+        starts = [0, *itertools.accumulate(n for row in table for n in row)]
+        segments = [(starts[r * local + e], table[r][e]) for e in range(local) for r in range(self.ep)]
+        per_expert = [sum(table[r][e] for r in range(self.ep)) for e in range(local)]
+        device = hidden_states.device
+        with torch.no_grad():  # index tensors made with shapes known from the splits (no values read)
+            lengths = torch.tensor([n for _, n in segments], dtype=torch.long, device=device)
+            shift = torch.tensor([a for a, _ in segments], dtype=torch.long, device=device) - (lengths.cumsum(0) - lengths)
+            permuted_indices = torch.repeat_interleave(shift, lengths, output_size=sum(per_expert))
+            permuted_indices += torch.arange(sum(per_expert), device=device)
+            # int32, as _grouped_mm takes them; past 2**31 rows per expert (a plan's search probing an
+            # absurd batch on fake tensors, whose values nobody reads) the count is capped, not the shapes
+            offsets = torch.tensor([min(n, 2**31 - 1) for n in per_expert], dtype=torch.int32,
+                                   device=device).cumsum(0, dtype=torch.int32)
         rows = dispatched[permuted_indices]
         gate_up = self._grouped(rows, self.gate_up_proj, offsets)
         if self._apply_gate_of is not None:

@@ -516,6 +516,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     from batchfit.distributed.pipeline import pipeline_approximations
 
     approximations += pipeline_approximations([s for _, chosen in by_world for s in chosen])
+    from batchfit.distributed.expert_parallel import ep_approximations
+
+    approximations += ep_approximations([s for _, chosen in by_world for s in chosen], options.routing)
     target_bytes = int(target_util * device.usable_bytes)
     auto = strategies.strip().lower() == "auto"
 

@@ -318,6 +318,10 @@ class ShardedSession:
             ddp = strategy.shard in ("ddp", "zero1")
             prepared = TrainingStep(workload, options, torch.device("meta"), wrap=None if ddp else shard).model
             self.params = sum(p.numel() for p in prepared.parameters())  # DTensors count their global size
+            if strategy.ep > 1:  # ep<N>: this rank's experts are 1/ep of the model's
+                from batchfit.distributed.expert_parallel import experts_elsewhere
+
+                self.params += experts_elsewhere(prepared)
             built = dataclasses.replace(workload, build_model=lambda: _to_empty_keeping_ties(prepared))
             prepared_options = dataclasses.replace(options, checkpointing="none")  # done on meta already
             # zero1 / zero2: the step's optimizer becomes a ZeroRedundancyOptimizer (built inside the trace)
