@@ -37,64 +37,100 @@ ROUTINGS = ("balanced", "worst")
 OPTIONS = dict(optimizer="sgd")
 
 
-def _options(routing: str = "balanced") -> StepOptions:
-    return StepOptions(routing=routing, **OPTIONS)
-
-
-def traced(routing: str, name: str = "ep2+fsdp"):
+def traced(routing: str, name: str = "ep2+fsdp", precision: str = "fp32", world: int = WORLD):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return trace_sharded(tiny_moe(routing), _options(routing), get_device("h100-80gb"),
-                             parse_strategy(name, WORLD), B, cuda_semantics=False)
+        return trace_sharded(tiny_moe(routing), _options(routing, precision), get_device("h100-80gb"),
+                             parse_strategy(name, world), B, cuda_semantics=False)
 
 
-def _gloo_main(rank: int, port: int, out_dir: str) -> None:
+PROFILED = tuple(("ep2+fsdp", routing, "fp32") for routing in ROUTINGS)
+"""(strategy, routing, precision) profiled in the test; benchmarks/ep_gloo.py runs more (bf16-mixed,
+balanced, 4 ranks with the experts FSDP-sharded over dp / ep = 2)."""
+
+
+def _options(routing: str = "balanced", precision: str = "fp32") -> StepOptions:
+    return StepOptions(routing=routing, precision=precision, **OPTIONS)
+
+
+def _gloo_main(rank: int, port: int, out_dir: str, world: int, cases: tuple, check_losses: bool,
+               tries: int = 3, lenient: bool = False) -> None:
+    """Each case's real step on this rank (rank 0 profiled in a steady step); with ``check_losses``,
+    the EP model's loss and the plain model's on this rank's batch under each forced routing."""
     from cpu_truth import profiled_step_peak
 
     from batchfit.distributed import apply_strategy, build_meshes
 
-    join_gloo(rank, WORLD, port, timeout_s=120)
-    strategy = parse_strategy("ep2+fsdp", WORLD)
-    meshes = build_meshes(strategy)
-    peaks, losses = {}, {}
-    for routing in ROUTINGS:
+    join_gloo(rank, world, port, timeout_s=300)
+    peaks, losses, peaks_relaxed = {}, {}, []
+    for name, routing, precision in cases:
+        strategy = parse_strategy(name, world)
+        meshes = build_meshes(strategy)
         workload = tiny_moe(routing)
-        torch.manual_seed(0)  # the same weights on both ranks: rank r keeps experts r x 4 .. r x 4 + 3
-        plain = workload.build_model()
+        torch.manual_seed(0)  # the same weights on every rank: each keeps its slice of the experts
+        plain = workload.build_model() if check_losses else None
         torch.manual_seed(0)
-        step = TrainingStep(workload, _options(routing), torch.device("cpu"),
-                            wrap=lambda m: apply_strategy(m, strategy, meshes, precision="fp32", fake=False))
-        torch.manual_seed(10 + rank)
-        batch = workload.make_batch(B, torch.device("cpu"))
-        with torch.no_grad():  # the EP module computes what HF's expert loop computes
-            losses[routing] = (float(workload.loss_fn(step.model, batch)), float(workload.loss_fn(plain, batch)))
-        del plain
+        step = TrainingStep(workload, _options(routing, precision), torch.device("cpu"),
+                            wrap=lambda m: apply_strategy(m, strategy, meshes, precision=precision, fake=False))
+        if plain is not None:
+            torch.manual_seed(10 + rank)
+            batch = workload.make_batch(B, torch.device("cpu"))
+            with torch.no_grad():  # the EP module computes what HF's expert loop computes
+                losses[routing] = (float(workload.loss_fn(step.model, batch)), float(workload.loss_fn(plain, batch)))
+            del plain
         step.run(B)
+        step.run(B)  # the profiled step is the third, as in the other gloo truths
+        # The timeline's data-flow checks sometimes trip ("version mismatch"): that step is skipped; a
+        # benchmark may then relax them (benchmarks/recipes.py: _lenient_data_flow_checks) in a last try.
+        for attempt in range(tries + lenient):
+            peak = None
+            if rank == 0:
+                relaxed = attempt == tries
+                if relaxed:
+                    from recipes import _lenient_data_flow_checks as checks
+                else:
+                    import contextlib as _c
+                    checks = _c.nullcontext
+                try:
+                    with checks():
+                        peak = profiled_step_peak(step, B, Path(out_dir), warmup=0)
+                    if relaxed:
+                        peaks_relaxed.append("/".join((name, routing, precision)))
+                except AssertionError:
+                    pass
+            else:
+                step.run(B)
+            done = torch.tensor([peak is not None])
+            dist.broadcast(done, 0)
+            if done.item():
+                break
         if rank == 0:
-            peaks[routing] = profiled_step_peak(step, B, Path(out_dir), warmup=1)
-        else:
-            step.run(B)
-            step.run(B)
+            peaks["/".join((name, routing, precision))] = peak
         del step
         gc.collect()
         dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"peaks": peaks, "losses": losses}, f)
+        json.dump({"peaks": peaks, "losses": losses, "relaxed": peaks_relaxed}, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def run_gloo(path: Path, world: int, cases: tuple, check_losses: bool = False, tries: int = 3,
+             lenient: bool = False) -> dict:
+    spawn_profiled_gloo(_gloo_main, lambda port: (port, str(path), world, cases, check_losses, tries, lenient),
+                        nprocs=world)
+    return {r: json.loads((path / f"rank{r}.json").read_text()) for r in range(world)}
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
-    path = tmp_path_factory.mktemp("ep-gloo")
-    spawn_profiled_gloo(_gloo_main, lambda port: (port, str(path)), nprocs=WORLD)
-    return {r: json.loads((path / f"rank{r}.json").read_text()) for r in range(WORLD)}
+    return run_gloo(tmp_path_factory.mktemp("ep-gloo"), WORLD, PROFILED, check_losses=True)
 
 
-@pytest.mark.parametrize("routing", ROUTINGS)
-def test_traced_rank0_peak_matches_a_real_gloo_run(measured, routing):
-    real = measured[0]["peaks"][routing]
-    point = traced(routing)
+@pytest.mark.parametrize(("name", "routing", "precision"), PROFILED)
+def test_traced_rank0_peak_matches_a_real_gloo_run(measured, name, routing, precision):
+    real = measured[0]["peaks"]["/".join((name, routing, precision))]
+    point = traced(routing, name, precision)
     assert abs(point.peak_bytes - real) <= 0.03 * real, (point.peak_bytes, real)
     a2a = [c for c in point.collectives if c.op == "all_to_all"]
     assert a2a and {c.group for c in a2a} == {"ep"}
