@@ -94,6 +94,11 @@ ROWS = {
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "pp2", "--pp-schedule", "zb"], "interleaved-1f1b"),
         ([*TINY, "--gpu", "h100", "--gpus", "3", "--strategies", "pp3"], "do not split into 3 equal stages"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--routing", "best"], "worst"),
+        ([*TINY, "--gpu", "h100", "--gpus", "8", "--strategies", "ep3+fsdp"], "must divide them"),
+        ([*TINY, "--gpu", "h100", "--gpus", "8", "--strategies", "ep2+ddp"], "composes with fsdp"),
+        ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "ep2+fsdp"], "no mixture-of-experts layers"),
+        (["hf:qwen3-moe-30b-a3b", "--seq-len", "16", "--gpu", "h100", "--gpus", "256", "--strategies", "ep256+fsdp"],
+         "do not split over ep256"),
     ],
     "sweep": [
         (["gpt-tinystorie", "--batch-sizes", "2,4", "--samples", "8"], "did you mean 'gpt-tinystories-22m'"),

@@ -236,6 +236,8 @@ class StrategyPlan:
     """Why this strategy was not traced (``auto`` on a model with no tensor-parallel plan)."""
     tp_loss: str | None = None
     """Under TP, the loss the plan traced: sharded (loss_parallel), gathered or replicated; None without TP."""
+    ep: int = 1
+    """Expert-parallel degree (ep<N>; within dp, so max_global_batch is unchanged by it)."""
 
     @property
     def max_global_batch(self) -> int:
@@ -255,7 +257,7 @@ class StrategyPlan:
     def to_json(self) -> dict:
         return {
             "strategy": self.strategy, "gpus": self.gpus, "nodes": self.nodes, "dp": self.dp, "tp": self.tp,
-            "shard": self.shard, "replicas": self.replicas,
+            "ep": self.ep, "shard": self.shard, "replicas": self.replicas,
             "points": [p.to_json() for p in self.points],
             "fit": ({"model": "peak(local_batch) = fixed_bytes + bytes_per_sample * local_batch",
                      "fixed_bytes": round(self.curve.lines[0].fixed_bytes),
@@ -577,7 +579,8 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
     parameter count (None when ``auto`` skipped it: the model has no tensor-parallel plan)."""
     label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
     base = dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
-                tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1))
+                tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1),
+                ep=getattr(strategy, "ep", 1))
     curve = None
     try:
         with contextlib.closing(open_session(workload, options, device, strategy)) as session:
