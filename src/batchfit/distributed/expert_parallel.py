@@ -166,7 +166,10 @@ class ExpertParallelExperts(nn.Module):
         rows = rows.to(weight.dtype)
         if weight.dtype == torch.bfloat16:
             return torch._grouped_mm(rows, weight, offs=offsets)
-        import transformers.integrations.moe  # noqa: F401 - registers torch.ops.transformers.grouped_mm_fallback
+        try:  # registers torch.ops.transformers.grouped_mm_fallback
+            import transformers.integrations.moe  # noqa: F401
+        except ImportError as error:
+            raise OptionError("ep<N> outside bf16 runs HF's grouped-mm fallback: pip install 'batchfit[hf]'") from error
 
         return torch.ops.transformers.grouped_mm_fallback(rows, weight, offsets)
 
