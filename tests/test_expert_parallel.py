@@ -194,3 +194,17 @@ def test_experts_not_divisible_and_no_experts_are_one_line():
     with pytest.raises(OptionError, match="8 experts per layer do not split over ep16") as info:
         trace_sharded(tiny_moe(), StepOptions(), get_device("h100-80gb"), parse_strategy("ep16+fsdp", 16), 1)
     assert "\n" not in str(info.value)
+
+
+def test_emit_says_ep_where_the_config_can_and_refuses_where_it_cannot():
+    from types import SimpleNamespace
+
+    from batchfit.plan.emit import accelerate_yaml, config_yaml
+
+    row = SimpleNamespace(strategy="ep8+fsdp", ep=8, gpus=64, nodes=8, micro_batch=6, accumulation_steps=1,
+                          global_batch=384, dp=64, tp=1, peak_bytes_at_micro=2**30)
+    result = SimpleNamespace(recommended=[row], device=get_device("h100-80gb"), target_util=0.9, workload="moe",
+                             options=StepOptions())
+    assert "expert_parallel: 8" in config_yaml(result)
+    with pytest.raises(OptionError, match="expert-parallel, which Accelerate's config cannot say"):
+        accelerate_yaml(result)

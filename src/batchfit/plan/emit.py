@@ -126,6 +126,7 @@ def config_yaml(result) -> str:
             "strategy": p.strategy,
             "data_parallel": p.dp,
             "tensor_parallel": p.tp,
+            **({"expert_parallel": p.ep} if getattr(p, "ep", 1) > 1 else {}),
             "elastic_target_util": result.target_util,
             "peak_gib_per_gpu": round(p.peak_bytes_at_micro / 2**30, 2),
             "launch": torchrun_line(p),
@@ -150,6 +151,9 @@ def accelerate_yaml(result) -> str:
     if p.strategy.startswith("pp"):
         raise OptionError(f"the recommended {p.strategy} is pipeline-parallel, which Accelerate's config cannot say: "
                           "emit the YAML (--emit config.yaml), or plan without pp<N> strategies")
+    if getattr(p, "ep", 1) > 1:
+        raise OptionError(f"the recommended {p.strategy} is expert-parallel, which Accelerate's config cannot say: "
+                          "emit the YAML (--emit config.yaml), or plan without ep<N> strategies")
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": ("NO" if p.gpus == 1 else "MULTI_GPU" if p.shard in ("ddp", "none") and p.tp == 1
