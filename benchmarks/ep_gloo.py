@@ -4,6 +4,7 @@ balanced or worst, rank 0's peak over a steady step (the profiler's memory timel
 trace of rank 0 on the fake process group (CPU semantics). 2 ranks (ep2: dp / ep = 1) in fp32 and
 bf16-mixed (torch._grouped_mm's CPU kernel; fp32 runs HF's grouped-mm fallback op), and 4 ranks
 (ep2: the experts FSDP-sharded over the 2 ranks holding the same ones; ep4: 2 experts per rank).
+The control row, plain fsdp (HF's expert loop, no EP), shows the offset common to every row.
 
     PYTHONPATH=src python benchmarks/ep_gloo.py
 """
@@ -23,7 +24,7 @@ from _common import write_result  # noqa: E402
 
 RUNS = {
     2: tuple((name, routing, precision) for name in ("ep2+fsdp",) for precision in ("fp32", "bf16-mixed")
-             for routing in ("balanced", "worst")),
+             for routing in ("balanced", "worst")) + (("fsdp", "worst", "fp32"),),  # the control: no EP, HF's loop
     4: tuple((name, routing, "fp32") for name in ("ep2+fsdp", "ep4+fsdp") for routing in ("balanced", "worst")),
 }
 

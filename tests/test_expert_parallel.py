@@ -79,7 +79,8 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int, cases: tuple, che
             torch.manual_seed(10 + rank)
             batch = workload.make_batch(B, torch.device("cpu"))
             with torch.no_grad():  # the EP module computes what HF's expert loop computes
-                losses[routing] = (float(workload.loss_fn(step.model, batch)), float(workload.loss_fn(plain, batch)))
+                losses["/".join((name, routing, precision))] = (float(workload.loss_fn(step.model, batch)),
+                                                                 float(workload.loss_fn(plain, batch)))
             del plain
         step.run(B)
         step.run(B)  # the profiled step is the third, as in the other gloo truths
@@ -141,8 +142,8 @@ def test_traced_rank0_peak_matches_a_real_gloo_run(measured, name, routing, prec
 
 def test_the_ep_module_computes_what_the_plain_model_computes(measured):
     for rank in range(WORLD):
-        for routing, (ep_loss, plain_loss) in measured[rank]["losses"].items():
-            assert abs(ep_loss - plain_loss) < 1e-5, (rank, routing, ep_loss, plain_loss)
+        for case, (ep_loss, plain_loss) in measured[rank]["losses"].items():
+            assert abs(ep_loss - plain_loss) < 1e-5, (rank, case, ep_loss, plain_loss)
 
 
 def test_dispatch_buffers_follow_the_routing_by_hand():
