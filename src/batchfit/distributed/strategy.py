@@ -111,7 +111,9 @@ def build_meshes(strategy: Strategy, device_type: str = "cpu") -> Meshes:
     else:
         dp = tp = None
     groups: dict[str, tuple[str, int]] = {}
-    for label, mesh in (("dp", dp), ("dp", dp_mod_ep), ("ep", ep), ("tp", tp)):
+    # ep before dp: where ep spans the whole data-parallel dimension (ep8 on 8 GPUs) its group is dp's,
+    # labelled dp; the all-to-alls are told apart by their op (plan/sharded.py)
+    for label, mesh in (("ep", ep), ("dp", dp), ("dp", dp_mod_ep), ("tp", tp)):
         if mesh is not None:
             for group in mesh.get_all_groups():
                 groups[group.group_name] = (label, group.size())

@@ -364,6 +364,8 @@ class ShardedSession:
         collectives = []
         for call in self.tracker.calls:
             group, size = self.meshes.groups.get(call.group_name, ("dp", strategy.dp))
+            if strategy.ep > 1 and call.op == "all_to_all":  # only expert parallelism all-to-alls
+                group, size = "ep", strategy.ep
             collectives.append(Collective(call.op, group, size, call.bytes, call.phase))
         return ShardedPoint(
             strategy=strategy, local_batch=local_batch, peak_bytes=snapshot.peak_bytes + workspace,
