@@ -157,6 +157,9 @@ def test_dispatch_buffers_follow_the_routing_by_hand():
         counts, dispatch, combine = a2a[0::3], a2a[1::3], a2a[2::3]  # per layer: counts, dispatch, combine
         assert len(dispatch) == 2 and {c.bytes for c in counts} == {8 * 8}
         assert {c.bytes for c in dispatch} == {sent * row} and {c.bytes for c in combine} == {back * row}, routing
+        # ep2 on 2 ranks: the ep group is the dp group; FSDP's calls stay dp, the all-to-alls are ep
+        groups = {(c.op == "all_to_all", c.group) for c in traced(routing).collectives}
+        assert groups == {(True, "ep"), (False, "dp")}, groups
 
 
 def test_grammar_and_fields():
