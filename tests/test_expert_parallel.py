@@ -212,3 +212,14 @@ def test_emit_says_ep_where_the_config_can_and_refuses_where_it_cannot():
     assert "expert_parallel: 8" in config_yaml(result)
     with pytest.raises(OptionError, match="expert-parallel, which Accelerate's config cannot say"):
         accelerate_yaml(result)
+
+
+def test_ep_plans_name_the_routing_and_what_ep_traced():
+    from batchfit.distributed.expert_parallel import ep_approximations
+    from batchfit.trace.routing import workload_routing_approximation
+
+    (line,) = workload_routing_approximation(tiny_moe(), _options("worst"), expert_parallel=True)
+    assert "MoE routing assumed: worst" in line.what and "grouped GEMM" in line.detail and "loop" not in line.line()
+    (ep,) = ep_approximations([parse_strategy("ep2+fsdp", 2), parse_strategy("fsdp", 2)], "worst")
+    assert "ep2+fsdp" in ep.what and "--routing worst" in ep.what
+    assert ep_approximations([parse_strategy("fsdp", 2)], "worst") == []

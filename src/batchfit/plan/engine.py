@@ -512,7 +512,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     compiled = list(dict.fromkeys(s.name for _, chosen in by_world for s in chosen if sharded_traces_compiled(s, options)))
     approximations = plan_compile_approximations(workload, options, compiled, [n for n in names if n not in compiled])
     approximations += float8_approximations(options)
-    approximations += workload_routing_approximation(workload, options)
+    every = [s for _, chosen in by_world for s in chosen]
+    approximations += workload_routing_approximation(
+        workload, options, expert_parallel=bool(every) and all(getattr(s, "ep", 1) > 1 for s in every))
     approximations += offload_approximations(options.offload, options.compile)
     approximations += zero_approximations([s for _, chosen in by_world for s in chosen])
     from batchfit.distributed.pipeline import pipeline_approximations
