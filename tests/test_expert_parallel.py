@@ -223,3 +223,11 @@ def test_ep_plans_name_the_routing_and_what_ep_traced():
     (ep,) = ep_approximations([parse_strategy("ep2+fsdp", 2), parse_strategy("fsdp", 2)], "worst")
     assert "ep2+fsdp" in ep.what and "--routing worst" in ep.what
     assert ep_approximations([parse_strategy("fsdp", 2)], "worst") == []
+
+
+def test_ep_is_traced_eager_under_compile_and_says_so():
+    from batchfit.trace.compiled import sharded_traces_compiled
+
+    compiled = StepOptions(compile="model")
+    assert sharded_traces_compiled(parse_strategy("fsdp", 8), compiled)
+    assert not sharded_traces_compiled(parse_strategy("ep2+fsdp", 8), compiled)
