@@ -174,6 +174,27 @@ def gloo_torchtitan(strategy_name: str = "fsdp") -> tuple[int, int]:
     point = trace_sharded(workload, _options(), get_device("h100-80gb"), parse_strategy(strategy_name, 2), LOCAL_BATCH,
                           cuda_semantics=False)
     return point.peak_bytes, measured
+# Expert parallelism (ep branch): recipe -> (strategy, routing, precision), on tests/test_expert_parallel.py's
+# tiny Qwen3-MoE (not --model: ep needs experts), 2 gloo ranks, the router forced as the routing says;
+# benchmarks/ep_gloo.py runs 4 ranks too.
+EP_GLOO: dict[str, tuple[str, str, str]] = {
+    f"{name} x2 tiny qwen3-moe {routing} {precision}": (name, routing, precision)
+    for name in ("ep2+fsdp",) for precision in ("fp32", "bf16-mixed") for routing in ("balanced", "worst")}
+
+
+def gloo_expert_parallel(name: str) -> tuple[int, int, StepOptions, bool]:
+    """(rank 0's traced peak, its profiled peak in a real 2-process gloo run, the options, timeline relaxed)."""
+    import sys
+
+    sys.path[:0] = [str(Path(__file__).parents[1] / "tests"), str(Path(__file__).parent)]
+    import test_expert_parallel as t
+
+    case = EP_GLOO[name]
+    with tempfile.TemporaryDirectory() as folder:
+        real = t.run_gloo(Path(folder), 2, (case,), tries=6, lenient=True)
+    key = "/".join(case)
+    return (t.traced(case[1], case[0], case[2]).peak_bytes, real[0]["peaks"][key], t._options(case[1], case[2]),
+            key in real[0]["relaxed"])
 
 
 # Multi-GPU recipes: recipe -> (strategy on 2 ranks, the step options). Truth is a real 2-process
@@ -327,8 +348,8 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-tinystories-22m")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--recipes", default=",".join([*RECIPES, *DISTRIBUTED, *GLOO]),
-                        help="comma-separated names of RECIPES, DISTRIBUTED or GLOO")
+    parser.add_argument("--recipes", default=",".join([*RECIPES, *DISTRIBUTED, *GLOO, *EP_GLOO]),
+                        help="comma-separated names of RECIPES, DISTRIBUTED, GLOO or EP_GLOO")
     parser.add_argument("--only", default=None, help="only the recipes whose name holds this, e.g. offload")
     parser.add_argument("--name", "--result-name", dest="name", default="recipes",
                         help="results file name: benchmarks/results/<name>-<date>.json")
@@ -351,6 +372,9 @@ def main() -> None:
                                    args.batch_size, cuda_semantics=False).peak_bytes
             truth = gloo_peak(args.model, args.seq_len, strategy_name, options, args.batch_size)
             measured, timeline = truth["peak"], truth["timeline"]
+        elif name in EP_GLOO:
+            traced, measured, options, relaxed = gloo_expert_parallel(name)
+            timeline = "relaxed" if relaxed else "strict"
         elif name in GLOO:
             options = StepOptions(precision="bf16-mixed") if name.startswith("torchtitan") else StepOptions(offload="params")
             traced, measured = (gloo_torchtitan(name.split()[2]) if name.startswith("torchtitan")

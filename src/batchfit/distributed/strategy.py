@@ -59,6 +59,10 @@ class Strategy:
     """The pipeline schedule as --pp-schedule names it ("1f1b", "gpipe", "interleaved-1f1b:2"); "" without pp."""
     microbatches: int = 0
     """Pipeline micro-batches per step (--microbatches; 0: as many as the stages); 0 without pp."""
+    ep: int = 1
+    """Expert-parallel degree (ep<N>+fsdp; ``distributed/expert_parallel.py``): each rank keeps experts / ep
+    of every MoE layer's experts. Borrowed from the data-parallel ranks as torchtitan does (ep divides dp,
+    world_size unchanged); the experts are FSDP-sharded over the other dp / ep ranks."""
     cp: int = 1
     """Context-parallel degree (cp<N>: each rank holds sequence/N of every sample; torch's ring
     attention, ``distributed/context_parallel.py``): world_size = pp x dp x cp x tp, and FSDP / DDP
@@ -77,9 +81,11 @@ class Meshes:
 
     dp: object | None  # DeviceMesh over the data-parallel ranks (2-D for HSDP), None without one
     tp: object | None  # DeviceMesh over the tensor-parallel ranks, None without TP
-    groups: dict[str, tuple[str, int]]  # process group name -> ("dp" | "tp" | "cp", ranks in it)
+    groups: dict[str, tuple[str, int]]  # process group name -> ("dp" | "tp" | "cp" | "ep", ranks in it)
     cp: object | None = None  # DeviceMesh over the context-parallel ranks (the ring), None without CP
     ring_groups: frozenset[str] = frozenset()  # the cp mesh's group names (one may be FSDP2's too, at dp 1)
+    ep: object | None = None  # DeviceMesh over the expert-parallel ranks (ep<N>), None without EP
+    dp_mod_ep: object | None = None  # the data-parallel ranks holding the same experts: FSDP of the experts
 
 
 def build_meshes(strategy: Strategy, device_type: str = "cpu") -> Meshes:
@@ -90,7 +96,14 @@ def build_meshes(strategy: Strategy, device_type: str = "cpu") -> Meshes:
 
     if strategy.cp > 1:
         return _cp_meshes(strategy, device_type)
-    if strategy.tp > 1 and strategy.dp > 1:
+    ep = dp_mod_ep = None
+    if strategy.ep > 1:  # torchtitan's ParallelDims: dp_shard = dp_shard_mod_ep x dp_shard_in_ep, ep inside
+        names = ("dp_mod_ep", "ep") + (("tp",) if strategy.tp > 1 else ())
+        shape = (strategy.dp // strategy.ep, strategy.ep) + ((strategy.tp,) if strategy.tp > 1 else ())
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        dp, ep, dp_mod_ep = mesh["dp_mod_ep", "ep"]._flatten("dp"), mesh["ep"], mesh["dp_mod_ep"]
+        tp = mesh["tp"] if strategy.tp > 1 else None
+    elif strategy.tp > 1 and strategy.dp > 1:
         mesh = init_device_mesh(device_type, (strategy.dp, strategy.tp), mesh_dim_names=("dp", "tp"))
         dp, tp = mesh["dp"], mesh["tp"]
     elif strategy.tp > 1:
@@ -106,14 +119,16 @@ def build_meshes(strategy: Strategy, device_type: str = "cpu") -> Meshes:
     else:
         dp = tp = None
     groups: dict[str, tuple[str, int]] = {}
-    for label, mesh in (("dp", dp), ("tp", tp)):
+    # ep before dp: where ep spans the whole data-parallel dimension (ep8 on 8 GPUs) its group is dp's,
+    # labelled dp; the all-to-alls are told apart by their op (plan/sharded.py)
+    for label, mesh in (("ep", ep), ("dp", dp), ("dp", dp_mod_ep), ("tp", tp)):
         if mesh is not None:
             for group in mesh.get_all_groups():
                 groups[group.group_name] = (label, group.size())
     if strategy.shard in ("ddp", "zero1", "zero2"):  # DDP and ZeroRedundancyOptimizer use the default group
         default = dist.distributed_c10d._get_default_group()
         groups[default.group_name] = ("dp", default.size())
-    return Meshes(dp=dp, tp=tp, groups=groups)
+    return Meshes(dp=dp, tp=tp, groups=groups, ep=ep, dp_mod_ep=dp_mod_ep)
 
 
 def _cp_meshes(strategy: Strategy, device_type: str) -> Meshes:
@@ -262,7 +277,7 @@ def _ddp(model: nn.Module, *, fake: bool, device: torch.device | None,
 
 
 def _fully_shard_blocks(model: nn.Module, mesh, *, reshard: bool, precision: str,
-                        cpu_offload: bool = False) -> nn.Module:
+                        cpu_offload: bool = False, experts_mesh=None) -> nn.Module:
     """FSDP2 on each block of every stack of repeated blocks (an encoder-decoder's both), then
     at the root (in place); with ``cpu_offload`` (``--offload params``) FSDP2's
     ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters, their gradients and the
@@ -282,6 +297,10 @@ def _fully_shard_blocks(model: nn.Module, mesh, *, reshard: bool, precision: str
     # One FSDP group per block, so one block's parameters are gathered at a time; the root
     # group holds the rest (embeddings, final norm, head) and any model without blocks. The
     # root keeps its own gathered after forward (backward needs them at once), FSDP2's default.
+    if experts_mesh is not None:  # ep<N>: each rank's experts over the dp ranks holding the same ones
+        from batchfit.distributed.expert_parallel import shard_experts
+
+        shard_experts(model, experts_mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
     for block in (block for stack in block_lists(model) for block in stack):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard if reshard is False else None, mp_policy=policy,
@@ -291,8 +310,10 @@ def _fully_shard_blocks(model: nn.Module, mesh, *, reshard: bool, precision: str
 
 def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, precision: str, fake: bool,
                    parallelize: Callable | None = None, on_bucket: Callable[[torch.Tensor], None] | None = None,
-                   device: torch.device | None = None, cpu_offload: bool = False) -> nn.Module:
-    """``model`` as a rank of ``strategy`` trains it: TP first (on the tp mesh), then the
+                   device: torch.device | None = None, cpu_offload: bool = False,
+                   routing: str = "balanced") -> nn.Module:
+    """``model`` as a rank of ``strategy`` trains it: TP first (on the tp mesh), expert
+    parallelism next (ep<N>: the rank's experts only, tokens dispatched by all-to-all), then the
     data-parallel wrap (DDP, or FSDP2 per block and at the root with the mixed-precision
     policy of ``precision``, as torchtitan does).
 
@@ -300,7 +321,8 @@ def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, prec
     says the model is on fake tensors and the process group is the fake one (DDP then gets
     a Python all-reduce hook, ``on_bucket`` sees each gradient bucket); ``device`` is the
     rank's own device (a real DDP on CUDA names it); ``cpu_offload``: FSDP2's CPUOffloadPolicy
-    (``--offload params``), FSDP strategies only.
+    (``--offload params``), FSDP strategies only; ``routing`` (--routing) gives the expert-parallel
+    dispatch its token counts on fake tensors (a real run routes by the router's values).
     """
     if strategy.tp > 1 and precision == "fp8-tensorwise":
         raise OptionError(f"{strategy.name}: float8 tensorwise under tensor parallelism needs torchao's float8 TP "
@@ -314,9 +336,13 @@ def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, prec
             raise OptionError(f"{strategy.name}: {type(model).__name__} has no tensor-parallel plan: give the "
                               "Workload a parallelize(model, mesh) function, or pick ddp / fsdp")
         model = parallelize(model, meshes.tp)
+    if strategy.ep > 1:
+        from batchfit.distributed.expert_parallel import apply_expert_parallel
+
+        model = apply_expert_parallel(model, meshes.ep, routing=routing, name=strategy.name)
     if strategy.shard in ("ddp", "zero1"):  # zero1's optimizer: distributed/zero.py, when the step builds it
         return _ddp(model, fake=fake, device=device, on_bucket=on_bucket)
     if strategy.shard in ("fsdp", "fsdp-noreshard", "hsdp"):
         return _fully_shard_blocks(model, meshes.dp, reshard=strategy.shard != "fsdp-noreshard", precision=precision,
-                                   cpu_offload=cpu_offload)
+                                   cpu_offload=cpu_offload, experts_mesh=meshes.dp_mod_ep if strategy.ep > 1 else None)
     return model

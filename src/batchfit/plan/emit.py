@@ -131,6 +131,7 @@ def config_yaml(result) -> str:
             "data_parallel": p.dp,
             "tensor_parallel": p.tp,
             **({"context_parallel": cp} if (cp := (split_cp(p.strategy) or (1, ""))[0]) > 1 else {}),
+            **({"expert_parallel": p.ep} if getattr(p, "ep", 1) > 1 else {}),
             "elastic_target_util": result.target_util,
             "peak_gib_per_gpu": round(p.peak_bytes_at_micro / 2**30, 2),
             "launch": torchrun_line(p),
@@ -161,6 +162,9 @@ def accelerate_yaml(result) -> str:
     if cp > 1 and p.shard not in ("fsdp", "fsdp-noreshard"):
         raise OptionError(f"the recommended {p.strategy}: Accelerate runs context parallelism with FSDP2 only: "
                           "emit the YAML (--emit config.yaml), or plan fsdp+cp<N> strategies")
+    if getattr(p, "ep", 1) > 1:
+        raise OptionError(f"the recommended {p.strategy} is expert-parallel, which Accelerate's config cannot say: "
+                          "emit the YAML (--emit config.yaml), or plan without ep<N> strategies")
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": ("NO" if p.gpus == 1 else "MULTI_GPU" if p.shard in ("ddp", "none") and p.tp == 1

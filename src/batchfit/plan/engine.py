@@ -236,6 +236,8 @@ class StrategyPlan:
     """Why this strategy was not traced (``auto`` on a model with no tensor-parallel plan)."""
     tp_loss: str | None = None
     """Under TP, the loss the plan traced: sharded (loss_parallel), gathered or replicated; None without TP."""
+    ep: int = 1
+    """Expert-parallel degree (ep<N>; within dp, so max_global_batch is unchanged by it)."""
 
     @property
     def max_global_batch(self) -> int:
@@ -255,7 +257,7 @@ class StrategyPlan:
     def to_json(self) -> dict:
         return {
             "strategy": self.strategy, "gpus": self.gpus, "nodes": self.nodes, "dp": self.dp, "tp": self.tp,
-            "shard": self.shard, "replicas": self.replicas,
+            "ep": self.ep, "shard": self.shard, "replicas": self.replicas,
             "points": [p.to_json() for p in self.points],
             "fit": ({"model": "peak(local_batch) = fixed_bytes + bytes_per_sample * local_batch",
                      "fixed_bytes": round(self.curve.lines[0].fixed_bytes),
@@ -510,7 +512,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     compiled = list(dict.fromkeys(s.name for _, chosen in by_world for s in chosen if sharded_traces_compiled(s, options)))
     approximations = plan_compile_approximations(workload, options, compiled, [n for n in names if n not in compiled])
     approximations += float8_approximations(options)
-    approximations += workload_routing_approximation(workload, options)
+    every = [s for _, chosen in by_world for s in chosen]
+    approximations += workload_routing_approximation(
+        workload, options, expert_parallel=bool(every) and all(getattr(s, "ep", 1) > 1 for s in every))
     approximations += offload_approximations(options.offload, options.compile)
     approximations += zero_approximations([s for _, chosen in by_world for s in chosen])
     from batchfit.distributed.pipeline import pipeline_approximations
@@ -519,6 +523,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     from batchfit.distributed.context_parallel import context_parallel_approximations
 
     approximations += context_parallel_approximations([s for _, chosen in by_world for s in chosen])
+    from batchfit.distributed.expert_parallel import ep_approximations
+
+    approximations += ep_approximations([s for _, chosen in by_world for s in chosen], options.routing)
     target_bytes = int(target_util * device.usable_bytes)
     auto = strategies.strip().lower() == "auto"
 
@@ -577,7 +584,8 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
     parameter count (None when ``auto`` skipped it: the model has no tensor-parallel plan)."""
     label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
     base = dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
-                tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1))
+                tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1),
+                ep=getattr(strategy, "ep", 1))
     curve = None
     try:
         with contextlib.closing(open_session(workload, options, device, strategy)) as session:

@@ -28,6 +28,9 @@ Strategy names:
                       over dp x cp
     pp<N>[+X]         a pipeline of N stages (torch.distributed.pipelining; plan/pipeline.py), each
                       running X (any name above) on world/N GPUs: pp2, pp4+fsdp, pp2+fsdp+tp2
+    ep<N>+X           expert parallelism (plan/ep_strategy.py, distributed/expert_parallel.py): each
+                      MoE layer's experts split over groups of N data-parallel ranks, X being fsdp,
+                      fsdp-noreshard or fsdp+tp<M>: ep8+fsdp, ep2+fsdp+tp2
 
 On one GPU every strategy is the plain single-GPU step (``shard`` "none").
 """
@@ -51,7 +54,7 @@ MAX_AUTO_TP = 8
 
 _NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|zero1|zero2|hsdp(\d+)|tp(\d+)|fsdp\+tp(\d+))$")
 _NAMES_HELP = ("ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp+tp<N>, fsdp+cp<N>[+tp<T>], ddp+cp<N>, "
-               "pp<N>[+any of these] or auto")
+               "pp<N>[+any of these], ep<N>+fsdp[+tp<M>] or auto")
 
 
 def _divisors(n: int) -> list[int]:
@@ -68,9 +71,15 @@ def parse_strategy(text: str, world_size: int, *, pp_schedule: str = "1f1b", mic
     if split_pp(name) is not None:
         return parse_pp_strategy(name, world_size, parse_strategy, pp_schedule=pp_schedule, microbatches=microbatches)
     from batchfit.plan.cp_strategy import parse_cp_strategy, split_cp
+    from batchfit.plan.ep_strategy import parse_ep_strategy, split_ep
 
+    if split_cp(name) is not None and split_ep(name) is not None:
+        raise OptionError(f"'{text.strip()}': context and expert parallelism together are not traced; "
+                          "plan one of them (e.g. fsdp+cp2 or ep2+fsdp)")
     if split_cp(name) is not None:  # cp<N> anywhere in a + name (plan/cp_strategy.py)
         return parse_cp_strategy(name, world_size, parse_strategy)
+    if split_ep(name) is not None:
+        return parse_ep_strategy(name, world_size, parse_strategy)
     match = _NAME.match(name)
     if match is None:
         raise OptionError(f"unknown strategy '{text.strip()}': use {_NAMES_HELP}, e.g. --strategies ddp,fsdp,fsdp+tp2")
@@ -309,7 +318,7 @@ class ShardedSession:
                 if workload.parallelize_all is not None:  # the model's own (torchtitan's parallelize_llama)
                     return workload.parallelize_all(model, strategy, meshes.groups)
                 return _unpinned(apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
-                                                cpu_offload=options.offloads("params"),
+                                                cpu_offload=options.offloads("params"), routing=options.routing,
                                                 parallelize=own_plan or tp_plan(model, options.tp_loss),
                                                 on_bucket=tracker.mark_collective))
 
@@ -321,6 +330,10 @@ class ShardedSession:
             ddp = strategy.shard in ("ddp", "zero1")
             prepared = TrainingStep(workload, options, torch.device("meta"), wrap=None if ddp else shard).model
             self.params = sum(p.numel() for p in prepared.parameters())  # DTensors count their global size
+            if strategy.ep > 1:  # ep<N>: this rank's experts are 1/ep of the model's
+                from batchfit.distributed.expert_parallel import experts_elsewhere
+
+                self.params += experts_elsewhere(prepared)
             built = dataclasses.replace(workload, build_model=lambda: _to_empty_keeping_ties(prepared))
             if strategy.cp > 1:  # the sequence sharded, attention by torch's ring (distributed/context_parallel.py)
                 built = self._context_parallel(built, meshes, cuda_semantics)
@@ -398,6 +411,8 @@ class ShardedSession:
             group, size = self.meshes.groups.get(call.group_name, ("dp", strategy.dp))
             if call.functional and call.group_name in self.meshes.ring_groups:  # the ring's K/V, dK/dV
                 group, size = "cp", strategy.cp
+            elif strategy.ep > 1 and call.op == "all_to_all":  # only expert parallelism all-to-alls
+                group, size = "ep", strategy.ep
             collectives.append(Collective(call.op, group, size, call.bytes, call.phase))
         return ShardedPoint(
             strategy=strategy, local_batch=local_batch, peak_bytes=snapshot.peak_bytes + workspace,

@@ -20,6 +20,10 @@ What overlaps (the rule the report states):
 - DDP all-reduces each gradient bucket as soon as backward fills it: its all-reduces overlap
   the backward, all but the last bucket (nothing computes after it).
 - Tensor-parallel collectives sit between two matmuls that wait for them: never overlapped.
+- Expert parallelism's all-to-alls (ep<N>: the dispatch before a layer's experts, the combine
+  after them) are waited on by the experts and by the next op: never overlapped. An all-to-all
+  of B bytes sends (n-1)/n x B (the rows for the rank itself stay); the ep group is inside one
+  node while ep x tp <= GPUs per node (torchtitan's mesh puts ep inside the data-parallel ranks).
 - Collectives outside forward and backward (in the optimizer step) are not overlapped.
 - Context parallelism (cp<N>, group "cp"): per attention layer, the forward all-gathers every
   rank's K/V once (torch's default rotater: (N-1) x the rank's K/V bytes sent, the N-1 ring
@@ -190,7 +194,8 @@ def group_span(collective, strategy) -> int:
     data-parallel shard group, then the replicas)."""
     if collective.group == "tp":
         return collective.group_size
-    if collective.group == "cp":  # the ring: cp ranks next to each other, each cp x tp consecutive ranks
+    if collective.group in ("cp", "ep"):  # the ring: cp x tp consecutive ranks; ep<N>: inside the data-parallel
+        return collective.group_size * strategy.tp  # dimension, outside tp (torchtitan's mesh)
         return collective.group_size * strategy.tp
     if (strategy.shard == "hsdp" and strategy.replicas > 1 and collective.op != "all_reduce"
             and collective.group_size == strategy.dp // strategy.replicas):
@@ -211,7 +216,7 @@ def step_time(point, strategy, world: World, device: Device, precision: str, mod
     sent: dict[str, int] = {}
     link_of: dict[str, str] = {}
     overlapped = exposed = 0.0
-    dp_calls = [i for i, c in enumerate(point.collectives) if c.group != "tp"]
+    dp_calls = [i for i, c in enumerate(point.collectives) if c.group not in ("tp", "ep")]
     first_forward = next((i for i in dp_calls if point.collectives[i].phase == "forward"), None)
     last_backward = next((i for i in reversed(dp_calls) if point.collectives[i].phase == "backward"), None)
     for i, c in enumerate(point.collectives):
@@ -224,7 +229,8 @@ def step_time(point, strategy, world: World, device: Device, precision: str, mod
         sent[c.group] = sent.get(c.group, 0) + int(nbytes)
         link = "inter-node" if inter else "intra-node"
         link_of[c.group] = link if link_of.get(c.group, link) == link else "intra- and inter-node"  # HSDP
-        hidden = (c.group != "tp" and c.phase in ("forward", "backward")
+        # TP's collectives and ep's all-to-alls sit on the critical path (the next op waits for them)
+        hidden = (c.group not in ("tp", "ep") and c.phase in ("forward", "backward")
                   and i != (first_forward if strategy.shard in ("fsdp", "fsdp-noreshard", "hsdp") else last_backward))
         if hidden:
             overlapped += seconds

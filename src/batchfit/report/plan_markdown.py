@@ -197,6 +197,11 @@ def _offload_lines(r) -> list[str]:
     return out
 
 
+def _other_comm(t, comm) -> str:
+    """Groups beside dp and tp (ep<N>'s all-to-alls), named in the tp column."""
+    return "".join(f"; {g}: {comm(g)}" for g in t.communication_s if g not in ("dp", "tp", "cp", "host"))
+
+
 def _time_section(r) -> list[str]:
     tm, links = r.time_model, r.links
     # context parallelism's ring (cp<N> strategies) gets its own column
@@ -227,7 +232,7 @@ def _time_section(r) -> list[str]:
             return f"{t.communication_s[group]:.3f} ({t.links[group]}, {t.bytes_sent[group] / GiB:.2f} GiB sent)"
 
         lines.append(f"| {p.gpus} | {p.strategy} | {p.micro_batch} | {t.flops / 1e12:,.1f} | {t.compute_s:.3f} | "
-                     f"{comm('dp')} | {comm('tp')} | " + (f"{comm('cp')} | " if cp_rows else "")
+                     f"{comm('dp')} | {comm('tp')}{_other_comm(t, comm)} | " + (f"{comm('cp')} | " if cp_rows else "")
                      + f"{t.overlapped_s:.3f} | {t.exposed_s:.3f} | {t.micro_step_s:.3f} | "
                      f"{t.accumulation_steps} | {t.step_time_s:.2f} |")
     return lines

@@ -311,10 +311,10 @@ def sharded_traces_compiled(strategy: Any, options: StepOptions) -> bool:
     under ``--compile``: FSDP2 alone (its all-gathers and reduce-scatters run in its hooks, outside
     dynamo's graphs: ``skip_fsdp_hooks``), checked against inductor on a real gloo run
     (``tests/test_plan_compiled.py``). DDP (dynamo's DDPOptimizer fails on the trace's fake
-    tensors), TP, HSDP, ZeRO, pipelines and FSDP2's CPU offload are untried under compile and
-    traced eager, which the plan says (``COMPILED_AS_EAGER``)."""
+    tensors), TP, HSDP, ZeRO, pipelines, expert parallelism and FSDP2's CPU offload are untried under
+    compile and traced eager, which the plan says (``COMPILED_AS_EAGER``)."""
     return (options.compile != "none" and getattr(strategy, "shard", None) == "fsdp"
-            and getattr(strategy, "tp", 1) == 1 and getattr(strategy, "pp", 1) == 1
+            and getattr(strategy, "tp", 1) == 1 and getattr(strategy, "pp", 1) == 1 and getattr(strategy, "ep", 1) == 1
             and not options.offloads("params") and options.precision not in FP8_PRECISIONS)
 
 

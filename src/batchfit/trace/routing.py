@@ -21,6 +21,7 @@ named in every output (with expert parallelism it would decide how many tokens e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from dataclasses import dataclass
@@ -177,9 +178,18 @@ class RoutedExperts(TorchDispatchMode):
             handle.remove()
 
 
-def workload_routing_approximation(workload, options) -> list[Approximation]:
+def workload_routing_approximation(workload, options, *, expert_parallel: bool = False) -> list[Approximation]:
     """:func:`routing_approximation` of the model ``workload`` builds, built on the meta device (no
-    memory), for an engine that does not hold the traced model itself (``plan``)."""
+    memory), for an engine that does not hold the traced model itself (``plan``). ``expert_parallel``:
+    every strategy is ep<N>, whose experts run as one grouped GEMM (``distributed/expert_parallel.py``),
+    not HF's loop: the line says so."""
     with torch.device("meta"):
         model = workload.build_model()
-    return routing_approximation(model, options.routing)
+    found = routing_approximation(model, options.routing)
+    if expert_parallel and found:
+        (line,) = found
+        found = [dataclasses.replace(
+            line, may_differ_by="what a real router's routing moves between experts and ranks (see the expert "
+                                "parallelism line): take the most of --routing balanced and worst",
+            detail=line.detail.split(", experts implementation")[0] + ", experts run by ep<N>'s grouped GEMM")]
+    return found
