@@ -236,6 +236,8 @@ class StrategyPlan:
     """Why this strategy was not traced (``auto`` on a model with no tensor-parallel plan)."""
     tp_loss: str | None = None
     """Under TP, the loss the plan traced: sharded (loss_parallel), gathered or replicated; None without TP."""
+    pp: int = 1
+    """Pipeline stages (pp<N>); 1 without."""
 
     @property
     def max_global_batch(self) -> int:
@@ -255,6 +257,7 @@ class StrategyPlan:
     def to_json(self) -> dict:
         return {
             "strategy": self.strategy, "gpus": self.gpus, "nodes": self.nodes, "dp": self.dp, "tp": self.tp,
+            "pp": self.pp,
             "shard": self.shard, "replicas": self.replicas,
             "points": [p.to_json() for p in self.points],
             "fit": ({"model": "peak(local_batch) = fixed_bytes + bytes_per_sample * local_batch",
@@ -326,6 +329,14 @@ class PlanResult:
                 out.append(max(fitting, key=lambda p: (p.samples_per_s or 0.0, p.global_batch, -p.tp)))
         return out
 
+    @property
+    def ranking(self) -> list:
+        """Every combination, per GPU count, by predicted tokens/s with its memory; what does not fit
+        or was skipped last, with why (``plan/ranking.py``: a list of ``RankedRow``)."""
+        from batchfit.plan.ranking import ranking
+
+        return ranking(self.plans, self.worlds, mfu=self.time_model.mfu, target_bytes=self.target_bytes)
+
     def to_json(self) -> dict:
         return {
             "source": "traced memory, computed time",
@@ -345,6 +356,7 @@ class PlanResult:
                              "peak_step": p.peak_step,
                              "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "days": p.days}
                             for p in self.recommended],
+            "ranking": [row.to_json() for row in self.ranking],
             "approximations": [a.to_json() for a in self.approximations],
             "host_limit_bytes": self.host_limit_bytes,
             "trace_seconds": round(self.trace_seconds, 2), "traces": self.traces, "created": self.created,
@@ -449,7 +461,8 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
          trace: Callable | None = None, parse: Callable | None = None,
          progress: Callable[[str], None] | None = None, processes: int | None = None,
          limit: str = "reserved", replay: Callable | None = None,
-         host_memory_bytes: int | None = None, pp_schedule: str = "1f1b", microbatches: int = 0) -> PlanResult:
+         host_memory_bytes: int | None = None, pp_schedule: str = "1f1b", microbatches: int = 0,
+         facts=None) -> PlanResult:
     """Plan ``workload`` on ``device`` for each of ``worlds`` and each of ``strategies``.
 
     ``trace(workload, options, device, strategy, local_batch) -> ShardedPoint`` and
@@ -466,6 +479,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     ``pp_schedule`` / ``microbatches`` (``--pp-schedule``, ``--microbatches``): for pp<N> strategies
     (``plan/pipeline.py``), whose local batch is a pipeline's samples per step (a multiple of the
     micro-batches).
+    ``strategies='auto'``: every combination ``plan/candidates.py`` lists for the model (``facts``, a
+    ``candidates.ModelFacts``, default read from the model built on the meta device); each pp<N>
+    searches multiples of its own micro-batches; those that cannot apply are rows with ``skipped``.
     """
     options = options or StepOptions()
     time_model = time_model or TimeModel()
@@ -490,13 +506,23 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
 
         open_session = pipeline_or(functools.partial(DeepSession, session=module.ShardedSession))
     multiple_of = workload.batch_multiple(multiple_of)
-    by_world = [(world, parse(strategies, world.gpus)) for world in worlds]  # every bad name before any trace
+    auto = strategies.strip().lower() == "auto"
+    not_traced: list[StrategyPlan] = []
+    if auto:  # every combination (plan/candidates.py); the ones that cannot apply listed, not traced
+        by_world, not_traced = _auto(workload, options, worlds, parse, facts, pp_schedule, microbatches)
+    else:
+        by_world = [(world, parse(strategies, world.gpus)) for world in worlds]  # every bad name before any trace
+    base_multiple = multiple_of
     for _, chosen in by_world:  # a pipeline's local batch is whole micro-batches
         multiple_of = math.lcm(multiple_of, *(s.microbatches for s in chosen if getattr(s, "pp", 1) > 1))
+    if auto:  # each its own: pipelines do not make fsdp's local batch a multiple of their micro-batches
+        multiple_of = base_multiple
     if options.offloads("params"):
-        by_world = _with_fsdp_only(by_world, auto=strategies.strip().lower() == "auto")
+        by_world = _with_fsdp_only(by_world, auto=auto)
     if global_batch is not None:
-        for _, chosen in by_world:
+        for world, chosen in by_world:
+            if auto:
+                chosen[:] = _reaching(global_batch, world, chosen, multiple_of, not_traced)
             _check_global_batch(global_batch, chosen, multiple_of)
     say = progress or (lambda message: None)
     started = time.perf_counter()
@@ -517,18 +543,18 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
 
     approximations += pipeline_approximations([s for _, chosen in by_world for s in chosen])
     target_bytes = int(target_util * device.usable_bytes)
-    auto = strategies.strip().lower() == "auto"
 
     def one(job: tuple[World, object], say: Callable[[str], None]) -> tuple[StrategyPlan, int | None]:
         world, strategy = job
         return _plan_one(open_session, workload, options, device, world, strategy, time_model, say, auto=auto,
-                         batch_sizes=batch_sizes, global_batch=global_batch, multiple_of=multiple_of,
+                         batch_sizes=batch_sizes, global_batch=global_batch,
+                         multiple_of=_own_multiple(strategy, multiple_of) if auto else multiple_of,
                          max_batch=max_batch, target_bytes=target_bytes, limit=limit,
                          host_limit_bytes=host_memory_bytes)
 
     jobs = [(world, strategy) for world, chosen in by_world for strategy in chosen]
     done = workers.run(one, jobs, say, processes=processes if trace is None else 1)
-    plans = [plan_row for plan_row, _ in done]
+    plans = [plan_row for plan_row, _ in done] + not_traced
     params = next((n for _, n in done if n is not None), None)
     traces = sum(len(p.points) for p in plans)
     if params is None:
@@ -550,6 +576,46 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
 
 
 FSDP_SHARDS = ("fsdp", "fsdp-noreshard", "hsdp")
+
+
+def _auto(workload: Workload, options: StepOptions, worlds: list[World], parse: Callable, facts,
+          pp_schedule: str, microbatches: int) -> tuple[list, list[StrategyPlan]]:
+    """``--strategies auto``: per world, the strategies of ``candidates.candidates`` to trace, and a
+    row (not traced, ``skipped`` saying why) for each combination that cannot apply to this model."""
+    from batchfit.plan.candidates import candidates, model_facts
+
+    facts = facts or model_facts(workload, options)
+    by_world, not_traced = [], []
+    for world in worlds:
+        listed = candidates(world, facts, pp_schedule=pp_schedule, microbatches=microbatches)
+        names = [c.name for c in listed if c.skipped is None]
+        by_world.append((world, parse(",".join(names), world.gpus) if names else []))
+        not_traced += [StrategyPlan(strategy=c.name, gpus=c.gpus, nodes=c.nodes, dp=c.dp, tp=c.tp, shard=c.shard,
+                                    replicas=c.replicas, pp=c.pp, points=[], curve=None, max_local_batch=0,
+                                    capped=False, skipped=c.skipped) for c in listed if c.skipped]
+    return by_world, not_traced
+
+
+def _own_multiple(strategy, multiple_of: int) -> int:
+    """A strategy's local batch step under auto: whole pipeline micro-batches for pp<N>."""
+    return math.lcm(multiple_of, strategy.microbatches) if getattr(strategy, "pp", 1) > 1 else multiple_of
+
+
+def _reaching(global_batch: int, world: World, chosen: list, multiple_of: int, not_traced: list[StrategyPlan]) -> list:
+    """Under auto, the strategies that reach ``global_batch`` with whole micro-batches on each of
+    their dp ranks; the others become skipped rows saying so (a named strategy is refused instead)."""
+    kept = []
+    for s in chosen:
+        step = s.dp * _own_multiple(s, multiple_of)
+        if global_batch % step:
+            not_traced.append(StrategyPlan(strategy=s.name, gpus=world.gpus, nodes=world.nodes, dp=s.dp, tp=s.tp,
+                                           shard=s.shard, replicas=getattr(s, "replicas", 1), pp=getattr(s, "pp", 1),
+                                           points=[], curve=None, max_local_batch=0, capped=False,
+                                           skipped=f"--global-batch {global_batch} is not a multiple of its {s.dp} "
+                                                   f"data-parallel ranks x {step // s.dp} samples"))
+        else:
+            kept.append(s)
+    return kept
 
 
 def _with_fsdp_only(by_world: list, *, auto: bool) -> list:
@@ -574,7 +640,8 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
     parameter count (None when ``auto`` skipped it: the model has no tensor-parallel plan)."""
     label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
     base = dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
-                tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1))
+                tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1),
+                pp=getattr(strategy, "pp", 1))
     curve = None
     try:
         with contextlib.closing(open_session(workload, options, device, strategy)) as session:
