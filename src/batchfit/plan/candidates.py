@@ -19,9 +19,9 @@ data-parallel wrap of the dp ranks. Rules:
   dividing the GPUs left by pp; only a model with a tensor-parallel plan whose query and
   key/value heads divide by N. ``tp<N>`` when it spans every GPU left, else ``fsdp+tp<N>``.
 - **data parallel over dp ranks** without pp or TP: ``ddp``, ``fsdp`` (ZeRO-3),
-  ``fsdp-noreshard``, ``zero1``, ``zero2`` and ``hsdp<R>``: R = the node count and its halves
-  down to 2 (shard groups of whole nodes) on several nodes; R in 2, 4 with at least 2 GPUs per
-  shard group on one node.
+  ``fsdp-noreshard``, ``zero1``, ``zero2`` and ``hsdp<R>``: on several nodes R = the node count
+  and up to two halvings of it, not below 2 (shard groups of whole nodes); on one node R in 2, 4
+  with at least 2 GPUs per shard group.
 - One GPU: the plain single-GPU step, once.
 
 Counts (a model every rule applies to; the plan's --help and docs/tracing.md say them): 2 GPUs 7,
@@ -51,7 +51,8 @@ BOUNDS = (
     f"tp at most one node's GPUs (and {MAX_AUTO_TP}): TP's collectives never overlap compute, across nodes "
     "they run at network speed",
     "zero1/zero2 and hsdp only without pp and TP (batchfit's strategy grammar does not compose them)",
-    "hsdp<R>: R = the nodes and its halves down to 2 on several nodes; R = 2 or 4 (2+ GPUs per shard group) on one",
+    "hsdp<R>: R = the nodes and up to two halvings (not below 2) on several nodes; R = 2 or 4 (2+ GPUs per shard "
+    "group) on one",
 )
 """What auto leaves out only to bound the tracing (not because it cannot apply): printed with the ranking."""
 

@@ -2,10 +2,10 @@
 its memory (seed 004's comparison, for every strategy at once). Pure Python, no torch.
 
 Order, per GPU count: the combinations that fit, by tokens/s (samples/s for a model without
-tokens; with no time, by global batch), ties to the smaller TP degree, then the lower memory;
-then those whose micro-batch fits only above the target utilisation, the same way (they fit the
-GPU, without the headroom asked); then those where not even the smallest local batch fits, then
-those not traced (``skipped``: the reason). Ranks count the fitting ones only.
+tokens; with no time, by global batch), ties to the smaller TP degree, then the lower memory (so
+rank 1 is the plan's recommendation); a micro-batch that fits only above the target utilisation
+is ranked the same way and marked 'above target'; then those where not even the smallest local
+batch fits, then those not traced (``skipped``: the reason). Ranks count the fitting ones only.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _speed(p) -> float:
 
 def ranking(plans, worlds, *, mfu: float, target_bytes: int) -> list[RankedRow]:
     """Every plan of every world, in rank order (the module docstring)."""
-    order = {"fits": 0, "above target": 1, "does not fit": 2, "skipped": 3}
+    order = {"fits": 0, "above target": 0, "does not fit": 1, "skipped": 2}
     rows: list[RankedRow] = []
     for world in worlds:
         mine = [p for p in plans if p.gpus == world.gpus]
