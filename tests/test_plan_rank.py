@@ -128,6 +128,15 @@ def test_the_ranking_is_by_tokens_per_s_with_figures_by_hand(standin):
     assert by["pp4"].status == "skipped" and "6 layers do not split into 4" in by["pp4"].why
     data = json.loads(json.dumps(result.to_json()))
     assert [r["strategy"] for r in data["ranking"]] == ORDER + ["pp4"] and data["ranking"][0]["mfu"] == 0.5
+    assert data["auto_left_out"] == list(BOUNDS) and data["recommended"][0]["strategy"] == "hsdp2"
+
+
+def test_auto_lists_what_the_global_batch_or_offload_rule_out(standin):
+    rows = ranked(global_batch=6).ranking  # 6 samples: not over 4 dp ranks, not over pp2's 2 x 2 micro-batches
+    why = {r.strategy: r.why for r in rows if r.status == "skipped"}
+    assert why["fsdp"] == "--global-batch 6 is not a multiple of its 4 data-parallel ranks x 1 samples"
+    assert why["pp2+fsdp"] == "--global-batch 6 is not a multiple of its 2 data-parallel ranks x 2 samples"
+    assert {r.strategy for r in rows if r.rank} == {"fsdp+tp2", "tp4", "pp2+tp2"}  # dp 2 x 3; dp 1 x 6; 1 x 2 x 3
 
 
 def test_what_does_not_fit_comes_last_with_why(standin):
@@ -151,19 +160,43 @@ def test_the_report_shows_the_ranking(standin, tmp_path):
     assert paths["ranking_png"].read_bytes()[:4] == b"\x89PNG"
 
 
-def test_the_terminal_shows_the_ranking(standin, tmp_path, monkeypatch):
+TINY = """
+from batchfit.zoo import language_model_workload
+from batchfit.zoo.transformer import Transformer, TransformerConfig
+
+CFG = TransformerConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128,
+                        llama=True, tied_embeddings=False)
+
+
+def workload():
+    return language_model_workload(name="tiny-llama", build_model=lambda: Transformer(CFG), vocab_size=256,
+                                   seq_len=32, description="tiny llama, 1 layer")
+"""
+
+
+def test_auto_end_to_end_on_the_real_tracer(tmp_path):
+    """The real tracer, a 1-layer Llama (d 64) on 2 GPUs: its facts read from the model (4 query / 2 kv
+    heads: tp2 applies; 1 layer: pp2 cannot), every other combination traced and ranked."""
     from typer.testing import CliRunner
 
     from batchfit.cli.app import app
-    from batchfit.plan import candidates as module
 
-    monkeypatch.setattr(module, "model_facts", lambda workload, options=None: ModelFacts(name="m", heads=4,
-                                                                                        tp_plan=True))
-    result = CliRunner().invoke(app, ["plan", "gpt-tinystories-22m", "--gpu", "h100-80gb", "--gpus", "2",
-                                      "--strategies", "auto", "--precision", "bf16-mixed", "--global-batch", "64",
-                                      "--limit", "allocated", "--processes", "1", "--out", str(tmp_path)])
+    (tmp_path / "tiny.py").write_text(TINY)
+    out = tmp_path / "report"
+    result = CliRunner().invoke(app, ["plan", f"{tmp_path / 'tiny.py'}:workload", "--gpu", "h100-80gb", "--gpus", "2",
+                                      "--strategies", "auto", "--precision", "bf16-mixed", "--global-batch", "4",
+                                      "--batch-sizes", "1,2", "--max-batch", "2", "--limit", "allocated",
+                                      "--processes", "1", "--out", str(out), "--json", str(tmp_path / "plan.json")])
     assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "plan.json").read_text())
+    ranking = data["ranking"]
+    assert [r["rank"] for r in ranking] == [1, 2, 3, 4, 5, 6, None]
+    assert {r["strategy"] for r in ranking} == {"ddp", "fsdp", "fsdp-noreshard", "zero1", "zero2", "tp2", "pp2"}
+    assert ranking[-1]["strategy"] == "pp2" and "1 layers do not split into 2 equal stages" in ranking[-1]["why"]
+    assert ranking[0]["strategy"] == data["recommended"][0]["strategy"]
+    speeds = [r["tokens_per_s"] for r in ranking[:-1]]
+    assert speeds == sorted(speeds, reverse=True) and all(r["allocated_bytes"] for r in ranking[:-1])
     first = next(line for line in result.output.splitlines() if line.strip().startswith("1 "))
-    assert first.split()[1] == "fsdp"
-    assert "pp2: skipped: m has no embed / blocks / norm / head split" in result.output
-    assert {p.name for p in tmp_path.iterdir()} == {"report.md", "plan.png", "plan-ranking.png", "plan.json"}
+    assert first.split()[1] == ranking[0]["strategy"]
+    assert "pp2: skipped: pp2 with 1f1b: 1 layers" in result.output
+    assert {p.name for p in out.iterdir()} == {"report.md", "plan.png", "plan-ranking.png", "plan.json"}

@@ -357,10 +357,18 @@ class PlanResult:
                              "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "days": p.days}
                             for p in self.recommended],
             "ranking": [row.to_json() for row in self.ranking],
+            **({"auto_left_out": list(_auto_bounds())} if self.strategies_asked.strip().lower() == "auto" else {}),
             "approximations": [a.to_json() for a in self.approximations],
             "host_limit_bytes": self.host_limit_bytes,
             "trace_seconds": round(self.trace_seconds, 2), "traces": self.traces, "created": self.created,
         }
+
+
+def _auto_bounds() -> tuple[str, ...]:
+    """What --strategies auto leaves out only to bound the tracing (``candidates.BOUNDS``)."""
+    from batchfit.plan.candidates import BOUNDS
+
+    return BOUNDS
 
 
 def _validate(target_util: float, multiple_of: int, max_batch: int, batch_sizes: list[int] | None,
@@ -517,12 +525,16 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         multiple_of = math.lcm(multiple_of, *(s.microbatches for s in chosen if getattr(s, "pp", 1) > 1))
     if auto:  # each its own: pipelines do not make fsdp's local batch a multiple of their micro-batches
         multiple_of = base_multiple
-    if options.offloads("params"):
-        by_world = _with_fsdp_only(by_world, auto=auto)
+    if options.offloads("params") and auto:
+        for world, chosen in by_world:
+            chosen[:] = _set_aside(world, chosen, lambda s: None if s.shard in FSDP_SHARDS else
+                                   "--offload params is FSDP2's CPUOffloadPolicy: this has no FSDP", not_traced)
+    elif options.offloads("params"):
+        by_world = _with_fsdp_only(by_world, auto=False)
     if global_batch is not None:
         for world, chosen in by_world:
             if auto:
-                chosen[:] = _reaching(global_batch, world, chosen, multiple_of, not_traced)
+                chosen[:] = _set_aside(world, chosen, _not_reaching(global_batch, multiple_of), not_traced)
             _check_global_batch(global_batch, chosen, multiple_of)
     say = progress or (lambda message: None)
     started = time.perf_counter()
@@ -601,21 +613,28 @@ def _own_multiple(strategy, multiple_of: int) -> int:
     return math.lcm(multiple_of, strategy.microbatches) if getattr(strategy, "pp", 1) > 1 else multiple_of
 
 
-def _reaching(global_batch: int, world: World, chosen: list, multiple_of: int, not_traced: list[StrategyPlan]) -> list:
-    """Under auto, the strategies that reach ``global_batch`` with whole micro-batches on each of
-    their dp ranks; the others become skipped rows saying so (a named strategy is refused instead)."""
+def _set_aside(world: World, chosen: list, why: Callable[[object], str | None], not_traced: list[StrategyPlan]) -> list:
+    """Under auto, the strategies ``why`` has no reason against; each other becomes a skipped row
+    with the reason (a strategy the user named is refused with one line instead)."""
     kept = []
     for s in chosen:
-        step = s.dp * _own_multiple(s, multiple_of)
-        if global_batch % step:
-            not_traced.append(StrategyPlan(strategy=s.name, gpus=world.gpus, nodes=world.nodes, dp=s.dp, tp=s.tp,
-                                           shard=s.shard, replicas=getattr(s, "replicas", 1), pp=getattr(s, "pp", 1),
-                                           points=[], curve=None, max_local_batch=0, capped=False,
-                                           skipped=f"--global-batch {global_batch} is not a multiple of its {s.dp} "
-                                                   f"data-parallel ranks x {step // s.dp} samples"))
-        else:
+        reason = why(s)
+        if reason is None:
             kept.append(s)
+            continue
+        not_traced.append(StrategyPlan(strategy=s.name, gpus=world.gpus, nodes=world.nodes, dp=s.dp, tp=s.tp,
+                                       shard=s.shard, replicas=getattr(s, "replicas", 1), pp=getattr(s, "pp", 1),
+                                       points=[], curve=None, max_local_batch=0, capped=False, skipped=reason))
     return kept
+
+
+def _not_reaching(global_batch: int, multiple_of: int) -> Callable[[object], str | None]:
+    """Why a strategy cannot reach ``global_batch`` with whole micro-batches on each dp rank (or None)."""
+    def why(s) -> str | None:
+        step = s.dp * _own_multiple(s, multiple_of)
+        return (f"--global-batch {global_batch} is not a multiple of its {s.dp} data-parallel ranks x "
+                f"{step // s.dp} samples" if global_batch % step else None)
+    return why
 
 
 def _with_fsdp_only(by_world: list, *, auto: bool) -> list:
