@@ -81,6 +81,7 @@ def test_what_cannot_apply_is_listed_with_its_reason():
     assert "pp2+fsdp+tp2" in names(World(8), six_heads) and "pp2+tp4" not in names(World(8), six_heads)
     assert "micro-batches" in skipped(World(4), LLAMA, microbatches=2)["pp4"]  # 1F1B needs one per stage
     assert "--loss chunked" in skipped(World(2), ModelFacts(name="m", n_layers=4, loss="chunked"))["pp2"]
+    assert "could not be built on the meta device" in skipped(World(2), ModelFacts(name="m", unread="x"))["pp2"]
     assert all("\n" not in reason for reason in reasons.values()) and len(BOUNDS) == 4
 
 

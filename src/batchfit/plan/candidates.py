@@ -75,6 +75,8 @@ class ModelFacts:
     """Routed experts of a mixture-of-experts model (for the ep component); None: a dense model."""
     loss: str = "plain"
     """--loss: pipelines trace the plain loss only."""
+    unread: str | None = None
+    """Why the model could not be built on the meta device (then TP is left to the tracer, pp skipped)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +156,8 @@ def _tp_reason(facts: ModelFacts, tp: int) -> str | None:
 def _pp_reason(facts: ModelFacts, pp: int, schedule: str, microbatches: int) -> str | None:
     from batchfit.distributed.pipeline import check_pipeline, parse_schedule  # no torch at import
 
+    if facts.unread:
+        return f"{facts.name} could not be built on the meta device to count its layers ({facts.unread})"
     if facts.n_layers is None:
         return (f"{facts.name} has no embed / blocks / norm / head split (pipeline parallelism covers "
                 "batchfit's zoo transformers)")
@@ -231,8 +235,12 @@ def model_facts(workload, options=None) -> ModelFacts:
 
     from batchfit.distributed.tp_plans import tp_plan
 
-    with torch.device("meta"):
-        model = workload.build_model()
+    try:
+        with torch.device("meta"):
+            model = workload.build_model()
+    except Exception as error:  # a model that cannot be built without memory: the tracer decides TP
+        return ModelFacts(name=workload.name, tp_plan=True, unread=f"{type(error).__name__}: {error}"[:200],
+                          loss=getattr(options, "loss", "plain") or "plain")
     n_layers = None
     if all(hasattr(model, a) for a in ("embed", "blocks", "norm", "head")):
         n_layers = len(model.blocks)
