@@ -132,7 +132,7 @@ def test_the_ranking_is_by_tokens_per_s_with_figures_by_hand(standin):
     assert data["auto_left_out"] == list(BOUNDS) and data["recommended"][0]["strategy"] == "hsdp2"
 
 
-def test_auto_lists_what_the_global_batch_or_offload_rule_out(standin):
+def test_auto_lists_what_the_global_batch_rules_out(standin):
     rows = ranked(global_batch=6).ranking  # 6 samples: not over 4 dp ranks, not over pp2's 2 x 2 micro-batches
     why = {r.strategy: r.why for r in rows if r.status == "skipped"}
     assert why["fsdp"] == "--global-batch 6 is not a multiple of its 4 data-parallel ranks x 1 samples"
