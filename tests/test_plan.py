@@ -120,8 +120,14 @@ def test_auto_skips_tensor_parallel_on_a_model_without_a_plan(standin):
 
     result = plan(workload(), device=gpu(), worlds=[World(2)], options=BF16, strategies="auto", trace=no_tp,
                   parse=standin.parse_strategies, time_model=HALF, limit="allocated")  # a tracer of points only
-    assert {p.strategy: bool(p.skipped) for p in result.plans} == {
-        "ddp": False, "fsdp": False, "fsdp-noreshard": False, "hsdp2": False, "tp2": True}
+    assert {p.strategy: bool(p.skipped) for p in result.plans} == {  # tp2, pp2: listed, never traced
+        "ddp": False, "fsdp": False, "fsdp-noreshard": False, "zero1": False, "zero2": False, "tp2": True, "pp2": True}
+    from batchfit.plan.candidates import ModelFacts
+
+    result = plan(workload(), device=gpu(), worlds=[World(2)], options=BF16, strategies="auto", trace=no_tp,
+                  parse=standin.parse_strategies, time_model=HALF, limit="allocated",
+                  facts=ModelFacts(name="standin", tp_plan=True))  # a plan the tracer refuses: skipped at the trace
+    assert "give the Workload a parallelize()" in next(p.skipped for p in result.plans if p.strategy == "tp2")
     with pytest.raises(OptionError, match="no tensor-parallel plan"):
         plan(workload(), device=gpu(), worlds=[World(2)], strategies="tp2", trace=no_tp,
              parse=standin.parse_strategies)

@@ -33,7 +33,7 @@ def test_plan_writes_the_report_json_and_configs(standin, tmp_path):
                  "--json", str(tmp_path / "plan.json"), "--emit", str(tmp_path / "config.yaml"),
                  "--emit", f"accelerate:{tmp_path / 'accelerate.yaml'}")
     assert result.exit_code == 0, result.output
-    assert {p.name for p in out.iterdir()} == {"report.md", "plan.png", "plan.json"}
+    assert {p.name for p in out.iterdir()} == {"report.md", "plan.png", "plan-ranking.png", "plan.json"}
     assert (out / "plan.png").read_bytes()[:4] == b"\x89PNG"
     data = json.loads((tmp_path / "plan.json").read_text())
     assert {"params", "tokens", "strategies", "recommended"} <= set(data)

@@ -8,6 +8,9 @@ so peak(b) = 16 GiB / (dp if sharded) / tp + b GiB / tp, exactly. FLOPs per rank
 6 x PARAMS x tokens x b / tp. Collectives: FSDP all-gathers PARAM_BYTES/tp in forward and in
 backward and reduce-scatters GRAD_BYTES/tp in backward; DDP all-reduces GRAD_BYTES in two
 buckets; TP all-reduces b x 1e8 bytes in forward and in backward.
+zero1 / zero2 are DDP with the optimizer state (zero1: 8 GiB) or the optimizer state and the
+gradients (zero2: 12 GiB) sharded by dp, and a PARAM_BYTES broadcast in the optimizer step.
+pp<N>[+X] (N micro-batches, 1F1B) divides state, activations and FLOPs by N on top of X's.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class Strategy:
     tp: int
     shard: str
     replicas: int = 1
+    pp: int = 1
+    pp_schedule: str = ""
+    microbatches: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,12 @@ def parse_strategies(text: str, world_size: int) -> list[Strategy]:
 
 
 def _one(name: str, world: int, quiet: bool = False) -> Strategy | None:
-    found = re.fullmatch(r"(ddp|fsdp|fsdp-noreshard|hsdp|tp|fsdp\+tp)(\d*)", name)
+    pipeline = re.fullmatch(r"pp(\d+)(?:\+(.+))?", name)
+    if pipeline:
+        pp = int(pipeline.group(1))
+        inner = _one(pipeline.group(2), world // pp) if pipeline.group(2) else Strategy("none", 1, 1, 1, "none")
+        return dataclasses.replace(inner, name=name, world_size=world, pp=pp, pp_schedule="1f1b", microbatches=pp)
+    found = re.fullmatch(r"(ddp|fsdp|fsdp-noreshard|zero1|zero2|hsdp|tp|fsdp\+tp)(\d*)", name)
     if not found:
         raise OptionError(f"unknown strategy '{name}': use ddp, fsdp, fsdp-noreshard, hsdp<R>, tp<N>, fsdp+tp<N>")
     kind, n = found.group(1), int(found.group(2) or 1)
@@ -95,9 +106,14 @@ def _one(name: str, world: int, quiet: bool = False) -> Strategy | None:
 def trace_sharded(workload, options, device, strategy: Strategy, local_batch: int) -> ShardedPoint:
     s, b = strategy, local_batch
     sharded = s.shard in ("fsdp", "fsdp-noreshard", "hsdp")
-    state = STATE_BYTES // (s.dp if sharded else 1) // s.tp
-    activations = ACT_BYTES_PER_SAMPLE * b // s.tp
-    breakdown = {"parameters": state // 4, "gradients": state // 4, "optimizer": state // 2,
+    state = STATE_BYTES // (s.dp if sharded else 1) // s.tp // s.pp
+    params, grads, optimizer = state // 4, state // 4, state // 2
+    if s.shard in ("zero1", "zero2"):
+        optimizer //= s.dp
+        grads //= s.dp if s.shard == "zero2" else 1
+        state = params + grads + optimizer
+    activations = ACT_BYTES_PER_SAMPLE * b // s.tp // s.pp
+    breakdown = {"parameters": params, "gradients": grads, "optimizer": optimizer,
                  "activations": activations, "collective": 0, "other": 0}
     collectives = []
     if sharded and s.dp > 1:
@@ -107,14 +123,16 @@ def trace_sharded(workload, options, device, strategy: Strategy, local_batch: in
                         Collective("reduce_scatter", "dp", group, GRAD_BYTES // s.tp, "backward")]
         if s.shard == "hsdp" and s.replicas > 1:
             collectives.append(Collective("all_reduce", "dp", s.replicas, GRAD_BYTES // s.dp, "backward"))
-    if s.shard == "ddp":
+    if s.shard in ("ddp", "zero1", "zero2"):
         collectives += [Collective("all_reduce", "dp", s.dp, GRAD_BYTES // 2, "backward")] * 2
+    if s.shard in ("zero1", "zero2"):
+        collectives.append(Collective("broadcast", "dp", s.dp, PARAM_BYTES, "optimizer"))
     if s.tp > 1:
         collectives += [Collective("all_reduce", "tp", s.tp, TP_BYTES_PER_SAMPLE * b, "forward"),
                         Collective("all_reduce", "tp", s.tp, TP_BYTES_PER_SAMPLE * b, "backward")]
     tokens = workload.tokens_per_sample or 1
-    return ShardedPoint(s, b, state + activations, breakdown, 6 * PARAMS * tokens * b // s.tp, tuple(collectives),
-                        PARAMS, PARAMS // (s.dp if sharded else 1) // s.tp)
+    return ShardedPoint(s, b, state + activations, breakdown, 6 * PARAMS * tokens * b // s.tp // s.pp,
+                        tuple(collectives), PARAMS, PARAMS // (s.dp if sharded else 1) // s.tp // s.pp)
 
 
 def fresh_stream(point: ShardedPoint) -> tuple[list[tuple[str, int, int]], tuple[int, int]]:

@@ -267,8 +267,8 @@ def test_strategy_names_and_degrees():
         Strategy("hsdp2", 4, 4, 1, "hsdp", replicas=2), Strategy("fsdp-noreshard", 4, 4, 1, "fsdp-noreshard")]
     assert parse_strategies("tp4,fsdp+tp4", 4) == [Strategy("tp4", 4, 1, 4, "none"), Strategy("fsdp+tp4", 4, 1, 4, "fsdp")]
     assert parse_strategies("fsdp", 1) == [Strategy("fsdp", 1, 1, 1, "none")]
-    assert [s.name for s in parse_strategies("auto", 8)] == [
-        "ddp", "fsdp", "fsdp-noreshard", "hsdp2", "hsdp4", "tp8", "fsdp+tp2", "fsdp+tp4"]
+    assert [s.name for s in parse_strategies("auto", 8)] == [  # plan/candidates.py's, no model: no pp
+        "ddp", "fsdp", "fsdp-noreshard", "zero1", "zero2", "hsdp2", "hsdp4", "fsdp+tp2", "fsdp+tp4", "tp8"]
     for text, world_size, message in [("tp3", 4, "use tp4"), ("fsdp+tp3", 4, "N in 2, 4"), ("zero3", 4, "unknown strategy"),
                                       ("hsdp3", 4, "R in 2, 4"), ("tp2", 4, "fsdp\\+tp2"), ("", 4, "no strategy"),
                                       ("ddp", 0, "1 or more")]:

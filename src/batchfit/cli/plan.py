@@ -61,8 +61,13 @@ def plan_command(
                                                  "optimizer state sharded), zero2 (optimizer state and gradients "
                                                  "sharded, parameters replicated), hsdp<R>, tp<N>, fsdp+tp<N>, "
                                                  "fsdp+cp<N>[+tp<T>], ddp+cp<N> (context parallelism: sequence/N per rank, ring "
-                                                 "attention), pp<N>[+any of these] (pipeline stages: pp4+fsdp, pp2+fsdp+tp2); or auto "
-                                                 "(ddp, fsdp, fsdp-noreshard, hsdp, tp, fsdp+tp whose degrees divide the GPUs).")]
+                                                 "attention), ep<N>+fsdp (MoE expert parallelism), "
+                                                 "pp<N>[+any of these] (pipeline stages: pp4+fsdp, pp2+fsdp+tp2); or auto: "
+                                                 "every combination of plan/candidates.py's rules (the 5 above, hsdp<R>, "
+                                                 "tp within a node, pp<N>+fsdp[+tp] when the layers split), ranked by "
+                                                 "tokens/s: at most 7 traced on 2 GPUs, 11 on 4, 15 on 8, 17 on 64 "
+                                                 "(those that cannot apply are listed, not traced); a list traces "
+                                                 "only those.")]
     = DEFAULT_STRATEGIES,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step over all GPUs; the plan picks "
                                                           "micro-batch x accumulation to reach it.")] = None,
@@ -239,24 +244,45 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
     console.print("memory: " + ("reserved (rank 0's fresh process replayed through the caching allocator model: "
                                 "what a GPU runs out of)" if result.limit == "reserved"
                                 else "allocated (tensors only; --limit reserved for what a GPU runs out of)"))
-    # 80 columns hold every column whole: light box, headers on two lines, nothing wrapped (a
-    # strategy name or a tokens/s figure cut to 'fsdp-…' or '1,23…' was the one thing to read)
+    # The ranking (plan/ranking.py): every combination by predicted tokens/s with its memory. 80 columns
+    # hold every column whole: light box, headers on two lines, nothing wrapped (a strategy name or a
+    # tokens/s figure cut to 'fsdp-…' or '1,23…' was the one thing to read); GPUs and days only when there.
+    rows = result.ranking
+    several = len(result.worlds) > 1
+    days = any(row.days is not None for row in rows)
+    unit = "tokens/s" if any(row.tokens_per_s for row in rows) else "samples/s"
+    columns = ["#", *(["GPUs"] if several else []), "strategy", "max\nlocal", "micro x\naccum", "GiB\nalloc",
+               "GiB\nresv", "comm\ns", "bubble\ns", "step\ns", unit, *(["days"] if days else [])]
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
-    for column in ("GPUs", "strategy", "max\nlocal", "max\nglobal", "micro x\naccum", "GiB at\nmicro", "step\ns",
-                   "tokens/s", "days"):
+    for column in columns:
         table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
-    for p in result.plans:
-        if p.skipped:
-            table.add_row(str(p.gpus), p.strategy, "skipped", "", "", "", "", "", "")
+
+    def gib(value: int | None) -> str:
+        return f"{value / GiB:.1f}" if value else "—"
+
+    def secs(value: float | None) -> str:
+        return "—" if value is None else f"{value:.2f}"
+
+    for row in rows:
+        head = [str(row.rank or "—"), *([str(row.gpus)] if several else []), row.strategy]
+        if row.rank is None:
+            table.add_row(*head, "skipped" if row.status == "skipped" else "no fit", *[""] * (len(columns) - 4))
             continue
-        table.add_row(
-            str(p.gpus), p.strategy, str(p.max_local_batch), str(p.max_global_batch),
-            f"{p.micro_batch} x {p.accumulation_steps}" if p.fits else "no fit",
-            f"{(p.peak_reserved_bytes_at_micro or p.peak_bytes_at_micro) / GiB:.1f}" if p.peak_bytes_at_micro else "—",
-            f"{p.step_time_s:.2f}" if p.step_time_s else "—",
-            f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "—",
-            f"{p.days:.1f}" if p.days is not None else "—")
+        speed = row.tokens_per_s or row.samples_per_s
+        table.add_row(*head, str(row.max_local_batch),
+                      f"{row.micro_batch} x {row.accumulation_steps}" + ("!" if row.status == "above target" else ""),
+                      gib(row.allocated_bytes), gib(row.reserved_bytes), secs(row.exposed_comm_s), secs(row.bubble_s),
+                      secs(row.step_time_s), f"{speed:,.0f}" if speed else "—",
+                      *([f"{row.days:.1f}" if row.days is not None else "—"] if days else []))
     console.print(table)
+    if any(row.rank for row in rows):
+        console.print(f"ranked by {unit} (computed, MFU {result.time_model.mfu:.2f}); memory at the micro-batch "
+                      "(traced, rank 0); comm: exposed communication per step"
+                      + ("; !: above --target-util" if any(r.status == "above target" for r in rows) else ""))
+    for row in rows:
+        if row.rank is None and row.why:
+            console.print(escape(f"{row.strategy}{f' on {row.gpus} GPUs' if several else ''}: {row.status}: {row.why}"),
+                          soft_wrap=True)
     losses = dict.fromkeys(p.tp_loss for p in result.plans if p.tp_loss)
     if losses:
         console.print("tensor-parallel loss: " + ", ".join(losses)

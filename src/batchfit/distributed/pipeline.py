@@ -85,7 +85,7 @@ def check_pipeline(schedule: PipelineSchedule, pp: int, n_layers: int | None) ->
     if n_layers is not None and n_layers % stages:
         good = [d for d in range(1, n_layers + 1) if n_layers % d == 0 and d > 1]
         raise OptionError(f"pp{pp} with {schedule.name}: {n_layers} layers do not split into {stages} equal stages: "
-                          f"use a stage count in {', '.join(map(str, good))}")
+                          f"use a stage count in {', '.join(map(str, good)) or '(none: one layer cannot be split)'}")
     if schedule.kind != "gpipe" and m < pp:
         raise OptionError(f"{schedule.name} on pp{pp} needs at least {pp} micro-batches (one per stage), got {m}: "
                           f"--microbatches {pp} or more, or --pp-schedule gpipe")

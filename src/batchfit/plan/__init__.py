@@ -1,6 +1,8 @@
 """``batchfit plan``: strategies on a fake process group, a time model, launch configs.
 
     engine.py      plan(): trace each strategy x GPU count, fit, search, time, recommend
+    candidates.py  --strategies auto: every combination worth tracing, the ones that cannot apply with why
+    ranking.py     every combination ranked by predicted tokens/s, with its memory (report and JSON 'ranking')
     world.py       --gpus / --nodes / --gpus-per-node, --tokens
     time_model.py  computed step time: FLOPs / (peak x MFU) + collective bytes / bandwidth
     emit.py        --emit: the chosen numbers as YAML + torchrun, or an Accelerate config

@@ -238,6 +238,8 @@ class StrategyPlan:
     """Under TP, the loss the plan traced: sharded (loss_parallel), gathered or replicated; None without TP."""
     ep: int = 1
     """Expert-parallel degree (ep<N>; within dp, so max_global_batch is unchanged by it)."""
+    pp: int = 1
+    """Pipeline stages (pp<N>); 1 without."""
 
     @property
     def max_global_batch(self) -> int:
@@ -257,7 +259,7 @@ class StrategyPlan:
     def to_json(self) -> dict:
         return {
             "strategy": self.strategy, "gpus": self.gpus, "nodes": self.nodes, "dp": self.dp, "tp": self.tp,
-            "ep": self.ep, "shard": self.shard, "replicas": self.replicas,
+            "ep": self.ep, "pp": self.pp, "shard": self.shard, "replicas": self.replicas,
             "points": [p.to_json() for p in self.points],
             "fit": ({"model": "peak(local_batch) = fixed_bytes + bytes_per_sample * local_batch",
                      "fixed_bytes": round(self.curve.lines[0].fixed_bytes),
@@ -328,6 +330,14 @@ class PlanResult:
                 out.append(max(fitting, key=lambda p: (p.samples_per_s or 0.0, p.global_batch, -p.tp)))
         return out
 
+    @property
+    def ranking(self) -> list:
+        """Every combination, per GPU count, by predicted tokens/s with its memory; what does not fit
+        or was skipped last, with why (``plan/ranking.py``: a list of ``RankedRow``)."""
+        from batchfit.plan.ranking import ranking
+
+        return ranking(self.plans, self.worlds, mfu=self.time_model.mfu, target_bytes=self.target_bytes)
+
     def to_json(self) -> dict:
         return {
             "source": "traced memory, computed time",
@@ -347,10 +357,19 @@ class PlanResult:
                              "peak_step": p.peak_step,
                              "step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s, "days": p.days}
                             for p in self.recommended],
+            "ranking": [row.to_json() for row in self.ranking],
+            **({"auto_left_out": list(_auto_bounds())} if self.strategies_asked.strip().lower() == "auto" else {}),
             "approximations": [a.to_json() for a in self.approximations],
             "host_limit_bytes": self.host_limit_bytes,
             "trace_seconds": round(self.trace_seconds, 2), "traces": self.traces, "created": self.created,
         }
+
+
+def _auto_bounds() -> tuple[str, ...]:
+    """What --strategies auto leaves out only to bound the tracing (``candidates.BOUNDS``)."""
+    from batchfit.plan.candidates import BOUNDS
+
+    return BOUNDS
 
 
 def _validate(target_util: float, multiple_of: int, max_batch: int, batch_sizes: list[int] | None,
@@ -451,7 +470,8 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
          trace: Callable | None = None, parse: Callable | None = None,
          progress: Callable[[str], None] | None = None, processes: int | None = None,
          limit: str = "reserved", replay: Callable | None = None,
-         host_memory_bytes: int | None = None, pp_schedule: str = "1f1b", microbatches: int = 0) -> PlanResult:
+         host_memory_bytes: int | None = None, pp_schedule: str = "1f1b", microbatches: int = 0,
+         facts=None) -> PlanResult:
     """Plan ``workload`` on ``device`` for each of ``worlds`` and each of ``strategies``.
 
     ``trace(workload, options, device, strategy, local_batch) -> ShardedPoint`` and
@@ -468,6 +488,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     ``pp_schedule`` / ``microbatches`` (``--pp-schedule``, ``--microbatches``): for pp<N> strategies
     (``plan/pipeline.py``), whose local batch is a pipeline's samples per step (a multiple of the
     micro-batches).
+    ``strategies='auto'``: every combination ``plan/candidates.py`` lists for the model (``facts``, a
+    ``candidates.ModelFacts``, default read from the model built on the meta device); each pp<N>
+    searches multiples of its own micro-batches; those that cannot apply are rows with ``skipped``.
     """
     options = options or StepOptions()
     time_model = time_model or TimeModel()
@@ -492,13 +515,27 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
 
         open_session = pipeline_or(functools.partial(DeepSession, session=module.ShardedSession))
     multiple_of = workload.batch_multiple(multiple_of)
-    by_world = [(world, parse(strategies, world.gpus)) for world in worlds]  # every bad name before any trace
+    auto = strategies.strip().lower() == "auto"
+    not_traced: list[StrategyPlan] = []
+    if auto:  # every combination (plan/candidates.py); the ones that cannot apply listed, not traced
+        by_world, not_traced = _auto(workload, options, worlds, parse, facts, pp_schedule, microbatches)
+    else:
+        by_world = [(world, parse(strategies, world.gpus)) for world in worlds]  # every bad name before any trace
+    base_multiple = multiple_of
     for _, chosen in by_world:  # a pipeline's local batch is whole micro-batches
         multiple_of = math.lcm(multiple_of, *(s.microbatches for s in chosen if getattr(s, "pp", 1) > 1))
-    if options.offloads("params"):
-        by_world = _with_fsdp_only(by_world, auto=strategies.strip().lower() == "auto")
+    if auto:  # each its own: pipelines do not make fsdp's local batch a multiple of their micro-batches
+        multiple_of = base_multiple
+    if options.offloads("params") and auto:
+        for world, chosen in by_world:
+            chosen[:] = _set_aside(world, chosen, lambda s: None if s.shard in FSDP_SHARDS else
+                                   "--offload params is FSDP2's CPUOffloadPolicy: this has no FSDP", not_traced)
+    elif options.offloads("params"):
+        by_world = _with_fsdp_only(by_world, auto=False)
     if global_batch is not None:
-        for _, chosen in by_world:
+        for world, chosen in by_world:
+            if auto:
+                chosen[:] = _set_aside(world, chosen, _not_reaching(global_batch, multiple_of), not_traced)
             _check_global_batch(global_batch, chosen, multiple_of)
     say = progress or (lambda message: None)
     started = time.perf_counter()
@@ -527,18 +564,18 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
 
     approximations += ep_approximations([s for _, chosen in by_world for s in chosen], options.routing)
     target_bytes = int(target_util * device.usable_bytes)
-    auto = strategies.strip().lower() == "auto"
 
     def one(job: tuple[World, object], say: Callable[[str], None]) -> tuple[StrategyPlan, int | None]:
         world, strategy = job
         return _plan_one(open_session, workload, options, device, world, strategy, time_model, say, auto=auto,
-                         batch_sizes=batch_sizes, global_batch=global_batch, multiple_of=multiple_of,
+                         batch_sizes=batch_sizes, global_batch=global_batch,
+                         multiple_of=_own_multiple(strategy, multiple_of) if auto else multiple_of,
                          max_batch=max_batch, target_bytes=target_bytes, limit=limit,
                          host_limit_bytes=host_memory_bytes)
 
     jobs = [(world, strategy) for world, chosen in by_world for strategy in chosen]
     done = workers.run(one, jobs, say, processes=processes if trace is None else 1)
-    plans = [plan_row for plan_row, _ in done]
+    plans = [plan_row for plan_row, _ in done] + not_traced
     params = next((n for _, n in done if n is not None), None)
     traces = sum(len(p.points) for p in plans)
     if params is None:
@@ -560,6 +597,53 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
 
 
 FSDP_SHARDS = ("fsdp", "fsdp-noreshard", "hsdp")
+
+
+def _auto(workload: Workload, options: StepOptions, worlds: list[World], parse: Callable, facts,
+          pp_schedule: str, microbatches: int) -> tuple[list, list[StrategyPlan]]:
+    """``--strategies auto``: per world, the strategies of ``candidates.candidates`` to trace, and a
+    row (not traced, ``skipped`` saying why) for each combination that cannot apply to this model."""
+    from batchfit.plan.candidates import candidates, model_facts
+
+    facts = facts or model_facts(workload, options)
+    by_world, not_traced = [], []
+    for world in worlds:
+        listed = candidates(world, facts, pp_schedule=pp_schedule, microbatches=microbatches)
+        names = [c.name for c in listed if c.skipped is None]
+        by_world.append((world, parse(",".join(names), world.gpus) if names else []))
+        not_traced += [StrategyPlan(strategy=c.name, gpus=c.gpus, nodes=c.nodes, dp=c.dp, tp=c.tp, shard=c.shard,
+                                    replicas=c.replicas, pp=c.pp, points=[], curve=None, max_local_batch=0,
+                                    capped=False, skipped=c.skipped) for c in listed if c.skipped]
+    return by_world, not_traced
+
+
+def _own_multiple(strategy, multiple_of: int) -> int:
+    """A strategy's local batch step under auto: whole pipeline micro-batches for pp<N>."""
+    return math.lcm(multiple_of, strategy.microbatches) if getattr(strategy, "pp", 1) > 1 else multiple_of
+
+
+def _set_aside(world: World, chosen: list, why: Callable[[object], str | None], not_traced: list[StrategyPlan]) -> list:
+    """Under auto, the strategies ``why`` has no reason against; each other becomes a skipped row
+    with the reason (a strategy the user named is refused with one line instead)."""
+    kept = []
+    for s in chosen:
+        reason = why(s)
+        if reason is None:
+            kept.append(s)
+            continue
+        not_traced.append(StrategyPlan(strategy=s.name, gpus=world.gpus, nodes=world.nodes, dp=s.dp, tp=s.tp,
+                                       shard=s.shard, replicas=getattr(s, "replicas", 1), pp=getattr(s, "pp", 1),
+                                       points=[], curve=None, max_local_batch=0, capped=False, skipped=reason))
+    return kept
+
+
+def _not_reaching(global_batch: int, multiple_of: int) -> Callable[[object], str | None]:
+    """Why a strategy cannot reach ``global_batch`` with whole micro-batches on each dp rank (or None)."""
+    def why(s) -> str | None:
+        step = s.dp * _own_multiple(s, multiple_of)
+        return (f"--global-batch {global_batch} is not a multiple of its {s.dp} data-parallel ranks x "
+                f"{step // s.dp} samples" if global_batch % step else None)
+    return why
 
 
 def _with_fsdp_only(by_world: list, *, auto: bool) -> list:
@@ -585,7 +669,7 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
     label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
     base = dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
                 tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1),
-                ep=getattr(strategy, "ep", 1))
+                ep=getattr(strategy, "ep", 1), pp=getattr(strategy, "pp", 1))
     curve = None
     try:
         with contextlib.closing(open_session(workload, options, device, strategy)) as session:

@@ -104,7 +104,10 @@ class PipelineSession:
         worst, stream = max(traced, key=lambda t: t[0].point.peak_bytes)
         self._streams[local_batch] = stream
         self.by_batch[local_batch] = self.stage_points
+        # The pipeline runs at the pace of its slowest stage: the time model takes the most FLOPs of any
+        # rank (the last, with the head and the loss, for a large vocabulary), not the largest peak's.
         return dataclasses.replace(worst.point, strategy=self.strategy,
+                                   flops=max(s.point.flops for s in self.stage_points),
                                    stage_peak_bytes=tuple(s.point.peak_bytes for s in self.stage_points))
 
     def reserved(self, local_batch: int):

@@ -48,8 +48,6 @@ from batchfit.distributed.strategy import Strategy
 from batchfit.errors import OptionError
 
 SHARDS = ("none", "ddp", "fsdp", "fsdp-noreshard", "hsdp", "zero1", "zero2")
-MAX_AUTO_TP = 8
-"""'auto' tries TP degrees up to one node's GPUs (8): TP beyond a node's NVLink is rarely worth it."""
 
 
 _NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|zero1|zero2|hsdp(\d+)|tp(\d+)|fsdp\+tp(\d+))$")
@@ -113,19 +111,19 @@ def parse_strategy(text: str, world_size: int, *, pp_schedule: str = "1f1b", mic
 
 
 def parse_strategies(text: str, world_size: int, *, pp_schedule: str = "1f1b", microbatches: int = 0) -> list[Strategy]:
-    """'ddp,fsdp,fsdp+tp2' or 'auto' (every strategy whose degrees divide ``world_size``).
+    """'ddp,fsdp,fsdp+tp2' or 'auto' (``plan/candidates.py``'s combinations for any model: no pp).
     Raises OptionError with one line saying what to type instead for an unknown name or a
     degree that does not divide ``world_size`` (e.g. 'tp3' on 4 GPUs)."""
     names = [n for n in text.split(",") if n.strip()]
     if not names:
         raise OptionError(f"no strategy given: use {_NAMES_HELP}")
-    if [n.strip().lower() for n in names] == ["auto"]:
-        names = ["ddp", "fsdp", "fsdp-noreshard"]
-        divisors = [d for d in _divisors(world_size) if 1 < d < world_size]
-        names += [f"hsdp{r}" for r in divisors]
-        if 1 < world_size <= MAX_AUTO_TP:
-            names.append(f"tp{world_size}")
-        names += [f"fsdp+tp{n}" for n in divisors if n <= MAX_AUTO_TP]
+    if [n.strip().lower() for n in names] == ["auto"]:  # no model here: plan() asks plan/candidates.py with one
+        from batchfit.plan.candidates import ModelFacts, candidates
+        from batchfit.plan.world import DEFAULT_GPUS_PER_NODE, World
+
+        nodes = world_size // DEFAULT_GPUS_PER_NODE if world_size % DEFAULT_GPUS_PER_NODE == 0 else 1
+        listed = candidates(World(world_size, max(nodes, 1)), ModelFacts(name="the model", tp_plan=True))
+        names = [c.name for c in listed if c.skipped is None]  # pp needs the model's layers: not listed
     strategies: list[Strategy] = []
     for name in names:
         if name.strip().lower() == "auto":

@@ -7,10 +7,10 @@ from pathlib import Path
 from batchfit.devices import GiB
 from batchfit.plan.time_model import OVERLAP_RULE  # pure Python, no torch
 from batchfit.report import write_report
-from batchfit.report.write import StagedFiles
+from batchfit.report.write import StagedFiles, staged_files
 from batchfit.report.host import plan_host_line as host_line_for_plan
 from batchfit.report.markdown import approximation_lines, gib
-from batchfit.report.plan_plots import plan_plot
+from batchfit.report.plan_plots import plan_plot, ranking_plot
 
 KNOWN_LIMITS = """\
 - Memory is rank 0's, traced on a fake process group: every rank of DDP, FSDP and TP holds the
@@ -116,6 +116,7 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
               *[f"- `{shard}`: {SHARD_MEANING[shard]}." for shard in dict.fromkeys(p.shard for p in r.plans)
                 if shard in SHARD_MEANING],
               "", f"![memory per GPU and tokens/s by strategy]({plot_name})", "",
+              *ranking_lines(r, plot_name),
               "## Configuration", "", "| | |", "|---|---|",
               f"| Model | `{r.workload}`: {r.description} |",
               f"| Tokens per sample | {r.tokens_per_sample or '—'} |",
@@ -176,6 +177,57 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
             lines += [f"  - {fix}" for fix in p.fix[1:]]
     lines += ["", "## Known limits", "", KNOWN_LIMITS.format(limit=LIMITS[r.limit])]
     return "\n".join(lines)
+
+
+def _t(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def ranking_lines(r, plot_name: str = "plan.png") -> list[str]:
+    """Seed 004's comparison for every combination: ranked by predicted tokens/s, each with its
+    memory and its step time split; what does not fit or was not traced below, with why."""
+    rows = r.ranking
+    if len(r.plans) < 2:
+        return []
+    unit = "tokens/s" if any(row.tokens_per_s for row in rows) else "samples/s"
+    gb = f"global batch {r.global_batch}" if r.global_batch else "global batch = micro-batch x dp (no --global-batch)"
+    ranking_plot = plot_name.replace(".png", "-ranking.png")
+    out = ["## Ranking: every combination by predicted throughput", "",
+           f"Per GPU count, each combination traced, by {unit} at {gb} (computed), with rank 0's memory at its "
+           f"micro-batch (traced; GiB = 2^30): allocated, and reserved (the caching allocator model) where replayed. "
+           f"Step time per optimizer step = compute (FLOPs / (peak x MFU {r.time_model.mfu:.2f}, "
+           f"{r.time_model.mfu_source})) + exposed communication (collectives not hidden behind compute) + pipeline "
+           "bubble; dp = data-parallel ranks (samples split over them; a TP or pp group shares one rank's samples).",
+           "", f"![{unit} against memory per GPU, one point per combination]({ranking_plot})", "",
+           f"| rank | GPUs | strategy | pp | dp | tp | max local | max global | micro x accum | GiB allocated | "
+           f"GiB reserved | compute s | exposed comm s | bubble s | step s | {unit} | vs best | days |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        if row.rank is None:
+            continue
+        speed = row.tokens_per_s or row.samples_per_s
+        out.append(f"| {row.rank} | {row.gpus} | {row.strategy}{' (above target)' if row.status == 'above target' else ''} "
+                   f"| {row.pp} | {row.dp} | {row.tp} | {row.max_local_batch} | {row.max_global_batch} | "
+                   f"{row.micro_batch} x {row.accumulation_steps} | {gib(row.allocated_bytes)} | "
+                   f"{gib(row.reserved_bytes) if row.reserved_bytes else '—'} | {_t(row.compute_s)} | "
+                   f"{_t(row.exposed_comm_s)} | {_t(row.bubble_s)} | {_s(row.step_time_s, 3)} | {_n(speed)} | "
+                   f"{'—' if row.vs_best is None else f'{row.vs_best:.2f}x'} | {_days(row.days)} |")
+    if not any(row.rank for row in rows):
+        out.append("| — | | nothing fits | | | | | | | | | | | | | | | |")
+    others = [row for row in rows if row.rank is None]
+    if others:
+        out += ["", "Not ranked: what does not fit even at the smallest local batch (traced), and what was not "
+                "traced (the rule that cannot apply to this model):", "",
+                "| GPUs | strategy | pp | dp | tp | status | why |", "|---:|---|---:|---:|---:|---|---|"]
+        out += [f"| {row.gpus} | {row.strategy} | {row.pp} | {row.dp} | {row.tp} | {row.status} | "
+                f"{(row.why or '').replace('|', '/')} |" for row in others]
+    if r.strategies_asked.strip().lower() == "auto":
+        from batchfit.plan.candidates import BOUNDS  # pure Python
+
+        out += ["", "`--strategies auto` traced every combination of `plan/candidates.py`'s rules; to bound the "
+                "tracing it leaves out (name any of them with --strategies to trace it):", "",
+                *[f"- {line}" for line in BOUNDS]]
+    return out + [""]
 
 
 def _offload_lines(r) -> list[str]:
@@ -244,6 +296,12 @@ def write_plan_report(result, out_dir: Path, files: StagedFiles | None = None,
     from batchfit.report.trainer_markdown import trainer_markdown
 
     data = result.to_json() if trainer is None else {**result.to_json(), "trainer": trainer}
-    return write_report(out_dir, "plan.json", data,
-                        lambda: plan_markdown(result) + ("\n" + trainer_markdown(trainer) if trainer else ""),
-                        lambda path: plan_plot(result, path), plot_name="plan.png", files=files)
+    if files is None:
+        with staged_files() as files:
+            return write_plan_report(result, out_dir, files, trainer)
+    paths = write_report(out_dir, "plan.json", data,
+                         lambda: plan_markdown(result) + ("\n" + trainer_markdown(trainer) if trainer else ""),
+                         lambda path: plan_plot(result, path), plot_name="plan.png", files=files)
+    if len(result.plans) >= 2:  # the ranking's picture, beside plan.png, in the same all-or-none set
+        paths["ranking_png"] = files.write(out_dir / "plan-ranking.png", lambda path: ranking_plot(result, path))
+    return paths

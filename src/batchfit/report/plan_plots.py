@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from batchfit.devices import GiB
 
@@ -56,4 +56,65 @@ def plan_plot(result, path: Path) -> None:
         speed.text(0.5, 0.5, "no time: the GPU's peak FLOP/s is unknown", ha="center", transform=speed.transAxes)
     fig.suptitle(f"{result.workload} on {result.device.display_name}, {result.options.precision}", fontsize=11)
     fig.tight_layout()
+    fig.savefig(path)
+
+
+FAMILIES = {"data parallel": ("o", "tab:blue"), "tensor parallel": ("s", "tab:purple"), "pipeline": ("D", "tab:brown")}
+"""Marker and colour of a combination by what it splits: samples only, the layers' matrices, or the layers."""
+
+
+def ranking_plot(result, path: Path) -> None:
+    """The ranking as a picture: predicted throughput against memory per GPU, one point per
+    combination (named beside it: rank, strategy, micro-batch x accumulation), the best starred;
+    one panel per GPU count (at most 4: the first 4); the usable memory and the target drawn; what
+    does not fit or was skipped listed under the axes."""
+    worlds = result.worlds[:4]
+    fig = Figure(figsize=(min(6.5 * len(worlds), 20) if len(worlds) > 1 else 10, 6), dpi=120)
+    rows = result.ranking
+    ranked = [row for row in rows if row.rank is not None and (row.tokens_per_s or row.samples_per_s)]
+    unit = "tokens/s" if any(row.tokens_per_s for row in ranked) else "samples/s"
+    what = "reserved" if result.limit == "reserved" else "allocated"
+    for n, world in enumerate(worlds):
+        ax = fig.add_subplot(1, len(worlds), n + 1)
+        shown: set[str] = set()
+        mine = sorted((row for row in ranked if row.gpus == world.gpus), key=lambda row: row.rank)
+        for i, row in enumerate(mine):
+            gib = (row.reserved_bytes or row.allocated_bytes or 0) / GiB
+            speed = row.tokens_per_s or row.samples_per_s
+            family = "pipeline" if row.pp > 1 else "tensor parallel" if row.tp > 1 else "data parallel"
+            marker, color = FAMILIES[family]
+            ax.scatter([gib], [speed], color=color, marker=marker, s=55, zorder=3, edgecolor="black", linewidth=0.4,
+                       label=None if family in shown else family)
+            shown.add(family)
+            if row.rank == 1:
+                ax.scatter([gib], [speed], marker="*", s=260, color="tab:green", zorder=4, edgecolor="black",
+                           linewidth=0.4, label="best")
+            above = " (above target)" if row.status == "above target" else ""
+            ax.annotate(f"{row.rank}. {row.strategy} {row.micro_batch}x{row.accumulation_steps}{above}", (gib, speed),
+                        xytext=(6, 3 if i % 2 == 0 else -9), textcoords="offset points", fontsize=7)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+        ax.axvline(result.capacity_bytes / GiB, color="black", lw=1, label=f"usable {result.capacity_bytes / GiB:.1f} GiB")
+        ax.axvline(result.target_bytes / GiB, color="tab:orange", ls="--", lw=1, label=f"target {result.target_util:.0%}")
+        ax.set_xlabel(f"memory per GPU at the micro-batch, rank 0, {what} (GiB, traced)", fontsize=8)
+        if n == 0:
+            ax.set_ylabel(f"{unit} (computed, MFU {result.time_model.mfu:.2f})")
+        ax.set_xlim(left=0, right=result.capacity_bytes / GiB * 1.08)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")
+        ax.set_title(f"{world.gpus} GPU{'s' if world.gpus > 1 else ''}" + (f", {world.nodes} nodes" if world.nodes > 1
+                                                                            else ""), fontsize=9)
+        if not mine:
+            ax.text(0.5, 0.5, "nothing ranked: no fit, or no time\n(the GPU's peak FLOP/s is unknown)", ha="center",
+                    transform=ax.transAxes, fontsize=8)
+    others = [row for row in rows if row.rank is None and any(row.gpus == w.gpus for w in worlds)]
+    if others:
+        text = "; ".join(f"{row.strategy}{f' x {row.gpus}' if len(worlds) > 1 else ''}: {row.status}"
+                         for row in others[:12]) + ("; ..." if len(others) > 12 else "")
+        fig.text(0.01, 0.01, "not ranked (report.md says why): " + text, fontsize=7, wrap=True)
+    gb = f"global batch {result.global_batch}" if result.global_batch else "max global batch"
+    fig.suptitle(f"{result.workload} on {result.device.display_name}, {result.options.precision}: every combination "
+                 f"ranked, {unit} at {gb} against memory per GPU (labels: rank. strategy micro x accumulation)",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.05 if others else 0, 1, 1))
     fig.savefig(path)
