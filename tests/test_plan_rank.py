@@ -82,7 +82,7 @@ def test_what_cannot_apply_is_listed_with_its_reason():
     assert "micro-batches" in skipped(World(4), LLAMA, microbatches=2)["pp4"]  # 1F1B needs one per stage
     assert "--loss chunked" in skipped(World(2), ModelFacts(name="m", n_layers=4, loss="chunked"))["pp2"]
     assert "could not be built on the meta device" in skipped(World(2), ModelFacts(name="m", unread="x"))["pp2"]
-    assert all("\n" not in reason for reason in reasons.values()) and len(BOUNDS) == 4
+    assert all("\n" not in reason for reason in reasons.values()) and len(BOUNDS) == 5
 
 
 def test_a_new_component_is_added():
@@ -101,6 +101,22 @@ def test_a_new_component_is_added():
     assert (listed["fsdp+cp2+tp2"].dp, listed["pp2+fsdp+cp2"].dp) == (2, 2)
     assert listed["ep2+fsdp"].dp == 8 and listed["ep2+fsdp"].skipped == "llama is dense: no experts to shard"
     assert "ep2+fsdp+cp2" not in listed  # a component composes with the base combinations, one at a time
+
+
+def test_cp_and_ep_join_auto_where_they_apply():
+    """cp from MIN_AUTO_CP_SEQ tokens on FSDP2 bases (smallest and largest degree within a node); ep on a
+    mixture of experts only, at the largest degree within a node dividing the experts; neither on a short
+    dense model (none of their rows, not even skipped ones)."""
+    from batchfit.plan.candidates import MIN_AUTO_CP_SEQ
+
+    short = {c.name for c in candidates(World(8), LLAMA)}
+    assert not any("cp" in n or "ep" in n for n in short)
+    long = {c.name: c for c in candidates(World(8), ModelFacts(**{**LLAMA.__dict__, "seq_len": MIN_AUTO_CP_SEQ}))}
+    assert {"fsdp+cp2", "fsdp+cp8", "fsdp+cp2+tp2", "fsdp+cp2+tp4"} <= set(long)
+    assert (long["fsdp+cp8"].dp, long["fsdp+cp2+tp2"].dp) == (1, 2) and "fsdp+cp4" not in long
+    moe = {c.name: c for c in candidates(World(64, nodes=8), ModelFacts(name="qwen3-moe", n_layers=48, heads=32,
+                                                                      kv_heads=4, experts=128))}
+    assert moe["ep8+fsdp"].dp == 64 and not any(n.startswith("ep") and n != "ep8+fsdp" for n in moe)
 
 
 # --- the ranking ---------------------------------------------------------------------------------------

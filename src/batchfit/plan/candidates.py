@@ -41,6 +41,8 @@ MAX_AUTO_PP = 8
 """auto tries pipelines of up to 8 stages (published 405B runs use pp8; the 1F1B bubble grows with N)."""
 MAX_AUTO_TP = 8
 """auto tries TP degrees up to one node's GPUs, at most 8: TP beyond a node's NVLink is rarely worth it."""
+MIN_AUTO_CP_SEQ = 8192
+"""auto adds context parallelism from this sequence length on (shorter sequences fit without a ring)."""
 DP_WRAPS = ("ddp", "fsdp", "fsdp-noreshard", "zero1", "zero2")
 """The data-parallel wraps auto tries without pp or TP (hsdp<R> besides)."""
 
@@ -53,6 +55,9 @@ BOUNDS = (
     "zero1/zero2 and hsdp only without pp and TP (batchfit's strategy grammar does not compose them)",
     "hsdp<R>: R = the nodes and up to two halvings (not below 2) on several nodes; R = 2 or 4 (2+ GPUs per shard "
     "group) on one",
+    f"cp only from a sequence of {MIN_AUTO_CP_SEQ:,} tokens, over FSDP2 without pp, at the smallest and largest "
+    "degree that fit one node; ep only on a mixture of experts, ep<N>+fsdp without pp or TP, at the largest degree "
+    "within a node",
 )
 """What auto leaves out only to bound the tracing (not because it cannot apply): printed with the ranking."""
 
@@ -75,6 +80,8 @@ class ModelFacts:
     """Routed experts of a mixture-of-experts model (for the ep component); None: a dense model."""
     loss: str = "plain"
     """--loss: pipelines trace the plain loss only."""
+    seq_len: int | None = None
+    """Tokens per sample (the cp component's rule reads it); None: not a sequence model."""
     unread: str | None = None
     """Why the model could not be built on the meta device (then TP is left to the tracer, pp skipped)."""
 
@@ -125,7 +132,33 @@ class Component:
 #   Component(key="cp", takes_gpus=True, place="before-tp", rule="cp<N> ...", degrees=_cp_degrees)
 # Candidates then carry degrees={"cp": N} and the composed name ("fsdp+cp2+tp2"); the engine traces
 # them like any other name (the strategy grammar must parse it). tests/test_plan_rank.py shows one added.
-EXTRA_COMPONENTS: tuple[Component, ...] = ()
+def _cp_degrees(world: World, facts: ModelFacts, base: Candidate) -> list[tuple[int, str | None]]:
+    """cp<N> (plan/cp_strategy.py) on FSDP2 without pp, for attention models from MIN_AUTO_CP_SEQ tokens: the
+    smallest and largest N within a node that divides the data-parallel ranks and leaves sequence / (2 N) whole
+    (torch's head-tail load balancing)."""
+    seq = facts.seq_len or 0
+    if base.shard != "fsdp" or base.pp > 1 or facts.heads is None or seq < MIN_AUTO_CP_SEQ:
+        return []
+    room = world.gpus_per_node // base.tp
+    fit = [d for d in _divisors(base.dp) if 1 < d <= room and seq % (2 * d) == 0]
+    return [(d, None) for d in sorted({fit[0], fit[-1]})] if fit else []
+
+
+def _ep_degrees(world: World, facts: ModelFacts, base: Candidate) -> list[tuple[int, str | None]]:
+    """ep<N>+fsdp (plan/ep_strategy.py) for a mixture of experts, without pp or TP (HF MoE blocks have no TP
+    plan): the largest N within a node dividing both the experts and the data-parallel ranks."""
+    if not facts.experts or base.shard != "fsdp" or base.pp > 1 or base.tp > 1:
+        return []
+    fit = [d for d in _divisors(base.dp) if 1 < d <= world.gpus_per_node and facts.experts % d == 0]
+    return [(fit[-1], None)] if fit else []
+
+
+EXTRA_COMPONENTS: tuple[Component, ...] = (
+    Component(key="cp", takes_gpus=True, place="before-tp", degrees=_cp_degrees,
+              rule="cp<N>: ring attention over N ranks of each sample, FSDP2 over dp x cp"),
+    Component(key="ep", takes_gpus=False, place="first", degrees=_ep_degrees,
+              rule="ep<N>+fsdp: each rank keeps experts / N, all-to-all dispatch"),
+)
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -240,7 +273,7 @@ def model_facts(workload, options=None) -> ModelFacts:
             model = workload.build_model()
     except Exception as error:  # a model that cannot be built without memory: the tracer decides TP
         return ModelFacts(name=workload.name, tp_plan=True, unread=f"{type(error).__name__}: {error}"[:200],
-                          loss=getattr(options, "loss", "plain") or "plain")
+                          loss=getattr(options, "loss", "plain") or "plain", seq_len=workload.tokens_per_sample)
     n_layers = None
     if all(hasattr(model, a) for a in ("embed", "blocks", "norm", "head")):
         n_layers = len(model.blocks)
