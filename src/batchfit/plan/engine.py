@@ -682,10 +682,12 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
                                       host_limit_bytes=host_limit_bytes)
             plan_row.whole_reserved = list(getattr(session, "whole_reserved", []))
     except OptionError as error:
-        if not auto or strategy.tp == 1 or (curve is not None and curve.points):
+        if not auto or (curve is not None and curve.points):
             raise
+        # auto tried a combination this model cannot run (no TP plan; a torchtitan job's parallelize_llama has
+        # no ddp / zero / pp): a skipped row with the one-line reason, as the candidates' own rules give
         return StrategyPlan(**base, points=[], curve=None, max_local_batch=0, capped=False,
-                            skipped=str(error)), None  # auto tried it; the model has no TP plan
+                            skipped=str(error)), None
     plan_row.points = [curve.points[b] for b in sorted(curve.points)]
     plan_row.curve = curve.curve()
     return plan_row, curve.first.params
