@@ -37,8 +37,8 @@ from batchfit.errors import OptionError
 from batchfit.plan import workers
 from batchfit.plan.time_model import OVERLAP_RULE, StepTime, TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
-from batchfit.search import (DEFAULT_MAX_BATCH, SearchResult, Trial, _check_limit, check_search_options, guided,
-                              reserved_search, trace_first_sizes)
+from batchfit.search import (DEFAULT_MAX_BATCH, SearchResult, Trial, _check_limit, check_search_options,
+                              choose_micro, guided, micro_candidates, reserved_search, trace_first_sizes)
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
@@ -373,13 +373,6 @@ def _check_global_batch(global_batch: int, strategies: list, multiple_of: int) -
                 f"use a multiple of {step}, e.g. --global-batch {near}")
 
 
-def _micro_candidates(plan: StrategyPlan, global_batch: int, multiple_of: int) -> list[int]:
-    """Local batches that could be the micro-batch, largest first: multiples of ``multiple_of``
-    up to the max local batch whose product with dp divides the global batch."""
-    sizes = range(plan.max_local_batch // multiple_of * multiple_of, 0, -multiple_of)
-    return [m for m in sizes if global_batch % (m * plan.dp) == 0]
-
-
 def _choose_micro(plan: StrategyPlan, curve: ShardedCurve, target_bytes: int, global_batch: int | None,
                   multiple_of: int) -> None:
     """The micro-batch: the largest local batch whose traced peak (reserved or allocated, by
@@ -392,11 +385,9 @@ def _choose_micro(plan: StrategyPlan, curve: ShardedCurve, target_bytes: int, gl
                                 reserved=reserved)
         chosen = found.max_batch_size or multiple_of
     else:  # few sizes (divisors): from the largest the curve puts under the target (reserved >= allocated), down
-        candidates = _micro_candidates(plan, global_batch, multiple_of)
-        fitted = curve.curve()
-        first = next((i for i, m in enumerate(candidates) if fitted.peak_bytes(m) <= target_bytes),
-                     len(candidates) - 1)
-        chosen = next((m for m in candidates[first:] if point(m).fits(target_bytes, plan.limit)), candidates[-1])
+        candidates = micro_candidates(global_batch, plan.max_local_batch, multiple_of, plan.dp)
+        chosen = choose_micro(candidates, curve.curve().peak_bytes, target_bytes,
+                              lambda m: point(m).fits(target_bytes, plan.limit))
     at = point(chosen)
     plan.micro_batch = chosen
     plan.above_target = not at.fits(target_bytes, plan.limit)
