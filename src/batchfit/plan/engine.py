@@ -141,8 +141,12 @@ class ShardedCurve:
     ``estimate``'s fit and confirmation on top."""
 
     def __init__(self, trace_point: Callable[[int], object], workspace_bytes: int,
-                 say: Callable[[str], None], replay: Callable[[int], object] | None = None) -> None:
+                 say: Callable[[str], None], replay: Callable[[int], object] | None = None,
+                 replay_first: bool = False) -> None:
         self._trace, self._workspace, self._say, self._replay = trace_point, workspace_bytes, say, replay
+        self._replay_first = replay_first
+        """Replay a size not traced yet before tracing it: the replay's fresh trace gives its
+        point too (``DeepSession.replay_gives_point``), one trace of the size instead of two."""
         self.points: dict[int, PlanPoint] = {}
         self.first = None
         """The first ShardedPoint traced (its parameter counts)."""
@@ -157,13 +161,21 @@ class ShardedCurve:
 
     def reserved(self, local_batch: int) -> PlanPoint:
         """The point with its reserved peak: rank 0's fresh process replayed through the
-        allocator model (``plan/reserved.py``), once per size."""
+        allocator model (``plan/reserved.py``), once per size. A size not traced yet is
+        replayed first where the replay's fresh trace gives its point too (``replay_first``)."""
+        if self._replay is None:
+            self.point(local_batch)
+            raise OptionError("this tracer cannot replay reserved memory: use --limit allocated")
+        replayed = None
+        if self._replay_first and local_batch not in self.points:
+            self._say(f"local batch {local_batch}: reserved memory (allocator model)")
+            replayed = self._replay(local_batch)
         point = self.point(local_batch)
         if point.reserved is None:
-            if self._replay is None:
-                raise OptionError("this tracer cannot replay reserved memory: use --limit allocated")
-            self._say(f"local batch {local_batch}: reserved memory (allocator model)")
-            point.reserved = self._replay(local_batch)
+            if replayed is None:
+                self._say(f"local batch {local_batch}: reserved memory (allocator model)")
+                replayed = self._replay(local_batch)
+            point.reserved = replayed
         return point
 
     def curve(self) -> MemoryCurve:
@@ -570,7 +582,8 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
     try:
         with contextlib.closing(open_session(workload, options, device, strategy)) as session:
             curve = ShardedCurve(session.trace, device.workspace_bytes, lambda message: say(f"{label}: {message}"),
-                                 replay=getattr(session, "reserved", None))
+                                 replay=getattr(session, "reserved", None),
+                                 replay_first=getattr(session, "replay_gives_point", False))
             trace_first_sizes(curve, batch_sizes, multiple_of, device.usable_bytes)
             plan_row = _plan_strategy(base, curve, strategy, world, workload, device, options, time_model,
                                       global_batch=global_batch, multiple_of=multiple_of,
