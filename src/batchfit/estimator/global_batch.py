@@ -7,6 +7,13 @@ accumulation the gradients of the first micro-batch stay alive through the secon
 so a micro-batch that fits alone may not fit accumulating. The search starts from the largest
 candidate the step's curve without accumulation puts under the target (accumulation only adds
 memory) and goes down, one traced size at a time.
+
+Where the step writes micro-batches 3..N as repeats of the second (``MemoryTracker.
+repeat_micro_batch``: most recipes), tracing N accumulation steps costs two micro-batches. Where
+it runs every one (quantized layers, offload, compiled or MoE-routed steps, float8: untried
+there), N micro-batches at every candidate would cost minutes, so the candidates are traced
+with two, the first micro-batch's gradients alive through the second: the split says so
+(``traced_accumulation_steps``) and the later micro-batches' peak is taken as the second's.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ class GlobalBatchSplit:
     """Reserved peak there (allocator model), under --limit reserved."""
     above_target: bool = False
     """No candidate is under the target utilisation: the smallest, which fits the device."""
+    traced_accumulation_steps: int | None = None
+    """The accumulation the micro-batch was traced with: ``accumulation_steps``, or 2 where the
+    step runs every micro-batch (micro-batches 3..N taken as the second)."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -50,8 +60,11 @@ class GlobalBatchSplit:
         held = (f"reserved {self.peak_reserved_bytes / 2**30:.2f} GiB" if self.peak_reserved_bytes is not None
                 else f"allocated {self.peak_bytes / 2**30:.2f} GiB")
         where = f"above the {target_util:.0%} target" if self.above_target else f"under {target_util:.0%}"
+        traced = ("traced with that accumulation" if self.traced_accumulation_steps == self.accumulation_steps
+                  else f"traced with {self.traced_accumulation_steps} accumulation steps, the later micro-batches "
+                       "taken as the second")
         return (f"global batch {self.global_batch} = micro-batch {self.micro_batch} x {self.accumulation_steps} "
-                f"accumulation steps ({held}, {where}; traced with that accumulation)")
+                f"accumulation steps ({held}, {where}; {traced})")
 
 
 def check_global_batch(global_batch: int | None, multiple_of: int, options: StepOptions) -> None:
@@ -81,9 +94,14 @@ def split_global_batch(main: TracedCurve, at_accumulation: Callable[[int], Trace
     if not candidates:
         return GlobalBatchSplit(global_batch=global_batch, micro_batch=None, accumulation_steps=None)
     curves: dict[int, TracedCurve] = {1: main}
+    repeats = main.repeats_micro_batches  # the same rule at any accumulation (trace/session.py)
+
+    def traced_steps(micro: int) -> int:
+        steps = global_batch // micro
+        return steps if repeats else min(steps, 2)
 
     def point(micro: int) -> MemoryPoint:
-        steps = global_batch // micro
+        steps = traced_steps(micro)
         if steps not in curves:
             curves[steps] = at_accumulation(steps)
         curve = curves[steps]
@@ -100,7 +118,8 @@ def split_global_batch(main: TracedCurve, at_accumulation: Callable[[int], Trace
     at = point(chosen)
     return GlobalBatchSplit(global_batch=global_batch, micro_batch=chosen, accumulation_steps=global_batch // chosen,
                             peak_bytes=at.peak_bytes, peak_reserved_bytes=at.peak_reserved_bytes,
-                            above_target=not fits(chosen, target_bytes))
+                            above_target=not fits(chosen, target_bytes),
+                            traced_accumulation_steps=traced_steps(chosen))
 
 
 @contextlib.contextmanager

@@ -256,6 +256,12 @@ class TracedCurve:
         return [dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")] + budget + fast_path
 
     @property
+    def repeats_micro_batches(self) -> bool:
+        """Whether a step of several accumulation steps runs two micro-batches and writes the
+        rest (``MemoryTracker.repeat_micro_batch``), so that tracing N costs two."""
+        return (self._full or self._first).tracker.repeats_micro_batches
+
+    @property
     def by_depth(self) -> bool:
         return self.blocks is not None
 
