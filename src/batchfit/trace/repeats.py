@@ -17,6 +17,8 @@ in allocation order, one for one), and later events free the last copy's survivo
 
 from __future__ import annotations
 
+from batchfit.trace import stream
+
 Event = tuple[str, int, int]
 
 MARKS = ("begin", "repeat")
@@ -47,7 +49,7 @@ def fold(events: list[Event], repeats: list[tuple[int, int, int]]) -> list[Event
         back.update({copy[1]: mine[1] for copy, mine in zip(last, period) if mine[0] == "malloc"})
         done = at + times * len(period)
     out += [(kind, back.get(ident, ident) if kind == "free" else ident, n) for kind, ident, n in events[done:]]
-    if _renamed(unfold(out)) != _renamed(events):
+    if stream._canonical(unfold(out)) != stream._canonical(events):  # idents renamed in allocation order, marks kept
         raise NotFolded("the folded stream does not write the traced one back")
     return out
 
@@ -98,19 +100,4 @@ def unfold(events: list[Event]) -> list[Event]:
                     out.append(("free", ident_of.pop(i) if i in ident_of else current[stands_for[i]], 0))
             current = {i: ident_of[i] for i in left}
         rename.update(current)
-    return out
-
-
-def _renamed(events: list[Event]) -> list[tuple[str, int]]:
-    """Idents renamed in order of allocation (``stream._canonical``; marks kept)."""
-    order: dict[int, int] = {}
-    out = []
-    for kind, ident, n in events:
-        if kind == "malloc":
-            order[ident] = len(order)
-            out.append((kind, n))
-        elif kind == "free":
-            out.append((kind, order[ident]))
-        else:
-            out.append((kind, n))
     return out
