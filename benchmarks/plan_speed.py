@@ -7,13 +7,17 @@ Times the whole command as a user runs it (a fresh process: imports, every shard
 report; goal: under 60 s on a 2-core CPU), and prints the plan's table with the seconds and
 the number of traced steps. Writes benchmarks/results/plan_speed-<date>.json.
 
-    python benchmarks/plan_speed.py
+    python benchmarks/plan_speed.py [--name plan_speed] [--keep-json FILE]
+
+``--keep-json`` keeps the plan's JSON (to compare two checkouts' figures, timing fields aside).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +33,10 @@ GOAL_S = 60
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", default="plan_speed")
+    parser.add_argument("--keep-json")
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         load_before = os.getloadavg()
         started = time.perf_counter()
@@ -39,6 +47,8 @@ def main() -> None:
         if done.returncode:
             sys.exit(f"batchfit plan failed ({done.returncode}):\n{done.stderr[-3000:]}")
         data = json.loads(Path(folder, "plan.json").read_text())
+        if args.keep_json:
+            shutil.copy(Path(folder, "plan.json"), args.keep_json)
     rows = [{k: s[k] for k in ("strategy", "dp", "tp", "max_local_batch", "max_global_batch", "micro_batch",
                                "accumulation_steps", "peak_bytes_at_micro", "step_time_s", "tokens_per_s", "days")}
             | {"traced_local_batches": [p["local_batch"] for p in s["points"]],
@@ -54,7 +64,7 @@ def main() -> None:
               f"{r['micro_batch']:>5} x {r['accumulation_steps']:<3} "
               f"{(r['peak_bytes_at_micro'] or 0) / 2**30:6.1f} {r['step_time_s'] or 0:7.2f} "
               f"{r['tokens_per_s'] or 0:9,.0f} {r['days'] or 0:6.1f}")
-    path = write_result("plan_speed", {
+    path = write_result(args.name, {
         "plan_command": "batchfit plan " + " ".join(COMMAND), "command_s": round(seconds, 1), "goal_s": GOAL_S,
         "load_average_1min": {"before": round(load_before[0], 2), "after": round(load_after[0], 2)},
         "traces": data["traces"], "trace_seconds": data["trace_seconds"], "params": data["params"],

@@ -1,8 +1,8 @@
 """Issue 21's QLoRA figure: Llama-3.1-8B in nf4 with double quantization, LoRA r16 on every linear
 layer, paged 8-bit AdamW, bf16-mixed, on one RTX 4090 (24 GB): the largest per-device batch, and
-the gradient accumulation for a global batch of 64 (estimate has no --global-batch: plan's rule,
-``plan/engine.py: _choose_micro``, is applied to estimate's answer: the largest batch under the
-90% target that divides 64). Each limit (reserved: the default; allocated) is one CLI run, timed.
+the gradient accumulation for a global batch of 64 (``--global-batch 64``: plan's rule,
+``search.choose_micro``, the largest micro-batch under the 90% target that divides 64, traced
+with the accumulation it runs with). Each limit (reserved: the default; allocated) is one CLI run, timed.
 
     python benchmarks/qlora_8b.py [--limits reserved,allocated] [--baseline OTHER/src --name qlora-8b-speed]
 
@@ -29,6 +29,7 @@ from _common import write_result
 COMMAND = ["estimate", "hf:llama-3.1-8b", "--quantize", "nf4-dq", "--lora", "r=16", "--optimizer",
            "paged-adamw-8bit", "--precision", "bf16-mixed", "--gpu", "rtx4090-24gb", "--checkpointing", "full"]
 GLOBAL_BATCH = 64
+COMMAND += ["--global-batch", str(GLOBAL_BATCH)]
 
 
 def run(limit: str, src: str) -> dict:
@@ -47,7 +48,7 @@ def run(limit: str, src: str) -> dict:
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         result = json.loads(json_path.read_text())
     at_target = result["max_batch_size_at_target"]
-    micro = max((m for m in range(1, at_target + 1) if GLOBAL_BATCH % m == 0), default=0)
+    micro = result["micro_batch"] or 0
     commit = subprocess.run(["git", "-C", src, "describe", "--always", "--dirty"], capture_output=True,
                             text=True).stdout.strip()
     return {"limit": limit, "source_commit": commit, "load_average_1min_before": round(load_before, 2), "wall_s": round(wall, 1),

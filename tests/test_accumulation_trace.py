@@ -4,11 +4,13 @@ step traced with all N micro-batches run, exactly (MemoryTracker.repeat_micro_ba
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from batchfit import StepOptions, Workload, get_device
-from batchfit.trace import stream
+from batchfit.trace import depth, repeats, stream
 from batchfit.trace.point import replay_reserved
 from batchfit.trace.session import TraceSession
 
@@ -81,3 +83,58 @@ def test_micro_batches_that_leave_more_alive_each_time_all_run():
     with TraceSession(workload, options) as session:
         session.tracker.repeats_micro_batches = False
         assert session.trace(8, fresh=True).snapshot == peak
+
+
+def _llama(blocks: int) -> Workload:
+    workload = _tiny_llama()
+
+    def build():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=blocks, num_attention_heads=2, num_key_value_heads=2,
+                                            max_position_embeddings=32, attn_implementation="sdpa"))
+
+    return dataclasses.replace(workload, name=f"llama-{blocks}l", build_model=build)
+
+
+@pytest.mark.parametrize("precision,accumulation", [("fp32", 4), ("bf16-mixed", 8)])
+def test_the_reserved_stream_is_extended_folded_then_written(precision, accumulation):
+    """Depth extension runs on the two-micro-batch streams (the written ones folded into marks,
+    trace/repeats.py), then writes micro-batches 3..N at full depth, as TracedCurve's
+    ``_extended_stream`` does: the stream is the whole model's traced with every micro-batch
+    run, event for event, and so is its reserved peak."""
+    options = StepOptions(precision=precision, accumulation_steps=accumulation)
+    seen, folded = depth.Depth(), {}
+    for d in depth.DEPTHS:
+        with TraceSession(depth.at_depth(_llama(depth.MIN_BLOCKS), d, seen), options) as session:
+            session.trace(2, fresh=True)
+            assert sum(kind == "repeat" for kind, _, _ in session.fresh_folded) == 2  # warm-up and measured step
+            folded[d] = stream.without_cut(session.fresh_folded, seen.cuts[d])
+    written = stream.extend(folded, 5)  # any depth: 5 keeps the whole trace below cheap
+    assert written is not None
+    written = repeats.unfold(written)
+    with TraceSession(_llama(5), options) as session:
+        session.tracker.repeats_micro_batches = False
+        session.trace(2, fresh=True)
+        whole = session.fresh_stream
+    assert stream._canonical(written) == stream._canonical(whole)
+    device = get_device("a100-40gb")
+    assert replay_reserved(written, device) == replay_reserved(whole, device)
+
+
+def test_fold_and_unfold_by_hand():
+    """Micro-batch 1 allocates a (its loss, left alive), micro-batch 2 frees a and leaves b;
+    two written copies each free what the one before left; the optimizer then frees the last."""
+    events = [("malloc", 1, 8), ("malloc", 2, 4), ("free", 2, 0),  # micro-batch 1: 1 survives
+              ("malloc", 3, 8), ("free", 1, 0), ("malloc", 4, 4), ("free", 4, 0),  # micro-batch 2: 3 survives
+              ("malloc", 5, 8), ("free", 3, 0), ("malloc", 6, 4), ("free", 6, 0),  # copy 1
+              ("malloc", 7, 8), ("free", 5, 0), ("malloc", 8, 4), ("free", 8, 0),  # copy 2
+              ("free", 7, 0)]
+    folded = repeats.fold(events, [(3, 7, 2)])
+    assert folded == [("malloc", 1, 8), ("malloc", 2, 4), ("free", 2, 0), ("begin", -1, 0),
+                      ("malloc", 3, 8), ("free", 1, 0), ("malloc", 4, 4), ("free", 4, 0), ("repeat", -1, 2),
+                      ("free", 3, 0)]
+    assert stream._canonical(repeats.unfold(folded)) == stream._canonical(events)
+    with pytest.raises(repeats.NotFolded):  # what micro-batch 2 frees (8 B) is not what it leaves (4 B)
+        repeats.unfold([("malloc", 1, 8), ("begin", -1, 0), ("malloc", 2, 4), ("free", 1, 0), ("repeat", -1, 1)])

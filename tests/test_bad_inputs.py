@@ -47,6 +47,10 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--compile", "model", "--memory-budget", "half"], "--memory-budget"),
         ([*TINY, "--gpu", "t4", "--routing", "even"], "capacity:F"),
         ([f"torchtitan:{TITAN / 'debug_model.toml'}", "--gpu", "t4"], "use batchfit plan torchtitan:"),
+        ([*TINY, "--gpu", "t4", "--global-batch", "0"], "1 or more"),
+        ([*TINY, "--gpu", "t4", "--global-batch", HUGE], "at most 16,777,216"),
+        ([*TINY, "--gpu", "t4", "--global-batch", "63", "--multiple-of", "2"], "--global-batch 64"),
+        ([*TINY, "--gpu", "t4", "--global-batch", "64", "--accumulation-steps", "4"], "drop --accumulation-steps"),
     ],
     "probe": [
         (["gpt-tinystorie", "--device", "virtual:t4"], "did you mean 'gpt-tinystories-22m'"),

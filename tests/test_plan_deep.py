@@ -77,3 +77,28 @@ def test_ddp_of_small_blocks_is_traced_whole():
     assert len(opened) == 4 and opened[-1] is WORKLOAD and deep.whole_traces == [1]
     whole = trace_sharded(WORKLOAD, StepOptions(), H100, parse_strategy("ddp", 2), 1)
     assert (point.peak_bytes, point.collectives) == (whole.peak_bytes, whole.collectives)
+
+
+def test_reserved_replays_reuse_the_fresh_traces_they_have():
+    """The depth sessions' first trace is a fresh process: a replay at that size takes its
+    streams (no session opened); a replay at a size not traced yet opens fresh sessions, whose
+    point is the steady one, which trace() then takes, byte for byte. (That the plan's figures do
+    not change: benchmarks/plan_speed.py --keep-json, before and after, docs/tracing.md.)"""
+    options = StepOptions(precision="bf16-mixed")
+    s = parse_strategy("fsdp", 2)
+    opened = []
+    counting = lambda *a, **k: opened.append(1) or ShardedSession(*a, **k)  # noqa: E731
+    with DeepSession(WORKLOAD, options, H100, s, session=counting) as deep, \
+            DeepSession(WORKLOAD, options, H100, s) as other:
+        deep.trace(1)
+        reused = deep.reserved(1)
+        assert len(opened) == 3  # the depth sessions only
+        replayed = deep.reserved(2)
+        assert len(opened) == 6
+        point = deep.trace(2)
+        assert len(opened) == 6 and deep.whole_reserved == [] and deep.whole_traces == []
+        other.trace(1)
+        steady = other.trace(2)  # traced the usual way: a later step of the depth sessions
+    assert replayed.peak_allocated_by_step[-1] > reused.peak_allocated_by_step[-1]  # the steady step at 2, at 1
+    fields = ("peak_bytes", "breakdown", "phase", "flops", "params_per_rank", "collectives")
+    assert {f: getattr(point, f) for f in fields} == {f: getattr(steady, f) for f in fields}

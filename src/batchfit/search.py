@@ -385,3 +385,22 @@ def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, mu
                     known=above + replayed)
     result.capped = found.capped and result.max_batch_size == found.max_batch_size  # capped by hi, not by us
     return result
+
+
+def micro_candidates(global_batch: int, max_local: int, multiple_of: int, dp: int = 1) -> list[int]:
+    """Local batches that could be the micro-batch of ``global_batch``, largest first: multiples
+    of ``multiple_of`` up to ``max_local`` whose product with ``dp`` divides the global batch
+    (accumulation fills the rest)."""
+    sizes = range(max_local // multiple_of * multiple_of, 0, -multiple_of)
+    return [m for m in sizes if global_batch % (m * dp) == 0]
+
+
+def choose_micro(candidates: list[int], predicted_bytes: Callable[[int], float], target_bytes: int,
+                 fits: Callable[[int], bool]) -> int:
+    """plan's and estimate's rule for the micro-batch of a global batch: the largest candidate
+    (largest first, from ``micro_candidates``) whose traced peak is under the target, tried
+    from the largest the fitted curve puts under it (reserved is never below allocated), down;
+    the smallest candidate (the caller says it is above the target) when none is under it.
+    ``fits`` traces one size."""
+    first = next((i for i, m in enumerate(candidates) if predicted_bytes(m) <= target_bytes), len(candidates) - 1)
+    return next((m for m in candidates[first:] if fits(m)), candidates[-1])

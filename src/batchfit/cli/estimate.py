@@ -36,6 +36,8 @@ Examples:
 
   batchfit estimate gpt2-124m --gpu t4 --precision fp16-mixed --limit allocated
 
+  batchfit estimate hf:llama-3.2-1b --gpu rtx4090-24gb --precision bf16-mixed --global-batch 64
+
   batchfit estimate hf:llama-3.2-1b --gpu rtx4090-24gb --trainer args.json --emit trainer:args.fitted.json
 """
 
@@ -65,6 +67,10 @@ def estimate_command(
     target_util: TargetUtilOpt = 0.9,
     multiple_of: MultipleOfOpt = 1,
     max_batch: Annotated[int, typer.Option(help="Never consider batches above this.")] = DEFAULT_MAX_BATCH,
+    global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step: also name the largest "
+                                                    "micro-batch under --target-util that divides it and the "
+                                                    "accumulation steps (micro-batch x accumulation = N), "
+                                                    "traced with that accumulation.")] = None,
     json_path: JsonOpt = None,
     limit: LimitOpt = "reserved",
     out: Annotated[Path | None, out_option("report.md, memory.png, estimate.json")] = None,
@@ -78,6 +84,9 @@ def estimate_command(
     memory curve; and confirms the largest batch by tracing it and the next size up.
     """
     door = read_trainer(trainer)
+    if door is not None and global_batch is not None:
+        raise OptionError("--trainer gives the global batch (per-device batch x accumulation x world size): "
+                          "drop --global-batch, or drop --trainer and give the options as flags")
     emit_path = parse_trainer_emit(emit, door)
     check_outputs(json_path, out, *([("--emit", emit_path)] if emit_path else []))
     target = command_target(gpu, gpu_memory, device)
@@ -104,7 +113,7 @@ def estimate_command(
     with progress_line() as say:
         result = estimate(workload, device=device, options=options, batch_sizes=sizes, target_util=target_util,
                           multiple_of=multiple_of, max_batch=max_batch, limit=limit,
-                          host_memory_bytes=host_memory_bytes, progress=say)
+                          host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say)
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
     fitted = (answer(door, result.max_batch_size_at_target, options.accumulation_steps, multiple_of=result.multiple_of,
                      fits_whole=result.max_batch_size) if door is not None else None)
@@ -147,6 +156,9 @@ def _print_summary(result, console, report_path: Path) -> None:
         for s in result.suggestions:
             console.print(escape(f"  {'fits' if s.fits else 'no  '} {s.peak_bytes / GiB:7.2f} GiB  {s.change} "
                                  f"({s.option}; {s.source.split(':')[0]})"))
+    if result.split is not None:
+        console.print(("[bold green]" if result.split.micro_batch else "[bold red]")
+                      + escape(result.split.line(result.target_util)) + "[/]", soft_wrap=True)
     paged = result.points[0].paged_bytes if result.points else 0
     if paged:
         console.print(f"paged optimizer state {paged / GiB:.2f} GiB in CUDA unified memory, not in the peaks "

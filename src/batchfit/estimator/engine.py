@@ -19,6 +19,8 @@ import torch
 
 from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
+from batchfit.estimator.global_batch import (GlobalBatchSplit, accumulation_curves, check_global_batch,
+                                             split_global_batch)
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options, trace_first_sizes
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve
@@ -77,6 +79,8 @@ class EstimateResult:
     """What had to fit: 'reserved' (max_memory_reserved, allocator model) or 'allocated'."""
     host_limit_bytes: int | None = None
     """--host-memory: what the offloaded pinned host bytes must fit; None: not checked."""
+    split: GlobalBatchSplit | None = None
+    """--global-batch: its micro-batch and accumulation steps (``estimator/global_batch.py``)."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
 
@@ -158,6 +162,9 @@ class EstimateResult:
             "traced_by_depth": ({"blocks": self.depth_blocks, "depths": list(self.depths),
                                  "full_traces": self.full_traces, "whole_reserved": self.whole_reserved}
                                 if self.depth_blocks else None),
+            **({"global_batch": self.split.global_batch, "micro_batch": self.split.micro_batch,
+                "accumulation_steps": self.split.accumulation_steps, "split": self.split.to_json()}
+               if self.split else {}),
             "created": self.created,
             "torch_version": self.torch_version,
         }
@@ -166,7 +173,7 @@ class EstimateResult:
 def estimate(workload: Workload, *, device: Device, options: StepOptions | None = None,
              batch_sizes: list[int] | None = None, target_util: float = 0.9, multiple_of: int = 1,
              max_batch: int = DEFAULT_MAX_BATCH, suggest: bool = True, limit: str = "reserved",
-             host_memory_bytes: int | None = None,
+             host_memory_bytes: int | None = None, global_batch: int | None = None,
              progress: Callable[[str], None] | None = None) -> EstimateResult:
     """Trace ``workload`` and find the largest batch that fits ``device``.
 
@@ -175,6 +182,8 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     reserve a segment) or ``allocated`` (what tensors hold, ``max_memory_allocated``).
     ``host_memory_bytes`` (``--host-memory``): a batch whose ``--offload``-ed pinned host bytes
     pass it does not fit; None does not check them (they are reported all the same).
+    ``global_batch`` (``--global-batch``): also the micro-batch and accumulation steps that make
+    it on one device, by plan's rule, each candidate traced with its accumulation.
     """
     options = options or StepOptions()
     if options.offloads("params"):  # before any trace: one device has no FSDP
@@ -182,6 +191,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=batch_sizes,
                            max_batch=max_batch, limit=limit)
     multiple_of = workload.batch_multiple(multiple_of)
+    check_global_batch(global_batch, multiple_of, options)
     say = progress or (lambda message: None)
     started = time.perf_counter()
     with TracedCurve(workload, options, device, say, keep_streams=limit == "reserved") as traced:
@@ -194,6 +204,19 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         approximations = traced.approximations
         suggestions = (_suggestions(workload, options, device, points[min(points)], say)
                        if suggest and answers[0].max_batch_size == 0 else [])
+        split = None
+        if global_batch is not None:
+            def open_curve(alt: StepOptions) -> TracedCurve:
+                say(f"tracing with {alt.accumulation_steps} accumulation steps for global batch {global_batch}")
+                return TracedCurve(workload, alt, device, say, keep_streams=limit == "reserved")
+
+            with accumulation_curves(open_curve, options) as at_accumulation:
+                split = split_global_batch(traced, at_accumulation, global_batch=global_batch,
+                                           max_local=answers[0].max_batch_size, multiple_of=multiple_of,
+                                           target_bytes=int(target_util * device.usable_bytes),
+                                           capacity_bytes=device.usable_bytes, limit=limit,
+                                           host_limit_bytes=host_memory_bytes)
+            points = traced.points
     return EstimateResult(
         workload=workload.name, description=workload.description,
         tokens_per_sample=workload.tokens_per_sample, device=device, options=options,
@@ -203,7 +226,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         max_batch_size_at_target=answers[1].max_batch_size, capped=answers[0].capped,
         trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions, limit=limit,
         depth_blocks=traced.blocks, full_traces=traced.full_traces, whole_reserved=traced.whole_reserved,
-        known_limits=known_limits, approximations=approximations, host_limit_bytes=host_memory_bytes,
+        known_limits=known_limits, approximations=approximations, host_limit_bytes=host_memory_bytes, split=split,
     )
 
 

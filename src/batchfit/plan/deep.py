@@ -73,6 +73,9 @@ class DeepSession:
     ``trace(local_batch)`` method (``sharded.ShardedSession`` by default).
     """
 
+    replay_gives_point = True
+    """:meth:`reserved` at a size not traced yet leaves its point for :meth:`trace` (``ShardedCurve``)."""
+
     def __init__(self, workload, options, device, strategy: Strategy, *, session: Callable | None = None,
                  cuda_semantics: bool = True) -> None:
         if session is None:
@@ -88,6 +91,12 @@ class DeepSession:
         """Local batches traced whole although the model was cut (not regular in depth there)."""
         self._depths: list = []
         self._whole = None
+        self._first_fresh: tuple[int, list[tuple[list, tuple[int, ...]]]] | None = None
+        """(local batch, each depth's fresh stream and step starts): the depth sessions' first
+        trace is a fresh process's, which a reserved replay at that size reuses."""
+        self._fresh_points: dict[int, ShardedPoint] = {}
+        """Points a reserved replay traced, fresh, before the size was traced here (and where
+        a fresh point is the steady one: no DDP bucket rebuild in it): :meth:`trace` takes them."""
         seen = depth.Depth()
         # every:N checkpoints blocks by position: depths 2-4 say nothing of the whole stack; nor
         # of ZeroRedundancyOptimizer's partition (whole parameters, largest first: at 2-4 blocks
@@ -106,8 +115,13 @@ class DeepSession:
             self._whole = first
 
     def trace(self, local_batch: int) -> ShardedPoint:
+        if local_batch in self._fresh_points:
+            return self._fresh_points.pop(local_batch)
         if self._depths:
+            first = self._first_fresh is None and getattr(self._depths[0], "fresh_stream", None) is None
             found = extrapolate([s.trace(local_batch) for s in self._depths], self.blocks)
+            if first and all(getattr(s, "fresh_stream", None) is not None for s in self._depths):
+                self._first_fresh = (local_batch, [(s.fresh_stream, s.fresh_steps) for s in self._depths])
             if found is not None:
                 return found
             self.whole_traces.append(local_batch)
@@ -131,14 +145,25 @@ class DeepSession:
             found = self._fresh(self.workload, local_batch)
         return replay_steps(*found, self.device)
 
-    def _fresh(self, workload, local_batch: int) -> tuple[list, tuple[int, ...]]:
+    def _fresh(self, workload, local_batch: int, points: list | None = None) -> tuple[list, tuple[int, ...]]:
         with contextlib.closing(self._open(workload)) as session:
-            session.trace(local_batch)
+            point = session.trace(local_batch)
+            if points is not None:
+                points.append(point)
             return session.fresh_stream, session.fresh_steps
 
     def _extended(self, local_batch: int) -> tuple[list, tuple[int, ...]] | None:
-        seen = depth.Depth()
-        traced = [self._fresh(depth.at_depth(self.workload, d, seen), local_batch) for d in depth.DEPTHS]
+        if self._first_fresh is not None and self._first_fresh[0] == local_batch:
+            traced = self._first_fresh[1]  # the depth sessions' own first trace was this fresh process
+        else:
+            seen, points = depth.Depth(), []
+            traced = [self._fresh(depth.at_depth(self.workload, d, seen), local_batch, points) for d in depth.DEPTHS]
+            # a fresh process's second step is the steady one but under DDP (its bucket rebuild):
+            # the size's point, for trace(), unless it was traced already
+            if all(len(steps) == 2 for _, steps in traced):
+                found = extrapolate(points, self.blocks)
+                if found is not None:
+                    self._fresh_points[local_batch] = found
         if len({len(steps) for _, steps in traced}) != 1:
             return None
         starts = tuple(depth.line_at([steps[i] for _, steps in traced], self.blocks) for i in range(len(traced[0][1])))

@@ -37,8 +37,8 @@ from batchfit.errors import OptionError
 from batchfit.plan import workers
 from batchfit.plan.time_model import OVERLAP_RULE, StepTime, TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
-from batchfit.search import (DEFAULT_MAX_BATCH, SearchResult, Trial, _check_limit, check_search_options, guided,
-                              reserved_search, trace_first_sizes)
+from batchfit.search import (DEFAULT_MAX_BATCH, SearchResult, Trial, _check_limit, check_search_options,
+                              choose_micro, guided, micro_candidates, reserved_search, trace_first_sizes)
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
@@ -141,8 +141,12 @@ class ShardedCurve:
     ``estimate``'s fit and confirmation on top."""
 
     def __init__(self, trace_point: Callable[[int], object], workspace_bytes: int,
-                 say: Callable[[str], None], replay: Callable[[int], object] | None = None) -> None:
+                 say: Callable[[str], None], replay: Callable[[int], object] | None = None,
+                 replay_first: bool = False) -> None:
         self._trace, self._workspace, self._say, self._replay = trace_point, workspace_bytes, say, replay
+        self._replay_first = replay_first
+        """Replay a size not traced yet before tracing it: the replay's fresh trace gives its
+        point too (``DeepSession.replay_gives_point``), one trace of the size instead of two."""
         self.points: dict[int, PlanPoint] = {}
         self.first = None
         """The first ShardedPoint traced (its parameter counts)."""
@@ -157,13 +161,21 @@ class ShardedCurve:
 
     def reserved(self, local_batch: int) -> PlanPoint:
         """The point with its reserved peak: rank 0's fresh process replayed through the
-        allocator model (``plan/reserved.py``), once per size."""
+        allocator model (``plan/reserved.py``), once per size. A size not traced yet is
+        replayed first where the replay's fresh trace gives its point too (``replay_first``)."""
+        if self._replay is None:
+            self.point(local_batch)
+            raise OptionError("this tracer cannot replay reserved memory: use --limit allocated")
+        replayed = None
+        if self._replay_first and local_batch not in self.points:
+            self._say(f"local batch {local_batch}: reserved memory (allocator model)")
+            replayed = self._replay(local_batch)
         point = self.point(local_batch)
         if point.reserved is None:
-            if self._replay is None:
-                raise OptionError("this tracer cannot replay reserved memory: use --limit allocated")
-            self._say(f"local batch {local_batch}: reserved memory (allocator model)")
-            point.reserved = self._replay(local_batch)
+            if replayed is None:
+                self._say(f"local batch {local_batch}: reserved memory (allocator model)")
+                replayed = self._replay(local_batch)
+            point.reserved = replayed
         return point
 
     def curve(self) -> MemoryCurve:
@@ -394,13 +406,6 @@ def _check_global_batch(global_batch: int, strategies: list, multiple_of: int) -
                 f"use a multiple of {step}, e.g. --global-batch {near}")
 
 
-def _micro_candidates(plan: StrategyPlan, global_batch: int, multiple_of: int) -> list[int]:
-    """Local batches that could be the micro-batch, largest first: multiples of ``multiple_of``
-    up to the max local batch whose product with dp divides the global batch."""
-    sizes = range(plan.max_local_batch // multiple_of * multiple_of, 0, -multiple_of)
-    return [m for m in sizes if global_batch % (m * plan.dp) == 0]
-
-
 def _choose_micro(plan: StrategyPlan, curve: ShardedCurve, target_bytes: int, global_batch: int | None,
                   multiple_of: int) -> None:
     """The micro-batch: the largest local batch whose traced peak (reserved or allocated, by
@@ -413,11 +418,9 @@ def _choose_micro(plan: StrategyPlan, curve: ShardedCurve, target_bytes: int, gl
                                 reserved=reserved)
         chosen = found.max_batch_size or multiple_of
     else:  # few sizes (divisors): from the largest the curve puts under the target (reserved >= allocated), down
-        candidates = _micro_candidates(plan, global_batch, multiple_of)
-        fitted = curve.curve()
-        first = next((i for i, m in enumerate(candidates) if fitted.peak_bytes(m) <= target_bytes),
-                     len(candidates) - 1)
-        chosen = next((m for m in candidates[first:] if point(m).fits(target_bytes, plan.limit)), candidates[-1])
+        candidates = micro_candidates(global_batch, plan.max_local_batch, multiple_of, plan.dp)
+        chosen = choose_micro(candidates, curve.curve().peak_bytes, target_bytes,
+                              lambda m: point(m).fits(target_bytes, plan.limit))
     at = point(chosen)
     plan.micro_batch = chosen
     plan.above_target = not at.fits(target_bytes, plan.limit)
@@ -674,7 +677,8 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
     try:
         with contextlib.closing(open_session(workload, options, device, strategy)) as session:
             curve = ShardedCurve(session.trace, device.workspace_bytes, lambda message: say(f"{label}: {message}"),
-                                 replay=getattr(session, "reserved", None))
+                                 replay=getattr(session, "reserved", None),
+                                 replay_first=getattr(session, "replay_gives_point", False))
             trace_first_sizes(curve, batch_sizes, multiple_of, device.usable_bytes)
             plan_row = _plan_strategy(base, curve, strategy, world, workload, device, options, time_model,
                                       global_batch=global_batch, multiple_of=multiple_of,

@@ -60,6 +60,8 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
             f"- **Even batch {small.batch_size} does not fit**: {r.why_smallest_does_not_fit()} "
             f"(peak in the {small.phase} phase).",
         ]
+    if getattr(r, "split", None) is not None:
+        lines.append(f"- **{r.split.line(r.target_util)[0].upper()}{r.split.line(r.target_util)[1:]}** (--global-batch)")
     paged = r.points[0].paged_bytes if r.points else 0
     if paged:
         lines.append(f"- Paged optimizer state: {gib(paged)} GiB in CUDA unified memory (bitsandbytes' paged "

@@ -8,7 +8,8 @@ session is the same code on the same model, whichever process runs it).
 
 The child is forked after the model spec is loaded (imports, closures and the first session
 come along without pickling). It answers one request at a time over a pipe: trace these
-sessions at this batch size, send back their TracePoints and fresh allocation streams.
+sessions at this batch size, send back their TracePoints and fresh allocation streams
+(folded: ``TraceSession.fresh_folded``).
 The fork context is asked for by name (Linux only); elsewhere, with one core, or where CUDA
 is initialized, the caller keeps every session here. The child touches no thread of the
 parent's (the CLI's progress bar), though Python 3.12+ warns about forking beside one.
@@ -67,7 +68,7 @@ def _serve(connection, parents_end, build: Callable[[], tuple[list, Any]]) -> No
             return
         number, batch_size, fresh = request
         try:
-            traced = [(s.trace(batch_size, fresh=fresh), s.fresh_stream if fresh else None) for s in sessions]
+            traced = [(s.trace(batch_size, fresh=fresh), s.fresh_folded if fresh else None) for s in sessions]
             connection.send((number, "ok", traced))
         except BaseException as error:  # noqa: BLE001 - sent back, raised in the parent
             connection.send((number, "error", sendable(error, f"tracing batch size {batch_size}")))

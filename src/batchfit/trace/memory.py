@@ -159,6 +159,10 @@ class MemoryTracker(TorchDispatchMode):
         """Run two micro-batches of an accumulating step and write the rest's events down as
         repeats of the second's (``repeat_micro_batch``); the session sets it where that is exact."""
         self._micro_starts: list[tuple[int, int]] = []
+        self.repeats: list[tuple[int, int, int]] = []
+        """(index in ``events`` where the second micro-batch began, where its written copies
+        begin, how many were written) for each ``repeat_micro_batch`` that wrote: what
+        ``trace/repeats.py`` folds back into a mark (depth extension on two micro-batches)."""
         """(index in ``events``, seq) where each micro-batch of the current step began."""
         self._event_ident: dict[int, int] = {}
         """seq -> the ident its free is written with: the survivors of the second micro-batch
@@ -285,6 +289,7 @@ class MemoryTracker(TorchDispatchMode):
             return False
         stands_for = dict(zip(sorted(freed_before), left))  # what the first left -> what the second left
         current = {seq: seq for seq in left}  # the second's survivors -> the ident of the latest copy
+        at = len(self.events)
         for _ in range(times):
             ident: dict[int, int] = {}
             for kind, seq, nbytes in period:
@@ -301,6 +306,8 @@ class MemoryTracker(TorchDispatchMode):
                 self.events.append(event)
             current = {seq: ident[seq] for seq in left}
         self._event_ident.update(current)
+        if times:
+            self.repeats.append((second_event, at, times))
         return True
 
     def _live_record(self, seq: int) -> Allocation:

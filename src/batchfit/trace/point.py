@@ -23,7 +23,7 @@ import torch
 from batchfit.devices import Device
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided, reserved_search
-from batchfit.trace import depth, forked, stream
+from batchfit.trace import depth, forked, repeats, stream
 from batchfit.trace.approximation import (Approximation, fast_path_approximations, offload_approximations,
                                            quantize_approximations)
 from batchfit.trace.compiled import COMPILED_TRACED, MEMORY_BUDGET_TRACED, compile_approximations, graph_breaks
@@ -222,7 +222,7 @@ class TracedCurve:
         """(traced point, fresh stream) at each depth, the forked ones tracing meanwhile."""
         if self._forked is not None:
             self._forked.start(batch_size, fresh=fresh)
-        here = [(s.trace(batch_size, fresh=fresh), s.fresh_stream if fresh else None) for s in self._shallow]
+        here = [(s.trace(batch_size, fresh=fresh), s.fresh_folded if fresh else None) for s in self._shallow]
         return (self._forked.results() if self._forked is not None else []) + here
 
     @property
@@ -254,6 +254,12 @@ class TracedCurve:
             budget = [dataclasses.replace(MEMORY_BUDGET_TRACED,
                                           detail=f"--memory-budget {self.options.memory_budget:g}")]
         return [dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")] + budget + fast_path
+
+    @property
+    def repeats_micro_batches(self) -> bool:
+        """Whether a step of several accumulation steps runs two micro-batches and writes the
+        rest (``MemoryTracker.repeat_micro_batch``), so that tracing N costs two."""
+        return (self._full or self._first).tracker.repeats_micro_batches
 
     @property
     def by_depth(self) -> bool:
@@ -354,8 +360,14 @@ class TracedCurve:
             streams = self._streams[batch_size]
         if any(events is None for events in streams.values()):
             return None
-        return stream.extend({d: stream.without_cut(events, self._seen.cuts.get(d))
-                              for d, events in streams.items()}, self.blocks)
+        # folded streams (micro-batches 3..N as marks, trace/repeats.py): extended at two
+        # micro-batches' length, then the copies written at full depth
+        events = stream.extend({d: stream.without_cut(events, self._seen.cuts.get(d))
+                                for d, events in streams.items()}, self.blocks)
+        try:
+            return None if events is None else repeats.unfold(events)
+        except repeats.NotFolded:
+            return None
 
     def curve(self) -> MemoryCurve:
         return fit_curve({b: p.peak_by_phase for b, p in self.points.items()})

@@ -27,7 +27,7 @@ from batchfit.errors import BatchfitError, ModelSpecError, OptionError, TraceErr
 from batchfit.train.model import main_blocks
 from batchfit.train.quantize import BNB_OPTIMIZERS, TORCHAO_OPTIMIZERS, load_bitsandbytes, preload
 from batchfit.train.step import TrainingStep
-from batchfit.trace import bnb_fake
+from batchfit.trace import bnb_fake, repeats
 from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.cuda_float8 import cpu_scaled_mm_scratch, mirror_float8_autocast
@@ -367,6 +367,7 @@ class TraceSession:
         self.build_seq = max(self.tracker.live_seqs(), default=0)
         self.fresh_stream: list[tuple[str, int, int]] | None = None
         """The allocation stream of the last ``trace(..., fresh=True)``."""
+        self._fresh_repeats: list[tuple[int, int, int]] = []
 
     @contextlib.contextmanager
     def tracing(self, what: str) -> Iterator[None]:
@@ -417,7 +418,21 @@ class TraceSession:
             if fresh:
                 self.fresh_stream = (self.tracker.events[:self.build_events] + self.tracker.events[start:]
                                      if clean else None)
+                shift = start - self.build_events
+                self._fresh_repeats = [(a - shift, b - shift, n) for a, b, n in self.tracker.repeats if a >= start]
             return TracePoint(batch_size, self.tracker.snapshot(), bnb_fake.paged_bytes(self.step.optimizer))
+
+    @property
+    def fresh_folded(self) -> list[tuple[str, int, int]] | None:
+        """:attr:`fresh_stream` with its written micro-batches folded into marks
+        (``trace/repeats.py``): what depth extension compares; the stream itself where that
+        cannot be done exactly."""
+        if self.fresh_stream is None or not self._fresh_repeats:
+            return self.fresh_stream
+        try:
+            return repeats.fold(self.fresh_stream, self._fresh_repeats)
+        except repeats.NotFolded:
+            return self.fresh_stream
 
     def run_steps(self, batch_size: int, steps: int) -> list[int]:
         """Run ``steps`` more steps; the bytes alive after each (for the leak check)."""

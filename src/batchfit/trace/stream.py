@@ -30,7 +30,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 Event = tuple[str, int, int]
-"""('malloc', ident, requested bytes) or ('free', ident, 0), as MemoryTracker records them."""
+"""('malloc', ident, requested bytes) or ('free', ident, 0), as MemoryTracker records them; or a
+mark ('begin' / 'repeat', -1, n) where written micro-batches were folded (``trace/repeats.py``),
+which the extension keeps in place as a fixed event outside the runs."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ def _tokens(events: list[Event]) -> list[tuple[str, int]]:
     for kind, ident, nbytes in events:
         if kind == "malloc":
             sizes[ident] = nbytes
-        tokens.append((kind, nbytes if kind == "malloc" else sizes[ident]))
+        tokens.append((kind, sizes[ident] if kind == "free" else nbytes))
     return tokens
 
 
@@ -66,8 +68,10 @@ def _canonical(events: list[Event]) -> list[tuple[str, int]]:
         if kind == "malloc":
             order[ident] = len(order)
             out.append((kind, nbytes))
-        else:
+        elif kind == "free":
             out.append((kind, order[ident]))
+        else:
+            out.append((kind, nbytes))
     return out
 
 
@@ -155,6 +159,8 @@ def _labels(events: list[Event], runs: list[Run], depth: int) -> tuple[_Shape, l
     for r, run in enumerate(runs):
         for i in range(run.period * run.copies):
             labels[run.start + i] = ("run", r, i // run.period, i % run.period)
+            if tokens[run.start + i][0] not in ("malloc", "free"):
+                raise NotRegular("a micro-batch mark inside a run of blocks")
     layout: list[tuple[str, int]] = []
     base = 0
     for i, label in enumerate(labels):
@@ -206,6 +212,8 @@ def _rules(events: list[Event], labels: list[tuple], copies: tuple[int, ...]) ->
     for (kind, ident, _), label in zip(events, labels):
         if kind == "malloc":
             where[ident] = label
+            continue
+        if kind != "free":  # a mark: frees nothing
             continue
         slot = label[:2] if label[0] == "base" else ("run", label[1], label[3])
         seen.setdefault(slot, []).append((label[2] if label[0] == "run" else 0, _encodings(label, where[ident], copies)))
@@ -300,8 +308,10 @@ def _write(shape: _Shape, rules: dict[tuple, dict], depth: int) -> list[Event]:
                 token = shape.base_tokens[i]
                 if token[0] == "malloc":
                     malloc(("base", i), token[1])
-                else:
+                elif token[0] == "free":
                     free(rules[("base", i)]["interior"], 0)
+                else:
+                    events.append((token[0], -1, token[1]))
             base += value
             continue
         run, n = value, copies[value]
