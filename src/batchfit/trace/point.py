@@ -26,7 +26,8 @@ from batchfit.search import SearchResult, Trial, guided, reserved_search
 from batchfit.trace import depth, forked, stream
 from batchfit.trace.approximation import (Approximation, fast_path_approximations, offload_approximations,
                                            quantize_approximations)
-from batchfit.trace.compiled import COMPILED_TRACED, MEMORY_BUDGET_TRACED, compile_approximations, graph_breaks
+from batchfit.trace.compiled import (COMPILED_TRACED, MEMORY_BUDGET_TRACED, compile_approximations, graph_breaks,
+                                     inductor_fallbacks)
 from batchfit.trace.routing import routing_approximation
 from batchfit.trace.cuda_float8 import float8_approximations
 from batchfit.trace.curve import MemoryCurve, fit_curve
@@ -252,7 +253,7 @@ class TracedCurve:
         if self.options.memory_budget is not None:
             asked += f" --memory-budget {self.options.memory_budget:g}"
             budget = [dataclasses.replace(MEMORY_BUDGET_TRACED,
-                                          detail=f"--memory-budget {self.options.memory_budget:g}")]
+                                          detail=f"--memory-budget {self.options.memory_budget:g}{inductor_fallbacks()}")]
         return [dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")] + budget + fast_path
 
     @property
