@@ -433,6 +433,9 @@ def plan_compile_approximations(workload: Workload, options: StepOptions, compil
         return workload_approximations(workload, options)
     detail = f"--compile {options.compile}"
     said = [dataclasses.replace(COMPILED_TRACED, detail=f"{detail}: {', '.join(compiled)} traced compiled")]
+    if options.memory_budget is not None:  # the compiled ones ran inductor's code (trace_backend)
+        said.append(dataclasses.replace(MEMORY_BUDGET_TRACED, detail=(
+            f"--memory-budget {options.memory_budget:g}: {', '.join(compiled)}{inductor_fallbacks()}")))
     if eager:
         said += [dataclasses.replace(a, detail=f"{a.detail}: {', '.join(eager)}")
                  for a in workload_approximations(workload, options)]
