@@ -162,7 +162,8 @@ def inductor_fallbacks() -> str:
     if not _FALLBACKS:
         return ""
     return (f"; inductor could not generate {len(_FALLBACKS)} graph(s) here ({_FALLBACKS[0]}): they ran op by op "
-            "with batchfit's fusion model, which was -8% to 0% under a budget (docs/tracing.md, torch.compile)")
+            "with batchfit's fusion model, which was -8% to 0% under a budget and -3% with float8 "
+            "(docs/tracing.md, torch.compile)")
 
 
 class _Codegen(Exception):
@@ -177,6 +178,18 @@ class _NoKernels:
         if name == "wait":
             return lambda *args, **kwargs: None
         return lambda *args, **kwargs: (lambda *a, **k: None)
+
+
+class _ExternKernels:
+    """Inductor's ``extern_kernels`` for its generated code in the trace: ``_scaled_mm`` is the one
+    the trace has at call time (``trace/cuda_float8.py: cpu_scaled_mm_scratch`` replaces it with one
+    that allocates what this CPU's kernel allocates inside; inductor bound PyTorch's own)."""
+
+    def __init__(self, kernels: Any) -> None:
+        self._kernels = kernels
+
+    def __getattr__(self, name: str) -> Any:
+        return torch._scaled_mm if name == "_scaled_mm" else getattr(self._kernels, name)
 
 
 def _reinterpret(tensor: torch.Tensor, size: Any, stride: Any, offset: int) -> torch.Tensor:
@@ -233,7 +246,8 @@ def inductor_plan(module: fx.GraphModule, example_inputs: list, tracker: Any, *,
     # allocate real memory and read data pointers): the fake tensor mode and the tracker must see them.
     cpu = lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device="cpu")  # noqa: E731
     scope.update(assert_size_stride=lambda *a, **k: None, assert_alignment=lambda *a, **k: None,
-                 empty_strided_cpu=cpu, empty_strided_cpu_pinned=cpu, reinterpret_tensor=_reinterpret)
+                 empty_strided_cpu=cpu, empty_strided_cpu_pinned=cpu, reinterpret_tensor=_reinterpret,
+                 extern_kernels=_ExternKernels(scope["extern_kernels"]))
     call = scope["call"]
 
     def run(args: list) -> Any:  # boxed, as inductor's: its code clears the list and frees inputs as it goes
@@ -243,23 +257,25 @@ def inductor_plan(module: fx.GraphModule, example_inputs: list, tracker: Any, *,
     return run
 
 
-def trace_backend(tracker: Any, memory_budget: float | None = None) -> Callable:
+def trace_backend(tracker: Any, memory_budget: float | None = None, *, inductor_code: bool = False) -> Callable:
     """A torch.compile backend for the trace: AOTAutograd with inductor's decompositions and
     min-cut partitioner (inductor's saved activations, under ``memory_budget`` when given: the
     knapsack of ``_optimize_runtime_with_given_memory`` picks what to save, on the same joint
     graph and flop estimates inductor's partition sees). Each graph runs op by op
-    (:class:`_FusedRun`, with batchfit's model of inductor's fusion), or, under a budget, as the
-    wrapper code inductor generates for it (:func:`inductor_plan`)."""
+    (:class:`_FusedRun`, with batchfit's model of inductor's fusion), or, under a budget or with
+    ``inductor_code`` (float8 linears), as the wrapper code inductor generates for it
+    (:func:`inductor_plan`)."""
     from batchfit.train.step import with_memory_budget
 
     from torch._functorch.partitioners import min_cut_rematerialization_partition  # functorch.compile's, in torch
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(module: fx.GraphModule, example_inputs: list, *, is_backward: bool) -> Callable:
-        if memory_budget is not None:
+        if memory_budget is not None or inductor_code:
             # Under a budget the backward recomputes, and where inductor's scheduler puts the
             # recomputation (fused with other kernels, reordered for its own peak estimate) is
-            # the peak: the op-by-op run below was -8% to 0% there. So run inductor's own code.
+            # the peak: the op-by-op run below was -8% to 0% there. torchao's float8 casts fuse
+            # in ways the fusion model does not know (-3.2% op by op). So run inductor's own code.
             try:
                 return inductor_plan(module, example_inputs, tracker, is_backward=is_backward)
             except Exception as error:  # noqa: BLE001 - said in every output (inductor_fallbacks)
@@ -277,16 +293,31 @@ def trace_backend(tracker: Any, memory_budget: float | None = None) -> Callable:
 
         return select_decomp_table()
 
+    if memory_budget is not None or inductor_code:
+        # Inductor registers its extern kernels under the name of the function it finds when the
+        # module is imported (select_algorithm.ExternKernelChoice: kernel.__name__; kernel/mm.py
+        # takes torch._scaled_mm): import it now, before the CPU trace replaces torch._scaled_mm
+        # (cuda_float8.cpu_scaled_mm_scratch), or the generated code and a later real compile
+        # in this process would call extern_kernels._scaled_mm_as_on_cpu.
+        import torch._inductor.kernel.mm  # noqa: F401
     partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
-    if memory_budget is not None:
+    if memory_budget is not None or inductor_code:
         # Inductor's own partition_fn (compile_fx.py): its joint-graph passes first, then the same
         # min-cut. They change the nodes the budget's knapsack weighs (budget 0.3 on a 2-layer
-        # Llama: -11.6% without them, -1.9% with); with no budget they change nothing measured.
+        # Llama: -11.6% without them, -1.9% with), and what float8's graphs save (a 2-layer Llama,
+        # tensorwise: +5.3% without them); on plain graphs with no budget they change nothing measured.
         from torch._inductor.compile_fx import partition_fn as partition
     return with_memory_budget(
         aot_autograd(fw_compiler=functools.partial(compiler, is_backward=False),
                      bw_compiler=functools.partial(compiler, is_backward=True), decompositions=decompositions,
                      partition_fn=partition), memory_budget)
+
+
+def _has_float8(model: nn.Module) -> bool:
+    """Whether torchao's float8 training converted linears of ``model`` (--precision fp8-*)."""
+    from batchfit.train.float8 import float8_linears
+
+    return bool(float8_linears(model))
 
 
 def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budget: float | None = None) -> None:
@@ -307,7 +338,7 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budge
         counters[name].clear()
     _FALLBACKS.clear()
     tracker.run_compiled = True
-    backend = trace_backend(tracker, memory_budget)
+    backend = trace_backend(tracker, memory_budget, inductor_code=_has_float8(model))
     for module in (block_list(model) or []) if mode == "blocks" else [model]:
         module.compile(backend=backend)
 
@@ -328,7 +359,8 @@ def retarget_for_trace(step: Any, tracker: Any) -> list[str]:
     for name in ("graph_break", "stats"):
         counters[name].clear()
     tracker.run_compiled = True
-    backend = trace_backend(tracker)  # a budget the workload set itself (functorch's config) holds here too
+    # a budget the workload set itself (functorch's config) holds here too
+    backend = trace_backend(tracker, inductor_code=_has_float8(model))
     # Modules whose call was compiled: Module.compile() left _compiled_call_impl; an
     # OptimizedModule (torch.compile(module)) is replaced by the module it wraps.
     compiled = {id(m) for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}

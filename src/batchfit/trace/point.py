@@ -241,7 +241,8 @@ class TracedCurve:
     def approximations(self) -> list[Approximation]:
         """Where this trace approximates the step it stands for (a compiled model run as eager)."""
         session = self._full or self._first
-        fast_path = (fast_path_approximations(session.step.model) + float8_approximations(self.options)
+        fast_path = (fast_path_approximations(session.step.model)
+                     + float8_approximations(self.options, traced_compiled=session.compiled)
                      + offload_approximations(self.options.offload, self.options.compile)
                      + quantize_approximations(self.options.quantize)
                      + routing_approximation(session.step.model, self.options.routing))
