@@ -116,7 +116,7 @@ FLOAT8_COMPILED_TRACED = Approximation(
                    "--compile model and blocks); for a GPU it is inductor's CPU schedule and fusion of the casts: "
                    "Triton's may differ, not measured here"),
     source="benchmarks/results/float8_compile-2026-11-25.json (python benchmarks/float8_compile.py); "
-           "tests/test_float8.py",
+           "benchmarks/results/recipes-budget-2026-11-26.json (gpt-tinystories-22m: +0.007%); tests/test_float8.py",
 )
 """The compiled float8 trace against the same step compiled with inductor on this CPU."""
 
