@@ -133,6 +133,8 @@ RECIPES: dict[str, tuple[Callable[[Workload], Workload], StepOptions]] = {
     "compile model": (lambda w: w, StepOptions(compile="model")),
     "bf16-mixed compile model": (lambda w: w, StepOptions(precision="bf16-mixed", compile="model")),
     "compile model memory-budget 0.5": (lambda w: w, StepOptions(compile="model", memory_budget=0.5)),
+    "compile model memory-budget 0.1": (lambda w: w, StepOptions(compile="model", memory_budget=0.1)),
+    "fp8-tensorwise compile model": (lambda w: w, StepOptions(precision="fp8-tensorwise", compile="model")),
 }
 GLOO = {"offload params (fsdp on 2 gloo ranks)", "torchtitan debugmodel fsdp (2 gloo ranks)",
         "torchtitan debugmodel tp2 (2 gloo ranks)"}

@@ -22,6 +22,7 @@ linear see CUDA's flag as a GPU run would: on, with the autocast dtype, whenever
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -65,7 +66,7 @@ _cpu_scratch_depth = [0]
 
 
 def _scaled_mm_as_on_cpu(mat_a, mat_b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
-                         use_fast_accum=False):
+                         use_fast_accum=False, out=None):
     """``torch._scaled_mm`` with what this CPU's kernel allocates inside itself, for fake tensors.
 
     PyTorch's CPU ``_scaled_mm`` (``aten/src/ATen/native/cpu/Blas.cpp``: ``_scaled_mm_cpu`` ->
@@ -73,11 +74,15 @@ def _scaled_mm_as_on_cpu(mat_a, mat_b, scale_a, scale_b, bias=None, scale_result
     output, makes both operands contiguous, upcasts each to fp32 and multiplies it by its scale,
     multiplies in fp32 and casts the product to the output dtype. A dispatch mode sees none of that
     (one op in, one tensor out), and a GPU has none of it (cuBLASLt works in its workspace), so only
-    the CPU-semantics trace, the one held to a real CPU step, runs it op by op."""
+    the CPU-semantics trace, the one held to a real CPU step, runs it op by op. ``out``: the out=
+    variant inductor's generated code calls (``extern_kernels._scaled_mm``), which writes into a
+    buffer the code allocated and allocates the rest alike (``_scaled_mm_out_cpu``)."""
     if not isinstance(mat_a, fake_tensor.FakeTensor):
         return _PYTORCH_SCALED_MM(mat_a, mat_b, scale_a, scale_b, bias=bias, scale_result=scale_result,
-                                  out_dtype=out_dtype, use_fast_accum=use_fast_accum)
-    out = torch.empty((mat_a.shape[0], mat_b.shape[1]), dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+                                  out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+                                  **({} if out is None else {"out": out}))
+    if out is None:
+        out = torch.empty((mat_a.shape[0], mat_b.shape[1]), dtype=out_dtype or mat_a.dtype, device=mat_a.device)
     a, b = mat_a.contiguous(), mat_b.contiguous()
     fp32_a = a.to(torch.float32) * scale_a  # the upcast is freed once multiplied, as in at::mul(x.to(kFloat), s)
     fp32_b = b.to(torch.float32) * scale_b
@@ -105,9 +110,22 @@ def cpu_scaled_mm_scratch() -> Iterator[None]:
             torch._scaled_mm = _PYTORCH_SCALED_MM
 
 
-def float8_approximations(options: StepOptions) -> list[Approximation]:
+FLOAT8_COMPILED_TRACED = Approximation(
+    what="float8 under --compile: torchao's graphs run as the wrapper code inductor generates on this CPU",
+    may_differ_by=("-0.16% to +0.00% of inductor's peak on this CPU (2-layer Llama, batch 4, tensorwise and rowwise, "
+                   "--compile model and blocks); for a GPU it is inductor's CPU schedule and fusion of the casts: "
+                   "Triton's may differ, not measured here"),
+    source="benchmarks/results/float8_compile-2026-11-25.json (python benchmarks/float8_compile.py); "
+           "benchmarks/results/recipes-budget-2026-11-26.json (gpt-tinystories-22m: +0.007%); tests/test_float8.py",
+)
+"""The compiled float8 trace against the same step compiled with inductor on this CPU."""
+
+
+def float8_approximations(options: StepOptions, *, traced_compiled: bool = False) -> list[Approximation]:
     """What a float8 trace cannot say for sure: it was never held to a GPU run (none was lent), and
-    under torch.compile inductor fuses torchao's casts, whose eager temporaries the trace keeps."""
+    under torch.compile either inductor's CPU code stands for a GPU's (``traced_compiled``: one
+    device, ``trace/compiled.py: inductor_plan``), or (plan's sharded steps, traced eager) inductor
+    fuses torchao's casts, whose eager temporaries the trace keeps."""
     if options.precision not in FP8_PRECISIONS:
         return []
     found = [Approximation(
@@ -116,7 +134,12 @@ def float8_approximations(options: StepOptions) -> list[Approximation]:
         may_differ_by=("an amount not yet measured on a GPU (cuBLASLt's own workspace for _scaled_mm is not "
                        "counted); the same trace with CPU semantics is within 0.001% of a real CPU step"),
         source="tests/test_float8.py; docs/tracing.md, float8 training")]
-    if options.compile != "none":
+    if options.compile != "none" and traced_compiled:
+        from batchfit.trace.compiled import inductor_fallbacks
+
+        found.append(dataclasses.replace(FLOAT8_COMPILED_TRACED,
+                                         detail=f"--compile {options.compile}{inductor_fallbacks()}"))
+    elif options.compile != "none":
         found.append(Approximation(
             what="torchao's float8 casts traced eager",
             may_differ_by=("+0 to +12 bytes per element of a linear's input or output gradient where they make the "

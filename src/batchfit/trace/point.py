@@ -26,7 +26,8 @@ from batchfit.search import SearchResult, Trial, guided, reserved_search
 from batchfit.trace import depth, forked, repeats, stream
 from batchfit.trace.approximation import (Approximation, fast_path_approximations, offload_approximations,
                                            quantize_approximations)
-from batchfit.trace.compiled import COMPILED_TRACED, MEMORY_BUDGET_TRACED, compile_approximations, graph_breaks
+from batchfit.trace.compiled import (COMPILED_TRACED, MEMORY_BUDGET_TRACED, compile_approximations, graph_breaks,
+                                     inductor_fallbacks)
 from batchfit.trace.routing import routing_approximation
 from batchfit.trace.cuda_float8 import float8_approximations
 from batchfit.trace.curve import MemoryCurve, fit_curve
@@ -240,7 +241,8 @@ class TracedCurve:
     def approximations(self) -> list[Approximation]:
         """Where this trace approximates the step it stands for (a compiled model run as eager)."""
         session = self._full or self._first
-        fast_path = (fast_path_approximations(session.step.model) + float8_approximations(self.options)
+        fast_path = (fast_path_approximations(session.step.model)
+                     + float8_approximations(self.options, traced_compiled=session.compiled)
                      + offload_approximations(self.options.offload, self.options.compile)
                      + quantize_approximations(self.options.quantize)
                      + routing_approximation(session.step.model, self.options.routing))
@@ -252,7 +254,7 @@ class TracedCurve:
         if self.options.memory_budget is not None:
             asked += f" --memory-budget {self.options.memory_budget:g}"
             budget = [dataclasses.replace(MEMORY_BUDGET_TRACED,
-                                          detail=f"--memory-budget {self.options.memory_budget:g}")]
+                                          detail=f"--memory-budget {self.options.memory_budget:g}{inductor_fallbacks()}")]
         return [dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")] + budget + fast_path
 
     @property

@@ -335,11 +335,10 @@ class TraceSession:
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
         self.compiled = (options.compile != "none" and wrap is None
-                         and (tracker is None or getattr(tracker, "trace_compiled", False))
-                         and options.precision not in FP8_PRECISIONS)
+                         and (tracker is None or getattr(tracker, "trace_compiled", False)))
         """Traced compiled (``trace/compiled.py``), else eager: so are sharded steps (``plan``) but
-        plain FSDP2's (its tracker is marked ``trace_compiled``: ``plan/sharded.py``), and float8
-        steps (torchao's subclasses under dynamo on fake tensors are untried; said in every output)."""
+        plain FSDP2's (its tracker is marked ``trace_compiled``: ``plan/sharded.py``). Float8 steps
+        run inductor's generated code for torchao's graphs (``compiled.inductor_plan``)."""
         self.compiled_parts: list[str] = []
         """What the workload compiled itself, recompiled with the trace's backend."""
         if self.compiled:  # batchfit's module hooks stay out: dynamo would break the graph at each
