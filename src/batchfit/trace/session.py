@@ -338,7 +338,8 @@ class TraceSession:
                          and (getattr(tracker, "trace_compiled", False) or (wrap is None and tracker is None))
                          and options.precision not in FP8_PRECISIONS)
         """Traced compiled (``trace/compiled.py``), else eager: so are sharded steps (``plan``) but
-        plain FSDP2's (its tracker is marked ``trace_compiled``: ``plan/sharded.py``), and float8
+        those whose tracker is marked ``trace_compiled`` (``plan/sharded.py``, from
+        ``trace/compiled.py: sharded_traces_compiled``: a DDP wrap among them), and float8
         steps (torchao's subclasses under dynamo on fake tensors are untried; said in every output)."""
         self.compiled_parts: list[str] = []
         """What the workload compiled itself, recompiled with the trace's backend."""
