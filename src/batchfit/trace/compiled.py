@@ -378,8 +378,8 @@ def sharded_eager_reason(strategy: Any, options: StepOptions) -> str | None:
     DDP and zero1 (DDP's graph cut at its buckets by dynamo's DDPOptimizer: :func:`_split_as_ddp`),
     zero2, and TP (tp, fsdp+tp) under ``--compile model``."""
     if getattr(strategy, "pp", 1) > 1:
-        return ("each pipeline stage is compiled as its own module there, untried here (no gloo truth of a "
-                "compiled pipeline yet)")
+        return ("a pipeline rank (distributed/pipeline.py, torch.distributed.pipelining's schedule) under compile "
+                "is untried: no gloo truth of a compiled pipeline yet (torchtitan compiles each stage's blocks)")
     if getattr(strategy, "ep", 1) > 1 or getattr(strategy, "cp", 1) > 1:
         return "expert and context parallelism under compile are untried (no gloo truth)"
     if options.offloads("params"):
