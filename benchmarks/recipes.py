@@ -48,6 +48,13 @@ added to its table: ``distributed/context_parallel.py``), fp32 and bf16-mixed.
 torch.compile recipes (``trace/compiled.py``): --compile model in fp32, under bf16-mixed, and
 with --memory-budget 0.5; the truth is the same step compiled with inductor on this CPU (the
 third step: inductor compiles in the first).
+
+plan's compiled ranks (``DISTRIBUTED``, "compile-plan ..."): fsdp-noreshard, hsdp2, ddp, zero1, zero2
+under --compile blocks, ddp under --compile model (dynamo's DDPOptimizer cuts the graph at DDP's
+buckets: a 1 MiB first bucket, then 25 MiB), tp2 under --compile model; rank 0 traced on the fake
+process group against rank 0 of a real 2-process gloo run compiled with inductor.
+
+    python benchmarks/recipes.py --only compile-plan --name recipes-cddp
 """
 
 from __future__ import annotations
@@ -212,6 +219,14 @@ DISTRIBUTED: dict[str, tuple[str, StepOptions]] = {
     # context parallelism: torch's ring (the CPU flash kernel added to its table), sequence/2 per rank
     "fsdp+cp2 ring attention": ("fsdp+cp2", StepOptions()),
     "fsdp+cp2 ring attention bf16-mixed": ("fsdp+cp2", StepOptions(precision="bf16-mixed")),
+    # plan's compiled ranks (trace/compiled.py: sharded_traces_compiled), inductor on both gloo ranks
+    "compile-plan blocks fsdp-noreshard": ("fsdp-noreshard", StepOptions(compile="blocks")),
+    "compile-plan blocks hsdp2": ("hsdp2", StepOptions(compile="blocks")),
+    "compile-plan blocks ddp": ("ddp", StepOptions(compile="blocks")),
+    "compile-plan model ddp (cut at its buckets)": ("ddp", StepOptions(compile="model")),
+    "compile-plan blocks zero1": ("zero1", StepOptions(compile="blocks")),
+    "compile-plan blocks zero2": ("zero2", StepOptions(compile="blocks")),
+    "compile-plan model tp2": ("tp2", StepOptions(compile="model")),
 }
 
 
@@ -253,6 +268,7 @@ def _gloo_rank(rank: int, port: int, model: str, seq_len: int, strategy_name: st
 
     from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.tp_plans import tp_plan
+    from batchfit.distributed.zero import with_sharded_optimizer
     from batchfit.plan.sharded import parse_strategy
 
     os.environ.update(WORLD_SIZE="2", RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -260,8 +276,9 @@ def _gloo_rank(rank: int, port: int, model: str, seq_len: int, strategy_name: st
     torch.set_num_threads(1)
     strategy = parse_strategy(strategy_name, 2)
     meshes = build_meshes(strategy)
+    workload, options = with_sharded_optimizer(ZOO[model](seq_len=seq_len), options, strategy)  # zero1 / zero2
     torch.manual_seed(0)
-    workload, ring = ZOO[model](seq_len=seq_len), contextlib.nullcontext()
+    ring = contextlib.nullcontext()
 
     def wrap(m):
         return apply_strategy(m, strategy, meshes, precision=options.precision, fake=False,

@@ -306,13 +306,17 @@ def test_plan_carries_the_approximation(standin):
     own = Workload(name="standin", build_model=lambda: torch.compile(nn.Linear(1, 1)),
                    make_batch=eager.make_batch, loss_fn=eager.loss_fn, tokens_per_sample=1000)
     options = StepOptions(precision="bf16-mixed")
-    for workload, asked, detail in ((eager, "model", "--compile model"),
-                                    (own, "none", "the workload calls torch.compile itself, on model")):
+    # plan traces ddp compiled under --compile (tests/test_plan_compiled.py), and a workload that
+    # compiles itself eager (plan does not swap its backend), and says which
+    for workload, asked, said in ((eager, "model", dataclasses.replace(COMPILED_TRACED,
+                                                                       detail="--compile model: ddp traced compiled")),
+                                  (own, "none", dataclasses.replace(
+                                      COMPILED_AS_EAGER, detail="the workload calls torch.compile itself, on model"))):
         result = plan(workload, device=gpu(), worlds=[World(2)], options=StepOptions(precision="bf16-mixed",
                                                                                      compile=asked),
                       strategies="ddp")
-        assert result.to_json()["approximations"] == [{**COMPILED_AS_EAGER.to_json(), "detail": detail}]
-        assert f"> **Warning: approximated.** compiled model traced as eager ({detail})" in plan_markdown(result)
+        assert result.to_json()["approximations"] == [said.to_json()]
+        assert f"> **Warning: approximated.** {said.what} ({said.detail})" in plan_markdown(result)
     plain = plan(eager, device=gpu(), worlds=[World(2)], options=options, strategies="ddp")
     assert plain.to_json()["approximations"] == [] and "approximated" not in plan_markdown(plain)
     assert workload_approximations(eager, options) == []

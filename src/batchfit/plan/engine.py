@@ -544,13 +544,14 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     started = time.perf_counter()
     from batchfit.distributed.zero import zero_approximations  # torch: when a plan runs
     from batchfit.trace.approximation import offload_approximations
-    from batchfit.trace.compiled import plan_compile_approximations, sharded_traces_compiled
+    from batchfit.trace.compiled import plan_compile_approximations, sharded_eager_reason, sharded_traces_compiled
     from batchfit.trace.cuda_float8 import float8_approximations
     from batchfit.trace.routing import workload_routing_approximation
 
-    names = list(dict.fromkeys(s.name for _, chosen in by_world for s in chosen))
-    compiled = list(dict.fromkeys(s.name for _, chosen in by_world for s in chosen if sharded_traces_compiled(s, options)))
-    approximations = plan_compile_approximations(workload, options, compiled, [n for n in names if n not in compiled])
+    every = list({s.name: s for _, chosen in by_world for s in chosen}.values())
+    compiled = [s.name for s in every if sharded_traces_compiled(s, options)]
+    approximations = plan_compile_approximations(workload, options, compiled, {
+        s.name: sharded_eager_reason(s, options) or "" for s in every if s.name not in compiled})
     approximations += float8_approximations(options)
     every = [s for _, chosen in by_world for s in chosen]
     approximations += workload_routing_approximation(

@@ -11,8 +11,10 @@ skipped instead (:func:`inductor_plan`: inductor's own schedule of the recomputa
 that dynamo and AOTAutograd trace with). ``--memory-budget F`` is set around the partition
 (:func:`trace_backend`), as ``train/step.py`` sets it around inductor for real steps. Such a
 result carries :data:`COMPILED_TRACED` (the residual against inductor on this CPU). ``plan``
-traces FSDP2's rank 0 compiled too (:func:`sharded_traces_compiled`); its other sharded
-steps stay eager and carry :data:`COMPILED_AS_EAGER` (docs/tracing.md, "torch.compile").
+traces rank 0 compiled too (:func:`sharded_traces_compiled`) for FSDP2, HSDP, DDP (its graph
+cut at its buckets by dynamo's DDPOptimizer: :func:`_split_as_ddp`), ZeRO 1 / 2 and TP under
+``--compile model``; the others stay eager, carry :data:`COMPILED_AS_EAGER` and say why
+(:func:`sharded_eager_reason`; docs/tracing.md, "torch.compile").
 
 Compiled is either asked for (``--compile model|blocks``: ``StepOptions.compile``), or done
 by the workload itself: ``torch.compile(module)`` returns an ``OptimizedModule``,
@@ -50,14 +52,17 @@ and ``compiled_vs_eager`` in :data:`VALIDATION`; ``tests/test_compile.py`` check
 COMPILED_TRACED = Approximation(
     what="compiled step traced with AOTAutograd's partition and a model of inductor's pointwise fusion",
     may_differ_by=("0.02% of inductor's peak on this CPU with --compile model, 0% with --compile blocks "
-                   "(4-layer Llama, batch 2 and 4); plan's fsdp rank 0 against a 2-process gloo run compiled "
-                   "with inductor: -0.001% (blocks) to +0.02% (model), fp32; -0.001% bf16-mixed (blocks); "
+                   "(4-layer Llama, batch 2 and 4); plan's rank 0 against 2-process gloo runs compiled with inductor "
+                   "(tiny Llama, fp32): fsdp -0.001% (blocks) to +0.02% (model), -0.001% bf16-mixed (blocks); "
+                   "fsdp-noreshard, hsdp, ddp, zero1, zero2 (blocks) and ddp cut at its buckets (model): "
+                   "within 60 B (-0.0006%; gpt-tinystories-22m: within 108 B); tp2 (model, DTensor in the graph): +0.13% "
+                   "(gpt-tinystories-22m: +0.011%); "
                    "bf16-mixed: -0.9% to +0.01% (2-layer Llama, tinystories-22m); "
                    "against inductor on an H100 (bf16-mixed, 3 models, dynamo's shapes as in the measured "
                    "process): -0.28% to 0%; shapes compiled static where the H100 run had dynamic ones: -7.4% "
                    "to +1.3%"),
     source=("tests/test_compile.py::test_the_compiled_trace_matches_inductor_on_cpu; docs/tracing.md (blocks); "
-            "tests/test_plan_compiled.py; "
+            "tests/test_plan_compiled.py; benchmarks/results/recipes-cddp-2026-11-25.json; "
             "benchmarks/results/compiled_vs_h100-2026-11-25.json"),
 )
 """The compiled trace against the profiler's memory timeline of the same step compiled with inductor."""
@@ -320,6 +325,48 @@ def _has_float8(model: nn.Module) -> bool:
     return bool(float8_linears(model))
 
 
+def _split_as_ddp(backend: Callable, split: bool) -> Callable:
+    """``backend`` behind dynamo's own DDPOptimizer, as a real DDP run compiles (``split``: dynamo's
+    ``optimize_ddp`` is "ddp_optimizer", its default): a graph compiled inside DDP's forward is cut at
+    DDP's bucket boundaries (``bucket_bytes_cap``, and a 1 MiB first bucket) and each piece partitioned
+    and compiled alone (``torch/_dynamo/backends/distributed.py: DDPOptimizer.compile_fn``).
+
+    Why here and not where dynamo does it: dynamo's ``ConvertFrame.__call__`` (convert_frame.py) takes
+    the DDP branch before it enters ``_disable_current_modes()``, so DDP's frames are traced with the
+    trace's FakeTensorMode and tracker still on the stack, and dynamo's own fake mode then fails on
+    the step's fake tensors (InternalTorchDynamoError "`tensor` needs to be a `FakeTensor` wrapped by
+    this instance of Dynamo"). The trace turns that branch off (:func:`trace_context`) and calls the
+    same DDPOptimizer, with the same caps, from the backend, on the same dynamo graph."""
+
+    def compile_fn(module: fx.GraphModule, example_inputs: list, **configs: Any) -> Callable:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel._get_active_ddp_module() if split else None
+        if ddp is None:
+            return backend(module, example_inputs, **configs)
+        from torch._dynamo.backends.distributed import DDPOptimizer
+
+        return DDPOptimizer(bucket_bytes_cap=ddp.bucket_bytes_cap,
+                            backend_compile_fn=backend).compile_fn(module, example_inputs, **configs)
+
+    return compile_fn
+
+
+def trace_context() -> Any:
+    """Entered around each traced compiled step: dynamo's DDP branch off (:func:`_split_as_ddp` splits)."""
+    import torch._dynamo.config as dynamo_config
+
+    return dynamo_config.patch(optimize_ddp=False)
+
+
+def ddp_mode() -> str:
+    """Dynamo's ``optimize_ddp`` as a real compiled DDP run would read it: "ddp_optimizer" (default),
+    "no_optimization", or one of the Python-reducer modes (compiled autograd; not traced)."""
+    from torch._dynamo.utils import get_optimize_ddp_mode
+
+    return get_optimize_ddp_mode()
+
+
 def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budget: float | None = None) -> None:
     """Compile ``model`` (``mode``: model or blocks, as ``TrainingStep`` does on a real device)
     with :func:`trace_backend`, and let compiled code run under ``tracker``."""
@@ -338,8 +385,11 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budge
         counters[name].clear()
     _FALLBACKS.clear()
     tracker.run_compiled = True
-    backend = trace_backend(tracker, memory_budget, inductor_code=_has_float8(model))
-    for module in (block_list(model) or []) if mode == "blocks" else [model]:
+    backend = _split_as_ddp(trace_backend(tracker, memory_budget, inductor_code=_has_float8(model)), ddp_mode() == "ddp_optimizer")
+    # DDP (and zero1's DDP) wraps the model compiled before it, as TrainingStep does on a device:
+    # its inner module is what a real run compiles with --compile model.
+    inner = getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    for module in (block_list(inner) or []) if mode == "blocks" else [inner]:
         module.compile(backend=backend)
 
 
@@ -444,32 +494,69 @@ def compile_approximations(options: StepOptions, model: nn.Module, loss_fn: Any 
     return [Approximation(**{**COMPILED_AS_EAGER.to_json(), "detail": detail})]
 
 
+TP_BLOCKS_FAIL = ("a real --compile blocks run of a tensor-parallel plan fails in its first backward (2 gloo ranks, "
+                  "torch 2.13): the vocabulary-parallel embedding's output (RowwiseParallel, Shard(1): reduce-scattered "
+                  "into an AsyncCollectiveTensor) enters the first compiled block, and the gradient that block's compiled "
+                  "backward returns for it reaches DTensor's Redistribute.backward "
+                  "(torch/distributed/tensor/_redistribute.py) as a plain Tensor (AttributeError: '_local_tensor'); "
+                  "--compile model runs and is traced compiled")
+"""Why ``--compile blocks`` under TP stays eager: the step it would trace does not run."""
+FSDP_TP_FAIL = ("a real fsdp+tp run fails under either --compile (2 gloo ranks, torch 2.13): --compile blocks as "
+                "tp's does, and --compile model in inductor's compile, where AOTAutograd's trace of the "
+                "vocabulary-parallel embedding (DTensor's MaskPartial: torch/distributed/tensor/_ops/_mask_buffer.py "
+                "materialize_mask) mixes two fake modes (AssertionError: Mixing fake modes NYI)")
+"""Why fsdp+tp stays eager under ``--compile``: neither step it would trace runs."""
+
+
+def sharded_eager_reason(strategy: Any, options: StepOptions) -> str | None:
+    """Why ``plan`` traces rank 0 of ``strategy`` (``plan/sharded.py``'s Strategy) as eager under
+    ``--compile``, or None when it traces it compiled. Traced compiled, each checked against inductor
+    on a real gloo run (``tests/test_plan_compiled.py``, ``benchmarks/compiled_plan.py``): FSDP2 (fsdp,
+    fsdp-noreshard, hsdp: its all-gathers and reduce-scatters run in its hooks, outside dynamo's graphs),
+    DDP and zero1 (DDP's graph cut at its buckets by dynamo's DDPOptimizer: :func:`_split_as_ddp`),
+    zero2, and TP (tp, fsdp+tp) under ``--compile model``."""
+    if getattr(strategy, "pp", 1) > 1:
+        return ("a pipeline rank (distributed/pipeline.py, torch.distributed.pipelining's schedule) under compile "
+                "is untried: no gloo truth of a compiled pipeline yet (torchtitan compiles each stage's blocks)")
+    if getattr(strategy, "ep", 1) > 1 or getattr(strategy, "cp", 1) > 1:
+        return "expert and context parallelism under compile are untried (no gloo truth)"
+    if options.offloads("params"):
+        return "FSDP2's CPUOffloadPolicy under compile is untried (no gloo truth)"
+    if options.precision in FP8_PRECISIONS:
+        return "torchao's float8 subclasses under dynamo on fake tensors are untried"
+    if getattr(strategy, "tp", 1) > 1 and getattr(strategy, "shard", None) != "none":
+        return FSDP_TP_FAIL
+    if getattr(strategy, "tp", 1) > 1 and options.compile == "blocks":
+        return TP_BLOCKS_FAIL
+    if getattr(strategy, "shard", None) in ("ddp", "zero1") and ddp_mode() not in ("ddp_optimizer", "no_optimization"):
+        return (f"torch._dynamo.config.optimize_ddp = {ddp_mode()!r} runs DDP's Python reducer under compiled "
+                "autograd, not traced (ddp_optimizer, the default, is)")
+    return None
+
+
 def sharded_traces_compiled(strategy: Any, options: StepOptions) -> bool:
-    """Whether ``plan`` traces rank 0 of ``strategy`` (``plan/sharded.py``'s Strategy) compiled
-    under ``--compile``: FSDP2 alone (its all-gathers and reduce-scatters run in its hooks, outside
-    dynamo's graphs: ``skip_fsdp_hooks``), checked against inductor on a real gloo run
-    (``tests/test_plan_compiled.py``). DDP (dynamo's DDPOptimizer fails on the trace's fake
-    tensors), TP, HSDP, ZeRO, pipelines, expert parallelism and FSDP2's CPU offload are untried under
-    compile and traced eager, which the plan says (``COMPILED_AS_EAGER``)."""
-    return (options.compile != "none" and getattr(strategy, "shard", None) == "fsdp"
-            and getattr(strategy, "tp", 1) == 1 and getattr(strategy, "pp", 1) == 1 and getattr(strategy, "ep", 1) == 1
-            and not options.offloads("params") and options.precision not in FP8_PRECISIONS)
+    """Whether ``plan`` traces rank 0 of ``strategy`` compiled: ``--compile`` is on and
+    :func:`sharded_eager_reason` finds no reason not to."""
+    return options.compile != "none" and sharded_eager_reason(strategy, options) is None
 
 
 def plan_compile_approximations(workload: Workload, options: StepOptions, compiled: list[str],
-                                eager: list[str]) -> list[Approximation]:
+                                eager: dict[str, str]) -> list[Approximation]:
     """``plan``'s torch.compile approximations: the strategies named in ``compiled`` are traced
-    compiled (``COMPILED_TRACED``, with the FSDP2 gloo figure), those in ``eager`` as eager
-    (:func:`workload_approximations`, per strategy named)."""
-    if options.compile == "none" or not compiled:
+    compiled (``COMPILED_TRACED``, with the gloo figures), those in ``eager`` (name: why, from
+    :func:`sharded_eager_reason`) as eager, one approximation per reason."""
+    if options.compile == "none":  # a workload that compiles itself: traced eager, and said
         return workload_approximations(workload, options)
-    detail = f"--compile {options.compile}"
-    said = [dataclasses.replace(COMPILED_TRACED, detail=f"{detail}: {', '.join(compiled)} traced compiled")]
-    if options.memory_budget is not None:  # the compiled ones ran inductor's code (trace_backend)
+    said = [dataclasses.replace(COMPILED_TRACED, detail=f"--compile {options.compile}: {', '.join(compiled)} "
+                                                        "traced compiled")] if compiled else []
+    if options.memory_budget is not None and compiled:  # the compiled ones ran inductor's code (trace_backend)
         said.append(dataclasses.replace(MEMORY_BUDGET_TRACED, detail=(
             f"--memory-budget {options.memory_budget:g}: {', '.join(compiled)}{inductor_fallbacks()}")))
-    if eager:
-        said += [dataclasses.replace(a, detail=f"{a.detail}: {', '.join(eager)}")
+    by_reason: dict[str, list[str]] = {}
+    for name, why in eager.items():
+        by_reason.setdefault(why, []).append(name)
+    for why, names in by_reason.items():
+        said += [dataclasses.replace(a, detail=f"{a.detail}: {', '.join(names)} traced eager: {why}")
                  for a in workload_approximations(workload, options)]
     return said
 

@@ -32,7 +32,7 @@ from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.cuda_float8 import cpu_scaled_mm_scratch, mirror_float8_autocast
 from batchfit.trace.cuda_norm import CudaRmsNorm
-from batchfit.trace.compiled import compile_for_trace, retarget_for_trace
+from batchfit.trace.compiled import compile_for_trace, retarget_for_trace, trace_context
 from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot, held_tensor
 from batchfit.trace.routing import RoutedExperts, moe_experts
 from batchfit.workload import FP8_PRECISIONS, StepOptions, Workload
@@ -334,11 +334,12 @@ class TraceSession:
         self.tracker.host_optimizer_scalars = not any(
             g.get("fused") or g.get("capturable") for g in self.step.optimizer.param_groups
         )
-        self.compiled = (options.compile != "none" and wrap is None
-                         and (tracker is None or getattr(tracker, "trace_compiled", False)))
+        self.compiled = (options.compile != "none"
+                         and (getattr(tracker, "trace_compiled", False) or (wrap is None and tracker is None)))
         """Traced compiled (``trace/compiled.py``), else eager: so are sharded steps (``plan``) but
-        plain FSDP2's (its tracker is marked ``trace_compiled``: ``plan/sharded.py``). Float8 steps
-        run inductor's generated code for torchao's graphs (``compiled.inductor_plan``)."""
+        those whose tracker is marked ``trace_compiled`` (``plan/sharded.py``, from
+        ``trace/compiled.py: sharded_traces_compiled``: a DDP wrap among them). Float8 steps run
+        inductor's generated code for torchao's graphs (``compiled.inductor_plan``)."""
         self.compiled_parts: list[str] = []
         """What the workload compiled itself, recompiled with the trace's backend."""
         if self.compiled:  # batchfit's module hooks stay out: dynamo would break the graph at each
@@ -377,7 +378,8 @@ class TraceSession:
             cpu_mm = contextlib.nullcontext() if self.cuda_semantics else cpu_scaled_mm_scratch()
             gemm = bnb_fake.BnbKernels(self.cuda_semantics) if self.uses_bnb else contextlib.nullcontext()
             routed = self.routed or contextlib.nullcontext()  # above the fake mode: it sees the reads first
-            with self.fake_mode, self.tracker, attention, norm, cpu_mm, gemm, routed, _quiet_fake_tensor_log():
+            compiled = trace_context() if getattr(self, "compiled", False) else contextlib.nullcontext()
+            with self.fake_mode, self.tracker, attention, norm, cpu_mm, gemm, routed, compiled, _quiet_fake_tensor_log():
                 yield
         except (torch.OutOfMemoryError, BatchfitError):
             raise
