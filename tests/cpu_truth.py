@@ -29,6 +29,26 @@ def profiled_step_peak(step: TrainingStep, batch_size: int, tmp_path: Path, *, w
     return max(sum(row) for row in sizes)
 
 
+def agreed_profiled_peak(step: TrainingStep, batch_size: int, tmp_path: Path, *, warmup: int = 1,
+                         tries: int = 3) -> int:
+    """:func:`profiled_step_peak` inside a gloo rank, tried again when the profiler's timeline fails its
+    own data-flow check (an AssertionError in export_memory_timeline, now and then): every rank of the
+    default group runs as many steps, so their collectives stay paired. Raises when no try succeeded."""
+    import torch
+    import torch.distributed as dist
+
+    for attempt in range(tries):
+        try:
+            peak, ok = profiled_step_peak(step, batch_size, tmp_path, warmup=warmup if attempt == 0 else 0), 1
+        except AssertionError:
+            peak, ok = None, 0
+        agreed = torch.tensor(ok)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # both ranks run as many steps
+        if agreed.item():
+            return peak
+    raise AssertionError(f"the profiler's memory timeline failed {tries} times on some rank")
+
+
 def free_port() -> int:
     """A free TCP port on this machine for a gloo rendezvous."""
     import socket

@@ -23,19 +23,21 @@ def printed(summary, result) -> str:
 
 
 def test_plan_strategies_and_tokens_per_s_are_whole_at_80_columns():
-    def row(gpus, strategy, fits=True):
-        # the widest a real plan prints: 64 GPUs, the longest strategy name, 128 accumulation steps
-        return NS(gpus=gpus, strategy=strategy, skipped=False, fits=fits, max_local_batch=6553,
-                  max_global_batch=104848, micro_batch=512, accumulation_steps=128, peak_bytes_at_micro=79.9 * GiB,
-                  step_time_s=12.34, tokens_per_s=12345678.0, days=123.4, peak_reserved_bytes_at_micro=79.99 * GiB,
-                  tp_loss=None)
+    def row(rank, gpus, strategy, status="fits"):
+        # the widest a real plan prints: two GPU counts, the longest strategy name auto makes, 128 accumulation
+        # steps, tokens/s in the millions, days
+        return NS(rank=rank, gpus=gpus, strategy=strategy, status=status, why=None if rank else "needs 91.2 GiB",
+                  max_local_batch=6553, micro_batch=512, accumulation_steps=128, allocated_bytes=79.9 * GiB,
+                  reserved_bytes=79.99 * GiB, exposed_comm_s=1.23, bubble_s=10.5, step_time_s=12.34,
+                  tokens_per_s=12345678.0, samples_per_s=None, days=123.4)
 
-    plans = [row(64, "fsdp-noreshard+tp4"), row(16, "hsdp2+tp4", fits=False)]
+    ranking = [row(1, 64, "fsdp-noreshard+tp4"), row(2, 64, "pp8+fsdp+cp2+tp4", "above target"),
+               row(None, 16, "hsdp2", "does not fit")]
     result = NS(workload="llama-1b", device=NS(display_name="NVIDIA H100 80GB HBM3"),
-                options=NS(precision="bf16-mixed", offload="none"), plans=plans, recommended=[], limit="reserved",
-                host_limit_bytes=None)
+                options=NS(precision="bf16-mixed", offload="none"), plans=[], recommended=[], limit="reserved",
+                host_limit_bytes=None, ranking=ranking, worlds=[NS(gpus=16), NS(gpus=64)], time_model=NS(mfu=0.4))
     text = printed(plan_summary, result)
-    for whole in ("fsdp-noreshard+tp4", "hsdp2+tp4", "12,345,678", "512 x 128", "104848", "123.4"):
+    for whole in ("fsdp-noreshard+tp4", "pp8+fsdp+cp2+tp4", "hsdp2", "12,345,678", "512 x 128", "12,345,678  123", "12.3", "1.23"):
         assert whole in text, text
 
 

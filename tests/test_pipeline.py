@@ -54,7 +54,7 @@ def _free_port() -> int:
 
 def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatches: int = MICROBATCHES) -> None:
     """Rank ``rank`` of a real ``world``-stage pipeline: its peak per schedule in peaks<rank>.json."""
-    from cpu_truth import profiled_step_peak
+    from cpu_truth import agreed_profiled_peak
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     join_gloo(rank, world, port, timeout_s=120)
@@ -87,15 +87,7 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatc
 
         step.run = run
         run(MICRO)  # builds the stage's buffers and the optimizer state
-        for _ in range(3):  # the profiler's timeline sometimes fails its own data-flow check: try again
-            try:
-                peaks[name] = profiled_step_peak(step, MICRO, Path(out_dir) / str(rank), warmup=0)
-                ok = torch.tensor(1)
-            except AssertionError:
-                ok = torch.tensor(0)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # both ranks run as many steps
-            if ok.item():
-                break
+        peaks[name] = agreed_profiled_peak(step, MICRO, Path(out_dir) / str(rank), warmup=0)
         dist.barrier()
     with open(os.path.join(out_dir, f"peaks{rank}.json"), "w") as f:
         json.dump(peaks, f)

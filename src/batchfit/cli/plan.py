@@ -251,8 +251,12 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
     several = len(result.worlds) > 1
     days = any(row.days is not None for row in rows)
     unit = "tokens/s" if any(row.tokens_per_s for row in rows) else "samples/s"
-    columns = ["#", *(["GPUs"] if several else []), "strategy", "max\nlocal", "micro x\naccum", "GiB\nalloc",
-               "GiB\nresv", "comm\ns", "bubble\ns", "step\ns", unit, *(["days"] if days else [])]
+    # one memory column, the limit's (report.md has both); the bubble only when a pipeline is ranked
+    reserved = result.limit == "reserved"
+    bubble = any(row.bubble_s for row in rows)
+    columns = [*(["GPUs"] if several else []), "strategy", "max\nlocal", "micro x\naccum",
+               "GiB\nresv" if reserved else "GiB\nalloc", "comm\ns", *(["bubble\ns"] if bubble else []), "step\ns",
+               unit, *(["days"] if days else [])]
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     for column in columns:
         table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
@@ -260,20 +264,21 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
     def gib(value: int | None) -> str:
         return f"{value / GiB:.1f}" if value else "—"
 
-    def secs(value: float | None) -> str:
-        return "—" if value is None else f"{value:.2f}"
+    def secs(value: float | None) -> str:  # three significant figures: 0.12, 1.23, 12.3
+        return "—" if value is None else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
 
     for row in rows:
-        head = [str(row.rank or "—"), *([str(row.gpus)] if several else []), row.strategy]
+        head = [*([str(row.gpus)] if several else []), row.strategy]  # in rank order; the ranked ones first
         if row.rank is None:
-            table.add_row(*head, "skipped" if row.status == "skipped" else "no fit", *[""] * (len(columns) - 4))
+            table.add_row(*head, "", "skipped" if row.status == "skipped" else "no fit", *[""] * (len(columns) - len(head) - 2))
             continue
         speed = row.tokens_per_s or row.samples_per_s
         table.add_row(*head, str(row.max_local_batch),
                       f"{row.micro_batch} x {row.accumulation_steps}" + ("!" if row.status == "above target" else ""),
-                      gib(row.allocated_bytes), gib(row.reserved_bytes), secs(row.exposed_comm_s), secs(row.bubble_s),
-                      secs(row.step_time_s), f"{speed:,.0f}" if speed else "—",
-                      *([f"{row.days:.1f}" if row.days is not None else "—"] if days else []))
+                      gib(row.reserved_bytes if reserved else row.allocated_bytes), secs(row.exposed_comm_s),
+                      *([secs(row.bubble_s)] if bubble else []), secs(row.step_time_s), f"{speed:,.0f}" if speed else "—",
+                      *([("—" if row.days is None else f"{row.days:.0f}" if row.days >= 100 else f"{row.days:.1f}")]
+                        if days else []))
     console.print(table)
     if any(row.rank for row in rows):
         console.print(f"ranked by {unit} (computed, MFU {result.time_model.mfu:.2f}); memory at the micro-batch "

@@ -13,6 +13,7 @@ import re
 
 from batchfit.distributed.strategy import Strategy
 from batchfit.errors import OptionError
+from batchfit.plan.world import check_degree
 
 _CP = re.compile(r"(?:^|\+)cp(\d+)(?=\+|$)")
 _WRAPS = ("fsdp-noreshard", "fsdp", "ddp")
@@ -36,12 +37,7 @@ def parse_cp_strategy(text: str, world_size: int, parse_rest) -> Strategy:
     parses the rest (fsdp, fsdp+tp<T>, ddp, ...)."""
     name = text.strip().lower().replace(" ", "")
     cp, rest = split_cp(name)
-    if cp < 2:
-        raise OptionError(f"{name}: context parallelism needs 2 or more ranks, e.g. fsdp+cp2 (or drop cp)")
-    if world_size % cp:
-        good = [d for d in range(2, world_size + 1) if world_size % d == 0]
-        raise OptionError(f"{name} on {world_size} GPUs: dp x cp{cp} x tp must equal the GPU count; use cp<N> with "
-                          f"N in {', '.join(map(str, good)) or '(none: one GPU)'}")
+    check_degree(name, "cp", cp, world_size, product=f"dp x cp{cp} x tp", example="fsdp+cp2")
     first = rest.split("+")[0]
     if first not in _WRAPS:
         raise OptionError(f"{name}: cp<N> runs under a data-parallel wrap over dp x cp (torchtitan's): "

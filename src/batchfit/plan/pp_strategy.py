@@ -10,6 +10,7 @@ import re
 from batchfit.distributed.pipeline import check_pipeline, parse_schedule
 from batchfit.distributed.strategy import Strategy
 from batchfit.errors import OptionError
+from batchfit.plan.world import check_degree
 
 _PP = re.compile(r"^pp(\d+)(?:\+(.+))?$")
 
@@ -27,12 +28,7 @@ def parse_pp_strategy(text: str, world_size: int, parse_rest, *, pp_schedule: st
     """A pp<N>[+X] strategy on ``world_size`` GPUs; ``parse_rest(X, world_size // N)`` parses X."""
     pp, rest = split_pp(text)
     name = text.strip().lower().replace(" ", "")
-    if pp < 2:
-        raise OptionError(f"{name}: a pipeline needs 2 or more stages, e.g. pp2+fsdp (or drop pp)")
-    if world_size % pp:
-        good = [d for d in range(2, world_size + 1) if world_size % d == 0]
-        raise OptionError(f"{name} on {world_size} GPUs: pp{pp} x the other degrees must equal the GPU count; "
-                          f"use pp<N> with N in {', '.join(map(str, good)) or '(none: one GPU)'}")
+    check_degree(name, "pp", pp, world_size, product=f"pp{pp} x the other degrees", example="pp2+fsdp")
     schedule = parse_schedule(pp_schedule, microbatches)
     check_pipeline(schedule, pp, None)
     inner_world = world_size // pp
