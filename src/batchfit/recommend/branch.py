@@ -22,6 +22,7 @@ import torch
 from batchfit.train.budget import Schedule
 from batchfit.train.data import BatchSource
 from batchfit.train.step import TrainingStep
+from batchfit.workload import Workload
 
 
 @dataclass(kw_only=True)
@@ -98,3 +99,18 @@ class Trainer:
             if stop is not None:
                 stop()
         return position
+
+
+def evaluator(workload: Workload, source: BatchSource, micro: int, device: torch.device, autocast
+               ) -> Callable[[torch.nn.Module], float]:
+    def evaluate(model: torch.nn.Module) -> float:
+        model.eval()
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for size, batch in source.validation(micro, device):
+                with autocast():
+                    total += workload.loss_fn(model, batch).item() * size
+                count += size
+        model.train()
+        return total / count
+    return evaluate

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from batchfit.recommend.branch import Curve, Snapshot, Trainer
+from batchfit.recommend.branch import Curve, Snapshot, Trainer, evaluator
 from batchfit.train.budget import Schedule
 from batchfit.train.data import BatchSource
 from batchfit.train.store import Store
@@ -99,7 +99,6 @@ class BranchSpec:
     def train(self, workload: Workload, source: BatchSource, store: Store, checkpoints: Path, device: torch.device,
               progress: Callable[[str], None] | None = None) -> dict:
         """The executors' entry: train the window from the point's state, write row and curve."""
-        from batchfit.recommend.engine import evaluator
         from batchfit.train.step import TrainingStep
 
         started = time.perf_counter()

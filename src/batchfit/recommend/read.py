@@ -3,19 +3,15 @@ extrapolation to the budget, the recommendation with its interval, and what it c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from batchfit.recommend.branch import Curve
+from batchfit.recommend.config import Plan
 from batchfit.recommend.jobs import cooldown_from
 from batchfit.recommend.priors import priors
 from batchfit.recommend.result import SWEEP_EVAL_EVERY, RecommendResult
 from batchfit.workload import Workload
-
-if TYPE_CHECKING:
-    from batchfit.recommend.engine import Plan
 
 
 def power_exponent(val: list[tuple[int, float]]) -> float:

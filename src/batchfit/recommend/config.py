@@ -1,0 +1,122 @@
+"""What ``batchfit recommend`` was asked (RecommendConfig) and the plan it checked before any training
+(Plan): below the engine, so the branch jobs and the reader take them without importing the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchfit.errors import OptionError
+from batchfit.recommend.result import SWEEP_EVAL_EVERY
+from batchfit.train.budget import LR_SCALINGS, Budget, Schedule
+
+
+@dataclass(kw_only=True)
+class RecommendConfig:
+    """One recommendation: the budget, the batch sizes and rates a sweep would try, and how to branch."""
+
+    batch_sizes: list[int]
+    tokens: int | None = None
+    """The budget in tokens; or give ``samples``."""
+    samples: int | None = None
+    lrs: list[float] | None = None
+    """Peak rates at the smallest batch size; None: the optimizer's own."""
+    lr_scaling: str = "sqrt"
+    """How a branch at k x the batch scales its rate: sqrt (the paper's rule for Adam), linear, none."""
+    branch_points: tuple[float, ...] = (0.1, 0.25)
+    """Where the parent branches, as shares of the budget."""
+    window: float = 0.04
+    """Each branch trains this share of the budget."""
+    epsilon: float = 0.01
+    """Relative loss tolerance: a batch within it of the best (or the smallest batch) loses nothing."""
+    seeds: int = 2
+    """Data windows at the last branch point (2 or more gives an interval)."""
+    cooldown: float = 0.75
+    """The last share of each window in which the rate decays linearly to the schedule's final
+    rate, so branches are compared as the sweep's runs end: decayed (0: no cooldown)."""
+    evals_per_window: int = 1
+    """Validation passes per branch: 1, at the window's end, is all the recommendation reads;
+    more draw the curves (each pass costs ``eval_samples``, counted in the cost)."""
+    warmup: str = "1%"
+    min_lr_ratio: float = 0.1
+    eval_samples: int = 64
+    seed: int = 0
+    grad_clip: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise OptionError("--batch-sizes must be positive integers, e.g. 1,2,4,8")
+        self.batch_sizes = sorted(set(self.batch_sizes))
+        if len(self.batch_sizes) < 2:
+            raise OptionError("give at least two --batch-sizes to compare, e.g. 1,2,4,8,16")
+        if (self.tokens is None) == (self.samples is None):
+            raise OptionError("give the budget once: --tokens (e.g. --tokens 50M) or --samples (e.g. --samples 200k)")
+        if self.lr_scaling not in LR_SCALINGS:
+            raise OptionError(f"unknown --lr-scaling '{self.lr_scaling}': use sqrt, linear or none")
+        if not self.branch_points or not all(0 < p < 1 for p in self.branch_points):
+            raise OptionError("--branch-at takes shares of the budget between 0 and 1, e.g. 10%,25%")
+        if not 0 < self.window < 1:
+            raise OptionError(f"--window must be a share of the budget between 0 and 1, e.g. 4%; got {self.window}")
+        if self.epsilon <= 0:
+            raise OptionError(f"--epsilon must be above 0, e.g. 0.01; got {self.epsilon}")
+        if not 0 <= self.cooldown < 1:
+            raise OptionError(f"--cooldown must be a share of the window from 0 to below 1, e.g. 75%; got {self.cooldown}")
+        if self.seeds < 1:
+            raise OptionError(f"--seeds must be 1 or more, got {self.seeds}")
+        self.branch_points = tuple(sorted(set(self.branch_points)))
+
+    def budget(self, tokens_per_sample: int | None) -> Budget:
+        if self.tokens is not None:
+            return Budget(unit="tokens", total=self.tokens, tokens_per_sample=tokens_per_sample)
+        return Budget(unit="samples", total=self.samples, tokens_per_sample=tokens_per_sample)
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """The validated recommendation: positions in samples, rates, micro-batches."""
+
+    config: RecommendConfig
+    budget: Budget
+    schedule: Schedule
+    total_samples: int
+    points: list[int]
+    """Branch points, in samples consumed by the parent (multiples of the smallest batch)."""
+    window_samples: int
+    lrs: dict[int, list[float]]
+    micro_batches: dict[int, int]
+    fits: int | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def windows(self) -> int:
+        """Data windows branched: one per point, ``seeds`` at the last."""
+        return len(self.points) + self.config.seeds - 1
+
+    @property
+    def cost_samples(self) -> int:
+        """Trained: the parent to its last point, and every branch's window."""
+        branches = sum(len(v) for v in self.lrs.values())
+        return self.points[-1] + self.windows * branches * self.window_samples
+
+    @property
+    def val_samples(self) -> int:
+        """Validated (forward only, the fixed set of ``eval_samples``): the parent at its start and
+        at each point; each branch at each of its evaluations (``evals_per_window``, fewer when a
+        large batch's steps hold two)."""
+        config, W = self.config, self.window_samples
+        evals = 1 + len(self.points)
+        for b in config.batch_sizes:
+            aligned = {W * (i + 1) // config.evals_per_window // b * b for i in range(config.evals_per_window)}
+            evals += self.windows * len(self.lrs[b]) * len([e for e in aligned if e > 0])
+        return evals * config.eval_samples
+
+    def sweep_val_samples(self, eval_every: float = SWEEP_EVAL_EVERY) -> int:
+        """What the sweep it replaces validates, by the sweep's rule (``sweep/run.py``): at step 0,
+        and after each step that crosses a multiple of ``eval_every`` of the budget or ends the run."""
+        every, u = max(1, round(eval_every * self.budget.total)), self.budget.per_sample
+        evals = 0
+        for b in self.config.batch_sizes:
+            steps = self.total_samples // b
+            crossed = sum(1 for s in range(1, steps + 1)
+                          if (s * b * u) // every > ((s - 1) * b * u) // every or s == steps)
+            evals += (1 + crossed) * len(self.lrs[b])
+        return evals * self.config.eval_samples
