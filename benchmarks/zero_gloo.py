@@ -49,10 +49,14 @@ def _profiled(step, batch: int, out: str) -> int:
     """The smallest peak of TRIES profiled steps: the profiler's timeline sometimes fails its own
     data-flow check ("version mismatch", as in tests/test_plan_trace.py), and that step is
     skipped. One real step per try, so every rank runs as many steps."""
+    import torch.distributed as dist
+
+    folder = Path(out) / f"rank{dist.get_rank()}"  # each rank its own timeline.json: a shared one raced
+    folder.mkdir(exist_ok=True)
     peaks = []
     for _ in range(TRIES):
         try:
-            peaks.append(profiled_step_peak(step, batch, Path(out), warmup=0))
+            peaks.append(profiled_step_peak(step, batch, folder, warmup=0))
         except AssertionError:
             peaks.append(None)
     return min(p for p in peaks if p is not None)

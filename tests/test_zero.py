@@ -66,18 +66,18 @@ def _profiled(step, batch: int, out: str) -> int:
     skipped. One real step per try, so every rank runs as many steps."""
     from cpu_truth import profiled_step_peak
 
+    folder = Path(out) / f"rank{dist.get_rank()}"  # each rank its own timeline.json: a shared one raced
+    folder.mkdir(exist_ok=True)
     peaks = []
     for _ in range(3):
         try:
-            peaks.append(profiled_step_peak(step, batch, Path(out), warmup=0))
+            peaks.append(profiled_step_peak(step, batch, folder, warmup=0))
         except AssertionError:
             peaks.append(None)
     return min(p for p in peaks if p is not None)
 
 
 def _gloo_main(rank: int, port: int, out_dir: str) -> None:
-    from cpu_truth import profiled_step_peak
-
     from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.zero import with_sharded_optimizer
 
