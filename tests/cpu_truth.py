@@ -65,7 +65,9 @@ def spawn_profiled_gloo(main, args_for_port, nprocs: int, attempts: int = 3) -> 
     Why: the profiler's memory timeline in a process with gloo's threads sometimes kills that process
     (SIGSEGV, or SIGABRT "terminate called without an active exception", between profiler_start
     and profiler_stop; seen in the CI run of 2026-11-25 and in 1 of 2 runs of test_zero.py beside
-    test_distributed_losses.py on this 2-core machine, with no error of the step itself). The bytes
+    test_distributed_losses.py on this 2-core machine, with no error of the step itself; on 2026-11-26
+    also in test_ranks' mixed-precision probe, which runs no profiler: so gloo's threads at exit, not
+    the profiler, are the likelier cause; used there and in test_elastic too). The bytes
     a run measures do not depend on it, only whether it finishes. A rank that raises (an assertion,
     a wrong result) fails at once, and a step that crashes every time fails after ``attempts``.
     """

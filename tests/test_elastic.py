@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpu_truth import spawn_profiled_gloo
 from batchfit.integrations.elastic import ElasticStep, predict_micro_batch
 from batchfit.integrations.elastic_split import batch_size, split_batch, split_global_batch, take_samples
 from batchfit.errors import OptionError
@@ -292,7 +293,7 @@ def _ddp_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_two_ddp_ranks_agree_when_only_one_runs_out(tmp_path):
-    torch.multiprocessing.spawn(_ddp_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_profiled_gloo(_ddp_main, lambda port: (port, str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     # both ranks redid the batch at 16 (16 + 16 + 16 + 12) and stayed there
     assert [r["infos"] for r in ranks] == [[(16, 4, 1), (16, 4, 0)]] * 2
@@ -391,7 +392,7 @@ def test_two_fsdp2_ranks_agree_when_only_one_runs_out(tmp_path):
     # rank 1 runs out in the loss of its first micro-batch (before any backward), then of its
     # last (after one backward accumulated unsynced gradients that must not count twice)
     for oom_call in (1, 2):
-        torch.multiprocessing.spawn(_fsdp_main, args=(_free_port(), str(tmp_path), oom_call), nprocs=2, join=True)
+        spawn_profiled_gloo(_fsdp_main, lambda port: (port, str(tmp_path), oom_call), nprocs=2)
         for r in (0, 1):
             run = torch.load(tmp_path / f"rank{r}.pt")
             assert run["outcome"] == [(16, 4, 1), (16, 4, 0)], oom_call

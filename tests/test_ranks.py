@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from typer.testing import CliRunner
 
+from cpu_truth import spawn_profiled_gloo
 from batchfit.distributed import wrap as parallel
 from batchfit.cli.app import app
 from batchfit.errors import OptionError
@@ -93,7 +94,7 @@ def _one_step_main(rank: int, port: int, strategy: str, out_dir: str) -> None:
 
 
 def _one_step_on_two_ranks(strategy: str, tmp_path) -> tuple[list[dict], dict[str, torch.Tensor], int]:
-    torch.multiprocessing.spawn(_one_step_main, args=(_free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
+    spawn_profiled_gloo(_one_step_main, lambda port: (port, strategy, str(tmp_path)), nprocs=2)
     per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     torch.manual_seed(0)
     alone = TrainingStep(transformer_workload(slice(None)), SGD, torch.device("cpu"))
@@ -143,7 +144,7 @@ def _probe_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_probe_under_two_ranks_wraps_in_ddp_and_the_ranks_agree(tmp_path):
-    torch.multiprocessing.spawn(_probe_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_profiled_gloo(_probe_main, lambda port: (port, str(tmp_path)), nprocs=2)
     per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for got in per_rank:
         assert got["seen"] == ["DistributedDataParallel"]  # the default under torchrun
@@ -253,7 +254,7 @@ def test_probes_fsdp_gathers_bf16_parameters_and_reduces_in_fp32(tmp_path):
     """probe --strategy fsdp at bf16-mixed wraps with the mixed-precision policy plan traces
     (batchfit.distributed): the blocks run on bf16 copies of the fp32 shards, gradients are
     reduce-scattered in fp32. Without the policy FSDP2 gathers and reduces the fp32 shards."""
-    torch.multiprocessing.spawn(_mixed_precision_probe_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_profiled_gloo(_mixed_precision_probe_main, lambda port: (port, str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["strategy"] == "fsdp"
