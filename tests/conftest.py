@@ -23,3 +23,13 @@ def mlp_workload(d_in: int = 1024, d_hidden: int = 4096, *, name: str = "mlp") -
 @pytest.fixture
 def mlp() -> Workload:
     return mlp_workload()
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (deterministic and fast on a shared 2-core machine): the training
+    tests take it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

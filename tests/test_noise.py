@@ -36,12 +36,7 @@ def quadratic() -> Workload:
                     build_optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def test_the_unbiased_estimators_invert_the_expected_norms():

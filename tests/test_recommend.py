@@ -21,12 +21,7 @@ from batchfit.workload import StepOptions
 from tests.test_sweep_helpers import write_corpus, write_tiny
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,7 @@ from batchfit.workload import StepOptions
 from tests.test_sweep_helpers import write_corpus, write_tiny
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # deterministic and fast on a shared 2-core machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture
