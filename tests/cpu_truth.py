@@ -49,6 +49,16 @@ def agreed_profiled_peak(step: TrainingStep, batch_size: int, tmp_path: Path, *,
     raise AssertionError(f"the profiler's memory timeline failed {tries} times on some rank")
 
 
+def tiny_llama_workload(cfg):
+    """The gloo truths' language model: batchfit's zoo Transformer of ``cfg`` (each test file keeps its
+    own size), built with no weights loaded."""
+    from batchfit.zoo import language_model_workload
+    from batchfit.zoo.transformer import Transformer
+
+    return language_model_workload(name="tiny-llama", build_model=lambda: Transformer(cfg),
+                                   vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, description="tiny llama")
+
+
 def free_port() -> int:
     """A free TCP port on this machine for a gloo rendezvous."""
     import socket

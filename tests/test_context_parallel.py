@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpu_truth import join_gloo, spawn_profiled_gloo
+from cpu_truth import join_gloo, spawn_profiled_gloo, tiny_llama_workload
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
@@ -38,8 +38,7 @@ NAME = "fsdp+cp2"
 
 
 def tiny_workload() -> Workload:
-    return language_model_workload(name="tiny-llama", build_model=lambda: Transformer(CFG),
-                                   vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, description="tiny llama")
+    return tiny_llama_workload(CFG)
 
 
 def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, name: str = NAME) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cpu_truth import join_gloo, spawn_profiled_gloo
+from cpu_truth import join_gloo, spawn_profiled_gloo, tiny_llama_workload
 from batchfit.devices import get_device
 from batchfit.distributed.pipeline import bubble_fraction, in_flight, parse_schedule, rank_actions, split_stage
 from batchfit.errors import OptionError
@@ -30,8 +30,7 @@ from batchfit.plan.pp_strategy import parse_pp_strategy
 from batchfit.plan.sharded import parse_strategy
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
-from batchfit.zoo import language_model_workload
-from batchfit.zoo.transformer import Transformer, TransformerConfig
+from batchfit.zoo.transformer import TransformerConfig
 
 CFG = TransformerConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128,
                         llama=True, tied_embeddings=False)
@@ -42,8 +41,7 @@ SCHEDULES = ("gpipe", "1f1b")
 
 
 def tiny_workload() -> Workload:
-    return language_model_workload(name="tiny-llama", build_model=lambda: Transformer(CFG),
-                                   vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, description="tiny llama")
+    return tiny_llama_workload(CFG)
 
 
 def _free_port() -> int:

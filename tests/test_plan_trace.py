@@ -21,14 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpu_truth import spawn_profiled_gloo
+from cpu_truth import spawn_profiled_gloo, tiny_llama_workload
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import Collective, Strategy, parse_strategies, parse_strategy, trace_sharded
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
-from batchfit.zoo import language_model_workload
-from batchfit.zoo.transformer import Transformer, TransformerConfig
+from batchfit.zoo.transformer import TransformerConfig
 
 # Llama blocks (RMSNorm, SwiGLU, RoPE, GQA), untied head: every parameter's first dimension
 # divides by 4, so FSDP shards are exact (no padding) on 2 and 4 ranks.
@@ -41,8 +40,7 @@ MEASURED = {2: ("ddp", "fsdp", "fsdp:t5"), 4: ("fsdp+tp2",)}
 
 
 def tiny_workload() -> Workload:
-    return language_model_workload(name="tiny-llama", build_model=lambda: Transformer(CFG),
-                                   vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, description="tiny llama")
+    return tiny_llama_workload(CFG)
 
 
 def tiny_t5_workload() -> Workload:

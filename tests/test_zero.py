@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpu_truth import join_gloo, spawn_profiled_gloo
+from cpu_truth import join_gloo, spawn_profiled_gloo, tiny_llama_workload
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
@@ -42,8 +42,7 @@ MEASURED = ("zero1", "zero2")
 
 
 def tiny_workload() -> Workload:
-    return language_model_workload(name="tiny-llama", build_model=lambda: Transformer(CFG),
-                                   vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, description="tiny llama")
+    return tiny_llama_workload(CFG)
 
 
 def _trace(name: str, options: StepOptions = StepOptions(), world: int = WORLD, workload: Workload | None = None):
