@@ -198,11 +198,17 @@ def test_estimate_traces_compile_model_compiled_and_says_how_close_that_is(tmp_p
     assert "warning: approximated: compiled step traced" in " ".join(terminal.split())
 
 
-def test_graph_breaks_are_counted_with_their_reason(tmp_path):
+def _workload_with(tmp_path, statement: str) -> str:
+    """write_workload's spec with ``statement`` run in each block's forward, before its return."""
     spec = write_workload(tmp_path)
     path = Path(spec.rsplit(":", 1)[0])
     path.write_text(path.read_text().replace("return x + torch.relu(self.fc(x))",
-                                             "torch._dynamo.graph_break()\n        return x + torch.relu(self.fc(x))"))
+                                             f"{statement}\n        return x + torch.relu(self.fc(x))"))
+    return spec
+
+
+def test_graph_breaks_are_counted_with_their_reason(tmp_path):
+    spec = _workload_with(tmp_path, "torch._dynamo.graph_break()")
     data, _, _ = estimate_cli(tmp_path, spec, "--compile", "blocks")
     detail = data["approximations"][0]["detail"]
     assert re.fullmatch(r"--compile blocks: \d+ graphs compiled, [1-9]\d* graph breaks \(most often: .*\)", detail), detail
@@ -211,10 +217,7 @@ def test_graph_breaks_are_counted_with_their_reason(tmp_path):
 
 def test_what_dynamo_cannot_capture_is_said_in_one_line(tmp_path):
     """The issue's bad input: --compile on a model dynamo cannot capture whole gives the break's reason."""
-    spec = write_workload(tmp_path)
-    path = Path(spec.rsplit(":", 1)[0])
-    path.write_text(path.read_text().replace("return x + torch.relu(self.fc(x))",
-                                             "print('block')\n        return x + torch.relu(self.fc(x))"))
+    spec = _workload_with(tmp_path, "print('block')")
     data, report, terminal = estimate_cli(tmp_path, spec, "--compile", "model")
     detail = data["approximations"][0]["detail"]
     assert re.fullmatch(r"--compile model: \d+ graphs compiled, [1-9]\d* graph breaks \(most often: Failed to trace "
