@@ -89,6 +89,8 @@ def setup(folder: Path, *, name: str, tokens: int, batch_sizes: list[int], lr: f
             "recommend_extrapolated_val": {str(b): v for b, v in rec.extrapolated.items()},
             "recommend_window_val": {f"{r['batch_size']}@{r['point']}/w{r['seed']}": r["window_val"]
                                      for r in rec.branches},
+            "priors": {p["source"].split(" (")[0]: {"batch_size": p["batch_size"], "lr": p["lr"],
+                                                     "weight_decay": p.get("weight_decay")} for p in rec.priors},
             "sweep_seconds": sweep_seconds, "recommend_seconds": rec_seconds}
 
 

@@ -14,6 +14,7 @@ from batchfit.recommend.branch import Curve, Trainer
 from batchfit.recommend.engine import RecommendConfig, evaluator, plan_recommend, run_recommend
 from batchfit.recommend.read import extrapolate, power_exponent
 from batchfit.recommend.priors import power_lines, step_law
+from batchfit.report.recommend_markdown import recommend_markdown
 from batchfit.train.budget import Schedule
 from batchfit.train.data import BatchSource, tokenize
 from batchfit.train.step import TrainingStep
@@ -79,7 +80,29 @@ def test_step_law_at_its_published_test_point():
     assert prior.lr == pytest.approx(1.631e-3, rel=1e-3)
     assert prior.batch_size == pytest.approx(prior.batch_tokens / 2048)
     assert "extrapolation" in " ".join(step_law(40_000, 10**6, 16).notes)
-    assert power_lines(10**9).batch_size is None  # constants not found: no invented number
+
+
+def test_power_lines_at_the_values_quoted_from_it():
+    # "B_opt = 0.0306*D^0.383 (B in 2048-token sequences), giving 0.721M tokens at D=40e9".
+    prior = power_lines(10**9, 40 * 10**9, 2048)
+    assert prior.batch_tokens == pytest.approx(0.0306 * 40e9 ** 0.383 * 2048)
+    assert prior.batch_tokens == pytest.approx(0.721e6, rel=1e-3)
+    assert prior.batch_size == pytest.approx(prior.batch_tokens / 2048)
+    assert prior.weight_decay is None  # no batch and rate to set it for
+    # tau_opt = 1.084 TPP^-0.527: about 1 at 1 TPP, about 0.03 at 1000 TPP (the paper's reading).
+    # At 20 TPP (Chinchilla), 512 sequences of 2048 at lr 1e-3 on D = 20N tokens:
+    # weight_decay = B / (lr tau D) = 512 / (1e-3 x 1.084 x 20^-0.527 x (20e9 / 2048)).
+    prior = power_lines(10**9, 20 * 10**9, 2048, batch_size=512, lr=1e-3)
+    tau = 1.084 * 20 ** -0.527
+    assert tau == pytest.approx(0.2236, rel=1e-3)
+    assert prior.weight_decay == pytest.approx(512 / (1e-3 * tau * 20e9 / 2048))
+    assert prior.weight_decay == pytest.approx(0.2345, rel=1e-3)
+    assert 1.084 * 1000 ** -0.527 == pytest.approx(0.0285, rel=1e-2)
+    assert not any("extrapolation" in n for n in prior.notes)
+    small = " ".join(power_lines(40_000, 10**7, 16).notes)  # 250 TPP inside, 40k parameters not
+    assert "outside the fitted 111M-3.3B" in small and "20-1280" not in small
+    small = " ".join(power_lines(40_000, 10**6 // 2, 16).notes)  # 12.5 TPP
+    assert "outside the fitted 111M-3.3B" in small and "outside the fitted 20-1280" in small
 
 
 def test_extrapolation_is_a_power_law():
@@ -195,6 +218,13 @@ def test_a_small_recommendation(small):
     assert data["sweep_tokens_equivalent"] == 3 * 16 * 800 + 3 * 11 * 4 * 16
     assert data["cost_share_of_sweep"] < 0.3
     assert {r["kind"] for r in result.evidence()} >= {"measured", "prior (formula)"}
+    # Power Lines' weight decay at the recommended batch and rate, by hand: B / (lr tau D) in samples,
+    # tau = 1.084 (D / N)^-0.527 with N every parameter of the model
+    lines = next(p for p in data["sources"]["priors"] if p["source"].startswith("Power Lines"))
+    tau = 1.084 * (data["budget"] / data["params"]) ** -0.527
+    by_hand = data["recommended_batch_size"] / (data["lr"] * tau * data["budget"] / 16)
+    assert lines["weight_decay"] == pytest.approx(by_hand)
+    assert "Weight decay" in recommend_markdown(data)
 
 
 def test_validation_is_counted_by_hand(tiny):

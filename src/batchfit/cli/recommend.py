@@ -162,6 +162,10 @@ def _print(result, data: dict, console, report_path: Path) -> None:
         table.add_row(escape(row["source"]), "—" if row["batch_size"] is None else f"{row['batch_size']:,.0f}",
                       "—" if row["lr"] is None else f"{row['lr']:.3g}", row["kind"])
     console.print(table)
+    for prior in result.priors:
+        if prior.get("weight_decay") is not None:
+            console.print(f"weight decay {prior['weight_decay']:.3g} at this batch and rate: {escape(prior['source'])} "
+                          "(a formula's answer, not measured)")
     console.print(f"cost: {result.total_cost:,} {result.unit}, {result.cost_share:.1%} of a sweep of the same batch "
                   f"sizes at the same budget ({result.sweep_equivalent:,})")
     console.print(f"report: {report_path}", soft_wrap=True)

@@ -83,7 +83,7 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
     lrs = [s[choice]["lr"] for s in per_seed]
     lr = max(set(lrs), key=lrs.count)
     n_lrs = len(plan.lrs[config.batch_sizes[0]])
-    params = sum(p.numel() for p in _parameters(workload))
+    params, non_embedding = _parameter_counts(workload)
     notes = list(plan.notes)
     notes.append("the interval covers the spread between data windows, not the bias of short windows from a shared "
                  "state (benchmarks/recommend_cpu.py: on a fixed-rate setup the sweep's best, 2, lay just outside "
@@ -106,12 +106,18 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
         sweep_equivalent=plan.budget.total * len(config.batch_sizes) * n_lrs + plan.sweep_val_samples() * per_sample,
         sweep_val=plan.sweep_val_samples() * per_sample, params=params,
         priors=[p.to_json() for p in priors(params, plan.budget.total if plan.budget.unit == "tokens" else None,
-                                             workload.tokens_per_sample)],
+                                             workload.tokens_per_sample, non_embedding_params=non_embedding,
+                                             batch_size=choice, lr=lr)],
         window=plan.window_samples * per_sample, cooldown=config.cooldown,
         points=[p * per_sample for p in plan.points], seeds=config.seeds, notes=notes, seconds=seconds)
 
 
-def _parameters(workload: Workload):
-    """The model's parameters, built on the meta device (no memory), for the priors' N."""
+def _parameter_counts(workload: Workload) -> tuple[int, int]:
+    """The model's parameters, all and without the embeddings (Step Law's N), built on the meta
+    device (no memory)."""
     with torch.device("meta"):
-        return list(workload.build_model().parameters())
+        model = workload.build_model()
+    embedding = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    params = list(model.parameters())  # shared (tied) weights once
+    total = sum(p.numel() for p in params)
+    return total, total - sum(p.numel() for p in params if id(p) in embedding)

@@ -28,6 +28,8 @@ def recommend_markdown(data: dict) -> str:
              f"alike), {data['cost_share_of_sweep']:.1%} of the {sweep:,} a sweep of the same "
              f"{len(data['batch_sizes'])} batch sizes at the same budget would train and validate (counted by the "
              f"same rule, {data.get(f'sweep_val_{unit}', 0):,} validated).",
+             *[f"- Weight decay {p['weight_decay']:.3g} at this batch and rate: {p['source']} (a formula's answer, "
+               "not measured)." for p in data["sources"]["priors"] if p.get("weight_decay") is not None],
              f"- Parent at batch {data['batch_sizes'][0]}; branches at {', '.join(f'{p:,}' for p in data['branch_points'])}"
              f" {unit}, each {data['window']:,} {unit} long, the last {data.get('cooldown', 0):.0%} of it a linear "
              f"decay to the schedule's final rate; learning rate scaled by {data['lr_scaling']} of the "
