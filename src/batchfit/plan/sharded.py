@@ -192,29 +192,36 @@ class ShardedPoint:
     """Under pp<N> (``plan/pipeline.py``): each pipeline rank's peak, rank 0 first; the point is the largest's."""
 
 
-_world: list[int] = []
-"""The world size of the fake process group this module opened, once per session using it."""
+_world: list[tuple[int, int]] = []
+"""(world size, this process's rank) of the fake process group this module opened, once per session using it."""
+_last_rank: list[int] = [0]
+"""The rank the last fake world opened as (DTensor's caches hold that rank's process groups)."""
 _meshes: dict = {}
 """The meshes built on that group, by strategy: sessions of one strategy share them (a second
 ``init_device_mesh`` of the same shape makes new groups that DTensor does not always use)."""
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """A fake process group of ``world_size`` ranks in this process, this process rank 0.
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks in this process, this process rank ``rank`` (0 for
+    ``plan``; another rank for a truth compared rank by rank: its meshes' coordinates, its shards).
 
-    Nested uses at the same world size share one group (the depths of a deep trace)."""
+    Nested uses of the same world and rank share one group (the depths of a deep trace)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if _world and _world[0] != world_size:
-        raise RuntimeError(f"a fake world of {_world[0]} ranks is open: close it before one of {world_size}")
+    if _world and _world[0] != (world_size, rank):
+        raise RuntimeError(f"a fake world of {_world[0][0]} ranks (as rank {_world[0][1]}) is open: close it "
+                           f"before one of {world_size} (as rank {rank})")
     if not _world:
         if dist.is_initialized():
             raise OptionError("a torch.distributed process group is already running in this process: "
                               "run batchfit plan outside torchrun (it simulates every rank itself)")
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    _world.append(world_size)
+        if rank != _last_rank[0]:
+            _forget_dtensor_decisions()
+            _last_rank[0] = rank
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    _world.append((world_size, rank))
     try:
         yield
     finally:
@@ -222,6 +229,22 @@ def fake_world(world_size: int) -> Iterator[None]:
         if not _world:
             _meshes.clear()
             dist.destroy_process_group()
+
+
+def _forget_dtensor_decisions() -> None:
+    """Clear DTensor's caches of sharding and redistribution decisions before a world of another rank:
+    they are keyed by device meshes, which compare equal on every rank (``DeviceMesh.__eq__`` leaves out
+    the process groups), so the next rank's trace would send its collectives to the last rank's groups
+    (gone with its world: "Could not resolve the process group")."""
+    import torch
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's copy
 
 
 def _to_empty_keeping_ties(model):
@@ -279,11 +302,14 @@ class ShardedSession:
 
     workload: batchfit.Workload; options: batchfit.StepOptions; device: batchfit.Device (its
     cuBLAS workspace is added, as in ``estimate``). ``cuda_semantics=False`` traces what a CPU
-    step does instead (no rounding, CPU kernels), to compare with a real gloo run.
+    step does instead (no rounding, CPU kernels), to compare with a real gloo run, and with
+    ``gloo_scratch`` the copies gloo's reduce-scatter makes (``ShardedTracker._gloo_scratch``); ``rank``
+    traces that rank instead of rank 0 (a truth compared rank by rank; ``plan`` traces rank 0).
     Raises OptionError('... has no tensor-parallel plan: ...') for TP on a model without one.
     """
 
-    def __init__(self, workload, options, device, strategy: Strategy, *, cuda_semantics: bool = True) -> None:
+    def __init__(self, workload, options, device, strategy: Strategy, *, cuda_semantics: bool = True,
+                 rank: int = 0, gloo_scratch: bool = False) -> None:
         import torch
 
         from batchfit.distributed import apply_strategy, build_meshes
@@ -300,12 +326,13 @@ class ShardedSession:
         self.workspace = device.workspace_bytes if cuda_semantics else 0
         own_plan = workload.parallelize
         self._exit = contextlib.ExitStack()
-        self._exit.enter_context(fake_world(strategy.world_size))
+        self._exit.enter_context(fake_world(strategy.world_size, rank))
         try:
             if strategy not in _meshes:  # outside FakeTensorMode: the mesh holds rank tables
                 _meshes[strategy] = build_meshes(strategy)
             self.meshes = meshes = _meshes[strategy]
             self.tracker = tracker = ShardedTracker(round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
+            tracker.gloo_scratch = gloo_scratch and not cuda_semantics
             tracker.trace_compiled = sharded_traces_compiled(strategy, options)  # read by TraceSession
 
             def shard(model):
@@ -437,9 +464,10 @@ class ShardedSession:
 
 
 def trace_sharded(workload, options, device, strategy: Strategy, local_batch: int, *,
-                  cuda_semantics: bool = True) -> ShardedPoint:
-    """Rank 0's step at one local batch: a :class:`ShardedSession` traced once."""
+                  cuda_semantics: bool = True, rank: int = 0, gloo_scratch: bool = False) -> ShardedPoint:
+    """Rank 0's (or ``rank``'s) step at one local batch: a :class:`ShardedSession` traced once."""
     if local_batch < 1:
         raise OptionError(f"the local batch must be 1 or more, got {local_batch}")
-    with ShardedSession(workload, options, device, strategy, cuda_semantics=cuda_semantics) as session:
+    with ShardedSession(workload, options, device, strategy, cuda_semantics=cuda_semantics, rank=rank,
+                        gloo_scratch=gloo_scratch) as session:
         return session.trace(local_batch)
