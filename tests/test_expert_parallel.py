@@ -326,3 +326,23 @@ def test_ep_with_tp_is_emitted_for_torchtitan_and_its_layout_said():
     assert "expert_parallel_degree = 8" in toml and "tensor_parallel_degree = 2" in toml
     layout, _ = ep_approximations([parse_strategy("ep8+fsdp+tp2", 64), parse_strategy("ep8+fsdp", 64)], "balanced")
     assert "ep8+fsdp+tp2" in layout.what and "etp=1" in layout.what and "ep8+fsdp," not in layout.what
+
+
+def test_auto_lists_ep_beside_tp_on_a_mixture_of_experts():
+    """plan --strategies auto on a Qwen3-MoE-30B-shaped model with a TP plan: ep8 (the largest within a node
+    dividing 128 experts and dp x tp) beside every TP degree its 4 key/value heads allow, named as the grammar
+    parses them; TP alone is listed skipped, with the reason."""
+    from batchfit.plan.candidates import ModelFacts, candidates
+    from batchfit.plan.world import World
+
+    facts = ModelFacts(name="qwen3-moe", heads=32, kv_heads=4, experts=128, tp_plan=True)
+    listed = {c.name: c for c in candidates(World(64, nodes=8), facts)}
+    ep = {n for n, c in listed.items() if c.degrees.get("ep") and c.skipped is None}
+    assert ep == {"ep8+fsdp", "ep8+fsdp+tp2", "ep8+fsdp+tp4"}
+    assert (listed["ep8+fsdp+tp2"].dp, listed["ep8+fsdp+tp2"].tp) == (32, 2)
+    assert "ep<N>+fsdp+tp<M>" in listed["fsdp+tp2"].skipped
+    for name in ep:
+        assert parse_strategy(name, 64).ep == 8
+    one_node = {c.name for c in candidates(World(8), ModelFacts(**{**facts.__dict__, "kv_heads": 8}))
+                if c.skipped is None}
+    assert {"ep8+fsdp", "ep8+fsdp+tp2", "ep8+fsdp+tp4", "ep8+tp8"} <= one_node and "tp8" not in one_node
