@@ -8,6 +8,11 @@ on rank 0; benchmarks/ep_gloo.py also runs balanced: token t to experts (t x top
 experts). Rank 0's peak in a steady step (torch profiler memory timeline) against the trace of
 rank 0 at the same routing with CPU semantics: within 3%. The EP module's loss equals the plain
 model's on the same batch.
+
+With tensor parallelism (ep2+fsdp+tp2 on 4 real gloo ranks: torch's DTensor TP plan of the HF model,
+distributed/tp_plans_moe.py, and the experts under EP in torchtitan's etp=1 layout): every rank is
+profiled, and the hot rank and a cold one are each held to the trace of that rank (``trace_sharded(rank=r)``,
+gloo's reduce-scatter copy counted: ``gloo_scratch``), within 3%.
 """
 
 from __future__ import annotations
