@@ -160,7 +160,8 @@ def test_traced_rank0_peak_matches_a_real_gloo_run(measured, name, routing, prec
 
 @pytest.fixture(scope="module")
 def measured_tp(tmp_path_factory) -> dict:
-    return run_gloo(tmp_path_factory.mktemp("ep-tp-gloo"), 4, (TP_CASE,), check_losses=True, every_rank=True)
+    # 6 tries: with 4 ranks profiled, one rank's timeline failing its data-flow check takes another step
+    return run_gloo(tmp_path_factory.mktemp("ep-tp-gloo"), 4, (TP_CASE,), check_losses=True, every_rank=True, tries=6)
 
 
 def test_ep_with_tp_matches_a_real_4_rank_gloo_run_rank_by_rank(measured_tp):
@@ -288,7 +289,7 @@ def test_ep_with_tp_meshes_are_torchtitans():
     import torch.distributed as dist
 
     from batchfit.distributed import build_meshes
-    from batchfit.plan.sharded import fake_world
+    from batchfit.plan.fake_world import fake_world
 
     with fake_world(8):
         meshes = build_meshes(parse_strategy("ep4+fsdp+tp2", 8))

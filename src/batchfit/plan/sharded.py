@@ -41,11 +41,11 @@ import contextlib
 import dataclasses
 import re
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from batchfit.distributed.strategy import Strategy
 from batchfit.errors import OptionError
+from batchfit.plan.fake_world import fake_world, meshes_of
 
 SHARDS = ("none", "ddp", "fsdp", "fsdp-noreshard", "hsdp", "zero1", "zero2")
 
@@ -192,61 +192,6 @@ class ShardedPoint:
     """Under pp<N> (``plan/pipeline.py``): each pipeline rank's peak, rank 0 first; the point is the largest's."""
 
 
-_world: list[tuple[int, int]] = []
-"""(world size, this process's rank) of the fake process group this module opened, once per session using it."""
-_last_rank: list[int] = [0]
-"""The rank the last fake world opened as (DTensor's caches hold that rank's process groups)."""
-_meshes: dict = {}
-"""The meshes built on that group, by strategy: sessions of one strategy share them (a second
-``init_device_mesh`` of the same shape makes new groups that DTensor does not always use)."""
-
-
-@contextlib.contextmanager
-def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
-    """A fake process group of ``world_size`` ranks in this process, this process rank ``rank`` (0 for
-    ``plan``; another rank for a truth compared rank by rank: its meshes' coordinates, its shards).
-
-    Nested uses of the same world and rank share one group (the depths of a deep trace)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if _world and _world[0] != (world_size, rank):
-        raise RuntimeError(f"a fake world of {_world[0][0]} ranks (as rank {_world[0][1]}) is open: close it "
-                           f"before one of {world_size} (as rank {rank})")
-    if not _world:
-        if dist.is_initialized():
-            raise OptionError("a torch.distributed process group is already running in this process: "
-                              "run batchfit plan outside torchrun (it simulates every rank itself)")
-        if rank != _last_rank[0]:
-            _forget_dtensor_decisions()
-            _last_rank[0] = rank
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    _world.append((world_size, rank))
-    try:
-        yield
-    finally:
-        _world.pop()
-        if not _world:
-            _meshes.clear()
-            dist.destroy_process_group()
-
-
-def _forget_dtensor_decisions() -> None:
-    """Clear DTensor's caches of sharding and redistribution decisions before a world of another rank:
-    they are keyed by device meshes, which compare equal on every rank (``DeviceMesh.__eq__`` leaves out
-    the process groups), so the next rank's trace would send its collectives to the last rank's groups
-    (gone with its world: "Could not resolve the process group")."""
-    import torch
-    from torch.distributed.tensor import DTensor, _redistribute
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    type(propagator)._propagate_tensor_meta_cached.cache_clear()
-    _redistribute._gen_transform_infos.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's copy
-
-
 def _to_empty_keeping_ties(model):
     """``model.to_empty(device="cpu")`` under the fake mode, with tied parameters still tied.
 
@@ -312,7 +257,7 @@ class ShardedSession:
                  rank: int = 0, gloo_scratch: bool = False) -> None:
         import torch
 
-        from batchfit.distributed import apply_strategy, build_meshes
+        from batchfit.distributed import apply_strategy
         from batchfit.distributed.tracker import ShardedTracker
         from batchfit.distributed.zero import with_sharded_optimizer
         from batchfit.distributed.tp_plans import tp_plan
@@ -328,9 +273,7 @@ class ShardedSession:
         self._exit = contextlib.ExitStack()
         self._exit.enter_context(fake_world(strategy.world_size, rank))
         try:
-            if strategy not in _meshes:  # outside FakeTensorMode: the mesh holds rank tables
-                _meshes[strategy] = build_meshes(strategy)
-            self.meshes = meshes = _meshes[strategy]
+            self.meshes = meshes = meshes_of(strategy)  # outside FakeTensorMode: the mesh holds rank tables
             self.tracker = tracker = ShardedTracker(round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
             tracker.gloo_scratch = gloo_scratch and not cuda_semantics
             tracker.trace_compiled = sharded_traces_compiled(strategy, options)  # read by TraceSession
