@@ -1,4 +1,5 @@
-"""Tensor-parallel plans: which linear layers split by columns, which by rows, per architecture.
+"""Tensor-parallel plans: which linear layers split by columns, which by rows, per architecture
+(the HF mixture-of-experts decoders', beside expert parallelism: ``tp_plans_moe.py``).
 
 A plan is ``parallelize(model, tp_mesh) -> model``, applied with PyTorch's DTensor
 ``parallelize_module``. Decoder LMs (the zoo's transformers, HF Llama, Qwen2, Mistral) get the

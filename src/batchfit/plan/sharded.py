@@ -29,8 +29,8 @@ Strategy names:
     pp<N>[+X]         a pipeline of N stages (torch.distributed.pipelining; plan/pipeline.py), each
                       running X (any name above) on world/N GPUs: pp2, pp4+fsdp, pp2+fsdp+tp2
     ep<N>+X           expert parallelism (plan/ep_strategy.py, distributed/expert_parallel.py): each
-                      MoE layer's experts split over groups of N data-parallel ranks, X being fsdp,
-                      fsdp-noreshard or fsdp+tp<M>: ep8+fsdp, ep2+fsdp+tp2
+                      MoE layer's experts split over groups of N ranks borrowed from dp x tp (torchtitan's
+                      etp=1), X being fsdp, fsdp-noreshard, fsdp+tp<M> or tp<M>: ep8+fsdp, ep8+fsdp+tp2
 
 On one GPU every strategy is the plain single-GPU step (``shard`` "none").
 """
