@@ -153,8 +153,8 @@ class ShardedTracker(MemoryTracker):
         """FLOPs of the ops on this rank's (local) tensors since ``start_window()``, counted by
         torch.utils.flop_counter's formulas: DTensor ops reach here as ops on the shards."""
         self.gloo_scratch = False
-        """Count the scratch copies gloo's collectives make (:meth:`_gloo_scratch`): a trace compared with a
-        real gloo run on a CPU (``ShardedSession(cuda_semantics=False)``); NCCL makes none."""
+        """Count the scratch copies gloo's collectives make (:meth:`_gloo_scratch`): for a trace compared with
+        a real gloo run on a CPU (``ShardedSession(cuda_semantics=False, gloo_scratch=True)``); NCCL makes none."""
         self._resize = None
         self._depth = 0
         self._propagate = None
@@ -236,9 +236,9 @@ class ShardedTracker(MemoryTracker):
         reduce-scatter of its own and clones the whole input to all-reduce it in place (FSDP2's
         ``_reduce_scatter_base_``, and DTensor's functional reduce-scatter through the coalesced one; torch's
         profiler on a 2-rank gloo run: an ``aten::clone`` of the input's bytes inside the op; the functional
-        one keeps it until its wait, taken here as the op's end). FSDP2's
-        gradient reduce-scatter is the one that matters: a rank whose peak falls there (an expert-parallel
-        rank that gets no tokens) holds its flat gradients twice on gloo, once on NCCL."""
+        one keeps it until its wait, taken here as the op's end). FSDP2's gradient reduce-scatter is the one
+        that matters: a rank whose peak falls there (an expert-parallel rank that gets no tokens) holds its
+        flat gradients twice on gloo, once on NCCL."""
         packet = func._overloadpacket
         if packet is _c10d._reduce_scatter_base_:
             source = args[1]
