@@ -24,6 +24,12 @@ fake process group answers every collective at once). Fake tensors have no count
 source rank routes its tokens by the stated ``--routing`` (``trace/routing.py: tokens_per_expert``,
 every rank alike), so the traced rank (rank 0, experts 0 .. E/N-1) receives N x what one rank
 routes to those experts: under ``worst`` every token's top_k experts are rank 0's, the bound.
+
+With tensor parallelism (``ep<N>+fsdp+tp<M>``, torchtitan's default ``expert_tensor_parallel_degree = 1``)
+the ep ranks include the tp ranks (``distributed/strategy.py: _ep_tp_meshes``), the MoE block's input is
+all-gathered over tp (``distributed/tp_plans_moe.py``), and each tp rank dispatches only its contiguous
+1/tp of the block's tokens (``token_mesh``: torchtitan's ``ReordererSequenceParallel``), filling those rows
+of the block's output; the tp ranks' outputs are summed by the block's reduce-scatter.
 """
 
 from __future__ import annotations
@@ -48,10 +54,12 @@ def _experts_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]
     return found
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh, *, routing: str = "balanced", name: str = "ep") -> nn.Module:
+def apply_expert_parallel(model: nn.Module, ep_mesh, *, routing: str = "balanced", name: str = "ep",
+                          token_mesh=None) -> nn.Module:
     """Every HF experts module of ``model`` replaced by an :class:`ExpertParallelExperts` holding this
-    rank's experts / ep experts (in place). One-line errors for a model without experts, and for
-    an expert count the ep degree does not divide."""
+    rank's experts / ep experts (in place); ``token_mesh`` (the tp mesh under ep<N>+...+tp<M>): each of
+    its ranks dispatches its 1/tp of the tokens (torchtitan's ``ReordererSequenceParallel``). One-line
+    errors for a model without experts, and for an expert count the ep degree does not divide."""
     ep = ep_mesh.size()
     found = _experts_modules(model)
     if not found:
@@ -62,7 +70,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, *, routing: str = "balanced
             good = [d for d in range(2, experts.num_experts + 1) if experts.num_experts % d == 0]
             raise OptionError(f"{name}: {experts.num_experts} experts per layer do not split over ep{ep}: use "
                               f"ep<N> with N dividing {experts.num_experts} (e.g. {', '.join(map(str, good[:6]))})")
-        setattr(parent, attr, ExpertParallelExperts(experts, ep_mesh, routing=routing))
+        setattr(parent, attr, ExpertParallelExperts(experts, ep_mesh, routing=routing, token_mesh=token_mesh))
     return model
 
 
@@ -90,12 +98,23 @@ def experts_elsewhere(model: nn.Module) -> int:
 
 def ep_approximations(strategies, routing: str) -> list:
     """What an ep<N> trace runs differently from a GPU, for every output (empty without ep)."""
+    from batchfit.distributed.tp_plans_moe import LAYOUT
     from batchfit.trace.approximation import Approximation
 
     names = sorted({s.name for s in strategies if getattr(s, "ep", 1) > 1})
     if not names:
         return []
-    return [Approximation(
+    with_tp = sorted({s.name for s in strategies if getattr(s, "ep", 1) > 1 and s.tp > 1})
+    layout = [] if not with_tp else [Approximation(
+        what=f"expert parallelism with tensor parallelism ({', '.join(with_tp)}): {LAYOUT}",
+        may_differ_by="nothing for the layout traced (torchtitan 0.2.2's default, expert_tensor_parallel_degree "
+                      "1); with expert_tensor_parallel_degree = tp (not traced) the experts' matrices would be "
+                      "TP-sharded too, ep would borrow only dp ranks, and each rank would dispatch all of its tokens",
+        source="docs/tracing.md, Expert parallelism with tensor parallelism",
+        detail="the MoE block's input is all-gathered over tp (every tp rank holds the block's B x S tokens), each "
+               "tp rank dispatches its contiguous 1/tp of them (ReordererSequenceParallel), the block's output is "
+               "reduce-scattered onto the sequence shards; needs B x S divisible by tp")]
+    return layout + [Approximation(
         what=f"expert parallelism ({', '.join(names)}): rank 0 traced, every rank routing its tokens by "
              f"--routing {routing}; rank 0 holds experts 0 .. E/ep-1",
         may_differ_by="the dispatch and combine buffers and the grouped GEMM's rows of rank 0 follow the stated "
@@ -118,7 +137,7 @@ class ExpertParallelExperts(nn.Module):
     """One rank's experts of an HF MoE layer under ep<N>: its ``num_experts / N`` slice of the stacked
     weights, and torchtitan's dispatch / combine around them (the module docstring)."""
 
-    def __init__(self, experts: nn.Module, ep_mesh, *, routing: str = "balanced") -> None:
+    def __init__(self, experts: nn.Module, ep_mesh, *, routing: str = "balanced", token_mesh=None) -> None:
         super().__init__()
         if (not getattr(experts, "has_gate", True) or getattr(experts, "has_bias", False)
                 or getattr(experts, "has_post_expert_norm", False)
@@ -133,6 +152,10 @@ class ExpertParallelExperts(nn.Module):
         """All experts of the layer (the router's choices); this rank holds ``local_experts``."""
         self.local_experts = experts.num_experts // self.ep
         self.routing = routing
+        self.token_split = (token_mesh.get_local_rank(), token_mesh.size()) if token_mesh is not None else (0, 1)
+        """(this rank's index, ranks) of the token split: under TP every tensor-parallel rank holds all the
+        tokens of its group (the MoE block's input is all-gathered) and dispatches only its 1/tp of them
+        (torchtitan's ReordererSequenceParallel, etp=1); (0, 1) without TP."""
         self.is_transposed = bool(getattr(experts, "is_transposed", False))
         self.act_fn = experts.act_fn
         self._apply_gate_of = type(experts)._apply_gate if hasattr(type(experts), "_apply_gate") else None
@@ -141,7 +164,24 @@ class ExpertParallelExperts(nn.Module):
         self.down_proj = _local_slice(experts.down_proj, lo, hi)
 
     def extra_repr(self) -> str:
-        return f"experts {self.local_experts} of {self.num_experts} (ep{self.ep} rank {self.rank})"
+        split = f", tokens {self.token_split[0] + 1} of {self.token_split[1]}" if self.token_split[1] > 1 else ""
+        return f"experts {self.local_experts} of {self.num_experts} (ep{self.ep} rank {self.rank}{split})"
+
+    def _my_tokens(self, hidden_states, top_k_index, top_k_weights):
+        """(first row, hidden_states, top_k_index, top_k_weights) of this rank's share of the tokens: all
+        of them without TP; under TP the rank's contiguous 1/tp of the flattened batch x sequence rows,
+        views, as torchtitan's ``ReordererSequenceParallel._split_along_first_dim`` takes them."""
+        index, ranks = self.token_split
+        if ranks == 1:
+            return 0, hidden_states, top_k_index, top_k_weights
+        tokens = hidden_states.shape[0]
+        if tokens % ranks:
+            raise OptionError(f"ep<N> with tp{ranks}: {tokens} tokens (batch x sequence) do not split over the "
+                              f"{ranks} tensor-parallel ranks (torchtitan's ReordererSequenceParallel needs them to): "
+                              f"use a sequence length that divides by {ranks}")
+        n = tokens // ranks
+        lo = index * n
+        return lo, hidden_states[lo:lo + n], top_k_index[lo:lo + n], top_k_weights[lo:lo + n]
 
     def _splits(self, counts: torch.Tensor, received: torch.Tensor, tokens: int, top_k: int
                 ) -> tuple[list[int], list[list[int]]]:
@@ -177,6 +217,8 @@ class ExpertParallelExperts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
+        everyone = hidden_states  # the output covers every token of the block; this rank fills its share
+        first, hidden_states, top_k_index, top_k_weights = self._my_tokens(hidden_states, top_k_index, top_k_weights)
         tokens, top_k = top_k_index.shape[0], top_k_index.shape[-1]
         experts, local = self.num_experts, self.local_experts
         with torch.no_grad():
@@ -221,6 +263,8 @@ class ExpertParallelExperts(nn.Module):
         unpermuted[permuted_indices] = out  # _unpermute: back to arrival order
         combined = all_to_all_single_autograd(unpermuted, input_splits, output_splits, self.group)
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
-        final = torch.zeros_like(hidden_states)
-        final.index_add_(0, token_of_row, (combined * weights).to(final.dtype))
+        # Under TP the other ranks' tokens stay zero here: the block's output is a partial sum over the tp
+        # ranks, reduce-scattered onto the sequence shards (the MoE TP plan, distributed/tp_plans_moe.py)
+        final = torch.zeros_like(everyone)
+        final.index_add_(0, token_of_row + first if first else token_of_row, (combined * weights).to(final.dtype))
         return final

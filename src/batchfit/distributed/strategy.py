@@ -60,9 +60,10 @@ class Strategy:
     microbatches: int = 0
     """Pipeline micro-batches per step (--microbatches; 0: as many as the stages); 0 without pp."""
     ep: int = 1
-    """Expert-parallel degree (ep<N>+fsdp; ``distributed/expert_parallel.py``): each rank keeps experts / ep
-    of every MoE layer's experts. Borrowed from the data-parallel ranks as torchtitan does (ep divides dp,
-    world_size unchanged); the experts are FSDP-sharded over the other dp / ep ranks."""
+    """Expert-parallel degree (ep<N>+fsdp[+tp<M>]; ``distributed/expert_parallel.py``): each rank keeps
+    experts / ep of every MoE layer's experts. Borrowed from the dp x tp ranks as torchtitan does with
+    its default etp=1 (ep divides dp x tp, world_size unchanged); the experts are FSDP-sharded over the
+    other dp x tp / ep ranks."""
     cp: int = 1
     """Context-parallel degree (cp<N>: each rank holds sequence/N of every sample; torch's ring
     attention, ``distributed/context_parallel.py``): world_size = pp x dp x cp x tp, and FSDP / DDP
@@ -97,12 +98,13 @@ def build_meshes(strategy: Strategy, device_type: str = "cpu") -> Meshes:
     if strategy.cp > 1:
         return _cp_meshes(strategy, device_type)
     ep = dp_mod_ep = None
-    if strategy.ep > 1:  # torchtitan's ParallelDims: dp_shard = dp_shard_mod_ep x dp_shard_in_ep, ep inside
-        names = ("dp_mod_ep", "ep") + (("tp",) if strategy.tp > 1 else ())
-        shape = (strategy.dp // strategy.ep, strategy.ep) + ((strategy.tp,) if strategy.tp > 1 else ())
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if strategy.ep > 1 and strategy.tp > 1:
+        dp, tp, ep, dp_mod_ep = _ep_tp_meshes(strategy, device_type)
+    elif strategy.ep > 1:  # torchtitan's ParallelDims: dp_shard = dp_shard_mod_ep x dp_shard_in_ep, ep inside
+        mesh = init_device_mesh(device_type, (strategy.dp // strategy.ep, strategy.ep),
+                                mesh_dim_names=("dp_mod_ep", "ep"))
         dp, ep, dp_mod_ep = mesh["dp_mod_ep", "ep"]._flatten("dp"), mesh["ep"], mesh["dp_mod_ep"]
-        tp = mesh["tp"] if strategy.tp > 1 else None
+        tp = None
     elif strategy.tp > 1 and strategy.dp > 1:
         mesh = init_device_mesh(device_type, (strategy.dp, strategy.tp), mesh_dim_names=("dp", "tp"))
         dp, tp = mesh["dp"], mesh["tp"]
@@ -129,6 +131,21 @@ def build_meshes(strategy: Strategy, device_type: str = "cpu") -> Meshes:
         default = dist.distributed_c10d._get_default_group()
         groups[default.group_name] = ("dp", default.size())
     return Meshes(dp=dp, tp=tp, groups=groups, ep=ep, dp_mod_ep=dp_mod_ep)
+
+
+def _ep_tp_meshes(strategy: Strategy, device_type: str) -> tuple:
+    """(dp, tp, ep, dp_mod_ep) of ep<N> with tp<M>, as torchtitan's ``ParallelDims.build_mesh`` unflattens
+    one world mesh twice: the dense mesh (dp, tp), tp innermost, for TP and the FSDP2 of everything but
+    the experts; the sparse mesh (efsdp, ep, etp=1), ep innermost, for the experts: ep consecutive ranks
+    (its tp groups' ranks among them: torchtitan's default etp=1 borrows every TP rank) split the experts,
+    and the dp x tp / ep ranks holding the same ones (efsdp) shard them with FSDP2. Both come from one
+    root, as FSDP2 wants of a DTensor's mesh and its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh(device_type, (strategy.world_size,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, (strategy.dp, strategy.tp), ("dp", "tp"))
+    sparse = world._unflatten(0, (strategy.world_size // strategy.ep, strategy.ep), ("dp_mod_ep", "ep"))
+    return dense["dp"], dense["tp"], sparse["ep"], sparse["dp_mod_ep"]
 
 
 def _cp_meshes(strategy: Strategy, device_type: str) -> Meshes:
@@ -312,9 +329,10 @@ def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, prec
                    parallelize: Callable | None = None, on_bucket: Callable[[torch.Tensor], None] | None = None,
                    device: torch.device | None = None, cpu_offload: bool = False,
                    routing: str = "balanced") -> nn.Module:
-    """``model`` as a rank of ``strategy`` trains it: TP first (on the tp mesh), expert
-    parallelism next (ep<N>: the rank's experts only, tokens dispatched by all-to-all), then the
-    data-parallel wrap (DDP, or FSDP2 per block and at the root with the mixed-precision
+    """``model`` as a rank of ``strategy`` trains it: expert parallelism first (ep<N>: the rank's
+    experts only, tokens dispatched by all-to-all; under TP each tensor-parallel rank dispatches its
+    1/tp of the tokens), TP next (on the tp mesh; an MoE model's plan leaves those experts alone), then
+    the data-parallel wrap (DDP, or FSDP2 per block and at the root with the mixed-precision
     policy of ``precision``, as torchtitan does).
 
     ``parallelize`` is the TP plan (``plan.tp_plans.tp_plan`` or the Workload's own); ``fake``
@@ -331,15 +349,15 @@ def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, prec
     if cpu_offload and strategy.shard not in ("fsdp", "fsdp-noreshard", "hsdp"):
         raise OptionError(f"--offload params is FSDP2's CPUOffloadPolicy: {strategy.name} has no FSDP; use "
                           "--strategies fsdp (or hsdp<R>, fsdp+tp<N>), or --offload activations")
-    if strategy.tp > 1:
-        if parallelize is None:
-            raise OptionError(f"{strategy.name}: {type(model).__name__} has no tensor-parallel plan: give the "
-                              "Workload a parallelize(model, mesh) function, or pick ddp / fsdp")
-        model = parallelize(model, meshes.tp)
-    if strategy.ep > 1:
+    if strategy.tp > 1 and parallelize is None:
+        raise OptionError(f"{strategy.name}: {type(model).__name__} has no tensor-parallel plan: give the "
+                          "Workload a parallelize(model, mesh) function, or pick ddp / fsdp")
+    if strategy.ep > 1:  # before TP: the MoE TP plan leaves the expert-parallel experts to their own mesh
         from batchfit.distributed.expert_parallel import apply_expert_parallel
 
-        model = apply_expert_parallel(model, meshes.ep, routing=routing, name=strategy.name)
+        model = apply_expert_parallel(model, meshes.ep, routing=routing, name=strategy.name, token_mesh=meshes.tp)
+    if strategy.tp > 1:
+        model = parallelize(model, meshes.tp)
     if strategy.shard in ("ddp", "zero1"):  # zero1's optimizer: distributed/zero.py, when the step builds it
         return _ddp(model, fake=fake, device=device, on_bucket=on_bucket)
     if strategy.shard in ("fsdp", "fsdp-noreshard", "hsdp"):

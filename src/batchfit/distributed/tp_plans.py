@@ -1,4 +1,5 @@
-"""Tensor-parallel plans: which linear layers split by columns, which by rows, per architecture.
+"""Tensor-parallel plans: which linear layers split by columns, which by rows, per architecture
+(the HF mixture-of-experts decoders', beside expert parallelism: ``tp_plans_moe.py``).
 
 A plan is ``parallelize(model, tp_mesh) -> model``, applied with PyTorch's DTensor
 ``parallelize_module``. Decoder LMs (the zoo's transformers, HF Llama, Qwen2, Mistral) get the
@@ -71,16 +72,19 @@ def _check_heads(name: str, heads: int, kv_heads: int, tp: int) -> None:
                           f"to divide by {tp}: pick a tensor-parallel degree that divides {kv_heads}")
 
 
-def _replicate_rest(model: nn.Module, mesh) -> nn.Module:
+def _replicate_rest(model: nn.Module, mesh, skip: tuple[type, ...] = ()) -> nn.Module:
     """Every parameter the plan left whole becomes a replicated DTensor, as torchtitan's plans
     leave none: an optimizer step over DTensors and plain tensors together (foreach, as on
     CUDA) refuses the mix. A module holding such parameters takes plain tensors in (made
     replicated DTensors) and gives plain tensors out, unless its caller already works in
-    DTensors (then it is one step of a larger replicated module)."""
+    DTensors (then it is one step of a larger replicated module). Modules of a ``skip`` type keep
+    theirs (the expert-parallel experts: sharded on their own mesh, DTensors once FSDP2 wraps them)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     replicated: dict[int, nn.Parameter] = {}  # tied parameters stay tied
     for module in model.modules():
+        if isinstance(module, skip):
+            continue
         own = [(name, p) for name, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
         if not own:
             continue
@@ -149,15 +153,15 @@ def _zoo_transformer(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Mod
     return _replicate_rest(model, mesh)
 
 
-def _hf_decoder(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
-    """HF LlamaForCausalLM and its relatives (Qwen2, Mistral): separate q/k/v and gate/up."""
+def hf_root_plan(model: nn.Module, mesh, loss: str) -> None:
+    """An HF causal LM's embedding (split by vocabulary rows), final norm (sequence-parallel) and head
+    (``_head``); the heads of its config checked against the tp degree."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     Replicate, Shard, Colwise, Rowwise, PrepareInput, SequenceParallel = _styles()
-    tp = mesh.size()
     config = model.config
     _check_heads(config.model_type, config.num_attention_heads,
-                 getattr(config, "num_key_value_heads", None) or config.num_attention_heads, tp)
+                 getattr(config, "num_key_value_heads", None) or config.num_attention_heads, mesh.size())
     # The residual stream stays a DTensor (use_local_output=False): HF numbers the positions
     # by the embedding output's sequence length, which must be the whole sequence's.
     parallelize_module(model, mesh, {
@@ -165,21 +169,46 @@ def _hf_decoder(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
         "model.norm": SequenceParallel(),
         "lm_head": _head(loss),
     })
+
+
+def hf_attention_plan(layer: nn.Module) -> dict:
+    """One HF decoder layer's attention and its two norms: q/k/v by columns, o by rows onto the
+    sequence shards; Qwen3's per-head q/k norms sequence-parallel over the heads (torchtitan's qwen3
+    plan: ``SequenceParallel(sequence_dim=2)``), their weights' gradients summed over the tp ranks."""
+    Replicate, Shard, Colwise, Rowwise, PrepareInput, SequenceParallel = _styles()
+    plan = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                  desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                  use_local_output=True),
+        "self_attn.q_proj": Colwise(), "self_attn.k_proj": Colwise(), "self_attn.v_proj": Colwise(),
+        "self_attn.o_proj": Rowwise(output_layouts=Shard(1), use_local_output=False),
+        "post_attention_layernorm": SequenceParallel(),
+    }
+    for norm in ("q_norm", "k_norm"):
+        if isinstance(getattr(layer.self_attn, norm, None), nn.Module):
+            plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def hf_dense_mlp_plan(prefix: str = "mlp") -> dict:
+    """An HF gate/up/down MLP: gate and up by columns, down by rows onto the sequence shards."""
+    Replicate, Shard, Colwise, Rowwise, PrepareInput, _ = _styles()
+    return {
+        prefix: PrepareInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
+        f"{prefix}.gate_proj": Colwise(), f"{prefix}.up_proj": Colwise(),
+        f"{prefix}.down_proj": Rowwise(output_layouts=Shard(1), use_local_output=False),
+    }
+
+
+def _hf_decoder(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
+    """HF LlamaForCausalLM and its relatives (Qwen2, Mistral): separate q/k/v and gate/up."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    hf_root_plan(model, mesh, loss)
     for layer in model.model.layers:
-        parallelize_module(layer, mesh, {
-            "input_layernorm": SequenceParallel(),
-            "self_attn": PrepareInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                      desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                      use_local_output=True),
-            "self_attn.q_proj": Colwise(), "self_attn.k_proj": Colwise(), "self_attn.v_proj": Colwise(),
-            "self_attn.o_proj": Rowwise(output_layouts=Shard(1), use_local_output=False),
-            "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                use_local_output=True),
-            "mlp.gate_proj": Colwise(), "mlp.up_proj": Colwise(),
-            "mlp.down_proj": Rowwise(output_layouts=Shard(1), use_local_output=False),
-        })
-    if getattr(config, "tie_word_embeddings", False):
+        parallelize_module(layer, mesh, {**hf_attention_plan(layer), **hf_dense_mlp_plan()})
+    if getattr(model.config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight  # both split by vocabulary rows
     setattr(model, TP_LOSS_ATTR, loss)
     return _replicate_rest(model, mesh)
@@ -238,6 +267,8 @@ def tp_plan(model: nn.Module, loss: str = "sharded") -> Parallelize | None:
     "gathered") is how a plan that splits the head by the vocabulary leaves its logits."""
     from batchfit.zoo.transformer import Transformer
 
+    from batchfit.distributed.tp_plans_moe import MOE_TYPES, hf_moe_decoder
+
     check_tp_loss(loss)
     plan = None
     if isinstance(model, Transformer):
@@ -246,6 +277,8 @@ def tp_plan(model: nn.Module, loss: str = "sharded") -> Parallelize | None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type in DECODER_TYPES and hasattr(model, "lm_head"):
             plan = _hf_decoder
+        elif model_type in MOE_TYPES and hasattr(model, "lm_head"):
+            plan = hf_moe_decoder
         elif model_type == "gpt2" and hasattr(model, "transformer"):
             plan = _hf_gpt2
         elif model_type == "bert" and hasattr(model, "bert"):

@@ -152,6 +152,9 @@ class ShardedTracker(MemoryTracker):
         self.flops = 0
         """FLOPs of the ops on this rank's (local) tensors since ``start_window()``, counted by
         torch.utils.flop_counter's formulas: DTensor ops reach here as ops on the shards."""
+        self.gloo_scratch = False
+        """Count the scratch copies gloo's collectives make (:meth:`_gloo_scratch`): for a trace compared with
+        a real gloo run on a CPU (``ShardedSession(cuda_semantics=False, gloo_scratch=True)``); NCCL makes none."""
         self._resize = None
         self._depth = 0
         self._propagate = None
@@ -213,7 +216,9 @@ class ShardedTracker(MemoryTracker):
         if func is _WAIT:
             return args[0]
         call = _collective(func, args, kwargs or {})
+        scratch = self._gloo_scratch(func, args) if self.gloo_scratch else None
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        del scratch  # freed as the collective returns
         if call is not None:
             self.calls.append(CollectiveCall(*call, phase=self.current_phase,
                                              functional=func.namespace == "_c10d_functional"))
@@ -225,6 +230,28 @@ class ShardedTracker(MemoryTracker):
         elif func is _CHUNK_CAT:  # the flat reduce-scatter input
             self.mark_collective(args[3] if len(args) > 3 else (kwargs or {}).get("out"))
         return out
+
+    def _gloo_scratch(self, func, args) -> torch.Tensor | None:
+        """The copy ProcessGroupGloo makes for a reduce-scatter, counted while the op runs: gloo has no
+        reduce-scatter of its own and clones the whole input to all-reduce it in place (FSDP2's
+        ``_reduce_scatter_base_``, and DTensor's functional reduce-scatter through the coalesced one; torch's
+        profiler on a 2-rank gloo run: an ``aten::clone`` of the input's bytes inside the op; the functional
+        one keeps it until its wait, taken here as the op's end). FSDP2's gradient reduce-scatter is the one
+        that matters: a rank whose peak falls there (an expert-parallel rank that gets no tokens) holds its
+        flat gradients twice on gloo, once on NCCL."""
+        packet = func._overloadpacket
+        if packet is _c10d._reduce_scatter_base_:
+            source = args[1]
+        elif packet is _functional.reduce_scatter_tensor:  # (input, op, group size, group name)
+            source = args[0]
+        else:
+            return None
+        if source is None or not isinstance(source, torch.Tensor):
+            return None
+        scratch = torch.empty_like(source)
+        self._maybe_track(scratch, func, [])
+        self.mark_collective(scratch)
+        return scratch
 
     def mark_collective(self, tensor: torch.Tensor | None) -> None:
         """Label ``tensor``'s storage as a collective buffer (unless it is owned by then)."""

@@ -18,6 +18,7 @@ data-parallel wrap of the dp ranks. Rules:
 - **tp<N>** (``distributed/tp_plans.py``): N in 2..(GPUs of one node, at most MAX_AUTO_TP)
   dividing the GPUs left by pp; only a model with a tensor-parallel plan whose query and
   key/value heads divide by N. ``tp<N>`` when it spans every GPU left, else ``fsdp+tp<N>``.
+  On a mixture of experts only with ep<N> beside it (the ep component below: ``ep8+fsdp+tp2``).
 - **data parallel over dp ranks** without pp or TP: ``ddp``, ``fsdp`` (ZeRO-3),
   ``fsdp-noreshard``, ``zero1``, ``zero2`` and ``hsdp<R>``: on several nodes R = the node count
   and up to two halvings of it, not below 2 (shard groups of whole nodes); on one node R in 2, 4
@@ -56,8 +57,8 @@ BOUNDS = (
     "hsdp<R>: R = the nodes and up to two halvings (not below 2) on several nodes; R = 2 or 4 (2+ GPUs per shard "
     "group) on one",
     f"cp only from a sequence of {MIN_AUTO_CP_SEQ:,} tokens, over FSDP2 without pp, at the smallest and largest "
-    "degree that fit one node; ep only on a mixture of experts, ep<N>+fsdp without pp or TP, at the largest degree "
-    "within a node",
+    "degree that fit one node; ep only on a mixture of experts, ep<N>+fsdp[+tp<M>] without pp, at the largest "
+    "degree within a node",
 )
 """What auto leaves out only to bound the tracing (not because it cannot apply): printed with the ranking."""
 
@@ -145,11 +146,12 @@ def _cp_degrees(world: World, facts: ModelFacts, base: Candidate) -> list[tuple[
 
 
 def _ep_degrees(world: World, facts: ModelFacts, base: Candidate) -> list[tuple[int, str | None]]:
-    """ep<N>+fsdp (plan/ep_strategy.py) for a mixture of experts, without pp or TP (HF MoE blocks have no TP
-    plan): the largest N within a node dividing both the experts and the data-parallel ranks."""
-    if not facts.experts or base.shard != "fsdp" or base.pp > 1 or base.tp > 1:
+    """ep<N>+fsdp[+tp<M>] (plan/ep_strategy.py) for a mixture of experts, without pp: the largest N within a
+    node dividing both the experts and the dp x tp ranks it borrows from (torchtitan's etp=1)."""
+    fsdp = base.shard == "fsdp" or (base.shard == "none" and base.tp > 1)  # tp<M> alone: FSDP2 over one rank
+    if not facts.experts or not fsdp or base.pp > 1:
         return []
-    fit = [d for d in _divisors(base.dp) if 1 < d <= world.gpus_per_node and facts.experts % d == 0]
+    fit = [d for d in _divisors(base.dp * base.tp) if 1 < d <= world.gpus_per_node and facts.experts % d == 0]
     return [(fit[-1], None)] if fit else []
 
 
@@ -157,7 +159,7 @@ EXTRA_COMPONENTS: tuple[Component, ...] = (
     Component(key="cp", takes_gpus=True, place="before-tp", degrees=_cp_degrees,
               rule="cp<N>: ring attention over N ranks of each sample, FSDP2 over dp x cp"),
     Component(key="ep", takes_gpus=False, place="first", degrees=_ep_degrees,
-              rule="ep<N>+fsdp: each rank keeps experts / N, all-to-all dispatch"),
+              rule="ep<N>+fsdp[+tp<M>]: each rank keeps experts / N, all-to-all dispatch (etp=1 with tp)"),
 )
 # ----------------------------------------------------------------------------------------------------
 
@@ -253,13 +255,20 @@ def candidates(world: World, facts: ModelFacts, *, pp_schedule: str = "1f1b", mi
     for component in components:
         for c in [c for c in out if c.skipped is None and c.shard != "hsdp"]:  # hsdp<R> composes with nothing
             for degree, reason in component.degrees(world, facts, c):
-                if degree <= 1 or c.dp % degree:
+                if degree <= 1 or (c.dp if component.takes_gpus else c.dp * c.tp) % degree:  # ep borrows dp x tp
                     continue
                 dp = c.dp // degree if component.takes_gpus else c.dp
                 name = _name(c.pp, "" if c.shard == "none" else c.shard, c.tp, {component.place: f"{component.key}{degree}"})
                 add(replace(c, name=name, dp=dp, degrees={**c.degrees, component.key: degree}, rule=component.rule,
                             skipped=reason))
+    if facts.experts:  # an MoE's experts are tensor-parallel only beside ep (distributed/tp_plans_moe.py)
+        out = [replace(c, skipped=_MOE_TP) if c.tp > 1 and "ep" not in c.degrees and c.skipped is None else c
+               for c in out]
     return out
+
+
+_MOE_TP = ("TP of a mixture of experts is traced with ep<N> beside it (torchtitan's etp=1: the experts "
+           "sharded by ep, not by tp): see ep<N>+fsdp+tp<M>")
 
 
 def model_facts(workload, options=None) -> ModelFacts:

@@ -29,8 +29,8 @@ Strategy names:
     pp<N>[+X]         a pipeline of N stages (torch.distributed.pipelining; plan/pipeline.py), each
                       running X (any name above) on world/N GPUs: pp2, pp4+fsdp, pp2+fsdp+tp2
     ep<N>+X           expert parallelism (plan/ep_strategy.py, distributed/expert_parallel.py): each
-                      MoE layer's experts split over groups of N data-parallel ranks, X being fsdp,
-                      fsdp-noreshard or fsdp+tp<M>: ep8+fsdp, ep2+fsdp+tp2
+                      MoE layer's experts split over groups of N ranks borrowed from dp x tp (torchtitan's
+                      etp=1), X being fsdp, fsdp-noreshard, fsdp+tp<M> or tp<M>: ep8+fsdp, ep8+fsdp+tp2
 
 On one GPU every strategy is the plain single-GPU step (``shard`` "none").
 """
@@ -41,11 +41,11 @@ import contextlib
 import dataclasses
 import re
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from batchfit.distributed.strategy import Strategy
 from batchfit.errors import OptionError
+from batchfit.plan.fake_world import fake_world, meshes_of
 
 SHARDS = ("none", "ddp", "fsdp", "fsdp-noreshard", "hsdp", "zero1", "zero2")
 
@@ -192,38 +192,6 @@ class ShardedPoint:
     """Under pp<N> (``plan/pipeline.py``): each pipeline rank's peak, rank 0 first; the point is the largest's."""
 
 
-_world: list[int] = []
-"""The world size of the fake process group this module opened, once per session using it."""
-_meshes: dict = {}
-"""The meshes built on that group, by strategy: sessions of one strategy share them (a second
-``init_device_mesh`` of the same shape makes new groups that DTensor does not always use)."""
-
-
-@contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """A fake process group of ``world_size`` ranks in this process, this process rank 0.
-
-    Nested uses at the same world size share one group (the depths of a deep trace)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if _world and _world[0] != world_size:
-        raise RuntimeError(f"a fake world of {_world[0]} ranks is open: close it before one of {world_size}")
-    if not _world:
-        if dist.is_initialized():
-            raise OptionError("a torch.distributed process group is already running in this process: "
-                              "run batchfit plan outside torchrun (it simulates every rank itself)")
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    _world.append(world_size)
-    try:
-        yield
-    finally:
-        _world.pop()
-        if not _world:
-            _meshes.clear()
-            dist.destroy_process_group()
-
-
 def _to_empty_keeping_ties(model):
     """``model.to_empty(device="cpu")`` under the fake mode, with tied parameters still tied.
 
@@ -279,14 +247,17 @@ class ShardedSession:
 
     workload: batchfit.Workload; options: batchfit.StepOptions; device: batchfit.Device (its
     cuBLAS workspace is added, as in ``estimate``). ``cuda_semantics=False`` traces what a CPU
-    step does instead (no rounding, CPU kernels), to compare with a real gloo run.
+    step does instead (no rounding, CPU kernels), to compare with a real gloo run, and with
+    ``gloo_scratch`` the copies gloo's reduce-scatter makes (``ShardedTracker._gloo_scratch``); ``rank``
+    traces that rank instead of rank 0 (a truth compared rank by rank; ``plan`` traces rank 0).
     Raises OptionError('... has no tensor-parallel plan: ...') for TP on a model without one.
     """
 
-    def __init__(self, workload, options, device, strategy: Strategy, *, cuda_semantics: bool = True) -> None:
+    def __init__(self, workload, options, device, strategy: Strategy, *, cuda_semantics: bool = True,
+                 rank: int = 0, gloo_scratch: bool = False) -> None:
         import torch
 
-        from batchfit.distributed import apply_strategy, build_meshes
+        from batchfit.distributed import apply_strategy
         from batchfit.distributed.tracker import ShardedTracker
         from batchfit.distributed.zero import with_sharded_optimizer
         from batchfit.distributed.tp_plans import tp_plan
@@ -300,12 +271,11 @@ class ShardedSession:
         self.workspace = device.workspace_bytes if cuda_semantics else 0
         own_plan = workload.parallelize
         self._exit = contextlib.ExitStack()
-        self._exit.enter_context(fake_world(strategy.world_size))
+        self._exit.enter_context(fake_world(strategy.world_size, rank))
         try:
-            if strategy not in _meshes:  # outside FakeTensorMode: the mesh holds rank tables
-                _meshes[strategy] = build_meshes(strategy)
-            self.meshes = meshes = _meshes[strategy]
+            self.meshes = meshes = meshes_of(strategy)  # outside FakeTensorMode: the mesh holds rank tables
             self.tracker = tracker = ShardedTracker(round_bytes=CUDA_BLOCK_BYTES if cuda_semantics else 1)
+            tracker.gloo_scratch = gloo_scratch and not cuda_semantics
             tracker.trace_compiled = sharded_traces_compiled(strategy, options)  # read by TraceSession
 
             def shard(model):
@@ -437,9 +407,10 @@ class ShardedSession:
 
 
 def trace_sharded(workload, options, device, strategy: Strategy, local_batch: int, *,
-                  cuda_semantics: bool = True) -> ShardedPoint:
-    """Rank 0's step at one local batch: a :class:`ShardedSession` traced once."""
+                  cuda_semantics: bool = True, rank: int = 0, gloo_scratch: bool = False) -> ShardedPoint:
+    """Rank 0's (or ``rank``'s) step at one local batch: a :class:`ShardedSession` traced once."""
     if local_batch < 1:
         raise OptionError(f"the local batch must be 1 or more, got {local_batch}")
-    with ShardedSession(workload, options, device, strategy, cuda_semantics=cuda_semantics) as session:
+    with ShardedSession(workload, options, device, strategy, cuda_semantics=cuda_semantics, rank=rank,
+                        gloo_scratch=gloo_scratch) as session:
         return session.trace(local_batch)

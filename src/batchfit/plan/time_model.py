@@ -23,7 +23,7 @@ What overlaps (the rule the report states):
 - Expert parallelism's all-to-alls (ep<N>: the dispatch before a layer's experts, the combine
   after them) are waited on by the experts and by the next op: never overlapped. An all-to-all
   of B bytes sends (n-1)/n x B (the rows for the rank itself stay); the ep group is inside one
-  node while ep x tp <= GPUs per node (torchtitan's mesh puts ep inside the data-parallel ranks).
+  node while ep <= GPUs per node (torchtitan's sparse mesh: ep consecutive ranks, the tp ones among them).
 - Collectives outside forward and backward (in the optimizer step) are not overlapped.
 - Context parallelism (cp<N>, group "cp"): per attention layer, the forward all-gathers every
   rank's K/V once (torch's default rotater: (N-1) x the rank's K/V bytes sent, the N-1 ring
@@ -194,8 +194,9 @@ def group_span(collective, strategy) -> int:
     data-parallel shard group, then the replicas)."""
     if collective.group == "tp":
         return collective.group_size
-    if collective.group in ("cp", "ep"):  # the ring: cp x tp consecutive ranks; ep<N>: inside the data-parallel
-        return collective.group_size * strategy.tp  # dimension, outside tp (torchtitan's mesh)
+    if collective.group == "ep":  # ep<N>: the sparse mesh's innermost dimension, N consecutive ranks (with tp
+        return collective.group_size  # the tp ranks among them: torchtitan's etp=1; distributed/strategy.py)
+    if collective.group == "cp":  # the ring: cp x tp consecutive ranks
         return collective.group_size * strategy.tp
     if (strategy.shard == "hsdp" and strategy.replicas > 1 and collective.op != "all_reduce"
             and collective.group_size == strategy.dp // strategy.replicas):
