@@ -3,10 +3,13 @@ timeline of a REAL training step on this CPU (trace it with ``cuda_semantics=Fal
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 from batchfit.train.step import TrainingStep
@@ -27,6 +30,39 @@ def profiled_step_peak(step: TrainingStep, batch_size: int, tmp_path: Path, *, w
         prof.export_memory_timeline(str(path), device="cpu")
     _, sizes = json.loads(path.read_text())
     return max(sum(row) for row in sizes)
+
+
+@contextlib.contextmanager
+def same_kernels_on_any_x86() -> Iterator[None]:
+    """Run a real CPU step with the CPU kernels that allocate the same bytes on every x86 CPU: on
+    one thread, with oneDNN off. For a truth whose real step would otherwise hold scratch that
+    depends on the machine and that the trace never counts (kernel-internal scratch, a known limit:
+    docs/tracing.md), so the comparison holds on whichever CPU CI has.
+
+    - Threads: PyTorch's CPU flash attention allocates per-thread buffers through c10's allocator,
+      which the profiler sees (``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``: ``buf`` and
+      ``buf_reduced``, at::get_num_threads() rows; in bf16 at 32 tokens, head dim 16: 6,400 + 2,048 B
+      a thread forward, 8,192 + 4,096 B backward). On tests/test_routing.py's tiny MoE the real
+      step's peak moves from the experts' grouped GEMM to the attention backward at 6 threads or
+      more (1,137,624 B up to 5 threads; 1,166,008 B at 8; 1,264,312 B at 16).
+    - oneDNN: on a CPU where ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` (AVX-512 BW/VL/DQ or
+      AVX-NE-CONVERT, e.g. Intel Xeon since Skylake-SP, AMD Zen 4) a bf16 ``mm`` of more than 16^3
+      multiply-adds (each group of the CPU ``_grouped_mm``'s loop, a bf16 linear) runs in oneDNN
+      (``mkldnn/Matmul.cpp``), whose reorders and scratchpad come from c10's allocator
+      (``IDeepRegistration.cpp``), so the profiler counts them (seen here on an fp32 conv2d: two
+      reorders and a blocked output inside ``mkldnn_convolution``); their size is oneDNN's choice of
+      kernel for the ISA. On an AVX2-only CPU the same ``mm`` runs ATen's own GEMM, which allocates
+      nothing; ``torch.backends.mkldnn.enabled = False`` takes that path on every CPU. A GPU has
+      neither (cuBLAS works in its workspace, counted apart).
+    """
+    threads, onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
+    torch.set_num_threads(1)
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = onednn
+        torch.set_num_threads(threads)
 
 
 def agreed_profiled_peak(step: TrainingStep, batch_size: int, tmp_path: Path, *, warmup: int = 1,

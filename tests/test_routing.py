@@ -15,7 +15,7 @@ from batchfit.trace.session import TraceSession
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload, check_routing
 from batchfit.zoo.hf import _unpacked_sequences
-from cpu_truth import profiled_step_peak
+from cpu_truth import profiled_step_peak, same_kernels_on_any_x86
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,9 +87,12 @@ def traced(workload: Workload, routing: str, precision: str = "fp32") -> int:
 
 
 def measured(workload: Workload, tmp_path, precision: str = "fp32") -> int:
+    """The real step's peak, on the CPU kernels that allocate alike on every x86 CPU (one thread,
+    oneDNN off: cpu_truth.same_kernels_on_any_x86): the trace counts no kernel's own scratch."""
     torch.manual_seed(0)
-    step = TrainingStep(workload, StepOptions(precision=precision, optimizer="sgd"), torch.device("cpu"))
-    return profiled_step_peak(step, B, tmp_path)
+    with same_kernels_on_any_x86():
+        step = TrainingStep(workload, StepOptions(precision=precision, optimizer="sgd"), torch.device("cpu"))
+        return profiled_step_peak(step, B, tmp_path)
 
 
 def test_a_forced_balanced_router_matches_the_balanced_trace_and_no_routing_exceeds_them_all(tmp_path):
