@@ -28,6 +28,7 @@ from batchfit.trace.approximation import (Approximation, fast_path_approximation
                                            quantize_approximations)
 from batchfit.trace.compiled import (COMPILED_TRACED, MEMORY_BUDGET_TRACED, compile_approximations, graph_breaks,
                                      inductor_fallbacks)
+from batchfit.trace.hf_packing import packing_approximation
 from batchfit.trace.routing import routing_approximation
 from batchfit.trace.cuda_float8 import float8_approximations
 from batchfit.trace.curve import MemoryCurve, fit_curve
@@ -245,7 +246,8 @@ class TracedCurve:
                      + float8_approximations(self.options, traced_compiled=session.compiled)
                      + offload_approximations(self.options.offload, self.options.compile)
                      + quantize_approximations(self.options.quantize)
-                     + routing_approximation(session.step.model, self.options.routing))
+                     + routing_approximation(session.step.model, self.options.routing)
+                     + packing_approximation(session.packing.assumed))
         if not session.compiled:  # nothing compiled (a sharded step is traced by plan's own session)
             return compile_approximations(self.options, session.step.model, self.workload.loss_fn) + fast_path
         asked = (f"--compile {self.options.compile}" if self.options.compile != "none"

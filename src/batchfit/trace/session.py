@@ -32,6 +32,7 @@ from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.cuda_float8 import cpu_scaled_mm_scratch, mirror_float8_autocast
 from batchfit.trace.cuda_norm import CudaRmsNorm
+from batchfit.trace.hf_packing import PackedSequences
 from batchfit.trace.compiled import compile_for_trace, retarget_for_trace, trace_context
 from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot, held_tensor
 from batchfit.trace.routing import RoutedExperts, moe_experts
@@ -298,6 +299,8 @@ class TraceSession:
         self._warm = False
         self.routed: RoutedExperts | None = None
         """Answers the expert loop's value reads by ``options.routing`` (MoE models only)."""
+        self.packing = PackedSequences()
+        """Answers transformers' packed-sequence check (``packing.assumed``: where the values decide)."""
         if (options.optimizer or "") in TORCHAO_OPTIMIZERS:
             raise OptionError(f"--optimizer {options.optimizer} cannot be traced yet: torchao's low-bit optimizers "
                               "compile their step (torch.compile fullgraph=True), which does not run on fake tensors; "
@@ -379,7 +382,8 @@ class TraceSession:
             gemm = bnb_fake.BnbKernels(self.cuda_semantics) if self.uses_bnb else contextlib.nullcontext()
             routed = self.routed or contextlib.nullcontext()  # above the fake mode: it sees the reads first
             compiled = trace_context() if getattr(self, "compiled", False) else contextlib.nullcontext()
-            with self.fake_mode, self.tracker, attention, norm, cpu_mm, gemm, routed, compiled, _quiet_fake_tensor_log():
+            with (self.fake_mode, self.tracker, attention, norm, cpu_mm, gemm, routed, compiled, self.packing(),
+                  _quiet_fake_tensor_log()):
                 yield
         except (torch.OutOfMemoryError, BatchfitError):
             raise
