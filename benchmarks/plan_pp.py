@@ -49,7 +49,7 @@ def workload(n_layers: int):
 
 def main() -> None:
     from batchfit.devices import get_device
-    from batchfit.distributed.pipeline import bubble_fraction, in_flight, parse_schedule, rank_actions
+    from batchfit.distributed.pp_schedules import bubble_fraction, in_flight, parse_schedule, rank_actions
     from batchfit.plan.pipeline import PipelineSession
     from batchfit.plan.pp_strategy import parse_pp_strategy
     from batchfit.plan.sharded import parse_strategy
