@@ -44,8 +44,10 @@ WORLD = 2
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b:2", "interleaved-zb:2", "zbv", "dualpipev")
 
 
-def tiny_workload() -> Workload:
-    return tiny_llama_workload(CFG)
+def tiny_workload(n_layers: int = CFG.n_layers) -> Workload:
+    import dataclasses
+
+    return tiny_llama_workload(dataclasses.replace(CFG, n_layers=n_layers))
 
 
 def _free_port() -> int:
@@ -82,7 +84,7 @@ def _compute_order(schedule, rank: int) -> list[tuple[str, int, int]]:
 
 
 def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatches: int = MICROBATCHES,
-               schedules: tuple[str, ...] = SCHEDULES) -> None:
+               schedules: tuple[str, ...] = SCHEDULES, n_layers: int = CFG.n_layers) -> None:
     """Rank ``rank`` of a real ``world``-rank pipeline: its peak per schedule in peaks<rank>.json,
     and the compute order torch's runtime ran (multi-stage schedules)."""
     import dataclasses
@@ -99,7 +101,7 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatc
         schedule = parse_schedule(name, microbatches)
         n_stages = world * schedule.virtual
         indices = rank_stages(schedule, world, rank)
-        base = tiny_workload()
+        base = tiny_workload(n_layers)
         workload = dataclasses.replace(base, build_model=lambda: build_rank(base.build_model, n_stages, indices))
         torch.manual_seed(0)
         step = TrainingStep(workload, StepOptions(), torch.device("cpu"))

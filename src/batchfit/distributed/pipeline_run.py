@@ -13,12 +13,15 @@ What a stage holds, and until when (``stage.py``):
   until the next step replaces it.
 - A forward's output and inputs in ``fwd_cache`` until that micro-batch's backward (on the last
   stage the logits, not only the loss), the loss scaled by 1/micro-batches (``scale_grads``).
-- A full backward (B) accumulates the input's gradient in its buffer's ``.grad``, kept until the
-  next step's ``clear_runtime_states``. Under the multi-stage runtime (every schedule but GPipe and
-  1F1B) ``stage_backward`` hands that gradient to the send instead (``.grad`` None), and every send
-  (a stage's output to the next rank, an input gradient to the previous one) keeps its tensor
-  until the runtime waits on all of them, when the step's actions are done (``send_ops``; a
-  ``dist.Work`` holds its tensor).
+- A full backward (B) hands the input's gradient to the send (``stage_backward`` leaves ``.grad``
+  None). A send's ``dist.Work`` holds its tensor (a stage's output to the next rank, an input
+  gradient to the previous one) as long as the schedule keeps the Work: the multi-stage runtime
+  and GPipe keep every one until the step's actions are done (``send_ops``,
+  ``fwd_sends_to_wait`` / ``bwd_sends_to_wait``); 1F1B only the latest of each (its ``fwd_sends``
+  / ``bwd_sends`` / ``send_work`` variables, reassigned as it goes), besides the send of its
+  second-to-last warm-up forward, which ``send_work`` keeps until the 1B1F loop breaks, and the
+  latest forward's output (its ``output`` variable: the last stage's logits) until the next
+  forward returns.
 - I (``backward_one_chunk(full_backward=False)``): on every stage but the first,
   ``stage_backward_input``: ``autograd.grad`` to the stage input with ``retain_graph=True``, and a
   hook that keeps the gradient reaching each weight's node (``param_groups``); the graph and
@@ -51,10 +54,15 @@ class PipelineRun:
     (``schedule.step(whole batch)`` splits it so)."""
 
     def __init__(self, step, *, actions: list[tuple[str, int, int]], microbatches: int, stages: int,
-                 d_model: int, seq_len: int, runtime: bool = False) -> None:
+                 d_model: int, seq_len: int, sends: str = "runtime") -> None:
         self.step = step
-        self.runtime = runtime
-        """torch's ``_PipelineScheduleRuntime`` runs the actions (multi-stage schedules): sends kept to the end."""
+        self.sends = sends
+        """How long the schedule keeps its sends: 'runtime' or 'gpipe' (to the end of the actions), '1f1b'."""
+        kinds = [kind for kind, _, _ in actions]
+        last_f = max((i for i, kind in enumerate(kinds) if kind == "F"), default=-1)
+        self.warmup = kinds.index("B") if "B" in kinds else len(kinds)
+        self.loop_break = next((i for i in range(last_f, len(kinds)) if kinds[i] == "B"), None)
+        """1F1B: the action after which its 1B1F loop breaks (the first backward after the last forward)."""
         self.actions = actions
         self.m = microbatches
         self.stages = stages
@@ -98,10 +106,11 @@ class PipelineRun:
                           if batch else None)
             self.cache: dict[tuple[int, int], tuple] = {}  # fwd_cache
             self.state: dict[tuple[int, int], tuple] = {}  # backward_state, I to W
-            self.sent: list = []  # the runtime's send_ops, waited on once the actions are done
+            self.sent: list = []  # the sends' tensors the schedule keeps until its actions are done
+            self.latest: dict[str, object] = {}  # 1F1B's variables: "output", "grad", "warmup send"
             self.loss = None
             phase = None
-            for kind, s, mb in self.actions:
+            for self.index, (kind, s, mb) in enumerate(self.actions):
                 now = "forward" if kind == "F" else "backward"
                 if phase != now:
                     hooks.phase(now)
@@ -111,7 +120,7 @@ class PipelineRun:
                 else:
                     getattr(self, f"_{kind}")(s, mb)
             del batch
-            self.parts = self.cache = self.state = self.sent = None
+            self.parts = self.cache = self.state = self.sent = self.latest = None
             hooks.phase("optimizer")
             step.update(hooks=hooks)
             hooks.phase("idle")
@@ -136,6 +145,8 @@ class PipelineRun:
             x = self._buffer(self.act_buffers, (s, mb), self.micro, next(module.parameters()).dtype, True)
         with step.forward_autocast(), self.last_context():
             out = module(x)
+            if self.sends == "1f1b":  # its output variable, the previous forward's output freed now
+                self.latest["output"] = out
             if s == self.stages - 1:
                 # The schedule computes the loss from the stage's output, which fwd_cache keeps
                 # until this micro-batch's backward (the logits, not only the loss).
@@ -146,8 +157,11 @@ class PipelineRun:
         self.cache[(s, mb)] = (out, x)
         if s + 1 in self.by_index:  # set_local_fwd_input: the output itself, detached, a leaf again
             self.act_buffers[(s + 1, mb)] = out.detach().requires_grad_(True)
-        elif self.runtime and s < self.stages - 1:  # SEND_F: its Work holds the output
-            self.sent.append(out)
+        elif s < self.stages - 1:  # SEND_F: its Work holds the output
+            if self.sends != "1f1b":
+                self.sent.append(out)
+            elif self.index < self.warmup - 1:  # send_work: kept until the 1B1F loop breaks
+                self.latest["warmup send"] = out
 
     def _output_grad(self, s: int, mb: int, dtype):
         if s + 1 in self.by_index:  # set_local_bwd_input: the next stage's input gradient
@@ -170,9 +184,14 @@ class PipelineRun:
                 torch.autograd.backward(out, self._output_grad(s, mb, out.dtype))
         if s - 1 in self.by_index:  # stage_backward hands the input gradient over, leaving .grad None
             self.grad_buffers[(s - 1, mb)], x.grad = x.grad, None
-        elif self.runtime and s > 0:  # ... to SEND_B, whose Work holds it
-            self.sent.append(x.grad)
+        elif s > 0:  # ... to SEND_B, whose Work holds it
+            if self.sends == "1f1b":
+                self.latest["grad"] = x.grad
+            else:
+                self.sent.append(x.grad)
             x.grad = None
+        if self.index == self.loop_break and self.sends == "1f1b":  # send_work = the backward's sends now
+            self.latest.pop("warmup send", None)
 
     def _I(self, s: int, mb: int) -> None:
         from torch.distributed.pipelining._backward import stage_backward_input

@@ -60,6 +60,7 @@ class PipelineSession:
         with torch.device("meta"):
             probe = workload.build_model()
         check_pipeline(self.schedule, strategy.pp, n_layers_of(probe))
+        self.layers_per_stage = n_layers_of(probe) // (strategy.pp * self.schedule.virtual)
         self.d_model = probe.embed.embedding_dim
         # Under TP with sequence parallelism (the zoo's Llama plan) the residual stream a stage
         # sends holds 1/tp of the sequence (the embedding's Rowwise output is Shard(1), local).
@@ -93,7 +94,7 @@ class PipelineSession:
             step = session.session.step
             step.run = PipelineRun(step, actions=self.actions[rank], microbatches=self.strategy.microbatches,
                                    stages=pp * v, d_model=self.d_model, seq_len=self.seq_len,
-                                   runtime=self.schedule.kind not in ("gpipe", "1f1b"))
+                                   sends=self.schedule.kind if self.schedule.kind in ("gpipe", "1f1b") else "runtime")
             point = session.trace(local_batch)
             stream = (session.fresh_stream, session.fresh_steps)
         return StagePoint(rank=rank, stages=tuple(stages), in_flight=in_flight(self.actions[rank]), point=point), stream
