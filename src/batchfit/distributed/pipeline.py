@@ -147,13 +147,22 @@ def pipeline_approximations(strategies) -> list:
     """What a plan with pp<N> strategies says in every output: how a pipeline rank was traced."""
     from batchfit.trace.approximation import Approximation
 
-    names = sorted({s.name for s in strategies if getattr(s, "pp", 1) > 1})
-    if not names:
+    pipelined = [s for s in strategies if getattr(s, "pp", 1) > 1]
+    if not pipelined:
         return []
+    names = sorted({f"{s.name} ({s.pp_schedule})" for s in pipelined})
+    dualpipe = any(s.pp_schedule == "dualpipev" for s in pipelined)
     return [Approximation(
-        what=f"{', '.join(names)}: each pipeline rank's step traced in torch's schedule order with PipelineStage's "
-             "receive buffers and forward cache mirrored (distributed/pipeline.py), not torch's PipelineStage itself; "
-             "the point-to-point sends move no bytes of their own; the bubble is computed, (p-1)/(m+p-1), /V interleaved",
-        may_differ_by="nothing measured beyond 3% per stage (2 gloo stages, GPipe and 1F1B, tests/test_pipeline.py); "
-                      "NCCL's P2P staging buffers (outside the caching allocator) are not counted",
-        source="tests/test_pipeline.py; docs/tracing.md, Pipeline parallelism")]
+        what=f"{', '.join(names)}: each pipeline rank's step traced in torch's schedule order (its own action "
+             "lists; a zero-bubble schedule's I and W run torch's stage_backward_input / stage_backward_weight) with "
+             "PipelineStage's receive buffers, forward cache and the runtime's pending sends mirrored "
+             "(distributed/pipeline_run.py), not torch's PipelineStage itself; the point-to-point sends move no bytes "
+             "of their own; the bubble is torch's order played at T_F = T_B = T_W (Qi et al. 2023's assumption), "
+             "sends taking no time, the optimizer step waiting for every rank"
+             + ("; DualPipeV's overlapped forward and backward run one after the other, as torch's runtime runs "
+                "them (torchtitan's overlap_callback runs them on two threads: their transients may coincide)"
+                if dualpipe else ""),
+        may_differ_by="on gloo (2 ranks, tests/test_pipeline.py): within 70 B per rank for GPipe, interleaved 1F1B, "
+                      "interleaved ZB, ZBV and DualPipeV, 1F1B within 1.4%; NCCL's P2P staging buffers (outside the "
+                      "caching allocator) are not counted",
+        source="tests/test_pipeline.py; benchmarks/pp_gloo.py; docs/tracing.md, Pipeline parallelism")]
