@@ -1,6 +1,7 @@
 """Pipeline truth on this CPU: real gloo pipelines (torch's PipelineStage with each schedule of
 ``--pp-schedule``: GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV, DualPipeV) of a
-tiny Llama, each rank's peak over a steady step (the profiler's memory timeline, two profiled
+tiny Llama (and 1F1B, interleaved ZB and ZBV again under full activation checkpointing), each
+rank's peak over a steady step (the profiler's memory timeline, two profiled
 steps) against the trace of that pipeline rank on the fake process group (CPU semantics).
 2 ranks: the 4-block Llama, 4 micro-batches (tests/test_pipeline.py's run); 4 ranks: 8 blocks
 (8 stages under the two-stage-per-rank schedules), 8 micro-batches (DualPipeV needs one per stage).
@@ -51,26 +52,28 @@ def main() -> None:
             for rank in range(world):
                 (path / str(rank)).mkdir()
             torch.multiprocessing.spawn(t._gloo_main, args=(t._free_port(), str(path), world, microbatches,
-                                                            t.SCHEDULES, n_layers), nprocs=world, join=True)
+                                                            t.RUNS, n_layers), nprocs=world, join=True)
             real = {rank: json.loads((path / f"peaks{rank}.json").read_text()) for rank in range(world)}
-        for name in t.SCHEDULES:
+        for name, checkpointing in t.RUNS:
             for rank in range(world):  # the order torch's runtime ran is ours
                 order = real[rank]["orders"].get(name)
                 assert order is None or [tuple(a) for a in order] == rank_actions(
                     t.parse_schedule(name, microbatches), world, rank), (name, rank)
             strategy = parse_pp_strategy(f"pp{world}", world, parse_strategy, pp_schedule=name,
                                          microbatches=microbatches)
-            session = PipelineSession(t.tiny_workload(n_layers), StepOptions(), get_device("h100-80gb"), strategy,
-                                      cuda_semantics=False)
+            session = PipelineSession(t.tiny_workload(n_layers), StepOptions(checkpointing=checkpointing),
+                                      get_device("h100-80gb"), strategy, cuda_semantics=False)
             session.trace(t.MICRO * microbatches)
             for stage in session.stage_points:
                 traced = stage.point.total_peak_bytes or stage.point.peak_bytes
-                measured = real[stage.rank]["peaks"][name]
+                measured = real[stage.rank]["peaks"][t._key(name, checkpointing)]
                 rows.append({"ranks": world, "blocks": n_layers, "microbatches": microbatches, "schedule": name,
-                             "rank": stage.rank, "stages": list(stage.stages), "in_flight": stage.in_flight,
+                             "checkpointing": checkpointing, "rank": stage.rank, "stages": list(stage.stages),
+                             "in_flight": stage.in_flight,
                              "traced_bytes": traced, "gloo_bytes": measured,
                              "error": round((traced - measured) / measured, 5)})
-                print(f"pp{world} {name:<18} rank {stage.rank} stages {','.join(map(str, stage.stages)):<5}: "
+                stages = ",".join(map(str, stage.stages))
+                print(f"pp{world} {name:<18} AC {checkpointing:<4} rank {stage.rank} stages {stages:<5}: "
                       f"in flight {stage.in_flight:>2}, traced {traced:>10,} B, gloo {measured:>10,} B, "
                       f"{traced - measured:+7,} B ({(traced - measured) / measured:+.2%})", flush=True)
     worst = max(abs(r["error"]) for r in rows)

@@ -42,6 +42,9 @@ MICRO = 2
 MICROBATCHES = 4
 WORLD = 2
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b:2", "interleaved-zb:2", "zbv", "dualpipev")
+CHECKPOINTED = ("1f1b", "interleaved-zb:2", "zbv")
+"""Also run with full activation checkpointing: I recomputes each block, W again (a graph task each)."""
+RUNS = tuple((name, "none") for name in SCHEDULES) + tuple((name, "full") for name in CHECKPOINTED)
 
 
 def tiny_workload(n_layers: int = CFG.n_layers) -> Workload:
@@ -83,10 +86,14 @@ def _compute_order(schedule, rank: int) -> list[tuple[str, int, int]]:
     return out
 
 
+def _key(name: str, checkpointing: str) -> str:
+    return name if checkpointing == "none" else f"{name} --checkpointing {checkpointing}"
+
+
 def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatches: int = MICROBATCHES,
-               schedules: tuple[str, ...] = SCHEDULES, n_layers: int = CFG.n_layers) -> None:
-    """Rank ``rank`` of a real ``world``-rank pipeline: its peak per schedule in peaks<rank>.json,
-    and the compute order torch's runtime ran (multi-stage schedules)."""
+               runs: tuple[tuple[str, str], ...] = RUNS, n_layers: int = CFG.n_layers) -> None:
+    """Rank ``rank`` of a real ``world``-rank pipeline: its peak per (schedule, checkpointing) in
+    peaks<rank>.json, and the compute order torch's runtime ran (multi-stage schedules)."""
     import dataclasses
 
     from cpu_truth import agreed_profiled_peak
@@ -97,12 +104,13 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatc
 
     join_gloo(rank, world, port, timeout_s=120)
     peaks, orders = {}, {}
-    for name in schedules:
+    for name, checkpointing in runs:
         schedule = parse_schedule(name, microbatches)
         n_stages = world * schedule.virtual
         indices = rank_stages(schedule, world, rank)
         base = tiny_workload(n_layers)
-        workload = dataclasses.replace(base, build_model=lambda: build_rank(base.build_model, n_stages, indices))
+        workload = dataclasses.replace(base, build_model=lambda: build_rank(base.build_model, n_stages, indices,
+                                                                            checkpointing))
         torch.manual_seed(0)
         step = TrainingStep(workload, StepOptions(), torch.device("cpu"))
         stages = [PipelineStage(module, s, n_stages, torch.device("cpu"))
@@ -124,7 +132,8 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatc
         step.run = run
         run(MICRO)  # builds the stage's buffers and the optimizer state
         # two profiled steps: the V-shaped ranks' local buffers, made by one step and replaced in the next
-        peaks[name] = agreed_profiled_peak(step, MICRO, Path(out_dir) / str(rank), warmup=0, steps=2)
+        peaks[_key(name, checkpointing)] = agreed_profiled_peak(step, MICRO, Path(out_dir) / str(rank), warmup=0,
+                                                                steps=2)
         if hasattr(runtime, "pipeline_order_with_comms"):
             orders[name] = _compute_order(runtime, rank)
         dist.barrier()
@@ -143,18 +152,19 @@ def measured(tmp_path_factory) -> dict:
     return {rank: json.loads((path / f"peaks{rank}.json").read_text()) for rank in range(WORLD)}
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
-def test_each_stage_peak_matches_a_real_gloo_pipeline(measured, name):
+@pytest.mark.parametrize("name, checkpointing", RUNS)
+def test_each_stage_peak_matches_a_real_gloo_pipeline(measured, name, checkpointing):
     strategy = parse_pp_strategy("pp2", WORLD, parse_strategy, pp_schedule=name, microbatches=MICROBATCHES)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        session = PipelineSession(tiny_workload(), StepOptions(), get_device("h100-80gb"), strategy,
-                                  cuda_semantics=False)
+        session = PipelineSession(tiny_workload(), StepOptions(checkpointing=checkpointing), get_device("h100-80gb"),
+                                  strategy, cuda_semantics=False)
         session.trace(MICRO * MICROBATCHES)
     for stage in session.stage_points:
-        real = measured[stage.rank]["peaks"][name]
+        real = measured[stage.rank]["peaks"][_key(name, checkpointing)]
         traced = stage.point.total_peak_bytes or stage.point.peak_bytes
-        print(f"{name} stage {stage.rank}: traced {traced} B, gloo {real} B, {(traced - real) / real:+.2%}")
+        print(f"{_key(name, checkpointing)} stage {stage.rank}: traced {traced} B, gloo {real} B, "
+              f"{(traced - real) / real:+.2%}")
         assert abs(traced - real) / real < 0.03, (name, stage.rank, traced, real)
 
 
@@ -267,3 +277,18 @@ def test_plan_reports_every_stage_and_the_bubble():
     # 1F1B on 2 stages, 2 micro-batches: idle 1/3 of the step, so the bubble is half the compute
     assert row.time.pipeline_bubble_s == pytest.approx(row.time.compute_s / 2)
     assert any("pipeline rank" in a.what for a in result.approximations)
+
+
+def test_auto_wraps_zero_bubble_pipelines_in_fsdp_kept_gathered():
+    from batchfit.plan.candidates import ModelFacts, candidates
+    from batchfit.plan.world import World
+
+    facts = ModelFacts(name="m", n_layers=8, heads=4, kv_heads=2, tp_plan=True)
+    names = {c.name: c for c in candidates(World(8), facts, pp_schedule="zbv")}
+    assert {"pp2+fsdp-noreshard", "pp2+fsdp-noreshard+tp2", "pp4+fsdp-noreshard", "pp4+tp2"} <= set(names)
+    assert "8 layers do not split into 16 equal stages (2 per rank)" in names["pp8"].skipped
+    assert names["pp2+fsdp-noreshard"].skipped is None and names["pp2+fsdp-noreshard"].shard == "fsdp-noreshard"
+    for name in names:  # each parses, so the zero-bubble check (no resharded FSDP2, no DDP) passes
+        if name.startswith("pp"):
+            parse_strategy(name, 8, pp_schedule="zbv")
+    assert "pp2+fsdp" in {c.name for c in candidates(World(8), facts, pp_schedule="1f1b")}

@@ -102,8 +102,8 @@ class PipelineRun:
                 batch = list(step.workload.make_batch(batch_size, step.device))
                 batch[0] = batch[0] if first else None
                 batch[1:] = batch[1:] if last else [None] * (len(batch) - 1)
-            self.parts = ([tuple(None if t is None else t.tensor_split(self.m)[i] for t in batch) for i in range(self.m)]
-                          if batch else None)
+            self.parts = ([tuple(None if t is None else t.tensor_split(self.m)[i] for t in batch)
+                           for i in range(self.m)] if batch else None)
             self.cache: dict[tuple[int, int], tuple] = {}  # fwd_cache
             self.state: dict[tuple[int, int], tuple] = {}  # backward_state, I to W
             self.sent: list = []  # the sends' tensors the schedule keeps until its actions are done
