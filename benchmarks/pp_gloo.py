@@ -1,13 +1,17 @@
-"""Pipeline truth on this CPU: real gloo pipelines (torch's PipelineStage with ScheduleGPipe and
-Schedule1F1B) of a 4-block Llama in 2 and 4 stages, each rank's peak over a steady step (the
-profiler's memory timeline) against the trace of that pipeline rank on the fake process group
-(CPU semantics). The 2-stage run is also tests/test_pipeline.py's.
+"""Pipeline truth on this CPU: real gloo pipelines (torch's PipelineStage with each schedule of
+``--pp-schedule``: GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV, DualPipeV) of a
+tiny Llama (and 1F1B, interleaved ZB and ZBV again under full activation checkpointing), each
+rank's peak over a steady step (the profiler's memory timeline, two profiled
+steps) against the trace of that pipeline rank on the fake process group (CPU semantics).
+2 ranks: the 4-block Llama, 4 micro-batches (tests/test_pipeline.py's run); 4 ranks: 8 blocks
+(8 stages under the two-stage-per-rank schedules), 8 micro-batches (DualPipeV needs one per stage).
 
-    PYTHONPATH=src python benchmarks/pp_gloo.py
+    PYTHONPATH=src python benchmarks/pp_gloo.py [--ranks 2,4]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -20,46 +24,63 @@ sys.path[:0] = [str(Path(__file__).parent), str(ROOT / "tests")]
 
 from _common import write_result  # noqa: E402
 
+RUNS = {2: (4, 4), 4: (8, 8)}
+"""ranks -> (blocks, micro-batches)."""
+
 
 def main() -> None:
     import torch
 
     import test_pipeline as t
     from batchfit.devices import get_device
+    from batchfit.distributed.pp_schedules import rank_actions
     from batchfit.plan.pipeline import PipelineSession
     from batchfit.plan.pp_strategy import parse_pp_strategy
     from batchfit.plan.sharded import parse_strategy
     from batchfit.workload import StepOptions
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", default="2,4", help="comma-separated pipeline sizes (2, 4)")
+    ranks = [int(r) for r in parser.parse_args().ranks.split(",")]
     warnings.simplefilter("ignore")
     rows = []
     started = time.perf_counter()
-    for world, microbatches in ((2, 4), (4, 4)):
+    for world in ranks:
+        n_layers, microbatches = RUNS[world]
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp)
             for rank in range(world):
                 (path / str(rank)).mkdir()
-            torch.multiprocessing.spawn(t._gloo_main, args=(t._free_port(), str(path), world, microbatches),
-                                        nprocs=world, join=True)
+            torch.multiprocessing.spawn(t._gloo_main, args=(t._free_port(), str(path), world, microbatches,
+                                                            t.RUNS, n_layers), nprocs=world, join=True)
             real = {rank: json.loads((path / f"peaks{rank}.json").read_text()) for rank in range(world)}
-        for name in t.SCHEDULES:
+        for name, checkpointing in t.RUNS:
+            for rank in range(world):  # the order torch's runtime ran is ours
+                order = real[rank]["orders"].get(name)
+                assert order is None or [tuple(a) for a in order] == rank_actions(
+                    t.parse_schedule(name, microbatches), world, rank), (name, rank)
             strategy = parse_pp_strategy(f"pp{world}", world, parse_strategy, pp_schedule=name,
                                          microbatches=microbatches)
-            session = PipelineSession(t.tiny_workload(), StepOptions(), get_device("h100-80gb"), strategy,
-                                      cuda_semantics=False)
+            session = PipelineSession(t.tiny_workload(n_layers), StepOptions(checkpointing=checkpointing),
+                                      get_device("h100-80gb"), strategy, cuda_semantics=False)
             session.trace(t.MICRO * microbatches)
             for stage in session.stage_points:
                 traced = stage.point.total_peak_bytes or stage.point.peak_bytes
-                measured = real[stage.rank][name]
-                rows.append({"stages": world, "schedule": name, "rank": stage.rank, "in_flight": stage.in_flight,
+                measured = real[stage.rank]["peaks"][t._key(name, checkpointing)]
+                rows.append({"ranks": world, "blocks": n_layers, "microbatches": microbatches, "schedule": name,
+                             "checkpointing": checkpointing, "rank": stage.rank, "stages": list(stage.stages),
+                             "in_flight": stage.in_flight,
                              "traced_bytes": traced, "gloo_bytes": measured,
-                             "error": round((traced - measured) / measured, 4)})
-                print(f"pp{world} {name:<5} rank {stage.rank}: in flight {stage.in_flight}, traced {traced:>9,} B, "
-                      f"gloo {measured:>9,} B, {(traced - measured) / measured:+.2%}", flush=True)
+                             "error": round((traced - measured) / measured, 5)})
+                stages = ",".join(map(str, stage.stages))
+                print(f"pp{world} {name:<18} AC {checkpointing:<4} rank {stage.rank} stages {stages:<5}: "
+                      f"in flight {stage.in_flight:>2}, traced {traced:>10,} B, gloo {measured:>10,} B, "
+                      f"{traced - measured:+7,} B ({(traced - measured) / measured:+.2%})", flush=True)
     worst = max(abs(r["error"]) for r in rows)
     print(f"worst {worst:.2%} ({time.perf_counter() - started:.0f} s)")
-    out = write_result("pp-gloo", {"model": "4-block Llama, d 64, seq 32, vocab 256", "micro_batch": t.MICRO,
-                                   "rows": rows, "worst_error": worst})
+    out = write_result("pp-gloo", {"model": "tiny Llama, d 64, seq 32, vocab 256 (4 blocks on 2 ranks, 8 on 4)",
+                                   "micro_batch": t.MICRO, "profiled_steps": 2, "rows": rows,
+                                   "worst_error": worst, "seconds": round(time.perf_counter() - started)})
     print(f"wrote {out}")
 
 

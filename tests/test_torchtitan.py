@@ -82,6 +82,36 @@ def test_degrees_of_each_strategy_name():
         degrees("zero1", 4)
 
 
+@pytest.mark.parametrize("schedule, micro, virtual_key", [
+    ("1f1b", 4, None), ("interleaved-zb:2", 4, None), ("zbv", 8, None), ("interleaved-1f1b:4", 8, 2)])
+def test_emit_writes_the_pipeline_keys_torchtitan_reads(schedule, micro, virtual_key):
+    """The schedule by torchtitan's name (torch's get_schedule_class, which torchtitan calls, knows
+    it), the micro-batch size torchtitan splits local_batch_size by, and the equal split batchfit
+    traced (no fewer layers on the first and last stage; layers per stage where V is not torchtitan's
+    default). The recommended pp row: 16 layers, pp2, local batch 8 in ``micro`` micro-batches."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from batchfit.distributed.pp_schedules import KINDS, parse_schedule
+    from batchfit.plan.emit_torchtitan import job_values, patch_toml
+    from batchfit.plan.result import StrategyPlan
+
+    kind = parse_schedule(schedule)
+    name = "pp2+fsdp-noreshard" if kind.splits_backward else "pp2+fsdp"
+    row = StrategyPlan(strategy=name, gpus=4, nodes=1, dp=2, tp=1, shard=name.split("+")[1], replicas=1,
+                       points=[], curve=None, max_local_batch=8, capped=False, micro_batch=8, accumulation_steps=1,
+                       global_batch=16, pp=2, pp_schedule=kind.name, microbatches=micro,
+                       pp_layers_per_stage=16 // (2 * kind.virtual))
+    values = job_values(row, _options())["parallelism"]
+    assert get_schedule_class(values["pipeline_parallel_schedule"]).__name__ == KINDS[kind.kind].torch_class
+    assert values["pipeline_parallel_microbatch_size"] == 8 // micro
+    assert (values["pipeline_parallel_first_stage_less_layers"], values["pipeline_parallel_last_stage_less_layers"]) \
+        == (0, 0)
+    assert values.get("pipeline_parallel_layers_per_stage") == virtual_key
+    assert values["fsdp_reshard_after_forward"] == ("never" if kind.splits_backward else "always")
+    data = tomllib.loads(patch_toml(DEBUG.read_text(), {"parallelism": values}))
+    assert data["parallelism"]["pipeline_parallel_degree"] == 2
+
+
 # --- torchtitan's own code on the fake process group, and a real gloo run ------------------------
 
 def _options():

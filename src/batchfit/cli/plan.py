@@ -114,8 +114,12 @@ def plan_command(
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, plan.png, plan.json")] = None,
     trainer: TrainerOpt = None,
-    pp_schedule: Annotated[str, typer.Option(help="Pipeline schedule of pp<N> strategies: gpipe, 1f1b or "
-                                                  "interleaved-1f1b[:V] (V stages per GPU, default 2).")] = "1f1b",
+    pp_schedule: Annotated[str, typer.Option(help="Pipeline schedule of pp<N> strategies: gpipe, 1f1b, "
+                                                  "interleaved-1f1b[:V] (V stages per GPU, default 2), the "
+                                                  "zero-bubble interleaved-zb[:V], zbv (V-shaped: GPU 0 holds the "
+                                                  "first and last stage) or dualpipev; torchtitan's names work too "
+                                                  "(ZBVZeroBubble). Zero-bubble ones need fsdp-noreshard inside.")
+                 ] = "1f1b",
     microbatches: Annotated[int, typer.Option(help="Pipeline micro-batches per step of pp<N> strategies (default: "
                                                    "as many as the stages); the local batch is split into them.")] = 0,
 ) -> None:

@@ -14,7 +14,8 @@ data-parallel wrap of the dp ranks. Rules:
   embed / blocks / norm / head (batchfit's zoo transformers) whose layers split into N equal
   stages (x V under interleaved 1F1B), with ``--microbatches`` the schedule accepts and the
   plain loss; inside a pipeline the data-parallel wrap is FSDP2 (torchtitan composes pp with
-  FSDP2 and TP), and TP is none or the largest degree the TP rule allows there.
+  FSDP2 and TP; ``fsdp-noreshard`` under a zero-bubble schedule, which needs it), and TP is none
+  or the largest degree the TP rule allows there.
 - **tp<N>** (``distributed/tp_plans.py``): N in 2..(GPUs of one node, at most MAX_AUTO_TP)
   dividing the GPUs left by pp; only a model with a tensor-parallel plan whose query and
   key/value heads divide by N. ``tp<N>`` when it spans every GPU left, else ``fsdp+tp<N>``.
@@ -48,9 +49,9 @@ DP_WRAPS = ("ddp", "fsdp", "fsdp-noreshard", "zero1", "zero2")
 """The data-parallel wraps auto tries without pp or TP (hsdp<R> besides)."""
 
 BOUNDS = (
-    f"pp at most {MAX_AUTO_PP} stages; inside a pipeline only FSDP2 (no ddp, zero1/2, hsdp, fsdp-noreshard: "
-    "torch's PipelineStage keeps a stage's parameters gathered through the backwards anyway) and TP none or the "
-    "largest allowed",
+    f"pp at most {MAX_AUTO_PP} stages; inside a pipeline only FSDP2 (fsdp-noreshard only under a zero-bubble "
+    "schedule, which needs it: torch's PipelineStage keeps a stage's parameters gathered through the backwards "
+    "anyway; no ddp, zero1/2, hsdp) and TP none or the largest allowed",
     f"tp at most one node's GPUs (and {MAX_AUTO_TP}): TP's collectives never overlap compute, across nodes "
     "they run at network speed",
     "zero1/zero2 and hsdp only without pp and TP (batchfit's strategy grammar does not compose them)",
@@ -189,7 +190,7 @@ def _tp_reason(facts: ModelFacts, tp: int) -> str | None:
 
 
 def _pp_reason(facts: ModelFacts, pp: int, schedule: str, microbatches: int) -> str | None:
-    from batchfit.distributed.pipeline import check_pipeline, parse_schedule  # no torch at import
+    from batchfit.distributed.pp_schedules import check_pipeline, parse_schedule  # no torch at import
 
     if facts.unread:
         return f"{facts.name} could not be built on the meta device to count its layers ({facts.unread})"
@@ -203,6 +204,17 @@ def _pp_reason(facts: ModelFacts, pp: int, schedule: str, microbatches: int) -> 
     except OptionError as error:
         return str(error)
     return None
+
+
+def _pp_wrap(schedule: str) -> str:
+    """FSDP2 inside a pipeline; kept gathered from forward to backward under a zero-bubble schedule,
+    whose split backward needs it (``pp_schedules.check_inner``)."""
+    from batchfit.distributed.pp_schedules import parse_schedule
+
+    try:
+        return "fsdp-noreshard" if parse_schedule(schedule).splits_backward else "fsdp"
+    except OptionError:
+        return "fsdp"  # a bad name: each pp candidate is skipped with the parser's reason
 
 
 def _name(pp: int, wrap: str, tp: int, parts: dict[str, str] | None = None) -> str:
@@ -242,14 +254,15 @@ def candidates(world: World, facts: ModelFacts, *, pp_schedule: str = "1f1b", mi
                       shard="fsdp" if dp > 1 else "none", rule="tp<N> within a node, FSDP2 over the rest",
                       skipped=_tp_reason(facts, tp)))
     # 3. pipelines
+    wrap = _pp_wrap(pp_schedule)
     for pp in (d for d in _divisors(g) if 1 < d <= MAX_AUTO_PP):
         inner = g // pp
         reason = _pp_reason(facts, pp, pp_schedule, microbatches)
         tps = [1] + [t for t in _divisors(inner) if 1 < t <= tp_cap and _tp_reason(facts, t) is None][-1:]
         for tp in tps if reason is None else [1]:
             dp = inner // tp
-            add(Candidate(name=_name(pp, "fsdp" if dp > 1 else "", tp), **base, pp=pp, dp=dp, tp=tp,
-                          shard="fsdp" if dp > 1 else "none",
+            add(Candidate(name=_name(pp, wrap if dp > 1 else "", tp), **base, pp=pp, dp=dp, tp=tp,
+                          shard=wrap if dp > 1 else "none",
                           rule="pp<N> stages, FSDP2 inside, TP none or the largest allowed", skipped=reason))
     # 4. further components (cp, ep): on each combination of 1-3 that applies and has room for them
     for component in components:

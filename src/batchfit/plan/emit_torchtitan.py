@@ -1,6 +1,10 @@
 """``--emit torchtitan:FILE``: the recommended plan as a torchtitan job config (.toml).
 
-What is written: ``[parallelism]`` (the degrees of the recommended strategy), ``[training]``
+What is written: ``[parallelism]`` (the degrees of the recommended strategy; under pp<N> the
+schedule as torchtitan names it, the micro-batch size, and an equal split of the layers, as
+traced: ``pipeline_parallel_first_stage_less_layers`` / ``..._last_stage_less_layers`` 0, and
+``pipeline_parallel_layers_per_stage`` where the stages per rank are not torchtitan's default,
+1 for GPipe / 1F1B, 2 otherwise), ``[training]``
 ``local_batch_size`` (the micro-batch) and ``global_batch_size`` (micro-batch x accumulation x
 data-parallel ranks: torchtitan derives its accumulation steps from it), and, when the plan's
 options set them, ``[activation_checkpoint]``, ``[compile]`` and float8 (``[model] converters``,
@@ -51,13 +55,31 @@ def degrees(strategy: str, gpus: int) -> dict[str, object]:
         out["expert_parallel_degree"] = found["ep"]
     if shard == "fsdp-noreshard":
         out["fsdp_reshard_after_forward"] = "never"
+    elif shard == "fsdp" and pp > 1:  # torchtitan's "default" keeps them gathered under pp; batchfit traced resharding
+        out["fsdp_reshard_after_forward"] = "always"
+    return out
+
+
+def pipeline_values(p) -> dict[str, object]:
+    """torchtitan's [parallelism] pipeline keys for a pp<N> StrategyPlan ``p``: the schedule, the
+    micro-batch size (torchtitan splits local_batch_size into micro-batches of it) and the split."""
+    from batchfit.distributed.pp_schedules import parse_schedule
+
+    schedule = parse_schedule(p.pp_schedule, p.microbatches)
+    out: dict[str, object] = {"pipeline_parallel_schedule": schedule.torchtitan_name,
+                              "pipeline_parallel_microbatch_size": p.micro_batch // p.microbatches,
+                              "pipeline_parallel_first_stage_less_layers": 0,
+                              "pipeline_parallel_last_stage_less_layers": 0}
+    default_v = 1 if schedule.kind in ("gpipe", "1f1b") else 2  # pipeline_llm's stages_per_rank
+    if schedule.virtual != default_v:
+        out["pipeline_parallel_layers_per_stage"] = p.pp_layers_per_stage
     return out
 
 
 def job_values(p, options) -> dict[str, dict[str, object]]:
     """{section: {key: value}} of the plan ``p`` (a StrategyPlan) with the plan's ``options``."""
     values: dict[str, dict[str, object]] = {
-        "parallelism": degrees(p.strategy, p.gpus),
+        "parallelism": {**degrees(p.strategy, p.gpus), **(pipeline_values(p) if p.pp > 1 else {})},
         "training": {"local_batch_size": p.micro_batch, "global_batch_size": p.global_batch},
     }
     checkpointing = options.checkpointing
@@ -145,7 +167,10 @@ def patch_toml(text: str, values: dict[str, dict[str, object]]) -> str:
 
 DEFAULTS = {"parallelism": {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1,
                             "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1, "context_parallel_degree": 1,
-                            "expert_parallel_degree": 1, "fsdp_reshard_after_forward": "default"},
+                            "expert_parallel_degree": 1, "fsdp_reshard_after_forward": "default",
+                            "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1,
+                            "pipeline_parallel_first_stage_less_layers": 1,
+                            "pipeline_parallel_last_stage_less_layers": 1},
             "training": {"local_batch_size": 8, "global_batch_size": -1, "mixed_precision_param": "bfloat16"},
             "activation_checkpoint": {"mode": "selective", "selective_ac_option": "2"},
             "compile": {"enable": False}, "model": {"converters": []},

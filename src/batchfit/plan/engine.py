@@ -427,7 +427,8 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
     label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
     base = dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
                 tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1),
-                ep=getattr(strategy, "ep", 1), pp=getattr(strategy, "pp", 1))
+                ep=getattr(strategy, "ep", 1), pp=getattr(strategy, "pp", 1),
+                pp_schedule=getattr(strategy, "pp_schedule", ""), microbatches=getattr(strategy, "microbatches", 0))
     curve = None
     try:
         with contextlib.closing(open_session(workload, options, device, strategy)) as session:
@@ -440,6 +441,7 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
                                       max_batch=max_batch, target_bytes=target_bytes, limit=limit,
                                       host_limit_bytes=host_limit_bytes)
             plan_row.whole_reserved = list(getattr(session, "whole_reserved", []))
+            plan_row.pp_layers_per_stage = getattr(session, "layers_per_stage", 0)
     except OptionError as error:
         if not auto or (curve is not None and curve.points):
             raise

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from batchfit.distributed.strategy import Strategy
-from batchfit.distributed.pipeline import check_pipeline, parse_schedule
+from batchfit.distributed.pp_schedules import check_pipeline, parse_schedule
 from batchfit.errors import OptionError
 from batchfit.plan.pp_strategy import inner_strategy
 
@@ -24,11 +24,12 @@ class StagePoint:
     """One pipeline rank's traced step."""
 
     rank: int
-    """The pipeline rank (it holds stages rank, rank + pp, ... under interleaved 1F1B)."""
+    """The pipeline rank (it holds stages rank, rank + pp, ... looped; rank and 2 pp - 1 - rank V-shaped)."""
     stages: tuple[int, ...]
     """The stage indices it holds."""
     in_flight: int
-    """The most micro-batch forwards it holds at once, from the schedule's action order."""
+    """The most stage-micro-batches it holds activations for at once (forwarded, not yet through B or W),
+    from the schedule's action order."""
     point: object
     """Its ``sharded.ShardedPoint``."""
 
@@ -40,7 +41,8 @@ class PipelineSession:
 
     def __init__(self, workload, options, device, strategy: Strategy, *, cuda_semantics: bool = True,
                  ranks: list[int] | None = None) -> None:
-        from batchfit.distributed.pipeline import build_rank, n_layers_of, rank_actions
+        from batchfit.distributed.pipeline import build_rank, n_layers_of
+        from batchfit.distributed.pp_schedules import rank_actions, rank_stages
         from batchfit.plan.sharded import ShardedSession
 
         import torch
@@ -58,6 +60,7 @@ class PipelineSession:
         with torch.device("meta"):
             probe = workload.build_model()
         check_pipeline(self.schedule, strategy.pp, n_layers_of(probe))
+        self.layers_per_stage = n_layers_of(probe) // (strategy.pp * self.schedule.virtual)
         self.d_model = probe.embed.embedding_dim
         # Under TP with sequence parallelism (the zoo's Llama plan) the residual stream a stage
         # sends holds 1/tp of the sequence (the embedding's Rowwise output is Shard(1), local).
@@ -66,6 +69,7 @@ class PipelineSession:
         del probe
         self.ranks = list(range(strategy.pp)) if ranks is None else ranks
         self.actions = {r: rank_actions(self.schedule, strategy.pp, r) for r in self.ranks}
+        self.stages_of = {r: rank_stages(self.schedule, strategy.pp, r) for r in self.ranks}
         self._build_rank = build_rank
         self._sharded = ShardedSession
         self.stage_points: list[StagePoint] = []
@@ -75,22 +79,25 @@ class PipelineSession:
         self._streams: dict[int, tuple] = {}
 
     def _trace_rank(self, rank: int, local_batch: int):
-        from batchfit.distributed.pipeline import PipelineRun, in_flight
+        from batchfit.distributed.pipeline_run import PipelineRun
+        from batchfit.distributed.pp_schedules import in_flight
 
         pp, v = self.strategy.pp, self.schedule.virtual
         build = self.workload.build_model
         policy = self.options.checkpointing
-        staged = dataclasses.replace(self.workload, build_model=lambda: self._build_rank(build, pp, rank, v, policy))
+        stages = self.stages_of[rank]
+        staged = dataclasses.replace(self.workload,
+                                     build_model=lambda: self._build_rank(build, pp * v, stages, policy))
         options = dataclasses.replace(self.options, checkpointing="none")  # applied per stage by build_rank
         with self._sharded(staged, options, self.device, inner_strategy(self.strategy),
                            cuda_semantics=self.cuda_semantics) as session:
             step = session.session.step
             step.run = PipelineRun(step, actions=self.actions[rank], microbatches=self.strategy.microbatches,
-                                   stages=pp * v, d_model=self.d_model, seq_len=self.seq_len)
+                                   stages=pp * v, d_model=self.d_model, seq_len=self.seq_len,
+                                   sends=self.schedule.kind if self.schedule.kind in ("gpipe", "1f1b") else "runtime")
             point = session.trace(local_batch)
             stream = (session.fresh_stream, session.fresh_steps)
-        stages = tuple(rank + k * pp for k in range(v))
-        return StagePoint(rank=rank, stages=stages, in_flight=in_flight(self.actions[rank]), point=point), stream
+        return StagePoint(rank=rank, stages=tuple(stages), in_flight=in_flight(self.actions[rank]), point=point), stream
 
     def trace(self, local_batch: int):
         """Each pipeline rank's step at ``local_batch`` samples per step (``microbatches`` micro-batches

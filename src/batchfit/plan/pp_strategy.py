@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from batchfit.distributed.pipeline import check_pipeline, parse_schedule
+from batchfit.distributed.pp_schedules import check_inner, check_pipeline, parse_schedule
 from batchfit.distributed.strategy import Strategy
 from batchfit.errors import OptionError
 from batchfit.plan.world import check_degree
@@ -41,6 +41,7 @@ def parse_pp_strategy(text: str, world_size: int, parse_rest, *, pp_schedule: st
     else:
         raise OptionError(f"{name} on {world_size} GPUs: pp{pp} x the other degrees must equal the GPU count; "
                           f"use pp{world_size}, or pp{pp}+fsdp (data parallel over the other {inner_world})")
+    check_inner(schedule, name, inner.shard)
     return dataclasses.replace(inner, name=name, world_size=world_size, pp=pp, pp_schedule=schedule.name,
                                microbatches=schedule.microbatches or pp)
 

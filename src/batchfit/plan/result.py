@@ -137,6 +137,12 @@ class StrategyPlan:
     """Expert-parallel degree (ep<N>; within dp, so max_global_batch is unchanged by it)."""
     pp: int = 1
     """Pipeline stages (pp<N>); 1 without."""
+    pp_schedule: str = ""
+    """Under pp<N>: the schedule as --pp-schedule names it ("1f1b", "zbv", ...); "" without."""
+    microbatches: int = 0
+    """Under pp<N>: micro-batches per pipeline step (the local batch splits into them); 0 without."""
+    pp_layers_per_stage: int = 0
+    """Under pp<N>: blocks per stage (torchtitan's pipeline_parallel_layers_per_stage); 0 without."""
 
     @property
     def max_global_batch(self) -> int:
@@ -157,6 +163,8 @@ class StrategyPlan:
         return {
             "strategy": self.strategy, "gpus": self.gpus, "nodes": self.nodes, "dp": self.dp, "tp": self.tp,
             "ep": self.ep, "pp": self.pp, "shard": self.shard, "replicas": self.replicas,
+            **({"pp_schedule": self.pp_schedule, "microbatches": self.microbatches,
+                "pp_layers_per_stage": self.pp_layers_per_stage} if self.pp > 1 else {}),
             "points": [p.to_json() for p in self.points],
             "fit": ({"model": "peak(local_batch) = fixed_bytes + bytes_per_sample * local_batch",
                      "fixed_bytes": round(self.curve.lines[0].fixed_bytes),

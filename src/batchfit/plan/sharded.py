@@ -22,6 +22,7 @@ Strategy names:
     tp<N>             tensor parallelism over all N GPUs (N must be the GPU count; for data
                       parallelism over the rest, use fsdp+tp<N>)
     fsdp+tp<N>        a 2-D mesh: TP over groups of N GPUs, FSDP2 across the groups
+                      (fsdp-noreshard+tp<N>: the same, gathered blocks kept from forward to backward)
     fsdp+cp<N>[+tp<T>], ddp+cp<N>
                       context parallelism: each rank holds sequence/N of its samples, attention by
                       torch's ring (plan/cp_strategy.py, distributed/context_parallel.py); FSDP2 / DDP
@@ -50,9 +51,9 @@ from batchfit.plan.fake_world import fake_world, meshes_of
 SHARDS = ("none", "ddp", "fsdp", "fsdp-noreshard", "hsdp", "zero1", "zero2")
 
 
-_NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|zero1|zero2|hsdp(\d+)|tp(\d+)|fsdp\+tp(\d+))$")
-_NAMES_HELP = ("ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp+tp<N>, fsdp+cp<N>[+tp<T>], ddp+cp<N>, "
-               "pp<N>[+any of these], ep<N>+fsdp[+tp<M>] or auto")
+_NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|zero1|zero2|hsdp(\d+)|tp(\d+)|fsdp(?:-noreshard)?\+tp(\d+))$")
+_NAMES_HELP = ("ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp[-noreshard]+tp<N>, fsdp+cp<N>[+tp<T>], "
+               "ddp+cp<N>, pp<N>[+any of these], ep<N>+fsdp[+tp<M>] or auto")
 
 
 def _divisors(n: int) -> list[int]:
@@ -102,9 +103,10 @@ def parse_strategy(text: str, world_size: int, *, pp_schedule: str = "1f1b", mic
         if fsdp_tp < 1 or world_size % fsdp_tp:
             raise OptionError(f"{name} needs a tensor-parallel degree that divides the {world_size} GPUs: "
                               f"use fsdp+tp<N> with N in {', '.join(map(str, good)) or '(none: one GPU)'}")
+        wrap = name.split("+")[0]  # fsdp, or fsdp-noreshard (zero-bubble pipelines need it)
         if fsdp_tp == 1:
-            return parse_strategy("fsdp", world_size)
-        return Strategy(name, world_size, world_size // fsdp_tp, fsdp_tp, "fsdp")
+            return parse_strategy(wrap, world_size)
+        return Strategy(name, world_size, world_size // fsdp_tp, fsdp_tp, wrap)
     if world_size == 1:
         return Strategy(name, 1, 1, 1, "none")
     return Strategy(name, world_size, world_size, 1, name)

@@ -181,9 +181,12 @@ class StepTime:
     offload_exposed_s: float = 0.0
     """Per micro-batch: the part of it not hidden behind its pass's compute (in ``micro_step_s``)."""
     pipeline_bubble_s: float = 0.0
-    """Per step of a pp<N> strategy: the pipeline's idle time, compute x f / (1 - f) with the bubble
-    fraction f = (p-1)/(m+p-1) (GPipe, 1F1B), (p-1)/V over m + (p-1)/V (interleaved 1F1B, V stages per
-    rank): Narayanan et al. 2021 (arXiv 2104.04473) sec. 2.2 and 2.2.1 (in ``micro_step_s``)."""
+    """Per step of a pp<N> strategy: the pipeline's idle time, compute x f / (1 - f), f the idle share of
+    torch's schedule played at T_F = T_B = T_W (``pp_schedules.bubble_fraction``): (p-1)/(m+p-1) for GPipe
+    and 1F1B, (p-1)/V over m + (p-1)/V interleaved (Narayanan et al. 2021, arXiv 2104.04473, sec. 2.2,
+    2.2.1), the ranks' staggered start only, (p-1)/V over 3m + (p-1)/V, for the zero-bubble schedules
+    where torch's order reaches ZB-H1's bubble (Qi et al. 2023, arXiv 2401.10241, sec. 2.1) (in
+    ``micro_step_s``)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -249,7 +252,7 @@ def step_time(point, strategy, world: World, device: Device, precision: str, mod
     offload_exposed = max(0.0, transfer_s - compute_s / 3) + max(0.0, transfer_s - 2 * compute_s / 3)
     bubble_s = 0.0
     if getattr(strategy, "pp", 1) > 1:  # the traced rank's compute covers its m micro-batches
-        from batchfit.distributed.pipeline import bubble_fraction, parse_schedule
+        from batchfit.distributed.pp_schedules import bubble_fraction, parse_schedule
 
         fraction = bubble_fraction(parse_schedule(strategy.pp_schedule, strategy.microbatches), strategy.pp)
         bubble_s = compute_s * fraction / (1 - fraction)
