@@ -116,7 +116,7 @@ ROWS = {
         ([f"torchtitan:{TITAN / 'missing.toml'}", "--gpu", "h100", "--gpus", "2"], "cannot read torchtitan job"),
         (["torchtitan:config_registry.py:llama3_debug", "--gpu", "h100", "--gpus", "2"], "give a torchtitan 0.2.x job .toml"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--emit", "torchtitan:nofolder/job.toml"], "does not exist"),
-        ([*TINY, "--gpu", "h100", "--gpus", "8", "--strategies", "ep3+fsdp"], "must divide them"),
+        ([*TINY, "--gpu", "h100", "--gpus", "8", "--strategies", "ep3+fsdp"], "must divide their 8"),
         ([*TINY, "--gpu", "h100", "--gpus", "8", "--strategies", "ep2+ddp"], "composes with fsdp"),
         ([*TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "ep2+fsdp"], "no mixture-of-experts layers"),
         (["hf:qwen3-moe-30b-a3b", "--seq-len", "16", "--gpu", "h100", "--gpus", "256", "--strategies", "ep256+fsdp"],

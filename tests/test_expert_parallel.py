@@ -326,7 +326,7 @@ def test_ep_with_tp_is_emitted_for_torchtitan_and_its_layout_said():
     assert degrees("ep8+fsdp+tp2", 64) == {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 32,
                                            "tensor_parallel_degree": 2, "pipeline_parallel_degree": 1,
                                            "context_parallel_degree": 1, "expert_parallel_degree": 8}
-    row = SimpleNamespace(strategy="ep8+fsdp+tp2", gpus=64, micro_batch=2, accumulation_steps=1, global_batch=64)
+    row = SimpleNamespace(strategy="ep8+fsdp+tp2", gpus=64, micro_batch=2, accumulation_steps=1, global_batch=64, pp=1)
     toml = torchtitan_toml(SimpleNamespace(recommended=[row], options=StepOptions(), workload="moe",
                                            device=get_device("h100-80gb")))
     assert "expert_parallel_degree = 8" in toml and "tensor_parallel_degree = 2" in toml

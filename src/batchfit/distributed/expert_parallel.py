@@ -42,6 +42,13 @@ from torch import nn
 from batchfit.errors import OptionError
 
 
+LAYOUT = ("torchtitan's etp=1 layout: ep<N> borrows the dp x tp ranks (the sparse mesh (efsdp, ep), ep "
+          "innermost), each tp rank dispatching 1/tp of its MoE block's all-gathered tokens "
+          "(ReordererSequenceParallel); attention, norms, shared experts, embedding and head tensor-parallel; "
+          "the router replicated; the experts FSDP-sharded over the dp x tp / ep ranks holding the same ones")
+"""The layout in words, for every output of a plan with ep<N> and tp<M> (``expert_parallel.ep_approximations``)."""
+
+
 def _experts_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, attribute, experts module) of every HF MoE layer's experts in ``model``."""
     from batchfit.trace.routing import moe_experts
@@ -98,7 +105,6 @@ def experts_elsewhere(model: nn.Module) -> int:
 
 def ep_approximations(strategies, routing: str) -> list:
     """What an ep<N> trace runs differently from a GPU, for every output (empty without ep)."""
-    from batchfit.distributed.tp_plans_moe import LAYOUT
     from batchfit.trace.approximation import Approximation
 
     names = sorted({s.name for s in strategies if getattr(s, "ep", 1) > 1})

@@ -39,12 +39,6 @@ MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
 """HF model types whose decoder layers hold ``self_attn`` (q/k/v/o) and an MoE block ``mlp`` with
 ``gate`` (the router) and ``experts`` (stacked weights, ``@use_experts_implementation``)."""
 
-LAYOUT = ("torchtitan's etp=1 layout: ep<N> borrows the dp x tp ranks (the sparse mesh (efsdp, ep), ep "
-          "innermost), each tp rank dispatching 1/tp of its MoE block's all-gathered tokens "
-          "(ReordererSequenceParallel); attention, norms, shared experts, embedding and head tensor-parallel; "
-          "the router replicated; the experts FSDP-sharded over the dp x tp / ep ranks holding the same ones")
-"""The layout in words, for every output of a plan with ep<N> and tp<M> (``expert_parallel.ep_approximations``)."""
-
 
 def _replicated_router(gate: nn.Module, mesh) -> None:
     """torchtitan's ``NoParallel`` for a router that returns a tuple (HF's: logits, weights, indices):
@@ -86,7 +80,7 @@ def hf_moe_decoder(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Modul
     from torch.distributed.tensor.parallel import parallelize_module
 
     from batchfit.distributed.expert_parallel import ExpertParallelExperts
-    from batchfit.distributed.tp_plans import _replicate_rest, hf_attention_plan, hf_dense_mlp_plan, hf_root_plan
+    from batchfit.distributed.tp_pieces import hf_attention_plan, hf_dense_mlp_plan, hf_root_plan, replicate_rest
     from batchfit.trace.routing import moe_experts
 
     tp = mesh.size()
@@ -105,4 +99,4 @@ def hf_moe_decoder(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Modul
     if getattr(model.config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight  # both split by vocabulary rows
     setattr(model, TP_LOSS_ATTR, loss)
-    return _replicate_rest(model, mesh, skip=(ExpertParallelExperts,))
+    return replicate_rest(model, mesh, skip=(ExpertParallelExperts,))
