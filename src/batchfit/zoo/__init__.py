@@ -8,62 +8,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from batchfit.errors import OptionError
 from batchfit.workload import Workload
 from batchfit.zoo.enoki import HEADS as ENOKI_HEADS
 from batchfit.zoo.enoki import enoki
 from batchfit.zoo.frozen_pair import frozen_pair, frozen_pair_tiny
 from batchfit.zoo.grpo import grpo_workload
+from batchfit.zoo.language_model import language_model_workload
 from batchfit.zoo.recurrent import RecurrentConfig, RecurrentLM
 from batchfit.zoo.transformer import Transformer, TransformerConfig
-
-
-def head_input(model: nn.Module, head_name: str, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``model`` with its output head ``head_name`` (a bias-free nn.Linear) passing its input
-    through: (the hidden states the head would project, the head's weight). The head module is
-    still called (its hooks and name stay in a trace); only its matmul is skipped. ``model`` may be
-    wrapped: DDP (the wrapper runs, its gradient hooks see the head's gradient) or FSDP2 (the root
-    keeps its parameters gathered after forward, so the weight read here is the whole one, and
-    its gradient is reduce-scattered with the root's at the end of backward)."""
-    plain = getattr(model, "module", model)  # DDP's wrapper is called; the head is the model's
-    head = getattr(plain, head_name, None)
-    if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise OptionError(f"--loss chunked:N / fused-linear needs {type(plain).__name__}.{head_name} to be a "
-                          "bias-free nn.Linear output head: use --loss plain")
-    head.forward = lambda x: x
-    try:
-        hidden = model(*args, **kwargs)
-    finally:
-        del head.forward
-    return hidden, head.weight
-
-
-def language_model_workload(*, name: str, build_model: Callable[[], nn.Module], vocab_size: int,
-                            seq_len: int, description: str) -> Workload:
-    """Next-token prediction on random tokens: ``model(idx) -> logits``, cross-entropy loss."""
-
-    def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
-        y = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
-        return x, y
-
-    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        logits = model(x)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-
-    def lm_parts(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
-        """(hidden states before ``model.head``, its weight, the targets): for --loss chunked/fused."""
-        x, y = batch
-        hidden, weight = head_input(model, "head", x)
-        return hidden, weight, y
-
-    return Workload(name=name, build_model=build_model, make_batch=make_batch, loss_fn=loss_fn,
-                    tokens_per_sample=seq_len, description=description, lm_parts=lm_parts)
 
 
 def _transformer(name: str, description: str, default_seq_len: int, **config):

@@ -10,6 +10,7 @@ code is not known (benchmarks/seed004.py compares the two).
 from __future__ import annotations
 
 from batchfit.workload import Workload
+from batchfit.zoo.language_model import language_model_workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig
 
 VOCAB = 50257
@@ -25,7 +26,6 @@ def enoki_config(heads: int, seq_len: int | None = None) -> TransformerConfig:
 
 
 def enoki(heads: int, seq_len: int | None = None) -> Workload:
-    from batchfit.zoo import language_model_workload  # the zoo imports this module
 
     cfg = enoki_config(heads, seq_len)
     return language_model_workload(
