@@ -37,7 +37,7 @@ def _traced(options: StepOptions, *, repeat: bool):
 
 @pytest.mark.parametrize("precision,checkpointing,accumulation", [
     ("fp32", "none", 4), ("fp32", "full", 4), ("bf16-mixed", "none", 4), ("bf16-mixed", "full", 4),
-    ("fp32", "full", 8), ("bf16-mixed", "none", 8),
+    pytest.param("fp32", "full", 8, marks=pytest.mark.slow), pytest.param("bf16-mixed", "none", 8, marks=pytest.mark.slow),
 ])
 def test_repeated_micro_batches_are_the_full_trace(precision, checkpointing, accumulation):
     options = StepOptions(precision=precision, checkpointing=checkpointing, accumulation_steps=accumulation)
@@ -98,7 +98,7 @@ def _llama(blocks: int) -> Workload:
     return dataclasses.replace(workload, name=f"llama-{blocks}l", build_model=build)
 
 
-@pytest.mark.parametrize("precision,accumulation", [("fp32", 4), ("bf16-mixed", 8)])
+@pytest.mark.parametrize("precision,accumulation", [("fp32", 4), pytest.param("bf16-mixed", 8, marks=pytest.mark.slow)])
 def test_the_reserved_stream_is_extended_folded_then_written(precision, accumulation):
     """Depth extension runs on the two-micro-batch streams (the written ones folded into marks,
     trace/repeats.py), then writes micro-batches 3..N at full depth, as TracedCurve's

@@ -214,7 +214,7 @@ def test_the_cuda_trace_of_selective_keeps_the_attention_output(mirror, monkeypa
 
 # -- deep models: tracing by depth ------------------------------------------------------------
 
-@pytest.mark.parametrize("checkpointing", ["every:5", "selective"])
+@pytest.mark.parametrize("checkpointing", [pytest.param("every:5", marks=pytest.mark.slow), "selective"])
 def test_a_deep_model_is_traced_whole_where_blocks_differ_by_position(checkpointing):
     """every:5 on 12 blocks checkpoints blocks 4 and 9: the stack cut to 2, 3 and 4 blocks has
     none of them and extrapolated as if nothing were checkpointed (12% high). Selective treats

@@ -11,7 +11,7 @@ from batchfit.trace.point import TracedCurve
 
 @pytest.mark.parametrize("spec,options", [
     ("gpt2-124m", StepOptions()),  # the optimizer step outgrows backward between depth 3 and 12
-    ("hf:llama-3.2-1b", StepOptions(precision="bf16-mixed", checkpointing="full")),
+    pytest.param("hf:llama-3.2-1b", StepOptions(precision="bf16-mixed", checkpointing="full"), marks=pytest.mark.slow),
 ])
 def test_by_depth_equals_the_full_trace(spec, options):
     workload = load_workload(spec, seq_len=32)

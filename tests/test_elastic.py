@@ -385,6 +385,7 @@ def _fsdp_main(rank: int, port: int, out_dir: str, oom_call: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_fsdp2_ranks_agree_when_only_one_runs_out(tmp_path):
     both = [tuple(torch.cat([a, b]) for a, b in zip(b0, b1))
             for b0, b1 in zip(make_batches(2, seed=10), make_batches(2, seed=11))]

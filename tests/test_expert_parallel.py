@@ -164,6 +164,7 @@ def measured_tp(tmp_path_factory) -> dict:
     return run_gloo(tmp_path_factory.mktemp("ep-tp-gloo"), 4, (TP_CASE,), check_losses=True, every_rank=True, tries=6)
 
 
+@pytest.mark.slow
 def test_ep_with_tp_matches_a_real_4_rank_gloo_run_rank_by_rank(measured_tp):
     """The hot rank (0) and a cold one (1: no tokens, a different tp rank) each against its own trace,
     within 3%; the model's loss is the plain model's on every rank; all-to-alls are ep's, TP's

@@ -186,8 +186,10 @@ def profiled_peak(workload: Workload, loss: str, tmp_path, precision: str = "fp3
     return profiled_step_peak(step, B, tmp_path)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-@pytest.mark.parametrize("loss", ["plain", "chunked:4", "fused-linear"])
+@pytest.mark.parametrize("loss,precision", [
+    (loss, precision) if (loss, precision) != ("fused-linear", "fp32")
+    else pytest.param(loss, precision, marks=pytest.mark.slow)  # the bf16-mixed one stays in the fast tier
+    for loss in ("plain", "chunked:4", "fused-linear") for precision in ("fp32", "bf16-mixed")])
 def test_traced_peak_matches_the_profiler_on_a_real_cpu_step(loss, precision, tmp_path):
     """Within 0.1% (the issue asks 1%; today it is within 100 bytes). Under bf16-mixed the fused
     loss accumulates the head's gradient with an fp32 addmm of the chunk, as Liger does; a

@@ -48,6 +48,9 @@ with and without checkpointing (results/pp-gloo-<date>.json), kept out of the su
 CHECKPOINTED = ("zbv",)
 """Also run with full activation checkpointing: I recomputes each block, W again (a graph task each)."""
 RUNS = tuple((name, "none") for name in SCHEDULES) + tuple((name, "full") for name in CHECKPOINTED)
+FAST_RUNS = (("1f1b", "none"), ("zbv", "full"))
+"""In the fast tier: one stage per rank, and the V shape's split backward with checkpointing (the
+hardest); the other runs are marked slow (``-m slow``), in a gloo run of their own."""
 
 
 def tiny_workload(n_layers: int = CFG.n_layers) -> Workload:
@@ -146,17 +149,29 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatc
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict:
+def _measure(tmp_path_factory, runs: tuple[tuple[str, str], ...]) -> dict:
     path = tmp_path_factory.mktemp("pp-gloo")
     for rank in range(WORLD):
         (path / str(rank)).mkdir()
-    spawn_profiled_gloo(_gloo_main, lambda port: (port, str(path)), nprocs=WORLD)
+    spawn_profiled_gloo(_gloo_main, lambda port: (port, str(path), WORLD, MICROBATCHES, runs), nprocs=WORLD)
     return {rank: json.loads((path / f"peaks{rank}.json").read_text()) for rank in range(WORLD)}
 
 
-@pytest.mark.parametrize("name, checkpointing", RUNS)
-def test_each_stage_peak_matches_a_real_gloo_pipeline(measured, name, checkpointing):
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    return _measure(tmp_path_factory, FAST_RUNS)
+
+
+@pytest.fixture(scope="module")
+def measured_slow(tmp_path_factory) -> dict:
+    return _measure(tmp_path_factory, tuple(run for run in RUNS if run not in FAST_RUNS))
+
+
+@pytest.mark.parametrize("name, checkpointing", [
+    pytest.param(*run, marks=() if run in FAST_RUNS else pytest.mark.slow) for run in RUNS])
+def test_each_stage_peak_matches_a_real_gloo_pipeline(request, name, checkpointing):
+    fixture = "measured" if (name, checkpointing) in FAST_RUNS else "measured_slow"
+    measured = request.getfixturevalue(fixture)
     strategy = parse_pp_strategy("pp2", WORLD, parse_strategy, pp_schedule=name, microbatches=MICROBATCHES)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -86,6 +86,7 @@ def _traced(name: str, options: StepOptions = OPTIONS) -> int:
         return session.trace(LOCAL_BATCH).peak_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MEASURED)
 def test_compiled_trace_matches_a_real_gloo_run_compiled_with_inductor(measured, name):
     real = min(measured[name])

@@ -44,6 +44,7 @@ def test_one_process_runs_here_in_order():
     assert workers.default_processes(1) == 1
 
 
+@pytest.mark.slow
 @linux
 def test_a_plan_traced_two_strategies_at_a_time_is_the_plan_traced_one_by_one():
     from batchfit.devices import get_device

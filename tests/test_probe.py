@@ -54,6 +54,7 @@ def test_tiers_are_predicted_with_at_most_one_extra_probe():
         assert ("not probed" in tier.why) == (tier.source == "predicted")
 
 
+@pytest.mark.slow
 def test_verify_tiers_probes_every_tier():
     result = find_max_batch(tiny(), target=parse_target("virtual:2GiB"), largest=4096, verify_tiers=True)
     tiers = [r for r in result.recommendations if r.name in ("production", "conservative")]
@@ -161,6 +162,7 @@ def _rank_main(rank: int, port: int, capacities: list[str], out_dir: str) -> Non
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_agree_one_ranks_oom_is_everyones(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

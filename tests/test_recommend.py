@@ -181,6 +181,7 @@ def test_kill_9_during_a_branch_then_resume_gives_the_same_result(tiny, small, t
     assert comparable(resumed) == comparable(whole)
 
 
+@pytest.mark.slow
 def test_branches_on_a_local_ray_cluster_give_the_same_result(tiny, small, tmp_path, monkeypatch):
     pytest.importorskip("ray")
     import os

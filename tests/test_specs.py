@@ -27,6 +27,7 @@ def test_parameter_counts(spec, count):
     assert params(spec) == count
 
 
+@pytest.mark.slow
 def test_every_zoo_model_traces():
     for name in ZOO:
         if name == "frozen-pair":  # 15B frozen parameters: frozen-pair-tiny is the same code

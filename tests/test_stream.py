@@ -14,7 +14,7 @@ from batchfit.trace.session import TraceSession
 
 @pytest.mark.parametrize("spec,options", [
     ("hf:llama-3.2-1b", StepOptions(precision="bf16", checkpointing="full")),
-    ("hf:llama-3.2-1b", StepOptions(precision="bf16-mixed", optimizer="sgd-momentum")),
+    pytest.param("hf:llama-3.2-1b", StepOptions(precision="bf16-mixed", optimizer="sgd-momentum"), marks=pytest.mark.slow),
 ])
 def test_the_written_stream_is_the_whole_models(spec, options):
     workload = load_workload(spec, seq_len=32)
@@ -49,8 +49,8 @@ def _tiny_llama(blocks: int) -> Workload:
 
 @pytest.mark.parametrize("options", [
     StepOptions(lora="r=8"),
-    StepOptions(quantize="nf4-dq", lora="r=8", optimizer="paged-adamw-8bit", precision="bf16-mixed",
-                checkpointing="full"),  # issue 21's QLoRA
+    pytest.param(StepOptions(quantize="nf4-dq", lora="r=8", optimizer="paged-adamw-8bit", precision="bf16-mixed",
+                             checkpointing="full"), marks=pytest.mark.slow),  # issue 21's QLoRA
 ], ids=["lora", "qlora"])
 def test_an_adapters_only_stream_is_written_from_the_depths(options):
     """Only the adapters train: the optimizer's foreach ops run over the blocks' adapters alone,

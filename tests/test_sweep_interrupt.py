@@ -44,7 +44,7 @@ def sweep(tmp_path: Path, spec: str, corpus: Path, workers: int, *extra: str) ->
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-@pytest.mark.parametrize("workers", [2, 1])
+@pytest.mark.parametrize("workers", [pytest.param(2, marks=pytest.mark.slow), 1])
 def test_ctrl_c_stops_the_sweep_and_leaves_the_runs_resumable(tmp_path, workers):
     spec, corpus = write_tiny(tmp_path), write_corpus(tmp_path / "stories.txt")
     store = tmp_path / "sweep.db"

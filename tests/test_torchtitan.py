@@ -171,6 +171,7 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str, strategy_nam
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @needs_torchtitan
 def test_traced_torchtitan_tp_step_matches_a_real_gloo_run(tmp_path):
     from cpu_truth import spawn_profiled_gloo

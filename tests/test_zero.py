@@ -151,6 +151,7 @@ def _rank0_partition() -> list[int]:
     return mine
 
 
+@pytest.mark.slow
 def test_zero1_shards_adamw_state_and_keeps_every_gradient(measured):
     total = sum(p.numel() for p in Transformer(CFG).parameters())
     mine = _rank0_partition()
