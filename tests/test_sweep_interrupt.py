@@ -36,8 +36,12 @@ def sweep(tmp_path: Path, spec: str, corpus: Path, workers: int, *extra: str) ->
             "--batch-sizes", "2,4,8", "--lrs", "1e-3,3e-3", "--tokens", "1280", "--eval-samples", "4",
             "--workers", str(workers), "--store", str(tmp_path / "sweep.db"), "--cache-dir", str(tmp_path / "cache"),
             "--device", "cpu", "--out", str(tmp_path / "report"), *extra]
+    # Its own process group (SIGINT to all of it, like a terminal), and SIGINT's default action: a
+    # pytest started in the background of a non-interactive shell ignores SIGINT, and a child inherits
+    # that (Python then installs no KeyboardInterrupt handler): the sweep would run through Ctrl-C.
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: SIGINT to all of it, like a terminal
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.mark.parametrize("workers", [2, 1])
