@@ -33,3 +33,26 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fewer_blocks(tmp_path):
+    """``fewer_blocks("hf:llama-3.2-1b", 10)``: the spec of that shipped transformers config with 10
+    hidden layers instead of its own (written to a config.json under tmp_path), for the tests whose
+    claim is an equality between two ways of tracing the same model (by depth or whole, a stream
+    written or traced) and holds at any depth past ``depth.MIN_BLOCKS``: a trace on fake tensors
+    costs by the op, so by the block, not by the width."""
+    import json
+
+    from batchfit.zoo.hf import CONFIGS
+
+    def spec(shipped: str, blocks: int) -> str:
+        name = shipped.removeprefix("hf:")
+        config = dict(CONFIGS[name])
+        key = "n_layer" if "n_layer" in config else "num_hidden_layers"
+        config[key] = blocks
+        path = tmp_path / f"{name}-{blocks}-blocks.json"
+        path.write_text(json.dumps(config))
+        return f"hf:{path}"
+
+    return spec

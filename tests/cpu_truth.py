@@ -103,6 +103,17 @@ def tiny_llama_workload(cfg):
                                    vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, description="tiny llama")
 
 
+def one_block_tinystories(seq_len: int = 32):
+    """gpt-tinystories-22m (d 512, 16 heads, FFN 1344, vocab 10,000, untied, Llama block) with one
+    block instead of four: the same kind of step, whose logits hold most of its memory as the
+    zoo model's do, traced in a quarter of the time. A MODEL spec too:
+    ``tests/cpu_truth.py:one_block_tinystories``."""
+    from batchfit.zoo.transformer import TransformerConfig
+
+    return tiny_llama_workload(TransformerConfig(vocab_size=10000, seq_len=seq_len, d_model=512, n_layers=1,
+                                                 n_heads=16, d_ff=1344, llama=True, tied_embeddings=False))
+
+
 def free_port() -> int:
     """A free TCP port on this machine for a gloo rendezvous."""
     import socket

@@ -10,6 +10,7 @@ from batchfit import estimate, get_device, load_workload
 from batchfit.devices import GiB, custom_device
 from batchfit.errors import OptionError
 from batchfit.workload import StepOptions
+from cpu_truth import one_block_tinystories
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +35,14 @@ def test_max_batch_is_traced_and_the_next_size_is_not_fitting(tiny_on_4090):
         assert _fails(r.point(best + 1), limit)
 
 
-def test_allocated_limit_is_the_allocated_peak():
+def test_allocated_limit_is_the_allocated_peak(tiny_on_4090):
     r = estimate(load_workload("gpt-tinystories-22m", seq_len=128), device=get_device("rtx4090-24gb"),
                  limit="allocated")
     best = r.max_batch_size
     assert r.point(best).peak_bytes <= r.capacity_bytes < r.point(best + 1).peak_bytes
     assert r.point(best).peak_reserved_bytes is None  # nothing replayed: allocated decides
-    reserved = estimate(load_workload("gpt-tinystories-22m", seq_len=128), device=get_device("rtx4090-24gb"))
-    assert reserved.max_batch_size <= best  # reserved >= allocated, so never a larger batch
+    reserved = tiny_on_4090  # the same model and GPU, the default limit (reserved)
+    assert reserved.limit == "reserved" and reserved.max_batch_size <= best  # reserved >= allocated: never larger
 
 
 def test_json_has_the_documented_keys(tiny_on_4090):
@@ -59,7 +60,7 @@ def test_json_has_the_documented_keys(tiny_on_4090):
 
 
 def test_multiple_of_is_respected():
-    r = estimate(load_workload("gpt-tinystories-22m", seq_len=128), device=get_device("t4-16gb"), multiple_of=8)
+    r = estimate(one_block_tinystories(seq_len=128), device=get_device("t4-16gb"), multiple_of=8)  # the search's rule
     assert r.max_batch_size % 8 == 0 and all(p.batch_size % 8 == 0 for p in r.points)
     assert _fails(r.point(r.max_batch_size + 8), r.capacity_bytes)
 

@@ -17,7 +17,7 @@ from batchfit.workload import StepOptions
 from batchfit.zoo import language_model_workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig
 
-CFG = TransformerConfig(vocab_size=512, seq_len=32, d_model=64, n_layers=12, n_heads=4, n_kv_heads=2, d_ff=128,
+CFG = TransformerConfig(vocab_size=512, seq_len=32, d_model=64, n_layers=10, n_heads=4, n_kv_heads=2, d_ff=128,
                         llama=True, tied_embeddings=False)
 WORKLOAD = language_model_workload(name="tiny-llama-12", build_model=lambda: Transformer(CFG),
                                    vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, description="12 tiny blocks")

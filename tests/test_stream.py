@@ -12,12 +12,14 @@ from batchfit.trace.point import TracedCurve, replay_reserved
 from batchfit.trace.session import TraceSession
 
 
+# Llama 3.2 1B with 10 of its 16 blocks (conftest.fewer_blocks): the same blocks, still written
+# from depths 2, 3, 4 past them, and a whole trace 10/16 as long
 @pytest.mark.parametrize("spec,options", [
     ("hf:llama-3.2-1b", StepOptions(precision="bf16", checkpointing="full")),
     pytest.param("hf:llama-3.2-1b", StepOptions(precision="bf16-mixed", optimizer="sgd-momentum"), marks=pytest.mark.slow),
 ])
-def test_the_written_stream_is_the_whole_models(spec, options):
-    workload = load_workload(spec, seq_len=32)
+def test_the_written_stream_is_the_whole_models(spec, options, fewer_blocks):
+    workload = load_workload(fewer_blocks(spec, 10), seq_len=32)
     seen = depth.Depth()
     streams = {}
     for d in depth.DEPTHS:
@@ -71,8 +73,8 @@ def test_an_adapters_only_stream_is_written_from_the_depths(options):
     assert point.peak_reserved_bytes == replay_reserved(whole, get_device("rtx4090-24gb"))[0]
 
 
-def test_reserved_by_depth_equals_reserved_traced_whole():
-    workload = load_workload("hf:llama-3.2-1b", seq_len=32)
+def test_reserved_by_depth_equals_reserved_traced_whole(fewer_blocks):
+    workload = load_workload(fewer_blocks("hf:llama-3.2-1b", 10), seq_len=32)  # 10 of its 16 blocks
     options = StepOptions(precision="bf16-mixed", checkpointing="full")
     device = get_device("t4-16gb")
     found = []
