@@ -9,7 +9,9 @@ and llama-1b with dynamic shapes (automatic dynamic shapes); so does this trace.
 compiles them with static shapes, as one training run does: `batchfit estimate gpt2-124m --gpu
 h100-80gb --precision bf16-mixed --compile model --batch-sizes 8 --limit allocated` traces
 8,689,031,168 B there (against 9,359,219,200 B here), llama-1b at batch 4 40,308,778,496 B
-(39,805,462,016 B here); no static-shape H100 run of those two was measured.
+(39,805,462,016 B here). A static-shape H100 run of gpt2-124m was measured on 2026-11-27
+(results/recipes_gpu-2026-11-27.json, ``recipes_gpu.py``: a fresh process): 8,712,264,192 B, the trace
+-0.27%; Llama 3.2 1B (hf:, seq 2048, batch 2) compiled: 26,488,761,344 B measured, the trace -0.01%.
 Writes benchmarks/results/compiled_vs_h100-<date>.json.
 
     python benchmarks/compiled_vs_h100.py [--models gpt-tinystories-22m,gpt2-124m,llama-1b]
