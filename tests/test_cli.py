@@ -30,7 +30,7 @@ def test_estimate_writes_the_report(tmp_path):
 
 def test_json_to_stdout_is_pure_json(tmp_path):
     result = runner.invoke(app, ["estimate", "gpt-tinystories-22m", "--gpu-memory", "8GiB", "--seq-len", "64",
-                                 "--json", "-", "--out", str(tmp_path), "--limit", "allocated"])
+                                 "--max-batch", "8", "--json", "-", "--out", str(tmp_path), "--limit", "allocated"])
     assert result.exit_code == 0
     assert json.loads(result.stdout)["device"]["name"] == "custom"
 

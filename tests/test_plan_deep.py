@@ -52,7 +52,8 @@ def test_collectives_repeat_per_block_in_each_run():
     assert collectives_at([calls(2), calls(3), bent], 32) is None
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("fsdp+tp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", [pytest.param("fsdp", marks=pytest.mark.slow),
+                                      pytest.param("fsdp+tp2", marks=pytest.mark.slow)])
 def test_one_session_per_depth_traces_every_local_batch_as_a_fresh_trace_would(strategy):
     options = StepOptions(precision="bf16-mixed")
     s = parse_strategy(strategy, 4)

@@ -250,6 +250,7 @@ def _mixed_precision_probe_main(rank: int, port: int, out_dir: str) -> None:
     _leave()
 
 
+@pytest.mark.slow
 def test_probes_fsdp_gathers_bf16_parameters_and_reduces_in_fp32(tmp_path):
     """probe --strategy fsdp at bf16-mixed wraps with the mixed-precision policy plan traces
     (batchfit.distributed): the blocks run on bf16 copies of the fp32 shards, gradients are

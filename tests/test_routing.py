@@ -95,6 +95,7 @@ def measured(workload: Workload, tmp_path, precision: str = "fp32") -> int:
         return profiled_step_peak(step, B, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_forced_balanced_router_matches_the_balanced_trace_and_no_routing_exceeds_them_all(tmp_path):
     """The expert loop on real tensors with the routing forced balanced (64 tokens x top-2 over 8
     experts: 16 each, the counts the trace gives each expert), against the balanced trace: within
