@@ -68,3 +68,42 @@ def test_one_optimizer_step_call_site():
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step"
              and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "optimizer"]
     assert calls == ["train/step.py:" + calls[0].split(":")[1]] if calls else False
+
+
+def file_imports(path: Path, files: set[str]) -> set[str]:
+    """The batchfit files this file imports, lazily or not (``from batchfit.zoo import x`` is the
+    file ``zoo/x.py`` where there is one, else ``zoo/__init__.py``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                      for a in node.names}
+    return found & files
+
+
+def test_no_files_import_each_other_round_a_circle():
+    """A circle hides which file is below which; one inside a function is a circle all the same
+    (zoo/enoki.py once imported the zoo that imports it, from inside a function)."""
+    def name(path: Path) -> str:
+        parts = ("batchfit", *path.relative_to(PACKAGE).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    paths = {name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {module: file_imports(path, set(paths)) for module, path in paths.items()}
+    circles, state = [], {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = "open"
+        for other in sorted(graph[module]):
+            if state.get(other) == "open":
+                circles.append(" -> ".join(trail[trail.index(other):] + [other]))
+            elif other not in state:
+                visit(other, trail + [other])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert circles == []
