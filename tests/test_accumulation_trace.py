@@ -99,7 +99,8 @@ def _llama(blocks: int) -> Workload:
     return dataclasses.replace(workload, name=f"llama-{blocks}l", build_model=build)
 
 
-@pytest.mark.parametrize("precision,accumulation", [("fp32", 4), pytest.param("bf16-mixed", 8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("precision,accumulation", [pytest.param("fp32", 4, marks=pytest.mark.slow),
+                                                    pytest.param("bf16-mixed", 8, marks=pytest.mark.slow)])
 def test_the_reserved_stream_is_extended_folded_then_written(precision, accumulation):
     """Depth extension runs on the two-micro-batch streams (the written ones folded into marks,
     trace/repeats.py), then writes micro-batches 3..N at full depth, as TracedCurve's

@@ -80,6 +80,7 @@ def test_ddp_of_small_blocks_is_traced_whole():
     assert (point.peak_bytes, point.collectives) == (whole.peak_bytes, whole.collectives)
 
 
+@pytest.mark.slow
 def test_reserved_replays_reuse_the_fresh_traces_they_have():
     """The depth sessions' first trace is a fresh process: a replay at that size takes its
     streams (no session opened); a replay at a size not traced yet opens fresh sessions, whose

@@ -106,6 +106,7 @@ def _one_step_on_two_ranks(strategy: str, tmp_path) -> tuple[list[dict], dict[st
     return per_rank, expected, total_elements
 
 
+@pytest.mark.slow
 def test_ddp_step_is_one_step_on_the_whole_batch(tmp_path):
     per_rank, expected, total = _one_step_on_two_ranks("ddp", tmp_path)
     for got in per_rank:

@@ -73,6 +73,7 @@ def test_an_adapters_only_stream_is_written_from_the_depths(options):
     assert point.peak_reserved_bytes == replay_reserved(whole, get_device("rtx4090-24gb"))[0]
 
 
+@pytest.mark.slow
 def test_reserved_by_depth_equals_reserved_traced_whole(fewer_blocks):
     workload = load_workload(fewer_blocks("hf:llama-3.2-1b", 10), seq_len=32)  # 10 of its 16 blocks
     options = StepOptions(precision="bf16-mixed", checkpointing="full")

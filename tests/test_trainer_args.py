@@ -75,8 +75,9 @@ def _comparable(data: dict) -> dict:
     return {k: v for k, v in data.items() if k not in ("trainer", "created", "trace_seconds")}
 
 
-@pytest.mark.parametrize("fields, flags", CASES, ids=["bf16-ckpt", "fp16-adafactor", "sgd-liger", "every2",
-                                                      "sft-packing"])
+@pytest.mark.parametrize("fields, flags", [  # every2 and sft-packing: the slow tier
+    case if i < 3 else pytest.param(*case, marks=pytest.mark.slow) for i, case in enumerate(CASES)],
+    ids=["bf16-ckpt", "fp16-adafactor", "sgd-liger", "every2", "sft-packing"])
 def test_trainer_reproduces_the_equivalent_flags_byte_for_byte(model_spec, tmp_path, monkeypatch, fields, flags):
     monkeypatch.chdir(tmp_path)  # the reports/ folders go here
     path = training_args(tmp_path, **fields)
