@@ -40,6 +40,7 @@ def test_few_blocks_are_traced_whole(mlp):
         assert not traced.by_depth and traced.full_traces == [4]
 
 
+@pytest.mark.slow
 def test_a_phase_whose_peak_moves_to_another_part_with_depth():
     # 32 small blocks, 32768-token vocabulary: at depth 4 the backward peaks after the blocks
     # (the embedding's gradient), at depth 32 at its start (every block's activations saved), each by
@@ -74,6 +75,7 @@ def test_a_phase_whose_peak_moves_to_another_part_with_depth():
     assert deep.breakdown_by_phase == {k: {**v, "workspace": workspace} for k, v in whole.breakdown_by_phase.items()}
 
 
+@pytest.mark.slow
 def test_generation_is_not_extrapolated():
     # GRPO's generate phase runs the policy's stack once per new token with a growing cache: no
     # line through depths 2, 3, 4 says where it peaks at 12 (it said 2.129 GB for 2.161), so

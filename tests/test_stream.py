@@ -142,6 +142,7 @@ def test_without_cut_drops_the_cut_blocks_allocations():
     assert stream.without_cut(events, (3, 5)) == [("malloc", 1, 8), ("free", 1, 0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,gpus", [("fsdp", 2)])
 def test_fsdp_rank_zeros_stream_is_written_from_the_depths(strategy, gpus):
     """FSDP2's backward run holds two blocks fewer than the depth (zero_grad then frees the last
