@@ -66,6 +66,10 @@ def _options(routing: str = "balanced", precision: str = "fp32") -> StepOptions:
     return StepOptions(routing=routing, precision=precision, **OPTIONS)
 
 
+BEST_OF = 2
+"""Profiled steps per case and rank: the least peak is kept."""
+
+
 def _gloo_main(rank: int, port: int, out_dir: str, world: int, cases: tuple, check_losses: bool,
                tries: int = 3, lenient: bool = False, every_rank: bool = False) -> None:
     """Each case's real step on this rank (rank 0, or with ``every_rank`` each rank, profiled in a steady
@@ -104,10 +108,13 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int, cases: tuple, che
         step.run(B)  # the profiled step is the third, as in the other gloo truths
         # The timeline's data-flow checks sometimes trip ("version mismatch"): that step is skipped; a
         # benchmark may then relax them (benchmarks/recipes.py: _lenient_data_flow_checks) in a last try.
-        peak = None  # each profiling rank keeps its first timeline; the others run plain steps beside it
-        for attempt in range(tries + lenient):
-            if profiles and peak is None:
-                relaxed = attempt == tries
+        # Each profiling rank keeps the least of two timelines (a collective that completes late on a
+        # loaded machine keeps a buffer alive longer in one step: test_context_parallel read +7% so once);
+        # the others run plain steps beside it.
+        got: list[int] = []
+        for attempt in range(tries + BEST_OF - 1 + lenient):
+            if profiles and len(got) < BEST_OF:
+                relaxed = attempt == tries + BEST_OF - 1
                 if relaxed:
                     from recipes import _lenient_data_flow_checks as checks
                 else:
@@ -115,19 +122,19 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int, cases: tuple, che
                     checks = _c.nullcontext
                 try:
                     with checks():
-                        peak = profiled_step_peak(step, B, folder, warmup=0)
+                        got.append(profiled_step_peak(step, B, folder, warmup=0))
                     if relaxed:
                         peaks_relaxed.append("/".join((name, routing, precision)))
                 except AssertionError:
                     pass
             else:
                 step.run(B)
-            done = torch.tensor([peak is not None or not profiles], dtype=torch.int32)
-            dist.all_reduce(done, op=dist.ReduceOp.MIN)  # every profiling rank got its timeline
+            done = torch.tensor([len(got) >= BEST_OF or not profiles], dtype=torch.int32)
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)  # every profiling rank got its timelines
             if done.item():
                 break
         if profiles:
-            peaks["/".join((name, routing, precision))] = peak
+            peaks["/".join((name, routing, precision))] = min(got, default=None)
         del step
         gc.collect()
         dist.barrier()
