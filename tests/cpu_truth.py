@@ -72,6 +72,12 @@ def same_kernels_on_any_x86() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+class TimelineFailed(AssertionError):
+    """The profiler's memory timeline failed its data-flow check ("version mismatch") on every step a
+    rank profiled: :func:`spawn_profiled_gloo` runs the ranks again in fresh processes, where it
+    passes (seen in test_torchtitan: every step of one process, in 2 of 4 runs alone)."""
+
+
 def agreed_profiled_peak(step: TrainingStep, batch_size: int, tmp_path: Path, *, warmup: int = 1,
                          tries: int = 3, steps: int = 1, best_of: int = 1) -> int:
     """:func:`profiled_step_peak` inside a gloo rank, tried again when the profiler's timeline fails its
@@ -96,7 +102,7 @@ def agreed_profiled_peak(step: TrainingStep, batch_size: int, tmp_path: Path, *,
             return min(peaks)
     if peaks:
         return min(peaks)
-    raise AssertionError(f"the profiler's memory timeline failed {tries} times on some rank")
+    raise TimelineFailed(f"the profiler's memory timeline failed {tries} times on some rank")
 
 
 def tiny_llama_workload(cfg):
@@ -131,7 +137,8 @@ def free_port() -> int:
 
 def spawn_profiled_gloo(main, args_for_port, nprocs: int, attempts: int = 3) -> None:
     """``torch.multiprocessing.spawn(main, args=args_for_port(port), nprocs=nprocs)`` for a real gloo
-    run whose ranks profile their steps, again (on a fresh port) when a rank was killed by a signal.
+    run whose ranks profile their steps, again (on a fresh port) when a rank was killed by a signal or
+    raised :class:`TimelineFailed`.
 
     Why: the profiler's memory timeline in a process with gloo's threads sometimes kills that process
     (SIGSEGV, or SIGABRT "terminate called without an active exception", between profiler_start
@@ -150,6 +157,9 @@ def spawn_profiled_gloo(main, args_for_port, nprocs: int, attempts: int = 3) -> 
             return
         except mp.ProcessExitedException as error:
             if error.signal_name is None or attempt == attempts - 1:
+                raise
+        except mp.ProcessRaisedException as error:
+            if TimelineFailed.__name__ not in str(error) or attempt == attempts - 1:
                 raise
 
 
