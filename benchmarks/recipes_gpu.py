@@ -25,6 +25,7 @@ import traceback
 
 import torch
 from _common import write_result
+from validate_gpu import relative
 
 from batchfit import StepOptions, estimate, load_workload, parse_target
 from batchfit.devices import detect_cuda_device, get_device
@@ -50,10 +51,6 @@ CASES = [
     ("gpt2 bf16 compile blocks selective", GPT2, {**BF16, "compile": "blocks", "checkpointing": "selective"}),
     ("llama bf16 compile model", LLAMA, {**BF16, "compile": "model"}),
 ]
-
-
-def relative(traced: int | None, measured: int | None) -> float | None:
-    return None if not traced or not measured else round((traced - measured) / measured, 4)
 
 
 def run_case(label: str, model: str, seq_len: int | None, batch_size: int, options: dict, device,

@@ -44,8 +44,8 @@ class PackedSequences:
         def answered(position_ids):
             if not isinstance(position_ids, FakeTensor):
                 return original(position_ids)
-            if position_ids.shape[0] > 1 and position_ids.stride(0) != 0:
-                self.assumed += 1  # one row per sample: the batch's own positions
+            if _one_row_per_sample(position_ids):
+                self.assumed += 1  # the batch's own positions
             return None
 
         module.find_packed_sequence_indices = answered
@@ -68,7 +68,13 @@ def batch_passes_position_ids(workload) -> bool:
     except Exception:  # a make_batch that reads data: the ranks' traces still answer, unsaid
         return False
     ids = batch.get("position_ids") if isinstance(batch, dict) else None
-    return isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] > 1 and ids.stride(0) != 0
+    return isinstance(ids, torch.Tensor) and ids.dim() == 2 and _one_row_per_sample(ids)
+
+
+def _one_row_per_sample(position_ids) -> bool:
+    """Position ids a batch passed (a row per sample), not the model's own 0..T-1 expanded over the
+    batch (stride 0): only then do the values decide whether sequences are packed."""
+    return position_ids.shape[0] > 1 and position_ids.stride(0) != 0
 
 
 def packing_approximation(assumed: int) -> list[Approximation]:

@@ -26,7 +26,6 @@ def enoki_config(heads: int, seq_len: int | None = None) -> TransformerConfig:
 
 
 def enoki(heads: int, seq_len: int | None = None) -> Workload:
-
     cfg = enoki_config(heads, seq_len)
     return language_model_workload(
         name=f"enoki-{heads}h", build_model=lambda: Transformer(cfg), vocab_size=VOCAB, seq_len=cfg.seq_len,
