@@ -325,6 +325,35 @@ def _fully_shard_blocks(model: nn.Module, mesh, *, reshard: bool, precision: str
     return model
 
 
+def check_step_options(strategy: Strategy, options, model: nn.Module) -> None:
+    """Refuse, in one line and before any trace, what ``strategy`` cannot run with ``options``
+    (``batchfit.StepOptions``) on ``model`` (built on the meta device): each would fail inside the
+    real step as it fails inside the trace."""
+    from batchfit.train.quantize import BNB_OPTIMIZERS
+
+    dtensors = strategy.tp > 1 or strategy.ep > 1 or strategy.shard in ("fsdp", "fsdp-noreshard", "hsdp")
+    if dtensors and options.optimizer in BNB_OPTIMIZERS:
+        raise OptionError(f"{strategy.name}: --optimizer {options.optimizer} is bitsandbytes', whose step takes plain "
+                          "tensors, not the DTensor shards of FSDP2 / TP / ep (bitsandbytes issues #89, #1633): use "
+                          "ddp, zero1 or zero2, or --optimizer adamw")
+    if strategy.tp > 1 and options.quantize != "none":
+        raise OptionError(f"{strategy.name}: --quantize {options.quantize} makes the linears bitsandbytes ones, which "
+                          "DTensor's Colwise/RowwiseParallel cannot split (nn.Linear only): use ddp or fsdp (QLoRA "
+                          "with FSDP2), or drop --quantize")
+    if strategy.cp > 1 and not _causal(model):
+        raise OptionError(f"{strategy.name}: context parallelism's load-balanced ring attention is causal only, and "
+                          f"{type(model).__name__} attends both ways: use fsdp / tp without cp<N>")
+
+
+def _causal(model: nn.Module) -> bool:
+    """Whether every attention of ``model`` is causal: a transformers model says so per module
+    (``is_causal``) and in its config (encoder-decoders hold a bidirectional encoder)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "is_encoder_decoder", False):
+        return False
+    return all(getattr(m, "is_causal", True) is not False for m in model.modules())
+
+
 def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, precision: str, fake: bool,
                    parallelize: Callable | None = None, on_bucket: Callable[[torch.Tensor], None] | None = None,
                    device: torch.device | None = None, cpu_offload: bool = False,

@@ -260,6 +260,7 @@ class ShardedSession:
         import torch
 
         from batchfit.distributed import apply_strategy
+        from batchfit.distributed.strategy import check_step_options
         from batchfit.distributed.tracker import ShardedTracker
         from batchfit.distributed.zero import with_sharded_optimizer
         from batchfit.distributed.tp_plans import tp_plan
@@ -285,6 +286,7 @@ class ShardedSession:
                     for i, stage in enumerate(model.stages):
                         model.stages[i] = shard(stage)
                     return model
+                check_step_options(strategy, options, model)  # before the model is wrapped, so before any trace
                 if workload.parallelize_all is not None:  # the model's own (torchtitan's parallelize_llama)
                     return workload.parallelize_all(model, strategy, meshes.groups)
                 return _unpinned(apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,

@@ -135,6 +135,12 @@ def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     grouped = enable_gqa and key.shape[-3] != query.shape[-3]
     flash = cuda_flash_takes_gqa(query, attn_mask)
     fused = flash if grouped else cuda_would_fuse(query)
+    if not fused and _sharded_on_sequence(query):
+        from batchfit.errors import OptionError
+
+        raise OptionError("context parallelism: this attention (grouped-query K/V, or a head size or dtype no fused "
+                          "CUDA kernel takes) runs SDPA's math kernel, which torch's ring attention does not take: "
+                          "use --precision bf16-mixed (flash takes grouped K/V), or drop cp<N>")
     if not fused:
         # The math path repeats K/V to Q's heads itself (pre_process_group_query_attention_input).
         return _MATH(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,

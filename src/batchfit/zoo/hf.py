@@ -158,16 +158,18 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
                              "fix the config") from error
     config.use_cache = False
     masked = any("MaskedLM" in a for a in (getattr(config, "architectures", None) or []))
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))  # T5, BART: the labels feed the decoder
     max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq = seq_len or min(max_len or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
     if max_len and seq > max_len:
         raise ModelSpecError(f"--seq-len {seq} is longer than {name} allows ({max_len})")
-    auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
+    auto = (transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForSeq2SeqLM if seq2seq
+            else transformers.AutoModelForCausalLM)
 
     def build_model() -> nn.Module:
         more = {"experts_implementation": experts} if experts else {}
         model = auto.from_config(config, attn_implementation="sdpa", **more)
-        if not masked:  # GPT-2's class name does not tell transformers which loss it uses
+        if not masked and not seq2seq:  # GPT-2's class name does not tell transformers which loss it uses
             model.loss_type = "ForCausalLM"
         return model
 
@@ -199,9 +201,9 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
         return hidden, head.weight, labels
 
     # A masked LM's loss is not next-token; a softcapped or biased head is not hidden @ weight.T.
-    head_is_plain = (not masked and getattr(config, "final_logit_softcapping", None) is None
+    head_is_plain = (not masked and not seq2seq and getattr(config, "final_logit_softcapping", None) is None
                      and getattr(config, "logit_scale", None) is None)
-    kind = "masked LM" if masked else "causal LM"
+    kind = "masked LM" if masked else "encoder-decoder LM (the labels are the decoder's sequence)" if seq2seq else "causal LM"
     return Workload(name=name, build_model=build_model, make_batch=make_batch, loss_fn=loss_fn,
                     tokens_per_sample=seq, description=f"transformers {model_type} {kind}, seq {seq}",
                     lm_parts=lm_parts if head_is_plain else None)

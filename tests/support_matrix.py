@@ -1,0 +1,214 @@
+"""The support matrix: model families x the options that change memory x the strategies.
+
+Each family is one line: a transformers config class at a tiny size (built with no weights, as
+``hf:config.json`` builds any model). Each dimension lists the values a user can type. A *row*
+is one command a user could run (``estimate`` for one GPU, ``plan`` for a strategy), and it must
+either trace, or be refused before any tracing with one line (a :class:`UsageError`); a
+:class:`TraceError` or any other exception is a crash, a failing test.
+
+``pairwise_rows()`` covers every pair of values of any two dimensions with a few hundred rows
+(a covering array, built greedily and deterministically); ``single_rows()`` is every family with
+each value of every dimension alone (the table ``docs/support.md`` shows). Pairs that are refused
+by design (``REFUSED``: what batchfit does not support, with the line it says) are left out of the
+array and checked on their own, so a refusal never hides the pairs its row was meant to cover.
+
+A new family is one line in ``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+FAMILIES: dict[str, dict] = {
+    "llama": dict(model_type="llama", **_TINY),
+    "qwen2": dict(model_type="qwen2", **_TINY),
+    "qwen3": dict(model_type="qwen3", head_dim=16, **_TINY),
+    "mistral": dict(model_type="mistral", **_TINY),
+    "gemma2": dict(model_type="gemma2", head_dim=16, **_TINY),
+    "gemma3": dict(model_type="gemma3_text", head_dim=16, **_TINY),
+    "phi3": dict(model_type="phi3", pad_token_id=0, **_TINY),
+    "gpt_neox": dict(model_type="gpt_neox", **{k: v for k, v in _TINY.items() if k != "num_key_value_heads"}),
+    "olmo2": dict(model_type="olmo2", **_TINY),
+    "granite": dict(model_type="granite", **_TINY),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128, bos_token_id=0,
+                 eos_token_id=0),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **_TINY),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, head_dim=16, **_MOE, **_TINY),
+    "deepseek_v3": dict(model_type="deepseek_v3", n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
+                        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        **_MOE, **{**_TINY, "num_key_value_heads": 4}),
+    "bert": dict(model_type="bert", architectures=["BertForMaskedLM"],
+                 **{k: v for k, v in _TINY.items() if k != "num_key_value_heads"}),
+    "t5": dict(model_type="t5", d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=256,
+               decoder_start_token_id=0),
+}
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
+NOT_CAUSAL = ("bert", "t5")
+SEQ_LEN = 32
+BATCH = 2
+
+# One value per dimension is the default a user gets without the flag (listed first).
+DIMENSIONS: dict[str, tuple[str, ...]] = {
+    "family": tuple(FAMILIES),
+    "precision": ("fp32", "bf16-mixed", "bf16", "fp8-rowwise"),
+    "checkpointing": ("none", "full", "selective", "every:2"),
+    "compile": ("none", "model", "blocks"),
+    "loss": ("plain", "chunked:4", "fused-linear"),
+    "recipe": ("none", "offload", "qlora", "adamw-8bit", "muon"),
+    "strategy": ("single", "ddp", "fsdp", "hsdp2", "zero1", "zero2", "tp2", "fsdp+tp2", "pp2+fsdp",
+                 "pp2/gpipe", "pp2+fsdp-noreshard/zbv", "fsdp+cp2", "ep2+fsdp"),
+}
+GPUS = {"hsdp2": 4, "fsdp+tp2": 4, "pp2+fsdp": 4, "pp2+fsdp-noreshard/zbv": 4, "fsdp+cp2": 4, "ep2+fsdp": 4}
+"""GPUs a strategy is planned on (2 where not listed)."""
+RECIPES: dict[str, dict] = {
+    "none": {}, "offload": dict(offload="activations"), "qlora": dict(quantize="nf4", lora="r=8"),
+    "adamw-8bit": dict(optimizer="adamw-8bit"), "muon": dict(optimizer="muon"),
+}
+
+
+def _value(row: dict, dim: str, values) -> bool:
+    return row.get(dim) in values
+
+
+# What batchfit refuses by design: (an example pair, a predicate on a row's values, what it is). Each
+# names two dimensions at most, so the covering array can leave the pair out and still cover the rest.
+REFUSED: list[tuple[dict, object, str]] = [
+    (dict(family="llama", strategy="ep2+fsdp"), lambda r: r["strategy"] == "ep2+fsdp" and r["family"] not in MOE,
+     "expert parallelism needs an MoE model"),
+    (dict(family="bert", loss="chunked:4"), lambda r: r["loss"] != "plain" and r["family"] in NOT_CAUSAL,
+     "chunked and fused-linear losses are next-token losses of a causal LM"),
+    (dict(precision="fp8-rowwise", recipe="qlora"), lambda r: r["recipe"] == "qlora" and r["precision"] == "fp8-rowwise",
+     "float8 linears and bitsandbytes linears are two kinds of the same layer"),
+]
+
+
+def refusal(row: dict) -> str | None:
+    """Why batchfit refuses this row by design, or None."""
+    for example, refused, why in REFUSED:
+        if all(d in row for d in example) and refused(row):
+            return why
+    return None
+
+
+def _allowed_pair(a: tuple[str, str], b: tuple[str, str]) -> bool:
+    return refusal(dict([a, b])) is None
+
+
+def pairwise_rows(seed: int = 0, candidates: int = 30) -> list[dict]:
+    """Rows that hold every allowed pair of values of any two dimensions (greedy covering array)."""
+    dims = list(DIMENSIONS)
+    uncovered = {((d1, v1), (d2, v2))
+                 for d1, d2 in itertools.combinations(dims, 2)
+                 for v1 in DIMENSIONS[d1] for v2 in DIMENSIONS[d2]
+                 if _allowed_pair((d1, v1), (d2, v2))}
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    while uncovered:
+        first = min(uncovered)  # deterministic: the first uncovered pair seeds each candidate
+        best, best_gain = None, -1
+        for _ in range(candidates):
+            row = dict(first)
+            for dim in rng.sample(dims, len(dims)):
+                if dim in row:
+                    continue
+                options = [v for v in DIMENSIONS[dim] if refusal({**row, dim: v}) is None]
+                rng.shuffle(options)
+                row[dim] = max(options, key=lambda v: sum(
+                    tuple(sorted(((dim, v), (d, row[d])), key=lambda p: dims.index(p[0]))) in uncovered
+                    for d in row))
+            gain = sum(pair in uncovered for pair in _pairs(row, dims))
+            if gain > best_gain:
+                best, best_gain = row, gain
+        uncovered -= set(_pairs(best, dims))
+        rows.append({d: best[d] for d in dims})
+    return rows
+
+
+def _pairs(row: dict, dims: list[str]):
+    for d1, d2 in itertools.combinations(dims, 2):
+        yield (d1, row[d1]), (d2, row[d2])
+
+
+DEFAULTS = {dim: values[0] for dim, values in DIMENSIONS.items()}
+
+
+def single_rows() -> list[dict]:
+    """Every family with each value of every other dimension alone (the rest at their defaults)."""
+    rows = []
+    for family in FAMILIES:
+        for dim, values in DIMENSIONS.items():
+            if dim == "family":
+                continue
+            rows += [{**DEFAULTS, "family": family, dim: v} for v in values if v != DEFAULTS[dim]]
+        rows.append({**DEFAULTS, "family": family})
+    return rows
+
+
+def row_id(row: dict) -> str:
+    return "-".join(f"{row[d]}" for d in DIMENSIONS if row[d] != DEFAULTS[d] or d == "family")
+
+
+@dataclass
+class Outcome:
+    """What one row did: traced, refused (one line) or crashed (anything else)."""
+
+    row: dict
+    status: str
+    detail: str = ""
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"row": self.row, "status": self.status, "detail": self.detail, "seconds": round(self.seconds, 2)}
+
+
+def config_file(family: str, folder: Path) -> Path:
+    path = folder / f"{family}.json"
+    if not path.exists():
+        path.write_text(json.dumps(FAMILIES[family]))
+    return path
+
+
+def options_of(row: dict) -> dict:
+    return dict(precision=row["precision"], checkpointing=row["checkpointing"], compile=row["compile"],
+                loss=row["loss"], **RECIPES[row["recipe"]])
+
+
+def run_row(row: dict, folder: Path) -> Outcome:
+    """Run ``row`` as a user would, through the public API, and say what happened."""
+    from batchfit import StepOptions, get_device, load_workload
+    from batchfit.errors import TraceError, UsageError
+    from batchfit.estimator.engine import estimate
+    from batchfit.plan.engine import plan
+    from batchfit.plan.world import World
+
+    started = time.perf_counter()
+    strategy = row["strategy"]
+    try:
+        options = StepOptions(**options_of(row))
+        workload = load_workload(f"hf:{config_file(row['family'], folder)}", seq_len=SEQ_LEN,
+                                 for_plan=strategy != "single")
+        device = get_device("a100-80gb")
+        if strategy == "single":
+            estimate(workload, device=device, options=options, batch_sizes=[BATCH], max_batch=BATCH, suggest=False)
+        else:
+            name, _, schedule = strategy.partition("/")
+            plan(workload, device=device, worlds=[World(GPUS.get(strategy, 2))], options=options, strategies=name,
+                 batch_sizes=[BATCH], max_batch=BATCH, processes=1, pp_schedule=schedule or "1f1b")
+    except UsageError as error:
+        return Outcome(row, "refused", str(error), time.perf_counter() - started)
+    except TraceError as error:
+        return Outcome(row, "crash", f"TraceError: {error}", time.perf_counter() - started)
+    except Exception as error:  # the crash the matrix exists to find
+        first = (str(error).splitlines() or [""])[0]
+        return Outcome(row, "crash", f"{type(error).__name__}: {first}", time.perf_counter() - started)
+    return Outcome(row, "traced", "", time.perf_counter() - started)
