@@ -38,7 +38,7 @@ def _clean(detail: str) -> str:
 def _run_tests(results: Path) -> int:
     env = {**os.environ, "BATCHFIT_SUPPORT_RESULTS": str(results)}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-               "tests/test_support_matrix.py", "-m", "slow or not slow"]
+               "tests/test_support_matrix.py", "tests/test_support_matrix_b.py", "-m", "slow or not slow"]
     return subprocess.call(command, cwd=ROOT, env=env)
 
 

@@ -21,7 +21,7 @@ import itertools
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -165,10 +165,12 @@ class Outcome:
     status: str
     detail: str = ""
     seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
+
+    limit: str = "reserved"
 
     def to_json(self) -> dict:
-        return {"row": self.row, "status": self.status, "detail": self.detail, "seconds": round(self.seconds, 2)}
+        return {"row": self.row, "status": self.status, "detail": self.detail, "seconds": round(self.seconds, 2),
+                "limit": self.limit}
 
 
 def config_file(family: str, folder: Path) -> Path:
@@ -183,8 +185,10 @@ def options_of(row: dict) -> dict:
                 loss=row["loss"], **RECIPES[row["recipe"]])
 
 
-def run_row(row: dict, folder: Path) -> Outcome:
-    """Run ``row`` as a user would, through the public API, and say what happened."""
+def run_row(row: dict, folder: Path, limit: str = "reserved") -> Outcome:
+    """Run ``row`` as a user would, through the public API, and say what happened. ``limit``:
+    --limit (the fast tier's array checks the traces with ``allocated``, which skips the replay
+    of each allocation stream through the allocator model; the slow tier's rows replay it)."""
     from batchfit import StepOptions, get_device, load_workload
     from batchfit.errors import TraceError, UsageError
     from batchfit.estimator.engine import estimate
@@ -199,16 +203,39 @@ def run_row(row: dict, folder: Path) -> Outcome:
                                  for_plan=strategy != "single")
         device = get_device("a100-80gb")
         if strategy == "single":
-            estimate(workload, device=device, options=options, batch_sizes=[BATCH], max_batch=BATCH, suggest=False)
+            estimate(workload, device=device, options=options, batch_sizes=[BATCH], max_batch=BATCH, suggest=False,
+                     limit=limit)
         else:
             name, _, schedule = strategy.partition("/")
             plan(workload, device=device, worlds=[World(GPUS.get(strategy, 2))], options=options, strategies=name,
-                 batch_sizes=[BATCH], max_batch=BATCH, processes=1, pp_schedule=schedule or "1f1b")
+                 batch_sizes=[BATCH], max_batch=BATCH, processes=1, pp_schedule=schedule or "1f1b", limit=limit)
     except UsageError as error:
-        return Outcome(row, "refused", str(error), time.perf_counter() - started)
+        return Outcome(row, "refused", str(error), time.perf_counter() - started, limit)
     except TraceError as error:
-        return Outcome(row, "crash", f"TraceError: {error}", time.perf_counter() - started)
+        return Outcome(row, "crash", f"TraceError: {error}", time.perf_counter() - started, limit)
     except Exception as error:  # the crash the matrix exists to find
         first = (str(error).splitlines() or [""])[0]
-        return Outcome(row, "crash", f"{type(error).__name__}: {first}", time.perf_counter() - started)
-    return Outcome(row, "traced", "", time.perf_counter() - started)
+        return Outcome(row, "crash", f"{type(error).__name__}: {first}", time.perf_counter() - started, limit)
+    return Outcome(row, "traced", "", time.perf_counter() - started, limit)
+
+
+def check(row: dict, folder: Path, limit: str = "reserved") -> Outcome:
+    """Run ``row``; keep its outcome where ``BATCHFIT_SUPPORT_RESULTS`` names a file; fail on a crash
+    or on a refusal that is not one line."""
+    import os
+
+    outcome = run_row(row, folder, limit)
+    results = os.environ.get("BATCHFIT_SUPPORT_RESULTS")
+    if results:
+        with open(results, "a") as file:
+            file.write(json.dumps(outcome.to_json()) + "\n")
+    assert outcome.status != "crash", f"{row_id(row)}: {outcome.detail}"
+    if outcome.status == "refused":  # one line, that says what to use instead
+        assert "\n" not in outcome.detail and ":" in outcome.detail, outcome.detail
+    return outcome
+
+
+def half(rows: list[dict], which: int) -> list[dict]:
+    """Every other row (``which`` 0 or 1): the matrix runs as two test files, one per xdist worker
+    (``--dist loadfile`` keeps a file on one worker)."""
+    return rows[which::2]

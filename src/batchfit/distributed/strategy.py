@@ -336,10 +336,6 @@ def check_step_options(strategy: Strategy, options, model: nn.Module) -> None:
         raise OptionError(f"{strategy.name}: --optimizer {options.optimizer} is bitsandbytes', whose step takes plain "
                           "tensors, not the DTensor shards of FSDP2 / TP / ep (bitsandbytes issues #89, #1633): use "
                           "ddp, zero1 or zero2, or --optimizer adamw")
-    if strategy.tp > 1 and options.quantize != "none":
-        raise OptionError(f"{strategy.name}: --quantize {options.quantize} makes the linears bitsandbytes ones, which "
-                          "DTensor's Colwise/RowwiseParallel cannot split (nn.Linear only): use ddp or fsdp (QLoRA "
-                          "with FSDP2), or drop --quantize")
     if strategy.cp > 1 and not _causal(model):
         raise OptionError(f"{strategy.name}: context parallelism's load-balanced ring attention is causal only, and "
                           f"{type(model).__name__} attends both ways: use fsdp / tp without cp<N>")

@@ -254,6 +254,13 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     tokens = parse_tokens(tokens) if isinstance(tokens, str) else tokens
     if tokens is not None and not workload.tokens_per_sample:
         raise OptionError(f"--tokens needs a sequence model: {workload.name} has no tokens per sample; drop --tokens")
+    if options.quantize != "none":
+        # plan prepares each rank's step on the meta device, then once more per rank: bitsandbytes'
+        # quantization state (absmax, not a parameter) would stay behind, and FSDP2 / TP would hold
+        # Params4bit as DTensors, which bitsandbytes cannot (nor can ColwiseParallel split them).
+        raise OptionError(f"--quantize {options.quantize} (QLoRA) is traced on one GPU only, not under plan's "
+                          "strategies yet: use `batchfit estimate` with the same options for one GPU's QLoRA step, "
+                          "or plan without --quantize")
     if options.accumulation_steps != 1:
         raise OptionError("plan chooses the accumulation steps itself (to reach --global-batch): "
                           "drop --accumulation-steps")
