@@ -135,6 +135,11 @@ def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     grouped = enable_gqa and key.shape[-3] != query.shape[-3]
     flash = cuda_flash_takes_gqa(query, attn_mask)
     fused = flash if grouped else cuda_would_fuse(query)
+    if _sharded_on_sequence(query) and attn_mask is not None:
+        from batchfit.errors import OptionError
+
+        raise OptionError("context parallelism: this model passes SDPA an attention mask, which torch's ring "
+                          "attention does not take (causal attention only, is_causal=True): drop cp<N>")
     if not fused and _sharded_on_sequence(query):
         from batchfit.errors import OptionError
 
@@ -158,6 +163,14 @@ def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     # returned transposed, so the usual out.transpose(1, 2).reshape(B, S, H * D) is free.
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if _sharded_on_sequence(query):
+        local = query.to_local().shape[-2]
+        if (local // 2) % 32:
+            from batchfit.errors import OptionError
+
+            raise OptionError(f"context parallelism: the memory-efficient kernel (fp32, or a mask) pads its logsumexp to "
+                              f"32 positions, and torch's ring merges half-chunks of {local // 2}, which it cannot: use "
+                              f"--seq-len a multiple of {64 * (query.shape[-2] // local)} (64 x cp), or "
+                              "--precision bf16-mixed (flash)")
         # context parallelism (distributed/context_parallel.py): q, k, v are DTensors, and torch's ring
         # takes CUDA's own op (its CP table names it); its seed and offset come out as 0-dim tensors
         return _EFFICIENT(query, key, value, _bool_mask_as_bias(attn_mask, query.dtype), True, dropout_p,
