@@ -247,7 +247,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     ``candidates.ModelFacts``, default read from the model built on the meta device); each pp<N>
     searches multiples of its own micro-batches; those that cannot apply are rows with ``skipped``.
     """
-    options = options or StepOptions()
+    options = (options or StepOptions()).with_attention_of(workload)  # named in every output
     time_model = time_model or TimeModel()
     _validate(target_util, multiple_of, max_batch, batch_sizes, global_batch, limit)
     tokens_asked = tokens if isinstance(tokens, str) else None
