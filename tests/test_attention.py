@@ -68,23 +68,23 @@ def test_the_config_names_the_attention(tmp_path):
     assert load_workload(_config(tmp_path, "llama", _attn_implementation="eager")).attention == "eager"
     flash = load_workload(_config(tmp_path, "llama", attn_implementation="flash_attention_2"))
     assert flash.attention == "flash" and flash.build_model().config._attn_implementation == "sdpa"
-    with pytest.raises(ModelSpecError, match="set it to sdpa or eager"):
+    with pytest.raises(ModelSpecError, match="set it to eager, sdpa or flash_attention_2"):
         load_workload(_config(tmp_path, "llama", attn_implementation="flex_attention"))
 
 
-def test_an_unsupported_or_untraceable_attention_is_refused_in_one_line(tmp_path):
+def test_an_unsupported_attention_is_refused_in_one_line(tmp_path):
     from batchfit.specs import load_workload
     from batchfit.trace.session import TraceSession
+    from batchfit.train.step import TrainingStep
 
     gemma = load_workload(_config(tmp_path, "gemma2"), seq_len=16)
     with pytest.raises(OptionError, match="use --attention eager or flash for Gemma2ForCausalLM") as error:
         TraceSession(gemma, StepOptions(attention="sdpa"))
     assert "\n" not in str(error.value)
-    with pytest.raises(OptionError, match="--attention flash is not traced.*use --attention eager"):
-        TraceSession(gemma, StepOptions(attention="flash"))
-    llama = load_workload(_config(tmp_path, "llama"), seq_len=16)
-    with pytest.raises(OptionError, match="--attention flash is not traced.*use --attention sdpa"):
-        TraceSession(llama, StepOptions(attention="flash"))
+    with pytest.raises(OptionError, match="fp16 / bf16 only.*--precision bf16-mixed"):
+        TraceSession(gemma, StepOptions(attention="flash"))  # fp32: flash_attn refuses it on a GPU too
+    with pytest.raises(OptionError, match="a cpu step cannot"):
+        TrainingStep(gemma, StepOptions(attention="flash", precision="bf16-mixed"), torch.device("cpu"))
     with pytest.raises(OptionError, match="unknown attention 'fast'"):
         StepOptions(attention="fast")
     own = Workload(name="linear", build_model=lambda: torch.nn.Linear(4, 4), make_batch=lambda b, d: torch.ones(b, 4),
@@ -93,12 +93,37 @@ def test_an_unsupported_or_untraceable_attention_is_refused_in_one_line(tmp_path
         TraceSession(own, StepOptions(attention="eager"))
 
 
+def test_flash_is_traced_as_flash_attention_2_saves_and_said(tmp_path):
+    """--attention flash on fake tensors: transformers' flash path with PyTorch's copy of the
+    FlashAttention-2 kernel (train/attention.py). A bf16 Llama's SDPA call, which the CUDA mirror
+    sends to the same kernel (no mask, bf16: trace/cuda_attention.py), holds the same bytes; Gemma 2
+    (softcapped, no SDPA path) holds none of eager's T x T scores; every output says it is approximated."""
+    from batchfit import estimate, get_device
+    from batchfit.specs import load_workload
+    from batchfit.trace.session import TraceSession
+
+    bf16 = dict(precision="bf16-mixed")
+    llama = load_workload(_config(tmp_path, "llama"), seq_len=128)
+    flash = TraceSession(llama, StepOptions(attention="flash", **bf16)).trace(4).snapshot.peak_bytes
+    assert flash == TraceSession(llama, StepOptions(**bf16)).trace(4).snapshot.peak_bytes
+    gemma = load_workload(_config(tmp_path, "gemma2"), seq_len=128)
+    eager = TraceSession(gemma, StepOptions(**bf16)).trace(4).snapshot.peak_bytes
+    flash = TraceSession(gemma, StepOptions(attention="flash", **bf16)).trace(4).snapshot.peak_bytes
+    scores = 4 * 4 * 128 * 128 * 2  # one layer's [B, H, T, T] bf16 scores
+    assert eager - flash > 2 * scores, (eager, flash)
+    short = load_workload(_config(tmp_path, "gemma2"), seq_len=16)
+    said = estimate(short, device=get_device("t4-16gb"), options=StepOptions(attention="flash", **bf16),
+                    batch_sizes=[2], suggest=False, limit="allocated", max_batch=2)
+    assert said.options.attention == "flash"
+    assert [a for a in said.approximations if "FlashAttention-2" in a.what]
+
+
 def test_the_attention_used_is_named_in_every_output(tmp_path):
     from batchfit.cli.app import app
 
     spec = _config(tmp_path, "gemma2")
     result = CliRunner().invoke(app, ["estimate", spec, "--gpu", "t4-16gb", "--seq-len", "16", "--batch-sizes", "2",
-                                      "--max-batch", "4", "--json", str(tmp_path / "e.json"),
+                                      "--max-batch", "2", "--limit", "allocated", "--json", str(tmp_path / "e.json"),
                                       "--out", str(tmp_path / "r")])
     assert result.exit_code == 0, result.output
     assert "attention: eager" in result.output

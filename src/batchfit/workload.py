@@ -123,7 +123,8 @@ ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash")
 """The --attention values (``train/attention.py``): a transformers model's attention implementation,
 eager (the model's own softmax(QK^T)V, which holds the [B, H, T, T] scores), sdpa (PyTorch's
 scaled_dot_product_attention: CUDA's fused kernels, no T x T scores) or flash (the flash_attn
-package's FlashAttention-2, transformers' ``flash_attention_2``: a CUDA GPU only, never traced)."""
+package's FlashAttention-2, transformers' ``flash_attention_2``: run on a CUDA GPU, traced as that
+kernel saves, fp16/bf16 only)."""
 HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
 """batchfit's --attention value -> transformers' ``attn_implementation``."""
 

@@ -321,7 +321,7 @@ class Mapper:
             elif key == "attn_implementation":
                 ours = next((k for k, v in HF_ATTENTION.items() if v == value), None)
                 if ours is None:
-                    self.skip(name, f"batchfit traces eager and sdpa (flash on a CUDA GPU), not {value!r}; the model "
+                    self.skip(name, f"batchfit traces eager, sdpa and flash_attention_2, not {value!r}; the model "
                               "spec's attention is traced", value)
                 else:
                     self.set_step("attention", ours, name, "the model's attn_implementation", shown=value)

@@ -295,7 +295,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     say = progress or (lambda message: None)
     started = time.perf_counter()
     from batchfit.distributed.zero import zero_approximations  # torch: when a plan runs
-    from batchfit.trace.approximation import offload_approximations
+    from batchfit.trace.approximation import attention_approximations, offload_approximations
     from batchfit.trace.compiled import plan_compile_approximations, sharded_eager_reason, sharded_traces_compiled
     from batchfit.trace.cuda_float8 import float8_approximations
     from batchfit.trace.hf_packing import batch_passes_position_ids, packing_approximation
@@ -310,6 +310,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     approximations += workload_routing_approximation(
         workload, options, expert_parallel=bool(every) and all(getattr(s, "ep", 1) > 1 for s in every))
     approximations += offload_approximations(options.offload, options.compile)
+    approximations += attention_approximations(options.attention)
     approximations += packing_approximation(int(batch_passes_position_ids(workload)))
     approximations += zero_approximations([s for _, chosen in by_world for s in chosen])
     from batchfit.distributed.pipeline import pipeline_approximations

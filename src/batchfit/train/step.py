@@ -194,7 +194,8 @@ class TrainingStep:
         dtype = torch.bfloat16 if options.precision == "bf16" else None
         self.model = move_module(model, device, dtype)
         # The attention implementation first: quantization and PEFT wrap the model it is set on.
-        set_attention(self.model, options.attention or workload.attention, device, fake=_is_fake(self.model))
+        set_attention(self.model, options.attention or workload.attention, device, fake=_is_fake(self.model),
+                      precision=options.precision)
         if options.quantize != "none" or options.lora != "none":
             # The base quantized by bitsandbytes and frozen, PEFT's adapters on top (train/quantize.py)
             from batchfit.train.quantize import apply_lora, quantize_model

@@ -162,7 +162,7 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
     masked = any("MaskedLM" in a for a in (getattr(config, "architectures", None) or []))
     auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
     attention = _attention(config, auto, name)
-    if attention == "flash":  # set by the step (train/attention.py), on a CUDA GPU only: built as the default
+    if attention == "flash":  # set by the step (train/attention.py: flash_attn on a GPU, its saves when traced)
         config._attn_implementation_internal = None
     max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq = seq_len or min(max_len or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
@@ -224,5 +224,5 @@ def _attention(config, auto, name: str) -> str:
     ours = next((key for key, value in HF_ATTENTION.items() if value == named), None)
     if ours is None:
         raise ModelSpecError(f"{name[3:]} names attn_implementation '{named}', which batchfit does not trace: "
-                             "set it to sdpa or eager in the config (or flash_attention_2, run on a CUDA GPU)")
+                             "set it to eager, sdpa or flash_attention_2 in the config")
     return ours
