@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -119,6 +119,30 @@ def check_routing(value: str) -> None:
                           "the same top_k experts)")
 
 
+ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash")
+"""The --attention values (``train/attention.py``): a transformers model's attention implementation,
+eager (the model's own softmax(QK^T)V, which holds the [B, H, T, T] scores), sdpa (PyTorch's
+scaled_dot_product_attention: CUDA's fused kernels, no T x T scores) or flash (the flash_attn
+package's FlashAttention-2, transformers' ``flash_attention_2``: run on a CUDA GPU, traced as that
+kernel saves, fp16/bf16 only)."""
+HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
+"""batchfit's --attention value -> transformers' ``attn_implementation``."""
+
+
+def check_attention(value: str | None) -> None:
+    """Raise a one-line OptionError unless ``value`` is None (the model's own) or one of :data:`ATTENTIONS`."""
+    if value is not None and value not in ATTENTIONS:
+        raise OptionError(f"unknown attention '{value}': use eager, sdpa or flash (transformers' "
+                          "attn_implementation eager, sdpa, flash_attention_2)")
+
+
+def attention_words(value: str | None) -> str:
+    """The attention implementation in words, for every output."""
+    return {"eager": "eager (the model's softmax(QK^T)V: [B, H, T, T] scores held per layer)",
+            "sdpa": "sdpa (torch's scaled_dot_product_attention, CUDA's fused kernels: no T x T scores)",
+            "flash": "flash (flash_attn's FlashAttention-2)"}.get(value or "", "the model's own")
+
+
 PARAMS_OFFLOAD_NEEDS_FSDP = ("--offload params is FSDP2's CPUOffloadPolicy, for sharded steps: use it with "
                              "`batchfit plan --strategies fsdp`; on one GPU use --offload activations")
 
@@ -225,6 +249,11 @@ class Workload:
     """(model, batch) -> (hidden states before the output head [B, T, H], the head's weight [V, H],
     the targets [B, T], -100 where ignored), what ``--loss chunked:N`` and ``--loss fused-linear``
     need (``train/losses.py``); the zoo's Transformer LMs and HF causal LMs have it."""
+    attention: str | None = None
+    """The attention implementation the model is built with (one of :data:`ATTENTIONS`): for hf:
+    the config's ``attn_implementation``, else sdpa where transformers' class supports it
+    (``_supports_sdpa``), else eager; None: a model with its own attention code, which
+    ``StepOptions.attention`` cannot change."""
 
     def batch_multiple(self, multiple_of: int = 1) -> int:
         """The granularity of batch sizes: ``multiple_of`` and the group size, both."""
@@ -276,6 +305,9 @@ class StepOptions:
     on real ones): balanced (tokens x top_k / experts each), capacity:F (filled to a capacity of
     ceil(F x tokens x top_k / experts) in turn, the rest dropped) or worst (every token to the same
     top_k experts). No effect on a dense model."""
+    attention: str | None = None
+    """A transformers model's attention implementation (:data:`ATTENTIONS`): eager, sdpa or flash;
+    None: the Workload's (``Workload.attention``). Engines name the one used in every output."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names to freeze (no grad, no optimizer state)."""
     trainable: tuple[str, ...] = ()
@@ -306,6 +338,7 @@ class StepOptions:
                               f"{self.quantize} makes them bitsandbytes ones: use one of them (QLoRA: --precision bf16-mixed)")
         check_memory_budget(self.memory_budget, self.compile)
         check_routing(self.routing)
+        check_attention(self.attention)
         if self.accumulation_steps < 1:
             raise OptionError(
                 f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"
@@ -330,6 +363,11 @@ class StepOptions:
     def offloads(self, part: str) -> bool:
         """Whether ``part`` (one of :data:`OFFLOAD_PARTS`) moves to host memory."""
         return part in self.offload.split("+")
+
+    def with_attention_of(self, workload: Workload) -> StepOptions:
+        """These options with the attention implementation named: the one asked for, else the
+        workload's (what every output shows; None where the model has its own attention)."""
+        return self if self.attention is not None else replace(self, attention=workload.attention)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -312,7 +312,7 @@ def _hints(rows: list[BenchRow], leak: Leak | None, points: list[dict]) -> list[
 def bench(workload: Workload, *, target: Target, options: StepOptions | None = None, batch_sizes: list[int],
           steps: int = 10, warmup: int = 3, leak_check_steps: int | None = None,
           progress: Callable[[str], None] | None = None) -> BenchResult:
-    options = options or StepOptions()
+    options = (options or StepOptions()).with_attention_of(workload)  # named in every output
     say = progress or (lambda message: None)
     group = workload.batch_multiple()
     bad = [b for b in batch_sizes if b < 1 or b % group]

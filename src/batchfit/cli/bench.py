@@ -15,7 +15,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  check_outputs, command_target, flag, handle_errors, out_option,
                                  parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
+from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, AttentionOpt, RoutingOpt, say_attention, QuantizeOpt
 from batchfit.cli.trainer import TrainerOpt, merged_options, merged_seq_len, print_mapping, read_trainer
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
@@ -49,6 +49,7 @@ def bench_command(
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
     routing: RoutingOpt = "balanced",
+    attention: AttentionOpt = None,
     quantize: QuantizeOpt = "none",
     lora: LoraOpt = "none",
     compile_: CompileOpt = "none",
@@ -78,7 +79,7 @@ def bench_command(
     target = command_target(gpu, gpu_memory, device)
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
                            quantize=quantize, lora=lora, memory_budget=memory_budget,
-                           routing=routing)
+                           routing=routing, attention=attention)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)
     warn_about_precision(target, options.precision)  # after StepOptions refused an unknown precision
@@ -105,6 +106,7 @@ def bench_command(
 
 def _print_summary(result, console, report_path: Path) -> None:
     console.print(f"[bold]{escape(result.workload)} on {escape(result.target.spec)}, {result.options.precision}[/]")
+    say_attention(result.options, console)
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)  # 80 columns hold the figures whole (see plan)
     for column in ("batch", "status", "step s", "tokens/s", "MFU", "alloc\nGiB", "reserved\nGiB", "source"):
         table.add_column(column, justify="left" if column in ("status", "source") else "right",

@@ -25,7 +25,7 @@ from batchfit.report.write import StagedFiles, staged_files, write_text_atomic
 from batchfit.specs import SPEC_HELP
 from batchfit.search import MAX_BATCH_SIZE
 from batchfit.targets import DEVICE_HELP, Target, resolve_target
-from batchfit.workload import StepOptions
+from batchfit.workload import StepOptions, attention_words
 
 T = TypeVar("T")
 err = Console(stderr=True)
@@ -126,6 +126,11 @@ RoutingOpt = Annotated[str, typer.Option(help="MoE routing assumed on fake tenso
                                               "each), capacity:F (experts filled to ceil(F x tokens x top_k / experts) "
                                               "in turn, the rest dropped) or worst (every token to the same top_k "
                                               "experts: the bound). Named in every output.")]
+AttentionOpt = Annotated[str | None, typer.Option(help="A transformers model's attention: eager (holds the [B, H, T, T] "
+                                                    "scores), sdpa (torch's fused kernels) or flash (flash_attn's "
+                                                    "FlashAttention-2: fp16/bf16, traced as its kernel saves). Default: the config's "
+                                                    "attn_implementation, else sdpa where the family supports it, "
+                                                    "else eager. Named in every output.", show_default=False)]
 
 
 def parse_host_memory(text: str | None) -> int | None:
@@ -164,7 +169,7 @@ def step_options(precision: str, optimizer: str | None, checkpointing: str, free
                  train_only: list[str] | None, accumulation_steps: int, compile: str = "none",
                  loss: str = "plain", offload: str = "none", *, quantize: str = "none",
                  lora: str = "none", memory_budget: float | None = None,
-                 routing: str = "balanced") -> StepOptions:
+                 routing: str = "balanced", attention: str | None = None) -> StepOptions:
     if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
         raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
@@ -173,13 +178,20 @@ def step_options(precision: str, optimizer: str | None, checkpointing: str, free
                        frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
                        accumulation_steps=accumulation_steps, compile=compile, loss=loss,
                        offload=offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
-                       routing=routing)
+                       routing=routing, attention=attention)
 
 
 def warn_about_approximations(result) -> None:
     """One warning line per approximation a traced result carries (``trace/approximation.py``)."""
     for approximation in getattr(result, "approximations", []):
         err.print(f"[yellow]warning: approximated:[/] {escape(approximation.line())}", soft_wrap=True)
+
+
+def say_attention(options: StepOptions, console: Console) -> None:
+    """The attention implementation the step ran (``StepOptions.with_attention_of``), one line; none for
+    a model whose attention is its own code."""
+    if options.attention is not None:
+        console.print(f"attention: {escape(attention_words(options.attention))}", soft_wrap=True, highlight=False)
 
 
 def warn_about_precision(target: Target, precision: str) -> None:
@@ -282,12 +294,13 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
     parts = [command, workload, target.spec.removeprefix("virtual:")]
     if seq_len:
         parts.append(f"seq{seq_len}")
-    for name in ("precision", "optimizer", "checkpointing", "compile", "loss", "tp_loss", "offload", "routing"):
+    for name in ("precision", "optimizer", "checkpointing", "compile", "loss", "tp_loss", "offload", "routing",
+                 "attention"):
         value = getattr(options, name)
         if value != getattr(default, name):
             parts.append({"checkpointing": f"ckpt-{value}", "compile": f"compile-{value}",
                           "loss": f"loss-{value}", "tp_loss": f"tp-loss-{value}", "offload": f"offload-{value}",
-                          "routing": f"routing-{value}"}.get(name, str(value)))
+                          "routing": f"routing-{value}", "attention": f"attn-{value}"}.get(name, str(value)))
     if options.memory_budget is not None:
         parts.append(f"budget{options.memory_budget:g}")
     if options.accumulation_steps != 1:

@@ -14,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
                                  report_folder, step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt,
+from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, AttentionOpt, RoutingOpt, say_attention, QuantizeOpt,
                                  parse_host_memory, warn_about_approximations)
 from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, merged_batch_sizes,
                                   merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
@@ -55,6 +55,7 @@ def estimate_command(
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
     routing: RoutingOpt = "balanced",
+    attention: AttentionOpt = None,
     host_memory: HostMemoryOpt = None,
     quantize: QuantizeOpt = "none",
     lora: LoraOpt = "none",
@@ -96,7 +97,7 @@ def estimate_command(
     device = target.device
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
                            quantize=quantize, lora=lora, memory_budget=memory_budget,
-                           routing=routing)
+                           routing=routing, attention=attention)
     host_memory_bytes = parse_host_memory(host_memory)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)
@@ -133,6 +134,7 @@ def estimate_command(
 def _print_summary(result, console, report_path: Path) -> None:
     console.print(f"[bold]{escape(result.workload)} on {escape(result.device.display_name)}, "
                   f"{result.options.precision} (traced)[/]")
+    say_attention(result.options, console)
     table = Table()
     for column in ("batch", "peak GiB", "fits", "peak in"):
         table.add_column(column, justify="right" if column != "peak in" else "left")

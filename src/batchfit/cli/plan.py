@@ -17,7 +17,7 @@ from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemo
                                  check_outputs, command_target, handle_errors, out_option, parse_batch_sizes,
                                  progress_line, quiet_if_stdout, report_folder, step_options, warn_about_precision,
                                  write_outputs)
-from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, parse_host_memory,
+from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, AttentionOpt, RoutingOpt, say_attention, parse_host_memory,
                                  warn_about_approximations)
 from batchfit.cli.torchtitan import (print_torchtitan, read_torchtitan, torchtitan_approximation, torchtitan_defaults,
                                      torchtitan_section)
@@ -81,6 +81,7 @@ def plan_command(
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
     routing: RoutingOpt = "balanced",
+    attention: AttentionOpt = None,
     host_memory: HostMemoryOpt = None,
     compile_: CompileOpt = "none",
     tp_loss: Annotated[str, typer.Option(help="Under tp<N> / fsdp+tp<N>: sharded (the logits stay split by the "
@@ -155,7 +156,7 @@ def plan_command(
             global_batch=global_batch, precision=precision, compile_=compile_, checkpointing=checkpointing,
             batch_sizes=sizes)
     options = merged_options(step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss,
-                                          offload, memory_budget=memory_budget, routing=routing), door, accumulation=False)  # the plan picks the accumulation
+                                          offload, memory_budget=memory_budget, routing=routing, attention=attention), door, accumulation=False)  # the plan picks the accumulation
     options = dataclasses.replace(options, tp_loss=tp_loss)
     host_memory_bytes = parse_host_memory(host_memory)
     seq_len = merged_seq_len(seq_len, door)
@@ -246,6 +247,7 @@ def _emit_path(text: str) -> str:
 def _print_summary(result, console, report_path: Path, written: list[Path]) -> None:
     console.print(f"[bold]{escape(result.workload)} on {escape(result.device.display_name)}, "
                   f"{result.options.precision} (memory traced, time computed)[/]")
+    say_attention(result.options, console)
     console.print("memory: " + ("reserved (rank 0's fresh process replayed through the caching allocator model: "
                                 "what a GPU runs out of)" if result.limit == "reserved"
                                 else "allocated (tensors only; --limit reserved for what a GPU runs out of)"))

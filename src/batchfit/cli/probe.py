@@ -14,7 +14,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target, flag,
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
+from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, AttentionOpt, RoutingOpt, say_attention, QuantizeOpt
 from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, merged_options, merged_seq_len,
                                   parse_trainer_emit, print_answer, print_mapping, read_trainer,
                                   trainer_outputs)
@@ -54,6 +54,7 @@ def probe_command(
     loss: LossOpt = "plain",
     offload: OffloadOpt = "none",
     routing: RoutingOpt = "balanced",
+    attention: AttentionOpt = None,
     quantize: QuantizeOpt = "none",
     lora: LoraOpt = "none",
     compile_: CompileOpt = "none",
@@ -94,7 +95,7 @@ def probe_command(
     max_batch = DEFAULT_MAX if max_batch is None else max_batch
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
                            quantize=quantize, lora=lora, memory_budget=memory_budget,
-                           routing=routing)
+                           routing=routing, attention=attention)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)
     if door is not None and global_batch is None:  # the args' global batch, per device
@@ -138,6 +139,7 @@ def probe_command(
 def _print_summary(result, console, report_path: Path) -> None:
     console.print(f"[bold]{escape(result.workload)}: probes on {escape(result.target.spec)}, "
                   f"{result.options.precision} ({result.policy})[/]")
+    say_attention(result.options, console)
     table = Table()
     for column in ("#", "batch", "status", "peak alloc GiB", "error"):
         table.add_column(column, justify="right" if column in ("#", "batch", "peak alloc GiB") else "left")

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchfit.errors import OptionError
+from batchfit.workload import HF_ATTENTION
 from batchfit.integrations.trainer_fields import (MEMORY_FIELDS_NOT_MAPPED, NO_MEMORY, OPTIMIZERS_BY_OPTIM,
                                                   OUTSIDE_THE_STEP, FieldUse, TrainerMapping, _plain, args_to_dict)
 
@@ -318,8 +319,12 @@ class Mapper:
                 self.skip(name, "the checkpoint's own dtype (bf16 for most recent LLMs) cannot be read from the "
                           "args: give --precision bf16 if it is bf16", value)
             elif key == "attn_implementation":
-                self.skip(name, "the attention kernel is traced as the model spec's (SDPA's memory-efficient or "
-                          "flash kernel on a GPU)", value)
+                ours = next((k for k, v in HF_ATTENTION.items() if v == value), None)
+                if ours is None:
+                    self.skip(name, f"batchfit traces eager, sdpa and flash_attention_2, not {value!r}; the model "
+                              "spec's attention is traced", value)
+                else:
+                    self.set_step("attention", ours, name, "the model's attn_implementation", shown=value)
             else:
                 self.skip(name, "a from_pretrained setting batchfit does not read", _plain(value))
         return quantization

@@ -37,7 +37,8 @@ except ImportError as error:  # say what to install, not just what is missing
 from batchfit.integrations.elastic_split import GlobalBatchPlan, fake_copy, plan_global_batch, same_optimizer
 from batchfit.errors import OptionError
 from batchfit.integrations.trainer_args import from_training_arguments, traced_in_a_trainer
-from batchfit.workload import StepOptions, Workload
+from batchfit.train.attention import attention_of
+from batchfit.workload import ATTENTIONS, StepOptions, Workload
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,10 @@ def hf_model_workload(model: nn.Module, seq_len: int, optimizer=None) -> Workloa
 
     name = type(model).__name__
     extra = {"build_optimizer": optimizer} if optimizer is not None else {}
+    attention = attention_of(model)  # the user's model's own, named in every output (flex & co.: traced as they are)
     return Workload(name=name, build_model=fake_copy(model), make_batch=make_batch, loss_fn=loss_fn,
-                    tokens_per_sample=seq_len, description=f"{name}, seq {seq_len}", **extra)
+                    tokens_per_sample=seq_len, description=f"{name}, seq {seq_len}",
+                    attention=attention if attention in ATTENTIONS else None, **extra)
 
 
 @dataclass

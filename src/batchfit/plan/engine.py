@@ -247,7 +247,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     ``candidates.ModelFacts``, default read from the model built on the meta device); each pp<N>
     searches multiples of its own micro-batches; those that cannot apply are rows with ``skipped``.
     """
-    options = options or StepOptions()
+    options = (options or StepOptions()).with_attention_of(workload)  # named in every output
     time_model = time_model or TimeModel()
     _validate(target_util, multiple_of, max_batch, batch_sizes, global_batch, limit)
     tokens_asked = tokens if isinstance(tokens, str) else None
@@ -302,7 +302,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     say = progress or (lambda message: None)
     started = time.perf_counter()
     from batchfit.distributed.zero import zero_approximations  # torch: when a plan runs
-    from batchfit.trace.approximation import offload_approximations
+    from batchfit.trace.approximation import attention_approximations, offload_approximations
     from batchfit.trace.compiled import plan_compile_approximations, sharded_eager_reason, sharded_traces_compiled
     from batchfit.trace.cuda_float8 import float8_approximations
     from batchfit.trace.hf_packing import batch_passes_position_ids, packing_approximation
@@ -317,6 +317,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     approximations += workload_routing_approximation(
         workload, options, expert_parallel=bool(every) and all(getattr(s, "ep", 1) > 1 for s in every))
     approximations += offload_approximations(options.offload, options.compile)
+    approximations += attention_approximations(options.attention)
     approximations += packing_approximation(int(batch_passes_position_ids(workload)))
     approximations += zero_approximations([s for _, chosen in by_world for s in chosen])
     from batchfit.distributed.pipeline import pipeline_approximations

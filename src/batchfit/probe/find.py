@@ -210,7 +210,7 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
         raise OptionError(search.no_memory_limit("find_max_batch on a bare cpu target", "largest=N",
                                           "Target('cpu', get_device('t4-16gb'), 'cpu')"))
     largest = search.DEFAULT_MAX_BATCH if largest is None else largest
-    options = options or StepOptions()
+    options = (options or StepOptions()).with_attention_of(workload)  # named in every output
     search.check_probe_options(policy=policy, multiple_of=multiple_of, smallest=smallest, largest=largest,
                                steps=steps, target_util=target_util, global_batch=global_batch, limit=limit)
     multiple_of = workload.batch_multiple(multiple_of)

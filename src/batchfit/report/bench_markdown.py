@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from batchfit.report.markdown import gib
+from batchfit.workload import attention_words
 from batchfit.phases import PHASES
 from batchfit.tiers import TIERS
 
@@ -24,7 +25,8 @@ def bench_markdown(result, plot_name: str = "throughput.png") -> str:
              f"- Source: {source}. FLOPs are counted on the traced step (PyTorch's FlopCounterMode).",
              f"- {r.warmup} burn-in and {r.steps} timed steps per batch size" if kind != "virtual" else
              "- Each batch size traced in a fresh session (two steps, the second measured)",
-             f"- Model: {r.description}; precision {r.options.precision}, checkpointing {r.options.checkpointing}", "",
+             f"- Model: {r.description}; precision {r.options.precision}, checkpointing {r.options.checkpointing}"
+             + (f"; attention {attention_words(r.options.attention)}" if r.options.attention is not None else ""), "",
              f"![throughput and memory vs batch size]({plot_name})", "",
              "## By batch size", "",
              "| batch | status | step s (min–max) | samples/s | samples/min | tokens/s | TFLOP/step | MFU | "

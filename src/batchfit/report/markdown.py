@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from batchfit.devices import GiB, format_bytes
 from batchfit.report.host import host_line
+from batchfit.workload import attention_words
 
 KNOWN_LIMITS = """\
 - Traced on fake tensors with CUDA's rules mirrored: 512-byte allocation rounding, CUDA's
@@ -27,6 +28,12 @@ def approximation_lines(result) -> list[str]:
     """A warning line per approximation the result carries (``trace/approximation.py``), then a gap."""
     found = [f"> **Warning: approximated.** {a.line()}" for a in getattr(result, "approximations", [])]
     return [*found, ""] if found else []
+
+
+def attention_rows(options) -> list[str]:
+    """The configuration table's attention row (``StepOptions.attention``, named by the engine): none
+    for a model whose attention is its own code."""
+    return [f"| Attention | {attention_words(options.attention)} |"] if options.attention is not None else []
 
 
 def estimate_markdown(result, plot_name: str = "memory.png") -> str:
@@ -82,6 +89,7 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
         f"| Precision | {r.options.precision} |",
         f"| Optimizer | {r.options.optimizer or 'the workload’s (AdamW by default)'} |",
         f"| Activation checkpointing | {r.options.checkpointing} |",
+        *attention_rows(r.options),
         *([f"| Quantized base (bitsandbytes) | {r.options.quantize} |"] if r.options.quantize != "none" else []),
         *([f"| LoRA (PEFT) | {r.options.lora} |"] if r.options.lora != "none" else []),
         f"| Gradient accumulation | {r.options.accumulation_steps} micro-batches |",

@@ -9,7 +9,7 @@ from batchfit.plan.time_model import OVERLAP_RULE  # pure Python, no torch
 from batchfit.report import write_report
 from batchfit.report.write import StagedFiles, staged_files
 from batchfit.report.host import plan_host_line as host_line_for_plan
-from batchfit.report.markdown import approximation_lines, gib
+from batchfit.report.markdown import approximation_lines, attention_rows, gib
 from batchfit.report.plan_plots import plan_plot, ranking_plot
 
 KNOWN_LIMITS = """\
@@ -123,6 +123,7 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
               f"| Precision | {r.options.precision} |",
               f"| Optimizer | {r.options.optimizer or 'the workload’s (AdamW by default)'} |",
               f"| Activation checkpointing | {r.options.checkpointing} |",
+              *attention_rows(r.options),
               *_tp_loss_rows(r),
               f"| Frozen / train-only | {', '.join(r.options.frozen) or '—'} / {', '.join(r.options.trainable) or '—'} |",
               f"| GPU | {d.display_name}: {gib(d.total_bytes)} GiB total, {gib(d.context_bytes)} GiB CUDA context "

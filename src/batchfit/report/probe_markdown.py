@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batchfit.devices import format_bytes
-from batchfit.report.markdown import gib
+from batchfit.report.markdown import attention_rows, gib
 
 
 def _source(result) -> str:
@@ -63,6 +63,7 @@ def probe_markdown(result, plot_name: str = "memory.png") -> str:
               f"| Device | `{r.target.spec}`" + (f": {device_name}, {gib(r.target.device.total_bytes)} GiB total, "
                                                    f"{gib(capacity)} GiB usable |" if r.target.device else " |"),
               f"| Precision / checkpointing | {r.options.precision} / {r.options.checkpointing} |",
+              *attention_rows(r.options),
               f"| Batch sizes | {r.smallest} to {r.largest}, multiples of {r.multiple_of} |",
               f"| Torch | {r.torch_version} |", "",
               "## Search", "",

@@ -99,3 +99,17 @@ def quantize_approximations(quantize: str) -> list[Approximation]:
         may_differ_by="the int8 copy of each layer's input and its outlier columns (value-dependent), "
                       "not yet measured on a GPU; nf4/fp4 are traced as CUDA runs them",
         source="docs/tracing.md, QLoRA and 8-bit optimizers")]
+
+
+FLASH_TRACED = Approximation(
+    what="--attention flash traced with PyTorch's copy of the FlashAttention-2 kernel, not flash_attn's own",
+    may_differ_by="not measured against flash_attn on a GPU (no flash_attn where batchfit is tested); the saved "
+                  "tensors are the same kernel's (q, k, v, the output, an fp32 log-sum-exp per row, the RNG state); "
+                  "its backward's own scratch (an fp32 dq accumulator, with grouped-query attention dK/dV at Q's "
+                  "heads) is not counted, as for SDPA's fused kernels",
+    source="docs/tracing.md, Attention implementations")
+
+
+def attention_approximations(attention: str | None) -> list[Approximation]:
+    """What a traced step with ``--attention`` (``StepOptions.attention``) approximates: flash only."""
+    return [FLASH_TRACED] if attention == "flash" else []

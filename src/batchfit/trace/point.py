@@ -24,8 +24,8 @@ from batchfit.devices import Device
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided, reserved_search
 from batchfit.trace import depth, forked, repeats, stream
-from batchfit.trace.approximation import (Approximation, fast_path_approximations, offload_approximations,
-                                           quantize_approximations)
+from batchfit.trace.approximation import (Approximation, attention_approximations, fast_path_approximations,
+                                           offload_approximations, quantize_approximations)
 from batchfit.trace.compiled import (COMPILED_TRACED, MEMORY_BUDGET_TRACED, compile_approximations, graph_breaks,
                                      inductor_fallbacks)
 from batchfit.trace.hf_packing import packing_approximation
@@ -245,6 +245,7 @@ class TracedCurve:
         fast_path = (fast_path_approximations(session.step.model)
                      + float8_approximations(self.options, traced_compiled=session.compiled)
                      + offload_approximations(self.options.offload, self.options.compile)
+                     + attention_approximations(self.options.attention)
                      + quantize_approximations(self.options.quantize)
                      + routing_approximation(session.step.model, self.options.routing)
                      + packing_approximation(session.packing.assumed))

@@ -28,6 +28,10 @@ in ``trace/cuda_attention.py``: the aten op without its host-side seed and offse
 the trace would recompute the attention that a GPU keeps. A user's own policy that names
 ``aten._scaled_dot_product_efficient_attention`` does not see the tracer's op (a known limit,
 docs/tracing.md): on fp32 or masked attention it is traced as recomputed.
+
+A third, over transformers' MoE layers (``selective_context_fn``): the router's logits are kept
+and ``topk`` recomputed from them, the same routing, since HF's routers divide topk's output in
+place, which a cached tensor must not see.
 """
 
 from __future__ import annotations
@@ -111,11 +115,40 @@ def _force_recompute_shapes(block: nn.Module, base_fqn: str) -> set[torch.Size]:
     return shapes
 
 
+def _hf_router_shapes(block: nn.Module, base_fqn: str) -> set[torch.Size]:
+    """The mm RHS shapes (hidden, experts) of the routers of transformers' MoE layers in ``block``:
+    a 2-D ``weight`` of [experts, hidden] beside an experts module (an int ``num_experts`` and its
+    weights stacked in 3-D parameters, ``trace/routing.py: moe_experts``). torchtitan's own router
+    (FORCE_RECOMPUTE_MM_FQNS) is not one: it keeps torchtitan's rule."""
+    experts = set()
+    for module in block.modules():
+        count = getattr(module, "num_experts", None)
+        if isinstance(count, int) and any(p.dim() == 3 and p.shape[0] == count
+                                          for p in module.parameters(recurse=False)):
+            experts.add(count)
+    shapes = set()
+    for name, module in block.named_modules():
+        fqn = f"{base_fqn}.{name}" if name else base_fqn
+        weight = getattr(module, "weight", None)
+        if (isinstance(weight, nn.Parameter) and weight.dim() == 2 and weight.shape[0] in experts
+                and not any(f in fqn for f in FORCE_RECOMPUTE_MM_FQNS)):
+            shapes.add(torch.Size((weight.shape[1], weight.shape[0])))
+    return shapes
+
+
 def selective_context_fn(block: nn.Module, base_fqn: str = "") -> Callable[[], tuple]:
     """The ``context_fn`` of torchtitan's ``SelectiveAC`` for one block: a fresh mm counter
-    for each run of the block (forward and recomputation counted apart)."""
+    for each run of the block (forward and recomputation counted apart).
+
+    Over a transformers MoE layer, the routing is kept by saving the router's logits (its mm,
+    not counted as one of the block's) and recomputing ``topk`` from them, the same routing:
+    torchtitan keeps ``topk``'s output, which HF's routers then normalize in place
+    (``router_top_value /= ...``: Mixtral, Qwen3-MoE with norm_topk_prob), and a tensor that
+    selective checkpointing cached must not change ("Tensor cached during selective activation
+    checkpoint has been mutated", on a GPU as on fake tensors)."""
     saved = save_ops()
     recompute_shapes = _force_recompute_shapes(block, base_fqn)
+    router_shapes = _hf_router_shapes(block, base_fqn)
     aten = torch.ops.aten
     mm_ops = (aten.mm.default, aten.linear.default)
 
@@ -133,7 +166,11 @@ def selective_context_fn(block: nn.Module, base_fqn: str = "") -> Callable[[], t
                     shape = torch.Size((shape[1], shape[0]))
                 if shape in recompute_shapes:
                     return CheckpointPolicy.PREFER_RECOMPUTE
+                if shape in router_shapes:
+                    return CheckpointPolicy.MUST_SAVE  # the routing, recomputed from these logits
                 count[mode] += 1
+            if func == aten.topk.default and router_shapes:
+                return CheckpointPolicy.PREFER_RECOMPUTE  # HF's router mutates its output (see above)
             if func in saved:
                 if func in mm_ops and count[mode] % 2 == 0:
                     return CheckpointPolicy.PREFER_RECOMPUTE  # every second mm

@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from batchfit.errors import OptionError
 from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
+from batchfit.train.attention import set_attention
 from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
 from batchfit.train.float8 import convert_to_float8, precompute_scales_after_step
 from batchfit.train.losses import lm_loss, loss_context, tp_loss_of
@@ -192,6 +193,9 @@ class TrainingStep:
             model = workload.build_model()
         dtype = torch.bfloat16 if options.precision == "bf16" else None
         self.model = move_module(model, device, dtype)
+        # The attention implementation first: quantization and PEFT wrap the model it is set on.
+        set_attention(self.model, options.attention or workload.attention, device, fake=_is_fake(self.model),
+                      precision=options.precision)
         if options.quantize != "none" or options.lora != "none":
             # The base quantized by bitsandbytes and frozen, PEFT's adapters on top (train/quantize.py)
             from batchfit.train.quantize import apply_lora, quantize_model

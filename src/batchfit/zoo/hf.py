@@ -3,7 +3,9 @@
 ``hf:<name>`` uses the config numbers shipped below (copied from each model's public
 ``config.json``); ``hf:path/to/config.json`` reads a config file, and ``hf:path/to/folder``
 the folder's ``config.json`` (a downloaded model). The model is built with
-``AutoModelFor*.from_config`` and PyTorch's SDPA attention, as it trains on a GPU.
+``AutoModelFor*.from_config`` and the attention transformers gives its class: the config's
+``attn_implementation``, else PyTorch's SDPA where the class supports it (``_supports_sdpa``),
+else eager (Gemma 2); ``--attention`` (``StepOptions.attention``) sets another.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from batchfit.errors import ModelSpecError, OptionError
-from batchfit.workload import Workload
+from batchfit.workload import HF_ATTENTION, Workload
 
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
                max_position_embeddings=131072, hidden_act="silu", attention_bias=False)
@@ -159,16 +161,20 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
     config.use_cache = False
     masked = any("MaskedLM" in a for a in (getattr(config, "architectures", None) or []))
     seq2seq = bool(getattr(config, "is_encoder_decoder", False))  # T5, BART: the labels feed the decoder
+    auto = (transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForSeq2SeqLM if seq2seq
+            else transformers.AutoModelForCausalLM)
+    attention = _attention(config, auto, name)
+    if attention == "flash":  # set by the step (train/attention.py: flash_attn on a GPU, its saves when traced)
+        config._attn_implementation_internal = None
     max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq = seq_len or min(max_len or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
     if max_len and seq > max_len:
         raise ModelSpecError(f"--seq-len {seq} is longer than {name} allows ({max_len})")
-    auto = (transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForSeq2SeqLM if seq2seq
-            else transformers.AutoModelForCausalLM)
 
     def build_model() -> nn.Module:
         more = {"experts_implementation": experts} if experts else {}
-        model = auto.from_config(config, attn_implementation="sdpa", **more)
+        model = auto.from_config(config, attn_implementation=HF_ATTENTION[attention] if attention != "flash" else None,
+                                 **more)
         if not masked and not seq2seq:  # GPT-2's class name does not tell transformers which loss it uses
             model.loss_type = "ForCausalLM"
         return model
@@ -206,4 +212,19 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
     kind = "masked LM" if masked else "encoder-decoder LM (the labels are the decoder's sequence)" if seq2seq else "causal LM"
     return Workload(name=name, build_model=build_model, make_batch=make_batch, loss_fn=loss_fn,
                     tokens_per_sample=seq, description=f"transformers {model_type} {kind}, seq {seq}",
-                    lm_parts=lm_parts if head_is_plain else None)
+                    lm_parts=lm_parts if head_is_plain else None, attention=attention)
+
+
+def _attention(config, auto, name: str) -> str:
+    """The attention implementation the model is built with, in --attention's words: the config's
+    (``attn_implementation`` in config.json), else what transformers picks for the class: SDPA
+    where ``_supports_sdpa``, else eager (``PreTrainedModel.get_correct_attn_implementation``)."""
+    named = config._attn_implementation_internal
+    if named is None:
+        model_class = auto._model_mapping.get(type(config), None)
+        return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"
+    ours = next((key for key, value in HF_ATTENTION.items() if value == named), None)
+    if ours is None:
+        raise ModelSpecError(f"{name[3:]} names attn_implementation '{named}', which batchfit does not trace: "
+                             "set it to eager, sdpa or flash_attention_2 in the config")
+    return ours
