@@ -78,6 +78,8 @@ class ModelFacts:
     """Attention key/value heads (None: as many as ``heads``)."""
     tp_plan: bool = False
     """Whether a tensor-parallel plan applies (the workload's own ``parallelize`` or a shipped one)."""
+    tp_missing: str | None = None
+    """Why no shipped plan applies, when none does (``tp_plans.no_plan_reason``)."""
     experts: int | None = None
     """Routed experts of a mixture-of-experts model (for the ep component); None: a dense model."""
     loss: str = "plain"
@@ -181,8 +183,10 @@ def _hsdp_replicas(world: World) -> list[int]:
 
 def _tp_reason(facts: ModelFacts, tp: int) -> str | None:
     if not facts.tp_plan:
-        return (f"{facts.name} has no tensor-parallel plan (batchfit ships plans for its zoo transformers and HF "
-                "Llama / Qwen2 / Mistral / GPT-2 / BERT; a Workload can give its own parallelize)")
+        why = f": {facts.tp_missing}" if facts.tp_missing else ""
+        return (f"{facts.name} has no tensor-parallel plan{why} (batchfit ships plans for its zoo transformers, "
+                "GPT-2, BERT and HF models whose config has a base_model_tp_plan; a Workload can give its own "
+                "parallelize)")
     kv = facts.kv_heads or facts.heads
     if facts.heads is not None and (facts.heads % tp or kv % tp):
         return f"{facts.heads} query / {kv} key-value heads do not divide by {tp}"
@@ -288,7 +292,7 @@ def model_facts(workload, options=None) -> ModelFacts:
     """The facts the rules read, from ``workload``'s model built on the meta device (no memory)."""
     import torch
 
-    from batchfit.distributed.tp_plans import tp_plan
+    from batchfit.distributed.tp_plans import no_plan_reason, tp_plan
 
     try:
         with torch.device("meta"):
@@ -305,6 +309,7 @@ def model_facts(workload, options=None) -> ModelFacts:
     experts = next((getattr(cfg, k) for k in ("n_experts", "num_experts", "num_local_experts", "n_routed_experts")
                     if isinstance(getattr(cfg, k, None), int)), None)
     has_plan = workload.parallelize is not None or tp_plan(model) is not None
+    tp_missing = None if has_plan else no_plan_reason(model)
     return ModelFacts(name=workload.name, n_layers=n_layers, heads=heads if isinstance(heads, int) else None,
-                      kv_heads=kv if isinstance(kv, int) else None, tp_plan=has_plan, experts=experts,
-                      loss=getattr(options, "loss", "plain") or "plain")
+                      kv_heads=kv if isinstance(kv, int) else None, tp_plan=has_plan, tp_missing=tp_missing,
+                      experts=experts, loss=getattr(options, "loss", "plain") or "plain")
