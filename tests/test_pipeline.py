@@ -97,16 +97,22 @@ def _key(name: str, checkpointing: str) -> str:
 
 
 def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatches: int = MICROBATCHES,
-               runs: tuple[tuple[str, str], ...] = RUNS, n_layers: int = CFG.n_layers) -> None:
+               runs: tuple[tuple[str, str], ...] = RUNS, n_layers: int = CFG.n_layers,
+               hf_config: str | None = None) -> None:
     """Rank ``rank`` of a real ``world``-rank pipeline: its peak per (schedule, checkpointing) in
-    peaks<rank>.json, and the compute order torch's runtime ran (multi-stage schedules)."""
+    peaks<rank>.json, and the compute order torch's runtime ran (multi-stage schedules). With
+    ``hf_config`` (a config.json path) the model is that HF causal LM (``tests/test_pipeline_hf.py``),
+    its loss the causal LM's own."""
     import dataclasses
 
     from cpu_truth import agreed_profiled_peak
     from torch.distributed.pipelining import PipelineStage
 
     from batchfit.distributed.pipeline import build_rank
+    from batchfit.distributed.pipeline_hf import hf_stage_loss
+    from batchfit.distributed.pipeline_run import stage_batch
     from batchfit.distributed.pp_schedules import parse_schedule, rank_stages
+    from batchfit.zoo.hf import hf_workload
 
     join_gloo(rank, world, port, timeout_s=120)
     peaks, orders = {}, {}
@@ -114,7 +120,7 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatc
         schedule = parse_schedule(name, microbatches)
         n_stages = world * schedule.virtual
         indices = rank_stages(schedule, world, rank)
-        base = tiny_workload(n_layers)
+        base = tiny_workload(n_layers) if hf_config is None else hf_workload(hf_config, seq_len=CFG.seq_len)
         workload = dataclasses.replace(base, build_model=lambda: build_rank(base.build_model, n_stages, indices,
                                                                             checkpointing))
         torch.manual_seed(0)
@@ -122,11 +128,13 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatc
         stages = [PipelineStage(module, s, n_stages, torch.device("cpu"))
                   for module, s in zip(step.model.stages, step.model.stage_indices)]
 
-        def loss_fn(logits, y):
+        def loss_fn(logits, y, _stage=step.model.stages[0]):
+            if hf_config is not None:  # the causal LM's own loss (each stage module is the causal LM, cut)
+                return hf_stage_loss(_stage, logits, y)
             return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
         runtime = _real_schedule(name, stages, microbatches, loss_fn=loss_fn)
-        x, y = workload.make_batch(MICRO * microbatches, torch.device("cpu"))
+        x, y = stage_batch(workload.make_batch(MICRO * microbatches, torch.device("cpu")))
         x = x if 0 in indices else None
         y = y if n_stages - 1 in indices else None
 
@@ -149,11 +157,13 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatc
     dist.destroy_process_group()
 
 
-def _measure(tmp_path_factory, runs: tuple[tuple[str, str], ...]) -> dict:
+def _measure(tmp_path_factory, runs: tuple[tuple[str, str], ...], *, n_layers: int = CFG.n_layers,
+             hf_config: str | None = None) -> dict:
     path = tmp_path_factory.mktemp("pp-gloo")
     for rank in range(WORLD):
         (path / str(rank)).mkdir()
-    spawn_profiled_gloo(_gloo_main, lambda port: (port, str(path), WORLD, MICROBATCHES, runs), nprocs=WORLD)
+    spawn_profiled_gloo(_gloo_main, lambda port: (port, str(path), WORLD, MICROBATCHES, runs, n_layers, hf_config),
+                        nprocs=WORLD)
     return {rank: json.loads((path / f"peaks{rank}.json").read_text()) for rank in range(WORLD)}
 
 

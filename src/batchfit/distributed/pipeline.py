@@ -7,7 +7,8 @@ What is mirrored, and from where (torch 2.13, ``torch/distributed/pipelining``):
   ``torchtitan/distributed/pipeline_parallel.py``, with ``pipeline_parallel_first_stage_less_layers``
   and ``..._last_stage_less_layers`` at 0): stage s keeps blocks [s*L/S, (s+1)*L/S); the
   embeddings sit on the first stage, the final norm and the head on the last; a stage without
-  them passes hidden states on. Which stages a rank holds is the schedule's
+  them passes hidden states on (an HF causal LM is cut by its config's own ``base_model_pp_plan``:
+  ``pipeline_hf.py``). Which stages a rank holds is the schedule's
   (``pp_schedules.rank_stages``: looped, or V-shaped for zbv / dualpipev).
 - The order each rank runs its actions in is torch's (``pp_schedules.rank_actions``); the step
   that runs them, with ``PipelineStage``'s buffers, is ``pipeline_run.PipelineRun``.
@@ -29,16 +30,35 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-def _blocks_of(model: nn.Module) -> nn.ModuleList:
+def _zoo_blocks(model: nn.Module) -> nn.ModuleList | None:
     blocks = getattr(model, "blocks", None)
-    if blocks is None or not all(hasattr(model, a) for a in ("embed", "norm", "head")):
-        raise OptionError(f"pipeline parallelism needs a model with embed, blocks, norm and head (batchfit's "
-                          f"zoo transformers); {type(model).__name__} has no such split yet: use fsdp / tp strategies")
-    return blocks
+    return blocks if blocks is not None and all(hasattr(model, a) for a in ("embed", "norm", "head")) else None
+
+
+def pipeline_layers(model: nn.Module) -> int | None:
+    """The blocks a pipeline splits: a zoo transformer's, or an HF causal LM's ``layers`` (its config's
+    ``base_model_pp_plan``, ``pipeline_hf.py``); None when the model has no such split."""
+    from batchfit.distributed.pipeline_hf import hf_layers
+
+    blocks = _zoo_blocks(model)
+    blocks = blocks if blocks is not None else hf_layers(model)
+    return None if blocks is None else len(blocks)
 
 
 def n_layers_of(model: nn.Module) -> int:
-    return len(_blocks_of(model))
+    n = pipeline_layers(model)
+    if n is None:
+        raise OptionError(f"pipeline parallelism needs a model with embed, blocks, norm and head (batchfit's "
+                          f"zoo transformers) or an HF causal LM whose config has a base_model_pp_plan; "
+                          f"{type(model).__name__} has neither: use fsdp / tp strategies")
+    return n
+
+
+def hidden_size_of(model: nn.Module) -> int:
+    """The width of the hidden state a stage sends."""
+    from batchfit.distributed.pipeline_hf import hidden_size
+
+    return model.embed.embedding_dim if _zoo_blocks(model) is not None else hidden_size(model)
 
 
 def _stage_forward(self, x):
@@ -61,10 +81,16 @@ def _stage_forward(self, x):
 
 
 def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
-    """Stage ``stage`` of ``stages`` of ``model``, in place (torchtitan's pipeline_module_split)."""
+    """Stage ``stage`` of ``stages`` of ``model``, in place (torchtitan's pipeline_module_split); an HF
+    causal LM by its own ``base_model_pp_plan`` (``pipeline_hf.split_hf_stage``)."""
     from torch import nn
 
-    blocks = _blocks_of(model)
+    from batchfit.distributed.pipeline_hf import split_hf_stage
+
+    n_layers_of(model)  # refuses a model with no split
+    blocks = _zoo_blocks(model)
+    if blocks is None:
+        return split_hf_stage(model, stage, stages)
     per = len(blocks) // stages
     model.blocks = nn.ModuleList(list(blocks)[stage * per:(stage + 1) * per])
     if stage > 0:
@@ -143,13 +169,34 @@ def reduce_grad(module) -> None:
     state._root_post_backward_final_callback()
 
 
-def pipeline_approximations(strategies) -> list:
+def _tied_hf_head(workload) -> bool:
+    """Whether ``workload``'s model is an HF causal LM whose head is tied to its embedding (built on meta)."""
+    import torch
+
+    from batchfit.distributed.pipeline_hf import pp_parts
+
+    try:
+        with torch.device("meta"):
+            model = workload.build_model()
+    except Exception:  # the sessions say why a model does not build
+        return False
+    return pp_parts(model) is not None and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def pipeline_approximations(strategies, workload=None) -> list:
     """What a plan with pp<N> strategies says in every output: how a pipeline rank was traced."""
     from batchfit.trace.approximation import Approximation
 
     pipelined = [s for s in strategies if getattr(s, "pp", 1) > 1]
     if not pipelined:
         return []
+    tied = [Approximation(
+        what="the HF model's head is tied to its embedding: under pp<N> the first stage holds the embedding and the "
+             "last the head, each its own copy (as transformers' pipeline split keeps them); the all-reduce that sums "
+             "their gradients between the two ranks is neither traced nor timed",
+        may_differ_by="one all-reduce of vocabulary x hidden elements per step (time only: NCCL works in place)",
+        source="distributed/pipeline_hf.py; docs/tracing.md, Pipeline parallelism")] if (
+        workload is not None and _tied_hf_head(workload)) else []
     names = sorted({f"{s.name} ({s.pp_schedule})" for s in pipelined})
     dualpipe = any(s.pp_schedule == "dualpipev" for s in pipelined)
     return [Approximation(
@@ -165,4 +212,4 @@ def pipeline_approximations(strategies) -> list:
         may_differ_by="on gloo (2 and 4 ranks, tests/test_pipeline.py, benchmarks/pp_gloo.py): every rank within "
                       "90 B for each schedule, with and without full activation checkpointing; NCCL's P2P staging "
                       "buffers (outside the caching allocator) are not counted",
-        source="tests/test_pipeline.py; benchmarks/pp_gloo.py; docs/tracing.md, Pipeline parallelism")]
+        source="tests/test_pipeline.py; benchmarks/pp_gloo.py; docs/tracing.md, Pipeline parallelism")] + tied

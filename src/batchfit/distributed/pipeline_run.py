@@ -41,10 +41,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from batchfit.distributed.pipeline import backward_sync, reduce_grad
+from batchfit.distributed.pipeline_hf import hf_stage_loss, is_hf_stage
 from batchfit.errors import OptionError
 
 if TYPE_CHECKING:
     import torch
+
+
+def stage_batch(batch) -> list:
+    """A workload's batch as [the first stage's input, what the last stage's loss reads...]: a zoo
+    batch (inputs, targets) as it is; an HF batch {input_ids, labels} as [input_ids, labels]. An HF
+    batch with more (its own position ids or attention mask) is refused: torch's schedules hand
+    inputs to the first stage only, so the later stages would not see them."""
+    if not isinstance(batch, dict):
+        return list(batch)
+    if set(batch) != {"input_ids", "labels"}:
+        raise OptionError(f"pipeline parallelism on an HF model traces batches of input_ids and labels; this batch "
+                          f"has {', '.join(sorted(batch))} (torch's schedules give inputs to the first stage "
+                          "only): make_batch must return input_ids and labels alone, or use fsdp / tp strategies")
+    return [batch["input_ids"], batch["labels"]]
 
 
 class PipelineRun:
@@ -99,7 +114,7 @@ class PipelineRun:
             # The first stage reads the inputs, the last the targets: each rank keeps only its own.
             batch = None
             if first or last:
-                batch = list(step.workload.make_batch(batch_size, step.device))
+                batch = stage_batch(step.workload.make_batch(batch_size, step.device))
                 batch[0] = batch[0] if first else None
                 batch[1:] = batch[1:] if last else [None] * (len(batch) - 1)
             self.parts = ([tuple(None if t is None else t.tensor_split(self.m)[i] for t in batch)
@@ -151,7 +166,10 @@ class PipelineRun:
                 # The schedule computes the loss from the stage's output, which fwd_cache keeps
                 # until this micro-batch's backward (the logits, not only the loss).
                 logits = out
-                loss = step.loss_fn(lambda _inputs: logits, (x, *self.parts[mb][1:])) / self.m
+                if is_hf_stage(module):  # the causal LM's own loss from its labels
+                    loss = hf_stage_loss(module, logits, self.parts[mb][1]) / self.m
+                else:
+                    loss = step.loss_fn(lambda _inputs: logits, (x, *self.parts[mb][1:])) / self.m
                 out = (loss, logits)
                 del logits, loss
         self.cache[(s, mb)] = (out, x)

@@ -375,8 +375,11 @@ def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, prec
         raise OptionError(f"--offload params is FSDP2's CPUOffloadPolicy: {strategy.name} has no FSDP; use "
                           "--strategies fsdp (or hsdp<R>, fsdp+tp<N>), or --offload activations")
     if strategy.tp > 1 and parallelize is None:
-        raise OptionError(f"{strategy.name}: {type(model).__name__} has no tensor-parallel plan: give the "
-                          "Workload a parallelize(model, mesh) function, or pick ddp / fsdp")
+        from batchfit.distributed.tp_plans import no_plan_reason
+
+        raise OptionError(f"{strategy.name}: {type(model).__name__} has no tensor-parallel plan "
+                          f"({no_plan_reason(model)}): give the Workload a parallelize(model, mesh) function, "
+                          "or pick ddp / fsdp")
     if strategy.ep > 1:  # before TP: the MoE TP plan leaves the expert-parallel experts to their own mesh
         from batchfit.distributed.expert_parallel import apply_expert_parallel
 

@@ -1,8 +1,10 @@
 """Tensor-parallel plans: which linear layers split by columns, which by rows, per architecture
-(the HF mixture-of-experts decoders', beside expert parallelism: ``tp_plans_moe.py``).
+(the HF mixture-of-experts decoders', beside expert parallelism: ``tp_plans_moe.py``; any other HF
+model's own ``base_model_tp_plan``: ``tp_plans_hf.py``).
 
 A plan is ``parallelize(model, tp_mesh) -> model``, applied with PyTorch's DTensor
-``parallelize_module``. Decoder LMs (the zoo's transformers, HF Llama, Qwen2, Mistral) get the
+``parallelize_module``. Decoder LMs (the zoo's transformers, HF Llama, Qwen2/3, Mistral, Granite,
+Gemma) get the
 plan of PyTorch's Llama example (``pytorch/examples/distributed/tensor_parallelism``, as in
 torchtitan): in each block q/k/v and gate/up split by columns, o and down by rows, the norms
 sequence-parallel (the residual stream between blocks holds 1/N of the sequence), the token
@@ -40,12 +42,20 @@ import functools
 import torch
 from torch import nn
 
+from batchfit.distributed.tp_plans_hf import hf_own_plan, hf_plan_refusal
 from batchfit.distributed.tp_pieces import (Parallelize, check_heads, head_style, hf_attention_plan,
                                              hf_dense_mlp_plan, hf_root_plan, replicate_rest, styles)
 from batchfit.train.losses import TP_LOSS_ATTR
 from batchfit.workload import check_tp_loss
 
-DECODER_TYPES = ("llama", "qwen2", "mistral")
+DECODER_TYPES = ("llama", "qwen2", "mistral", "qwen3", "granite", "gemma")
+"""HF decoders whose layers are Llama's module tree (input_layernorm, self_attn.{q,k,v,o}_proj,
+post_attention_layernorm, mlp.{gate,up,down}_proj; Qwen3's per-head q/k norms besides): the hand
+plan below, kept over their own ``base_model_tp_plan`` (``tp_plans_hf.py``) because it adds
+sequence parallelism (the norms and the residual stream between blocks hold 1/tp of the sequence),
+which transformers' plans lack; Granite's and Gemma's scalar multipliers act on DTensors as on
+tensors. Gemma 2/3, OLMo 2 and Phi-3 are not this tree (extra norms around the attention and MLP,
+norms over every head, fused projections): their own plan."""
 
 
 def _zoo_transformer(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
@@ -90,7 +100,7 @@ def _zoo_transformer(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Mod
 
 
 def _hf_decoder(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
-    """HF LlamaForCausalLM and its relatives (Qwen2, Mistral): separate q/k/v and gate/up."""
+    """HF LlamaForCausalLM and its relatives (``DECODER_TYPES``): separate q/k/v and gate/up."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     hf_root_plan(model, mesh, loss)
@@ -171,4 +181,19 @@ def tp_plan(model: nn.Module, loss: str = "sharded") -> Parallelize | None:
             plan = _hf_gpt2
         elif model_type == "bert" and hasattr(model, "bert"):
             plan = _hf_bert
+        elif own_plan_applies(model):
+            plan = hf_own_plan
     return functools.partial(plan, loss=loss) if plan is not None else None
+
+
+def own_plan_applies(model: nn.Module) -> bool:
+    """Whether an HF causal LM without a hand plan has its own ``base_model_tp_plan`` that is traced here."""
+    return (getattr(getattr(model, "config", None), "base_model_tp_plan", None) is not None
+            and hasattr(model, "get_output_embeddings") and hf_plan_refusal(model) is None)
+
+
+def no_plan_reason(model: nn.Module) -> str:
+    """Why ``tp_plan(model)`` is None, in a few words (the refusals name it)."""
+    if getattr(getattr(model, "config", None), "base_model_tp_plan", None) and hasattr(model, "get_output_embeddings"):
+        return hf_plan_refusal(model) or "its own tp plan does not apply"
+    return "no shipped plan and no base_model_tp_plan in its config"

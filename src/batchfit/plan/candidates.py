@@ -11,7 +11,8 @@ borrows from dp when those branches add them: see :data:`EXTRA_COMPONENTS`) and 
 data-parallel wrap of the dp ranks. Rules:
 
 - **pp<N>** (``plan/pipeline.py``): N in 2..MAX_AUTO_PP dividing the GPUs; only a model with
-  embed / blocks / norm / head (batchfit's zoo transformers) whose layers split into N equal
+  embed / blocks / norm / head (batchfit's zoo transformers, HF causal LMs by their config's
+  ``base_model_pp_plan``) whose layers split into N equal
   stages (x V under interleaved 1F1B), with ``--microbatches`` the schedule accepts and the
   plain loss; inside a pipeline the data-parallel wrap is FSDP2 (torchtitan composes pp with
   FSDP2 and TP; ``fsdp-noreshard`` under a zero-bubble schedule, which needs it), and TP is none
@@ -72,12 +73,17 @@ class ModelFacts:
     """The workload's name, for the reasons."""
     n_layers: int | None = None
     """Blocks a pipeline splits; None: the model has no embed / blocks / norm / head split."""
+    pp_tp: bool = True
+    """Whether TP composes inside its pipeline (a zoo transformer's; an HF model's stages are traced
+    without TP: ``plan/pipeline.py``)."""
     heads: int | None = None
     """Attention query heads (None: not known, not checked)."""
     kv_heads: int | None = None
     """Attention key/value heads (None: as many as ``heads``)."""
     tp_plan: bool = False
     """Whether a tensor-parallel plan applies (the workload's own ``parallelize`` or a shipped one)."""
+    tp_missing: str | None = None
+    """Why no shipped plan applies, when none does (``tp_plans.no_plan_reason``)."""
     experts: int | None = None
     """Routed experts of a mixture-of-experts model (for the ep component); None: a dense model."""
     loss: str = "plain"
@@ -181,8 +187,10 @@ def _hsdp_replicas(world: World) -> list[int]:
 
 def _tp_reason(facts: ModelFacts, tp: int) -> str | None:
     if not facts.tp_plan:
-        return (f"{facts.name} has no tensor-parallel plan (batchfit ships plans for its zoo transformers and HF "
-                "Llama / Qwen2 / Mistral / GPT-2 / BERT; a Workload can give its own parallelize)")
+        why = f": {facts.tp_missing}" if facts.tp_missing else ""
+        return (f"{facts.name} has no tensor-parallel plan{why} (batchfit ships plans for its zoo transformers, "
+                "GPT-2, BERT and HF models whose config has a base_model_tp_plan; a Workload can give its own "
+                "parallelize)")
     kv = facts.kv_heads or facts.heads
     if facts.heads is not None and (facts.heads % tp or kv % tp):
         return f"{facts.heads} query / {kv} key-value heads do not divide by {tp}"
@@ -196,7 +204,7 @@ def _pp_reason(facts: ModelFacts, pp: int, schedule: str, microbatches: int) -> 
         return f"{facts.name} could not be built on the meta device to count its layers ({facts.unread})"
     if facts.n_layers is None:
         return (f"{facts.name} has no embed / blocks / norm / head split (pipeline parallelism covers "
-                "batchfit's zoo transformers)")
+                "batchfit's zoo transformers and HF causal LMs with a base_model_pp_plan)")
     if facts.loss != "plain":
         return f"--loss {facts.loss} is not traced under pipeline parallelism (the last stage's plain loss only)"
     try:
@@ -258,7 +266,8 @@ def candidates(world: World, facts: ModelFacts, *, pp_schedule: str = "1f1b", mi
     for pp in (d for d in _divisors(g) if 1 < d <= MAX_AUTO_PP):
         inner = g // pp
         reason = _pp_reason(facts, pp, pp_schedule, microbatches)
-        tps = [1] + [t for t in _divisors(inner) if 1 < t <= tp_cap and _tp_reason(facts, t) is None][-1:]
+        tps = [1] + [t for t in _divisors(inner) if 1 < t <= tp_cap and _tp_reason(facts, t) is None
+                     and facts.pp_tp][-1:]
         for tp in tps if reason is None else [1]:
             dp = inner // tp
             add(Candidate(name=_name(pp, wrap if dp > 1 else "", tp), **base, pp=pp, dp=dp, tp=tp,
@@ -288,7 +297,9 @@ def model_facts(workload, options=None) -> ModelFacts:
     """The facts the rules read, from ``workload``'s model built on the meta device (no memory)."""
     import torch
 
-    from batchfit.distributed.tp_plans import tp_plan
+    from batchfit.distributed.pipeline import pipeline_layers
+    from batchfit.distributed.pipeline_hf import hf_layers
+    from batchfit.distributed.tp_plans import no_plan_reason, tp_plan
 
     try:
         with torch.device("meta"):
@@ -296,15 +307,15 @@ def model_facts(workload, options=None) -> ModelFacts:
     except Exception as error:  # a model that cannot be built without memory: the tracer decides TP
         return ModelFacts(name=workload.name, tp_plan=True, unread=f"{type(error).__name__}: {error}"[:200],
                           loss=getattr(options, "loss", "plain") or "plain", seq_len=workload.tokens_per_sample)
-    n_layers = None
-    if all(hasattr(model, a) for a in ("embed", "blocks", "norm", "head")):
-        n_layers = len(model.blocks)
+    n_layers = pipeline_layers(model)
+    pp_tp = hf_layers(model) is None
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     heads = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
     kv = getattr(cfg, "n_kv_heads", None) or getattr(cfg, "num_key_value_heads", None)
     experts = next((getattr(cfg, k) for k in ("n_experts", "num_experts", "num_local_experts", "n_routed_experts")
                     if isinstance(getattr(cfg, k, None), int)), None)
     has_plan = workload.parallelize is not None or tp_plan(model) is not None
-    return ModelFacts(name=workload.name, n_layers=n_layers, heads=heads if isinstance(heads, int) else None,
-                      kv_heads=kv if isinstance(kv, int) else None, tp_plan=has_plan, experts=experts,
-                      loss=getattr(options, "loss", "plain") or "plain")
+    tp_missing = None if has_plan else no_plan_reason(model)
+    return ModelFacts(name=workload.name, n_layers=n_layers, pp_tp=pp_tp, heads=heads if isinstance(heads, int) else None,
+                      kv_heads=kv if isinstance(kv, int) else None, tp_plan=has_plan, tp_missing=tp_missing,
+                      experts=experts, loss=getattr(options, "loss", "plain") or "plain")

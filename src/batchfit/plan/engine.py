@@ -322,7 +322,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     approximations += zero_approximations([s for _, chosen in by_world for s in chosen])
     from batchfit.distributed.pipeline import pipeline_approximations
 
-    approximations += pipeline_approximations([s for _, chosen in by_world for s in chosen])
+    approximations += pipeline_approximations([s for _, chosen in by_world for s in chosen], workload)
     from batchfit.distributed.context_parallel import context_parallel_approximations
 
     approximations += context_parallel_approximations([s for _, chosen in by_world for s in chosen])

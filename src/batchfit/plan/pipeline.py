@@ -41,7 +41,11 @@ class PipelineSession:
 
     def __init__(self, workload, options, device, strategy: Strategy, *, cuda_semantics: bool = True,
                  ranks: list[int] | None = None) -> None:
-        from batchfit.distributed.pipeline import build_rank, n_layers_of
+        from batchfit.distributed.pipeline import build_rank, hidden_size_of, n_layers_of
+        from batchfit.distributed.pipeline_hf import pp_parts
+
+        def is_hf_stage_model(model) -> bool:
+            return pp_parts(model) is not None
         from batchfit.distributed.pp_schedules import rank_actions, rank_stages
         from batchfit.plan.sharded import ShardedSession
 
@@ -61,7 +65,11 @@ class PipelineSession:
             probe = workload.build_model()
         check_pipeline(self.schedule, strategy.pp, n_layers_of(probe))
         self.layers_per_stage = n_layers_of(probe) // (strategy.pp * self.schedule.virtual)
-        self.d_model = probe.embed.embedding_dim
+        self.d_model = hidden_size_of(probe)
+        if strategy.tp > 1 and is_hf_stage_model(probe):
+            raise OptionError(f"{strategy.name}: tensor parallelism inside a pipeline is traced on batchfit's zoo "
+                              f"transformers only (an HF plan's residual stream is a DTensor a stage would send): "
+                              f"use pp{strategy.pp}+fsdp, or fsdp+tp{strategy.tp} without pp")
         # Under TP with sequence parallelism (the zoo's Llama plan) the residual stream a stage
         # sends holds 1/tp of the sequence (the embedding's Rowwise output is Shard(1), local).
         sp = strategy.tp > 1 and getattr(probe, "pos", None) is None

@@ -1,0 +1,167 @@
+"""Pipeline parallelism on HF causal LMs, cut by their own ``base_model_pp_plan``
+(``distributed/pipeline_hf.py``).
+
+Truths: the stages run one after the other give the whole model's logits and loss on real tensors
+(each family, same weights: the rotary tables, the causal mask, the per-layer attention kinds and
+Granite's embedding multiplier each stage rebuilds are the whole model's); a real 2-process gloo
+pipeline of Qwen3 runs torch's own ``PipelineStage`` + ``Schedule1F1B`` on those stages, each rank's
+profiled peak against the trace of that pipeline rank (``tests/test_pipeline.py``'s gloo run, with
+the HF model and its own loss); the rest is counted by hand (which parameters each pipeline rank holds).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+
+from batchfit.devices import get_device
+from batchfit.errors import OptionError
+from batchfit.plan.pipeline import PipelineSession
+from batchfit.plan.pp_strategy import parse_pp_strategy
+from batchfit.plan.sharded import parse_strategy
+from batchfit.workload import StepOptions
+from test_pipeline import MICRO, MICROBATCHES, WORLD, _measure
+
+pytest.importorskip("transformers")
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=128, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+            tie_word_embeddings=False)
+FAMILIES = {
+    "llama": dict(model_type="llama", **TINY),
+    "qwen2": dict(model_type="qwen2", **TINY),
+    "qwen3": dict(model_type="qwen3", head_dim=16, **TINY),
+    "mistral": dict(model_type="mistral", **TINY),
+    "phi3": dict(model_type="phi3", **TINY),
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, vocab_size=256, max_position_embeddings=128, bos_token_id=0,
+                     eos_token_id=0, tie_word_embeddings=False),
+    "olmo2": dict(model_type="olmo2", **TINY),
+    # a multiplier other than 1, applied by the first stage only
+    "granite": dict(model_type="granite", embedding_multiplier=3.0, logits_scaling=2.0, **TINY),
+    "gemma": dict(model_type="gemma", head_dim=16, **{**TINY, "tie_word_embeddings": True}),
+    # full attention in the first stage's layers, a 4-token window in the second's: a stage that read
+    # the whole model's layer_types by its own layer index would mask its layers as full
+    "gemma3": dict(model_type="gemma3_text", head_dim=16, sliding_window=4,
+                   layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2, **TINY),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **TINY),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      head_dim=16, **TINY),
+}
+SEQ = 32
+MEASURED = "qwen3"
+
+
+def _config_path(family: str, folder) -> str:
+    path = folder / f"{family}.json"
+    path.write_text(json.dumps(FAMILIES[family]))
+    return str(path)
+
+
+def _workload(family: str, folder):
+    from batchfit.zoo.hf import hf_workload
+
+    return hf_workload(_config_path(family, folder), seq_len=SEQ)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_stages_in_a_row_compute_the_whole_models_logits_and_loss(family, tmp_path):
+    from batchfit.distributed.pipeline import split_stage
+    from batchfit.distributed.pipeline_hf import hf_stage_loss
+
+    workload = _workload(family, tmp_path)
+    torch.manual_seed(0)
+    model = workload.build_model()
+    batch = workload.make_batch(2, torch.device("cpu"))
+    with torch.no_grad():
+        whole = model(**batch)
+        out = batch["input_ids"]
+        for s in range(2):
+            stage = split_stage(copy.deepcopy(model), s, 2)
+            assert sum(p.numel() for p in stage.parameters()) < sum(p.numel() for p in model.parameters())
+            out = stage(out)
+        loss = hf_stage_loss(stage, out, batch["labels"])
+    torch.testing.assert_close(out, whole.logits)
+    torch.testing.assert_close(loss, whole.loss)
+
+
+def _session(workload, name: str = "pp2", schedule: str = "1f1b", world: int = WORLD,
+             microbatches: int = MICROBATCHES, micro: int = MICRO):
+    strategy = parse_pp_strategy(name, world, parse_strategy, pp_schedule=schedule, microbatches=microbatches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session = PipelineSession(workload, StepOptions(), get_device("h100-80gb"), strategy, cuda_semantics=False)
+        session.trace(micro * microbatches)
+    return session
+
+
+FAST = ("llama", "phi3", "gpt_neox", "gemma")
+"""In the fast tier (~4 s each on a loaded machine): Llama's tree (Qwen2/3, Mistral, Granite, OLMo 2 name
+theirs alike), fused projections, GPT-NeoX's own names and its embedding dropout, a tied head; the rest slow."""
+
+
+@pytest.mark.parametrize("family", [f if f in FAST else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
+def test_each_pipeline_rank_holds_its_stages_parameters(family, tmp_path):
+    """The first rank: the embedding and the first half of the layers; the last: the other half, the
+    final norm and the head (Gemma's head tied to the embedding: a copy on each end). Counted by hand
+    from the whole model's parameter names."""
+    workload = _workload(family, tmp_path)
+    with torch.device("meta"):
+        model = workload.build_model()
+    base = model.base_model_prefix
+    embed = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    layer = sum(p.numel() for n, p in model.named_parameters() if n.startswith(f"{base}.layers.0."))
+    rest = sum(p.numel() for p in model.parameters()) - embed - 4 * layer - (0 if model.config.tie_word_embeddings
+                                                                             else head)  # the final norm
+    session = _session(workload, microbatches=2, micro=1)  # the fewest actions: the parameters are the point
+    first, last = (s.point for s in session.stage_points)
+    assert first.params_per_rank == embed + 2 * layer
+    assert last.params_per_rank == 2 * layer + rest + head
+    assert first.peak_bytes > 0 and last.peak_bytes > 0
+
+
+def test_a_tied_head_across_stages_is_written_down(tmp_path):
+    from batchfit.distributed.pipeline import pipeline_approximations
+
+    strategy = parse_pp_strategy("pp2", WORLD, parse_strategy, pp_schedule="1f1b", microbatches=MICROBATCHES)
+    tied = pipeline_approximations([strategy], _workload("gemma", tmp_path))
+    untied = pipeline_approximations([strategy], _workload("llama", tmp_path))
+    assert len(tied) == len(untied) + 1 and "tied to its embedding" in tied[-1].what
+
+
+def test_a_tp_inside_an_hf_pipeline_is_one_line(tmp_path):
+    with pytest.raises(OptionError, match="tensor parallelism inside a pipeline is traced on batchfit's zoo") as error:
+        _session(_workload("llama", tmp_path), "pp2+tp2", world=4)
+    assert "\n" not in str(error.value)
+
+
+def test_auto_lists_hf_pipelines_without_tp(tmp_path):
+    from batchfit.plan.candidates import candidates, model_facts
+    from batchfit.plan.world import World
+
+    facts = model_facts(_workload("llama", tmp_path))
+    assert facts.n_layers == 4 and not facts.pp_tp
+    names = {c.name: c for c in candidates(World(8), facts)}
+    assert names["pp2+fsdp"].skipped is None and names["pp4+fsdp"].skipped is None
+    assert not any(name.startswith("pp") and "tp" in name for name in names)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    path = _config_path(MEASURED, tmp_path_factory.mktemp("hf-config"))
+    return _measure(tmp_path_factory, (("1f1b", "none"),), hf_config=path)
+
+
+@pytest.mark.slow  # two processes building, running and profiling the HF stages: ~30 s on a loaded machine
+def test_each_stage_peak_matches_a_real_gloo_pipeline(measured, tmp_path):
+    session = _session(_workload(MEASURED, tmp_path))
+    for stage in session.stage_points:
+        real = measured[stage.rank]["peaks"]["1f1b"]
+        traced = stage.point.total_peak_bytes or stage.point.peak_bytes
+        print(f"{MEASURED} 1f1b stage {stage.rank}: traced {traced} B, gloo {real} B, {(traced - real) / real:+.2%}")
+        assert abs(traced - real) / real < 0.03, (stage.rank, traced, real)
