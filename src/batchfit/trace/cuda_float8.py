@@ -16,7 +16,8 @@ Under the trace's autocast (CPU autocast with CUDA's op table, ``trace/cuda_auto
 flag is off, so an fp32 input (an RMSNorm's fp32 output, under CUDA autocast) would be kept for
 backward in fp32 where a GPU keeps its bf16 copy. :func:`mirror_float8_autocast` makes each float8
 linear see CUDA's flag as a GPU run would: on, with the autocast dtype, whenever autocast is on
-(the forward, and activation checkpointing's recomputation, which restores autocast as it was).
+(the forward, and activation checkpointing's recomputation, which restores autocast as it was), by
+making the cast that flag makes.
 """
 
 from __future__ import annotations
@@ -36,16 +37,12 @@ from batchfit.workload import FP8_PRECISIONS, StepOptions
 
 def _on_cuda(forward):
     def forward_as_on_cuda(input, *args, **kwargs):
-        if not torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-            return forward(input, *args, **kwargs)
-        dtype = torch.get_autocast_dtype("cuda")
-        torch.set_autocast_enabled("cuda", True)  # a flag only: no fake CPU tensor dispatches to AutocastCUDA
-        torch.set_autocast_dtype("cuda", torch.get_autocast_dtype("cpu"))
-        try:
-            return forward(input, *args, **kwargs)
-        finally:
-            torch.set_autocast_enabled("cuda", False)
-            torch.set_autocast_dtype("cuda", dtype)
+        # What Float8Linear.forward does when CUDA's flag is on: its input to the autocast dtype. Done
+        # here rather than by setting CUDA's flag around the call, which dynamo cannot trace inside a
+        # checkpointed region (a global-state change in a higher-order op's body).
+        if torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda"):
+            input = input.to(torch.get_autocast_dtype("cpu"))
+        return forward(input, *args, **kwargs)
 
     forward_as_on_cuda.batchfit_float8_mirror = True
     return forward_as_on_cuda
