@@ -15,7 +15,8 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  check_outputs, command_target, flag, handle_errors, out_option,
                                  parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, AttentionOpt, RoutingOpt, say_attention, QuantizeOpt
+from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
+from batchfit.cli.common import AttentionOpt, say_attention
 from batchfit.cli.trainer import TrainerOpt, merged_options, merged_seq_len, print_mapping, read_trainer
 from batchfit.devices import GiB
 from batchfit.specs import load_workload

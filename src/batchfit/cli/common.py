@@ -126,11 +126,11 @@ RoutingOpt = Annotated[str, typer.Option(help="MoE routing assumed on fake tenso
                                               "each), capacity:F (experts filled to ceil(F x tokens x top_k / experts) "
                                               "in turn, the rest dropped) or worst (every token to the same top_k "
                                               "experts: the bound). Named in every output.")]
-AttentionOpt = Annotated[str | None, typer.Option(help="A transformers model's attention: eager (holds the [B, H, T, T] "
-                                                    "scores), sdpa (torch's fused kernels) or flash (flash_attn's "
-                                                    "FlashAttention-2: fp16/bf16, traced as its kernel saves). Default: the config's "
-                                                    "attn_implementation, else sdpa where the family supports it, "
-                                                    "else eager. Named in every output.", show_default=False)]
+AttentionOpt = Annotated[str | None, typer.Option(
+    help="A transformers model's attention: eager (holds the [B, H, T, T] scores), sdpa (torch's fused kernels) or "
+         "flash (flash_attn's FlashAttention-2: fp16/bf16, traced as its kernel saves). Default: the config's "
+         "attn_implementation, else sdpa where the family supports it, else eager. Named in every output.",
+    show_default=False)]
 
 
 def parse_host_memory(text: str | None) -> int | None:

@@ -14,8 +14,9 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
                                  report_folder, step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, AttentionOpt, RoutingOpt, say_attention, QuantizeOpt,
+from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt,
                                  parse_host_memory, warn_about_approximations)
+from batchfit.cli.common import AttentionOpt, say_attention
 from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, merged_batch_sizes,
                                   merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
                                   read_trainer, trainer_outputs)

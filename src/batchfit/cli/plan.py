@@ -17,10 +17,11 @@ from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemo
                                  check_outputs, command_target, handle_errors, out_option, parse_batch_sizes,
                                  progress_line, quiet_if_stdout, report_folder, step_options, warn_about_precision,
                                  write_outputs)
-from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, AttentionOpt, RoutingOpt, say_attention, parse_host_memory,
+from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, parse_host_memory,
                                  warn_about_approximations)
 from batchfit.cli.torchtitan import (print_torchtitan, read_torchtitan, torchtitan_approximation, torchtitan_defaults,
                                      torchtitan_section)
+from batchfit.cli.common import AttentionOpt, say_attention
 from batchfit.cli.trainer import (TrainerOpt, emitted_text, merged_batch_sizes, merged_options, merged_seq_len,
                                   print_answer, print_mapping, read_trainer)
 from batchfit.devices import GiB

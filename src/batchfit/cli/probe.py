@@ -14,7 +14,8 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target, flag,
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, AttentionOpt, RoutingOpt, say_attention, QuantizeOpt
+from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
+from batchfit.cli.common import AttentionOpt, say_attention
 from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, merged_options, merged_seq_len,
                                   parse_trainer_emit, print_answer, print_mapping, read_trainer,
                                   trainer_outputs)

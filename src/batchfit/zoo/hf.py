@@ -220,11 +220,15 @@ def _attention(config, auto, name: str) -> str:
     (``attn_implementation`` in config.json), else what transformers picks for the class: SDPA
     where ``_supports_sdpa``, else eager (``PreTrainedModel.get_correct_attn_implementation``)."""
     named = config._attn_implementation_internal
+    model_class = auto._model_mapping.get(type(config), None)
+    supports = {"eager": True, "sdpa": getattr(model_class, "_supports_sdpa", True),
+                "flash": getattr(model_class, "_supports_flash_attn", True)}
     if named is None:
-        model_class = auto._model_mapping.get(type(config), None)
-        return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"
+        return "sdpa" if supports["sdpa"] else "eager"
     ours = next((key for key, value in HF_ATTENTION.items() if value == named), None)
-    if ours is None:
-        raise ModelSpecError(f"{name[3:]} names attn_implementation '{named}', which batchfit does not trace: "
-                             "set it to eager, sdpa or flash_attention_2 in the config")
+    if ours is None or not supports[ours]:
+        names = [HF_ATTENTION[k] for k, ok in supports.items() if ok]
+        can = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+        why = "which batchfit does not trace" if ours is None else f"which {model_class.__name__} does not support"
+        raise ModelSpecError(f"{name[3:]} names attn_implementation '{named}', {why}: set it to {can} in the config")
     return ours
