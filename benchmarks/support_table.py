@@ -47,6 +47,19 @@ def _columns() -> list[tuple[str, str]]:
             for value in values if value != matrix.DEFAULTS[dim]]
 
 
+def _label(dim: str, value: str) -> str:
+    """The flags a user types for one column."""
+    if not dim:
+        return "defaults (fp32, one GPU)"
+    if dim == "recipe":
+        return " ".join(f"`--{k} {v}`" for k, v in matrix.RECIPES[value].items())
+    if dim == "strategy":
+        name, _, schedule = value.partition("/")
+        gpus = matrix.GPUS.get(value, 2)
+        return f"`--strategies {name}`" + (f" `--pp-schedule {schedule}`" if schedule else "") + f" ({gpus} GPUs)"
+    return f"`--{dim} {value}`"
+
+
 def render(outcomes: list[dict]) -> str:
     singles = {matrix.row_id(o["row"]): o for o in outcomes}
     pairs_rows = {matrix.row_id(r) for r in matrix.pairwise_rows()}
@@ -75,8 +88,7 @@ def render(outcomes: list[dict]) -> str:
                 cells.append(MARK["traced"])
             else:
                 cells.append(f"{MARK[outcome['status']]}{note(outcome['detail'])}")
-        label = f"`--{dim} {value}`" if dim and dim not in ("recipe", "strategy") else f"`{value}`"
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_label(dim, value)} | " + " | ".join(cells) + " |")
     pair_outcomes = [o for o in outcomes if matrix.row_id(o["row"]) in pairs_rows]
     counts = Counter(o["status"] for o in pair_outcomes)
     dims = list(matrix.DIMENSIONS)
@@ -93,7 +105,7 @@ def render(outcomes: list[dict]) -> str:
     lines += [f"- {count} x {detail}" for detail, count in refusals.most_common()]
     crashes = [o for o in outcomes if o["status"] == "crash"]
     if crashes:
-        lines += ["", "## Crashes", ""] + [f"- `{matrix.row_id(o['row'])}`: {_clean(o['detail'])}" for o in crashes]
+        lines += ["", "## Crashes", ""] + [f"- `{matrix.row_id(o['row'])}`: {_clean(o['detail'])[:300]}" for o in crashes]
     lines += ["", "## Notes", ""] + [f"{n}. {detail}" for detail, n in notes.items()]
     return "\n".join(lines) + "\n"
 
