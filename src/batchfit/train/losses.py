@@ -176,6 +176,10 @@ def lm_loss(loss: str, workload: Workload) -> Callable[[nn.Module, Any], torch.T
 
         return fused
     chunks = int(loss.removeprefix("chunked:"))
+    seq = workload.tokens_per_sample
+    if seq is not None and chunks > seq:  # tensor_split would make empty chunks, one op each (100,000 of them)
+        raise OptionError(f"--loss {loss}: {chunks} chunks of a {seq}-token sequence; use chunked:N with N at most "
+                          f"{seq} (torchtune uses 8, e.g. chunked:8)")
 
     def chunked(model: nn.Module, batch: Any) -> torch.Tensor:
         hidden, weight, targets = parts(model, batch)
