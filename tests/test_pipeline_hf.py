@@ -4,7 +4,8 @@
 Truths: the stages run one after the other give the whole model's logits and loss on real tensors
 (each family, same weights: the rotary tables, the causal mask, the per-layer attention kinds and
 Granite's embedding multiplier each stage rebuilds are the whole model's); a real 2-process gloo
-pipeline of Qwen3 runs torch's own ``PipelineStage`` + ``Schedule1F1B`` on those stages, each rank's
+pipeline of Qwen3 runs torch's own ``PipelineStage`` + ``Schedule1F1B`` (and ``ScheduleZBVZeroBubble`` with
+full activation checkpointing) on those stages, each rank's
 profiled peak against the trace of that pipeline rank (``tests/test_pipeline.py``'s gloo run, with
 the HF model and its own loss); the rest is counted by hand (which parameters each pipeline rank holds).
 """
@@ -90,11 +91,12 @@ def test_stages_in_a_row_compute_the_whole_models_logits_and_loss(family, tmp_pa
 
 
 def _session(workload, name: str = "pp2", schedule: str = "1f1b", world: int = WORLD,
-             microbatches: int = MICROBATCHES, micro: int = MICRO):
+             microbatches: int = MICROBATCHES, micro: int = MICRO, checkpointing: str = "none"):
     strategy = parse_pp_strategy(name, world, parse_strategy, pp_schedule=schedule, microbatches=microbatches)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        session = PipelineSession(workload, StepOptions(), get_device("h100-80gb"), strategy, cuda_semantics=False)
+        session = PipelineSession(workload, StepOptions(checkpointing=checkpointing), get_device("h100-80gb"),
+                                  strategy, cuda_semantics=False)
         session.trace(micro * microbatches)
     return session
 
@@ -151,17 +153,37 @@ def test_auto_lists_hf_pipelines_without_tp(tmp_path):
     assert not any(name.startswith("pp") and "tp" in name for name in names)
 
 
+RUNS = (("1f1b", "none"), ("zbv", "full"))
+"""The default schedule, and the V shape's split backward with each block recomputed (test_pipeline's hardest)."""
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
     path = _config_path(MEASURED, tmp_path_factory.mktemp("hf-config"))
-    return _measure(tmp_path_factory, (("1f1b", "none"),), hf_config=path)
+    return _measure(tmp_path_factory, RUNS, hf_config=path)
 
 
-@pytest.mark.slow  # two processes building, running and profiling the HF stages: ~30 s on a loaded machine
-def test_each_stage_peak_matches_a_real_gloo_pipeline(measured, tmp_path):
-    session = _session(_workload(MEASURED, tmp_path))
+@pytest.mark.slow  # two processes building, running and profiling the HF stages: ~1-3 min on a loaded machine
+@pytest.mark.parametrize("schedule, checkpointing", RUNS)
+def test_each_stage_peak_matches_a_real_gloo_pipeline(measured, schedule, checkpointing, tmp_path):
+    session = _session(_workload(MEASURED, tmp_path), schedule=schedule, checkpointing=checkpointing)
+    key = schedule if checkpointing == "none" else f"{schedule} --checkpointing {checkpointing}"
     for stage in session.stage_points:
-        real = measured[stage.rank]["peaks"]["1f1b"]
+        real = measured[stage.rank]["peaks"][key]
         traced = stage.point.total_peak_bytes or stage.point.peak_bytes
-        print(f"{MEASURED} 1f1b stage {stage.rank}: traced {traced} B, gloo {real} B, {(traced - real) / real:+.2%}")
+        print(f"{MEASURED} {key} stage {stage.rank}: traced {traced} B, gloo {real} B, {(traced - real) / real:+.2%}")
         assert abs(traced - real) / real < 0.03, (stage.rank, traced, real)
+
+
+@pytest.mark.slow  # a trace of each schedule (~15 s each)
+def test_every_schedule_traces_an_hf_pipeline_under_fsdp(tmp_path):
+    """pp2+fsdp on 4 GPUs under each schedule; GPipe keeps all 4 micro-batches in flight on the first rank
+    where 1F1B keeps 2, so its first rank's peak is the larger."""
+    workload = _workload("qwen3", tmp_path)
+    peaks = {}
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b:2", "interleaved-zb:2", "zbv", "dualpipev"):
+        name = "pp2+fsdp-noreshard" if schedule in ("interleaved-zb:2", "zbv", "dualpipev") else "pp2+fsdp"
+        session = _session(workload, name, schedule=schedule, world=4)
+        peaks[schedule] = [s.point.peak_bytes for s in session.stage_points]
+        assert len(peaks[schedule]) == 2 and min(peaks[schedule]) > 0
+    assert peaks["gpipe"][0] > peaks["1f1b"][0]

@@ -96,8 +96,7 @@ def hf_plan_refusal(model: nn.Module) -> str | None:
         return f"{kind}'s base_model_tp_plan names no module of {type(model).__name__}"
     for name, style in plan.items():
         if style not in STYLES:
-            return (f"{kind}'s own tp plan puts {name} under transformers' {style!r}, which has no DTensor style "
-                    f"here (traced: {', '.join(STYLES)})")
+            return f"{kind}'s own tp plan puts {name} under transformers' {style!r}, which has no DTensor style here"
         leaf = name.rsplit(".", 1)[-1]
         if style == "colwise" and leaf in FUSED and (kind, leaf) not in PER_HEAD_FUSED:
             return (f"{kind}'s own tp plan splits the fused {leaf} by columns as one matrix: its parts would not "

@@ -43,9 +43,6 @@ class PipelineSession:
                  ranks: list[int] | None = None) -> None:
         from batchfit.distributed.pipeline import build_rank, hidden_size_of, n_layers_of
         from batchfit.distributed.pipeline_hf import pp_parts
-
-        def is_hf_stage_model(model) -> bool:
-            return pp_parts(model) is not None
         from batchfit.distributed.pp_schedules import rank_actions, rank_stages
         from batchfit.plan.sharded import ShardedSession
 
@@ -66,7 +63,7 @@ class PipelineSession:
         check_pipeline(self.schedule, strategy.pp, n_layers_of(probe))
         self.layers_per_stage = n_layers_of(probe) // (strategy.pp * self.schedule.virtual)
         self.d_model = hidden_size_of(probe)
-        if strategy.tp > 1 and is_hf_stage_model(probe):
+        if strategy.tp > 1 and pp_parts(probe) is not None:
             raise OptionError(f"{strategy.name}: tensor parallelism inside a pipeline is traced on batchfit's zoo "
                               f"transformers only (an HF plan's residual stream is a DTensor a stage would send): "
                               f"use pp{strategy.pp}+fsdp, or fsdp+tp{strategy.tp} without pp")
