@@ -3,8 +3,10 @@
 Gemma 3, Starcoder2, Cohere, Phi, ...).
 
 transformers' plan maps module-name globs (``layers.*.self_attn.q_proj``) to style names, which it
-applies with its own ``distributed/tensor_parallel.py``; here each name becomes the DTensor style it
-registers there (transformers 5.x ``ALL_PARALLEL_STYLES``), applied with ``parallelize_module``:
+applies with its own ``TensorParallelLayer`` classes (``distributed/tensor_parallel.py``); here each name
+becomes torch's DTensor style with the input and output layouts transformers registers for it
+(transformers 5.x ``ALL_PARALLEL_STYLES``), applied with ``parallelize_module``. The layouts, so the
+collectives and the shards each rank holds, are transformers'; the code that runs them is torch's:
 
 - ``colwise``: ``ColwiseParallel()`` (input replicated, output sharded on the last dim, local);
 - ``colwise_gather_output`` / ``colwise_rep``: ``ColwiseParallel(output_layouts=Replicate())``, the
