@@ -7,7 +7,8 @@ Granite's embedding multiplier each stage rebuilds are the whole model's); a rea
 pipeline of Qwen3 runs torch's own ``PipelineStage`` + ``Schedule1F1B`` (and ``ScheduleZBVZeroBubble`` with
 full activation checkpointing) on those stages, each rank's
 profiled peak against the trace of that pipeline rank (``tests/test_pipeline.py``'s gloo run, with
-the HF model and its own loss); the rest is counted by hand (which parameters each pipeline rank holds).
+the HF model and its own loss); under tp2 (2 gloo processes) the stages in a row, each parallelized alone,
+give the whole model's logits too; the rest is counted by hand (which parameters each pipeline rank holds).
 """
 
 from __future__ import annotations
@@ -137,21 +138,79 @@ def test_a_tied_head_across_stages_is_written_down(tmp_path):
     assert len(tied) == len(untied) + 1 and "tied to its embedding" in tied[-1].what
 
 
-def test_a_tp_inside_an_hf_pipeline_is_one_line(tmp_path):
-    with pytest.raises(OptionError, match="tensor parallelism inside a pipeline is traced on batchfit's zoo") as error:
-        _session(_workload("llama", tmp_path), "pp2+tp2", world=4)
+TP_ROWS = ("llama", "gemma", "phi3", "gpt_neox")
+"""Under tp2: the sequence-parallel hand plan (Llama; Gemma's tied head), the models' own plans (Phi-3's
+gathered fused projections, GPT-NeoX's vocabulary-split embedding)."""
+
+
+def _tp_rows_main(rank: int, port: int, out_dir: str, paths: dict) -> None:
+    """Each family's stages in a row under tp2 (each stage parallelized alone, the hidden state handed on as
+    this rank's plain tensor, as PipelineStage sends it), against the whole model's logits without TP."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_truth import join_gloo
+    from batchfit.distributed.pipeline import split_stage
+    from batchfit.distributed.tp_plans import tp_plan
+    from batchfit.zoo.hf import hf_workload
+
+    join_gloo(rank, 2, port, timeout_s=120)
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for family, path in paths.items():
+        workload = hf_workload(path, seq_len=SEQ)
+        torch.manual_seed(0)  # the same weights and batch on both ranks
+        model = workload.build_model()
+        batch = workload.make_batch(2, torch.device("cpu"))
+        with torch.no_grad():
+            whole = model(**batch).logits
+            hidden = batch["input_ids"]
+            for s in range(2):
+                stage = split_stage(copy.deepcopy(model), s, 2)
+                stage = tp_plan(stage, "gathered")(stage, mesh)
+                hidden = stage(hidden)
+                if s == 0:
+                    sent = list(hidden.shape)
+        out[family] = {"error": (hidden - whole).abs().max().item(), "sent": sent}
+    if rank == 0:
+        with open(os.path.join(out_dir, "rows.json"), "w") as f:
+            json.dump(out, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes, four families: ~40 s on a loaded machine
+def test_stages_in_a_row_under_tp_compute_the_whole_models_logits(tmp_path):
+    from cpu_truth import spawn_profiled_gloo
+
+    paths = {family: _config_path(family, tmp_path) for family in TP_ROWS}
+    spawn_profiled_gloo(_tp_rows_main, lambda port: (port, str(tmp_path), paths), nprocs=2)
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    for family in TP_ROWS:
+        assert rows[family]["error"] < 1e-5, (family, rows[family])
+    # the sequence-parallel plans send this rank's half of the sequence, the models' own plans all of it
+    assert {family: rows[family]["sent"][1] for family in TP_ROWS} == {"llama": SEQ // 2, "gemma": SEQ // 2,
+                                                                       "phi3": SEQ, "gpt_neox": SEQ}
+
+
+def test_a_split_backward_under_sequence_parallel_tp_is_one_line(tmp_path):
+    with pytest.raises(OptionError, match="stage_backward_input cannot detach") as error:
+        _session(_workload("llama", tmp_path), "pp2+tp2", schedule="zbv", world=4)
     assert "\n" not in str(error.value)
 
 
-def test_auto_lists_hf_pipelines_without_tp(tmp_path):
+def test_auto_lists_hf_pipelines_with_tp_but_not_under_zero_bubble_on_sequence_parallel_plans(tmp_path):
     from batchfit.plan.candidates import candidates, model_facts
     from batchfit.plan.world import World
 
-    facts = model_facts(_workload("llama", tmp_path))
-    assert facts.n_layers == 4 and not facts.pp_tp
-    names = {c.name: c for c in candidates(World(8), facts)}
-    assert names["pp2+fsdp"].skipped is None and names["pp4+fsdp"].skipped is None
-    assert not any(name.startswith("pp") and "tp" in name for name in names)
+    llama, phi3 = model_facts(_workload("llama", tmp_path)), model_facts(_workload("phi3", tmp_path))
+    assert llama.n_layers == 4 and not llama.pp_tp_split_backward and phi3.pp_tp_split_backward
+    names = {c.name: c for c in candidates(World(8), llama)}
+    assert names["pp2+fsdp"].skipped is None and names["pp2+fsdp+tp2"].skipped is None
+    zbv = {c.name for c in candidates(World(8), llama, pp_schedule="zbv")}
+    assert "pp2+fsdp-noreshard" in zbv and not any(n.startswith("pp") and "tp" in n for n in zbv)
+    assert "pp2+fsdp-noreshard+tp2" in {c.name for c in candidates(World(8), phi3, pp_schedule="zbv")}
 
 
 RUNS = (("1f1b", "none"), ("zbv", "full"))
