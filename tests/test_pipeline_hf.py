@@ -4,9 +4,11 @@
 Truths: the stages run one after the other give the whole model's logits and loss on real tensors
 (each family, same weights: the rotary tables, the causal mask, the per-layer attention kinds and
 Granite's embedding multiplier each stage rebuilds are the whole model's); a real 2-process gloo
-pipeline of Qwen3 runs torch's own ``PipelineStage`` + ``Schedule1F1B`` on those stages, each rank's
+pipeline of Qwen3 runs torch's own ``PipelineStage`` + ``Schedule1F1B`` (and ``ScheduleZBVZeroBubble`` with
+full activation checkpointing) on those stages, each rank's
 profiled peak against the trace of that pipeline rank (``tests/test_pipeline.py``'s gloo run, with
-the HF model and its own loss); the rest is counted by hand (which parameters each pipeline rank holds).
+the HF model and its own loss); under tp2 (2 gloo processes) the stages in a row, each parallelized alone,
+give the whole model's logits too; the rest is counted by hand (which parameters each pipeline rank holds).
 """
 
 from __future__ import annotations
@@ -90,18 +92,20 @@ def test_stages_in_a_row_compute_the_whole_models_logits_and_loss(family, tmp_pa
 
 
 def _session(workload, name: str = "pp2", schedule: str = "1f1b", world: int = WORLD,
-             microbatches: int = MICROBATCHES, micro: int = MICRO):
+             microbatches: int = MICROBATCHES, micro: int = MICRO, checkpointing: str = "none"):
     strategy = parse_pp_strategy(name, world, parse_strategy, pp_schedule=schedule, microbatches=microbatches)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        session = PipelineSession(workload, StepOptions(), get_device("h100-80gb"), strategy, cuda_semantics=False)
+        session = PipelineSession(workload, StepOptions(checkpointing=checkpointing), get_device("h100-80gb"),
+                                  strategy, cuda_semantics=False)
         session.trace(micro * microbatches)
     return session
 
 
-FAST = ("llama", "phi3", "gpt_neox", "gemma")
-"""In the fast tier (~4 s each on a loaded machine): Llama's tree (Qwen2/3, Mistral, Granite, OLMo 2 name
-theirs alike), fused projections, GPT-NeoX's own names and its embedding dropout, a tied head; the rest slow."""
+FAST = ("llama", "gpt_neox", "gemma")
+"""In the fast tier (~3-5 s each on a loaded machine: two pipeline ranks traced): Llama's tree (Qwen2/3,
+Mistral, Phi-3, Granite, OLMo 2, the MoEs name their parts alike), GPT-NeoX's own names and its embedding
+dropout, a tied head; the rest slow (the stages-in-a-row truth above covers every family in the fast tier)."""
 
 
 @pytest.mark.parametrize("family", [f if f in FAST else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
@@ -134,34 +138,112 @@ def test_a_tied_head_across_stages_is_written_down(tmp_path):
     assert len(tied) == len(untied) + 1 and "tied to its embedding" in tied[-1].what
 
 
-def test_a_tp_inside_an_hf_pipeline_is_one_line(tmp_path):
-    with pytest.raises(OptionError, match="tensor parallelism inside a pipeline is traced on batchfit's zoo") as error:
-        _session(_workload("llama", tmp_path), "pp2+tp2", world=4)
+TP_ROWS = ("llama", "gemma", "phi3", "gpt_neox")
+"""Under tp2: the sequence-parallel hand plan (Llama; Gemma's tied head), the models' own plans (Phi-3's
+gathered fused projections, GPT-NeoX's vocabulary-split embedding)."""
+
+
+def _tp_rows_main(rank: int, port: int, out_dir: str, paths: dict) -> None:
+    """Each family's stages in a row under tp2 (each stage parallelized alone, the hidden state handed on as
+    this rank's plain tensor, as PipelineStage sends it), against the whole model's logits without TP."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_truth import join_gloo
+    from batchfit.distributed.pipeline import split_stage
+    from batchfit.distributed.tp_plans import tp_plan
+    from batchfit.zoo.hf import hf_workload
+
+    join_gloo(rank, 2, port, timeout_s=120)
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for family, path in paths.items():
+        workload = hf_workload(path, seq_len=SEQ)
+        torch.manual_seed(0)  # the same weights and batch on both ranks
+        model = workload.build_model()
+        batch = workload.make_batch(2, torch.device("cpu"))
+        with torch.no_grad():
+            whole = model(**batch).logits
+            hidden = batch["input_ids"]
+            for s in range(2):
+                stage = split_stage(copy.deepcopy(model), s, 2)
+                stage = tp_plan(stage, "gathered")(stage, mesh)
+                hidden = stage(hidden)
+                if s == 0:
+                    sent = list(hidden.shape)
+        out[family] = {"error": (hidden - whole).abs().max().item(), "sent": sent}
+    if rank == 0:
+        with open(os.path.join(out_dir, "rows.json"), "w") as f:
+            json.dump(out, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes, four families: ~40 s on a loaded machine
+def test_stages_in_a_row_under_tp_compute_the_whole_models_logits(tmp_path):
+    from cpu_truth import spawn_profiled_gloo
+
+    paths = {family: _config_path(family, tmp_path) for family in TP_ROWS}
+    spawn_profiled_gloo(_tp_rows_main, lambda port: (port, str(tmp_path), paths), nprocs=2)
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    for family in TP_ROWS:
+        assert rows[family]["error"] < 1e-5, (family, rows[family])
+    # the sequence-parallel plans send this rank's half of the sequence, the models' own plans all of it
+    assert {family: rows[family]["sent"][1] for family in TP_ROWS} == {"llama": SEQ // 2, "gemma": SEQ // 2,
+                                                                       "phi3": SEQ, "gpt_neox": SEQ}
+
+
+def test_a_split_backward_under_sequence_parallel_tp_is_one_line(tmp_path):
+    with pytest.raises(OptionError, match="stage_backward_input cannot detach") as error:
+        _session(_workload("llama", tmp_path), "pp2+tp2", schedule="zbv", world=4)
     assert "\n" not in str(error.value)
 
 
-def test_auto_lists_hf_pipelines_without_tp(tmp_path):
+def test_auto_lists_hf_pipelines_with_tp_but_not_under_zero_bubble_on_sequence_parallel_plans(tmp_path):
     from batchfit.plan.candidates import candidates, model_facts
     from batchfit.plan.world import World
 
-    facts = model_facts(_workload("llama", tmp_path))
-    assert facts.n_layers == 4 and not facts.pp_tp
-    names = {c.name: c for c in candidates(World(8), facts)}
-    assert names["pp2+fsdp"].skipped is None and names["pp4+fsdp"].skipped is None
-    assert not any(name.startswith("pp") and "tp" in name for name in names)
+    llama, phi3 = model_facts(_workload("llama", tmp_path)), model_facts(_workload("phi3", tmp_path))
+    assert llama.n_layers == 4 and not llama.pp_tp_split_backward and phi3.pp_tp_split_backward
+    names = {c.name: c for c in candidates(World(8), llama)}
+    assert names["pp2+fsdp"].skipped is None and names["pp2+fsdp+tp2"].skipped is None
+    zbv = {c.name for c in candidates(World(8), llama, pp_schedule="zbv")}
+    assert "pp2+fsdp-noreshard" in zbv and not any(n.startswith("pp") and "tp" in n for n in zbv)
+    assert "pp2+fsdp-noreshard+tp2" in {c.name for c in candidates(World(8), phi3, pp_schedule="zbv")}
+
+
+RUNS = (("1f1b", "none"), ("zbv", "full"))
+"""The default schedule, and the V shape's split backward with each block recomputed (test_pipeline's hardest)."""
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
     path = _config_path(MEASURED, tmp_path_factory.mktemp("hf-config"))
-    return _measure(tmp_path_factory, (("1f1b", "none"),), hf_config=path)
+    return _measure(tmp_path_factory, RUNS, hf_config=path)
 
 
-@pytest.mark.slow  # two processes building, running and profiling the HF stages: ~30 s on a loaded machine
-def test_each_stage_peak_matches_a_real_gloo_pipeline(measured, tmp_path):
-    session = _session(_workload(MEASURED, tmp_path))
+@pytest.mark.slow  # two processes building, running and profiling the HF stages: ~1-3 min on a loaded machine
+@pytest.mark.parametrize("schedule, checkpointing", RUNS)
+def test_each_stage_peak_matches_a_real_gloo_pipeline(measured, schedule, checkpointing, tmp_path):
+    session = _session(_workload(MEASURED, tmp_path), schedule=schedule, checkpointing=checkpointing)
+    key = schedule if checkpointing == "none" else f"{schedule} --checkpointing {checkpointing}"
     for stage in session.stage_points:
-        real = measured[stage.rank]["peaks"]["1f1b"]
+        real = measured[stage.rank]["peaks"][key]
         traced = stage.point.total_peak_bytes or stage.point.peak_bytes
-        print(f"{MEASURED} 1f1b stage {stage.rank}: traced {traced} B, gloo {real} B, {(traced - real) / real:+.2%}")
+        print(f"{MEASURED} {key} stage {stage.rank}: traced {traced} B, gloo {real} B, {(traced - real) / real:+.2%}")
         assert abs(traced - real) / real < 0.03, (stage.rank, traced, real)
+
+
+@pytest.mark.slow  # a trace of each schedule (~15 s each)
+def test_every_schedule_traces_an_hf_pipeline_under_fsdp(tmp_path):
+    """pp2+fsdp on 4 GPUs under each schedule; GPipe keeps all 4 micro-batches in flight on the first rank
+    where 1F1B keeps 2, so its first rank's peak is the larger."""
+    workload = _workload("qwen3", tmp_path)
+    peaks = {}
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b:2", "interleaved-zb:2", "zbv", "dualpipev"):
+        name = "pp2+fsdp-noreshard" if schedule in ("interleaved-zb:2", "zbv", "dualpipev") else "pp2+fsdp"
+        session = _session(workload, name, schedule=schedule, world=4)
+        peaks[schedule] = [s.point.peak_bytes for s in session.stage_points]
+        assert len(peaks[schedule]) == 2 and min(peaks[schedule]) > 0
+    assert peaks["gpipe"][0] > peaks["1f1b"][0]

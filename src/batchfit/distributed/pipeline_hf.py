@@ -111,12 +111,20 @@ def split_hf_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
 
 def _stage_forward(self, x):
     """A stage's forward: token ids (the first stage) or the received hidden state in, the logits
-    (the last) or the hidden state to send out."""
+    (the last) or the hidden state to send out. Under a sequence-parallel TP plan
+    (``tp_pieces.hf_root_plan``) the hidden state travels as this rank's sequence shard, a plain
+    tensor (what torch's PipelineStage sends), and is the residual stream's DTensor again inside."""
     first, last = self._batchfit_hf_stage
+    mesh = getattr(self, "_batchfit_sequence_parallel", None)
+    if not first and mesh is not None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
     inputs = {"input_ids": x} if first else {"inputs_embeds": x}
     if last:
         return type(self).forward(self, **inputs).logits
-    return getattr(self, self.base_model_prefix)(**inputs).last_hidden_state
+    out = getattr(self, self.base_model_prefix)(**inputs).last_hidden_state
+    return out.to_local() if mesh is not None else out
 
 
 def is_hf_stage(module: nn.Module) -> bool:

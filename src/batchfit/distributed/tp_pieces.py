@@ -89,11 +89,20 @@ def hf_root_plan(model: nn.Module, mesh, loss: str) -> None:
                  getattr(config, "num_key_value_heads", None) or config.num_attention_heads, mesh.size())
     # The residual stream stays a DTensor (use_local_output=False): HF numbers the positions
     # by the embedding output's sequence length, which must be the whole sequence's.
-    parallelize_module(model, mesh, {
+    plan = {
         "model.embed_tokens": Rowwise(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
         "model.norm": SequenceParallel(),
         "lm_head": head_style(loss),
-    })
+    }
+    # A pipeline stage holds some of them (distributed/pipeline_hf.py): the others are parameter-free
+    # pass-throughs, and the residual stream it receives or sends is this rank's sequence shard.
+    parallelize_module(model, mesh, {name: style for name, style in plan.items() if holds(model, name)})
+    model._batchfit_sequence_parallel = mesh
+
+
+def holds(model: nn.Module, name: str) -> bool:
+    """Whether ``model`` holds the part ``name`` (a pipeline stage keeps pass-throughs for the others)."""
+    return any(True for _ in model.get_submodule(name).parameters())
 
 
 def hf_attention_plan(layer: nn.Module) -> dict:

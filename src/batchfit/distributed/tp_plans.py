@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from batchfit.distributed.tp_plans_hf import hf_own_plan, hf_plan_refusal
-from batchfit.distributed.tp_pieces import (Parallelize, check_heads, head_style, hf_attention_plan,
+from batchfit.distributed.tp_pieces import (Parallelize, check_heads, head_style, hf_attention_plan, holds,
                                              hf_dense_mlp_plan, hf_root_plan, replicate_rest, styles)
 from batchfit.train.losses import TP_LOSS_ATTR
 from batchfit.workload import check_tp_loss
@@ -106,7 +106,8 @@ def _hf_decoder(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
     hf_root_plan(model, mesh, loss)
     for layer in model.model.layers:
         parallelize_module(layer, mesh, {**hf_attention_plan(layer), **hf_dense_mlp_plan()})
-    if getattr(model.config, "tie_word_embeddings", False):
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if tied and holds(model, "lm_head") and holds(model, "model.embed_tokens"):  # both ends (no pipeline cut)
         model.lm_head.weight = model.model.embed_tokens.weight  # both split by vocabulary rows
     setattr(model, TP_LOSS_ATTR, loss)
     return replicate_rest(model, mesh)
@@ -197,3 +198,11 @@ def no_plan_reason(model: nn.Module) -> str:
     if getattr(getattr(model, "config", None), "base_model_tp_plan", None) and hasattr(model, "get_output_embeddings"):
         return hf_plan_refusal(model) or "its own tp plan does not apply"
     return "no shipped plan and no base_model_tp_plan in its config"
+
+
+def sequence_parallel(model: nn.Module) -> bool:
+    """Whether the shipped plan of an HF ``model`` splits the residual stream by the sequence (the hand
+    plans of ``DECODER_TYPES`` and ``tp_plans_moe``; the models' own plans do not)."""
+    from batchfit.distributed.tp_plans_moe import MOE_TYPES
+
+    return getattr(getattr(model, "config", None), "model_type", None) in (*DECODER_TYPES, *MOE_TYPES)

@@ -3,8 +3,10 @@
 Gemma 3, Starcoder2, Cohere, Phi, ...).
 
 transformers' plan maps module-name globs (``layers.*.self_attn.q_proj``) to style names, which it
-applies with its own ``distributed/tensor_parallel.py``; here each name becomes the DTensor style it
-registers there (transformers 5.x ``ALL_PARALLEL_STYLES``), applied with ``parallelize_module``:
+applies with its own ``TensorParallelLayer`` classes (``distributed/tensor_parallel.py``); here each name
+becomes torch's DTensor style with the input and output layouts transformers registers for it
+(transformers 5.x ``ALL_PARALLEL_STYLES``), applied with ``parallelize_module``. The layouts, so the
+collectives and the shards each rank holds, are transformers'; the code that runs them is torch's:
 
 - ``colwise``: ``ColwiseParallel()`` (input replicated, output sharded on the last dim, local);
 - ``colwise_gather_output`` / ``colwise_rep``: ``ColwiseParallel(output_layouts=Replicate())``, the
@@ -96,8 +98,7 @@ def hf_plan_refusal(model: nn.Module) -> str | None:
         return f"{kind}'s base_model_tp_plan names no module of {type(model).__name__}"
     for name, style in plan.items():
         if style not in STYLES:
-            return (f"{kind}'s own tp plan puts {name} under transformers' {style!r}, which has no DTensor style "
-                    f"here (traced: {', '.join(STYLES)})")
+            return f"{kind}'s own tp plan puts {name} under transformers' {style!r}, which has no DTensor style here"
         leaf = name.rsplit(".", 1)[-1]
         if style == "colwise" and leaf in FUSED and (kind, leaf) not in PER_HEAD_FUSED:
             return (f"{kind}'s own tp plan splits the fused {leaf} by columns as one matrix: its parts would not "
@@ -112,7 +113,7 @@ def hf_own_plan(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
     """The model's own ``base_model_tp_plan`` (the module docstring), applied on ``mesh``."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from batchfit.distributed.tp_pieces import check_heads, replicate_rest, styles
+    from batchfit.distributed.tp_pieces import check_heads, holds, replicate_rest, styles
     from batchfit.errors import OptionError
 
     Replicate, Shard, Colwise, Rowwise, _, _ = styles()
@@ -133,19 +134,21 @@ def hf_own_plan(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
     }
     base = _base(model)
     plan = resolved_plan(model)
-    parallelize_module(base, mesh, {name: made[style]() for name, style in plan.items() if style not in WHOLE})
+    # A pipeline stage (distributed/pipeline_hf.py) holds parameter-free pass-throughs for the parts it lacks.
+    parallelize_module(base, mesh, {name: made[style]() for name, style in plan.items()
+                                    if style not in WHOLE and holds(base, name)})
     embedding = model.get_input_embeddings()
     embed_split = any(base.get_submodule(name) is embedding for name, style in plan.items()
                       if style == "embedding_rowwise")
     tied = getattr(config, "tie_word_embeddings", False)
     head = _head(model)
     tp_loss = "replicated"
-    if head is not None and (embed_split or not tied):
+    if head is not None and holds(model, head[0]) and (embed_split or not tied):
         name, _ = head
         style = (Colwise(output_layouts=Shard(-1), use_local_output=False) if loss == "sharded"
                  else Colwise(output_layouts=Replicate()))
         parallelize_module(model, mesh, {name: style})
-        if tied:  # both split by vocabulary rows (Shard(0))
+        if tied and any(True for _ in embedding.parameters()):  # both split by vocabulary rows (no pipeline cut)
             getattr(model, name).weight = embedding.weight
         tp_loss = loss
     setattr(model, TP_LOSS_ATTR, tp_loss)

@@ -80,7 +80,8 @@ def hf_moe_decoder(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Modul
     from torch.distributed.tensor.parallel import parallelize_module
 
     from batchfit.distributed.expert_parallel import ExpertParallelExperts
-    from batchfit.distributed.tp_pieces import hf_attention_plan, hf_dense_mlp_plan, hf_root_plan, replicate_rest
+    from batchfit.distributed.tp_pieces import (hf_attention_plan, hf_dense_mlp_plan, hf_root_plan, holds,
+                                                 replicate_rest)
     from batchfit.trace.routing import moe_experts
 
     tp = mesh.size()
@@ -96,7 +97,8 @@ def hf_moe_decoder(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Modul
                                          **(_moe_block_plan(block) if moe else hf_dense_mlp_plan())})
         if moe:
             _replicated_router(block.gate, mesh)
-    if getattr(model.config, "tie_word_embeddings", False):
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if tied and holds(model, "lm_head") and holds(model, "model.embed_tokens"):  # both ends (no pipeline cut)
         model.lm_head.weight = model.model.embed_tokens.weight  # both split by vocabulary rows
     setattr(model, TP_LOSS_ATTR, loss)
     return replicate_rest(model, mesh, skip=(ExpertParallelExperts,))

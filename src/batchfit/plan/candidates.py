@@ -12,7 +12,8 @@ data-parallel wrap of the dp ranks. Rules:
 
 - **pp<N>** (``plan/pipeline.py``): N in 2..MAX_AUTO_PP dividing the GPUs; only a model with
   embed / blocks / norm / head (batchfit's zoo transformers, HF causal LMs by their config's
-  ``base_model_pp_plan``) whose layers split into N equal
+  ``base_model_pp_plan``; an HF one on a sequence-parallel TP plan without TP inside under a
+  zero-bubble schedule) whose layers split into N equal
   stages (x V under interleaved 1F1B), with ``--microbatches`` the schedule accepts and the
   plain loss; inside a pipeline the data-parallel wrap is FSDP2 (torchtitan composes pp with
   FSDP2 and TP; ``fsdp-noreshard`` under a zero-bubble schedule, which needs it), and TP is none
@@ -73,9 +74,9 @@ class ModelFacts:
     """The workload's name, for the reasons."""
     n_layers: int | None = None
     """Blocks a pipeline splits; None: the model has no embed / blocks / norm / head split."""
-    pp_tp: bool = True
-    """Whether TP composes inside its pipeline (a zoo transformer's; an HF model's stages are traced
-    without TP: ``plan/pipeline.py``)."""
+    pp_tp_split_backward: bool = True
+    """Whether TP composes inside its pipeline under a split-backward (zero-bubble) schedule: not for
+    an HF model on a sequence-parallel plan (``plan/pipeline.py`` says why)."""
     heads: int | None = None
     """Attention query heads (None: not known, not checked)."""
     kv_heads: int | None = None
@@ -214,6 +215,15 @@ def _pp_reason(facts: ModelFacts, pp: int, schedule: str, microbatches: int) -> 
     return None
 
 
+def _splits_backward(schedule: str) -> bool:
+    from batchfit.distributed.pp_schedules import parse_schedule
+
+    try:
+        return parse_schedule(schedule).splits_backward
+    except OptionError:
+        return False  # a bad name: each pp candidate is skipped with the parser's reason
+
+
 def _pp_wrap(schedule: str) -> str:
     """FSDP2 inside a pipeline; kept gathered from forward to backward under a zero-bubble schedule,
     whose split backward needs it (``pp_schedules.check_inner``)."""
@@ -266,8 +276,9 @@ def candidates(world: World, facts: ModelFacts, *, pp_schedule: str = "1f1b", mi
     for pp in (d for d in _divisors(g) if 1 < d <= MAX_AUTO_PP):
         inner = g // pp
         reason = _pp_reason(facts, pp, pp_schedule, microbatches)
+        tp_inside = facts.pp_tp_split_backward or not _splits_backward(pp_schedule)
         tps = [1] + [t for t in _divisors(inner) if 1 < t <= tp_cap and _tp_reason(facts, t) is None
-                     and facts.pp_tp][-1:]
+                     and tp_inside][-1:]
         for tp in tps if reason is None else [1]:
             dp = inner // tp
             add(Candidate(name=_name(pp, wrap if dp > 1 else "", tp), **base, pp=pp, dp=dp, tp=tp,
@@ -299,7 +310,7 @@ def model_facts(workload, options=None) -> ModelFacts:
 
     from batchfit.distributed.pipeline import pipeline_layers
     from batchfit.distributed.pipeline_hf import hf_layers
-    from batchfit.distributed.tp_plans import no_plan_reason, tp_plan
+    from batchfit.distributed.tp_plans import no_plan_reason, sequence_parallel, tp_plan
 
     try:
         with torch.device("meta"):
@@ -308,7 +319,7 @@ def model_facts(workload, options=None) -> ModelFacts:
         return ModelFacts(name=workload.name, tp_plan=True, unread=f"{type(error).__name__}: {error}"[:200],
                           loss=getattr(options, "loss", "plain") or "plain", seq_len=workload.tokens_per_sample)
     n_layers = pipeline_layers(model)
-    pp_tp = hf_layers(model) is None
+    pp_tp_split_backward = hf_layers(model) is None or not sequence_parallel(model)
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     heads = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
     kv = getattr(cfg, "n_kv_heads", None) or getattr(cfg, "num_key_value_heads", None)
@@ -316,6 +327,7 @@ def model_facts(workload, options=None) -> ModelFacts:
                     if isinstance(getattr(cfg, k, None), int)), None)
     has_plan = workload.parallelize is not None or tp_plan(model) is not None
     tp_missing = None if has_plan else no_plan_reason(model)
-    return ModelFacts(name=workload.name, n_layers=n_layers, pp_tp=pp_tp, heads=heads if isinstance(heads, int) else None,
+    return ModelFacts(name=workload.name, n_layers=n_layers, pp_tp_split_backward=pp_tp_split_backward,
+                      heads=heads if isinstance(heads, int) else None,
                       kv_heads=kv if isinstance(kv, int) else None, tp_plan=has_plan, tp_missing=tp_missing,
                       experts=experts, loss=getattr(options, "loss", "plain") or "plain")

@@ -43,9 +43,7 @@ class PipelineSession:
                  ranks: list[int] | None = None) -> None:
         from batchfit.distributed.pipeline import build_rank, hidden_size_of, n_layers_of
         from batchfit.distributed.pipeline_hf import pp_parts
-
-        def is_hf_stage_model(model) -> bool:
-            return pp_parts(model) is not None
+        from batchfit.distributed.tp_plans import sequence_parallel
         from batchfit.distributed.pp_schedules import rank_actions, rank_stages
         from batchfit.plan.sharded import ShardedSession
 
@@ -66,13 +64,16 @@ class PipelineSession:
         check_pipeline(self.schedule, strategy.pp, n_layers_of(probe))
         self.layers_per_stage = n_layers_of(probe) // (strategy.pp * self.schedule.virtual)
         self.d_model = hidden_size_of(probe)
-        if strategy.tp > 1 and is_hf_stage_model(probe):
-            raise OptionError(f"{strategy.name}: tensor parallelism inside a pipeline is traced on batchfit's zoo "
-                              f"transformers only (an HF plan's residual stream is a DTensor a stage would send): "
-                              f"use pp{strategy.pp}+fsdp, or fsdp+tp{strategy.tp} without pp")
-        # Under TP with sequence parallelism (the zoo's Llama plan) the residual stream a stage
-        # sends holds 1/tp of the sequence (the embedding's Rowwise output is Shard(1), local).
-        sp = strategy.tp > 1 and getattr(probe, "pos", None) is None
+        # Under TP with sequence parallelism (the zoo's Llama plan, the Llama-shaped HF families')
+        # the residual stream a stage sends holds 1/tp of the sequence (the embedding's Rowwise
+        # output is Shard(1), local); an HF model's own plan leaves it whole.
+        sp = strategy.tp > 1 and (getattr(probe, "pos", None) is None if pp_parts(probe) is None
+                                  else sequence_parallel(probe))
+        if sp and pp_parts(probe) is not None and self.schedule.splits_backward:
+            raise OptionError(f"{strategy.name} with {self.schedule.name}: an HF stage under sequence-parallel TP sends "
+                              "its sequence shard as a view of the residual stream's DTensor, which torch's "
+                              "stage_backward_input cannot detach in place: use --pp-schedule 1f1b, gpipe or "
+                              "interleaved-1f1b, or drop tp")
         self.seq_len = workload.tokens_per_sample // (strategy.tp if sp else 1)
         del probe
         self.ranks = list(range(strategy.pp)) if ranks is None else ranks
