@@ -105,3 +105,33 @@ def test_freeze_with_train_only_says_which_wins(tmp_path):
                                  "--freeze", "blocks.0.*", "--max-batch", "2", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "--train-only picks the parameters that train; --freeze then freezes some" in result.output
+
+
+def _help_texts() -> dict[str, list[str]]:
+    """Each command's own help texts, as written: its docstring, epilog and options' help."""
+    import typer
+
+    group = typer.main.get_command(app)
+    texts = {"": [group.help or ""]}
+    for name, command in group.commands.items():
+        texts[name] = [command.help or "", command.epilog or "",
+                       *(p.help for p in command.params if getattr(p, "help", None))]
+    return texts
+
+
+def test_no_help_drops_a_bracketed_word():
+    """Rich markup read '[quant]' in "Needs batchfit[quant]." as a style tag and dropped it; every
+    bracketed word a help text holds (what rich would take for a tag) is printed."""
+    import re
+
+    seen = 0
+    for name, texts in _help_texts().items():
+        result = runner.invoke(app, [*([name] if name else []), "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        printed = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", result.output))
+        for text in texts:
+            for tag in re.findall(r"\\?\[[a-z#/@][^\[\]]*\]", text):
+                tag = tag.removeprefix("\\")
+                seen += 1
+                assert re.sub(r"\s+", " ", tag) in printed, (name, tag)
+    assert seen >= 3  # batchfit[quant] (twice), torchtitan's [training] section, ...
