@@ -14,7 +14,9 @@ from batchfit.cli.app import app
 runner = CliRunner()
 TINY = ["gpt-tinystories-22m", "--seq-len", "16"]
 HUGE = "99999999999999999999"
-TITAN = Path(__file__).resolve().parent / "data" / "torchtitan"  # torchtitan job tomls (tests/test_torchtitan.py)
+DATA = Path(__file__).resolve().parent / "data"
+TITAN = DATA / "torchtitan"  # torchtitan job tomls (tests/test_torchtitan.py)
+README = str(Path(__file__).resolve().parents[1] / "README.md")  # a regular file
 TEXT = ["--data", str(Path(__file__).resolve().parents[1] / "README.md"), "--tokenizer", "bytes", "--cache-dir", "cache"]  # past int64: overflowed inside torch
 
 ROWS = {
@@ -41,6 +43,7 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--lora", "rank=8"], "r=16"),
         ([*TINY, "--gpu", "t4", "--optimizer", "adamw-torchao-8bit"], "adamw-8bit"),
         ([*TINY, "--gpu", "t4", "--trainer", "args.json"], "no such file"),
+        ([*TINY, "--gpu", "t4", "--trainer", str(DATA / "latin1_args.json")], "is not UTF-8 text (byte 0xe9 on line 1)"),
         ([*TINY, "--gpu", "t4", "--emit", "trainer:fitted.json"], "--trainer args.json"),
         ([*TINY, "--gpu", "t4", "--memory-budget", "0.5"], "add --compile model"),
         ([*TINY, "--gpu", "t4", "--compile", "model", "--memory-budget", "1.5"], "from 0 to 1"),
@@ -110,6 +113,7 @@ ROWS = {
         ([f"torchtitan:{TITAN / 'unknown_model.toml'}", "--gpu", "h100", "--gpus", "2"], "for other models use hf:"),
         ([f"torchtitan:{TITAN / 'malformed.toml'}", "--gpu", "h100", "--gpus", "2"], "is not valid TOML"),
         ([f"torchtitan:{TITAN / 'unknown_section.toml'}", "--gpu", "h100", "--gpus", "2"], "unknown section [trainer]"),
+        ([f"torchtitan:{TITAN / 'latin1.toml'}", "--gpu", "h100", "--gpus", "2"], "is not UTF-8 text (byte 0xe9 on line 1)"),
         ([f"torchtitan:{TITAN / 'debug_model.toml'}", "--gpu", "h100"], "give --gpus N"),
         ([f"torchtitan:{TITAN / 'debug_model.toml'}", "--gpu", "h100", "--gpus", "2", "--checkpointing", "full"],
          "set [activation_checkpoint] mode"),
@@ -127,12 +131,15 @@ ROWS = {
         ([*TINY, "--batch-sizes", "2;4", "--samples", "8"], "8,16,32"),
         ([*TINY, "--batch-sizes", HUGE, "--samples", "8"], "from 1 to 16,777,216"),
         ([*TINY, "--batch-sizes", "2,4", "--tokens", "5Q"], "--tokens"),
+        ([*TINY, "--batch-sizes", "2,4", "--tokens", "1e99"], "at most 9,007,199,254,740,992"),  # past SQLite's int64
+        ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--cache-dir", f"{README}/cache"], "is a file, not a folder"),
         ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--lr-scaling", "cube"], "sqrt"),
         ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--gpu", "h100-8gb"], "did you mean"),
     ],
     "noise": [
         (["gpt-tinystorie", "--batch-sizes", "2,8"], "did you mean 'gpt-tinystories-22m'"),
         ([*TINY, "--batch-sizes", "8"], "8,128"),
+        ([*TINY, "--batch-sizes", "2,8", "--cache-dir", README], "--cache-dir takes a folder for token ids"),
         ([*TINY, "--batch-sizes", HUGE + ",8"], "from 1 to 16,777,216"),
         ([*TINY, "--batch-sizes", "2,8", "--device", "tpu"], "cuda"),
         ([*TINY, "--batch-sizes", "2,8", "--gpu", "t4"], "give --data"),  # --gpu sizes, the CPU trains
@@ -143,6 +150,7 @@ ROWS = {
         ([*TINY, "--batch-sizes", "1,2", "--tokens", "1M", "--branch-at", "150%"], "10%,25%"),
         ([*TINY, "--batch-sizes", "4", "--tokens", "1M"], "at least two"),
         ([*TINY, "--batch-sizes", "1,2"], "--tokens"),
+        ([*TINY, "--batch-sizes", "1,2", "--tokens", "1M", "--cache-dir", f"{README}/c"], "is a file, not a folder"),
         ([*TINY, *TEXT, "--batch-sizes", "1,64", "--tokens", "16384"], "budget too small to branch"),
         ([*TINY, *TEXT, "--batch-sizes", "1,2", "--tokens", "16M"], "data too short for the budget"),
         ([*TINY, *TEXT, "--batch-sizes", "1,2", "--tokens", "16384", "--gpu-memory", "600MiB"], "even at micro-batch 1"),

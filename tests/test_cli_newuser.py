@@ -105,3 +105,88 @@ def test_freeze_with_train_only_says_which_wins(tmp_path):
                                  "--freeze", "blocks.0.*", "--max-batch", "2", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "--train-only picks the parameters that train; --freeze then freezes some" in result.output
+
+
+def _help_texts() -> dict[str, list[str]]:
+    """Each command's own help texts, as written: its docstring, epilog and options' help."""
+    import typer
+
+    group = typer.main.get_command(app)
+    texts = {"": [group.help or ""]}
+    for name, command in group.commands.items():
+        texts[name] = [command.help or "", command.epilog or "",
+                       *(p.help for p in command.params if getattr(p, "help", None))]
+    return texts
+
+
+def test_no_help_drops_a_bracketed_word():
+    """Rich markup read '[quant]' in "Needs batchfit[quant]." as a style tag and dropped it; every
+    bracketed word a help text holds (what rich would take for a tag) is printed."""
+    import re
+
+    seen = 0
+    for name, texts in _help_texts().items():
+        result = runner.invoke(app, [*([name] if name else []), "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        printed = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", result.output))
+        for text in texts:
+            for tag in re.findall(r"\\?\[[a-z#/@][^\[\]]*\]", text):
+                tag = tag.removeprefix("\\")
+                seen += 1
+                assert re.sub(r"\s+", " ", tag) in printed, (name, tag)
+    assert seen >= 3  # batchfit[quant] (twice), torchtitan's [training] section, ...
+
+
+def test_torchaos_import_notes_are_filtered_and_nothing_else():
+    """The records torchao 0.18's import logs (torchao/__init__.py) and torch 2.13's pytree note on
+    its enums (torch/utils/_pytree.py), as they log them: dropped; the same loggers' other records
+    and the same note on any other enum pass."""
+    import enum
+    import logging
+
+    import batchfit  # noqa: F401 - installs the filters
+
+    class Kept(logging.Handler):  # on the loggers themselves: torch's do not propagate to the root
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage()[:23])
+
+    KernelPreference = enum.Enum("KernelPreference", "AUTO")
+    KernelPreference.__module__ = "torchao.quantization.quantize_.common.kernel_preference"
+    note = ("%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type. "
+            "Calling register_constant() on Enum subclasses is deprecated and will be an error in a future release.")
+    kept = Kept()
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    for logger in loggers:
+        logger.addHandler(kept)
+    try:
+        loggers[0].warning("Failed to load /site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: "
+                           "Could not load this library: /site-packages/torchao/_C_mxfp8.so")
+        loggers[1].warning(note, KernelPreference)
+        assert kept.messages == []
+        loggers[0].warning("another torchao warning")
+        loggers[1].warning(note, enum.Enum("Mine", "A"))
+    finally:
+        for logger in loggers:
+            logger.removeHandler(kept)
+    assert kept.messages == ["another torchao warning", "<enum 'Mine'> is an Enu"]
+
+
+@pytest.mark.slow
+def test_torchaos_import_notes_stay_off_the_terminal():
+    """transformers imports torchao whenever it is installed, so hf: models and LoRA did too, and each
+    command printed torchao's "Failed to load .../_C_mxfp8...so" lines and torch's "<enum
+    'KernelPreference'> is an Enum subclass ..." notes. Those (only) are filtered on their loggers."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    script = ("import logging, batchfit, torchao; "
+              "logging.getLogger('torchao').warning('another torchao warning'); "
+              "logging.getLogger('torch.utils._pytree').warning('%s is an Enum subclass and ...', logging.Logger)")
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stderr
+    assert "Failed to load" not in err and "KernelPreference" not in err and "ScaleCalculationMode" not in err, err
+    assert "another torchao warning" in err and "<class 'logging.Logger'> is an Enum subclass" in err  # not torchao's

@@ -8,7 +8,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parent.parent / "src" / "batchfit"
 LAYERS = [  # bottom to top
-    {"errors", "phases", "tiers", "devices", "workload", "search", "targets", "specs", "zoo"},
+    {"errors", "notices", "phases", "tiers", "devices", "workload", "search", "targets", "specs", "zoo"},
     {"train"},
     {"trace"},
     {"distributed"},

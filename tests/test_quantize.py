@@ -125,3 +125,33 @@ def test_lora_targets_that_match_nothing_name_the_layers():
     with pytest.raises(OptionError, match="q_proj") as info:
         TraceSession(LLAMA, StepOptions(lora="r=8,targets=query+value"))
     assert "query+value" in str(info.value) and "\n" not in str(info.value)
+
+
+BY_HAND = "examples/qlora_by_hand.py:workload"
+"""A QLoRA model built in the user's own file (Linear4bit + Params4bit, PEFT, bnb's AdamW8bit)."""
+
+
+def test_a_qlora_model_built_by_hand_is_traced_as_batchfits_own(monkeypatch):
+    """The user's own QLoRA build used to stop while building ("Creating a new Tensor subclass
+    Params4bit ... FakeTensor"). Its weights are quantized where batchfit moves the model
+    (Params4bit.to), and the step is batchfit's --quantize nf4 --lora r=16 --optimizer adamw-8bit
+    on the same Llama (held to the profiler above), byte for byte."""
+    from pathlib import Path
+
+    from batchfit.specs import load_workload
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    user = load_workload(BY_HAND)
+    with TraceSession(user, StepOptions()) as session:
+        by_hand = session.trace(4).snapshot
+        assert session.params == sum(p.numel() for p in llama().parameters()) + 78_080  # 4-bit weights: values
+        assert session.trainable_params == 78_080
+    with TraceSession(LLAMA, StepOptions(quantize="nf4", lora="r=16", optimizer="adamw-8bit")) as session:
+        own = session.trace(4).snapshot
+    assert by_hand.peak_bytes == own.peak_bytes and by_hand.breakdown == own.breakdown
+    # The 8-bit optimizer's state, by hand, each tensor in CUDA's 512-byte blocks. Each layer's 14
+    # LoRA matrices: 11 of 2,048 values (under min_8bit_size 4,096: two fp32 states) and 3 of
+    # 344 x 16 (two uint8 states, 5,504 bytes each, and two fp32 absmax, one per 256 values: 88 bytes);
+    # and the two 256-value fp32 quantile maps.
+    small, big = 11 * LAYERS * 2 * 8192, 3 * LAYERS * 2 * (5632 + 512)
+    assert by_hand.breakdown["optimizer_state"] == small + big + 2 * 1024 == 436_224

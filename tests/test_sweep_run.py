@@ -3,6 +3,8 @@ the full batch's gradient, and a failing run recorded while the sweep goes on.""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -140,3 +142,29 @@ def test_bpe_trained_on_the_train_split_and_cached(tmp_path):
     assert said == [f"tokens from the cache {tmp_path / 'cache' / first.key}"]
     assert (again.key, len(again.train), len(again.val)) == (first.key, len(first.train), len(first.val))
     assert len(first.val) < len(first.train) / 50  # 1% of the text is validation
+
+
+def test_a_run_whose_loss_diverges_says_so_and_keeps_its_curve(tmp_path):
+    """SGD at lr 1 without clipping on a regression whose targets grow with the inputs: the loss goes
+    to inf in a few steps. SQLite stores a NaN or inf as NULL, which the curve refused (an
+    IntegrityError): the run now stops with the loss it saw, keeping what was measured before."""
+    from torch import nn
+
+    from batchfit import Workload
+
+    diverging = Workload(name="diverging", build_model=lambda: nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 1)),
+                         make_batch=lambda b, device: torch.randn(b, 8, device=device),
+                         loss_fn=lambda m, x: (m(x).squeeze(-1) - x.sum(-1)).pow(2).mean(),
+                         build_optimizer=lambda params: torch.optim.SGD(params, lr=1.0))
+    settings = SweepConfig(model="diverging", batch_sizes=[2], samples=40, lrs=[1.0], grad_clip=None, eval_every="5%",
+                           eval_samples=4, store=tmp_path / "sweep.db", device="cpu")
+    (run,) = run_sweep(plan_sweep(settings, diverging)).runs
+    assert run["status"] == "error" and run["error"].startswith("NonFiniteLoss: the ")  # validation loss, here
+    assert "loss is not finite (inf) at step" in run["error"] and "lower --lrs" in run["error"]
+    from batchfit.train.store import Store
+
+    with Store(tmp_path / "sweep.db") as store:
+        kept = store.points(run["id"])
+    assert 0 < run["steps_done"] < run["steps"] and run["seconds"] > 0
+    assert kept and max(p["step"] for p in kept) == run["steps_done"]
+    assert all(math.isfinite(p["loss"]) for p in kept)

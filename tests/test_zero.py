@@ -291,3 +291,38 @@ def test_an_optimizer_zero_cannot_rebuild_is_one_line():
     with pytest.raises(OptionError, match="ZeroRedundancyOptimizer builds each rank's optimizer as Custom") as error:
         _trace("zero1", workload=mlp)
     assert "\n" not in str(error.value)
+
+
+class _MixedDtypes(nn.Module):
+    """An embedding kept in bf16 beside fp32 weights (as nanochat keeps its token embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16).to(torch.bfloat16)
+        self.out = nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(x).float())
+
+
+@pytest.mark.parametrize("name", MEASURED)
+def test_parameters_of_two_dtypes_name_torchs_one_dtype_rule(name):
+    """torch's ZeroRedundancyOptimizer refuses parameters of two dense types in its constructor (no
+    bucket per dtype): the plan says that, with the dtypes and a parameter of each, not that the
+    optimizer (adamw) is wrong."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = _MixedDtypes()
+    with pytest.raises(ValueError, match="same dense type"):  # the rule, in the installed torch
+        ZeroRedundancyOptimizer._verify_same_dense_param_type(SimpleNamespace(_all_params=list(model.parameters())))
+    mixed = Workload(name="mixed", build_model=_MixedDtypes,
+                     make_batch=lambda b, device: torch.randint(0, 64, (b, 8), device=device),
+                     loss_fn=lambda m, x: nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten()))
+    with pytest.raises(OptionError, match="one dtype") as error:
+        _trace(name, StepOptions(optimizer="adamw"), workload=mixed)
+    said = str(error.value)
+    assert "float32 (2 tensors, e.g. 'out.weight') and bfloat16 (1 tensor, e.g. 'emb.weight')" in said
+    assert "--optimizer" not in said and "\n" not in said
+    # what it suggests runs: every parameter in bf16, or the odd one frozen
+    assert _trace(name, StepOptions(precision="bf16"), workload=mixed).peak_bytes > 0
+    assert _trace(name, StepOptions(frozen=("emb.*",)), workload=mixed).peak_bytes > 0

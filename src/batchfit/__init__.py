@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from batchfit.notices import quiet_torchao_import_notes
+
+quiet_torchao_import_notes()  # torchao's import notes (transformers imports it): batchfit/notices.py
+
 _WHERE = {
     "CATALOG": "devices", "Device": "devices", "get_device": "devices", "parse_size": "devices",
     "BatchfitError": "errors", "ModelSpecError": "errors", "OptionError": "errors", "SizeError": "errors",

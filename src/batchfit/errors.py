@@ -13,6 +13,8 @@ Every message says what to type instead; the CLI prints it on one line.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class BatchfitError(Exception):
     """Base class: a problem batchfit can explain in one line."""
@@ -44,3 +46,16 @@ class OptionError(UsageError):
 
 class TraceError(BatchfitError):
     """The training step could not run on fake tensors."""
+
+
+def read_text(path: Path | str, what: str, error: type[UsageError] = OptionError) -> str:
+    """The text of a file the user named (JSON, TOML, .jsonl: UTF-8 by their specifications),
+    decoded as UTF-8; a file in another encoding is ``error``, one line that says where (as the
+    user typed ``what``, e.g. '--trainer args.json') and what to do, not a UnicodeDecodeError."""
+    raw = Path(path).read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        line = raw.count(b"\n", 0, bad.start) + 1
+        raise error(f"{what} is not UTF-8 text (byte 0x{raw[bad.start]:02x} on line {line}): save it as UTF-8 "
+                    "(e.g. iconv -f latin1 -t utf-8, if it is Latin-1)") from None

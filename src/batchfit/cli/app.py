@@ -56,6 +56,35 @@ app.command("gpus")(gpus_command)
 app.command("zoo")(zoo_command)
 
 
+def _plain_help(typer_app: typer.Typer) -> None:
+    """Help texts are plain text. Typer's rich help reads them as rich markup, where a bracketed
+    word is a style tag: "Needs batchfit[quant]." printed as "Needs batchfit.", torchtitan's
+    [training] section as nothing. Escape every command's docstring, epilog and parameters' help
+    once (a parameter's help object is shared by the commands that use it)."""
+    import inspect
+
+    from rich.markup import escape
+    from typer.models import ParameterInfo
+
+    done: set[int] = set()
+    for info in typer_app.registered_commands:
+        info.help = escape(info.help if info.help is not None else inspect.getdoc(info.callback) or "")
+        info.epilog = escape(info.epilog) if info.epilog else info.epilog
+        function = inspect.unwrap(info.callback)
+        for param in inspect.signature(function, eval_str=True).parameters.values():
+            # the annotations are strings (``from __future__ import annotations``), evaluated anew
+            # each time they are read: keep the evaluated ones, whose help is escaped here
+            if param.annotation is not param.empty:
+                function.__annotations__[param.name] = param.annotation
+            for meta in (*getattr(param.annotation, "__metadata__", ()), param.default):
+                if isinstance(meta, ParameterInfo) and meta.help and id(meta) not in done:
+                    done.add(id(meta))
+                    meta.help = escape(meta.help)
+
+
+_plain_help(app)
+
+
 def main() -> None:
     app()
 

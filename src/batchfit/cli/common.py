@@ -246,12 +246,12 @@ def check_writable_file(option: str, path: Path | str, example: str) -> None:
                           f"e.g. {example}")
 
 
-def check_writable_folder(option: str, folder: Path | str, example: str) -> None:
-    """Refuse, before any work, a report folder that cannot be created or written in."""
+def check_writable_folder(option: str, folder: Path | str, example: str, holds: str = "the report") -> None:
+    """Refuse, before any work, a folder (for ``holds``) that cannot be created or written in."""
     folder = Path(folder)
     existing = _first_existing(folder)
     if existing == Path(os.path.abspath(folder)) and not folder.is_dir():
-        raise OptionError(f"{option} {folder} is a file: {option} takes a folder for the report, e.g. {example}")
+        raise OptionError(f"{option} {folder} is a file: {option} takes a folder for {holds}, e.g. {example}")
     if not existing.is_dir():
         raise OptionError(f"{option} {folder}: '{existing}' is a file, not a folder; write elsewhere, e.g. {example}")
     reason = _unwritable(existing)
@@ -260,10 +260,13 @@ def check_writable_folder(option: str, folder: Path | str, example: str) -> None
                           f"e.g. {example}")
 
 
-def check_outputs(json_path: str | None, out: Path | None, *files: tuple[str, Path | str]) -> None:
+def check_outputs(json_path: str | None, out: Path | None, *files: tuple[str, Path | str],
+                  cache_dir: Path | None = None) -> None:
     """Refuse output paths that cannot be written *before* any work, so no result is lost:
-    --json, --out (or the default reports/ folder), and ``files``: (option, path) pairs such
-    as ("--emit", "config.yaml") or ("--store", "sweep.db")."""
+    --json, --out (or the default reports/ folder), ``files``: (option, path) pairs such
+    as ("--emit", "config.yaml") or ("--store", "sweep.db"), and the --cache-dir of token ids."""
+    if cache_dir is not None:
+        check_writable_folder("--cache-dir", cache_dir, "--cache-dir ~/.cache/batchfit/tokens", holds="token ids")
     if json_path and not is_stdout(json_path):
         check_writable_file("--json", json_path, "--json result.json")
     if out is not None:

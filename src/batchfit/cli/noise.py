@@ -61,7 +61,7 @@ def noise_command(
     from batchfit.train.data import BatchSource, lm_format, tokenize
     from batchfit.sweep.noise import gradient_noise_scale
 
-    check_outputs(json_path, out)
+    check_outputs(json_path, out, cache_dir=cache_dir)
     sizes = parse_batch_sizes(batch_sizes)
     if len(sizes) != 2:
         raise OptionError(f"--batch-sizes takes two sizes for noise, small then big, e.g. 8,128; got {batch_sizes}")

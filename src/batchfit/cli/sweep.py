@@ -112,7 +112,7 @@ def sweep_command(
     from batchfit.sweep.engine import SweepConfig, plan_sweep, run_sweep
     from batchfit.sweep.result import read_result, save_noise
 
-    check_outputs(json_path, out, ("--store", store))
+    check_outputs(json_path, out, ("--store", store), cache_dir=cache_dir)
     sizes = parse_batch_sizes(batch_sizes)
     config = SweepConfig(
         model=model, batch_sizes=sizes, tokens=parse_count(tokens, "--tokens") if tokens is not None else None,

@@ -45,10 +45,11 @@ if TYPE_CHECKING:
 ZERO_SHARDS = ("zero1", "zero2")
 
 
-def zero_optimizer(inner: torch.optim.Optimizer, *, shard_gradients: bool):
+def zero_optimizer(inner: torch.optim.Optimizer, *, shard_gradients: bool, model: torch.nn.Module | None = None):
     """``inner``'s class, hyper-parameters and parameter groups, as a ZeroRedundancyOptimizer over
     the default process group (built before ``inner`` made any state). ``shard_gradients``
-    (zero2) reduces each gradient to its owner as backward accumulates it, and drops it elsewhere."""
+    (zero2) reduces each gradient to its owner as backward accumulates it, and drops it elsewhere.
+    ``model`` names the parameters in the error about their dtypes."""
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -56,6 +57,7 @@ def zero_optimizer(inner: torch.optim.Optimizer, *, shard_gradients: bool):
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in inner.defaults.items() if k in accepted}  # AdamW's defaults name more
     groups = [{**group, "params": list(group["params"])} for group in inner.param_groups]
+    _require_one_dtype([p for g in groups for p in g["params"]], "zero2" if shard_gradients else "zero1", model)
     try:
         zero = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **defaults)
     except (TypeError, ValueError) as error:
@@ -73,6 +75,28 @@ def zero_optimizer(inner: torch.optim.Optimizer, *, shard_gradients: bool):
             param.register_hook(_keep_the_mean(param, world))
             param.register_post_accumulate_grad_hook(_reduce_to_owner(owner, me, world, zero.process_group))
     return zero
+
+
+def _require_one_dtype(params: list[torch.Tensor], name: str, model: torch.nn.Module | None) -> None:
+    """ZeroRedundancyOptimizer takes parameters of one dense type only: it refuses the rest in its
+    constructor (``_verify_same_dense_param_type``: "only supports using the same dense type for
+    all parameters"), with no bucket per dtype. A model that trains two dtypes (nanochat keeps its
+    embedding in bf16 beside fp32 weights) cannot run zero1 / zero2 in torch: say so, and why."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in params:
+        by_dtype.setdefault(param.dtype, []).append(param)
+    if len(by_dtype) < 2:
+        return
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    parts = []
+    for dtype, group in sorted(by_dtype.items(), key=lambda item: -len(item[1])):
+        example = names.get(id(group[0]))
+        parts.append(f"{str(dtype).removeprefix('torch.')} ({len(group)} tensor{'s' * (len(group) > 1)}"
+                     f"{f', e.g. {example!r}' if example else ''})")
+    raise OptionError(f"{name} runs torch's ZeroRedundancyOptimizer, which takes trainable parameters of one dtype "
+                      f"only (it raises 'only supports using the same dense type for all parameters'), and this "
+                      f"model trains {' and '.join(parts)}: use --precision bf16 (every parameter in bf16), "
+                      "freeze the odd ones (--freeze), or plan ddp / fsdp")
 
 
 def _keep_the_mean(param: torch.Tensor, world: int):
@@ -120,7 +144,7 @@ def with_sharded_optimizer(workload: Workload, options: StepOptions, strategy: S
 
     def build(params):
         inner = build_optimizer(name, params, built[-1] if built else None) if name else own(params)
-        return zero_optimizer(inner, shard_gradients=shard_gradients)
+        return zero_optimizer(inner, shard_gradients=shard_gradients, model=built[-1] if built else None)
 
     return (dataclasses.replace(workload, build_model=build_and_keep, build_optimizer=build),
             dataclasses.replace(options, optimizer=None))

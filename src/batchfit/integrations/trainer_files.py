@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchfit.errors import OptionError
+from batchfit.errors import OptionError, read_text
 from batchfit.integrations.trainer_args import SECTIONS, TrainerMapping, args_to_dict, from_training_arguments
 
 ANSWERED = ("per_device_train_batch_size", "gradient_accumulation_steps")
@@ -57,7 +57,7 @@ def load_trainer_args(spec: str) -> TrainerArgs:
     if path.suffix == ".py":
         args = _from_python(path, attribute or "args")
     else:
-        text = path.read_text()
+        text = read_text(path, f"--trainer {spec}")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
@@ -125,7 +125,7 @@ def _deepspeed(value: Any, args_path: Path) -> dict | None:
         candidate = base / str(value)
         if candidate.is_file():
             try:
-                config = json.loads(candidate.read_text())
+                config = json.loads(read_text(candidate, f"the DeepSpeed config {candidate}"))
             except json.JSONDecodeError as error:
                 raise OptionError(f"the DeepSpeed config {candidate} is not JSON ({error.msg} at line {error.lineno})"
                                   ": fix it, or drop 'deepspeed' from the args") from None

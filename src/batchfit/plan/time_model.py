@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from batchfit.devices import Device, host_link_seconds as offload_seconds
-from batchfit.errors import OptionError
+from batchfit.errors import OptionError, read_text
 from batchfit.plan.world import World
 
 DEFAULT_MFU = 0.4
@@ -141,7 +141,7 @@ def calibrated(path: str | Path, precision: str) -> TimeModel:
     """A TimeModel whose MFU is the one ``batchfit bench --json`` measured on a GPU: the row
     with the most samples per step that has one (the plan's micro-batches are large ones)."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(read_text(path, f"--calibrate {path}"))
     except (OSError, json.JSONDecodeError) as error:
         raise OptionError(f"--calibrate {path}: cannot read it ({error}): give the file "
                           "`batchfit bench --device cuda --json bench.json` wrote") from None

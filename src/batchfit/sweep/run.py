@@ -27,6 +27,7 @@ import torch
 from batchfit.train.step import TrainingStep
 from batchfit.train.budget import Budget, Schedule, micro_batch_for
 from batchfit.train.data import BatchSource
+from batchfit.train.oom import NonFiniteLoss
 from batchfit.train.store import Store
 from batchfit.workload import StepOptions, Workload
 
@@ -137,8 +138,18 @@ def train_run(workload: Workload, source: BatchSource, spec: RunSpec, store: Sto
         store.drop_points_after(spec.run_id, -1)
     store.update_run(spec.run_id, status="running", steps=steps, micro_batch=micro,
                      accumulation_steps=b // micro, started=time.time(), error=None, worker=f"pid {os.getpid()}")
+    def require_finite(loss: float, what: str, step: int) -> None:
+        # SQLite stores NaN as NULL, which the curve refuses: stop the run here with what it is,
+        # keeping what was measured before (its curve points, steps and time).
+        if not math.isfinite(loss):
+            store.update_run(spec.run_id, seconds=state["seconds"] + time.perf_counter() - started)
+            raise NonFiniteLoss(f"the {what} loss is not finite ({loss}) at step {step:,} of {steps:,}: the run diverged "
+                                f"and stopped there (its curve up to step {store.run(spec.run_id)['steps_done'] or 0:,} "
+                                "is kept); lower --lrs, or keep --grad-clip")
+
     if state["step"] == 0 and state["initial_val"] is None:
         state["initial_val"] = evaluate(model)
+        require_finite(state["initial_val"], "initial validation", 0)
         state["last_val"] = state["initial_val"]
         store.add_point(spec.run_id, 0, "val", 0, 0 if tokens_per_sample else None, state["initial_val"])
         store.update_run(spec.run_id, initial_val_loss=state["initial_val"])
@@ -152,6 +163,7 @@ def train_run(workload: Workload, source: BatchSource, spec: RunSpec, store: Sto
         result = trainer.step(pieces, b, lr=lr, max_grad_norm=spec.grad_clip or None)
         del pieces
         loss = result.loss
+        require_finite(loss, "training", state["step"] + 1)
         if not result.stepped:  # not an error: the scaler lowered its scale, the next step goes on
             state["skipped"] = state.get("skipped", 0) + 1
         before = consumed(state["samples"])
@@ -164,6 +176,7 @@ def train_run(workload: Workload, source: BatchSource, spec: RunSpec, store: Sto
             state["last_train"] = state["train_sum"] / state["train_samples"]
             state["train_sum"], state["train_samples"] = 0.0, 0
             state["last_val"] = evaluate(model)
+            require_finite(state["last_val"], "validation", state["step"])
             state["best_val"] = min(state["best_val"], state["last_val"])
             tokens = state["samples"] * tokens_per_sample if tokens_per_sample else None
             store.add_point(spec.run_id, state["step"], "train", state["samples"], tokens, state["last_train"], lr)

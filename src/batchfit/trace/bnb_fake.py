@@ -11,7 +11,9 @@ tensors as they are. Four things do not:
    ``Tensor._make_subclass``, which refuses a fake tensor (its TensorImpl already belongs to a
    ``FakeTensor``). While tracing, a quantized parameter made from a fake tensor is a
    ``FakeTensor`` of a subclass named like bitsandbytes' class (PEFT checks the class name),
-   carrying the same attributes and bitsandbytes' own ``_quantize``.
+   carrying the same attributes and bitsandbytes' own ``_quantize``, and a ``to`` that quantizes
+   as bitsandbytes' does: a QLoRA model built by hand in the user's file (``Linear4bit`` with a
+   ``Params4bit`` weight) is quantized where batchfit moves it, as ``model.to("cuda")`` would.
 2. The quantile maps (``functional.create_dynamic_map``: the 8-bit dynamic code of double
    quantization and of the 8-bit optimizers) are built from Python lists with ``.tolist()``,
    which a fake tensor cannot answer: they are built once from real tensors (256 values each).
@@ -64,13 +66,39 @@ def _fake_param_class(name: str) -> type:
         attrs = {k: copy.copy(getattr(self, k)) for k in _PARAM_ATTRS[name]}
         return _fake_param(name, self.detach().clone(), self.requires_grad, attrs)
 
+    def to(self, *args, **kwargs):
+        # bitsandbytes' own ``to`` (its ``super()`` needs the real class): a weight not yet
+        # quantized is quantized where it goes (Params4bit: any device but meta; Int8Params: from
+        # the CPU), as a user's ``model.to("cuda")`` quantizes a QLoRA model built by hand.
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and device.type != "meta" and not _is_quantized(self):
+            return self._quantize(device)
+        moved = torch.Tensor.to(self, device=device, dtype=dtype, non_blocking=non_blocking)
+        if moved is self:
+            return self
+        return _fake_param(name, moved, self.requires_grad, {k: getattr(self, k) for k in _PARAM_ATTRS[name]})
+
     methods = {"_quantize": real._quantize, "__qualname__": name, "__module__": real.__module__,
-               "__deepcopy__": __deepcopy__}
+               "__deepcopy__": __deepcopy__, "to": to}
     for attr in ("absmax", "code", "quant_map", "offset", "state2", "nested_absmax", "nested_blocksize",
                  "nested_quant_map", "nested_dtype", "nested_offset"):
         if isinstance(getattr(real, attr, None), property):
             methods[attr] = getattr(real, attr)
     return type(name, (FakeTensor,), methods)
+
+
+def _is_quantized(param: torch.Tensor) -> bool:
+    """Whether a (fake) bitsandbytes parameter holds its quantized data already."""
+    if type(param).__name__ == "Params4bit":
+        return bool(param.bnb_quantized)
+    return param.dtype == torch.int8  # Int8Params.to's own test
+
+
+def holds_quantized(model: nn.Module) -> bool:
+    """Whether ``model`` holds bitsandbytes' quantized parameters (built by batchfit's --quantize
+    or by the user's own code: ``Linear4bit`` with a ``Params4bit`` weight)."""
+    return any(type(p).__name__ in _PARAM_ATTRS and type(p).__module__.startswith("bitsandbytes")
+               and _is_quantized(p) for p in model.parameters())
 
 
 def _fake_param(name: str, data: torch.Tensor, requires_grad: bool, attrs: dict[str, Any]) -> torch.Tensor:
@@ -204,11 +232,12 @@ def page_optimizer_state(optimizer: torch.optim.Optimizer, tracker: MemoryTracke
     optimizer.prefetch_state = lambda p: None  # cudaMemPrefetchAsync: a hint that allocates nothing
 
 
-def place_quantile_maps(optimizer: torch.optim.Optimizer) -> None:
+def place_quantile_maps(optimizer: torch.optim.Optimizer, tracker: MemoryTracker) -> None:
     """Put a bitsandbytes 8-bit optimizer's quantile maps on the device now (while the model is
     built), not in its first step: there ``init_state`` moves them with the first parameter's
     state, which makes the first block's state differ from the others (2 KB, once) and the
-    stream of a model traced by depth irregular."""
+    stream of a model traced by depth irregular. Counted as optimizer state, also where the
+    optimizer was made while the tracker did not count (a model quantized by --quantize)."""
     from bitsandbytes.optim.optimizer import Optimizer8bit
 
     if isinstance(optimizer, Optimizer8bit) and getattr(optimizer.args, "optim_bits", 32) == 8:
@@ -216,7 +245,11 @@ def place_quantile_maps(optimizer: torch.optim.Optimizer) -> None:
             optimizer.fill_qmap()
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
         for key in ("dynamic", "udynamic"):
-            optimizer.name2qmap[key] = optimizer.name2qmap[key].to(device)
+            qmap = optimizer.name2qmap[key] = optimizer.name2qmap[key].to(device)
+            storage = qmap.untyped_storage()
+            if isinstance(qmap, FakeTensor) and id(storage) not in tracker._live:
+                tracker.record(id(storage), storage, op="load", shape=tuple(qmap.shape),
+                               dtype=str(qmap.dtype).removeprefix("torch."), role="optimizer_state")
 
 
 def paged_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -241,7 +274,8 @@ def _tensors(value: Any, seen: set[int]) -> list[torch.Tensor]:
 def record_loaded(model: nn.Module, tracker: MemoryTracker) -> None:
     """Count what a quantized model holds once built, one allocation per storage, in the order a
     loader makes them: parameters, buffers and each layer's quantization state (absmax, codes:
-    labelled parameters too, as bitsandbytes saves them with the weight)."""
+    labelled parameters too, as bitsandbytes saves them with the weight). What a build the tracker
+    counted made already (the user's own quantization) is only labelled."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
     for module in model.modules():
@@ -253,6 +287,8 @@ def record_loaded(model: nn.Module, tracker: MemoryTracker) -> None:
     for tensor in found:
         storage = tensor.untyped_storage()
         key = id(storage)
-        if key not in tracker._live:
+        if key in tracker._live:  # made while the user's own build_model quantized it: counted then
+            tracker._live[key].role = "parameters"
+        else:
             tracker.record(key, storage, op="load", shape=tuple(tensor.shape),
                            dtype=str(tensor.dtype).removeprefix("torch."), role="parameters")

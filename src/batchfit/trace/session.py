@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import traceback
 import weakref
@@ -215,7 +216,7 @@ def _apply_building_fakes(self: nn.Module, fn, recurse: bool = True) -> nn.Modul
                         new = fn(tensor)
                         if (new.is_floating_point() or new.dtype == torch.bool) and _known_causal(tensor):
                             _remember_causal(new)  # -inf and 0 stay -inf and 0 (True and False)
-                        if is_param:
+                        if is_param and not isinstance(new, nn.Parameter):  # bitsandbytes' own to() keeps its class
                             new = nn.Parameter(new, tensor.requires_grad)
                             if tensor.grad is not None:
                                 new.grad = fn(tensor.grad)
@@ -306,10 +307,15 @@ class TraceSession:
                               "compile their step (torch.compile fullgraph=True), which does not run on fake tensors; "
                               "trace adamw-8bit (bitsandbytes, same state bytes as adamw-torchao-8bit) or measure "
                               "it with `batchfit probe --device cuda`")
-        self.uses_bnb = options.quantize != "none" or (options.optimizer or "") in BNB_OPTIMIZERS
-        if self.uses_bnb:  # bitsandbytes on fake tensors (trace/bnb_fake.py)
+        # bitsandbytes on fake tensors (trace/bnb_fake.py): for batchfit's --quantize and 8-bit
+        # optimizers, and for a workload that imported bitsandbytes itself (a QLoRA model and an
+        # 8-bit optimizer built by hand in the user's file: what it makes is traced as made).
+        self.uses_bnb = (options.quantize != "none" or (options.optimizer or "") in BNB_OPTIMIZERS
+                         or "bitsandbytes" in sys.modules)
+        if self.uses_bnb:
             load_bitsandbytes(f"--quantize {options.quantize}" if options.quantize != "none"
-                              else f"--optimizer {options.optimizer}")
+                              else f"--optimizer {options.optimizer}" if options.optimizer
+                              else f"{workload.name} (it imports bitsandbytes)")
             bnb_fake.install()
         preload(options)
         with self.tracing("building the model"), _building_on_fakes():
@@ -321,10 +327,11 @@ class TraceSession:
                 self.step = TrainingStep(workload, options, torch.device("cpu"), wrap=wrap)
             finally:
                 self.tracker.uncounted = False
-            if options.quantize != "none":
+            if self.uses_bnb and bnb_fake.holds_quantized(self.step.model):
+                # the quantization state labelled parameters, as bitsandbytes saves it with the weight
                 bnb_fake.record_loaded(self.step.model, self.tracker)
             if self.uses_bnb:
-                bnb_fake.place_quantile_maps(self.step.optimizer)
+                bnb_fake.place_quantile_maps(self.step.optimizer, self.tracker)
         _require_fake_parameters(self.step, workload.name)
         if moe_experts(self.step.model):
             self.routed = RoutedExperts(self.step.model, options.routing)
@@ -393,6 +400,13 @@ class TraceSession:
             if any("_nested_tensor_from_mask(" in (f.line or "") for f in traceback.extract_tb(error.__traceback__)):
                 raise TraceError(_value_read_message(self.workload.name, what, error)) from error
             where = _user_line(error)
+            if "Creating a new Tensor subclass" in str(error) and not self.uses_bnb:
+                # bitsandbytes' parameters on fake tensors need trace/bnb_fake.py, readied only
+                # for a workload that had imported bitsandbytes when the trace began
+                raise TraceError(
+                    f"{self.workload.name} imports bitsandbytes only inside its build{f' ({where})' if where else ''}, "
+                    "after batchfit readied its fake tensors: import bitsandbytes at the top of that file"
+                ) from error
             raise TraceError(
                 f"the training step of {self.workload.name} failed on fake tensors while "
                 f"{what}{f' at {where}' if where else ''}: {_message(error)}"

@@ -20,6 +20,9 @@ from batchfit.errors import OptionError
 
 _SUFFIX = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9, "T": 10**12}
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
+MAX_COUNT = 2**53
+"""The largest count read: past it a count read through a float is no longer exact, and far past
+it (1e99) it overflows the store's 64-bit integers. 9e15 tokens: 600 times Llama 3's 15T."""
 
 
 def parse_count(text: str, option: str) -> int:
@@ -28,6 +31,9 @@ def parse_count(text: str, option: str) -> int:
     if not match:
         raise OptionError(f"cannot read {option} '{text}': give a count such as 327.68M, 50M, 200k or 200000")
     value = float(match.group(1)) * _SUFFIX[match.group(2)]
+    if not value <= MAX_COUNT:  # inf too: runs and steps are stored as SQLite's 64-bit integers
+        raise OptionError(f"{option} '{text}' is too large: at most {MAX_COUNT:,} (2^53, a count a float holds "
+                          "exactly), e.g. 327.68M or 15T")
     if abs(value - round(value)) > 1e-6 * max(1.0, value):
         raise OptionError(f"{option} '{text}' is not a whole number: e.g. {round(value)}")
     return round(value)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from batchfit.errors import OptionError, UsageError
+from batchfit.errors import OptionError, UsageError, read_text
 from batchfit.workload import Workload
 
 EOT = "<|endoftext|>"
@@ -50,7 +50,7 @@ def _files(path: Path) -> list[Path]:
 def _read_file(path: Path) -> list[str]:
     if path.suffix == ".jsonl":
         docs = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(read_text(path, f"--data {path}", UsageError).splitlines(), 1):
             if line.strip():
                 try:
                     docs.append(json.loads(line)["text"])
@@ -256,7 +256,11 @@ def tokenize(data: str, *, tokenizer: str = "bpe", vocab_size: int, val_fraction
     say(f"tokenizing {len(train_text):,} + {len(val_text):,} characters ({tok.name})")
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
     train, val = (np.asarray(tok.encode(t), dtype=dtype) for t in (train_text, val_text))
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file where a folder goes, a read-only place
+        raise OptionError(f"cannot create the token cache {folder} ({error.strerror or error}): give --cache-dir "
+                          "a folder you can write, e.g. --cache-dir ~/.cache/batchfit/tokens") from None
     tmp = folder / f".tmp-{os.getpid()}"
     tmp.mkdir(exist_ok=True)
     np.save(tmp / "train.npy", train)

@@ -46,10 +46,16 @@ def move_module(model: nn.Module, device: torch.device, dtype: torch.dtype | Non
     def convert(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype if dtype and t.is_floating_point() else None)
 
+    def convert_parameter(p: nn.Parameter) -> nn.Parameter:
+        # a parameter class whose own ``to`` returns a parameter (bitsandbytes' Params4bit quantizes
+        # there, as ``model.to("cuda")`` does for a QLoRA model built by hand) is kept as it returns it
+        moved = convert(p)
+        return moved if isinstance(moved, nn.Parameter) else nn.Parameter(moved, p.requires_grad)
+
     moved: dict[int, torch.Tensor] = {}  # shared (tied) tensors stay shared
     with torch.no_grad():
         for module in model.modules():
-            for slots, make in ((module._parameters, lambda p: nn.Parameter(convert(p), p.requires_grad)),
+            for slots, make in ((module._parameters, convert_parameter),
                                 (module._buffers, convert)):
                 for name, tensor in slots.items():
                     if tensor is not None:

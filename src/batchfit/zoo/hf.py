@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from batchfit.errors import ModelSpecError, OptionError
+from batchfit.errors import ModelSpecError, OptionError, read_text
 from batchfit.workload import HF_ATTENTION, Workload
 
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -70,7 +70,7 @@ DEFAULT_SEQ_LEN = 2048
 
 def _read_config(file: Path) -> dict:
     try:
-        config = json.loads(file.read_text())
+        config = json.loads(read_text(file, str(file), ModelSpecError))
     except json.JSONDecodeError as error:
         raise ModelSpecError(f"{file}:{error.lineno}: not valid JSON ({error.msg}, column {error.colno}): "
                              "fix the file") from None

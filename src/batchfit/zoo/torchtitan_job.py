@@ -21,7 +21,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batchfit.errors import ModelSpecError
+from batchfit.errors import ModelSpecError, read_text
 
 TORCHTITAN_VERSION = "0.2.2"
 """The torchtitan release whose job config and code this front door reads (the ``[torchtitan]`` extra pins it)."""
@@ -179,7 +179,7 @@ def read_job(path: str | Path) -> TitanJob:
         raise ModelSpecError(f"torchtitan:{path}: give a torchtitan job config (.toml), e.g. "
                              "torchtitan:train_configs/llama3_8b.toml")
     try:
-        text = path.read_text()
+        text = read_text(path, f"torchtitan:{path}", ModelSpecError)
     except OSError as error:
         raise ModelSpecError(f"cannot read torchtitan job {path}: {error.strerror or error}") from None
     try:
