@@ -8,8 +8,9 @@ from batchfit.workload import attention_words
 
 KNOWN_LIMITS = """\
 - Traced on fake tensors with CUDA's rules mirrored: 512-byte allocation rounding, CUDA's
-  autocast op table and weight-cast cache, the foreach optimizer path, fused attention
-  (output + fp32 log-sum-exp saved, never T x T scores), optimizer step counters on the host.
+  autocast op table and weight-cast cache, the foreach optimizer path, SDPA's fused kernels
+  (output + fp32 log-sum-exp saved, no T x T scores; eager attention keeps its T x T scores, as
+  on a GPU), optimizer step counters on the host.
 - Not counted: scratch memory that kernels allocate inside themselves (flash attention's
   backward accumulator, cuDNN workspaces) and the NCCL buffers of multi-GPU runs.
 - Reserved memory comes from a model of the CUDA caching allocator (segments, splitting,
