@@ -216,7 +216,8 @@ def _apply_building_fakes(self: nn.Module, fn, recurse: bool = True) -> nn.Modul
                         new = fn(tensor)
                         if (new.is_floating_point() or new.dtype == torch.bool) and _known_causal(tensor):
                             _remember_causal(new)  # -inf and 0 stay -inf and 0 (True and False)
-                        if is_param and not isinstance(new, nn.Parameter):  # bitsandbytes' own to() keeps its class
+                        own = type(tensor).to is not torch.Tensor.to and isinstance(new, nn.Parameter)
+                        if is_param and not own:  # a class with its own to() (bitsandbytes') keeps it
                             new = nn.Parameter(new, tensor.requires_grad)
                             if tensor.grad is not None:
                                 new.grad = fn(tensor.grad)
