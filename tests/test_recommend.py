@@ -236,3 +236,27 @@ def test_validation_is_counted_by_hand(tiny):
     assert plan.val_samples == (3 + 36) * 4
     # the sweep at --eval-every 10%: step 0 and each tenth of 800 samples, at every batch size
     assert plan.sweep_val_samples() == 3 * 11 * 4
+
+
+def test_a_diverging_branch_says_its_loss_is_not_finite():
+    """SGD at lr 1 without clipping on a regression whose targets grow with the inputs: the loss goes to
+    inf within a few steps. The runs store keeps a NaN or inf as NULL, which its curve refused (an
+    IntegrityError when the branch was written back): the branch stops there, saying so."""
+    from torch import nn
+
+    from batchfit import Workload
+    from batchfit.train.oom import NonFiniteLoss
+
+    diverging = Workload(name="diverging", build_model=lambda: nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 1)),
+                         make_batch=lambda b, device: torch.randn(b, 8, device=device),
+                         loss_fn=lambda m, x: (m(x).squeeze(-1) - x.sum(-1)).pow(2).mean(),
+                         build_optimizer=lambda params: torch.optim.SGD(params, lr=1.0))
+    torch.manual_seed(0)
+    step = TrainingStep(diverging, StepOptions(), torch.device("cpu"))
+    source = BatchSource(diverging, seed=0, tokens=None, eval_samples=4)
+    trainer = Trainer(step, source, Schedule(total=64, warmup=0), per_sample=1, grad_clip=None,
+                      evaluate=evaluator(diverging, source, 2, step.device, step.forward_autocast))
+    curve = Curve(batch_size=2, lr=1.0, start_samples=0)
+    with pytest.raises(NonFiniteLoss, match=r"the training loss is not finite \((inf|nan)\) at sample \d+ \(batch 2"):
+        trainer.train(curve, start=0, samples=64, micro=2)
+    assert curve.train and all(loss == loss and abs(loss) < float("inf") for _, loss in curve.train)  # kept, finite

@@ -14,6 +14,7 @@ branch at a large batch accumulates instead of running out of memory.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ import torch
 
 from batchfit.train.budget import Schedule
 from batchfit.train.data import BatchSource
+from batchfit.train.oom import NonFiniteLoss
 from batchfit.train.step import TrainingStep
 from batchfit.workload import Workload
 
@@ -93,12 +95,20 @@ class Trainer:
             pieces = [(micro, self.source.train(position + i * micro, micro, device)) for i in range(b // micro)]
             result = self.step_.step(pieces, b, lr=lr, max_grad_norm=self.grad_clip)
             position += b
-            curve.train.append((position, result.loss))
+            curve.train.append((position, _finite(result.loss, "training", position, curve)))
             if position in eval_at:
-                curve.val.append((position, self.evaluate(self.step_.model)))
+                curve.val.append((position, _finite(self.evaluate(self.step_.model), "validation", position, curve)))
             if stop is not None:
                 stop()
         return position
+
+
+def _finite(loss: float, what: str, position: int, curve: Curve) -> float:
+    """``loss``, or NonFiniteLoss: the runs store keeps a NaN as NULL, which its curve refuses."""
+    if not math.isfinite(loss):
+        raise NonFiniteLoss(f"the {what} loss is not finite ({loss}) at sample {position:,} (batch {curve.batch_size}, "
+                            f"lr {curve.lr:.3g}): the run diverged; lower --lrs, or keep --grad-clip")
+    return loss
 
 
 def evaluator(workload: Workload, source: BatchSource, micro: int, device: torch.device, autocast

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from batchfit.errors import UsageError
+from batchfit.errors import BatchfitError, UsageError
 from batchfit.recommend.branch import Curve, Trainer, evaluator  # noqa: F401 - evaluator: the tests' name
 from batchfit.recommend.config import Plan, RecommendConfig
 from batchfit.recommend.read import read_recommendation
@@ -45,6 +45,7 @@ from batchfit.recommend.jobs import (BranchSpec, branch_name, cooldown_from, las
                                       read_branch, save_point)
 from batchfit.train.budget import Schedule, micro_batch_for, parse_amount, scaled_lr
 from batchfit.train.data import BatchSource, TokenData, lm_format
+from batchfit.train.oom import NonFiniteLoss
 from batchfit.workload import StepOptions, Workload
 
 
@@ -214,8 +215,11 @@ def _train_parent(plan: Plan, workload: Workload, tokens: TokenData | None, devi
         if saved is not None and n <= saved:
             continue
         say(f"parent at batch {b0}: training to {point * per_sample:,} {plan.budget.unit}")
-        position = trainer.train(parent, start=position, samples=point - position, micro=plan.micro_batches[b0],
-                                 eval_at={point})
+        try:
+            position = trainer.train(parent, start=position, samples=point - position, micro=plan.micro_batches[b0],
+                                     eval_at={point})
+        except NonFiniteLoss as error:  # no branch can start from it: the whole recommendation stops
+            raise BatchfitError(f"the parent run at batch {b0}: {error}") from None
         save_point(checkpoints, n, trainer.snapshot(position), parent)
     return parent
 

@@ -101,6 +101,15 @@ def holds_quantized(model: nn.Module) -> bool:
                and _is_quantized(p) for p in model.parameters())
 
 
+def in_use(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``model`` holds bitsandbytes' layers or parameters, or ``optimizer`` is one of its
+    optimizers: the step then runs bitsandbytes' kernels, which :class:`BnbKernels` mirrors."""
+    def ours(obj: object) -> bool:
+        return type(obj).__module__.startswith("bitsandbytes")
+
+    return (ours(optimizer) or any(ours(m) for m in model.modules()) or any(ours(p) for p in model.parameters()))
+
+
 def _fake_param(name: str, data: torch.Tensor, requires_grad: bool, attrs: dict[str, Any]) -> torch.Tensor:
     param = data.detach()
     param.__class__ = _fake_param_class(name)

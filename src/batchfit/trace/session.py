@@ -216,7 +216,8 @@ def _apply_building_fakes(self: nn.Module, fn, recurse: bool = True) -> nn.Modul
                         new = fn(tensor)
                         if (new.is_floating_point() or new.dtype == torch.bool) and _known_causal(tensor):
                             _remember_causal(new)  # -inf and 0 stay -inf and 0 (True and False)
-                        if is_param and not isinstance(new, nn.Parameter):  # bitsandbytes' own to() keeps its class
+                        own = type(tensor).to is not torch.Tensor.to and isinstance(new, nn.Parameter)
+                        if is_param and not own:  # a class with its own to() (bitsandbytes') keeps it
                             new = nn.Parameter(new, tensor.requires_grad)
                             if tensor.grad is not None:
                                 new.grad = fn(tensor.grad)
@@ -310,9 +311,11 @@ class TraceSession:
         # bitsandbytes on fake tensors (trace/bnb_fake.py): for batchfit's --quantize and 8-bit
         # optimizers, and for a workload that imported bitsandbytes itself (a QLoRA model and an
         # 8-bit optimizer built by hand in the user's file: what it makes is traced as made).
-        self.uses_bnb = (options.quantize != "none" or (options.optimizer or "") in BNB_OPTIMIZERS
-                         or "bitsandbytes" in sys.modules)
-        if self.uses_bnb:
+        self.uses_bnb = options.quantize != "none" or (options.optimizer or "") in BNB_OPTIMIZERS
+        """bitsandbytes' kernels and optimizer state mirrored in the step (set after the build for a
+        model or optimizer of the user's that holds bitsandbytes' classes)."""
+        self._bnb_ready = self.uses_bnb or "bitsandbytes" in sys.modules
+        if self._bnb_ready:
             load_bitsandbytes(f"--quantize {options.quantize}" if options.quantize != "none"
                               else f"--optimizer {options.optimizer}" if options.optimizer
                               else f"{workload.name} (it imports bitsandbytes)")
@@ -327,6 +330,7 @@ class TraceSession:
                 self.step = TrainingStep(workload, options, torch.device("cpu"), wrap=wrap)
             finally:
                 self.tracker.uncounted = False
+            self.uses_bnb = self.uses_bnb or (self._bnb_ready and bnb_fake.in_use(self.step.model, self.step.optimizer))
             if self.uses_bnb and bnb_fake.holds_quantized(self.step.model):
                 # the quantization state labelled parameters, as bitsandbytes saves it with the weight
                 bnb_fake.record_loaded(self.step.model, self.tracker)
@@ -400,7 +404,7 @@ class TraceSession:
             if any("_nested_tensor_from_mask(" in (f.line or "") for f in traceback.extract_tb(error.__traceback__)):
                 raise TraceError(_value_read_message(self.workload.name, what, error)) from error
             where = _user_line(error)
-            if "Creating a new Tensor subclass" in str(error) and not self.uses_bnb:
+            if "Creating a new Tensor subclass" in str(error) and not getattr(self, "_bnb_ready", True):
                 # bitsandbytes' parameters on fake tensors need trace/bnb_fake.py, readied only
                 # for a workload that had imported bitsandbytes when the trace began
                 raise TraceError(

@@ -47,10 +47,11 @@ def move_module(model: nn.Module, device: torch.device, dtype: torch.dtype | Non
         return t.to(device=device, dtype=dtype if dtype and t.is_floating_point() else None)
 
     def convert_parameter(p: nn.Parameter) -> nn.Parameter:
-        # a parameter class whose own ``to`` returns a parameter (bitsandbytes' Params4bit quantizes
-        # there, as ``model.to("cuda")`` does for a QLoRA model built by hand) is kept as it returns it
+        # a parameter class with its own ``to`` (bitsandbytes' Params4bit quantizes there, as
+        # ``model.to("cuda")`` does for a QLoRA model built by hand) is kept as that returns it
         moved = convert(p)
-        return moved if isinstance(moved, nn.Parameter) else nn.Parameter(moved, p.requires_grad)
+        own = type(p).to is not torch.Tensor.to and isinstance(moved, nn.Parameter)
+        return moved if own else nn.Parameter(moved, p.requires_grad)
 
     moved: dict[int, torch.Tensor] = {}  # shared (tied) tensors stay shared
     with torch.no_grad():
