@@ -70,6 +70,8 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
 }
 GPUS = {"hsdp2": 4, "fsdp+tp2": 4, "pp2+fsdp": 4, "pp2+fsdp-noreshard/zbv": 4, "fsdp+cp2": 4, "ep2+fsdp": 4}
 """GPUs a strategy is planned on (2 where not listed)."""
+DTENSORS = ("fsdp", "hsdp2", "tp2", "fsdp+tp2", "pp2+fsdp", "pp2+fsdp-noreshard/zbv", "fsdp+cp2", "ep2+fsdp")
+"""The strategies whose parameters are DTensors (FSDP2, TP, ep)."""
 RECIPES: dict[str, dict] = {
     "none": {}, "offload": dict(offload="activations"), "qlora": dict(quantize="nf4", lora="r=8"),
     "adamw-8bit": dict(optimizer="adamw-8bit"), "muon": dict(optimizer="muon"),
@@ -89,6 +91,26 @@ REFUSED: list[tuple[dict, object, str]] = [
      "chunked and fused-linear losses are next-token losses of a causal LM"),
     (dict(precision="fp8-rowwise", recipe="qlora"), lambda r: r["recipe"] == "qlora" and r["precision"] == "fp8-rowwise",
      "float8 linears and bitsandbytes linears are two kinds of the same layer"),
+    (dict(recipe="qlora", strategy="ddp"), lambda r: r["recipe"] == "qlora" and r["strategy"] != "single",
+     "QLoRA (--quantize) is traced on one GPU only, not under plan's strategies yet"),
+    (dict(recipe="adamw-8bit", strategy="fsdp"), lambda r: r["recipe"] == "adamw-8bit" and r["strategy"] in DTENSORS,
+     "bitsandbytes' 8-bit optimizers step plain tensors, not DTensor shards (FSDP2, TP, ep)"),
+    (dict(loss="chunked:4", strategy="pp2+fsdp"), lambda r: r["loss"] != "plain" and r["strategy"].startswith("pp"),
+     "chunked and fused-linear losses are not traced under pipeline parallelism yet"),
+    (dict(loss="fused-linear", strategy="tp2"), lambda r: r["loss"] != "plain" and "tp" in r["strategy"],
+     "chunked and fused-linear losses take a whole head, not a vocabulary-sharded one (TP's loss is loss_parallel)"),
+    (dict(family="bert", strategy="fsdp+cp2"), lambda r: r["family"] in NOT_CAUSAL and "cp" in r["strategy"],
+     "context parallelism's ring attention is causal only"),
+    (dict(family="gemma2", strategy="fsdp+cp2"), lambda r: r["family"] == "gemma2" and "cp" in r["strategy"],
+     "context parallelism replaces SDPA, and Gemma 2 runs eager attention (SDPA unsupported by its class)"),
+    (dict(family="gemma2", loss="chunked:4"), lambda r: r["family"] == "gemma2" and r["loss"] != "plain",
+     "Gemma 2's head softcaps its logits: not hidden @ weight.T, which chunked and fused losses compute"),
+    (dict(family="mixtral", strategy="tp2"), lambda r: r["family"] in MOE and "tp" in r["strategy"],
+     "an MoE's experts are tensor-parallel only beside expert parallelism (ep<N>+fsdp+tp<M>)"),
+    (dict(family="t5", strategy="tp2"), lambda r: r["family"] == "t5" and "tp" in r["strategy"],
+     "T5 has no tensor-parallel plan (no base_model_tp_plan)"),
+    (dict(family="bert", strategy="pp2+fsdp"), lambda r: r["family"] in NOT_CAUSAL and r["strategy"].startswith("pp"),
+     "pipeline plans cut causal LMs by their base_model_pp_plan"),
 ]
 
 
