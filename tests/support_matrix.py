@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
@@ -40,7 +40,7 @@ FAMILIES: dict[str, dict] = {
     "gpt_neox": dict(model_type="gpt_neox", **{k: v for k, v in _TINY.items() if k != "num_key_value_heads"}),
     "olmo2": dict(model_type="olmo2", **_TINY),
     "granite": dict(model_type="granite", **_TINY),
-    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256, bos_token_id=0,
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=4, n_head=4, vocab_size=256, n_positions=256, bos_token_id=0,
                  eos_token_id=0),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **_TINY),
     "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, head_dim=16, **_MOE, **_TINY),
@@ -49,7 +49,7 @@ FAMILIES: dict[str, dict] = {
                         **_MOE, **{**_TINY, "num_key_value_heads": 4}),
     "bert": dict(model_type="bert", architectures=["BertForMaskedLM"],
                  **{k: v for k, v in _TINY.items() if k != "num_key_value_heads"}),
-    "t5": dict(model_type="t5", d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=256,
+    "t5": dict(model_type="t5", d_model=64, d_ff=128, num_layers=4, num_heads=4, d_kv=16, vocab_size=256,
                decoder_start_token_id=0),
 }
 MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
@@ -109,6 +109,16 @@ REFUSED: list[tuple[dict, object, str]] = [
      "an MoE's experts are tensor-parallel only beside expert parallelism (ep<N>+fsdp+tp<M>)"),
     (dict(family="t5", strategy="tp2"), lambda r: r["family"] == "t5" and "tp" in r["strategy"],
      "T5 has no tensor-parallel plan (no base_model_tp_plan)"),
+    (dict(recipe="offload", strategy="tp2"), lambda r: r["recipe"] == "offload" and ("tp" in r["strategy"]
+                                                                                      or "cp" in r["strategy"]),
+     "activation offloading copies saved tensors into plain host tensors; TP and cp save DTensors"),
+    (dict(family="gpt2", strategy="pp2+fsdp"), lambda r: r["family"] == "gpt2" and r["strategy"].startswith("pp"),
+     "GPT-2's config has no base_model_pp_plan"),
+    (dict(family="gpt2", precision="fp8-rowwise", strategy="tp2"), lambda r: r["family"] == "gpt2"
+     and r["precision"] == "fp8-rowwise" and "tp" in r["strategy"],
+     "float8 on GPT-2 under TP: its Conv1D layers become linears inside the TP plan, after float8's conversion"),
+    (dict(family="gpt2", recipe="qlora"), lambda r: r["family"] == "gpt2" and r["recipe"] == "qlora",
+     "GPT-2's layers are Conv1D, not the nn.Linear layers bitsandbytes quantizes"),
     (dict(family="bert", strategy="pp2+fsdp"), lambda r: r["family"] in NOT_CAUSAL and r["strategy"].startswith("pp"),
      "pipeline plans cut causal LMs by their base_model_pp_plan"),
 ]

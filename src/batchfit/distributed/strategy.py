@@ -336,6 +336,18 @@ def check_step_options(strategy: Strategy, options, model: nn.Module) -> None:
         raise OptionError(f"{strategy.name}: --optimizer {options.optimizer} is bitsandbytes', whose step takes plain "
                           "tensors, not the DTensor shards of FSDP2 / TP / ep (bitsandbytes issues #89, #1633): use "
                           "ddp, zero1 or zero2, or --optimizer adamw")
+    if strategy.tp > 1 and options.precision.startswith("fp8") and type(model).__name__.startswith("GPT2"):
+        # Its TP plan (distributed/tp_plans.py) turns GPT-2's Conv1D layers into nn.Linear after float8's
+        # converter ran (which skips Conv1D), and the step's second preparation would convert those.
+        raise OptionError(f"{strategy.name}: float8 on GPT-2 under tensor parallelism is not traced (its Conv1D layers "
+                          "become linears only inside the TP plan, after float8's conversion): use --precision "
+                          "bf16-mixed, or ddp / fsdp")
+    if (strategy.tp > 1 or strategy.cp > 1) and options.offloads("activations"):
+        # torchtune's / TRL's hooks copy each saved tensor into a plain host tensor (copy_), and under
+        # TP or cp autograd saves DTensors: the copy fails in the real step as in the trace.
+        raise OptionError(f"{strategy.name}: --offload activations copies each saved tensor into a plain host tensor "
+                          "(torchtune's OffloadActivations), and tensor / context parallelism saves DTensors: use "
+                          "it with ddp / fsdp / hsdp, or use --checkpointing instead")
     if strategy.cp > 1 and not _causal(model):
         raise OptionError(f"{strategy.name}: context parallelism's load-balanced ring attention is causal only, and "
                           f"{type(model).__name__} attends both ways: use fsdp / tp without cp<N>")
