@@ -247,3 +247,99 @@ def test_every_schedule_traces_an_hf_pipeline_under_fsdp(tmp_path):
         peaks[schedule] = [s.point.peak_bytes for s in session.stage_points]
         assert len(peaks[schedule]) == 2 and min(peaks[schedule]) > 0
     assert peaks["gpipe"][0] > peaks["1f1b"][0]
+
+
+PROFILED = 4
+"""Steps each rank of the 4-rank pp x tp run profiles."""
+
+
+def _pp_tp_main(rank: int, port: int, out_dir: str, path: str, schedule_name: str) -> None:
+    """Rank ``rank`` of a real pp2 x tp2 pipeline of the HF model at ``path`` (torch's PipelineStage and
+    schedule on each pipeline rank's tp-parallelized stages, the loss under loss_parallel as torchtitan's
+    train_context runs it): its profiled peak in peaks<rank>.json."""
+    import dataclasses
+    import os
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from cpu_truth import join_gloo, profiled_step_peak
+    from batchfit.distributed.pipeline import build_rank
+    from batchfit.distributed.pipeline_hf import hf_stage_loss
+    from batchfit.distributed.pipeline_run import stage_batch
+    from batchfit.distributed.pp_schedules import parse_schedule, rank_stages
+    from batchfit.distributed.tp_plans import tp_plan
+    from batchfit.train.step import TrainingStep
+    from batchfit.zoo.hf import hf_workload
+    from test_pipeline import _real_schedule
+
+    join_gloo(rank, 4, port, timeout_s=180)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp_rank = mesh["pp"].get_local_rank()
+    schedule = parse_schedule(schedule_name, MICROBATCHES)
+    n_stages = 2 * schedule.virtual
+    indices = rank_stages(schedule, 2, pp_rank)
+    base = hf_workload(path, seq_len=SEQ)
+
+    def build():
+        holder = build_rank(base.build_model, n_stages, indices)
+        for i, stage in enumerate(holder.stages):
+            holder.stages[i] = tp_plan(stage)(stage, mesh["tp"])
+        return holder
+
+    torch.manual_seed(0)
+    step = TrainingStep(dataclasses.replace(base, build_model=build), StepOptions(), torch.device("cpu"))
+    stages = [PipelineStage(module, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+              for module, s in zip(step.model.stages, step.model.stage_indices)]
+    runtime = _real_schedule(schedule_name, stages, MICROBATCHES,
+                             loss_fn=lambda logits, y, _stage=step.model.stages[0]: hf_stage_loss(_stage, logits, y))
+    x, y = stage_batch(base.make_batch(MICRO * MICROBATCHES, torch.device("cpu")))
+    x = x if 0 in indices else None
+    y = y if n_stages - 1 in indices else None
+
+    def run(batch_size, hooks=None):
+        with loss_parallel():
+            runtime.step(*(() if x is None else (x,)), target=y, return_outputs=False)
+        step.optimizer.step()
+        step.optimizer.zero_grad(set_to_none=True)
+
+    step.run = run
+    run(MICRO)
+    folder = Path(out_dir) / str(rank)
+    folder.mkdir(exist_ok=True)  # spawn_profiled_gloo may run the ranks again
+    # Each rank profiles PROFILED steps (so the collectives stay paired) and keeps the least peak of those
+    # whose memory timeline passed its own data-flow check: on 4 ranks it fails now and then on one of them
+    # ("version mismatch"), which agreed_profiled_peak would count against every rank's step.
+    peaks = []
+    for _ in range(PROFILED):
+        try:
+            peaks.append(profiled_step_peak(step, MICRO, folder, warmup=0))
+        except AssertionError:
+            pass
+    with open(os.path.join(out_dir, f"peaks{rank}.json"), "w") as f:
+        json.dump(min(peaks, default=None), f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # four processes on the CPU: minutes on a loaded machine
+def test_pp_tp_stage_peaks_match_a_real_4_rank_gloo_pipeline(tmp_path):
+    """pp2+tp2 on 4 gloo ranks (the sequence-parallel hand plan on Llama): tp rank 0 of each pipeline rank
+    against the trace of that pipeline rank (the trace is the inner strategy's rank 0). Seen on 2026-11-28:
+    the last pipeline rank 52 B apart, the first 8,492 B (-0.56%) under the gloo run's least of 4 steps
+    (about one micro-batch's [2, 16, 64] fp32 hidden-state shard, 8 KiB; not explained: that rank's steps
+    differ by up to 49 KB between themselves, the late gloo collectives of the tp group)."""
+    from cpu_truth import spawn_profiled_gloo
+
+    path = _config_path("llama", tmp_path)
+    spawn_profiled_gloo(_pp_tp_main, lambda port: (port, str(tmp_path), path, "1f1b"), nprocs=4)
+    session = _session(_workload("llama", tmp_path), "pp2+tp2", world=4)
+    for stage in session.stage_points:
+        real = json.loads((tmp_path / f"peaks{2 * stage.rank}.json").read_text())
+        assert real is not None, f"rank {2 * stage.rank}: the memory timeline failed on all {PROFILED} steps"
+        traced = stage.point.total_peak_bytes or stage.point.peak_bytes
+        print(f"pp2+tp2 1f1b pipeline rank {stage.rank}: traced {traced} B, gloo {real} B, "
+              f"{(traced - real) / real:+.2%}")
+        assert abs(traced - real) / real < 0.03, (stage.rank, traced, real)
