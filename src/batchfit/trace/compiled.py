@@ -79,6 +79,21 @@ MEMORY_BUDGET_TRACED = Approximation(
 )
 """The compiled trace under ``activation_memory_budget`` against inductor on this CPU, budget by budget."""
 
+CHECKPOINTED_TRACED = Approximation(
+    what=("activation checkpointing inside compiled graphs: under --checkpointing every graph of the step (else each "
+          "graph that recomputes a checkpointed region) runs the wrapper code inductor generates for it on this "
+          "machine's CPU (inductor's partition, fusion, schedule and buffer reuse), its kernels skipped, on fake "
+          "tensors"),
+    may_differ_by=("-0.48% to +0.00% of inductor's peak on this CPU (HF Llama, 2 layers, batch 4: --compile model and "
+                   "blocks x --checkpointing full, selective, every:2 x fp32, bf16-mixed x SDPA and eager attention, "
+                   "12 cells; op by op, with batchfit's fusion model: -25.3% to +1.1%); for a GPU it is inductor's CPU "
+                   "schedule: Triton fuses and orders kernels by its own rules, not measured here"),
+    source="tests/test_compile_checkpointing.py; benchmarks/results/compiled_checkpointing-2026-11-28.json",
+)
+"""The compiled trace of checkpointed blocks against inductor on this CPU (op by op, with batchfit's
+fusion model, such steps were -25% to +0% on a 2-layer Llama: the recomputation is where inductor's
+scheduler puts it, fused into the backward's kernels)."""
+
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var_mean", "var", "prod", "any", "all"}
 _VIEWS = {"view", "reshape", "_unsafe_view", "permute", "expand", "unsqueeze", "squeeze", "t", "transpose",
           "slice", "select", "alias", "as_strided", "unbind", "split", "split_with_sizes"}
@@ -157,6 +172,29 @@ class _FusedRun(fx.Interpreter):
             self.tracker.uncounted = False
 
 
+_RECOMPUTING: list[str] = []
+"""The graphs that recomputed a checkpointed region (``forward`` / ``backward``), since the last
+:func:`compile_for_trace` or :func:`retarget_for_trace`: each ran inductor's generated code."""
+
+
+def recomputing_graphs() -> int:
+    """How many compiled graphs recomputed a checkpointed region (:data:`CHECKPOINTED_TRACED`)."""
+    return len(_RECOMPUTING)
+
+
+def checkpointed_approximations(detail: str, *, checkpointing: str = "none") -> list[Approximation]:
+    """:data:`CHECKPOINTED_TRACED` (with ``detail``) where ``checkpointing`` (``--checkpointing``) wraps
+    compiled blocks, or where a compiled graph recomputed a checkpointed region since the last compile
+    for the trace (the workload's own checkpointing); else nothing."""
+    if checkpointing != "none":
+        detail += f" --checkpointing {checkpointing}"
+    elif _RECOMPUTING:
+        detail += " (the workload's own checkpointing)"
+    else:
+        return []
+    return [dataclasses.replace(CHECKPOINTED_TRACED, detail=f"{detail}{inductor_fallbacks()}")]
+
+
 _FALLBACKS: list[str] = []
 """Why inductor could not generate the code of a graph the trace then ran op by op, since the last
 :func:`compile_for_trace` (said by :func:`inductor_fallbacks`)."""
@@ -167,7 +205,8 @@ def inductor_fallbacks() -> str:
     if not _FALLBACKS:
         return ""
     return (f"; inductor could not generate {len(_FALLBACKS)} graph(s) here ({_FALLBACKS[0]}): they ran op by op "
-            "with batchfit's fusion model, which was -8% to 0% under a budget and -3% with float8 "
+            "with batchfit's fusion model, which was -8% to 0% under a budget, -3% with float8 and -25% to 0% "
+            "with checkpointed blocks "
             "(docs/tracing.md, torch.compile)")
 
 
@@ -262,25 +301,37 @@ def inductor_plan(module: fx.GraphModule, example_inputs: list, tracker: Any, *,
     return run
 
 
+def recomputes(module: fx.GraphModule) -> bool:
+    """Whether ``module`` (AOTAutograd's forward or backward graph) holds a region that activation
+    checkpointing recomputes: ``torch.utils.checkpoint`` inside a compiled graph (dynamo's
+    ``tag_activation_checkpoint``) tags each node of the region with a ``recompute`` policy, and the
+    partitioner keeps the tags on both graphs it cuts."""
+    return any(node.meta.get("recompute") is not None for node in module.graph.nodes)
+
+
 def trace_backend(tracker: Any, memory_budget: float | None = None, *, inductor_code: bool = False) -> Callable:
     """A torch.compile backend for the trace: AOTAutograd with inductor's decompositions and
     min-cut partitioner (inductor's saved activations, under ``memory_budget`` when given: the
     knapsack of ``_optimize_runtime_with_given_memory`` picks what to save, on the same joint
     graph and flop estimates inductor's partition sees). Each graph runs op by op
-    (:class:`_FusedRun`, with batchfit's model of inductor's fusion), or, under a budget or with
-    ``inductor_code`` (float8 linears), as the wrapper code inductor generates for it
-    (:func:`inductor_plan`)."""
+    (:class:`_FusedRun`, with batchfit's model of inductor's fusion), or, under a budget, with
+    ``inductor_code`` (:func:`inductor_everywhere`), or where the graph recomputes a checkpointed region
+    (:func:`recomputes`), as the wrapper code inductor generates for it (:func:`inductor_plan`)."""
     from batchfit.train.step import with_memory_budget
 
     from torch._functorch.partitioners import min_cut_rematerialization_partition  # functorch.compile's, in torch
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(module: fx.GraphModule, example_inputs: list, *, is_backward: bool) -> Callable:
-        if memory_budget is not None or inductor_code:
+        if recomputes(module):
+            _RECOMPUTING.append("backward" if is_backward else "forward")
+        if memory_budget is not None or inductor_code or recomputes(module):
             # Under a budget the backward recomputes, and where inductor's scheduler puts the
             # recomputation (fused with other kernels, reordered for its own peak estimate) is
-            # the peak: the op-by-op run below was -8% to 0% there. torchao's float8 casts fuse
-            # in ways the fusion model does not know (-3.2% op by op). So run inductor's own code.
+            # the peak: the op-by-op run below was -8% to 0% there; so is it for the regions that
+            # activation checkpointing recomputes (-25% to 0% on a 2-layer Llama).
+            # torchao's float8 casts fuse in ways the fusion model does not know (-3.2% op by op).
+            # So run inductor's own code.
             try:
                 return inductor_plan(module, example_inputs, tracker, is_backward=is_backward)
             except Exception as error:  # noqa: BLE001 - said in every output (inductor_fallbacks)
@@ -305,17 +356,34 @@ def trace_backend(tracker: Any, memory_budget: float | None = None, *, inductor_
         # (cuda_float8.cpu_scaled_mm_scratch), or the generated code and a later real compile
         # in this process would call extern_kernels._scaled_mm_as_on_cpu.
         import torch._inductor.kernel.mm  # noqa: F401
-    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
-    if memory_budget is not None or inductor_code:
+    min_cut = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         # Inductor's own partition_fn (compile_fx.py): its joint-graph passes first, then the same
         # min-cut. They change the nodes the budget's knapsack weighs (budget 0.3 on a 2-layer
-        # Llama: -11.6% without them, -1.9% with), and what float8's graphs save (a 2-layer Llama,
-        # tensorwise: +5.3% without them); on plain graphs with no budget they change nothing measured.
-        from torch._inductor.compile_fx import partition_fn as partition
+        # Llama: -11.6% without them, -1.9% with), what float8's graphs save (a 2-layer Llama,
+        # tensorwise: +5.3% without them), and what a graph that checkpoints part of itself saves
+        # (HF Llama, --compile model --checkpointing every:2: -8.1% without them, with inductor's
+        # wrapper code run); on plain graphs with no budget they change nothing measured.
+        if memory_budget is not None or inductor_code or recomputes(joint):
+            from torch._inductor.compile_fx import partition_fn
+
+            return partition_fn(joint, joint_inputs, **kwargs)
+        return min_cut(joint, joint_inputs, **kwargs)
     return with_memory_budget(
         aot_autograd(fw_compiler=functools.partial(compiler, is_backward=False),
                      bw_compiler=functools.partial(compiler, is_backward=True), decompositions=decompositions,
                      partition_fn=partition), memory_budget)
+
+
+def inductor_everywhere(model: nn.Module, checkpointing: str) -> bool:
+    """Whether every graph of the step runs inductor's generated code (:func:`inductor_plan`), not
+    only those that recompute: with float8 linears, and under ``--checkpointing``, where the graphs
+    that do not recompute (every:2's other blocks) meet those that do. Run op by op beside graphs
+    run as inductor's code, a step can be far from either (HF Llama, eager attention, --compile
+    blocks --checkpointing every:2: +6.3%, against 0.0% with both graphs as inductor's code and
+    -0.8% with both op by op)."""
+    return _has_float8(model) or checkpointing != "none"
 
 
 def _has_float8(model: nn.Module) -> bool:
@@ -367,9 +435,11 @@ def ddp_mode() -> str:
     return get_optimize_ddp_mode()
 
 
-def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budget: float | None = None) -> None:
+def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budget: float | None = None,
+                      checkpointing: str = "none") -> None:
     """Compile ``model`` (``mode``: model or blocks, as ``TrainingStep`` does on a real device)
-    with :func:`trace_backend`, and let compiled code run under ``tracker``."""
+    with :func:`trace_backend`, and let compiled code run under ``tracker``. Under ``checkpointing``
+    every graph runs inductor's generated code (:func:`inductor_everywhere`)."""
     from batchfit.train.step import block_list
 
     import torch._dynamo.config as dynamo_config
@@ -384,8 +454,10 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budge
     for name in ("graph_break", "stats"):  # graph_breaks() counts this model's
         counters[name].clear()
     _FALLBACKS.clear()
+    _RECOMPUTING.clear()
     tracker.run_compiled = True
-    backend = _split_as_ddp(trace_backend(tracker, memory_budget, inductor_code=_has_float8(model)), ddp_mode() == "ddp_optimizer")
+    backend = _split_as_ddp(trace_backend(tracker, memory_budget, inductor_code=inductor_everywhere(model, checkpointing)),
+                            ddp_mode() == "ddp_optimizer")
     # DDP (and zero1's DDP) wraps the model compiled before it, as TrainingStep does on a device:
     # its inner module is what a real run compiles with --compile model.
     inner = getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
@@ -393,9 +465,10 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budge
         module.compile(backend=backend)
 
 
-def retarget_for_trace(step: Any, tracker: Any) -> list[str]:
+def retarget_for_trace(step: Any, tracker: Any, checkpointing: str = "none") -> list[str]:
     """Swap the backend of what the workload compiled itself (inductor, which cannot run on fake
-    tensors) for :func:`trace_backend`, in ``step`` (a ``TrainingStep``); the parts swapped."""
+    tensors) for :func:`trace_backend`, in ``step`` (a ``TrainingStep``); the parts swapped.
+    ``checkpointing``: as :func:`compile_for_trace`'s."""
     model = step.model
     parts = compiled_parts(model, step.loss_fn)
     if not parts:
@@ -408,9 +481,11 @@ def retarget_for_trace(step: Any, tracker: Any) -> list[str]:
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
     for name in ("graph_break", "stats"):
         counters[name].clear()
+    _FALLBACKS.clear()
+    _RECOMPUTING.clear()
     tracker.run_compiled = True
     # a budget the workload set itself (functorch's config) holds here too
-    backend = trace_backend(tracker, inductor_code=_has_float8(model))
+    backend = trace_backend(tracker, inductor_code=inductor_everywhere(model, checkpointing))
     # Modules whose call was compiled: Module.compile() left _compiled_call_impl; an
     # OptimizedModule (torch.compile(module)) is replaced by the module it wraps.
     compiled = {id(m) for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}
@@ -552,6 +627,8 @@ def plan_compile_approximations(workload: Workload, options: StepOptions, compil
     if options.memory_budget is not None and compiled:  # the compiled ones ran inductor's code (trace_backend)
         said.append(dataclasses.replace(MEMORY_BUDGET_TRACED, detail=(
             f"--memory-budget {options.memory_budget:g}: {', '.join(compiled)}{inductor_fallbacks()}")))
+    if compiled:
+        said += checkpointed_approximations(", ".join(compiled), checkpointing=options.checkpointing)
     by_reason: dict[str, list[str]] = {}
     for name, why in eager.items():
         by_reason.setdefault(why, []).append(name)

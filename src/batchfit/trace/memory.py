@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._prims.rng_prims import graphsafe_run_with_rng_state, run_and_save_rng_state, run_with_rng_state
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode_stack,
@@ -31,6 +32,11 @@ from batchfit.phases import CATEGORY_OF_PHASE
 
 CUDA_BLOCK_BYTES = 512
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_RNG_WRAPPERS = (run_and_save_rng_state, run_with_rng_state, graphsafe_run_with_rng_state)
+"""The higher-order operators AOTAutograd's partitioner wraps a random op in when it recomputes it
+in backward (``functionalize_rng_ops`` in torch/_functorch/partitioners.py): activation checkpointing
+inside a compiled graph, where every SDPA kernel counts as random (it takes a dropout). Each runs the
+one op it wraps with the generator's state saved, or set to the saved one, around it."""
 CATEGORIES: tuple[str, ...] = (
     "parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "generation",
     "other",
@@ -120,6 +126,10 @@ class MemoryTracker(TorchDispatchMode):
     With ``capacity_bytes`` it behaves like a GPU of that size: an allocation that takes the
     live bytes past it raises ``torch.OutOfMemoryError`` (the virtual device).
     """
+
+    supports_higher_order_operators = True
+    """Higher-order operators come to ``__torch_dispatch__`` (torch's default refuses every one):
+    those of :data:`_RNG_WRAPPERS` are counted as the op they wrap; any other is still refused."""
 
     def __init__(self, *, capacity_bytes: int | None = None, round_bytes: int = CUDA_BLOCK_BYTES,
                  host_optimizer_scalars: bool = True) -> None:
@@ -399,6 +409,8 @@ class MemoryTracker(TorchDispatchMode):
         self.window_event = len(self.events)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return self._run_rng_wrapper(func, args, kwargs or {})
         if func is _LOCAL_SCALAR and self.current_phase == "optimizer":
             # An optimizer that reads a scalar back to the host (Adafactor: its step counter and
             # the norms it clips by, via .item()) only uses it in arithmetic on the values, never
@@ -416,6 +428,31 @@ class MemoryTracker(TorchDispatchMode):
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self._maybe_track(tensor, func, inputs)
+        return out
+
+    def _run_rng_wrapper(self, func, args: tuple, kwargs: dict) -> object:
+        """Run one of :data:`_RNG_WRAPPERS` below this mode (the fake mode runs the op it wraps and
+        skips the generator) and count what the wrapped op made, as if it had run alone. The saved
+        generator state (``torch.get_rng_state()``, 5,056 B on a CPU) is counted where the step runs
+        on a CPU; on a GPU it is no device memory: ``torch.cuda.get_rng_state()`` is a host tensor,
+        and inductor's graph-safe form (``graphsafe_rng_functionalization``, on by default for CUDA)
+        passes the generator itself."""
+        if func not in _RNG_WRAPPERS:
+            raise NotImplementedError(f"the memory trace has no rule for the higher-order operator {func.name()}")
+        out = func(*args, **kwargs)
+        op = args[1] if func is run_with_rng_state else args[0]
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        made = out
+        if func is run_and_save_rng_state:
+            state, made = out
+            if self.round_bytes > 1:  # CUDA semantics: a host tensor
+                self._host.add(id(state.untyped_storage()))
+                weakref.finalize(state.untyped_storage(), self._host.discard, id(state.untyped_storage())).atexit = False
+            else:
+                self._maybe_track(state, op, [])
+        for tensor in tree_leaves(made):
+            if isinstance(tensor, torch.Tensor):
+                self._maybe_track(tensor, op, inputs)
         return out
 
     def _is_host(self, tensor: torch.Tensor, inputs: list[torch.Tensor]) -> bool:

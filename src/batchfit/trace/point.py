@@ -26,8 +26,8 @@ from batchfit.search import SearchResult, Trial, guided, reserved_search
 from batchfit.trace import depth, forked, repeats, stream
 from batchfit.trace.approximation import (Approximation, attention_approximations, fast_path_approximations,
                                            offload_approximations, quantize_approximations)
-from batchfit.trace.compiled import (COMPILED_TRACED, MEMORY_BUDGET_TRACED, compile_approximations, graph_breaks,
-                                     inductor_fallbacks)
+from batchfit.trace.compiled import (COMPILED_TRACED, MEMORY_BUDGET_TRACED, checkpointed_approximations,
+                                     compile_approximations, graph_breaks, inductor_fallbacks)
 from batchfit.trace.hf_packing import packing_approximation
 from batchfit.trace.routing import routing_approximation
 from batchfit.trace.cuda_float8 import float8_approximations
@@ -258,7 +258,8 @@ class TracedCurve:
             asked += f" --memory-budget {self.options.memory_budget:g}"
             budget = [dataclasses.replace(MEMORY_BUDGET_TRACED,
                                           detail=f"--memory-budget {self.options.memory_budget:g}{inductor_fallbacks()}")]
-        return [dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")] + budget + fast_path
+        return ([dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {graph_breaks()}")] + budget
+                + checkpointed_approximations(asked, checkpointing=self.options.checkpointing) + fast_path)
 
     @property
     def repeats_micro_batches(self) -> bool:
