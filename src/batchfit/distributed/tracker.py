@@ -213,6 +213,10 @@ class ShardedTracker(MemoryTracker):
             return NotImplemented
         if self._propagating:  # DTensor working out an output's shape: fake tensors on a GPU too
             return func(*args, **(kwargs or {}))
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            # AOTAutograd's rng wrappers of a recomputed op (compile + checkpointing): counted as the op
+            # they wrap by MemoryTracker; no collective, and the recomputed op's FLOPs are not counted
+            return super().__torch_dispatch__(func, types, args, kwargs)
         if func is _WAIT:
             return args[0]
         call = _collective(func, args, kwargs or {})
