@@ -144,15 +144,15 @@ def cost(row: dict) -> float:
     return 4 * compiled + 12 * (compiled and row.get("precision") == "fp8-rowwise")
 
 
-@functools.cache
-def pairwise_rows(seed: int = 0, candidates: int = 30) -> list[dict]:
-    """Rows that hold every allowed pair of values of any two dimensions (greedy covering array;
-    made once per process: each test file asks for it)."""
-    dims = list(DIMENSIONS)
+def covering_rows(dimensions: dict[str, tuple[str, ...]], wanted=lambda a, b: True, seed: int = 0,
+                  candidates: int = 30) -> list[dict]:
+    """Rows over ``dimensions`` that hold every allowed pair of values of two dimensions that
+    ``wanted(a, b)`` asks for (a greedy covering array, deterministic for a seed)."""
+    dims = list(dimensions)
     uncovered = {((d1, v1), (d2, v2))
                  for d1, d2 in itertools.combinations(dims, 2)
-                 for v1 in DIMENSIONS[d1] for v2 in DIMENSIONS[d2]
-                 if _allowed_pair((d1, v1), (d2, v2))}
+                 for v1 in dimensions[d1] for v2 in dimensions[d2]
+                 if _allowed_pair((d1, v1), (d2, v2)) and wanted((d1, v1), (d2, v2))}
     rng = random.Random(seed)
     rows: list[dict] = []
     while uncovered:
@@ -163,7 +163,7 @@ def pairwise_rows(seed: int = 0, candidates: int = 30) -> list[dict]:
             for dim in rng.sample(dims, len(dims)):
                 if dim in row:
                     continue
-                options = [v for v in DIMENSIONS[dim] if refusal({**row, dim: v}) is None]
+                options = [v for v in dimensions[dim] if refusal({**row, dim: v}) is None]
                 rng.shuffle(options)
                 row[dim] = max(options, key=lambda v: (sum(
                     tuple(sorted(((dim, v), (d, row[d])), key=lambda p: dims.index(p[0]))) in uncovered
@@ -176,6 +176,28 @@ def pairwise_rows(seed: int = 0, candidates: int = 30) -> list[dict]:
     return rows
 
 
+@functools.cache
+def pairwise_rows() -> list[dict]:
+    """The fast tier's rows: every allowed pair of values of any two dimensions but compile, whose
+    rows are the slow tier's (:func:`compiled_rows`: a compiled tiny trace runs inductor's own
+    partition and code, 10-40 s each on a 2-core machine). Made once per process."""
+    return covering_rows({**DIMENSIONS, "compile": ("none",)})
+
+
+@functools.cache
+def compiled_rows() -> list[dict]:
+    """The slow tier's rows: every allowed pair of ``--compile model`` or ``blocks`` with a value of
+    any other dimension."""
+    return covering_rows({**DIMENSIONS, "compile": DIMENSIONS["compile"][1:]},
+                         wanted=lambda a, b: "compile" in (a[0], b[0]))
+
+
+def all_pairs_covered() -> set:
+    """Every allowed pair the two arrays hold together."""
+    dims = list(DIMENSIONS)
+    return {pair for row in pairwise_rows() + compiled_rows() for pair in _pairs(row, dims)}
+
+
 def _pairs(row: dict, dims: list[str]):
     for d1, d2 in itertools.combinations(dims, 2):
         yield (d1, row[d1]), (d2, row[d2])
@@ -184,16 +206,10 @@ def _pairs(row: dict, dims: list[str]):
 DEFAULTS = {dim: values[0] for dim, values in DIMENSIONS.items()}
 
 
-def single_rows() -> list[dict]:
-    """Every family with each value of every other dimension alone (the rest at their defaults)."""
-    rows = []
-    for family in FAMILIES:
-        for dim, values in DIMENSIONS.items():
-            if dim == "family":
-                continue
-            rows += [{**DEFAULTS, "family": family, dim: v} for v in values if v != DEFAULTS[dim]]
-        rows.append({**DEFAULTS, "family": family})
-    return rows
+def default_rows() -> list[dict]:
+    """Every family as a user runs it first (every option at its default), on one GPU and under fsdp,
+    with reserved memory replayed through the allocator model (the arrays check ``--limit allocated``)."""
+    return [{**DEFAULTS, "family": family, "strategy": strategy} for family in FAMILIES for strategy in ("single", "fsdp")]
 
 
 def row_id(row: dict) -> str:
