@@ -112,6 +112,8 @@ REFUSED: list[tuple[dict, object, str]] = [
     (dict(recipe="offload", strategy="tp2"), lambda r: r["recipe"] == "offload" and ("tp" in r["strategy"]
                                                                                       or "cp" in r["strategy"]),
      "activation offloading copies saved tensors into plain host tensors; TP and cp save DTensors"),
+    (dict(checkpointing="selective", strategy="pp2+fsdp-noreshard/zbv"), lambda r: r["checkpointing"] == "selective"
+     and r["strategy"].endswith("zbv"), "selective checkpointing lets a region backward once; zero-bubble runs it twice"),
     (dict(family="gpt2", strategy="pp2+fsdp"), lambda r: r["family"] == "gpt2" and r["strategy"].startswith("pp"),
      "GPT-2's config has no base_model_pp_plan"),
     (dict(family="gpt2", precision="fp8-rowwise", strategy="tp2"), lambda r: r["family"] == "gpt2"

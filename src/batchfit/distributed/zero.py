@@ -118,6 +118,8 @@ def _reduce_to_owner(owner: int, me: int, world: int, group):
     import torch.distributed as dist
 
     def hook(param):
+        if param.grad is None:  # fired again for a parameter another rank already owns and freed here
+            return              # (T5: the embedding its encoder, decoder and head share)
         param.grad.div_(world)
         dist.reduce(param.grad, dst=owner, group=group)
         if me != owner:

@@ -56,6 +56,12 @@ class PipelineSession:
         if getattr(strategy, "cp", 1) > 1:
             raise OptionError(f"{strategy.name}: context parallelism inside a pipeline is not traced yet: use "
                               "fsdp+cp<N>[+tp<T>] without pp, or pp<N>+fsdp without cp")
+        if options.checkpointing == "selective" and self.schedule.splits_backward:
+            # torch's split backward runs autograd through a stage twice (I, then W), and selective
+            # checkpointing caches each region's ops for one backward ("Trying to backward an extra time")
+            raise OptionError(f"{strategy.name} with {self.schedule.name}: selective checkpointing lets a region "
+                              "backward once, and a zero-bubble schedule runs each stage's backward twice (input, "
+                              "then weights): use --checkpointing full, or --pp-schedule interleaved-1f1b")
         if options.loss != "plain":
             raise OptionError(f"{strategy.name}: --loss {options.loss} is not traced under pipeline parallelism yet "
                               "(the last stage computes the plain loss from its logits): use --loss plain")
