@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from batchfit.plan.sharded import Collective, ShardedPoint, Strategy
 
 
+def _side_streams(session) -> dict[int, int]:
+    """The side stream of each malloc of a session's fresh stream (none for a session that does
+    not name them: the tests' stand-in)."""
+    return getattr(session, "fresh_streams", {})
+
+
 def collectives_at(lists: list[tuple[Collective, ...]], blocks: int) -> tuple[Collective, ...] | None:
     """The collectives at ``blocks`` from those traced at ``depth.DEPTHS`` (2, 3, 4).
 
@@ -121,7 +127,7 @@ class DeepSession:
             first = self._first_fresh is None and getattr(self._depths[0], "fresh_stream", None) is None
             found = extrapolate([s.trace(local_batch) for s in self._depths], self.blocks)
             if first and all(getattr(s, "fresh_stream", None) is not None for s in self._depths):
-                self._first_fresh = (local_batch, [(s.fresh_stream, s.fresh_steps, s.fresh_streams)
+                self._first_fresh = (local_batch, [(s.fresh_stream, s.fresh_steps, _side_streams(s))
                                                    for s in self._depths])
             if found is not None:
                 return found
@@ -152,7 +158,7 @@ class DeepSession:
             point = session.trace(local_batch)
             if points is not None:
                 points.append(point)
-            return session.fresh_stream, session.fresh_steps, session.fresh_streams
+            return session.fresh_stream, session.fresh_steps, _side_streams(session)
 
     def _extended(self, local_batch: int) -> tuple[list, tuple[int, ...], dict] | None:
         if self._first_fresh is not None and self._first_fresh[0] == local_batch:

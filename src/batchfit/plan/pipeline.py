@@ -105,7 +105,7 @@ class PipelineSession:
                                    stages=pp * v, d_model=self.d_model, seq_len=self.seq_len,
                                    sends=self.schedule.kind if self.schedule.kind in ("gpipe", "1f1b") else "runtime")
             point = session.trace(local_batch)
-            stream = (session.fresh_stream, session.fresh_steps, session.fresh_streams)
+            stream = (session.fresh_stream, session.fresh_steps, getattr(session, "fresh_streams", {}))
         return StagePoint(rank=rank, stages=tuple(stages), in_flight=in_flight(self.actions[rank]), point=point), stream
 
     def trace(self, local_batch: int):
