@@ -34,15 +34,17 @@ def main() -> None:
         started = time.perf_counter()
         with DeepSession(workload, options, device, parse_strategy(strategy, 8)) as deep:
             found = deep._extended(local_batch)
-            whole, whole_starts = deep._fresh(workload, local_batch)
+            whole, whole_starts, whole_streams = deep._fresh(workload, local_batch)
         seconds = time.perf_counter() - started
         row = {"strategy": strategy, "gpus": 8, "local_batch": local_batch, "written": found is not None,
                "whole_events": len(whole), "seconds": round(seconds, 1)}
         if found is not None:
-            written, starts = found
-            mine, truth = replay_steps(written, starts, device), replay_steps(whole, whole_starts, device)
+            written, starts, written_streams = found
+            mine = replay_steps(written, starts, device, written_streams)
+            truth = replay_steps(whole, whole_starts, device, whole_streams)
             row |= {"written_events": len(written),
-                    "same_stream": stream._canonical(written) == stream._canonical(whole),
+                    "same_stream": stream._canonical(stream.tag_streams(written, written_streams))
+                    == stream._canonical(stream.tag_streams(whole, whole_streams)),
                     "same_step_starts": starts == whole_starts, "same_replay": mine == truth,
                     "peak_reserved_bytes_written": mine.peak_reserved_bytes,
                     "peak_reserved_bytes_whole": truth.peak_reserved_bytes}

@@ -303,8 +303,10 @@ def test_config_validates_like_the_parser():
 def _check_bookkeeping(a: CachingAllocator) -> None:
     """Every block reachable from the lists, walked segment by segment, adds up to the stats."""
     blocks = list(a._blocks.values())
-    for small in (True, False):
-        blocks += [b for _, _, b in a._free[small]] + [b for _, b in a._unmapped[small]]
+    for pool in a._free.values():  # keyed (small?, stream)
+        blocks += [b for _, _, b in pool]
+    for gaps in a._unmapped.values():
+        blocks += [b for _, b in gaps]
     heads = set()
     for block in blocks:
         while block.prev is not None:
@@ -322,8 +324,8 @@ def _check_bookkeeping(a: CachingAllocator) -> None:
     assert a.capacity_bytes is None or a.stats.peak_reserved_bytes <= a.capacity_bytes
 
 
-@pytest.mark.parametrize("expandable", [False, True])
-def test_bookkeeping_survives_random_traffic_and_running_out(expandable):
+@pytest.mark.parametrize("expandable, streams", [(False, 1), (True, 1), (False, 3), (True, 3)])
+def test_bookkeeping_survives_random_traffic_and_running_out(expandable, streams):
     import random
 
     rng = random.Random(7)
@@ -335,7 +337,8 @@ def test_bookkeeping_survives_random_traffic_and_running_out(expandable):
             a.free(live.pop(rng.randrange(len(live))))
         else:
             try:
-                a.malloc(i, rng.choice([300, 5000, 1 << 20, 3 << 20, rng.randrange(1, 90 << 20)]))
+                a.malloc(i, rng.choice([300, 5000, 1 << 20, 3 << 20, rng.randrange(1, 90 << 20)]),
+                         rng.randrange(streams))
                 live.append(i)
             except AllocatorOutOfMemory:
                 ooms += 1
@@ -343,3 +346,21 @@ def test_bookkeeping_survives_random_traffic_and_running_out(expandable):
             _check_bookkeeping(a)
     _check_bookkeeping(a)
     assert ooms > 0  # the capacity was reached, so the free-and-retry paths ran
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_block_freed_on_one_stream_serves_only_that_stream(expandable):
+    """CUDACachingAllocator's pools sort by stream first and get_free_block takes no block of
+    another stream: 100 MiB freed on a side stream (FSDP2's gradients, made on its reduce-scatter
+    stream and freed by zero_grad) stay reserved while the default stream reserves 100 MiB more;
+    the side stream's next 100 MiB reuses them. Running out frees every stream's cache."""
+    a = CachingAllocator(None, AllocatorConfig(expandable_segments=expandable))
+    a.apply([("malloc", 1, 100 * MiB), ("free", 1, 0), ("malloc", 2, 100 * MiB)], streams={1: 1})
+    assert (a.stats.reserved_bytes, a.stats.allocated_bytes) == (200 * MiB, 100 * MiB)
+    a.malloc(3, 100 * MiB, stream=1)
+    assert a.stats.reserved_bytes == 200 * MiB  # the side stream's own cached block
+    a.free(3)
+    b = CachingAllocator(220 * MiB, AllocatorConfig(expandable_segments=expandable))
+    b.apply([("malloc", 1, 100 * MiB), ("free", 1, 0), ("malloc", 2, 100 * MiB), ("malloc", 3, 100 * MiB)],
+            streams={1: 1})  # the side stream's cached 100 MiB is released for the third
+    assert (b.stats.reserved_bytes, b.stats.num_alloc_retries) == (200 * MiB, 1)

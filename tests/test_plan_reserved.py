@@ -90,3 +90,63 @@ def test_ddp_rebuilds_its_buckets_once_at_the_second_step():
     assert ("free", bucket, 0) not in events[first:second] and sizes[bucket] == 4 * params
     replayed = replay_steps(events, (first, second, rebuilt), get_device("h100-80gb"))
     assert replayed.steps[2] == "second step: DDP bucket rebuild"
+
+
+def _stream_bytes(events, streams, start: int) -> dict[int, int]:
+    """Bytes each side stream allocates from ``events[start]`` on."""
+    made: dict[int, int] = {}
+    for kind, ident, nbytes in events[start:]:
+        if kind == "malloc" and ident in streams:
+            made[streams[ident]] = made.get(streams[ident], 0) + nbytes
+    return made
+
+
+def test_fsdp2_gradients_stay_reserved_on_the_reduce_scatter_stream():
+    """FSDP2 reduce-scatters each block's gradients into a buffer it allocates on its reduce-scatter
+    stream (torch's ``_fsdp_collectives.foreach_reduce``; the sharded gradients are views of it) and
+    gathers parameters into buffers of its all-gather copy-in stream. The caching allocator hands a
+    cached block only to requests of the stream it was reserved on, so what zero_grad frees stays
+    reserved, out of the next forward's reach (torchtitan's Llama 3 8B on 8 GPUs: 4.0 GB, its fp32
+    gradient shard; docs/tracing.md). The trace names each malloc's stream: in the steady step the
+    reduce-scatter stream allocates exactly the fp32 gradient shard, 4 B x the parameters of rank 0,
+    and rank 0's reserved peak is what the three pools reserve each on its own, summed (a pool's
+    reserved bytes never shrink unless the allocator runs out)."""
+    from batchfit.plan.sharded import ShardedSession, parse_strategy
+    from batchfit.trace.point import new_allocator
+
+    h100 = get_device("h100-80gb")
+    with ShardedSession(tiny_workload(), StepOptions(precision="bf16-mixed"), h100, parse_strategy("fsdp", 2)) as s:
+        s.trace(2)
+        events, steps, streams, per_rank = s.fresh_stream, s.fresh_steps, s.fresh_streams, s.params_per_rank
+    made = _stream_bytes(events, streams, steps[1])
+    assert sorted(made) == [1, 2] and made[2] == 4 * per_rank  # 1: all-gather copy-in, 2: reduce-scatter
+    pools = []
+    for stream in (0, 1, 2):
+        mine = {ident for kind, ident, _ in events if kind == "malloc" and streams.get(ident, 0) == stream}
+        allocator = new_allocator(h100) if stream == 0 else new_allocator(dataclasses.replace(h100, workspace_bytes=0))
+        allocator.apply([e for e in events if e[1] in mine])
+        pools.append(allocator.stats.reserved_bytes)
+    assert pools[2] >= 4 * per_rank
+    apart = replay_steps(events, steps, h100, streams).peak_reserved_bytes
+    assert apart == sum(pools)
+    assert apart > replay_steps(events, steps, h100).peak_reserved_bytes  # one pool: the forward took them
+
+
+@pytest.mark.slow
+def test_the_side_streams_survive_depth_extension():
+    """The reserved stream written from depths 2, 3, 4 carries each side-stream malloc's stream
+    (``trace.stream.tag_streams``): its replay is the whole model's, byte for byte."""
+    from batchfit.plan.deep import DeepSession
+    from batchfit.plan.sharded import ShardedSession, parse_strategy
+    from test_plan_deep import WORKLOAD
+
+    h100, options, strategy = get_device("h100-80gb"), StepOptions(precision="bf16-mixed"), parse_strategy("fsdp", 2)
+    with DeepSession(WORKLOAD, options, h100, strategy) as deep:
+        deep.trace(1)
+        extended = deep.reserved(1)
+        assert deep.whole_reserved == []  # written from the depths, not traced whole
+    with ShardedSession(WORKLOAD, options, h100, strategy) as whole:
+        whole.trace(1)
+        traced = replay_steps(whole.fresh_stream, whole.fresh_steps, h100, whole.fresh_streams)
+    assert extended.peak_reserved_bytes == traced.peak_reserved_bytes
+    assert traced.peak_reserved_bytes > replay_steps(whole.fresh_stream, whole.fresh_steps, h100).peak_reserved_bytes

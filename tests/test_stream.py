@@ -160,7 +160,22 @@ def test_fsdp_rank_zeros_stream_is_written_from_the_depths(strategy, gpus):
                                        vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, description="10 tiny blocks")
     device = get_device("h100-80gb")
     with DeepSession(workload, StepOptions(precision="bf16-mixed"), device, parse_strategy(strategy, gpus)) as deep:
-        written, starts = deep._extended(2)
-        whole, whole_starts = deep._fresh(workload, 2)
-    assert stream._canonical(written) == stream._canonical(whole) and starts == whole_starts
-    assert replay_steps(written, starts, device) == replay_steps(whole, whole_starts, device)
+        written, starts, written_streams = deep._extended(2)
+        whole, whole_starts, whole_streams = deep._fresh(workload, 2)
+    # each malloc on the stream it was made on, too (FSDP2's all-gather and reduce-scatter streams)
+    assert sorted(set(written_streams.values())) == sorted(set(whole_streams.values())) == [1, 2]
+    assert stream._canonical(stream.tag_streams(written, written_streams)) == \
+        stream._canonical(stream.tag_streams(whole, whole_streams)) and starts == whole_starts
+    assert replay_steps(written, starts, device, written_streams) == \
+        replay_steps(whole, whole_starts, device, whole_streams)
+
+
+def test_a_side_streams_malloc_rides_through_extension_in_its_size():
+    """``tag_streams`` writes a side-stream malloc's size as a token of its own (not the default
+    stream's malloc of the same bytes); ``untag_streams`` reads sizes and streams back."""
+    events = [("malloc", 1, 8), ("malloc", 2, 8), ("free", 1, 0), ("malloc", 3, 4096), ("free", 2, 0)]
+    tagged = stream.tag_streams(events, {2: 1, 3: 2})
+    assert tagged == [("malloc", 1, 8), ("malloc", 2, -(8 * 64 + 1)), ("free", 1, 0),
+                      ("malloc", 3, -(4096 * 64 + 2)), ("free", 2, 0)]
+    assert stream.untag_streams(tagged) == (events, {2: 1, 3: 2})
+    assert stream.tag_streams(events, {}) is events

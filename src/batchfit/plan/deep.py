@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from batchfit.plan.sharded import Collective, ShardedPoint, Strategy
 
 
+def _side_streams(session) -> dict[int, int]:
+    """The side stream of each malloc of a session's fresh stream (none for a session that does
+    not name them: the tests' stand-in)."""
+    return getattr(session, "fresh_streams", {})
+
+
 def collectives_at(lists: list[tuple[Collective, ...]], blocks: int) -> tuple[Collective, ...] | None:
     """The collectives at ``blocks`` from those traced at ``depth.DEPTHS`` (2, 3, 4).
 
@@ -91,7 +97,7 @@ class DeepSession:
         """Local batches traced whole although the model was cut (not regular in depth there)."""
         self._depths: list = []
         self._whole = None
-        self._first_fresh: tuple[int, list[tuple[list, tuple[int, ...]]]] | None = None
+        self._first_fresh: tuple[int, list[tuple[list, tuple[int, ...], dict]]] | None = None
         """(local batch, each depth's fresh stream and step starts): the depth sessions' first
         trace is a fresh process's, which a reserved replay at that size reuses."""
         self._fresh_points: dict[int, ShardedPoint] = {}
@@ -121,7 +127,8 @@ class DeepSession:
             first = self._first_fresh is None and getattr(self._depths[0], "fresh_stream", None) is None
             found = extrapolate([s.trace(local_batch) for s in self._depths], self.blocks)
             if first and all(getattr(s, "fresh_stream", None) is not None for s in self._depths):
-                self._first_fresh = (local_batch, [(s.fresh_stream, s.fresh_steps) for s in self._depths])
+                self._first_fresh = (local_batch, [(s.fresh_stream, s.fresh_steps, _side_streams(s))
+                                                   for s in self._depths])
             if found is not None:
                 return found
             self.whole_traces.append(local_batch)
@@ -143,16 +150,17 @@ class DeepSession:
         if found is None:
             self.whole_reserved.append(local_batch)
             found = self._fresh(self.workload, local_batch)
-        return replay_steps(*found, self.device)
+        events, starts, streams = found
+        return replay_steps(events, starts, self.device, streams)
 
-    def _fresh(self, workload, local_batch: int, points: list | None = None) -> tuple[list, tuple[int, ...]]:
+    def _fresh(self, workload, local_batch: int, points: list | None = None) -> tuple[list, tuple[int, ...], dict]:
         with contextlib.closing(self._open(workload)) as session:
             point = session.trace(local_batch)
             if points is not None:
                 points.append(point)
-            return session.fresh_stream, session.fresh_steps
+            return session.fresh_stream, session.fresh_steps, _side_streams(session)
 
-    def _extended(self, local_batch: int) -> tuple[list, tuple[int, ...]] | None:
+    def _extended(self, local_batch: int) -> tuple[list, tuple[int, ...], dict] | None:
         if self._first_fresh is not None and self._first_fresh[0] == local_batch:
             traced = self._first_fresh[1]  # the depth sessions' own first trace was this fresh process
         else:
@@ -160,17 +168,21 @@ class DeepSession:
             traced = [self._fresh(depth.at_depth(self.workload, d, seen), local_batch, points) for d in depth.DEPTHS]
             # a fresh process's second step is the steady one but under DDP (its bucket rebuild):
             # the size's point, for trace(), unless it was traced already
-            if all(len(steps) == 2 for _, steps in traced):
+            if all(len(steps) == 2 for _, steps, _ in traced):
                 found = extrapolate(points, self.blocks)
                 if found is not None:
                     self._fresh_points[local_batch] = found
-        if len({len(steps) for _, steps in traced}) != 1:
+        if len({len(steps) for _, steps, _ in traced}) != 1:
             return None
-        starts = tuple(depth.line_at([steps[i] for _, steps in traced], self.blocks) for i in range(len(traced[0][1])))
-        events = stream.extend(dict(zip(depth.DEPTHS, (events for events, _ in traced))), self.blocks)
+        starts = tuple(depth.line_at([steps[i] for _, steps, _ in traced], self.blocks)
+                       for i in range(len(traced[0][1])))
+        # each side-stream malloc (FSDP2's) carries its stream through the extension in its size
+        tagged = (stream.tag_streams(events, streams) for events, _, streams in traced)
+        events = stream.extend(dict(zip(depth.DEPTHS, tagged)), self.blocks)
         if events is None or None in starts:
             return None
-        return events, starts
+        events, streams = stream.untag_streams(events)
+        return events, starts, streams
 
     def close(self) -> None:
         with contextlib.ExitStack() as stack:  # every session closes, even when one raises

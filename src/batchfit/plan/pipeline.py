@@ -111,7 +111,7 @@ class PipelineSession:
                                    stages=pp * v, d_model=self.d_model, seq_len=self.seq_len,
                                    sends=self.schedule.kind if self.schedule.kind in ("gpipe", "1f1b") else "runtime")
             point = session.trace(local_batch)
-            stream = (session.fresh_stream, session.fresh_steps)
+            stream = (session.fresh_stream, session.fresh_steps, getattr(session, "fresh_streams", {}))
         return StagePoint(rank=rank, stages=tuple(stages), in_flight=in_flight(self.actions[rank]), point=point), stream
 
     def trace(self, local_batch: int):
@@ -139,7 +139,8 @@ class PipelineSession:
 
         if local_batch not in self._streams:
             self.trace(local_batch)
-        return replay_steps(*self._streams[local_batch], self.device)
+        events, starts, streams = self._streams[local_batch]
+        return replay_steps(events, starts, self.device, streams)
 
     def close(self) -> None:
         pass

@@ -11,6 +11,7 @@ buckets at the start of the second: ``distributed.strategy._RebuildsOnce``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from batchfit.devices import Device
@@ -56,9 +57,12 @@ class ReservedReplay:
                                                   self.peak_reserved_by_step)]}
 
 
-def replay_steps(events: list[tuple[str, int, int]], starts: tuple[int, ...], device: Device) -> ReservedReplay:
+def replay_steps(events: list[tuple[str, int, int]], starts: tuple[int, ...], device: Device,
+                 streams: Mapping[int, int] | None = None) -> ReservedReplay:
     """Replay ``events`` (a fresh process's stream) on ``device``'s allocator model; ``starts``
-    are where each piece after the build begins (two, or three under DDP: ``ShardedSession.fresh_steps``)."""
+    are where each piece after the build begins (two, or three under DDP: ``ShardedSession.fresh_steps``);
+    ``streams`` names the side stream of each malloc made on one (``MemoryTracker.streams``: FSDP2's
+    all-gather and reduce-scatter buffers), whose blocks the allocator keeps apart."""
     steps = DDP_STEPS if len(starts) == 3 else STEPS
     bounds = (0, *starts, len(events))
     allocator = new_allocator(device)
@@ -68,7 +72,7 @@ def replay_steps(events: list[tuple[str, int, int]], starts: tuple[int, ...], de
     for i, (begin, end) in enumerate(zip(bounds, bounds[1:])):
         stats.peak_allocated_bytes, stats.peak_reserved_bytes = stats.allocated_bytes, stats.reserved_bytes
         try:
-            allocator.apply(events[begin:end])
+            allocator.apply(events[begin:end], streams)
         except AllocatorOutOfMemory as error:
             needed = (error.reserved_bytes + error.segment_bytes) / (error.allocated_bytes + error.requested_bytes)
             return ReservedReplay(peak_reserved_bytes=None, reserved_oom=str(error), reserved_ratio=needed,

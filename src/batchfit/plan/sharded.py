@@ -317,6 +317,9 @@ class ShardedSession:
             self.params_per_rank = sum(_local_elements(p) for p in self.session.step.model.parameters())
             self.fresh_stream: list[tuple[str, int, int]] | None = None
             """Rank 0's allocation stream of a fresh process: the first trace's."""
+            self.fresh_streams: dict[int, int] = {}
+            """The side stream of each malloc of :attr:`fresh_stream` made on one (FSDP2's
+            all-gather and reduce-scatter buffers; ``MemoryTracker.streams``)."""
             self.fresh_steps: tuple[int, ...] | None = None
             """Where the first and the second step start in :attr:`fresh_stream` (the build before
             them), and under DDP where its bucket rebuild (at the start of the second step's forward) ends."""
@@ -375,6 +378,7 @@ class ShardedSession:
         if first:
             self._check_ring()
             self.fresh_stream = list(tracker.events)
+            self.fresh_streams = dict(tracker.streams)
             rebuilt = getattr(getattr(session.step.model, "reducer", None), "rebuilt_at", None)
             self.fresh_steps = (session.build_events, tracker.window_event) + ((rebuilt[1],) if rebuilt else ())
         workspace, strategy = self.workspace, self.strategy

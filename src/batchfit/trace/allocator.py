@@ -34,8 +34,14 @@ With ``expandable_segments`` each pool has one segment that grows: pages (2 MiB 
 (``unmap_block``) before retrying. Pure Python, no torch: the tracer turns
 ``AllocatorOutOfMemory`` into ``torch.OutOfMemoryError``.
 
-Not modelled (each changes reserved memory only in programs that use it): several streams
-and ``record_stream`` (cross-stream blocks wait for events), CUDA graph private pools,
+Streams: a segment belongs to the stream it was reserved on, and its blocks serve only requests
+made on that stream (``BlockComparatorSize`` sorts by stream first; ``get_free_block`` takes no
+block of another stream), so memory freed on one stream's blocks is reserved but out of reach of
+the others (FSDP2's gradients, made on its reduce-scatter stream, stay reserved there through the
+next forward). ``release_cached_blocks`` frees every stream's cached segments.
+
+Not modelled (each changes reserved memory only in programs that use it): ``record_stream``
+(cross-stream blocks wait for events), CUDA graph private pools,
 ``FreeMemoryCallback``s (CUDA IPC), the address space limit of an expandable segment (the
 real one is 1.125x the GPU's memory; here it never runs out), and ``cudaMallocAsync``.
 """
@@ -43,7 +49,8 @@ real one is 1.125x the GPU's memory; here it never runs out), and ``cudaMallocAs
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Iterable
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from batchfit.trace.alloc_conf import (ENV_VARS, LARGE_BUFFER, MiB, ROUNDUP_INTERVALS,  # noqa: F401 - re-exported
@@ -148,6 +155,7 @@ class Block:
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
     gc_base: int = 0  # the pool's get_free_block count when the block became free (its age's zero)
+    stream: int = 0  # the stream its segment was reserved on (0: the default one)
 
     @property
     def whole(self) -> bool:
@@ -191,17 +199,21 @@ class CachingAllocator:
         self._max_split = self.config.max_split_size_bytes or _NO_LIMIT
         self._expandable = self.config.expandable_segments
         self._gc = self.config.garbage_collection_threshold > 0 and allowed_bytes is not None
-        # per pool (key: small?): free mapped blocks by (size, addr); unmapped blocks by addr
-        self._free: dict[bool, list[tuple[int, int, Block]]] = {True: [], False: []}
-        self._unmapped: dict[bool, list[tuple[int, Block]]] = {True: [], False: []}
+        # per pool (key: small?, stream): free mapped blocks by (size, addr); unmapped blocks by addr.
+        # A block serves only requests on the stream its segment was reserved on (BlockComparatorSize
+        # orders by stream first, and get_free_block takes no block of another stream).
+        self._free: dict[tuple[bool, int], list[tuple[int, int, Block]]] = defaultdict(list)
+        self._unmapped: dict[tuple[bool, int], list[tuple[int, Block]]] = defaultdict(list)
+        self._stream = 0  # the stream of the request being served
         self._free_block_calls = {True: 0, False: 0}  # get_free_blocks_call_count, for block ages
         self._blocks: dict[int, Block] = {}
         self._next_addr = 0
         self._next_expandable = _EXPANDABLE_BASE
 
     # --- the two operations ----------------------------------------------------------------
-    def malloc(self, ident: int, nbytes: int) -> None:
-        """DeviceCachingAllocator::malloc for one tensor's storage."""
+    def malloc(self, ident: int, nbytes: int, stream: int = 0) -> None:
+        """DeviceCachingAllocator::malloc for one tensor's storage, requested on ``stream``."""
+        self._stream = stream
         size = round_size(nbytes, self.config.roundup_power2_divisions)
         small = size <= SMALL_SIZE
         alloc_size = segment_size(size)
@@ -220,7 +232,7 @@ class CachingAllocator:
                     requested_bytes=nbytes, segment_bytes=alloc_size, reserved_bytes=self.stats.reserved_bytes,
                     allocated_bytes=self.stats.allocated_bytes, capacity_bytes=limit)
         if self._should_split(block, size):
-            rest = Block(block.addr + size, block.size - size, small, block.expandable)
+            rest = Block(block.addr + size, block.size - size, small, block.expandable, stream=block.stream)
             self._link(block, rest, block.next)
             block.size = size
             self._add_free(rest)
@@ -229,11 +241,13 @@ class CachingAllocator:
         self.stats.allocated_bytes += block.size
         self.stats.peak_allocated_bytes = max(self.stats.peak_allocated_bytes, self.stats.allocated_bytes)
 
-    def apply(self, events: Iterable[tuple[str, int, int]]) -> None:
-        """Feed ('malloc', id, nbytes) / ('free', id, 0) events, in order."""
+    def apply(self, events: Iterable[tuple[str, int, int]], streams: Mapping[int, int] | None = None) -> None:
+        """Feed ('malloc', id, nbytes) / ('free', id, 0) events, in order; ``streams`` names the
+        side stream of each malloc made on one (the others are on the default stream)."""
+        streams = streams or {}
         for kind, ident, nbytes in events:
             if kind == "malloc":
-                self.malloc(ident, nbytes)
+                self.malloc(ident, nbytes, streams.get(ident, 0))
             else:
                 self.free(ident)
 
@@ -258,7 +272,7 @@ class CachingAllocator:
 
     def _get_free_block(self, size: int, small: bool) -> Block | None:
         """get_free_block: best fit, except that oversize blocks serve only near-size oversize requests."""
-        pool = self._free[small]
+        pool = self._free[small, self._stream]
         if self._gc:
             self._free_block_calls[small] += 1
         i = bisect_left(pool, (size, -1))
@@ -289,7 +303,7 @@ class CachingAllocator:
             return self._try_allocate_expandable_block(size, small)
         if not self._fits(alloc_size):
             return None
-        block = Block(self._next_addr, alloc_size, small)
+        block = Block(self._next_addr, alloc_size, small, stream=self._stream)
         self._next_addr += alloc_size
         self.stats.segments += 1
         self._reserve(alloc_size)
@@ -318,7 +332,7 @@ class CachingAllocator:
 
     def _find_expandable_block(self, size: int, small: bool) -> Block:
         """find_expandable_block: the lowest address where free and unmapped space add up to ``size``."""
-        for _, gap in self._unmapped[small]:
+        for _, gap in self._unmapped[small, self._stream]:
             start = gap.prev if gap.prev is not None and not gap.prev.allocated else gap
             room, block = 0, start
             while room < size and block is not None and not block.allocated:
@@ -327,9 +341,10 @@ class CachingAllocator:
             if room >= size:
                 return start
         # No segment yet (or every unmapped run is too short, which an unbounded address space never is)
-        gap = Block(self._next_expandable, _EXPANDABLE_SPACE, small, expandable=True, mapped=False)
+        gap = Block(self._next_expandable, _EXPANDABLE_SPACE, small, expandable=True, mapped=False,
+                    stream=self._stream)
         self._next_expandable += _EXPANDABLE_SPACE
-        insort(self._unmapped[small], (gap.addr, gap))
+        insort(self._unmapped[small, self._stream], (gap.addr, gap))
         self.stats.segments += 1
         return gap
 
@@ -342,9 +357,10 @@ class CachingAllocator:
         self._remove_unmapped(gap)
         gap.mapped = True
         if mapped < gap.size:
-            rest = Block(gap.addr + mapped, gap.size - mapped, gap.small, expandable=True, mapped=False)
+            rest = Block(gap.addr + mapped, gap.size - mapped, gap.small, expandable=True, mapped=False,
+                         stream=gap.stream)
             self._link(gap, rest, gap.next)
-            insort(self._unmapped[gap.small], (rest.addr, rest))
+            insort(self._unmapped[gap.small, gap.stream], (rest.addr, rest))
             gap.size = mapped
         for neighbour in (gap.prev, gap.next):
             if neighbour is not None and not neighbour.allocated and neighbour.mapped:
@@ -371,7 +387,7 @@ class CachingAllocator:
         """
         if self._max_split == _NO_LIMIT or self._expandable:
             return False
-        pool = self._free[small]
+        pool = self._free[small, self._stream]
         key = max(size, self._max_split)
         i = bisect_left(pool, (key, -1))
         if i < len(pool):
@@ -385,9 +401,9 @@ class CachingAllocator:
 
     def _release_cached_blocks(self) -> bool:
         """release_cached_blocks (what empty_cache does): every whole cached segment, every free page."""
-        for small in (False, True):
+        for pool in list(self._free.values()):  # every stream's
             to_unmap = []
-            for _, _, block in list(self._free[small]):
+            for _, _, block in list(pool):
                 if block.expandable:
                     to_unmap.append(block)
                 elif block.whole:
@@ -408,11 +424,11 @@ class CachingAllocator:
             return
         self._remove_free(block)
         if lo > block.addr:
-            before = Block(block.addr, lo - block.addr, block.small, expandable=True)
+            before = Block(block.addr, lo - block.addr, block.small, expandable=True, stream=block.stream)
             self._link(block.prev, before, block)
             self._add_free(before)
         if hi < block.addr + block.size:
-            after = Block(hi, block.addr + block.size - hi, block.small, expandable=True)
+            after = Block(hi, block.addr + block.size - hi, block.small, expandable=True, stream=block.stream)
             self._link(block, after, block.next)
             self._add_free(after)
         block.addr, block.size, block.mapped = lo, hi - lo, False
@@ -420,7 +436,7 @@ class CachingAllocator:
             if neighbour is not None and not neighbour.mapped:
                 self._remove_unmapped(neighbour)
                 self._merge(block, neighbour)
-        insort(self._unmapped[block.small], (block.addr, block))
+        insort(self._unmapped[block.small, block.stream], (block.addr, block))
         self.stats.reserved_bytes -= hi - lo
 
     def _garbage_collect_cached_blocks(self) -> None:
@@ -431,14 +447,14 @@ class CachingAllocator:
             return
         target = self.stats.reserved_bytes - threshold_bytes
         now = self._free_block_calls[False]
-        ages = [now - b.gc_base for _, _, b in self._free[False] if b.whole]
+        ages = [now - b.gc_base for b in self._large_free() if b.whole]
         total_age, count = sum(ages), len(ages)
         reclaimed, freed = 0, True
         while reclaimed < target and freed and count > 0:
             age_threshold = total_age / count
             freed = False
             # frees every old enough block, not just enough of them, so GC runs seldom
-            for _, _, block in list(self._free[False]):
+            for block in self._large_free():
                 if block.whole and now - block.gc_base >= age_threshold:
                     freed = True
                     reclaimed += block.size
@@ -447,16 +463,20 @@ class CachingAllocator:
                     self._release_block(block)
 
     # --- bookkeeping -----------------------------------------------------------------------
+    def _large_free(self) -> list[Block]:
+        """The large pool's free blocks, every stream's (a snapshot)."""
+        return [block for (small, _), pool in self._free.items() if not small for _, _, block in pool]
+
     def _add_free(self, block: Block) -> None:
         block.gc_base = self._free_block_calls[block.small]
-        insort(self._free[block.small], (block.size, block.addr, block))
+        insort(self._free[block.small, block.stream], (block.size, block.addr, block))
 
     def _remove_free(self, block: Block) -> None:
-        pool = self._free[block.small]
+        pool = self._free[block.small, block.stream]
         del pool[bisect_left(pool, (block.size, block.addr))]
 
     def _remove_unmapped(self, block: Block) -> None:
-        gaps = self._unmapped[block.small]
+        gaps = self._unmapped[block.small, block.stream]
         del gaps[bisect_left(gaps, (block.addr,))]
 
     @staticmethod

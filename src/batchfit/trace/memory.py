@@ -159,6 +159,14 @@ class MemoryTracker(TorchDispatchMode):
         self._module_names: dict[int, str] = {}
         # ('malloc', seq, requested bytes) / ('free', seq, 0): for the caching allocator model
         self.events: list[tuple[str, int, int]] = []
+        self.streams: dict[int, int] = {}
+        """seq -> the side stream (1, 2, ... in order of first use) each malloc made on one was
+        made on: FSDP2 allocates its all-gather buffers on its copy-in stream and the gradients
+        it reduce-scatters on its reduce-scatter stream (``torch.cpu.stream`` on the fake process
+        group, as ``torch.cuda.stream`` on a GPU); the caching allocator keeps each stream's
+        blocks apart (``trace/allocator.py``). Mallocs on the default stream are not listed."""
+        self._default_stream = torch.cpu.current_stream()
+        self._stream_numbers: dict[int, int] = {}
         self.window_event = 0
         """Index in ``events`` where the current window (the measured step) starts."""
         self.on_event: Callable[[str, int, int], None] | None = None
@@ -307,6 +315,8 @@ class MemoryTracker(TorchDispatchMode):
                     self._seq += 1
                     ident[seq] = self._seq
                     event = ("malloc", self._seq, nbytes)
+                    if seq in self.streams:
+                        self.streams[self._seq] = self.streams[seq]
                 elif seq in ident:
                     event = ("free", ident.pop(seq), 0)
                 else:
@@ -534,6 +544,9 @@ class MemoryTracker(TorchDispatchMode):
         self._live[key] = record
         self._window.append(record)
         self.events.append(("malloc", self._seq, storage.nbytes()))
+        stream = torch.cpu.current_stream()
+        if stream is not self._default_stream:
+            self.streams[self._seq] = self._stream_numbers.setdefault(id(stream), len(self._stream_numbers) + 1)
         weakref.finalize(storage, self._free, key).atexit = False
         self.live_bytes += nbytes
         self.total_peak_bytes = max(self.total_peak_bytes, self.live_bytes + self.host_live_bytes)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 Event = tuple[str, int, int]
@@ -374,3 +375,29 @@ def extend(streams: dict[int, list[Event]], depth: int) -> list[Event] | None:
         return _write(shapes[0], agreed, depth)
     except NotRegular:
         return None
+
+
+SIDE_STREAMS = 64
+"""Side streams a tagged size can name (FSDP2 uses two: all-gather copy-in, reduce-scatter)."""
+
+
+def tag_streams(events: list[Event], streams: Mapping[int, int]) -> list[Event]:
+    """``events`` with the size of each malloc made on a side stream (``MemoryTracker.streams``)
+    written as ``-(nbytes * SIDE_STREAMS + stream)``: a token of its own, so :func:`extend`
+    never mistakes it for a default-stream malloc of the same size and carries the stream into
+    every copy it writes. :func:`untag_streams` reads it back."""
+    if not streams:
+        return events
+    return [(kind, ident, -(nbytes * SIDE_STREAMS + streams[ident]))
+            if kind == "malloc" and ident in streams else (kind, ident, nbytes)
+            for kind, ident, nbytes in events]
+
+
+def untag_streams(events: list[Event]) -> tuple[list[Event], dict[int, int]]:
+    """(the events with their sizes back, ident -> side stream) of a :func:`tag_streams` stream."""
+    out, streams = [], {}
+    for kind, ident, nbytes in events:
+        if kind == "malloc" and nbytes < 0:
+            nbytes, streams[ident] = divmod(-nbytes, SIDE_STREAMS)
+        out.append((kind, ident, nbytes))
+    return out, streams
