@@ -138,8 +138,8 @@ def check_attention(value: str | None) -> None:
 
 def attention_words(value: str | None) -> str:
     """The attention implementation in words, for every output."""
-    return {"eager": "eager (the model's softmax(QK^T)V: [B, H, T, T] scores held per layer)",
-            "sdpa": "sdpa (torch's scaled_dot_product_attention, CUDA's fused kernels: no T x T scores)",
+    return {"eager": "eager (softmax(QK^T)V: [B, H, T, T] scores per layer)",
+            "sdpa": "sdpa (fused CUDA kernels: no T x T scores)",
             "flash": "flash (flash_attn's FlashAttention-2)"}.get(value or "", "the model's own")
 
 
