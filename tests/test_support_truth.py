@@ -1,0 +1,200 @@
+"""Truth for a sample of the support matrix's cells: each family of ``support_matrix.FAMILIES``
+(a transformers config at a tiny size, built as ``hf:config.json`` builds it) traced with CPU
+semantics against the torch profiler on a real CPU step of the same model (tests/cpu_truth.py).
+
+- One GPU, per recipe: plain fp32 (the fast tier, every family), and in the slow tier bf16-mixed,
+  full and selective checkpointing, the chunked loss (within 1%) and ``--compile model`` (2%). A
+  recipe a family refuses (one line, a UsageError: the chunked loss where ``hf:`` finds no lm_parts,
+  as for bert, t5, gemma2) skips with that line.
+- Two gloo ranks, fsdp: rank 0's peak in a steady step against ``trace_sharded`` with CPU semantics
+  and gloo's reduce-scatter copy counted (``gloo_scratch``), within 2%: slow (one gloo run of every
+  family).
+
+A family added to ``FAMILIES`` gets every truth here with no other edit. MoE families: the real
+router routes by its random weights, the trace by ``--routing balanced``; the real step's router is
+forced to that routing (:func:`forced_balanced`), as tests/test_routing.py forces it.
+
+``python -m pytest -s tests/test_support_truth.py | grep traced`` prints each cell's figures (the table
+of docs/tracing.md, "Per-family truths (support matrix)"); CI's fast tier runs the fp32 cells only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import support_matrix as matrix
+from cpu_truth import join_gloo, profiled_step_peak, same_kernels_on_any_x86, spawn_profiled_gloo
+from batchfit.devices import get_device
+from batchfit.errors import UsageError
+from batchfit.plan.sharded import parse_strategy, trace_sharded
+from batchfit.specs import load_workload
+from batchfit.trace.routing import moe_experts
+from batchfit.trace.session import TraceSession
+from batchfit.train.step import TrainingStep
+from batchfit.workload import StepOptions, Workload
+
+pytest.importorskip("transformers")
+
+B, T = 2, 64
+RECIPES: dict[str, dict] = {
+    "fp32": {}, "bf16-mixed": dict(precision="bf16-mixed"), "full": dict(checkpointing="full"),
+    "selective": dict(checkpointing="selective"), "chunked:4": dict(loss="chunked:4"), "compile": dict(compile="model"),
+}
+FAST_RECIPES = ("fp32",)
+TOLERANCE = {"compile": 0.02}
+"""Of the measured peak; 1% where not listed (inductor's buffer reuse is its own scheduler's: 2%)."""
+_FUSION = ("the same partition run as inductor's generated wrapper (--memory-budget 1.0: trace/compiled.py, "
+           "inductor_plan) traces {wrapper} B, so the gap is batchfit's model of inductor's pointwise fusion "
+           "(trace/compiled.py: unmaterialized), by one fp32 buffer of 131,072 B ({buffer})")
+KNOWN: dict[tuple[str, str], str] = {
+    ("gemma2", "compile"): (
+        "+4.3%: traced 3,262,928 B, inductor on this CPU 3,128,188 B (2026-11-28); " + _FUSION.format(
+            wrapper="3,128,160", buffer="135,280 B more activations in the forward: one of Gemma 2's softcapped "
+            "[2, 4, 64, 64] attention scores or [2, 64, 256] logits, which inductor never writes")),
+    ("granite", "compile"): (
+        "-5.1%: traced 2,471,372 B, inductor on this CPU 2,602,864 B (2026-11-28); " + _FUSION.format(
+            wrapper="2,602,844", buffer="131,584 B fewer temporaries at the backward's peak: most likely the "
+            "[2, 64, 256] logits' gradient before Granite's logits_scaling division, which inductor writes and "
+            "the model fuses into the division") + "; not strict: in 2 of 9 runs, traced after other cells in the same "
+            "process (one: qwen3_moe full trace, granite compile trace, qwen3_moe full real step), it read "
+            "2,603,472 B (+0.02%); not reproduced by any one earlier step alone, unexplained"),
+}
+"""(family, recipe) cells that miss the tolerance today, with the measured numbers and why (strict xfail)."""
+FLAKY = {("granite", "compile")}
+"""Known cells whose trace depends on what ran before it in the process: xfail, not strict."""
+GLOO_WORLD = 2
+
+
+def workload(family: str, folder: Path) -> Workload:
+    return load_workload("hf:" + str(matrix.config_file(family, folder)), seq_len=T)
+
+
+def forced_balanced(work: Workload) -> Workload:
+    """``work`` whose HF experts modules (``trace.routing.moe_experts``) get the balanced routing the
+    trace assumes: token t to experts (t x top_k + j) mod experts, which gives each expert the counts
+    of ``tokens_per_expert("balanced")``. The router still runs (its own bytes kept); a new index
+    tensor replaces its choice (tokens x top_k int64: 2 KiB here). A dense model is unchanged."""
+    def build():
+        model = work.build_model()
+        for _, experts in moe_experts(model):
+            experts.register_forward_pre_hook(_balanced, with_kwargs=True)
+        return model
+    return dataclasses.replace(work, build_model=build)
+
+
+def _balanced(module, args, kwargs):
+    hidden, index, *rest = args  # HF's experts: forward(hidden_states, top_k_index, top_k_weights)
+    tokens, top_k = index.shape
+    index = (torch.arange(tokens * top_k, device=index.device) % module.num_experts).view(tokens, top_k)
+    return (hidden, index, *rest), kwargs
+
+
+def traced_peak(work: Workload, options: StepOptions) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with TraceSession(work, options, cuda_semantics=False) as session:
+            return session.trace(B).snapshot.peak_bytes
+
+
+def measured_peak(work: Workload, options: StepOptions, tmp_path: Path) -> int:
+    """The real CPU step's peak (one thread, oneDNN off: cpu_truth.same_kernels_on_any_x86); a compiled
+    step after two warm-up steps (inductor compiles in the first)."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings(), same_kernels_on_any_x86():
+        warnings.simplefilter("ignore")
+        step = TrainingStep(forced_balanced(work), options, torch.device("cpu"))
+        return profiled_step_peak(step, B, tmp_path, warmup=2 if options.compile != "none" else 1)
+
+
+def _cells(recipes) -> list:
+    cells = []
+    for recipe in recipes:
+        for family in matrix.FAMILIES:
+            marks = [] if recipe in FAST_RECIPES else [pytest.mark.slow]
+            if (family, recipe) in KNOWN:
+                strict = (family, recipe) not in FLAKY
+                marks.append(pytest.mark.xfail(strict=strict, raises=AssertionError, reason=KNOWN[family, recipe]))
+            cells.append(pytest.param(family, recipe, marks=marks, id=f"{family}-{recipe}"))
+    return cells
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("support-truth")
+
+
+@pytest.mark.parametrize("family, recipe", _cells(RECIPES))
+def test_each_familys_traced_peak_matches_the_profiler_on_a_real_cpu_step(family, recipe, configs, tmp_path):
+    """Most cells are byte-exact but for the 28 to 196 B of buffers no op of the step reads (the rotary
+    tables' ``original_inv_freq``, unseen by the profiler's timeline) when written; the rest within 0.73%
+    but the two ``KNOWN``: docs/tracing.md, "Per-family truths (support matrix)", has the table."""
+    work = workload(family, configs)
+    try:
+        options = StepOptions(**RECIPES[recipe])
+        traced = traced_peak(work, options)
+    except UsageError as refused:  # by design, in one line (support_matrix.REFUSED)
+        pytest.skip(f"{family} refuses {recipe}: {refused}")
+    measured = measured_peak(work, options, tmp_path)
+    print(f"{family} {recipe}: traced {traced:,} B, measured {measured:,} B, {(traced - measured) / measured:+.3%}")
+    assert abs(traced - measured) <= TOLERANCE.get(recipe, 0.01) * measured, (traced, measured)
+
+
+# --- fsdp on two gloo ranks -----------------------------------------------------------------------
+def _gloo_main(rank: int, port: int, out_dir: str, families: tuple[str, ...]) -> None:
+    """Each family's real fsdp step on this rank; rank 0's steady-step peak (the least of two profiled
+    steps: a collective that completes late on a loaded machine keeps a buffer alive longer in one)."""
+    from cpu_truth import agreed_profiled_peak
+
+    from batchfit.distributed import apply_strategy, build_meshes
+
+    join_gloo(rank, GLOO_WORLD, port, timeout_s=120)
+    strategy = parse_strategy("fsdp", GLOO_WORLD)
+    meshes = build_meshes(strategy)
+    peaks = {}
+    for family in families:
+        torch.manual_seed(0)  # the same weights on both ranks
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step = TrainingStep(forced_balanced(workload(family, Path(out_dir))), StepOptions(), torch.device("cpu"),
+                                wrap=lambda m: apply_strategy(m, strategy, meshes, precision="fp32", fake=False))
+            torch.manual_seed(1 + rank)  # each rank its own samples
+            step.run(B)
+            folder = Path(out_dir) / f"{family}-{rank}"
+            folder.mkdir()
+            peaks[family] = agreed_profiled_peak(step, B, folder, best_of=2)
+        del step
+        torch.distributed.barrier()
+    if rank == 0:
+        (Path(out_dir) / "peaks.json").write_text(json.dumps(peaks))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gloo_measured(tmp_path_factory) -> dict[str, int]:
+    """Rank 0's peak per family, from one gloo run of every family."""
+    families = tuple(matrix.FAMILIES)
+    path = tmp_path_factory.mktemp("support-gloo")
+    for family in families:
+        matrix.config_file(family, path)  # written here: the ranks only read them
+    spawn_profiled_gloo(_gloo_main, lambda port: (port, str(path), families), nprocs=GLOO_WORLD)
+    return json.loads((path / "peaks.json").read_text())
+
+
+@pytest.mark.slow  # one gloo run of every family; a single family's alone takes ~40 s of CPU (two ranks)
+@pytest.mark.parametrize("family", list(matrix.FAMILIES))
+def test_each_familys_fsdp_rank0_peak_matches_a_real_gloo_run(family, gloo_measured, configs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace_sharded(workload(family, configs), StepOptions(), get_device("h100-80gb"),
+                               parse_strategy("fsdp", GLOO_WORLD), B, cuda_semantics=False,
+                               gloo_scratch=True).peak_bytes
+    real = gloo_measured[family]
+    print(f"{family} fsdp (2 gloo ranks): traced {traced:,} B, measured {real:,} B, {(traced - real) / real:+.3%}")
+    assert abs(traced - real) <= 0.02 * real, (traced, real)
