@@ -161,9 +161,17 @@ class _FusedRun(fx.Interpreter):
             cats = [k for k in _kernels_of(user, fused) if _name(k.target) == "cat"] if user.name in fused else []
             last_uses.setdefault(max(cats, key=order.__getitem__, default=user), []).extend(values)
         self.user_to_last_uses = last_uses
+        # A view of a fused-away node shares its storage, which the tracker never counted: run
+        # counted, the view would count that storage as new (tanh's backward reads its saved output
+        # through aten.alias: a whole phantom activation a block).
+        self.uncounted = set(fused)
+        for node in module.graph.nodes:
+            base = node.args[0] if node.op == "call_function" and node.args else None
+            if isinstance(base, fx.Node) and base.name in self.uncounted and _name(node.target) in _VIEWS:
+                self.uncounted.add(node.name)
 
     def run_node(self, node: fx.Node) -> Any:
-        if node.name not in self.fused:
+        if node.name not in self.uncounted:
             return super().run_node(node)
         self.tracker.uncounted = True
         try:
