@@ -378,9 +378,14 @@ def trace_backend(tracker: Any, memory_budget: float | None = None, *, inductor_
         # (HF Llama, --compile model --checkpointing every:2: -8.1% without them, with inductor's
         # wrapper code run); on plain graphs with no budget they change nothing measured.
         if memory_budget is not None or inductor_code or recomputes(joint):
+            from torch._guards import detect_fake_mode
             from torch._inductor.compile_fx import partition_fn
+            from torch._inductor.virtualized import V
 
-            return partition_fn(joint, joint_inputs, **kwargs)
+            # Its random-op passes read V.fake_mode, which compile_fx sets around it in a real compile
+            # (dropout in a checkpointed GPT-2 block: TypeError 'NullHandler' ... context manager).
+            with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+                return partition_fn(joint, joint_inputs, **kwargs)
         return min_cut(joint, joint_inputs, **kwargs)
     return with_memory_budget(
         aot_autograd(fw_compiler=functools.partial(compiler, is_backward=False),
