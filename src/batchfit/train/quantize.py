@@ -107,7 +107,10 @@ def quantize_model(model: nn.Module, options: StepOptions, device: torch.device)
     if options.quantize == "none":
         return
     bnb = load_bitsandbytes(f"--quantize {options.quantize}")
-    names = linear_names(model)
+    # transformers' bitsandbytes quantizer leaves a model's _keep_in_fp32_modules alone (T5's wo,
+    # which T5 casts its input to the weight's dtype for: a uint8 packed weight would make it uint8)
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    names = [name for name in linear_names(model) if not keep & set(name.split("."))]
     if not names:
         raise OptionError(f"--quantize {options.quantize} found no nn.Linear layer (but the output head) "
                           "to quantize in this model: drop --quantize")
