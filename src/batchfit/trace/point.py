@@ -262,8 +262,8 @@ class TracedCurve:
         if compiled.startswith("0 graphs compiled"):  # dynamo gave every frame up: the step ran eagerly
             return [Approximation(
                 what=f"{asked} compiled nothing here: the step was traced eagerly",
-                may_differ_by="what inductor would keep or fuse in the parts a GPU run compiles (a compiled "
-                              "step's peak differed from the eager one by -5% to +4% on this project's models)",
+                may_differ_by="what inductor would keep or fuse in whatever a GPU run compiles (not measured for "
+                              "this model: run it with `batchfit probe --device cuda`)",
                 source="docs/tracing.md, Compiled steps", detail=compiled)] + fast_path
         return ([dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {compiled}")] + budget
                 + checkpointed_approximations(asked, checkpointing=self.options.checkpointing) + fast_path)
