@@ -5,7 +5,7 @@
 
 The tests append each row's outcome to ``BATCHFIT_SUPPORT_RESULTS``; this script runs them with it
 set, then renders: the family x option table (from the covering arrays' rows: the fast tier's, and
-the slow tier's compiled ones), the rows' summary, and each refusal's line.
+the slow tier's), the rows' summary, and each refusal's line.
 It also keeps the outcomes in ``benchmarks/results/support-<date>.json``.
 """
 
@@ -81,7 +81,7 @@ def render(outcomes: list[dict]) -> str:
     def note(detail: str) -> int:
         return notes.setdefault(_clean(detail), len(notes) + 1)
 
-    tiers = {"fast": matrix.pairwise_rows(), "compiled": matrix.compiled_rows(), "defaults": matrix.default_rows()}
+    tiers = {"fast": matrix.pairwise_rows(), "slow": matrix.slow_rows(), "defaults": matrix.default_rows()}
     ids = {name: {matrix.row_id(r) for r in rows} for name, rows in tiers.items()}
     in_tier = {name: [o for o in outcomes if matrix.row_id(o["row"]) in ids[name]] for name in tiers}
     lines = ["# Support matrix", "",
@@ -104,7 +104,7 @@ def render(outcomes: list[dict]) -> str:
         cells.append(" " if o is None else MARK["traced"] if o["status"] == "traced"
                      else f"{MARK[o['status']]}{note(o['detail'])}")
     lines.append(f"| {_label('', 'defaults')} | " + " | ".join(cells) + " |")
-    arrays = in_tier["fast"] + in_tier["compiled"]
+    arrays = in_tier["fast"] + in_tier["slow"]
     for dim, value in _columns():
         cells = [_cell(family, dim, value, arrays, note) for family in matrix.FAMILIES]
         lines.append(f"| {_label(dim, value)} | " + " | ".join(cells) + " |")
@@ -112,8 +112,10 @@ def render(outcomes: list[dict]) -> str:
     wanted = matrix.all_pairs_covered()
     exercised = {p for o in arrays if o["status"] == "traced" for p in matrix._pairs(o["row"], dims)}
     lines += ["", "## The rows", ""]
-    for name, what in (("fast", "every allowed pair of values of two dimensions but compile (fast tier)"),
-                       ("compiled", "every allowed pair of --compile model / blocks with another value (slow tier)"),
+    for name, what in (("fast", "every allowed pair of two dimensions among fp32 / bf16-mixed / bf16, no compile, "
+                                "but family x strategy (fast tier)"),
+                       ("slow", "every other allowed pair: each family with each strategy, compile and float8 "
+                                "with every value (slow tier)"),
                        ("defaults", "each family at its defaults, on one GPU and under fsdp, reserved replayed (slow tier)")):
         counts = Counter(o["status"] for o in in_tier[name])
         lines.append(f"- {len(tiers[name])} rows, {what}: {counts['traced']} traced, {counts['refused']} refused, "

@@ -89,6 +89,7 @@ def test_local_executor_with_two_workers_fills_the_store(tmp_path, monkeypatch, 
     assert sum("ended" in e for e in events) == 3
 
 
+@pytest.mark.slow  # a local Ray cluster: 40-130 s on a 2-core machine (Ray's recommend branches are slow too)
 def test_local_ray_cluster_fills_the_store_through_the_driver(tmp_path, monkeypatch, alone):
     pytest.importorskip("ray")
     # Ray's workers are new processes: they find batchfit (and the test's workload file) on this path.

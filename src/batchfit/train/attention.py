@@ -20,6 +20,8 @@ contiguous) and K/V with their own heads (grouped-query attention unexpanded). A
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
@@ -35,10 +37,12 @@ would then look for the flash_attn package)."""
 def _hf_models(model: nn.Module) -> list[nn.Module]:
     """The outermost transformers PreTrainedModels in ``model`` (the model itself, a wrapper's, or a
     pipeline rank's stages): ``set_attn_implementation`` reaches the models nested in each."""
+    if "transformers" not in sys.modules:  # no transformers model can exist without it
+        return []
     try:
         from transformers import PreTrainedModel
-    except ImportError:
-        return []
+    except ImportError:  # a broken install: say what to do
+        raise OptionError("--attention sets a transformers model's attention: pip install 'batchfit[hf]'") from None
     found: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and not any(module in set(f.modules()) for f in found):
@@ -64,7 +68,10 @@ def flash_attention_saved(module: nn.Module, query: torch.Tensor, key: torch.Ten
     """transformers' ``flash_attention_forward`` (integrations/flash_attention.py) on fake tensors:
     its casts and paddings, then PyTorch's FlashAttention-2 kernel for flash_attn's (the same
     saved tensors; see the module). ``query`` is [B, H, T, D], as transformers passes it."""
-    from transformers.integrations.flash_attention import get_target_dtype
+    try:
+        from transformers.integrations.flash_attention import get_target_dtype
+    except ImportError:
+        raise OptionError("--attention sets a transformers model's attention: pip install 'batchfit[hf]'") from None
 
     if not (is_fake(query) or query.device.type == "meta"):
         raise RuntimeError("batchfit's FlashAttention-2 stand-in runs on fake tensors only; a GPU step runs "
@@ -91,8 +98,11 @@ def flash_attention_saved(module: nn.Module, query: torch.Tensor, key: torch.Ten
 
 
 def _register_flash_saved() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError:
+        raise OptionError("--attention sets a transformers model's attention: pip install 'batchfit[hf]'") from None
 
     AttentionInterface.register(FLASH_SAVED, flash_attention_saved)
     AttentionMaskInterface.register(FLASH_SAVED, flash_attention_mask)  # no mask without padding, as flash's
