@@ -314,7 +314,7 @@ class TraceSession:
         self.uses_bnb = options.quantize != "none" or (options.optimizer or "") in BNB_OPTIMIZERS
         """bitsandbytes' kernels and optimizer state mirrored in the step (set after the build for a
         model or optimizer of the user's that holds bitsandbytes' classes)."""
-        self._bnb_ready = self.uses_bnb or "bitsandbytes" in sys.modules
+        self._bnb_ready = self.uses_bnb or sys.modules.get("bitsandbytes") is not None  # None: blocked
         if self._bnb_ready:
             load_bitsandbytes(f"--quantize {options.quantize}" if options.quantize != "none"
                               else f"--optimizer {options.optimizer}" if options.optimizer
