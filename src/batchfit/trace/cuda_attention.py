@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from batchfit.errors import OptionError
 from batchfit.trace.cuda_kernel import KernelMirror, mirrored_here
 
 _SDPA = "aten::scaled_dot_product_attention"
@@ -127,6 +128,25 @@ def _sharded_on_sequence(query: torch.Tensor) -> bool:
     return isinstance(query, DTensor)
 
 
+def _check_ring(query, attn_mask, fused: bool, *, efficient: bool) -> None:
+    """What torch's ring attention (context parallelism) cannot run, refused in one line: a mask, SDPA's
+    math kernel, and the memory-efficient kernel's logsumexp (padded to 32 positions) at half-chunks that
+    are not a multiple of 32. Each crashed inside the ring."""
+    if attn_mask is not None:
+        raise OptionError("context parallelism: this model passes SDPA an attention mask, which torch's ring "
+                          "attention does not take (causal attention only, is_causal=True): drop cp<N>")
+    if not fused:
+        raise OptionError("context parallelism: this attention (grouped-query K/V, or a head size or dtype no fused "
+                          "CUDA kernel takes) runs SDPA's math kernel, which torch's ring attention does not take: "
+                          "use --precision bf16-mixed (flash takes grouped K/V), or drop cp<N>")
+    local = query.to_local().shape[-2]
+    if efficient and (local // 2) % 32:
+        raise OptionError(f"context parallelism: the memory-efficient kernel (fp32, or a mask) pads its logsumexp to "
+                          f"32 positions, and torch's ring merges half-chunks of {local // 2}, which it cannot: use "
+                          f"--seq-len a multiple of {64 * (query.shape[-2] // local)} (64 x cp), or "
+                          "--precision bf16-mixed (flash)")
+
+
 def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                      scale=None, enable_gqa=False):
     if not mirrored_here("scaled_dot_product_attention"):  # another thread's SDPA, not the trace's
@@ -135,17 +155,8 @@ def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     grouped = enable_gqa and key.shape[-3] != query.shape[-3]
     flash = cuda_flash_takes_gqa(query, attn_mask)
     fused = flash if grouped else cuda_would_fuse(query)
-    if _sharded_on_sequence(query) and attn_mask is not None:
-        from batchfit.errors import OptionError
-
-        raise OptionError("context parallelism: this model passes SDPA an attention mask, which torch's ring "
-                          "attention does not take (causal attention only, is_causal=True): drop cp<N>")
-    if not fused and _sharded_on_sequence(query):
-        from batchfit.errors import OptionError
-
-        raise OptionError("context parallelism: this attention (grouped-query K/V, or a head size or dtype no fused "
-                          "CUDA kernel takes) runs SDPA's math kernel, which torch's ring attention does not take: "
-                          "use --precision bf16-mixed (flash takes grouped K/V), or drop cp<N>")
+    if _sharded_on_sequence(query):
+        _check_ring(query, attn_mask, fused, efficient=fused and not flash and is_fake(query))
     if not fused:
         # The math path repeats K/V to Q's heads itself (pre_process_group_query_attention_input).
         return _MATH(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -163,14 +174,6 @@ def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     # returned transposed, so the usual out.transpose(1, 2).reshape(B, S, H * D) is free.
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if _sharded_on_sequence(query):
-        local = query.to_local().shape[-2]
-        if (local // 2) % 32:
-            from batchfit.errors import OptionError
-
-            raise OptionError(f"context parallelism: the memory-efficient kernel (fp32, or a mask) pads its logsumexp to "
-                              f"32 positions, and torch's ring merges half-chunks of {local // 2}, which it cannot: use "
-                              f"--seq-len a multiple of {64 * (query.shape[-2] // local)} (64 x cp), or "
-                              "--precision bf16-mixed (flash)")
         # context parallelism (distributed/context_parallel.py): q, k, v are DTensors, and torch's ring
         # takes CUDA's own op (its CP table names it); its seed and offset come out as 0-dim tensors
         return _EFFICIENT(query, key, value, _bool_mask_as_bias(attn_mask, query.dtype), True, dropout_p,
