@@ -6,11 +6,11 @@ is one command a user could run (``estimate`` for one GPU, ``plan`` for a strate
 either trace, or be refused before any tracing with one line (a :class:`UsageError`); a
 :class:`TraceError` or any other exception is a crash, a failing test.
 
-``pairwise_rows()`` covers every pair of values of any two dimensions with a few hundred rows
-(a covering array, built greedily and deterministically); ``single_rows()`` is every family with
-each value of every dimension alone (the table ``docs/support.md`` shows). Pairs that are refused
-by design (``REFUSED``: what batchfit does not support, with the line it says) are left out of the
-array and checked on their own, so a refusal never hides the pairs its row was meant to cover.
+``pairwise_rows()`` (the fast tier) and ``slow_rows()`` (the slow tier) are covering arrays, built
+greedily and deterministically, that together hold every pair of values of any two dimensions;
+``default_rows()`` is each family at its defaults with reserved memory replayed. Pairs that are
+refused by design (``REFUSED``: what batchfit does not support, with the line it says) are left out
+of the arrays and checked on their own, so a refusal never hides the pairs its row was meant to cover.
 
 A new family is one line in ``FAMILIES``.
 """
@@ -78,12 +78,9 @@ RECIPES: dict[str, dict] = {
 }
 
 
-def _value(row: dict, dim: str, values) -> bool:
-    return row.get(dim) in values
-
-
-# What batchfit refuses by design: (an example pair, a predicate on a row's values, what it is). Each
-# names two dimensions at most, so the covering array can leave the pair out and still cover the rest.
+# What batchfit refuses by design: (an example, a predicate on a row's values, what it is). An entry of
+# two dimensions leaves that pair out of the arrays; one of three (GPT-2, float8, TP) leaves out rows
+# holding all three, and each of its pairs is still covered by other rows.
 REFUSED: list[tuple[dict, object, str]] = [
     (dict(family="llama", strategy="ep2+fsdp"), lambda r: r["strategy"] == "ep2+fsdp" and r["family"] not in MOE,
      "expert parallelism needs an MoE model"),

@@ -118,8 +118,8 @@ def _reduce_to_owner(owner: int, me: int, world: int, group):
     import torch.distributed as dist
 
     def hook(param):
-        if param.grad is None:  # fired again for a parameter another rank already owns and freed here
-            return              # (T5: the embedding its encoder, decoder and head share)
+        if param.grad is None:  # nothing to reduce: seen on T5, whose encoder, decoder and head share one
+            return              # embedding (why its hook fires with no gradient is not traced down)
         param.grad.div_(world)
         dist.reduce(param.grad, dst=owner, group=group)
         if me != owner:
