@@ -24,3 +24,20 @@ def test_more_chunks_than_the_sequence_is_refused_not_traced(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, ["estimate", "gpt-tinystories-22m", "--gpu", "t4", "--loss", "chunked:100000"])
     assert result.exit_code == 2 and "use chunked:N with N at most 256" in _error_lines(result.output)[0], result.output
+
+
+@pytest.mark.parametrize("command,args", [
+    ("sweep", [*TINY, "--batch-sizes", "2,4", "--samples", "8"]),
+    ("recommend", [*TINY, "--batch-sizes", "1,2", "--tokens", "1M"]),
+])
+@pytest.mark.parametrize("store,words", [
+    (f"{README}/runs.db", "is a file, not a folder"),  # under a regular file: NotADirectoryError before
+    ("/proc/runs.db", "cannot write in"),  # a folder nobody writes: OSError before
+    ("/proc/batchfit/runs.db", "does not exist"),  # under /proc: FileNotFoundError before
+], ids=["under-a-file", "read-only", "under-proc"])
+def test_store_paths_are_checked_alike_before_any_work(command, args, store, words, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, [command, *args, "--store", store])
+    said = _error_lines(result.output)
+    assert result.exit_code == 2 and len(said) == 1, result.output
+    assert said[0].startswith(f"error: --store {store}") and words in said[0], result.output
