@@ -41,3 +41,15 @@ def test_store_paths_are_checked_alike_before_any_work(command, args, store, wor
     said = _error_lines(result.output)
     assert result.exit_code == 2 and len(said) == 1, result.output
     assert said[0].startswith(f"error: --store {store}") and words in said[0], result.output
+
+
+@pytest.mark.parametrize("command,device", [("estimate", ["--gpu", "t4"]), ("probe", ["--device", "virtual:t4"])])
+def test_a_typed_default_that_contradicts_the_trainer_args_is_refused(command, device, tmp_path, monkeypatch):
+    """--precision fp32 is the default, so it was taken for 'not typed' and the args' bf16 ran without a word."""
+    monkeypatch.chdir(tmp_path)
+    args = tmp_path / "args.json"
+    args.write_text('{"bf16": true}')
+    result = runner.invoke(app, [command, *TINY, *device, "--trainer", str(args), "--precision", "fp32"])
+    said = _error_lines(result.output)
+    assert result.exit_code == 2 and len(said) == 1, result.output
+    assert "--precision fp32 contradicts --trainer" in said[0] and "bf16 -> --precision bf16-mixed" in said[0]
