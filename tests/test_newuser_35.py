@@ -53,3 +53,18 @@ def test_a_typed_default_that_contradicts_the_trainer_args_is_refused(command, d
     said = _error_lines(result.output)
     assert result.exit_code == 2 and len(said) == 1, result.output
     assert "--precision fp32 contradicts --trainer" in said[0] and "bf16 -> --precision bf16-mixed" in said[0]
+
+
+def test_trainer_py_whose_args_is_not_training_arguments_is_refused(tmp_path):
+    """``args = 42`` was read as a dict of no fields: traced as the default TrainingArguments without a word."""
+    from batchfit.errors import OptionError
+    from batchfit.integrations.trainer_files import load_trainer_args
+
+    for value, shown in (("42", "42 (type int)"), ("'bf16'", "'bf16' (type str)"), ("[1, 2]", "[1, 2] (type list)")):
+        path = tmp_path / "args.py"
+        path.write_text(f"args = {value}\n")
+        with pytest.raises(OptionError, match="not TrainingArguments: define args = TrainingArguments") as refused:
+            load_trainer_args(str(path))
+        assert f"args is {shown}" in str(refused.value)
+    path.write_text("args = {'bf16': True, 'per_device_train_batch_size': 4}\n")  # a dict of fields still reads
+    assert load_trainer_args(str(path)).data == {"bf16": True, "per_device_train_batch_size": 4}
