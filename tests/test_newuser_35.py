@@ -68,3 +68,41 @@ def test_trainer_py_whose_args_is_not_training_arguments_is_refused(tmp_path):
         assert f"args is {shown}" in str(refused.value)
     path.write_text("args = {'bf16': True, 'per_device_train_batch_size': 4}\n")  # a dict of fields still reads
     assert load_trainer_args(str(path)).data == {"bf16": True, "per_device_train_batch_size": 4}
+
+
+@pytest.mark.parametrize("option,words", [
+    (["--routing", "worst"], "--routing worst changes nothing: gpt-tinystories-22m has no mixture-of-experts"),
+    (["--checkpointing", "every:1000"], "--checkpointing every:1000 changes nothing: gpt-tinystories-22m has 4 blocks"),
+])
+def test_an_option_that_changes_nothing_says_so_everywhere(option, words, tmp_path, monkeypatch):
+    """Both traced exactly the step without them, and said nothing."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["estimate", *TINY, "--gpu", "t4", "--batch-sizes", "1", "--max-batch", "2",
+                                 *option, "--out", "report", "--json", "e.json"])
+    assert result.exit_code == 0, result.output
+    assert any(line.startswith("notice: ") and words in line for line in result.output.splitlines()), result.output
+    assert [n for n in json.loads(Path("e.json").read_text())["notices"] if words in n]
+    assert f"> **Notice.** {words}" in Path("report/report.md").read_text()
+
+
+def test_probe_says_the_options_that_change_nothing(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    probed = runner.invoke(app, ["probe", *TINY, "--device", "virtual:t4", "--max", "2", "--routing", "worst",
+                                 "--checkpointing", "every:1000", "--json", "p.json", "--out", "probe"])
+    assert probed.exit_code == 0 and probed.output.count("notice: ") == 2, probed.output
+    assert len(json.loads(Path("p.json").read_text())["notices"]) == 2
+
+
+def test_options_that_change_something_say_nothing():
+    from batchfit.specs import load_workload
+    from batchfit.trace.noops import no_op_notices
+    from batchfit.workload import StepOptions
+
+    tiny = load_workload("gpt-tinystories-22m", seq_len=16)
+    assert no_op_notices(tiny, StepOptions(checkpointing="every:4")) == []  # wraps block 3 of 4
+    assert no_op_notices(tiny, StepOptions(checkpointing="full")) == []
+    assert len(no_op_notices(tiny, StepOptions(checkpointing="every:5", routing="capacity:1.25"))) == 2
