@@ -135,6 +135,9 @@ ROWS = {
         ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--cache-dir", f"{README}/cache"], "is a file, not a folder"),
         ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--lr-scaling", "cube"], "sqrt"),
         ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--gpu", "h100-8gb"], "did you mean"),
+        ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--target-loss", "nan"], "--target-loss 3.5"),
+        ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--grad-clip", "-1"], "--grad-clip 1.0; got -1"),
+        ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--grad-clip", "nan"], "--grad-clip 1.0; got nan"),
     ],
     "noise": [
         (["gpt-tinystorie", "--batch-sizes", "2,8"], "did you mean 'gpt-tinystories-22m'"),
@@ -143,6 +146,8 @@ ROWS = {
         ([*TINY, "--batch-sizes", HUGE + ",8"], "from 1 to 16,777,216"),
         ([*TINY, "--batch-sizes", "2,8", "--device", "tpu"], "cuda"),
         ([*TINY, "--batch-sizes", "2,8", "--gpu", "t4"], "give --data"),  # --gpu sizes, the CPU trains
+        ([*TINY, "--batch-sizes", "2,8", "--steps", "3", "--lr", "nan", *TEXT], "--lr 3e-4; got nan"),
+        ([*TINY, "--batch-sizes", "2,8", "--steps", "3", "--lr", "-1", *TEXT], "--lr 3e-4; got -1"),
     ],
     "recommend": [
         (["gpt-tinystorie", "--batch-sizes", "1,2", "--tokens", "1M"], "did you mean 'gpt-tinystories-22m'"),

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -87,7 +88,9 @@ class SweepConfig:
             raise OptionError(f"--eval-samples must be 1 or more, got {self.eval_samples}")
         if self.precision not in PRECISIONS:
             raise OptionError(f"unknown precision '{self.precision}': use one of {', '.join(PRECISIONS)}")
-        if self.grad_clip is not None and self.grad_clip <= 0:
+        if self.grad_clip is not None and not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            raise OptionError(f"--grad-clip must be 0 (no clipping) or more, e.g. --grad-clip 1.0; got {self.grad_clip}")
+        if self.grad_clip == 0:
             self.grad_clip = None
         check_executor(self.executor, self.workers)
 

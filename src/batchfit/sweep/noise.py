@@ -165,7 +165,9 @@ def _finite(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def _check(small: int, big: int, steps: int, repeats: int, ema_beta: float) -> None:
+def check_noise_options(small: int, big: int, steps: int, repeats: int, ema_beta: float,
+                        lr: float | None = None) -> None:
+    """Refuse, in one line each, what the measurement cannot take (the CLI calls it before reading any data)."""
     if not 1 <= small < big:
         raise OptionError(f"--batch-sizes for noise are two sizes, small then big, e.g. 8,128; got {small},{big}")
     if big % small:
@@ -177,6 +179,8 @@ def _check(small: int, big: int, steps: int, repeats: int, ema_beta: float) -> N
         raise OptionError("--steps 0 averages --repeats measurements: give --repeats 2 or more, e.g. 100")
     if not 0 <= ema_beta < 1:
         raise OptionError(f"--ema must be in [0, 1), e.g. 0.95; got {ema_beta}")
+    if lr is not None and not (math.isfinite(lr) and lr > 0):  # nan trained on, every gradient nan
+        raise OptionError(f"--lr must be a positive number, e.g. --lr 3e-4; got {lr}")
 
 
 def measure_once(trainer: TrainingStep, source: BatchSource, start: int, small: int, big: int
@@ -213,7 +217,7 @@ def gradient_noise_scale(workload: Workload, source: BatchSource, *, small: int,
     from batchfit.train.step import TrainingStep
     from batchfit.workload import StepOptions
 
-    _check(small, big, steps, repeats, ema_beta)
+    check_noise_options(small, big, steps, repeats, ema_beta, lr)
     say = progress or (lambda message: None)
     device = device or torch.device("cpu")
     started = time.perf_counter()
