@@ -106,3 +106,12 @@ def test_options_that_change_something_say_nothing():
     assert no_op_notices(tiny, StepOptions(checkpointing="every:4")) == []  # wraps block 3 of 4
     assert no_op_notices(tiny, StepOptions(checkpointing="full")) == []
     assert len(no_op_notices(tiny, StepOptions(checkpointing="every:5", routing="capacity:1.25"))) == 2
+
+
+def test_sweep_resume_of_a_missing_store_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["sweep", *TINY, "--batch-sizes", "2,4", "--samples", "8", "--resume",
+                                 "--store", "missing.db"])
+    said = _error_lines(result.output)
+    assert result.exit_code == 2 and len(said) == 1 and "nothing to resume" in said[0], result.output
+    assert not Path("missing.db").exists()

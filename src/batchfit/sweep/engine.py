@@ -75,6 +75,9 @@ class SweepConfig:
 
     def __post_init__(self) -> None:
         self.store = Path(self.store)
+        if self.resume and not self.store.exists():  # a typo'd store name started a new sweep
+            raise OptionError(f"--resume: --store {self.store} does not exist, so there is nothing to resume: give "
+                              "the store of the sweep to finish, or drop --resume to start a new one")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise OptionError("--batch-sizes must be positive integers, e.g. 1,2,4,8")
         self.batch_sizes = sorted(set(self.batch_sizes))
