@@ -115,3 +115,26 @@ def test_sweep_resume_of_a_missing_store_is_refused(tmp_path, monkeypatch):
     said = _error_lines(result.output)
     assert result.exit_code == 2 and len(said) == 1 and "nothing to resume" in said[0], result.output
     assert not Path("missing.db").exists()
+
+
+def _short_text(tmp_path: Path) -> list[str]:
+    text = tmp_path / "short.txt"
+    text.write_text("Tom saw a cat. It was red.\n" * 20)  # 540 bytes: 33 samples of 16 tokens
+    return ["--data", str(text), "--tokenizer", "bytes", "--cache-dir", str(tmp_path / "cache")]
+
+
+def test_sweep_and_recommend_refuse_a_budget_the_data_holds_only_repeated_alike(tmp_path, monkeypatch):
+    """sweep read 540 bytes 31 times over without a word while recommend refused the same data and budget."""
+    monkeypatch.chdir(tmp_path)
+    budget = ["--tokens", "16384", "--batch-sizes", "1,2"]
+    lines = []
+    for command in ("sweep", "recommend"):
+        result = runner.invoke(app, [command, *TINY, *_short_text(tmp_path), *budget, "--store", f"{command}.db",
+                                     "--device", "cpu"])
+        said = _error_lines(result.output)
+        assert result.exit_code == 2 and len(said) == 1, result.output
+        lines.append(said[0])
+        assert not Path(f"{command}.db").exists()  # a failed start leaves no store to block the rerun
+    assert lines[0] == lines[1]
+    assert "train split holds 33 samples of 16 tokens, the budget needs 1,024 (16,384 tokens)" in lines[0]
+    assert "it would read the data 31.0 times" in lines[0]

@@ -176,6 +176,7 @@ def plan_sweep(config: SweepConfig, workload: Workload, *, largest_fitting: Call
             raise UsageError(f"--data gives text, but {workload.name} is not a token language model: drop --data")
         tokens = tokenize(config.data, tokenizer=config.tokenizer, vocab_size=fmt.vocab_size,
                           val_fraction=config.val_fraction, cache_dir=config.cache_dir, progress=say)
+        budget.check_data((len(tokens.train) - 1) // fmt.seq_len, fmt.seq_len)  # as recommend: before the store
         kind = "text"
     elif workload.train_batches is not None:
         kind = "workload"
