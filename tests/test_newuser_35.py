@@ -138,3 +138,18 @@ def test_sweep_and_recommend_refuse_a_budget_the_data_holds_only_repeated_alike(
     assert lines[0] == lines[1]
     assert "train split holds 33 samples of 16 tokens, the budget needs 1,024 (16,384 tokens)" in lines[0]
     assert "it would read the data 31.0 times" in lines[0]
+
+
+def test_a_sweep_that_fails_to_start_leaves_no_store_and_the_rerun_runs(tmp_path, monkeypatch):
+    """A validation split shorter than a sample was refused by the first run, after the store held the
+    settings: the corrected rerun was refused as 'a different sweep (it differs in data)'."""
+    from tests.test_sweep_helpers import write_tiny
+
+    monkeypatch.chdir(tmp_path)
+    args = ["sweep", write_tiny(tmp_path), *_short_text(tmp_path), "--samples", "8", "--batch-sizes", "4", "--store", "s.db",
+            "--device", "cpu", "--eval-samples", "1", "--out", "report"]
+    failed = runner.invoke(app, args)
+    assert failed.exit_code == 2 and "fewer than one sample of 17" in failed.output, failed.output
+    assert not Path("s.db").exists()
+    rerun = runner.invoke(app, [*args, "--val-fraction", "0.1"])
+    assert rerun.exit_code == 0, rerun.output

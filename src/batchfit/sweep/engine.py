@@ -23,7 +23,7 @@ import torch
 from batchfit.devices import Device
 from batchfit.errors import OptionError, UsageError
 from batchfit.train.budget import LR_SCALINGS, Budget, Schedule, parse_amount, scaled_lr
-from batchfit.train.data import TokenData, lm_format, tokenize
+from batchfit.train.data import BatchSource, TokenData, lm_format, tokenize
 from batchfit.train.executors import WorkerContext, check_executor, run_in_process, run_local, run_ray
 from batchfit.sweep.result import SweepResult, read_result
 from batchfit.sweep.run import RunSpec, micro_batch_for
@@ -177,6 +177,7 @@ def plan_sweep(config: SweepConfig, workload: Workload, *, largest_fitting: Call
         tokens = tokenize(config.data, tokenizer=config.tokenizer, vocab_size=fmt.vocab_size,
                           val_fraction=config.val_fraction, cache_dir=config.cache_dir, progress=say)
         budget.check_data((len(tokens.train) - 1) // fmt.seq_len, fmt.seq_len)  # as recommend: before the store
+        BatchSource(workload, seed=config.seed, tokens=tokens)  # its refusals (a split shorter than a sample), too
         kind = "text"
     elif workload.train_batches is not None:
         kind = "workload"
