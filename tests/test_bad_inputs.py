@@ -40,6 +40,7 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--offload", "activations", "--host-memory", "lots"], "512GiB"),
         ([*TINY, "--gpu", "t4", "--offload", "activations", "--host-memory", "0GiB"], "512GiB"),
         ([*TINY, "--gpu", "t4", "--quantize", "nf5"], "nf4-dq"),
+        ([*TINY, "--gpu", "t4", "--quantize", "nf4"], "nothing would train: add --lora, e.g. --lora r=16"),
         ([*TINY, "--gpu", "t4", "--lora", "rank=8"], "r=16"),
         ([*TINY, "--gpu", "t4", "--optimizer", "adamw-torchao-8bit"], "adamw-8bit"),
         ([*TINY, "--gpu", "t4", "--trainer", "args.json"], "no such file"),
