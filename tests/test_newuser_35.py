@@ -153,3 +153,18 @@ def test_a_sweep_that_fails_to_start_leaves_no_store_and_the_rerun_runs(tmp_path
     assert not Path("s.db").exists()
     rerun = runner.invoke(app, [*args, "--val-fraction", "0.1"])
     assert rerun.exit_code == 0, rerun.output
+
+
+def test_an_hf_config_with_a_zero_size_is_bad_input(tmp_path):
+    """hidden_size 0 failed deep in the model build (0.0 raised to a negative power): exit 1, not 2."""
+    import json
+
+    config = dict(model_type="llama", hidden_size=0, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps(config))
+    result = runner.invoke(app, ["estimate", f"hf:{path}", "--seq-len", "16", "--gpu", "t4", "--out",
+                                 str(tmp_path / "report")])
+    said = _error_lines(result.output)
+    assert result.exit_code == 2 and len(said) == 1, result.output
+    assert "hidden_size is 0 in" in said[0] and "a size must be 1 or more" in said[0]
