@@ -168,3 +168,19 @@ def test_an_hf_config_with_a_zero_size_is_bad_input(tmp_path):
     said = _error_lines(result.output)
     assert result.exit_code == 2 and len(said) == 1, result.output
     assert "hidden_size is 0 in" in said[0] and "a size must be 1 or more" in said[0]
+
+
+@pytest.mark.parametrize("command,args", [("noise", ["--batch-sizes", "2,8"]),
+                                          ("sweep", ["--batch-sizes", "2,4", "--samples", "8"])])
+def test_a_missing_local_data_file_is_not_looked_up_on_the_hub(command, args, tmp_path, monkeypatch):
+    import datasets
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a local path went to datasets.load_dataset (the Hugging Face Hub)")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, [command, *TINY, *args, "--data", "fx/missing.txt", "--cache-dir", "cache"])
+    said = _error_lines(result.output)
+    assert result.exit_code == 2 and len(said) == 1, result.output
+    assert "--data fx/missing.txt: no such file (the folder 'fx' does not exist)" in said[0]
