@@ -184,3 +184,37 @@ def test_a_missing_local_data_file_is_not_looked_up_on_the_hub(command, args, tm
     said = _error_lines(result.output)
     assert result.exit_code == 2 and len(said) == 1, result.output
     assert "--data fx/missing.txt: no such file (the folder 'fx' does not exist)" in said[0]
+
+
+def test_time_left_is_the_rest_at_the_rate_so_far():
+    from batchfit.train.budget import time_left
+
+    assert time_left(10.0, 1, 4) == "ETA 30 s"  # 3 more at 10 s each
+    assert time_left(60.0, 3, 13) == "ETA 3 min 20 s"
+    assert time_left(3600.0, 1, 3) == "ETA 2 h 0 min"
+    assert time_left(5.0, 0, 4) == "" and time_left(5.0, 4, 4) == ""  # no rate yet; nothing left
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sweep_and_noise_say_steps_done_and_the_time_left(tmp_path):
+    """Both showed a spinner with no step count or ETA; noise's said 'tokens from the cache' while it trained."""
+    from batchfit import load_workload
+    from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
+    from batchfit.sweep.noise import gradient_noise_scale
+    from batchfit.train.data import BatchSource
+    from tests.test_sweep_helpers import write_corpus, write_tiny
+
+    spec = write_tiny(tmp_path)
+    workload = load_workload(spec)
+    config = SweepConfig(model=spec, batch_sizes=[2, 4], tokens=256, data=str(write_corpus(tmp_path / "s.txt")),
+                         tokenizer="bytes", lrs=[3e-3], eval_every="25%", eval_samples=4, store=tmp_path / "s.db",
+                         cache_dir=tmp_path / "cache", device="cpu")
+    said = []
+    run_sweep(plan_sweep(config, workload), progress=said.append)
+    counted = [line for line in said if "steps" in line and line.endswith("]")]
+    assert "[0/12 steps]" in counted[0]  # 256 tokens of 16: 8 steps at batch 2, 4 at batch 4
+    assert any(", ETA " in line for line in counted) and "[12/12 steps]" in said[-1], said
+    said = []
+    gradient_noise_scale(workload, BatchSource(workload, seed=0), small=2, big=4, steps=3, progress=said.append)
+    assert said[0] == "noise scale: step 0/3 (batch sizes 2 and 4)"  # before the model is built
+    assert said[1].startswith("noise scale: step 1/3") and ", ETA " in said[1], said

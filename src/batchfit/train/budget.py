@@ -151,6 +151,19 @@ class Schedule:
         return asdict(self)
 
 
+def time_left(elapsed_s: float, done: float, total: float) -> str:
+    """'ETA 3 min 20 s': the time the rest of ``total`` takes at the rate ``done`` went in ``elapsed_s``
+    ('' before anything is done: no rate yet, and after the end)."""
+    if done <= 0 or done >= total or elapsed_s <= 0:
+        return ""
+    seconds = round(elapsed_s / done * (total - done))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"ETA {hours} h {minutes} min"
+    return f"ETA {minutes} min {seconds} s" if minutes else f"ETA {seconds} s"
+
+
 def scaled_lr(base_lr: float, batch_size: int, scaling: str, ref_batch: int) -> float:
     """``base_lr`` is right at ``ref_batch``; linear: x (b/ref), sqrt: x sqrt(b/ref), none: as is."""
     if scaling not in LR_SCALINGS:
