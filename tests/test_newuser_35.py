@@ -218,3 +218,34 @@ def test_sweep_and_noise_say_steps_done_and_the_time_left(tmp_path):
     gradient_noise_scale(workload, BatchSource(workload, seed=0), small=2, big=4, steps=3, progress=said.append)
     assert said[0] == "noise scale: step 0/3 (batch sizes 2 and 4)"  # before the model is built
     assert said[1].startswith("noise scale: step 1/3") and ", ETA " in said[1], said
+
+
+def test_a_traced_benchs_picture_shows_the_figure_and_the_limits_the_tiers_used(tmp_path, monkeypatch):
+    """It drew allocated and reserved memory alone; the tiers (the answer) decide on reserved memory
+    under 70-100% of usable: the picture now holds those limits and each tier's batch."""
+    from types import SimpleNamespace
+
+    from matplotlib.figure import Figure
+
+    from batchfit.bench.engine import BenchRow
+    from batchfit.devices import GiB
+    from batchfit.report.plots import throughput_plot
+    from batchfit.tiers import tiers
+
+    rows = [BenchRow(b, "ok", "traced", peak_allocated_bytes=int(a * GiB), peak_reserved_bytes=int(r * GiB))
+            for b, a, r in ((8, 2, 3), (16, 4, 5), (32, 8, 9), (64, 16, 17))]
+    device = SimpleNamespace(usable_bytes=int(18 * GiB))
+    result = SimpleNamespace(rows=rows, tiers=tiers(rows, int(18 * GiB)), workload="w",
+                             options=SimpleNamespace(precision="fp32"),
+                             target=SimpleNamespace(device=device, kind="virtual", spec="virtual:18GiB"))
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda figure, path: drawn.append(figure))
+    throughput_plot(result, tmp_path / "throughput.png")
+    (memory,) = drawn[0].axes  # traced: nothing timed, no throughput panel
+    lines = {line.get_label(): line for line in memory.get_lines()}
+    decided = lines["peak reserved (what the tiers decide on)"]
+    assert list(decided.get_ydata()) == [3, 5, 9, 17]
+    # reserved 17 GiB <= 0.95 x 18 = 17.1; 9 <= 0.85 x 18 = 15.3 and 9 <= 0.70 x 18 = 12.6
+    assert lines["aggressive, 95% of usable: batch 64"].get_ydata()[0] == pytest.approx(0.95 * 18)
+    assert lines["conservative, 70% of usable: batch 32"].get_ydata()[0] == pytest.approx(0.70 * 18)
+    assert "maximum, 100% of usable: batch 64" in lines and "default, 85% of usable: batch 32" in lines
