@@ -249,3 +249,37 @@ def test_a_traced_benchs_picture_shows_the_figure_and_the_limits_the_tiers_used(
     assert lines["aggressive, 95% of usable: batch 64"].get_ydata()[0] == pytest.approx(0.95 * 18)
     assert lines["conservative, 70% of usable: batch 32"].get_ydata()[0] == pytest.approx(0.70 * 18)
     assert "maximum, 100% of usable: batch 64" in lines and "default, 85% of usable: batch 32" in lines
+
+
+def test_bitsandbytes_and_triton_import_notes_are_dropped_unless_debugging(monkeypatch):
+    """PEFT imports bitsandbytes (--trainer, LoRA), whose CPU backend logged "Failed to load CPU
+    gemm_4bit_forward from kernels-community" on every such command; BATCHFIT_DEBUG=1 keeps it."""
+    import logging
+
+    import batchfit  # noqa: F401 - installs the filters
+
+    class Kept(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage()[:21])
+
+    kept = Kept()
+    loggers = [logging.getLogger(name) for name in ("bitsandbytes.backends.cpu.ops", "torchao.kernel.intmm")]
+    for logger in loggers:
+        logger.addHandler(kept)
+    try:
+        monkeypatch.delenv("BATCHFIT_DEBUG", raising=False)
+        loggers[0].warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you "
+                           "already `pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
+        loggers[1].warning("Warning: Detected no triton, on systems without Triton certain kernels will not work")
+        loggers[0].warning("another bitsandbytes warning")
+        assert kept.messages == ["another bitsandbytes "]
+        monkeypatch.setenv("BATCHFIT_DEBUG", "1")
+        loggers[0].warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s", "x")
+        assert kept.messages[-1] == "Failed to load CPU ge"
+    finally:
+        for logger in loggers:
+            logger.removeHandler(kept)
