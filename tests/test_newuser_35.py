@@ -283,3 +283,23 @@ def test_bitsandbytes_and_triton_import_notes_are_dropped_unless_debugging(monke
     finally:
         for logger in loggers:
             logger.removeHandler(kept)
+
+
+def test_the_readmes_seed_table_holds_five_commands_the_cli_takes():
+    """The README had each seed's command somewhere; the table gathers them: each row's commands name
+    a command and options that exist (parsed by the app itself, nothing run)."""
+    import re
+    import shlex
+
+    import typer
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## The five seeds as commands", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if re.match(r"\| 00[0-4]: ", line)]
+    assert [row[2:5] for row in rows] == ["000", "001", "002", "003", "004"]
+    group = typer.main.get_command(app)
+    commands = [c for row in rows for c in re.findall(r"`(batchfit [^`]+)`", row) if "..." not in c]
+    assert len(commands) >= 5
+    for command in commands:
+        name, *args = shlex.split(command)[1:]
+        group.commands[name].make_context(name, args)  # raises on an unknown option or a bad value
