@@ -97,6 +97,19 @@ def test_probe_says_the_options_that_change_nothing(tmp_path, monkeypatch):
     assert len(json.loads(Path("p.json").read_text())["notices"]) == 2
 
 
+def test_plan_says_the_options_that_change_nothing_before_it_plans(tmp_path, monkeypatch):
+    from batchfit.errors import OptionError
+
+    def stop(*args, **kwargs):  # the notices come first: the plan itself is not needed (minutes here)
+        raise OptionError("stopped after the notices")
+
+    monkeypatch.setattr("batchfit.cli.plan.plan", stop)
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["plan", *TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "ddp", "--routing",
+                                 "worst", "--checkpointing", "every:1000"])
+    assert result.output.count("notice: ") == 2 and "stopped after the notices" in result.output, result.output
+
+
 def test_options_that_change_something_say_nothing():
     from batchfit.specs import load_workload
     from batchfit.trace.noops import no_op_notices
