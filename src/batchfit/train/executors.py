@@ -379,6 +379,7 @@ def run_ray(context: WorkerContext, specs: list[RunSpec], workers: int, address:
         threads = context.threads or max(1, (os.cpu_count() or 1) // workers)
         context = replace(context, threads=threads, device="cuda" if gpus else context.device)
         with Store(context.store) as store:
+            meter = WorkMeter(specs, store)  # Ray's runs reach the store as they end: counted then
             for k, spec in enumerate(specs, 1):
                 if store.claim(spec.run_id, owner):
                     refs[task.remote(context, spec)] = (k, spec, time.perf_counter())
@@ -398,7 +399,7 @@ def run_ray(context: WorkerContext, specs: list[RunSpec], workers: int, address:
                         store.write_back(back["row"], back["points"])
                     ended = _ended(store.run(spec.run_id), time.perf_counter() - started)
                     progress(f"run {k}/{len(specs)} ended ({len(specs) - len(refs)}/{len(specs)}): batch "
-                             f"{spec.batch_size}, lr {spec.lr:g} {ended}")
+                             f"{spec.batch_size}, lr {spec.lr:g} {ended} {meter.line()}")
     finally:
         if refs:  # interrupted: stop the tasks; their runs are pending again
             for ref in refs:
