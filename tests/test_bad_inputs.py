@@ -40,6 +40,7 @@ ROWS = {
         ([*TINY, "--gpu", "t4", "--offload", "activations", "--host-memory", "lots"], "512GiB"),
         ([*TINY, "--gpu", "t4", "--offload", "activations", "--host-memory", "0GiB"], "512GiB"),
         ([*TINY, "--gpu", "t4", "--quantize", "nf5"], "nf4-dq"),
+        ([*TINY, "--gpu", "t4", "--quantize", "nf4"], "nothing would train: add --lora, e.g. --lora r=16"),
         ([*TINY, "--gpu", "t4", "--lora", "rank=8"], "r=16"),
         ([*TINY, "--gpu", "t4", "--optimizer", "adamw-torchao-8bit"], "adamw-8bit"),
         ([*TINY, "--gpu", "t4", "--trainer", "args.json"], "no such file"),
@@ -135,6 +136,9 @@ ROWS = {
         ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--cache-dir", f"{README}/cache"], "is a file, not a folder"),
         ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--lr-scaling", "cube"], "sqrt"),
         ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--gpu", "h100-8gb"], "did you mean"),
+        ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--target-loss", "nan"], "--target-loss 3.5"),
+        ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--grad-clip", "-1"], "--grad-clip 1.0; got -1"),
+        ([*TINY, "--batch-sizes", "2,4", "--samples", "8", "--grad-clip", "nan"], "--grad-clip 1.0; got nan"),
     ],
     "noise": [
         (["gpt-tinystorie", "--batch-sizes", "2,8"], "did you mean 'gpt-tinystories-22m'"),
@@ -143,6 +147,8 @@ ROWS = {
         ([*TINY, "--batch-sizes", HUGE + ",8"], "from 1 to 16,777,216"),
         ([*TINY, "--batch-sizes", "2,8", "--device", "tpu"], "cuda"),
         ([*TINY, "--batch-sizes", "2,8", "--gpu", "t4"], "give --data"),  # --gpu sizes, the CPU trains
+        ([*TINY, "--batch-sizes", "2,8", "--steps", "3", "--lr", "nan", *TEXT], "--lr 3e-4; got nan"),
+        ([*TINY, "--batch-sizes", "2,8", "--steps", "3", "--lr", "-1", *TEXT], "--lr 3e-4; got -1"),
     ],
     "recommend": [
         (["gpt-tinystorie", "--batch-sizes", "1,2", "--tokens", "1M"], "did you mean 'gpt-tinystories-22m'"),

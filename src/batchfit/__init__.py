@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from batchfit.notices import quiet_torchao_import_notes
+from batchfit.notices import quiet_import_notes
 
-quiet_torchao_import_notes()  # torchao's import notes (transformers imports it): batchfit/notices.py
+quiet_import_notes()  # torchao's and bitsandbytes' import notes (transformers, PEFT import them): batchfit/notices.py
 
 _WHERE = {
     "CATALOG": "devices", "Device": "devices", "get_device": "devices", "parse_size": "devices",

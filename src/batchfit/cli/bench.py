@@ -16,7 +16,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
 from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
-from batchfit.cli.common import AttentionOpt, say_attention
+from batchfit.cli.common import AttentionOpt, say_attention, say_notices
 from batchfit.cli.trainer import TrainerOpt, merged_options, merged_seq_len, print_mapping, read_trainer
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
@@ -90,15 +90,18 @@ def bench_command(
     if door is not None:
         print_mapping(door, quiet_if_stdout(json_path))
     from batchfit.bench.engine import bench  # torch: after the options are checked
+    from batchfit.trace.noops import no_op_notices
     from batchfit.report import write_bench_report
 
     workload = load_workload(model, seq_len=seq_len)
+    notices = no_op_notices(workload, options)
+    say_notices(notices)
     with progress_line(total=len(set(sizes)) + (1 if leak_check else 0)) as say:
         result = bench(workload, target=target, options=options, batch_sizes=sizes, steps=steps, warmup=warmup,
                        leak_check_steps=steps if leak_check else None, progress=say)
     folder = report_folder(out, "bench", result.workload, target, options, seq_len)
     section = door.section(None) if door is not None else None
-    data = result.to_json() if section is None else {**result.to_json(), "trainer": section}
+    data = {**result.to_json(), "notices": notices, **({"trainer": section} if section is not None else {})}
     paths = write_outputs(json_path, data, lambda files: write_bench_report(result, folder, files, trainer=section))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
     if not any(r.status == "ok" for r in result.rows):  # nothing ran: a script must not read success

@@ -185,6 +185,13 @@ def warn_about_approximations(result) -> None:
     """One warning line per approximation a traced result carries (``trace/approximation.py``)."""
     for approximation in getattr(result, "approximations", []):
         err.print(f"[yellow]warning: approximated:[/] {escape(approximation.line())}", soft_wrap=True)
+    say_notices(getattr(result, "notices", []))
+
+
+def say_notices(notices: list[str]) -> None:
+    """One line per option that changes nothing for the model (``trace/noops.py``)."""
+    for notice in notices:
+        err.print(f"[yellow]notice:[/] {escape(notice)}", soft_wrap=True)
 
 
 def say_attention(options: StepOptions, console: Console) -> None:

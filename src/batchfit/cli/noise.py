@@ -59,13 +59,15 @@ def noise_command(
     """
     from batchfit.report.sweep_markdown import write_noise_report
     from batchfit.train.data import BatchSource, lm_format, tokenize
-    from batchfit.sweep.noise import gradient_noise_scale
+    from batchfit.sweep.noise import check_noise_options, gradient_noise_scale
 
     check_outputs(json_path, out, cache_dir=cache_dir)
     sizes = parse_batch_sizes(batch_sizes)
     if len(sizes) != 2:
         raise OptionError(f"--batch-sizes takes two sizes for noise, small then big, e.g. 8,128; got {batch_sizes}")
     import torch  # here: --help does not load it
+
+    check_noise_options(sizes[0], sizes[1], steps, repeats, ema, lr)  # before any data is read
 
     target, train_on = sweep_target(gpu, gpu_memory, device)
     workload = load_workload(model, seq_len=seq_len)

@@ -21,7 +21,7 @@ from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, M
                                  warn_about_approximations)
 from batchfit.cli.torchtitan import (print_torchtitan, read_torchtitan, torchtitan_approximation, torchtitan_defaults,
                                      torchtitan_section)
-from batchfit.cli.common import AttentionOpt, say_attention
+from batchfit.cli.common import AttentionOpt, say_attention, say_notices
 from batchfit.cli.trainer import (TrainerOpt, emitted_text, merged_batch_sizes, merged_options, merged_seq_len,
                                   print_answer, print_mapping, read_trainer)
 from batchfit.devices import GiB
@@ -183,6 +183,10 @@ def plan_command(
     if titan is not None:
         print_torchtitan(titan, quiet_if_stdout(json_path))
     workload = load_workload(model, seq_len=seq_len, for_plan=True)
+    from batchfit.trace.noops import no_op_notices
+
+    notices = no_op_notices(workload, options)
+    say_notices(notices)
     with progress_line() as say:
         result = plan(workload, device=target.device, worlds=worlds, options=options, strategies=strategies,
                       global_batch=global_batch, tokens=tokens, batch_sizes=sizes, target_util=target_util,
@@ -194,7 +198,7 @@ def plan_command(
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
     fitted = _trainer_answer(door, result) if door is not None else None
     section = door.section(fitted) if door is not None else None
-    data = result.to_json() if section is None else {**result.to_json(), "trainer": section}
+    data = {**result.to_json(), "notices": notices, **({"trainer": section} if section is not None else {})}
     if titan is not None:
         data = {**data, "torchtitan": torchtitan_section(titan, result)}
 

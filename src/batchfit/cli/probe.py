@@ -15,7 +15,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
 from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
-from batchfit.cli.common import AttentionOpt, say_attention
+from batchfit.cli.common import AttentionOpt, say_attention, say_notices
 from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, merged_options, merged_seq_len,
                                   parse_trainer_emit, print_answer, print_mapping, read_trainer,
                                   trainer_outputs)
@@ -108,9 +108,12 @@ def probe_command(
                         target_util=target_util, global_batch=global_batch, limit=limit)
     from batchfit.probe.find import find_max_batch  # torch: after the options are checked
     from batchfit.probe.ranks import rank
+    from batchfit.trace.noops import no_op_notices
     from batchfit.report import write_probe_report
 
     workload = load_workload(model, seq_len=seq_len)
+    notices = no_op_notices(workload, options)
+    say_notices(notices)
     with progress_line() as say:
         result = find_max_batch(workload, target=target, options=options, policy=policy, multiple_of=multiple_of,
                                 smallest=min_batch, largest=max_batch, steps=steps, isolate=isolate, spec=model,
@@ -125,7 +128,7 @@ def probe_command(
         tier = next((r for r in result.recommendations if r.name == "production"), None)
         fitted = answer(door, tier.batch_size if tier else result.max_batch_size, options.accumulation_steps,
                         multiple_of=multiple_of, source="probed" if target.kind == "cuda" else "traced (virtual)")
-    data, write_all = trainer_outputs(result.to_json(), door, fitted, lambda files, trainer: write_probe_report(
+    data, write_all = trainer_outputs({**result.to_json(), "notices": notices}, door, fitted, lambda files, trainer: write_probe_report(
         result, folder, files, trainer=trainer), emit_path)
     paths = write_outputs(json_path, data, write_all)
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])

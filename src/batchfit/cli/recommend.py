@@ -92,7 +92,7 @@ def recommend_command(
     from batchfit.report.recommend_markdown import write_recommend_report
     from batchfit.train.data import BatchSource, lm_format, tokenize
 
-    check_outputs(json_path, out, cache_dir=cache_dir)
+    check_outputs(json_path, out, *([("--store", store)] if store is not None else []), cache_dir=cache_dir)
     if noise and noise_repeats < 2:
         raise OptionError("--noise-repeats must be 2 or more, e.g. 8")
     points = parse_shares(branch_at, "--branch-at")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -113,6 +114,8 @@ def sweep_command(
     from batchfit.sweep.result import read_result, save_noise
 
     check_outputs(json_path, out, ("--store", store), cache_dir=cache_dir)
+    if target_loss is not None and not math.isfinite(target_loss):  # nan: no run ever reaches it
+        raise OptionError(f"--target-loss must be a number, e.g. --target-loss 3.5; got {target_loss}")
     sizes = parse_batch_sizes(batch_sizes)
     config = SweepConfig(
         model=model, batch_sizes=sizes, tokens=parse_count(tokens, "--tokens") if tokens is not None else None,

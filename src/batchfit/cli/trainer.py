@@ -66,9 +66,24 @@ def parse_trainer_emit(values: list[str] | None, door: FrontDoor | None) -> Path
     return Path(rest)
 
 
+def _typed(name: str) -> bool:
+    """Whether the flag of StepOptions' ``name`` was typed on the command line (click knows): a flag
+    typed as its default (--precision fp32) says as much as any other value."""
+    try:  # typer 0.2x runs its own copy of click; older typer, click itself
+        from typer._click.globals import get_current_context
+    except ImportError:
+        from click import get_current_context
+
+    context = get_current_context(silent=True)
+    if context is None:  # called from Python, not a command: only values away from the default were typed
+        return False
+    source = context.get_parameter_source({"compile": "compile_"}.get(name, name))
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
 def merged_options(options: StepOptions, door: FrontDoor | None, *, accumulation: bool = True) -> StepOptions:
     """``options`` (from the flags) with the args' settings; a flag set to something else than
-    the args say is an error (which one wins would be a guess)."""
+    the args say is an error (which one wins would be a guess), the default value too when typed."""
     if door is None:
         return options
     default = StepOptions()
@@ -76,7 +91,7 @@ def merged_options(options: StepOptions, door: FrontDoor | None, *, accumulation
                if accumulation or name != "accumulation_steps"}
     for name, value in changes.items():
         typed = getattr(options, name)
-        if typed != getattr(default, name) and typed != value:
+        if (typed != getattr(default, name) or _typed(name)) and typed != value:
             option = "--accumulation-steps" if name == "accumulation_steps" else f"--{name.replace('_', '-')}"
             source = next((u.field for u in door.mapping.used if u.option.startswith(f"{option} ")), "the args")
             raise OptionError(f"{option} {typed} contradicts --trainer {door.args.path} ({source} -> {option} "

@@ -25,6 +25,7 @@ from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options, trace_fir
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve
 from batchfit.trace.depth import DEPTHS
+from batchfit.trace.noops import no_op_notices
 from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits
 from batchfit.workload import PARAMS_OFFLOAD_NEEDS_FSDP, StepOptions, Workload
 
@@ -75,6 +76,8 @@ class EstimateResult:
     approximations: list[Approximation] = field(default_factory=list)
     """Where the traced figures approximate the step (a compiled model traced as eager): every
     output says each one."""
+    notices: list[str] = field(default_factory=list)
+    """Options that changed nothing for this model (``trace/noops.py``): every output says each one."""
     limit: str = "reserved"
     """What had to fit: 'reserved' (max_memory_reserved, allocator model) or 'allocated'."""
     host_limit_bytes: int | None = None
@@ -157,6 +160,7 @@ class EstimateResult:
             "suggestions": [vars(s) for s in self.suggestions],
             "known_limits": self.known_limits,
             "approximations": [a.to_json() for a in self.approximations],
+            "notices": self.notices,
             "trace_seconds": round(self.trace_seconds, 2),
             "traces": self.traces,
             "traced_by_depth": ({"blocks": self.depth_blocks, "depths": list(self.depths),
@@ -192,6 +196,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
                            max_batch=max_batch, limit=limit)
     multiple_of = workload.batch_multiple(multiple_of)
     check_global_batch(global_batch, multiple_of, options)
+    notices = no_op_notices(workload, options)
     say = progress or (lambda message: None)
     started = time.perf_counter()
     with TracedCurve(workload, options, device, say, keep_streams=limit == "reserved") as traced:
@@ -227,6 +232,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions, limit=limit,
         depth_blocks=traced.blocks, full_traces=traced.full_traces, whole_reserved=traced.whole_reserved,
         known_limits=known_limits, approximations=approximations, host_limit_bytes=host_memory_bytes, split=split,
+        notices=notices,
     )
 
 

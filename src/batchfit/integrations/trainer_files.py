@@ -93,6 +93,7 @@ def _from_python(path: Path, attribute: str) -> TrainerArgs:
         except Exception as error:
             raise OptionError(f"--trainer {path}:{_line_in(error, path)}: {_first_line(error)} (raised in "
                               f"{attribute}()): fix that line") from None
+    _check_args_object(args, path, attribute)
     data = args_to_dict(args)
     for section in SECTIONS:
         value = getattr(module, section, None)
@@ -100,6 +101,23 @@ def _from_python(path: Path, attribute: str) -> TrainerArgs:
             data[section] = args_to_dict(value)
     live = getattr(args, "world_size", None)
     return TrainerArgs(path=path, data=data, world_size=live if isinstance(live, int) and live > 1 else None)
+
+
+def _check_args_object(args: Any, path: Path, attribute: str) -> None:
+    """Refuse an ``args`` that holds no fields (``args = 42``, a string, a list): read as a dict of no
+    fields, it was traced as the default TrainingArguments without a word."""
+    from collections.abc import Mapping
+    from dataclasses import is_dataclass
+
+    if isinstance(args, Mapping) or hasattr(args, "to_dict") or (is_dataclass(args) and not isinstance(args, type)):
+        return
+    if {k for k in getattr(args, "__dict__", {}) if not k.startswith("_")}:
+        return
+    shown = repr(args)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise OptionError(f"--trainer {path}: {attribute} is {shown} (type {type(args).__name__}), not TrainingArguments: "
+                      f"define {attribute} = TrainingArguments(...) (or a function returning them, or a dict of "
+                      "their fields)")
 
 
 def _line_in(error: BaseException, path: Path) -> int | str:

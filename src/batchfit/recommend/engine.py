@@ -79,11 +79,7 @@ def plan_recommend(config: RecommendConfig, workload: Workload, tokens: TokenDat
                          f"{config.window:.0%} runs past the budget: branch earlier or use a smaller --window")
     if tokens is not None:
         fmt = lm_format(workload)
-        available = (len(tokens.train) - 1) // fmt.seq_len
-        if available < total:
-            raise UsageError(f"data too short for the budget: the train split holds {available:,} samples of "
-                             f"{fmt.seq_len} tokens, the budget needs {total:,} ({budget.total:,} {budget.unit}) "
-                             "without repeating data; give more text or a smaller budget")
+        budget.check_data((len(tokens.train) - 1) // fmt.seq_len, fmt.seq_len)
     fits = largest_fitting(b_max) if largest_fitting is not None else None
     if fits is not None and fits < 1:
         raise UsageError(f"batch sizes {', '.join(map(str, config.batch_sizes))} cannot fit {fit_device_name} even "

@@ -27,7 +27,8 @@ def bench_markdown(result, plot_name: str = "throughput.png") -> str:
              "- Each batch size traced in a fresh session (two steps, the second measured)",
              f"- Model: {r.description}; precision {r.options.precision}, checkpointing {r.options.checkpointing}"
              + (f"; attention {attention_words(r.options.attention)}" if r.options.attention is not None else ""), "",
-             f"![throughput and memory vs batch size]({plot_name})", "",
+             f"![{'memory' if kind == 'virtual' else 'throughput and memory'} vs batch size, with the tiers' limits]"
+             f"({plot_name})", "",
              "## By batch size", "",
              "| batch | status | step s (min–max) | samples/s | samples/min | tokens/s | TFLOP/step | MFU | "
              "allocated GiB | reserved GiB | reserved, expandable GiB | source |",

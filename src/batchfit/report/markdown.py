@@ -26,8 +26,10 @@ def gib(n: float | None) -> str:
 
 
 def approximation_lines(result) -> list[str]:
-    """A warning line per approximation the result carries (``trace/approximation.py``), then a gap."""
+    """A warning line per approximation the result carries (``trace/approximation.py``) and a notice line
+    per option that changed nothing (``trace/noops.py``), then a gap."""
     found = [f"> **Warning: approximated.** {a.line()}" for a in getattr(result, "approximations", [])]
+    found += [f"> **Notice.** {notice}" for notice in getattr(result, "notices", [])]
     return [*found, ""] if found else []
 
 

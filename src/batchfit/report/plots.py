@@ -12,6 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from batchfit.devices import GiB
+from batchfit.tiers import TIERS
 
 
 def _figure(width: float, height: float, panels: int = 1) -> tuple[Figure, list]:
@@ -109,8 +110,9 @@ def probe_plot(result, path: Path) -> None:
 
 
 def throughput_plot(result, path: Path) -> None:
-    """Memory against batch size, and tokens/s (or samples/s) beside it when anything was
-    timed (a virtual device times nothing: then memory alone, no empty panel)."""
+    """Memory against batch size as the tiers decide on it (reserved, else allocated), with each
+    tier's limit and the batch it took; tokens/s (or samples/s) beside it when anything was timed
+    (a virtual device times nothing: then memory alone, no empty panel)."""
     rows = [r for r in result.rows if r.status == "ok"]
     xs = [r.batch_size for r in rows]
     speed = [r.tokens_per_s or r.samples_per_s for r in rows]
@@ -126,16 +128,29 @@ def throughput_plot(result, path: Path) -> None:
         left.set_title("throughput")
         left.set_ylim(bottom=0)
         left.grid(alpha=0.3)
-    memory.plot(xs, [r.peak_allocated_bytes / GiB if r.peak_allocated_bytes else None for r in rows], marker="o",
-                label="peak allocated")
-    if any(r.peak_reserved_bytes for r in rows):
-        memory.plot(xs, [r.peak_reserved_bytes / GiB if r.peak_reserved_bytes else None for r in rows], marker="^",
-                    label="peak reserved")
+    # The tiers (and so the answer) decide on each row's reserved peak, else its allocated one
+    # (tiers.py): draw that figure, each tier's limit, and the batch each tier took.
+    reserved = any(r.peak_reserved_bytes for r in rows)
+    decided = [(r.peak_reserved_bytes or r.peak_allocated_bytes) / GiB
+               if (r.peak_reserved_bytes or r.peak_allocated_bytes) else None for r in rows]
+    memory.plot(xs, decided, marker="o", color="tab:blue",
+                label=f"peak {'reserved' if reserved else 'allocated'} (what the tiers decide on)")
+    if reserved:
+        memory.plot(xs, [r.peak_allocated_bytes / GiB if r.peak_allocated_bytes else None for r in rows], lw=1,
+                    ls=":", color="tab:gray", label="peak allocated")
     if result.target.device:
-        memory.axhline(result.target.device.usable_bytes / GiB, color="tab:red", lw=1, label="usable capacity")
+        capacity = result.target.device.usable_bytes / GiB
+        chosen = {t.name: t.batch_size for t in getattr(result, "tiers", [])}
+        for (name, util), color in zip(TIERS, ("tab:red", "tab:orange", "tab:green", "tab:purple")):
+            taken = f": batch {chosen[name]}" if name in chosen else ": none fits"
+            memory.axhline(util * capacity, color=color, lw=1, ls="-" if util == 1.0 else "--",
+                           label=f"{name}, {util:.0%} of usable{taken}")
+            if name in chosen:
+                at = decided[xs.index(chosen[name])]
+                memory.plot([chosen[name]], [at], marker="*", ms=11, color=color, ls="none")
     memory.set_xlabel("batch size")
     memory.set_ylabel("GiB")
-    memory.set_title("memory" + ("" if result.target.kind == "cuda" else " (traced)"))
+    memory.set_title("memory" + ("" if result.target.kind == "cuda" else " (traced)") + " and the tiers")
     memory.set_ylim(bottom=0)
     memory.grid(alpha=0.3)
     memory.legend(fontsize=8)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -22,7 +23,7 @@ import torch
 from batchfit.devices import Device
 from batchfit.errors import OptionError, UsageError
 from batchfit.train.budget import LR_SCALINGS, Budget, Schedule, parse_amount, scaled_lr
-from batchfit.train.data import TokenData, lm_format, tokenize
+from batchfit.train.data import BatchSource, TokenData, lm_format, tokenize
 from batchfit.train.executors import WorkerContext, check_executor, run_in_process, run_local, run_ray
 from batchfit.sweep.result import SweepResult, read_result
 from batchfit.sweep.run import RunSpec, micro_batch_for
@@ -74,6 +75,9 @@ class SweepConfig:
 
     def __post_init__(self) -> None:
         self.store = Path(self.store)
+        if self.resume and not self.store.exists():  # a typo'd store name started a new sweep
+            raise OptionError(f"--resume: --store {self.store} does not exist, so there is nothing to resume: give "
+                              "the store of the sweep to finish, or drop --resume to start a new one")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise OptionError("--batch-sizes must be positive integers, e.g. 1,2,4,8")
         self.batch_sizes = sorted(set(self.batch_sizes))
@@ -87,7 +91,9 @@ class SweepConfig:
             raise OptionError(f"--eval-samples must be 1 or more, got {self.eval_samples}")
         if self.precision not in PRECISIONS:
             raise OptionError(f"unknown precision '{self.precision}': use one of {', '.join(PRECISIONS)}")
-        if self.grad_clip is not None and self.grad_clip <= 0:
+        if self.grad_clip is not None and not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            raise OptionError(f"--grad-clip must be 0 (no clipping) or more, e.g. --grad-clip 1.0; got {self.grad_clip}")
+        if self.grad_clip == 0:
             self.grad_clip = None
         check_executor(self.executor, self.workers)
 
@@ -170,6 +176,8 @@ def plan_sweep(config: SweepConfig, workload: Workload, *, largest_fitting: Call
             raise UsageError(f"--data gives text, but {workload.name} is not a token language model: drop --data")
         tokens = tokenize(config.data, tokenizer=config.tokenizer, vocab_size=fmt.vocab_size,
                           val_fraction=config.val_fraction, cache_dir=config.cache_dir, progress=say)
+        budget.check_data((len(tokens.train) - 1) // fmt.seq_len, fmt.seq_len)  # as recommend: before the store
+        BatchSource(workload, seed=config.seed, tokens=tokens)  # its refusals (a split shorter than a sample), too
         kind = "text"
     elif workload.train_batches is not None:
         kind = "workload"

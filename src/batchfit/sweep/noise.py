@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from batchfit.errors import OptionError
+from batchfit.train.budget import time_left
 from batchfit.train.data import BatchSource
 from batchfit.workload import Workload
 
@@ -165,7 +166,9 @@ def _finite(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def _check(small: int, big: int, steps: int, repeats: int, ema_beta: float) -> None:
+def check_noise_options(small: int, big: int, steps: int, repeats: int, ema_beta: float,
+                        lr: float | None = None) -> None:
+    """Refuse, in one line each, what the measurement cannot take (the CLI calls it before reading any data)."""
     if not 1 <= small < big:
         raise OptionError(f"--batch-sizes for noise are two sizes, small then big, e.g. 8,128; got {small},{big}")
     if big % small:
@@ -177,6 +180,8 @@ def _check(small: int, big: int, steps: int, repeats: int, ema_beta: float) -> N
         raise OptionError("--steps 0 averages --repeats measurements: give --repeats 2 or more, e.g. 100")
     if not 0 <= ema_beta < 1:
         raise OptionError(f"--ema must be in [0, 1), e.g. 0.95; got {ema_beta}")
+    if lr is not None and not (math.isfinite(lr) and lr > 0):  # nan trained on, every gradient nan
+        raise OptionError(f"--lr must be a positive number, e.g. --lr 3e-4; got {lr}")
 
 
 def measure_once(trainer: TrainingStep, source: BatchSource, start: int, small: int, big: int
@@ -213,10 +218,14 @@ def gradient_noise_scale(workload: Workload, source: BatchSource, *, small: int,
     from batchfit.train.step import TrainingStep
     from batchfit.workload import StepOptions
 
-    _check(small, big, steps, repeats, ema_beta)
+    check_noise_options(small, big, steps, repeats, ema_beta, lr)
     say = progress or (lambda message: None)
     device = device or torch.device("cpu")
     started = time.perf_counter()
+    count = repeats if steps == 0 else steps
+    what = "step" if steps else "measurement"
+    # said before the model is built: the line before ('tokens from the cache') is not what runs now
+    say(f"noise scale: {what} 0/{count} (batch sizes {small} and {big})")
     torch.manual_seed(seed)
     trainer = TrainingStep(workload, StepOptions(), device)
     model, optimizer = trainer.model, trainer.optimizer
@@ -226,7 +235,7 @@ def gradient_noise_scale(workload: Workload, source: BatchSource, *, small: int,
     model.train()
     measurements: list[Measurement] = []
     ema_g2 = ema_tr = 0.0
-    count = repeats if steps == 0 else steps
+    measuring = time.perf_counter()
     for n in range(count):
         g_small_sq, g_big_sq, mean = measure_once(trainer, source, n * big, small, big)
         g2, trace = unbiased(g_small_sq, g_big_sq, small, big)
@@ -238,13 +247,14 @@ def gradient_noise_scale(workload: Workload, source: BatchSource, *, small: int,
             for p, g in zip((p for p in model.parameters() if p.requires_grad), mean):
                 p.grad = g.to(p.dtype)
             trainer.update()
-        if (n + 1) % max(1, count // 10) == 0 or n + 1 == count:
+        if n == 0 or (n + 1) % max(1, count // 10) == 0 or n + 1 == count:  # the first: an ETA early
             current = measurements[-1].b_simple_ema
             if not steps:  # the figure the result will give: the ratio of the means so far
                 g2_mean = float(np.mean([m.g2 for m in measurements]))
                 current = float(np.mean([m.trace for m in measurements])) / g2_mean if g2_mean > 0 else None
-            say(f"noise scale: {'step' if steps else 'measurement'} {n + 1}/{count}, "
-                f"B_simple {current:,.1f}" if current else f"noise scale: {n + 1}/{count}")
+            eta = time_left(time.perf_counter() - measuring, n + 1, count)
+            say(f"noise scale: {what} {n + 1}/{count}" + (f", B_simple {current:,.1f}" if current else "")
+                + (f", {eta}" if eta else ""))
     b, interval, g2_final, tr_final, window = summarize(measurements, steps, ema_beta)
     notes = []
     if steps:

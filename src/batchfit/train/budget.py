@@ -79,6 +79,17 @@ class Budget:
         """Budget units in one sample: its tokens, or 1."""
         return self.tokens_per_sample if self.unit == "tokens" else 1
 
+    def check_data(self, available_samples: int, seq_len: int) -> None:
+        """Refuse a budget that the train split (``available_samples`` samples of ``seq_len`` tokens)
+        holds only by repeating it: sweep and recommend refuse it alike, in the same words."""
+        needed = self.total // self.per_sample
+        if available_samples < needed:
+            times = f"{needed / available_samples:,.1f} times" if available_samples else "more than once"
+            raise OptionError(f"data too short for the budget: the train split holds {available_samples:,} samples "
+                              f"of {seq_len} tokens, the budget needs {needed:,} ({self.total:,} {self.unit}) "
+                              f"without repeating data (it would read the data {times}); give more text or a "
+                              "smaller budget")
+
     def per_step(self, batch_size: int) -> int:
         return batch_size * self.per_sample
 
@@ -138,6 +149,19 @@ class Schedule:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def time_left(elapsed_s: float, done: float, total: float) -> str:
+    """'ETA 3 min 20 s': the time the rest of ``total`` takes at the rate ``done`` went in ``elapsed_s``
+    ('' before anything is done: no rate yet, and after the end)."""
+    if done <= 0 or done >= total or elapsed_s <= 0:
+        return ""
+    seconds = round(elapsed_s / done * (total - done))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"ETA {hours} h {minutes} min"
+    return f"ETA {minutes} min {seconds} s" if minutes else f"ETA {seconds} s"
 
 
 def scaled_lr(base_lr: float, batch_size: int, scaling: str, ref_batch: int) -> float:

@@ -126,6 +126,12 @@ def read_texts(data: str) -> tuple[list[str], str]:
     if path.is_dir() and not (path / "dataset_info.json").exists() and not (path / "state.json").exists():
         files = _files(path)
         return [d for f in files for d in _read_file(f)], _fingerprint(files)
+    if not path.exists() and (path.suffix in (*TEXT_SUFFIXES, ".json", ".csv") or data.startswith(("/", ".", "~"))):
+        # a file's path, not a dataset's name: a Hub lookup would only add a network error
+        parent = path.parent if path.parent.is_dir() else None
+        where = f"'{parent}' has no {path.name}" if parent else f"the folder '{path.parent}' does not exist"
+        raise UsageError(f"--data {data}: no such file ({where}); give a text file, a folder of "
+                         f"{'/'.join(TEXT_SUFFIXES)} files, or a datasets name (e.g. roneneldan/TinyStories)")
     return _dataset_texts(data)
 
 

@@ -46,7 +46,7 @@ import torch
 from batchfit.errors import OptionError
 from batchfit.train.oom import classify, describe
 from batchfit.train.data import BatchSource, TokenData, open_tokens
-from batchfit.train.budget import micro_batch_for
+from batchfit.train.budget import micro_batch_for, time_left
 from batchfit.train.store import Store, owner_id
 from batchfit.workload import Workload
 
@@ -70,6 +70,8 @@ class RunSpec(Protocol):
               progress: Callable[[str], None] | None = None) -> dict: ...
 
 EXECUTORS: tuple[str, ...] = ("local", "ray")
+PROGRESS_EVERY_S = 30.0
+"""How often a pool of workers says how far its runs are (they report to the store, not to it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +221,38 @@ def _skipped(k: int, total: int, spec: RunSpec) -> str:
             "skipped")
 
 
+class WorkMeter:
+    """Steps done over every run of this call, and the time left at the rate of the work (samples)
+    done so far. Read from the store, which a run updates at each of its evaluations (in this
+    process or a worker's): a resumed run's earlier steps count as done, not as speed."""
+
+    FINISHED = ("done", "oom", "error")
+
+    def __init__(self, specs: list[RunSpec], store: Store) -> None:
+        self.specs, self.store = {spec.run_id: spec for spec in specs}, store
+        self.first = self._work(self._done())
+        self.total_work = sum(spec.steps * spec.batch_size for spec in specs)
+        self.started = time.perf_counter()
+
+    def _done(self) -> dict[int, int]:
+        """Steps done per run; a run that ended (an OOM or an error too) has none left to do."""
+        done = {}
+        for run_id, spec in self.specs.items():
+            row = self.store.run(run_id)
+            done[run_id] = spec.steps if row["status"] in self.FINISHED else min(row["steps_done"] or 0, spec.steps)
+        return done
+
+    def _work(self, done: dict[int, int]) -> int:
+        return sum(steps * self.specs[run_id].batch_size for run_id, steps in done.items())
+
+    def line(self) -> str:
+        """'[1,204/3,072 steps, ETA 4 min 10 s]'."""
+        done = self._done()
+        eta = time_left(time.perf_counter() - self.started, self._work(done) - self.first,
+                        self.total_work - self.first)
+        return f"[{sum(done.values()):,}/{sum(s.steps for s in self.specs.values()):,} steps{', ' + eta if eta else ''}]"
+
+
 def run_in_process(workload: Workload, tokens: TokenData | None, context: WorkerContext, specs: list[RunSpec],
                    progress: Callable[[str], None]) -> None:
     """--workers 1: every run here, one after another, with progress per evaluation."""
@@ -226,21 +260,22 @@ def run_in_process(workload: Workload, tokens: TokenData | None, context: Worker
     device = torch.device(context.device)
     owner = owner_id()
     with Store(context.store) as store:
+        meter = WorkMeter(specs, store)
         for k, spec in enumerate(specs, 1):
             if not store.claim(spec.run_id, owner):
                 progress(_skipped(k, len(specs), spec))
                 continue
-            progress(f"run {k}/{len(specs)}: {_describe_run(spec)}")
+            progress(f"run {k}/{len(specs)}: {_describe_run(spec)} {meter.line()}")
             started = time.perf_counter()
             try:
                 row = guarded_run(workload, source, spec, store, Path(context.checkpoints), device,
-                                  lambda message: progress(f"run {k}/{len(specs)}: {message}"))
+                                  lambda message: progress(f"run {k}/{len(specs)}: {message} {meter.line()}"))
             except BaseException:  # Ctrl-C: the run goes back to pending, to resume from its checkpoint
                 store.release([spec.run_id], owner)
                 progress("interrupted: the run in progress is pending again; --resume continues it")
                 raise
             progress(f"run {k}/{len(specs)} ended: batch {spec.batch_size}, lr {spec.lr:g} "
-                     f"{_ended(row, time.perf_counter() - started)}")
+                     f"{_ended(row, time.perf_counter() - started)} {meter.line()}")
 
 
 def run_pool(specs: list[RunSpec], *, workers: int, devices: list[str], submit: Callable[[RunSpec, str], Future],
@@ -253,6 +288,7 @@ def run_pool(specs: list[RunSpec], *, workers: int, devices: list[str], submit: 
     queue = list(enumerate(specs, 1))
     running: dict[Future, tuple[int, RunSpec, str, float]] = {}
     total = len(specs)
+    meter = WorkMeter(specs, store)
     try:
         while queue or running:
             while queue and len(running) < workers:
@@ -265,7 +301,9 @@ def run_pool(specs: list[RunSpec], *, workers: int, devices: list[str], submit: 
                 progress(f"run {k}/{total} started on {device}: {_describe_run(spec)}")
             if not running:
                 break
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            finished, _ = wait(running, timeout=PROGRESS_EVERY_S, return_when=FIRST_COMPLETED)
+            if not finished:  # the workers' runs report to the store only: say what it holds
+                progress(f"{len(running)} run(s) training {meter.line()}")
             for future in finished:
                 k, spec, device, started = running.pop(future)
                 pool.give(device)
@@ -277,7 +315,8 @@ def run_pool(specs: list[RunSpec], *, workers: int, devices: list[str], submit: 
                 else:
                     row = future.result()
                 progress(f"run {k}/{total} ended ({total - len(queue) - len(running)}/{total}): batch "
-                         f"{spec.batch_size}, lr {spec.lr:g} {_ended(row, time.perf_counter() - started)}")
+                         f"{spec.batch_size}, lr {spec.lr:g} {_ended(row, time.perf_counter() - started)} "
+                         f"{meter.line()}")
     finally:
         if running:
             store.release([spec.run_id for _, spec, _, _ in running.values()], owner)
@@ -340,6 +379,7 @@ def run_ray(context: WorkerContext, specs: list[RunSpec], workers: int, address:
         threads = context.threads or max(1, (os.cpu_count() or 1) // workers)
         context = replace(context, threads=threads, device="cuda" if gpus else context.device)
         with Store(context.store) as store:
+            meter = WorkMeter(specs, store)  # Ray's runs reach the store as they end: counted then
             for k, spec in enumerate(specs, 1):
                 if store.claim(spec.run_id, owner):
                     refs[task.remote(context, spec)] = (k, spec, time.perf_counter())
@@ -359,7 +399,7 @@ def run_ray(context: WorkerContext, specs: list[RunSpec], workers: int, address:
                         store.write_back(back["row"], back["points"])
                     ended = _ended(store.run(spec.run_id), time.perf_counter() - started)
                     progress(f"run {k}/{len(specs)} ended ({len(specs) - len(refs)}/{len(specs)}): batch "
-                             f"{spec.batch_size}, lr {spec.lr:g} {ended}")
+                             f"{spec.batch_size}, lr {spec.lr:g} {ended} {meter.line()}")
     finally:
         if refs:  # interrupted: stop the tasks; their runs are pending again
             for ref in refs:

@@ -150,6 +150,7 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
     # MoE layers: HF's expert loop (the "eager" experts implementation, which runs anywhere: on
     # fake tensors its routing is answered by --routing, trace/routing.py) unless the config
     # names another ("experts_implementation": "grouped_mm", which needs bf16 weights).
+    _check_sizes(config_dict, name)
     moe = any(k in config_dict for k in ("num_experts", "num_local_experts", "n_routed_experts"))
     experts = config_dict.pop("experts_implementation", "eager") if moe else None
     try:
@@ -213,6 +214,22 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
     return Workload(name=name, build_model=build_model, make_batch=make_batch, loss_fn=loss_fn,
                     tokens_per_sample=seq, description=f"transformers {model_type} {kind}, seq {seq}",
                     lm_parts=lm_parts if head_is_plain else None, attention=attention)
+
+
+SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "head_dim", "vocab_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions",
+         "d_model", "d_ff", "d_kv", "num_layers", "num_heads")
+"""The sizes of a transformers config (its own names, GPT-2's and T5's): each counts something, 1 or more
+(not the MoE counts: some dense configs write num_experts 0)."""
+
+
+def _check_sizes(config_dict: dict, name: str) -> None:
+    """Refuse a size below 1 as the bad input it is (exit 2), naming the key: transformers takes
+    ``hidden_size: 0`` and the model build fails deep inside (0.0 raised to a negative power)."""
+    for key in SIZES:
+        value = config_dict.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
+            raise ModelSpecError(f"{key} is {value} in {name[3:]}: a size must be 1 or more; fix the config")
 
 
 def _attention(config, auto, name: str) -> str:
