@@ -50,8 +50,8 @@ def parse_batching(text: str) -> Batching:
             value = 0
         if value >= 1:
             return Batching(kind, value)
-        raise OptionError(f"--batching {text}: {kind} needs a token count, e.g. --batching {kind}:4096")
-    raise OptionError(f"--batching {text}: use one of {', '.join(BATCHINGS)}, e.g. --batching pad-longest")
+        raise OptionError(f"--batching {text} needs a token count after {kind}, e.g. --batching {kind}:4096")
+    raise OptionError(f"--batching {text} is none of {', '.join(BATCHINGS)}; e.g. --batching pad-longest")
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,8 @@ def check_lengths(lengths: list[int], batching: Batching, max_len: int | None) -
     """Refuse, before any trace, a token budget that a single sample passes."""
     longest = max(lengths)
     if batching.kind == "tokens" and batching.tokens < min(longest, max_len or longest):
-        raise OptionError(f"--batching {batching}: the longest sample has {longest:,} tokens, more than the "
-                          f"budget of {batching.tokens:,}: give at least --batching tokens:{longest}")
+        raise OptionError(f"--batching {batching} is less than the longest sample ({longest:,} tokens), which no "
+                          f"row can split: give at least --batching tokens:{longest}")
 
 
 def step_shapes(lengths: list[int], batching: Batching, batch_size: int, max_len: int) -> list[Shape]:
@@ -128,6 +128,12 @@ def deciding_steps(shapes: list[Shape]) -> list[int]:
             continue
         deciding = [j for j in deciding if not shape.covers(shapes[j])] + [i]
     return sorted(deciding)
+
+
+def peak_step(shapes: list[Shape], peak_of) -> int:
+    """The step that sets the run's peak: the deciding step of the largest ``peak_of(shape)``
+    (the first of equal ones); no other step is asked about."""
+    return max(deciding_steps(shapes), key=lambda i: (peak_of(shapes[i]), -i))
 
 
 def histogram(lengths: list[int], bins: int = 20) -> list[tuple[int, int, int]]:

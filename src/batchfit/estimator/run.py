@@ -26,8 +26,17 @@ from dataclasses import dataclass, field
 
 from batchfit.devices import Device
 from batchfit.errors import ModelSpecError, OptionError
-from batchfit.estimator.batching import (Batching, Shape, check_lengths, deciding_steps, first_failing, histogram,
-                                         largest_budget, step_shapes, token_rows)
+from batchfit.estimator.batching import (
+    Batching,
+    Shape,
+    check_lengths,
+    deciding_steps,
+    first_failing,
+    histogram,
+    largest_budget,
+    step_shapes,
+)
+from batchfit.estimator.batching import peak_step as batching_peak_step
 from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits
@@ -191,7 +200,7 @@ class RunSummary:
 
 def length_stats(lengths: list[int]) -> dict[str, float]:
     ordered = sorted(lengths)
-    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
     return {"min": ordered[0], "median": ordered[len(ordered) // 2], "mean": round(statistics.fmean(ordered), 1),
             "p90": at(0.9), "p99": at(0.99), "max": ordered[-1]}
 
@@ -220,11 +229,24 @@ def padding_mask_approximation(batching: Batching, shape: Shape, workload: Workl
         source="docs/run.md, Padding masks")]
 
 
+def step_peaks(at: Lengths, shapes: list[Shape], options: StepOptions, *, cuda_semantics: bool = True) -> list[int]:
+    """Every step's traced peak (the step's tensors: no cuBLAS workspace), in the data's order: one
+    model on fake tensors runs one step per distinct shape (steps of equal shape share it), each
+    from the state a run has there (parameters, optimizer state, no gradients). ``cuda_semantics=False``
+    traces what a CPU step does (the truth tests' profiler compares it)."""
+    peaks: dict[Shape, int] = {}
+    with TraceSession(at.varying(), options, cuda_semantics=cuda_semantics) as session:
+        for shape in dict.fromkeys(shapes):
+            at.length = shape.length
+            peaks[shape] = session.trace(shape.rows).snapshot.peak_bytes
+    return [peaks[s] for s in shapes]
+
+
 def run_point(batch_size: int, shapes: list[Shape], tracer: ShapeTracer) -> RunPoint:
     """The run at one batch size: its deciding steps traced, and the first step that does not fit."""
     deciding = deciding_steps(shapes)
     points = {i: tracer.point(shapes[i]) for i in deciding}
-    peak_step = max(deciding, key=lambda i: (points[i].peak_bytes, -i))
+    peak_step = batching_peak_step(shapes, lambda shape: tracer.point(shape).peak_bytes)
     reserved = [p.peak_reserved_bytes for p in points.values() if p.peak_reserved_bytes is not None]
     run = RunPoint(batch_size=batch_size, steps=len(shapes), peak_bytes=points[peak_step].peak_bytes,
                    peak_reserved_bytes=max(reserved) if reserved else None, peak_step=peak_step,
@@ -243,16 +265,18 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                  progress: Callable[[str], None] | None = None, **estimate_options):
     """The estimate at the run's deciding length, each traced batch size's run, and the answer in
     the batching's terms. ``estimate_options`` go to :func:`estimator.engine.estimate`."""
-    from batchfit.estimator.engine import estimate  # the one-shape engine this module runs at the deciding length
+    from batchfit.estimator.engine import (
+        estimate,  # the one-shape engine this module runs at the deciding length
+    )
 
     say = progress or (lambda message: None)
     options = options or StepOptions()
     check_lengths(lengths, batching, seq_len)
     if batching.kind == "tokens" and (global_batch is not None or batch_sizes):
-        raise OptionError(f"--batching {batching} makes one row per GPU per step: drop --global-batch and "
+        raise OptionError(f"--batching {batching} makes one row per GPU per step, so drop --global-batch and "
                           "--batch-sizes (the answer is the token budget)")
     model_len = model_length(lengths, batching, seq_len, load)
-    shapes_at = lambda b: step_shapes(lengths, batching, b, model_len)  # noqa: E731
+    shapes_at = lambda b: step_shapes(lengths, batching, b, model_len)
     worst = max(shapes_at(1), key=lambda s: s.length).length
     at = Lengths(load, model_len)
     # A batch larger than the data is the whole data: the search stops at the rows the data makes.

@@ -60,9 +60,9 @@ def run_markdown(result, plot_name: str = "lengths.png") -> str:
     summary = result.run
     lines = ["", "## The run over the data", "", f"- {distribution_line(summary)}"]
     lines += [f"- {line}" for line in run_lines(result)[1:]]
-    lines += [f"- The estimate above was traced at {summary.traced_length:,} tokens per row, the longest a step "
-              "of this run makes; the peak only grows with the rows and the tokens per row, so the steps no "
-              "other step covers decide the run (traced; the others are not). Steps count from 0 in the data's order.",
+    lines += [(f"- The estimate above was traced at {summary.traced_length:,} tokens per row, the longest a step "
+               "of this run makes; the peak only grows with the rows and the tokens per row, so the steps no "
+               "other step covers decide the run (traced; the others are not). Steps count from 0 in the data's order."),
               "", f"![tokens per sample]({plot_name})", "",
               "| batch | steps | verdict | peak step | rows x tokens | peak allocated | peak reserved | first step that does not fit |",
               "|---:|---:|---|---:|---|---:|---:|---|"]
@@ -78,7 +78,9 @@ def run_markdown(result, plot_name: str = "lengths.png") -> str:
 
 def lengths_plot(summary, path: Path) -> None:
     """The histogram of tokens per sample, with the length the estimate was traced at."""
-    from batchfit.report.plots import _figure  # matplotlib: only when a report is written
+    from batchfit.report.plots import (
+        _figure,  # matplotlib: only when a report is written
+    )
 
     fig, (ax,) = _figure(7, 3.6)
     lows = [low for low, _, _ in summary.histogram]

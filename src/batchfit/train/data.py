@@ -224,7 +224,13 @@ def cached_tokenizer(name: str) -> Tokenizer:
 # --- sample lengths (estimate --data: the shapes of a run's batches) ---------------------------
 def tokenizer_named(name: str) -> Tokenizer:
     """``bytes``, a tokenizer.json path, or a tokenizer in the local Hugging Face cache or a model folder."""
-    return bytes_tokenizer() if name == "bytes" else cached_tokenizer(name)
+    if name == "bytes":
+        return bytes_tokenizer()
+    try:
+        return cached_tokenizer(name)
+    except UsageError as error:  # its hint names --tokenizer bpe, which trains on a sweep's text only
+        raise UsageError(str(error).split("; use --tokenizer bpe")[0] + "; give a tokenizer.json, a tokenizer in "
+                         "the local Hugging Face cache, or bytes") from None
 
 
 def _row_length(row: object, where: str, length_column: str | None,
