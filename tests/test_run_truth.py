@@ -94,3 +94,37 @@ def test_the_one_shape_answer_fits_but_a_late_long_batch_does_not():
     run = result.run.runs[answer]
     assert run.verdict == "does not fit" and run.first_oom_step == late and run.peak_step == late
     assert run.first_oom_shape == Shape(min(answer, len(lengths) - late * answer), MAX_LEN)
+
+
+def test_the_allocator_replay_runs_out_at_the_first_step_past_the_device():
+    """The replay of the run's steps (estimator/churn.py): each step's peak allocated in the replay
+    is that step's own trace (plus the cuBLAS workspace, which the replay's allocator holds from the
+    start) from step 1 on (step 0 also makes the optimizer state); on a device between two steps'
+    peaks the default allocator cannot place a block first at the first step over it, in the data's
+    order (expandable segments map 20 MiB pages: on this 69 MiB device they run out in the cuBLAS
+    workspaces, before step 0)."""
+    from batchfit.devices import DEFAULT_CONTEXT_BYTES
+    from batchfit.estimator.churn import Churn, replay, step_streams
+    from batchfit.trace.allocator import AllocatorConfig
+
+    lengths = long_tailed_lengths()
+    shapes = step_shapes(lengths, Batching("pad-longest"), BATCH, MAX_LEN)[:3]  # 4 x 37, 65, 25 tokens
+    options, config = StepOptions(), AllocatorConfig()
+    roomy = custom_device(2**30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        own = step_peaks(Lengths(tiny, MAX_LEN), shapes, options)
+        events, marks = step_streams(Lengths(tiny, MAX_LEN), shapes, options)
+    steps = replay(events, marks, shapes, roomy, config, "default").steps
+    assert len(steps) == len(shapes)
+    assert [s.peak_allocated_bytes for s in steps[1:]] == [p + roomy.workspace_bytes for p in own[1:]]
+    assert [s.reserved_bytes for s in steps] == sorted(s.reserved_bytes for s in steps)  # room: the cache only grows
+    # a device whose usable bytes fall between the longest step's peak and the largest before it
+    longest = max(range(1, len(shapes)), key=lambda i: own[i])
+    usable = (max(own[:longest]) + own[longest]) // 2 + roomy.workspace_bytes
+    tight = custom_device(usable + DEFAULT_CONTEXT_BYTES)
+    run = Churn(BATCH, replay(events, marks, shapes, tight, config, "default"),
+                replay(events, marks, shapes, tight, AllocatorConfig(expandable_segments=True), "expandable"))
+    assert run.verdict == f"does not fit, first at step {longest}"
+    assert len(run.default.steps) == longest and "Tried to allocate" in run.default.oom
+    assert run.expandable.first_oom_step == 0

@@ -90,6 +90,9 @@ def estimate_command(
     length_column: Annotated[str | None, typer.Option(help="A column of token counts in --data's rows.")] = None,
     tokenizer: Annotated[str | None, typer.Option(help="Tokenizes --data's text: a tokenizer.json, a cached name, "
                                                   "or bytes (default: the model folder's own).")] = None,
+    replay_steps: Annotated[int, typer.Option(help="With --data: run the answer's first K steps one after another and "
+                                              "replay them through the allocator model (reserved memory per step, "
+                                              "fragmentation).")] = 0,
 ) -> None:
     """Predict peak training memory and the largest batch that fits a GPU, without a GPU.
 
@@ -120,7 +123,7 @@ def estimate_command(
         print_mapping(door, quiet_if_stdout(json_path))
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
                            max_batch=max_batch, limit=limit)
-    run_batching = check_run_flags(data, batching, length_column, tokenizer)
+    run_batching = check_run_flags(data, batching, length_column, tokenizer, replay_steps)
     from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
     from batchfit.estimator.run import data_lengths, estimate_run
     from batchfit.report import write_estimate_report
@@ -132,7 +135,7 @@ def estimate_command(
                       host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say)
         result = (estimate(load_workload(model, seq_len=seq_len), **common) if lengths is None else
                   estimate_run(lambda n: load_workload(model, seq_len=n), lengths, run_batching, data=data,
-                               seq_len=seq_len, **common))
+                               seq_len=seq_len, replay_steps=replay_steps, **common))
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
     fitted = (answer(door, result.max_batch_size_at_target, options.accumulation_steps, multiple_of=result.multiple_of,
                      fits_whole=result.max_batch_size) if door is not None else None)

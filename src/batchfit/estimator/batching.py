@@ -168,14 +168,17 @@ def first_failing(shapes: list[Shape], fits) -> int | None:
 
 
 def check_run_flags(data: str | None, batching: str | None, length_column: str | None,
-                    tokenizer: str | None) -> Batching | None:
+                    tokenizer: str | None, replay_steps: int = 0) -> Batching | None:
     """``--batching`` (pad-longest when only --data is given), or None without --data; the flags
     that need --data refused without it."""
     if data is None:
         given = [flag for flag, value in (("--batching", batching), ("--length-column", length_column),
-                                          ("--tokenizer", tokenizer)) if value is not None]
+                                          ("--tokenizer", tokenizer), ("--replay-steps", replay_steps or None))
+                 if value is not None]
         if given:
             raise OptionError(f"{given[0]} describes the data of a run: give --data PATH too (a .txt, .jsonl or "
                               f".parquet file or a folder), e.g. --data train.jsonl {given[0]} ...")
         return None
+    if replay_steps < 0:
+        raise OptionError(f"--replay-steps {replay_steps} is no number of steps: e.g. --replay-steps 50 (0: none)")
     return parse_batching(batching or "pad-longest")

@@ -189,13 +189,15 @@ class RunSummary:
     """tokens:N: the largest budget whose worst row fits (None: not even one sample fits)."""
     fits_up_to: int | None = None
     """tokens:N: the longest row traced to fit (and the next step up traced not to)."""
+    churn: object | None = None
+    """--replay-steps K: the answer's first K steps through the allocator model (``estimator/churn.py``)."""
 
     def to_json(self) -> dict:
         return {"data": self.data, "batching": self.batching, "samples": self.samples, "lengths": self.lengths,
                 "histogram": [list(b) for b in self.histogram], "traced_length": self.traced_length,
                 "max_batch_size": self.max_batch_size, "traced_shapes": [list(s) for s in self.traced_shapes],
                 "token_budget": self.token_budget, "largest_budget": self.largest_budget,
-                "fits_up_to": self.fits_up_to}
+                "fits_up_to": self.fits_up_to, "churn": self.churn.to_json() if self.churn is not None else None}
 
 
 def length_stats(lengths: list[int]) -> dict[str, float]:
@@ -262,9 +264,10 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                  options: StepOptions | None = None, seq_len: int | None = None, limit: str = "reserved",
                  batch_sizes: list[int] | None = None, max_batch: int | None = None,
                  host_memory_bytes: int | None = None, global_batch: int | None = None,
-                 progress: Callable[[str], None] | None = None, **estimate_options):
+                 replay_steps: int = 0, progress: Callable[[str], None] | None = None, **estimate_options):
     """The estimate at the run's deciding length, each traced batch size's run, and the answer in
-    the batching's terms. ``estimate_options`` go to :func:`estimator.engine.estimate`."""
+    the batching's terms; with ``replay_steps`` the answer's first K steps replayed through the
+    allocator model (``estimator/churn.py``). ``estimate_options`` go to :func:`estimator.engine.estimate`."""
     from batchfit.estimator.engine import (
         estimate,  # the one-shape engine this module runs at the deciding length
     )
@@ -308,6 +311,12 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                                       if summary.fits_up_to and summary.fits_up_to >= max(lengths) else None)
     finally:
         tracer.close()
+    if replay_steps and summary.max_batch_size:
+        from batchfit.estimator.churn import churn
+
+        say(f"replaying {replay_steps} steps at batch {summary.max_batch_size} through the allocator model")
+        summary.churn = churn(at, shapes_at(summary.max_batch_size)[:replay_steps], summary.max_batch_size,
+                              result.options, device)
     summary.traced_shapes = [(s.rows, s.length) for s in tracer.traced]
     peak = summary.runs[summary.max_batch_size or min(summary.runs)].peak_shape
     result.approximations = [*result.approximations, *padding_mask_approximation(batching, peak, at.base)]
