@@ -281,7 +281,11 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
     model_len = model_length(lengths, batching, seq_len, load)
     shapes_at = lambda b: step_shapes(lengths, batching, b, model_len)
     worst = max(shapes_at(1), key=lambda s: s.length).length
-    at = Lengths(load, model_len)
+    try:
+        at = Lengths(load, model_len)
+    except ModelSpecError as error:  # its words are --seq-len's, which the user may not have given
+        raise ModelSpecError(f"--data makes rows of {model_len:,} tokens with --batching {batching}: {error} "
+                             "(give --seq-len to truncate the samples, or a smaller budget)") from None
     # A batch larger than the data is the whole data: the search stops at the rows the data makes.
     rows = sum(s.rows for s in shapes_at(1))
     extra = {"max_batch": min(max_batch or DEFAULT_MAX_BATCH, rows)}

@@ -43,7 +43,8 @@ def run_lines(result) -> list[str]:
             lines.append(f"largest budget that fits: tokens:{summary.largest_budget:,} (every row at most "
                          f"{summary.fits_up_to:,} tokens, traced to fit)")
         else:
-            lines.append("no budget fits: even one sample alone does not")
+            lines.append(f"no budget fits: a row of the longest sample ({summary.lengths['max']:,} tokens) alone "
+                         "does not")
         return lines
     best = summary.max_batch_size
     if best:
@@ -63,11 +64,11 @@ def churn_markdown(churn, shown: int = 60) -> list[str]:
     default, expandable = churn.default, {s.step: s for s in churn.expandable.steps}
     every = max(1, -(-len(default.steps) // shown))
     lines = ["", f"### Allocator replay at batch {churn.batch_size}: {churn.verdict}", "",
-             "The run's first steps, in the data's order, one after another in one process (step 0 makes the "
+             ("The run's first steps, in the data's order, one after another in one process (step 0 makes the "
              "optimizer state), their allocation stream replayed through the caching allocator model "
-             "(traced; the allocator is a model, see Known limits).", "",
-             "| step | rows x tokens | peak allocated | peak reserved | reserved after | cached, not allocated | "
-             "reserved after (expandable segments) |", "|---:|---|---:|---:|---:|---:|---:|"]
+             "(traced; the allocator is a model, see Known limits)."), "",
+             ("| step | rows x tokens | peak allocated | peak reserved | reserved after | cached, not allocated | "
+             "reserved after (expandable segments) |"), "|---:|---|---:|---:|---:|---:|---:|"]
     for s in default.steps[::every]:
         other = expandable.get(s.step)
         lines.append(f"| {s.step} | {s.rows} x {s.length:,} | {_gib(s.peak_allocated_bytes)} | "
