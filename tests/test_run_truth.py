@@ -21,7 +21,7 @@ import torch
 from cpu_truth import profiled_step_peak, same_kernels_on_any_x86, tiny_llama_workload
 
 from batchfit.devices import custom_device
-from batchfit.estimator.batching import Batching, Shape, peak_step, step_shapes
+from batchfit.estimator.batching import Batching, Shape, peak_step, step_shapes, token_rows
 from batchfit.estimator.engine import estimate
 from batchfit.estimator.run import Lengths, estimate_run, step_peaks
 from batchfit.train.step import TrainingStep
@@ -133,3 +133,23 @@ def test_the_allocator_replay_runs_out_at_the_first_step_past_the_device():
     assert run.verdict == f"does not fit, first at step {longest}"
     assert len(run.default.steps) == longest and "Tried to allocate" in run.default.oom
     assert run.expandable.first_oom_step == 0
+
+
+@pytest.mark.slow  # 9 s here: about 12 traces of growing rows, and two estimates to check the answer
+def test_a_token_budget_answers_whether_it_fits_and_the_largest_that_does():
+    """tokens:N on the long-tailed data: the worst row at N=96 fits a device of 5 MiB past the
+    context and cuBLAS; the longest single row that fits is found (doubling, then bisection to
+    1/64), and an estimate at that length on its own agrees (fits; 1/32 longer does not)."""
+    lengths = long_tailed_lengths()
+    device = custom_device((512 + 64 + 5) * 2**20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = estimate_run(tiny, lengths, Batching("tokens", MAX_LEN), data="tail.jsonl", device=device,
+                              limit="allocated")
+        run = result.run
+        assert run.runs[1].verdict == "fits" and run.fits_up_to > MAX_LEN
+        assert estimate(tiny(run.fits_up_to), device=device, limit="allocated", max_batch=1).max_batch_size == 1
+        over = run.fits_up_to + run.fits_up_to // 32
+        assert estimate(tiny(over), device=device, limit="allocated", max_batch=1).max_batch_size == 0
+    assert run.largest_budget >= run.fits_up_to
+    assert max(token_rows(lengths, run.largest_budget)) <= run.fits_up_to

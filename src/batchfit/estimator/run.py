@@ -140,6 +140,12 @@ class ShapeTracer:
             self._fit[shape] = self._judge(self.point(shape, judged=True))
         return self._fit[shape]
 
+    def bounds(self, rows: int) -> tuple[int | None, int | None]:
+        """(the longest length known to fit, the shortest known not to) at ``rows``."""
+        fit = [s.length for s, ok in self._fit.items() if ok and s.rows == rows]
+        fail = [s.length for s, ok in self._fit.items() if not ok and s.rows == rows]
+        return max(fit, default=None), min(fail, default=None)
+
     def close(self) -> None:
         self._exit.close()
 
@@ -310,7 +316,7 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                 break
             summary.max_batch_size = b
         if batching.kind == "tokens":
-            summary.fits_up_to = _longest_row_that_fits(tracer, at, summary.runs[1], worst, say)
+            summary.fits_up_to = _longest_row_that_fits(tracer, max(lengths), say)
             summary.largest_budget = (largest_budget(lengths, summary.fits_up_to)
                                       if summary.fits_up_to and summary.fits_up_to >= max(lengths) else None)
     finally:
@@ -328,11 +334,13 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
     return result
 
 
-def _longest_row_that_fits(tracer: ShapeTracer, at: Lengths, run: RunPoint, worst: int,
-                           say: Callable[[str], None]) -> int | None:
-    """The longest single row traced to fit (its next step up traced not to), from the worst row:
-    doubled while it fits, then bisected to within 1/64 of it."""
-    fit, fail = (worst, None) if run.verdict == "fits" else (None, worst)
+def _longest_row_that_fits(tracer: ShapeTracer, longest_sample: int, say: Callable[[str], None]) -> int | None:
+    """The longest single row traced to fit (its next step up traced not to), from the rows
+    already traced: doubled while it fits, then bisected to within 1/64 of it. Where a row no
+    longer than the longest sample does not fit, no budget can: the longest row known to fit."""
+    fit, fail = tracer.bounds(1)
+    if fail is not None and fail <= longest_sample:
+        return fit
     while fail is None:
         longer = min(fit * 2, MAX_TOKENS)
         try:
@@ -343,7 +351,7 @@ def _longest_row_that_fits(tracer: ShapeTracer, at: Lengths, run: RunPoint, wors
             return longer
         fit, fail = (longer, None) if ok else (fit, longer)
     low = fit or 0
-    while fail - low > max(1, low // 64):
+    while fail - low > max(1, low // 64) and fail > longest_sample:
         middle = (low + fail) // 2
         if tracer.fits(Shape(1, middle)):
             low = middle
