@@ -21,7 +21,13 @@ import torch
 from cpu_truth import profiled_step_peak, same_kernels_on_any_x86, tiny_llama_workload
 
 from batchfit.devices import custom_device
-from batchfit.estimator.batching import Batching, Shape, peak_step, step_shapes, token_rows
+from batchfit.estimator.batching import (
+    Batching,
+    Shape,
+    peak_step,
+    step_shapes,
+    token_rows,
+)
 from batchfit.estimator.engine import estimate
 from batchfit.estimator.run import Lengths, estimate_run, step_peaks
 from batchfit.train.step import TrainingStep
