@@ -26,17 +26,8 @@ from dataclasses import dataclass, field
 
 from batchfit.devices import Device
 from batchfit.errors import ModelSpecError, OptionError
-from batchfit.estimator.batching import (
-    Batching,
-    Shape,
-    check_lengths,
-    deciding_steps,
-    first_failing,
-    histogram,
-    largest_budget,
-    step_shapes,
-)
-from batchfit.estimator.batching import peak_step as batching_peak_step
+from batchfit.estimator.batching import (Batching, Shape, check_lengths, deciding_steps, first_failing, histogram,
+                                         largest_budget, peak_step, step_shapes)
 from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits
@@ -232,7 +223,7 @@ def padding_mask_approximation(batching: Batching, shape: Shape, workload: Workl
     return [Approximation(
         what=f"--batching {batching}: the batches are traced without their padding mask (attention_mask)",
         may_differ_by=f"transformers turns a padding mask into a [batch, 1, T, T] mask for eager and SDPA attention: "
-                      f"{mask:,} B as bool at the peak batch ({shape.rows} x {shape.length} tokens), and SDPA "
+                      f"{mask:,} B as bool at the peak batch ({shape.rows} x {shape.length:,} tokens), and SDPA "
                       "then cannot use its flash kernel; not measured",
         source="docs/run.md, Padding masks")]
 
@@ -250,18 +241,19 @@ def step_peaks(at: Lengths, shapes: list[Shape], options: StepOptions, *, cuda_s
     return [peaks[s] for s in shapes]
 
 
-def run_point(batch_size: int, shapes: list[Shape], tracer: ShapeTracer) -> RunPoint:
-    """The run at one batch size: its deciding steps traced, and the first step that does not fit."""
+def run_point(batch_size: int, shapes: list[Shape], tracer: ShapeTracer, *, first_oom: bool = True) -> RunPoint:
+    """The run at one batch size: its deciding steps traced, and (``first_oom``) the first step
+    that does not fit, found by bisection (a few traces more)."""
     deciding = deciding_steps(shapes)
     points = {i: tracer.point(shapes[i]) for i in deciding}
-    peak_step = batching_peak_step(shapes, lambda shape: tracer.point(shape).peak_bytes)
+    worst = peak_step(shapes, lambda shape: tracer.point(shape).peak_bytes)
     reserved = [p.peak_reserved_bytes for p in points.values() if p.peak_reserved_bytes is not None]
-    run = RunPoint(batch_size=batch_size, steps=len(shapes), peak_bytes=points[peak_step].peak_bytes,
-                   peak_reserved_bytes=max(reserved) if reserved else None, peak_step=peak_step,
-                   peak_shape=shapes[peak_step], verdict="fits")
+    run = RunPoint(batch_size=batch_size, steps=len(shapes), peak_bytes=points[worst].peak_bytes,
+                   peak_reserved_bytes=max(reserved) if reserved else None, peak_step=worst,
+                   peak_shape=shapes[worst], verdict="fits")
     if not all(tracer.fits(shapes[i]) for i in deciding):
         run.verdict = "does not fit"
-        run.first_oom_step = first_failing(shapes, tracer.fits)
+        run.first_oom_step = first_failing(shapes, tracer.fits) if first_oom else None
         run.first_oom_shape = shapes[run.first_oom_step] if run.first_oom_step is not None else None
     return run
 
