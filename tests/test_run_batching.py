@@ -72,8 +72,8 @@ def test_the_first_failing_step_is_found_by_bisection_over_the_lengths_that_occu
 
 def test_a_token_budget_below_the_longest_sample_and_the_largest_budget():
     with pytest.raises(OptionError, match="longest sample \\(20 tokens\\).*tokens:20"):
-        check_lengths(LENGTHS, Batching("tokens", 19), None)
-    check_lengths(LENGTHS, Batching("tokens", 20), None)
+        check_lengths(LENGTHS, Batching("tokens", 19))
+    check_lengths(LENGTHS, Batching("tokens", 20))
     # rows of up to 24 tokens fit: budgets 24..26 make 17 | 20 | 16; 27 puts 20+7 in a row, and every
     # budget above does too (or more), up to 24 + 20 where the scan ends
     assert token_rows(LENGTHS, 26) == [17, 20, 16]

@@ -66,17 +66,17 @@ class Shape:
         return self.rows >= other.rows and self.length >= other.length
 
 
-def check_lengths(lengths: list[int], batching: Batching, max_len: int | None) -> None:
+def check_lengths(lengths: list[int], batching: Batching) -> None:
     """Refuse, before any trace, a token budget that a single sample passes."""
     longest = max(lengths)
-    if batching.kind == "tokens" and batching.tokens < min(longest, max_len or longest):
+    if batching.kind == "tokens" and batching.tokens < longest:
         raise OptionError(f"--batching {batching} is less than the longest sample ({longest:,} tokens), which no "
                           f"row can split: give at least --batching tokens:{longest}")
 
 
 def step_shapes(lengths: list[int], batching: Batching, batch_size: int, max_len: int) -> list[Shape]:
-    """The shape of every step over the data, in its order. ``max_len`` truncates samples (the
-    tokenizer's ``max_length``) and is pad-max's length."""
+    """The shape of every step over the data, in its order. ``max_len`` is pad-max's length; no
+    row is longer (the samples are cut to it)."""
     cut = [min(n, max_len) for n in lengths]
     if batching.kind == "pad-longest":
         return [Shape(len(cut[i:i + batch_size]), max(cut[i:i + batch_size])) for i in range(0, len(cut), batch_size)]

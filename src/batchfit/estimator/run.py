@@ -205,10 +205,10 @@ def length_stats(lengths: list[int]) -> dict[str, float]:
 
 
 def model_length(lengths: list[int], batching: Batching, seq_len: int | None, load: LoadAt) -> int:
-    """The longest row the run makes, which the model is built for: the longest sample (cut at
-    --seq-len), the model's length for pad-max, MAXLEN, or the token budget."""
+    """The longest row the run makes, which the model is built for: the longest sample (already
+    cut at --seq-len), the model's length for pad-max, MAXLEN, or the token budget."""
     if batching.kind == "pad-longest":
-        return min(max(lengths), seq_len or max(lengths))
+        return max(lengths)
     if batching.kind == "pad-max":
         return seq_len or load(None).tokens_per_sample or max(lengths)
     return batching.tokens
@@ -272,7 +272,9 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
 
     say = progress or (lambda message: None)
     options = options or StepOptions()
-    check_lengths(lengths, batching, seq_len)
+    if seq_len is not None:  # the tokenizer's max_length: every sample cut to it before batching
+        lengths = [min(n, seq_len) for n in lengths]
+    check_lengths(lengths, batching)
     if batching.kind == "tokens" and (global_batch is not None or batch_sizes):
         raise OptionError(f"--batching {batching} makes one row per GPU per step, so drop --global-batch and "
                           "--batch-sizes (the answer is the token budget)")
