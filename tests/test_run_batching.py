@@ -68,6 +68,8 @@ def test_the_first_failing_step_is_found_by_bisection_over_the_lengths_that_occu
     assert first_failing(shapes, fits) == 1  # 4 x 40 is the first that does not
     assert len(asked) <= 5  # log2 of the 6 lengths of 4 rows, and the one of 1 row
     assert first_failing(shapes, lambda s: True) is None
+    asked.clear()
+    assert first_failing(shapes[1:], fits) == 0 and asked == [Shape(4, 40)]  # the first step: one question
 
 
 def test_a_token_budget_below_the_longest_sample_and_the_largest_budget():
