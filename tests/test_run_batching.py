@@ -32,7 +32,7 @@ def test_batching_is_parsed_once_and_refused_in_one_line():
     assert parse_batching("pad-longest") == Batching("pad-longest")
     assert parse_batching("pack:4_096") == Batching("pack", 4096)
     assert str(parse_batching("tokens:16384")) == "tokens:16384"
-    for bad in ("pack", "tokens:0", "tokens:many", "pad", "pad-max:8"):
+    for bad in ("pack", "tokens:0", "tokens:many", "pad", "pad-max:8", "tokens:99999999999999999999"):
         with pytest.raises(OptionError, match="--batching"):
             parse_batching(bad)
 

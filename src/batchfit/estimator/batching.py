@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from batchfit.errors import OptionError
 
 BATCHINGS = ("pad-longest", "pad-max", "pack:MAXLEN", "tokens:N")
+MAX_TOKENS = 1 << 24
+"""The most tokens a row may have (``specs.load_workload``'s bound on --seq-len)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ def parse_batching(text: str) -> Batching:
             value = int(number.replace("_", ""))
         except ValueError:
             value = 0
+        if value > MAX_TOKENS:
+            raise OptionError(f"--batching {text} is more than {MAX_TOKENS:,} tokens (2^24) per row, the most "
+                              "a sequence can have here")
         if value >= 1:
             return Batching(kind, value)
         raise OptionError(f"--batching {text} needs a token count after {kind}, e.g. --batching {kind}:4096")

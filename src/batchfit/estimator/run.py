@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from batchfit.devices import Device
 from batchfit.errors import ModelSpecError, OptionError
 from batchfit.estimator.batching import (Batching, Shape, check_lengths, deciding_steps, first_failing, histogram,
-                                         largest_budget, peak_step, step_shapes)
+                                         largest_budget, peak_step, step_shapes, MAX_TOKENS)
 from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits
@@ -36,8 +36,6 @@ from batchfit.workload import StepOptions, Workload
 
 LoadAt = Callable[[int | None], Workload]
 """(sequence length, None for the model's own) -> the workload, as ``specs.load_workload`` makes it."""
-MAX_TOKENS = 1 << 24
-"""The largest budget tokens:N searches (load_workload's own bound on --seq-len)."""
 
 
 class Lengths:
