@@ -18,7 +18,6 @@ changes the batch (:class:`Lengths`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 from collections.abc import Callable
@@ -74,6 +73,11 @@ def fits(point: MemoryPoint, device: Device, limit: str, host_limit_bytes: int |
     return max(point.peak_bytes, point.peak_reserved_bytes or 0) <= device.usable_bytes
 
 
+OPEN_CURVES = 2
+"""Lengths whose traced curve stays open (its points are kept when it closes; a new batch size at
+a closed length builds the model again)."""
+
+
 class ShapeTracer:
     """Traced points by (rows, length), one :class:`TracedCurve` per length, each shape traced once.
 
@@ -89,7 +93,6 @@ class ShapeTracer:
         self._fit: dict[Shape, bool] = {shape: self._judge(p) for shape, p in self.known.items()
                                         if self._judged(p)}
         self._curves: dict[int, TracedCurve] = {}
-        self._exit = contextlib.ExitStack()
         self.traced: list[Shape] = []
         """Shapes traced here (beyond ``known``), in order."""
 
@@ -106,12 +109,14 @@ class ShapeTracer:
         point = self.known.get(shape)
         if point is not None and (not judged or self._judged(point)):
             return point
-        curve = self._curves.get(shape.length)
+        curve = self._curves.pop(shape.length, None)
         if curve is None:
             self.say(f"tracing {shape.length:,} tokens per row")
-            curve = self._curves[shape.length] = self._exit.enter_context(TracedCurve(
-                self.lengths.at(shape.length), self.options, self.device, self.say,
-                keep_streams=self.limit == "reserved"))
+            curve = TracedCurve(self.lengths.at(shape.length), self.options, self.device, self.say,
+                                keep_streams=self.limit == "reserved")
+        self._curves[shape.length] = curve  # the most recent last
+        while len(self._curves) > OPEN_CURVES:  # each holds a model on fake tensors (and a forked process)
+            self._curves.pop(next(iter(self._curves))).close()
         if shape not in self.traced:
             self.traced.append(shape)
         point = curve.point(shape.rows)
@@ -136,7 +141,8 @@ class ShapeTracer:
         return max(fit, default=None), min(fail, default=None)
 
     def close(self) -> None:
-        self._exit.close()
+        while self._curves:
+            self._curves.pop(next(iter(self._curves))).close()
 
 
 @dataclass
