@@ -105,6 +105,13 @@ def test_the_one_shape_answer_fits_but_a_late_long_batch_does_not():
     run = result.run.runs[answer]
     assert run.verdict == "does not fit" and run.first_oom_step == late and run.peak_step == late
     assert run.first_oom_shape == Shape(min(answer, len(lengths) - late * answer), MAX_LEN)
+    # the terminal and report.md say it: the run's answer, and for the one-shape answer which step and why
+    from batchfit.report.run_markdown import run_lines, run_markdown
+
+    assert run_lines(result)[1].startswith(f"the run: batch {result.run.max_batch_size} fits every step of the data")
+    rows = run.first_oom_shape.rows
+    assert (f"| {answer} | {len(shapes)} | does not fit | {late} | {rows} x {MAX_LEN} | " in run_markdown(result)
+            and f"| {late} ({rows} x {MAX_LEN}) |" in run_markdown(result))
 
 
 def test_the_allocator_replay_runs_out_at_the_first_step_past_the_device():
