@@ -105,6 +105,10 @@ def test_the_one_shape_answer_fits_but_a_late_long_batch_does_not():
     run = result.run.runs[answer]
     assert run.verdict == "does not fit" and run.first_oom_step == late and run.peak_step == late
     assert run.first_oom_shape == Shape(min(answer, len(lengths) - late * answer), MAX_LEN)
+    point = next(p for p in result.to_json()["points"] if p["batch_size"] == answer)  # and the JSON
+    assert {k: point["run"][k] for k in ("peak_step", "verdict", "first_oom_step")} == {
+        "peak_step": late, "verdict": "does not fit", "first_oom_step": late}
+    assert point["run"]["peak_bytes"] == run.peak_bytes and "peak_reserved_bytes" in point["run"]
     # the terminal and report.md say it: the run's answer, and for the one-shape answer which step and why
     from batchfit.report.run_markdown import run_lines, run_markdown
 
