@@ -245,9 +245,9 @@ def step_peaks(at: Lengths, shapes: list[Shape], options: StepOptions, *, cuda_s
     return [peaks[s] for s in shapes]
 
 
-def run_point(batch_size: int, shapes: list[Shape], tracer: ShapeTracer, *, first_oom: bool = True) -> RunPoint:
-    """The run at one batch size: its deciding steps traced, and (``first_oom``) the first step
-    that does not fit, found by bisection (a few traces more)."""
+def run_point(batch_size: int, shapes: list[Shape], tracer: ShapeTracer) -> RunPoint:
+    """The run at one batch size: its deciding steps traced, and where one does not fit, the first
+    step that does not, found by bisection (a few traces more)."""
     deciding = deciding_steps(shapes)
     points = {i: tracer.point(shapes[i]) for i in deciding}
     worst = peak_step(shapes, lambda shape: tracer.point(shape).peak_bytes)
@@ -257,7 +257,7 @@ def run_point(batch_size: int, shapes: list[Shape], tracer: ShapeTracer, *, firs
                    peak_shape=shapes[worst], verdict="fits")
     if not all(tracer.fits(shapes[i]) for i in deciding):
         run.verdict = "does not fit"
-        run.first_oom_step = first_failing(shapes, tracer.fits) if first_oom else None
+        run.first_oom_step = first_failing(shapes, tracer.fits)
         run.first_oom_shape = shapes[run.first_oom_step] if run.first_oom_step is not None else None
     return run
 
@@ -270,9 +270,7 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
     """The estimate at the run's deciding length, each traced batch size's run, and the answer in
     the batching's terms; with ``replay_steps`` the answer's first K steps replayed through the
     allocator model (``estimator/churn.py``). ``estimate_options`` go to :func:`estimator.engine.estimate`."""
-    from batchfit.estimator.engine import (
-        estimate,  # the one-shape engine this module runs at the deciding length
-    )
+    from batchfit.estimator.engine import estimate  # the one-shape engine, run at the deciding length
 
     say = progress or (lambda message: None)
     options = options or StepOptions()
