@@ -81,6 +81,7 @@ def test_a_token_budget_below_the_longest_sample_and_the_largest_budget():
     assert token_rows(LENGTHS, 26) == [17, 20, 16]
     assert token_rows(LENGTHS, 27) == [17, 27, 9]
     assert largest_budget(LENGTHS, 24) == 26
+    assert largest_budget([1000] * 100_000, 16_500) == 16_999  # rows of 16 samples up to 16,999: one pass
 
 
 def test_histogram_bins_cover_every_sample():

@@ -110,12 +110,13 @@ def largest_budget(lengths: list[int], fits_up_to: int) -> int:
     """The largest token budget N whose every row is at most ``fits_up_to`` tokens (so fits).
 
     Any budget up to ``fits_up_to`` does; above it, a row other than the last ends only when the
-    next sample would pass N, so once N - longest >= fits_up_to some row passes it: the scan ends there."""
-    best = fits_up_to
-    for budget in range(fits_up_to + 1, fits_up_to + max(lengths) + 1):
+    next sample would pass N, so once N - longest >= fits_up_to some row passes it: only the
+    budgets between are tried, the largest first (a budget that fails mostly fails in its first
+    rows; the first that passes is the answer, after one whole pass)."""
+    for budget in range(fits_up_to + max(lengths), fits_up_to, -1):
         if max(token_rows(lengths, budget, stop_above=fits_up_to)) <= fits_up_to:
-            best = budget
-    return best
+            return budget
+    return fits_up_to
 
 
 def deciding_steps(shapes: list[Shape]) -> list[int]:
