@@ -118,3 +118,20 @@ def test_bad_input_is_one_line_before_any_trace(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert "tracing" not in result.output and len(result.output.strip().splitlines()) <= 3
+
+
+def test_text_is_tokenized_with_the_model_folders_own_tokenizer(tmp_path):
+    """hf:FOLDER with a tokenizer.json: its tokenizer counts the tokens, as the run would make them."""
+    pytest.importorskip("transformers")
+    from batchfit.estimator.run import data_lengths
+    from batchfit.train.data import train_bpe
+
+    tokenizer, saved = train_bpe("hello world this is a tiny corpus for a tokenizer " * 50, 300)
+    (tmp_path / "tokenizer.json").write_text(saved)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 512}))
+    data = tmp_path / "lines.txt"
+    data.write_text("hello world\nthis is a longer line of text here\n\nshort\n")
+    expected = [len(tokenizer.encode(line)) for line in ("hello world", "this is a longer line of text here", "short")]
+    assert data_lengths(str(data), model=f"hf:{tmp_path}") == expected == [2, 24, 4]
