@@ -94,7 +94,7 @@ class Churn:
 def step_streams(at, shapes: list[Shape], options: StepOptions) -> tuple[list[tuple[str, int, int]], list[int]]:
     """The allocation stream of a fresh process that builds the model and runs ``shapes`` in
     order (``at``: ``estimator.run.Lengths``), and where each step's events begin (and the last ends)."""
-    with TraceSession(at.varying(), options) as session:
+    with TraceSession(at.varying([s.length for s in shapes]), options) as session:
         marks = [len(session.tracker.events)]
         with session.tracing(f"running {len(shapes)} steps of the run"):
             for shape in shapes:

@@ -61,8 +61,11 @@ class Lengths:
         return dataclasses.replace(self.base, make_batch=batch.make_batch, tokens_per_sample=length,
                                    description=batch.description)
 
-    def varying(self) -> Workload:
-        """The workload whose batches have :attr:`length` tokens at each call (one model, many steps)."""
+    def varying(self, lengths: list[int]) -> Workload:
+        """The workload whose batches have :attr:`length` tokens at each call (one model, many steps),
+        for these ``lengths``: loaded now, not inside a trace (a workload may make tensors as it loads)."""
+        for length in lengths:
+            self._batch_of(length)
         return dataclasses.replace(self.base, make_batch=lambda b, device: self._batch_of(self.length).make_batch(b, device))
 
 
@@ -238,7 +241,7 @@ def step_peaks(at: Lengths, shapes: list[Shape], options: StepOptions, *, cuda_s
     from the state a run has there (parameters, optimizer state, no gradients). ``cuda_semantics=False``
     traces what a CPU step does (the truth tests' profiler compares it)."""
     peaks: dict[Shape, int] = {}
-    with TraceSession(at.varying(), options, cuda_semantics=cuda_semantics) as session:
+    with TraceSession(at.varying([s.length for s in shapes]), options, cuda_semantics=cuda_semantics) as session:
         for shape in dict.fromkeys(shapes):
             at.length = shape.length
             peaks[shape] = session.trace(shape.rows).snapshot.peak_bytes
