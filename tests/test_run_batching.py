@@ -20,6 +20,7 @@ from batchfit.estimator.batching import (
     largest_budget,
     parse_batching,
     peak_step,
+    step_samples,
     step_shapes,
     token_rows,
 )
@@ -46,6 +47,11 @@ def test_each_batching_makes_the_steps_a_collator_makes():
     # budget 20: 5+9+3=17 | 20 | 7+7+2=16
     assert token_rows(LENGTHS, 20) == [17, 20, 16]
     assert step_shapes(LENGTHS, Batching("tokens", 20), 1, 64) == [Shape(1, 17), Shape(1, 20), Shape(1, 16)]
+    # which samples each step holds: by the batch, and by the greedy rows
+    assert step_samples(LENGTHS, Batching("pad-longest"), 3, 2) == range(6, 7)
+    assert [step_samples(LENGTHS, Batching("tokens", 20), 1, i) for i in range(3)] == [range(0, 3), range(3, 4),
+                                                                                        range(4, 7)]
+    assert step_samples(LENGTHS, Batching("pack", 16), 3, 0) is None
 
 
 def test_only_the_steps_no_other_covers_decide_and_the_first_of_equals():

@@ -104,6 +104,7 @@ def test_the_one_shape_answer_fits_but_a_late_long_batch_does_not():
     late = next(i for i, s in enumerate(shapes) if s.length == MAX_LEN)
     run = result.run.runs[answer]
     assert run.verdict == "does not fit" and run.first_oom_step == late and run.peak_step == late
+    assert run.longest_sample == 37  # the sample to look at
     assert run.first_oom_shape == Shape(min(answer, len(lengths) - late * answer), MAX_LEN)
     point = next(p for p in result.to_json()["points"] if p["batch_size"] == answer)  # and the JSON
     assert {k: point["run"][k] for k in ("peak_step", "verdict", "first_oom_step")} == {

@@ -93,6 +93,22 @@ def step_shapes(lengths: list[int], batching: Batching, batch_size: int, max_len
     return [Shape(1, n) for n in token_rows(cut, batching.tokens)]
 
 
+def step_samples(lengths: list[int], batching: Batching, batch_size: int, step: int) -> range | None:
+    """The samples (indices in the data's order) that ``step`` batches; None for pack (its rows cut samples)."""
+    if batching.kind in ("pad-longest", "pad-max"):
+        return range(step * batch_size, min(len(lengths), (step + 1) * batch_size))
+    if batching.kind == "pack":
+        return None
+    start, row, rows = 0, 0, 0
+    for i, n in enumerate(lengths):
+        if row and row + n > batching.tokens:
+            if rows == step:
+                return range(start, i)
+            start, row, rows = i, 0, rows + 1
+        row += n
+    return range(start, len(lengths)) if rows == step else None
+
+
 def token_rows(lengths: list[int], budget: int, stop_above: int | None = None) -> list[int]:
     """Row lengths of greedy token-budget batching in order; stops early once a row passes ``stop_above``."""
     rows, row = [], 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from batchfit.devices import Device
 from batchfit.errors import ModelSpecError, OptionError
 from batchfit.estimator.batching import (Batching, Shape, check_lengths, deciding_steps, first_failing, histogram,
-                                         largest_budget, peak_step, step_shapes, MAX_TOKENS)
+                                         largest_budget, peak_step, step_samples, step_shapes, MAX_TOKENS)
 from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits
@@ -164,12 +164,18 @@ class RunPoint:
     """'fits' or 'does not fit'."""
     first_oom_step: int | None = None
     first_oom_shape: Shape | None = None
+    peak_samples: range | None = None
+    """The samples (indices in the data's order) the peak step batches; None under pack (rows cut samples)."""
+    longest_sample: int | None = None
+    """The longest of them: the sample that sets the peak step's length."""
 
     def to_json(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
                 "peak_step": self.peak_step, "verdict": self.verdict, "first_oom_step": self.first_oom_step,
                 "steps": self.steps, "peak_rows": self.peak_shape.rows, "peak_length": self.peak_shape.length,
-                "first_oom_length": self.first_oom_shape.length if self.first_oom_shape else None}
+                "first_oom_length": self.first_oom_shape.length if self.first_oom_shape else None,
+                "peak_samples": [self.peak_samples.start, self.peak_samples.stop - 1] if self.peak_samples else None,
+                "longest_sample": self.longest_sample}
 
 
 @dataclass
@@ -309,7 +315,10 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                          known={Shape(p.batch_size, worst): p for p in result.points})  # the estimate's own
     try:
         for point in result.points:
-            summary.runs[point.batch_size] = run_point(point.batch_size, shapes_at(point.batch_size), tracer)
+            run = summary.runs[point.batch_size] = run_point(point.batch_size, shapes_at(point.batch_size), tracer)
+            run.peak_samples = step_samples(lengths, batching, point.batch_size, run.peak_step)
+            if run.peak_samples:
+                run.longest_sample = max(run.peak_samples, key=lambda i: (lengths[i], -i))
         for b in sorted(summary.runs):
             if summary.runs[b].verdict != "fits":
                 break

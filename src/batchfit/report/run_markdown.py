@@ -14,7 +14,12 @@ def _gib(n: int | None) -> str:
 
 def _step(run) -> str:
     shape = run.peak_shape
-    return f"step {run.peak_step} of {run.steps} ({shape.rows} x {shape.length:,} tokens)"
+    samples = ""
+    if run.peak_samples:
+        first, last = run.peak_samples.start, run.peak_samples.stop - 1
+        samples = (f"; samples {first}-{last}, the longest is sample {run.longest_sample}" if last > first
+                   else f"; sample {first}")
+    return f"step {run.peak_step} of {run.steps} ({shape.rows} x {shape.length:,} tokens{samples})"
 
 
 def distribution_line(summary) -> str:
