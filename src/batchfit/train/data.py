@@ -132,13 +132,21 @@ def _dataset_texts(name: str) -> tuple[list[str], str]:
     return [t for t in split["text"] if t], getattr(split, "_fingerprint", name)
 
 
-def read_texts(data: str) -> tuple[list[str], str]:
-    """The documents of ``--data`` and a fingerprint of their content."""
+def _local_files(data: str) -> list[Path] | None:
+    """The files ``--data`` names here (a file, or a folder's text files); None for a datasets
+    name or a dataset saved with ``save_to_disk``."""
     path = Path(data).expanduser()
     if path.is_file():
-        return _read_file(path), _fingerprint([path])
+        return [path]
     if path.is_dir() and not (path / "dataset_info.json").exists() and not (path / "state.json").exists():
-        files = _files(path)
+        return _files(path)
+    return None
+
+
+def read_texts(data: str) -> tuple[list[str], str]:
+    """The documents of ``--data`` and a fingerprint of their content."""
+    files = _local_files(data)
+    if files is not None:
         return [d for f in files for d in _read_file(f)], _fingerprint(files)
     return _dataset_texts(data)
 
@@ -279,12 +287,9 @@ def sample_lengths(data: str, *, length_column: str | None = None,
                              "input_ids, or --length-column NAME")
         return tokenizer()
 
-    path = Path(data).expanduser()
-    if path.is_file() or (path.is_dir() and not (path / "dataset_info.json").exists()
-                          and not (path / "state.json").exists()):
-        rows = [row for f in ([path] if path.is_file() else _files(path)) for row in _file_rows(f)]
-    else:
-        rows = [(f"--data {data}", text) for text in read_texts(data)[0]]
+    files = _local_files(data)
+    rows = ([row for f in files for row in _file_rows(f)] if files is not None
+            else [(f"--data {data}", text) for text in _dataset_texts(data)[0]])
     if not rows:
         raise UsageError(f"--data {data} holds no samples: give a file with one sample per line (.txt, .jsonl) "
                          "or per row (.parquet)")
