@@ -190,6 +190,8 @@ class RunSummary:
     histogram: list[tuple[int, int, int]]
     traced_length: int
     """The tokens per row the estimate was traced at (the deciding length)."""
+    rows: int = 0
+    """Rows the data makes at batch 1 (samples, or packed rows): no batch is larger."""
     runs: dict[int, RunPoint] = field(default_factory=dict)
     max_batch_size: int = 0
     """The largest traced batch size whose run fits, every smaller traced one fitting too."""
@@ -205,7 +207,8 @@ class RunSummary:
     def to_json(self) -> dict:
         return {"data": self.data, "batching": self.batching, "samples": self.samples, "lengths": self.lengths,
                 "histogram": [list(b) for b in self.histogram], "traced_length": self.traced_length,
-                "max_batch_size": self.max_batch_size, "traced_shapes": [list(s) for s in self.traced_shapes],
+                "rows": self.rows, "max_batch_size": self.max_batch_size,
+                "traced_shapes": [list(s) for s in self.traced_shapes],
                 "token_budget": self.token_budget, "largest_budget": self.largest_budget,
                 "fits_up_to": self.fits_up_to, "churn": self.churn.to_json() if self.churn is not None else None}
 
@@ -309,7 +312,7 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                       host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say,
                       **extra, **estimate_options)
     summary = RunSummary(data=data, batching=str(batching), samples=len(lengths), lengths=length_stats(lengths),
-                         histogram=histogram(lengths), traced_length=worst, token_budget=batching.tokens
+                         histogram=histogram(lengths), traced_length=worst, rows=rows, token_budget=batching.tokens
                          if batching.kind == "tokens" else None)
     tracer = ShapeTracer(at, result.options, device, limit=limit, host_limit_bytes=host_memory_bytes, say=say,
                          known={Shape(p.batch_size, worst): p for p in result.points})  # the estimate's own

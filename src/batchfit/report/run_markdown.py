@@ -56,6 +56,8 @@ def run_lines(result) -> list[str]:
         run = summary.runs[best]
         lines.append(f"the run: batch {best} fits every step of the data; its peak is {_step(run)}, "
                      f"{_gib(run.peak_bytes)} allocated, {_gib(run.peak_reserved_bytes)} reserved")
+        if best == summary.rows:
+            lines.append(f"batch {best} is the whole data in one step: no batch is larger (not --max-batch's cap)")
     above = [b for b in sorted(summary.runs) if b > best and summary.runs[b].verdict != "fits"]
     if above:
         lines.append(f"the run at batch {above[0]}: {_oom(summary.runs[above[0]])}")
