@@ -55,13 +55,16 @@ def test_the_data_is_long_tailed_and_its_longest_batch_is_not_the_first():
     assert len({s.length for s in shapes}) == len(shapes)  # every step its own length: one longest
 
 
-@pytest.mark.slow  # 15 s here: six profiled steps
-def test_each_steps_traced_peak_is_the_real_loops_within_one_percent(tmp_path):
-    """Measured 2026-11-28: every step within 60 B of the profiler (0.002%), e.g. step 1 (4 x 65
-    tokens) traced 6,387,704 B, measured 6,387,764 B; the peak at step 1 in both."""
+@pytest.mark.slow  # 15 s here each: six profiled steps
+@pytest.mark.parametrize("recipe", [{}, {"precision": "bf16-mixed"}, {"checkpointing": "full"}],
+                         ids=["fp32", "bf16-mixed", "full"])
+def test_each_steps_traced_peak_is_the_real_loops_within_one_percent(tmp_path, recipe):
+    """Measured 2026-11-28: every step within 60 B of the profiler (0.002%) in each recipe, e.g. step 1
+    (4 x 65 tokens) traced 6,387,704 B, measured 6,387,764 B in fp32 (5,452,280 / 5,452,340 B in
+    bf16-mixed, 3,846,792 / 3,846,852 B with full checkpointing); the peak at step 1 in both."""
     lengths = long_tailed_lengths()
     shapes = step_shapes(lengths, Batching("pad-longest"), BATCH, MAX_LEN)
-    options = StepOptions()
+    options = StepOptions(**recipe)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         predicted = step_peaks(Lengths(tiny, MAX_LEN), shapes, options, cuda_semantics=False)
