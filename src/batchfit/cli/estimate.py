@@ -22,7 +22,9 @@ from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, merged_bat
                                   read_trainer, trainer_outputs)
 from batchfit.devices import GiB
 from batchfit.report.host import host_line
+from batchfit.report.run_markdown import run_lines
 from batchfit.errors import OptionError
+from batchfit.estimator.batching import check_run_flags
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
 from batchfit.specs import load_workload
 
@@ -40,6 +42,8 @@ Examples:
   batchfit estimate hf:llama-3.2-1b --gpu rtx4090-24gb --precision bf16-mixed --global-batch 64
 
   batchfit estimate hf:llama-3.2-1b --gpu rtx4090-24gb --trainer args.json --emit trainer:args.fitted.json
+
+  batchfit estimate hf:llama-3.2-1b --gpu rtx4090-24gb --data train.jsonl --batching pack:4096
 """
 
 
@@ -78,6 +82,17 @@ def estimate_command(
     out: Annotated[Path | None, out_option("report.md, memory.png, estimate.json")] = None,
     trainer: TrainerOpt = None,
     emit: EmitTrainerOpt = None,
+    data: Annotated[str | None, typer.Option(help="The run's data (.txt lines, .jsonl / .parquet rows, a folder): "
+                                             "answer for its worst batch, not one shape (docs/run.md).")] = None,
+    batching: Annotated[str | None, typer.Option(help="How --data is batched: pad-longest (default), pad-max, "
+                                                 "pack:MAXLEN (rows of MAXLEN), tokens:N (one row of up to N "
+                                                 "tokens per GPU).")] = None,
+    length_column: Annotated[str | None, typer.Option(help="A column of token counts in --data's rows.")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizes --data's text: a tokenizer.json, a cached name, "
+                                                  "or bytes (default: the model folder's own).")] = None,
+    replay_steps: Annotated[int, typer.Option(help="With --data: run the answer's first K steps one after another and "
+                                              "replay them through the allocator model (reserved memory per step, "
+                                              "fragmentation).")] = 0,
 ) -> None:
     """Predict peak training memory and the largest batch that fits a GPU, without a GPU.
 
@@ -108,14 +123,19 @@ def estimate_command(
         print_mapping(door, quiet_if_stdout(json_path))
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
                            max_batch=max_batch, limit=limit)
+    run_batching = check_run_flags(data, batching, length_column, tokenizer, replay_steps)
     from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
+    from batchfit.estimator.run import data_lengths, estimate_run
     from batchfit.report import write_estimate_report
 
-    workload = load_workload(model, seq_len=seq_len)
+    lengths = data_lengths(data, model=model, length_column=length_column, tokenizer=tokenizer) if data else None
     with progress_line() as say:
-        result = estimate(workload, device=device, options=options, batch_sizes=sizes, target_util=target_util,
-                          multiple_of=multiple_of, max_batch=max_batch, limit=limit,
-                          host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say)
+        common = dict(device=device, options=options, batch_sizes=sizes, target_util=target_util,
+                      multiple_of=multiple_of, max_batch=max_batch, limit=limit,
+                      host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say)
+        result = (estimate(load_workload(model, seq_len=seq_len), **common) if lengths is None else
+                  estimate_run(lambda n: load_workload(model, seq_len=n), lengths, run_batching, data=data,
+                               seq_len=seq_len, replay_steps=replay_steps, **common))
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
     fitted = (answer(door, result.max_batch_size_at_target, options.accumulation_steps, multiple_of=result.multiple_of,
                      fits_whole=result.max_batch_size) if door is not None else None)
@@ -166,4 +186,6 @@ def _print_summary(result, console, report_path: Path) -> None:
     if paged:
         console.print(f"paged optimizer state {paged / GiB:.2f} GiB in CUDA unified memory, not in the peaks "
                       "above (it spills to the host when the GPU is full)")
+    for line in run_lines(result) if result.run is not None else []:
+        console.print(escape(line), soft_wrap=True)
     console.print(f"report: {report_path}", soft_wrap=True)

@@ -84,6 +84,9 @@ class EstimateResult:
     """--host-memory: what the offloaded pinned host bytes must fit; None: not checked."""
     split: GlobalBatchSplit | None = None
     """--global-batch: its micro-batch and accumulation steps (``estimator/global_batch.py``)."""
+    run: object | None = None
+    """--data --batching: the run over the data (``estimator/run.py``: RunSummary), each traced
+    batch size's worst step; None for one shape."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
 
@@ -129,6 +132,10 @@ class EstimateResult:
         point = self.point(batch_size)
         return None if point is None else self.capacity_bytes - (point.peak_reserved_bytes or point.peak_bytes)
 
+    def _run_json(self, batch_size: int) -> dict:
+        run = self.run.runs.get(batch_size) if self.run is not None else None
+        return {"run": run.to_json()} if run is not None else {}
+
     def to_json(self) -> dict:
         best = self.max_batch_size
         return {
@@ -140,7 +147,7 @@ class EstimateResult:
             "options": self.options.to_json(),
             "params": self.params,
             "trainable_params": self.trainable_params,
-            "points": [{**p.to_json(), "fits": self.fits(p)} for p in self.points],
+            "points": [{**p.to_json(), "fits": self.fits(p), **self._run_json(p.batch_size)} for p in self.points],
             "fit": self.curve.to_json(max(best, max(p.batch_size for p in self.points))),
             "target_util": self.target_util,
             "multiple_of": self.multiple_of,
@@ -169,6 +176,7 @@ class EstimateResult:
             **({"global_batch": self.split.global_batch, "micro_batch": self.split.micro_batch,
                 "accumulation_steps": self.split.accumulation_steps, "split": self.split.to_json()}
                if self.split else {}),
+            **({"run": self.run.to_json()} if self.run is not None else {}),
             "created": self.created,
             "torch_version": self.torch_version,
         }

@@ -47,24 +47,38 @@ def _files(path: Path) -> list[Path]:
     return files
 
 
+def _jsonl_rows(path: Path) -> list[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line of a .jsonl file."""
+    rows = []
+    for number, line in enumerate(read_text(path, f"--data {path}", UsageError).splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append((number, json.loads(line)))
+            except json.JSONDecodeError:
+                raise UsageError(f"{path}:{number}: not JSON; each .jsonl line must be an object, "
+                                 "e.g. {\"text\": \"Once upon a time\"}") from None
+    return rows
+
+
+def _parquet_table(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UsageError(f"{path}: reading .parquet needs pyarrow: pip install 'batchfit[data]'") from None
+    return pq.read_table(path)
+
+
 def _read_file(path: Path) -> list[str]:
     if path.suffix == ".jsonl":
         docs = []
-        for number, line in enumerate(read_text(path, f"--data {path}", UsageError).splitlines(), 1):
-            if line.strip():
-                try:
-                    docs.append(json.loads(line)["text"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise UsageError(f"{path}:{number}: each .jsonl line must be an object with a "
-                                     "'text' field, e.g. {\"text\": \"Once upon a time\"}") from None
+        for number, row in _jsonl_rows(path):
+            if not isinstance(row, dict) or "text" not in row:
+                raise UsageError(f"{path}:{number}: each .jsonl line must be an object with a "
+                                 "'text' field, e.g. {\"text\": \"Once upon a time\"}")
+            docs.append(row["text"])
         return docs
     if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise UsageError(f"{path}: reading .parquet needs pyarrow: pip install 'batchfit[data]'") from None
-
-        table = pq.read_table(path)
+        table = _parquet_table(path)
         if "text" not in table.column_names:
             raise UsageError(f"{path} has no 'text' column (columns: {', '.join(table.column_names)})")
         return [t for t in table.column("text").to_pylist() if t]
@@ -118,13 +132,21 @@ def _dataset_texts(name: str) -> tuple[list[str], str]:
     return [t for t in split["text"] if t], getattr(split, "_fingerprint", name)
 
 
-def read_texts(data: str) -> tuple[list[str], str]:
-    """The documents of ``--data`` and a fingerprint of their content."""
+def _local_files(data: str) -> list[Path] | None:
+    """The files ``--data`` names here (a file, or a folder's text files); None for a datasets
+    name or a dataset saved with ``save_to_disk``."""
     path = Path(data).expanduser()
     if path.is_file():
-        return _read_file(path), _fingerprint([path])
+        return [path]
     if path.is_dir() and not (path / "dataset_info.json").exists() and not (path / "state.json").exists():
-        files = _files(path)
+        return _files(path)
+    return None
+
+
+def read_texts(data: str) -> tuple[list[str], str]:
+    """The documents of ``--data`` and a fingerprint of their content."""
+    files = _local_files(data)
+    if files is not None:
         return [d for f in files for d in _read_file(f)], _fingerprint(files)
     if not path.exists() and (path.suffix in (*TEXT_SUFFIXES, ".json", ".csv") or data.startswith(("/", ".", "~"))):
         # a file's path, not a dataset's name: a Hub lookup would only add a network error
@@ -211,6 +233,80 @@ def cached_tokenizer(name: str) -> Tokenizer:
         raise UsageError(f"--tokenizer {name}: not found in the local cache ({type(error).__name__}: {first}); "
                          "use --tokenizer bpe (trained on your data) or bytes") from None
     return Tokenizer(name, len(hf), lambda text: hf(text, add_special_tokens=False)["input_ids"], name)
+
+
+# --- sample lengths (estimate --data: the shapes of a run's batches) ---------------------------
+def tokenizer_named(name: str) -> Tokenizer:
+    """``bytes``, a tokenizer.json path, or a tokenizer in the local Hugging Face cache or a model folder."""
+    if name == "bytes":
+        return bytes_tokenizer()
+    try:
+        return cached_tokenizer(name)
+    except UsageError as error:  # its hint names --tokenizer bpe, which trains on a sweep's text only
+        raise UsageError(str(error).split("; use --tokenizer bpe")[0] + "; give a tokenizer.json, a tokenizer in "
+                         "the local Hugging Face cache, or bytes") from None
+
+
+def _row_length(row: object, where: str, length_column: str | None,
+                tokenizer: Callable[[], Tokenizer]) -> int:
+    """One sample's tokens: its length column, its ``input_ids``, or its text tokenized."""
+    if isinstance(row, str):
+        return len(tokenizer().encode(row))
+    if not isinstance(row, dict):
+        raise UsageError(f"{where}: each row must be an object, e.g. {{\"text\": \"Once upon a time\"}}")
+    if length_column is not None:
+        if length_column not in row:
+            raise UsageError(f"{where}: no column '{length_column}' (columns: {', '.join(map(str, row))}): "
+                             "give --length-column one of them, or drop it")
+        value = row[length_column]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise UsageError(f"{where}: '{length_column}' is {value!r}, not a count of tokens (an integer >= 0)")
+        return value
+    if "input_ids" in row:
+        return len(row["input_ids"])
+    if "text" in row:
+        return len(tokenizer().encode(row["text"] or ""))
+    raise UsageError(f"{where}: a row has no 'input_ids' and no 'text' (columns: {', '.join(map(str, row))}): "
+                     "give --length-column NAME for a column of lengths")
+
+
+def _file_rows(path: Path) -> list[tuple[str, object]]:
+    """(where, row) of each sample of a file: .jsonl lines, .parquet rows, a .txt file's non-blank lines."""
+    if path.suffix == ".jsonl":
+        return [(f"{path}:{number}", row) for number, row in _jsonl_rows(path)]
+    if path.suffix == ".parquet":
+        return [(f"{path} row {i}", row) for i, row in enumerate(_parquet_table(path).to_pylist())]
+    return [(f"{path}:{number}", line) for number, line in enumerate(_read_file(path)[0].splitlines(), 1)
+            if line.strip()]
+
+
+def sample_lengths(data: str, *, length_column: str | None = None,
+                   tokenizer: Callable[[], Tokenizer] | None = None) -> list[int]:
+    """The token count of each sample of ``--data``, in the data's order: a .txt file's lines, a
+    .jsonl / .parquet file's rows (a ``length_column``, else ``input_ids``, else ``text``
+    tokenized), a folder's files in name order, or a datasets name's texts. ``tokenizer`` is
+    called only where a row holds text; None there is a one-line error."""
+    def need_tokenizer() -> Tokenizer:
+        if tokenizer is None:
+            raise UsageError(f"--data {data} holds text and no tokenizer was given or found with the model: "
+                             "give --tokenizer (a tokenizer.json, a cached name, or bytes), rows with "
+                             "input_ids, or --length-column NAME")
+        return tokenizer()
+
+    files = _local_files(data)
+    rows = ([row for f in files for row in _file_rows(f)] if files is not None
+            else [(f"--data {data}", text) for text in _dataset_texts(data)[0]])
+    if not rows:
+        raise UsageError(f"--data {data} holds no samples: give a file with one sample per line (.txt, .jsonl) "
+                         "or per row (.parquet)")
+    memo: list[Tokenizer] = []
+
+    def once() -> Tokenizer:  # loaded on the first text, and only once
+        if not memo:
+            memo.append(need_tokenizer())
+        return memo[0]
+
+    return [_row_length(row, where, length_column, once) for where, row in rows]
 
 
 # --- the token cache -------------------------------------------------------------------------

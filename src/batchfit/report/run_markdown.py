@@ -1,0 +1,129 @@
+"""The run over the data (``estimate --data --batching``): lines for the terminal, a section
+for report.md, the length histogram. A result in, text and a PNG out; no torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from batchfit.devices import GiB
+
+
+def _gib(n: int | None) -> str:
+    return "—" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def _step(run) -> str:
+    shape = run.peak_shape
+    samples = ""
+    if run.peak_samples:
+        first, last = run.peak_samples.start, run.peak_samples.stop - 1
+        samples = (f"; samples {first}-{last}, the longest is sample {run.longest_sample}" if last > first
+                   else f"; sample {first}")
+    return f"step {run.peak_step} of {run.steps} ({shape.rows} x {shape.length:,} tokens{samples})"
+
+
+def distribution_line(summary) -> str:
+    s = summary.lengths
+    return (f"data {summary.data}: {summary.samples:,} samples, tokens per sample min {s['min']:,}, median "
+            f"{s['median']:,}, p90 {s['p90']:,}, p99 {s['p99']:,}, max {s['max']:,}; --batching {summary.batching}")
+
+
+def _oom(run) -> str:
+    if run.first_oom_step is None:
+        return "does not fit"
+    return f"does not fit, first at step {run.first_oom_step} ({run.first_oom_shape.rows} x {run.first_oom_shape.length:,} tokens)"
+
+
+def run_lines(result) -> list[str]:
+    """What the terminal prints under the estimate's table: the answer in the batching's terms,
+    the step that sets the peak, and the first step that does not fit at the next size up."""
+    summary = result.run
+    lines = [distribution_line(summary)]
+    if summary.token_budget is not None:
+        run = summary.runs[1]
+        head = f"tokens:{summary.token_budget:,} " + ("fits" if run.verdict == "fits" else _oom(run))
+        lines.append(f"{head}: the worst row is {_step(run)}, {_gib(run.peak_bytes)} allocated, "
+                     f"{_gib(run.peak_reserved_bytes)} reserved")
+        if summary.largest_budget is not None:
+            lines.append(f"largest budget that fits: tokens:{summary.largest_budget:,} (every row at most "
+                         f"{summary.fits_up_to:,} tokens, traced to fit)")
+        else:
+            lines.append(f"no budget fits: a row of the longest sample ({summary.lengths['max']:,} tokens) alone "
+                         "does not")
+        return lines
+    best = summary.max_batch_size
+    if best:
+        run = summary.runs[best]
+        lines.append(f"the run: batch {best} fits every step of the data; its peak is {_step(run)}, "
+                     f"{_gib(run.peak_bytes)} allocated, {_gib(run.peak_reserved_bytes)} reserved")
+        if best == summary.rows:
+            lines.append(f"batch {best} is the whole data in one step: no batch is larger (not --max-batch's cap)")
+    above = [b for b in sorted(summary.runs) if b > best and summary.runs[b].verdict != "fits"]
+    if above:
+        lines.append(f"the run at batch {above[0]}: {_oom(summary.runs[above[0]])}")
+    if summary.churn is not None:
+        lines.append(summary.churn.line())
+    return lines
+
+
+def churn_markdown(churn, shown: int = 60) -> list[str]:
+    """Reserved memory step by step in both allocator replays (every step up to ``shown``, then evenly spaced)."""
+    default, expandable = churn.default, {s.step: s for s in churn.expandable.steps}
+    every = max(1, -(-len(default.steps) // shown))
+    lines = ["", f"### Allocator replay at batch {churn.batch_size}: {churn.verdict}", "",
+             ("The run's first steps, in the data's order, one after another in one process (step 0 makes the "
+             "optimizer state), their allocation stream replayed through the caching allocator model "
+             "(traced; the allocator is a model, see Known limits)."), "",
+             ("| step | rows x tokens | peak allocated | peak reserved | reserved after | cached, not allocated | "
+             "reserved after (expandable segments) |"), "|---:|---|---:|---:|---:|---:|---:|"]
+    for s in default.steps[::every]:
+        other = expandable.get(s.step)
+        lines.append(f"| {s.step} | {s.rows} x {s.length:,} | {_gib(s.peak_allocated_bytes)} | "
+                     f"{_gib(s.peak_reserved_bytes)} | {_gib(s.reserved_bytes)} | {_gib(s.fragmentation_bytes)} | "
+                     f"{_gib(other.reserved_bytes) if other else 'out of memory'} |")
+    for replay in (churn.default, churn.expandable):
+        if replay.first_oom_step is not None:
+            lines.append(f"\n- {replay.config}: cannot place a block at step {replay.first_oom_step}: {replay.oom}")
+    return lines
+
+
+def run_markdown(result, plot_name: str = "lengths.png") -> str:
+    summary = result.run
+    lines = ["", "## The run over the data", "", f"- {distribution_line(summary)}"]
+    lines += [f"- {line}" for line in run_lines(result)[1:]]
+    lines += [(f"- The estimate above was traced at {summary.traced_length:,} tokens per row, the longest a step "
+               "of this run makes; the peak only grows with the rows and the tokens per row, so the steps no "
+               "other step covers decide the run (traced; the others are not). Steps count from 0 in the data's order."),
+              "", f"![tokens per sample]({plot_name})", "",
+              "| batch | steps | verdict | peak step | rows x tokens | peak allocated | peak reserved | first step that does not fit |",
+              "|---:|---:|---|---:|---|---:|---:|---|"]
+    for b, run in sorted(summary.runs.items()):
+        first = "—" if run.first_oom_step is None else (f"{run.first_oom_step} ({run.first_oom_shape.rows} x "
+                                                        f"{run.first_oom_shape.length:,})")
+        lines.append(f"| {b} | {run.steps} | {run.verdict} | {run.peak_step} | {run.peak_shape.rows} x "
+                     f"{run.peak_shape.length:,} | {_gib(run.peak_bytes)} | {_gib(run.peak_reserved_bytes)} | {first} |")
+    if summary.churn is not None:
+        lines += churn_markdown(summary.churn)
+    lines += ["", "| tokens per sample | samples |", "|---|---:|"]
+    lines += [f"| {low:,}–{high:,} | {count:,} |" for low, high, count in summary.histogram]
+    return "\n".join(lines) + "\n"
+
+
+def lengths_plot(summary, path: Path) -> None:
+    """The histogram of tokens per sample, with the length the estimate was traced at."""
+    from batchfit.report.plots import (
+        _figure,  # matplotlib: only when a report is written
+    )
+
+    fig, (ax,) = _figure(7, 3.6)
+    lows = [low for low, _, _ in summary.histogram]
+    widths = [high - low + 1 for low, high, _ in summary.histogram]
+    ax.bar(lows, [count for _, _, count in summary.histogram], width=widths, align="edge", color="tab:blue")
+    ax.axvline(summary.traced_length, color="tab:red", lw=1, label=f"traced at {summary.traced_length:,} tokens per row")
+    ax.set_title(f"{summary.data}: {summary.samples:,} samples, --batching {summary.batching}", fontsize=10)
+    ax.set_xlabel("tokens per sample")
+    ax.set_ylabel("samples")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
