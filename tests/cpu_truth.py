@@ -44,7 +44,7 @@ def same_kernels_on_any_x86() -> Iterator[None]:
     """Run a real CPU step with the CPU kernels that allocate the same bytes on every x86 CPU: on
     one thread, with oneDNN off. For a truth whose real step would otherwise hold scratch that
     depends on the machine and that the trace never counts (kernel-internal scratch, a known limit:
-    docs/tracing.md), so the comparison holds on whichever CPU CI has.
+    docs/tracing/known-limits.md), so the comparison holds on whichever CPU CI has.
 
     - Threads: PyTorch's CPU flash attention allocates per-thread buffers through c10's allocator,
       which the profiler sees (``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``: ``buf`` and

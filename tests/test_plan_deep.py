@@ -85,7 +85,7 @@ def test_reserved_replays_reuse_the_fresh_traces_they_have():
     """The depth sessions' first trace is a fresh process: a replay at that size takes its
     streams (no session opened); a replay at a size not traced yet opens fresh sessions, whose
     point is the steady one, which trace() then takes, byte for byte. (That the plan's figures do
-    not change: benchmarks/plan_speed.py --keep-json, before and after, docs/tracing.md.)"""
+    not change: benchmarks/plan_speed.py --keep-json, before and after, docs/tracing/plan-memory.md.)"""
     options = StepOptions(precision="bf16-mixed")
     s = parse_strategy("fsdp", 2)
     opened = []

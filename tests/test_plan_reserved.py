@@ -107,7 +107,7 @@ def test_fsdp2_gradients_stay_reserved_on_the_reduce_scatter_stream():
     gathers parameters into buffers of its all-gather copy-in stream. The caching allocator hands a
     cached block only to requests of the stream it was reserved on, so what zero_grad frees stays
     reserved, out of the next forward's reach (torchtitan's Llama 3 8B on 8 GPUs: 4.0 GB, its fp32
-    gradient shard; docs/tracing.md). The trace names each malloc's stream: in the steady step the
+    gradient shard; docs/tracing/plan-memory.md). The trace names each malloc's stream: in the steady step the
     reduce-scatter stream allocates exactly the fp32 gradient shard, 4 B x the parameters of rank 0,
     and rank 0's reserved peak is what the three pools reserve each on its own, summed (a pool's
     reserved bytes never shrink unless the allocator runs out)."""

@@ -15,7 +15,7 @@ router routes by its random weights, the trace by ``--routing balanced``; the re
 forced to that routing (:func:`forced_balanced`), as tests/test_routing.py forces it.
 
 ``python -m pytest -s tests/test_support_truth.py | grep traced`` prints each cell's figures (the table
-of docs/tracing.md, "Per-family truths (support matrix)"); CI's fast tier runs the fp32 cells only.
+of docs/tracing/checking.md, "Per-family truths (support matrix)"); CI's fast tier runs the fp32 cells only.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def configs(tmp_path_factory) -> Path:
 def test_each_familys_traced_peak_matches_the_profiler_on_a_real_cpu_step(family, recipe, configs, tmp_path):
     """Most cells are byte-exact but for the 28 to 196 B of buffers no op of the step reads (the rotary
     tables' ``original_inv_freq``, unseen by the profiler's timeline) when written; the rest within 0.73%
-    but the two ``KNOWN``: docs/tracing.md, "Per-family truths (support matrix)", has the table."""
+    but the two ``KNOWN``: docs/tracing/checking.md, "Per-family truths (support matrix)", has the table."""
     work = workload(family, configs)
     try:
         options = StepOptions(**RECIPES[recipe])

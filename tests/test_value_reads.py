@@ -241,7 +241,7 @@ class EvalEncoder(FrozenEncoder):
 
 
 def test_an_eval_mode_encoder_is_said_to_be_approximated_never_silently():
-    """Traced 12% under the CPU profiler (docs/tracing.md): every output must say so."""
+    """Traced 12% under the CPU profiler (docs/tracing/value-reads.md): every output must say so."""
     from batchfit import estimate, get_device
 
     eval_result = estimate(_workload(EvalEncoder), device=get_device("t4-16gb"), batch_sizes=[8], suggest=False)

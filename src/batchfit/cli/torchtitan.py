@@ -66,7 +66,7 @@ def torchtitan_approximation(job: TitanJob):
              "all-reduce of the global token count" + extra,
         may_differ_by="one fp32 norm per parameter tensor (512 B each with CUDA's rounding: under 0.2 MiB for "
                       "Llama 3 8B's 291 tensors) and a few scalars",
-        source="torchtitan 0.2.2 torchtitan/train.py (train_step); docs/tracing.md, From a torchtitan job",
+        source="torchtitan 0.2.2 torchtitan/train.py (train_step); docs/tracing/front-doors.md, From a torchtitan job",
         detail=f"torchtitan job {job.path.name}")
 
 

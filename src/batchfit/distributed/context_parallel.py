@@ -219,4 +219,4 @@ def context_parallel_approximations(strategies) -> list:
                       "torchtitan's _context_parallel_shard path does: torch's context_parallel(buffers=...) "
                       "also keeps a clone of each table it restores for the step (seq x head_dim x 4 B for a "
                       "RoPE cos + sin pair: 64 MiB at seq 131072, head 128), not counted",
-        source="tests/test_context_parallel.py; docs/tracing.md, Context parallelism")]
+        source="tests/test_context_parallel.py; docs/tracing/context-parallel.md")]

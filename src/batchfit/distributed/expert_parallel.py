@@ -116,7 +116,7 @@ def ep_approximations(strategies, routing: str) -> list:
         may_differ_by="nothing for the layout traced (torchtitan 0.2.2's default, expert_tensor_parallel_degree "
                       "1); with expert_tensor_parallel_degree = tp (not traced) the experts' matrices would be "
                       "TP-sharded too, ep would borrow only dp ranks, and each rank would dispatch all of its tokens",
-        source="docs/tracing.md, Expert parallelism with tensor parallelism",
+        source="docs/tracing/experts.md, Expert parallelism with tensor parallelism",
         detail="the MoE block's input is all-gathered over tp (every tp rank holds the block's B x S tokens), each "
                "tp rank dispatches its contiguous 1/tp of them (ReordererSequenceParallel), the block's output is "
                "reduce-scattered onto the sequence shards; needs B x S divisible by tp")]
@@ -127,7 +127,7 @@ def ep_approximations(strategies, routing: str) -> list:
                       "routing (worst: every token's experts are rank 0's, the bound); a real router's imbalance "
                       "between ranks moves rows (hidden x dtype bytes each, a few tensors per MoE layer) to "
                       "whichever rank is hottest: take the most of --routing balanced and worst",
-        source="docs/tracing.md, Expert parallelism",
+        source="docs/tracing/experts.md, Expert parallelism",
         detail="torchtitan's dispatch (ExpertParallel: all-to-all, _permute local-expert-major, torch._grouped_mm, "
                "_unpermute, all-to-all) around HF's stacked expert weights, the routing weights applied after the "
                "combine (HF's order); torchtitan's float8 / MXFP8 paths pad each expert's rows to 16 / 32 (not "

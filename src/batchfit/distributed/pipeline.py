@@ -195,7 +195,7 @@ def pipeline_approximations(strategies, workload=None) -> list:
              "last the head, each its own copy (as transformers' pipeline split keeps them); the all-reduce that sums "
              "their gradients between the two ranks is neither traced nor timed",
         may_differ_by="one all-reduce of vocabulary x hidden elements per step (time only: NCCL works in place)",
-        source="distributed/pipeline_hf.py; docs/tracing.md, Pipeline parallelism")] if (
+        source="distributed/pipeline_hf.py; docs/tracing/pipeline.md")] if (
         workload is not None and _tied_hf_head(workload)) else []
     names = sorted({f"{s.name} ({s.pp_schedule})" for s in pipelined})
     dualpipe = any(s.pp_schedule == "dualpipev" for s in pipelined)
@@ -214,5 +214,4 @@ def pipeline_approximations(strategies, workload=None) -> list:
                       "base_model_pp_plan, 1F1B and ZBV with full checkpointing on 2 ranks: within 72 B; pp2 x tp2 on an HF "
                       "Llama, 4 ranks: the first pipeline rank 0.56% under, the last within 52 B); NCCL's P2P "
                       "staging buffers (outside the caching allocator) are not counted",
-        source="tests/test_pipeline.py; tests/test_pipeline_hf.py; benchmarks/pp_gloo.py; docs/tracing.md, "
-               "Pipeline parallelism")] + tied
+        source="tests/test_pipeline.py; tests/test_pipeline_hf.py; benchmarks/pp_gloo.py; docs/tracing/pipeline.md")] + tied

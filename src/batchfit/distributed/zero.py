@@ -167,4 +167,4 @@ def zero_approximations(strategies) -> list:
         may_differ_by="nothing for the torch run (2 gloo ranks: within 120 B); under DeepSpeed, more by its reduce "
                       "bucket (reduce_bucket_size, 5e8 elements by default: 1 GB in bf16) and, for a bf16 model, "
                       "fp32 master weights of the partition",
-        source="benchmarks/results/zero-gloo-2026-11-25.json; docs/tracing.md, Sharded optimizer state")]
+        source="benchmarks/results/zero-gloo-2026-11-25.json; docs/tracing/zero.md")]

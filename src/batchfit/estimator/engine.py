@@ -72,7 +72,7 @@ class EstimateResult:
     """Batch sizes whose reserved peak came from a whole-model trace; the others' allocation
     streams were written from the depths' streams (``trace/stream.py``)."""
     known_limits: list[str] = field(default_factory=list)
-    """What this model runs that the trace does not mirror (beyond docs/tracing.md's list)."""
+    """What this model runs that the trace does not mirror (beyond docs/tracing/known-limits.md's list)."""
     approximations: list[Approximation] = field(default_factory=list)
     """Where the traced figures approximate the step (a compiled model traced as eager): every
     output says each one."""

@@ -28,7 +28,7 @@ data-parallel wrap of the dp ranks. Rules:
   with at least 2 GPUs per shard group.
 - One GPU: the plain single-GPU step, once.
 
-Counts (a model every rule applies to; the plan's --help and docs/tracing.md say them): 2 GPUs 7,
+Counts (a model every rule applies to; the plan's --help and docs/tracing/auto.md say them): 2 GPUs 7,
 4 GPUs 11, 8 GPUs 15, 16 (2 nodes) 15, 64 (8 nodes) 17. Narrow with ``--strategies`` (a list).
 Pure Python; :func:`model_facts` builds the model on the meta device (torch, imported there).
 """

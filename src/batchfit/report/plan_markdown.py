@@ -81,7 +81,7 @@ SHARD_MEANING = {
     "zero2": "torch's ZeroRedundancyOptimizer, each gradient reduced to the rank that owns it: optimizer state "
              "and gradients sharded, parameters replicated (ZeRO stage 2)",
 }
-"""What the strategies whose names do not say it do (docs/tracing.md, Sharded optimizer state)."""
+"""What the strategies whose names do not say it do (docs/tracing/zero.md)."""
 
 
 def plan_markdown(result, plot_name: str = "plan.png") -> str:

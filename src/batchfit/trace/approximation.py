@@ -49,7 +49,7 @@ def fast_path_approximations(model) -> list[Approximation]:
              "not PyTorch's fused fast path",
         may_differ_by="about -12% of peak (a frozen eval-mode encoder on a CPU: 1,019,400 B traced, "
                       "1,158,664 B measured); keep it in train mode to be traced exactly",
-        source="docs/tracing.md, Code that reads tensor values", detail=f"in eval mode: {shown}")]
+        source="docs/tracing/value-reads.md", detail=f"in eval mode: {shown}")]
 
 
 OFFLOAD_STREAMS = Approximation(
@@ -59,7 +59,7 @@ OFFLOAD_STREAMS = Approximation(
                   "still in flight holds its tensor longer); the host figure rounds each block to a power of "
                   "two and keeps the allocator's cache per size, as PyTorch's pinned allocator does, but not "
                   "cudaHostAlloc's own page rounding (4 KiB per block)",
-    source="docs/tracing.md, Activation offloading")
+    source="docs/tracing/offload.md")
 """What the traced offload cannot see: CUDA streams' timing, the driver's pinned rounding."""
 
 FSDP_CPU_OFFLOAD = Approximation(
@@ -68,7 +68,7 @@ FSDP_CPU_OFFLOAD = Approximation(
                   "in their stored dtype), and the optimizer step's temporaries counted as host memory "
                   "with the foreach path (a CPU step takes the per-parameter loop: less); the CPU optimizer "
                   "step's time is not in the computed step time",
-    source="docs/tracing.md, FSDP2 CPU offload")
+    source="docs/tracing/offload.md, FSDP2 CPU offload")
 """What the trace of FSDP2's CPUOffloadPolicy cannot see (a CPU's .to('cpu') copies nothing)."""
 
 
@@ -76,7 +76,7 @@ OFFLOAD_COMPILED = Approximation(
     what="--offload activations with --compile: the hooks around AOTAutograd's compiled forward",
     may_differ_by="+1.5% of peak (an 8-layer MLP traced 4,309,000 B against 4,243,464 B under inductor on a "
                   "CPU: four activations more; not explained yet)",
-    source="docs/tracing.md, Activation offloading")
+    source="docs/tracing/offload.md")
 
 
 def offload_approximations(offload: str, compile: str = "none") -> list[Approximation]:
@@ -98,7 +98,7 @@ def quantize_approximations(quantize: str) -> list[Approximation]:
         what="--quantize int8 traced on bitsandbytes' CPU path (MatMul8bitFp), not CUDA's MatMul8bitLt",
         may_differ_by="the int8 copy of each layer's input and its outlier columns (value-dependent), "
                       "not yet measured on a GPU; nf4/fp4 are traced as CUDA runs them",
-        source="docs/tracing.md, QLoRA and 8-bit optimizers")]
+        source="docs/tracing/quantization.md")]
 
 
 FLASH_TRACED = Approximation(
@@ -107,7 +107,7 @@ FLASH_TRACED = Approximation(
                   "tensors are the same kernel's (q, k, v, the output, an fp32 log-sum-exp per row, the RNG state); "
                   "its backward's own scratch (an fp32 dq accumulator, with grouped-query attention dK/dV at Q's "
                   "heads) is not counted, as for SDPA's fused kernels",
-    source="docs/tracing.md, Attention implementations")
+    source="docs/tracing/attention.md")
 
 
 def attention_approximations(attention: str | None) -> list[Approximation]:

@@ -14,7 +14,7 @@ result carries :data:`COMPILED_TRACED` (the residual against inductor on this CP
 traces rank 0 compiled too (:func:`sharded_traces_compiled`) for FSDP2, HSDP, DDP (its graph
 cut at its buckets by dynamo's DDPOptimizer: :func:`_split_as_ddp`), ZeRO 1 / 2 and TP under
 ``--compile model``; the others stay eager, carry :data:`COMPILED_AS_EAGER` and say why
-(:func:`sharded_eager_reason`; docs/tracing.md, "torch.compile").
+(:func:`sharded_eager_reason`; docs/tracing/compile.md).
 
 Compiled is either asked for (``--compile model|blocks``: ``StepOptions.compile``), or done
 by the workload itself: ``torch.compile(module)`` returns an ``OptimizedModule``,
@@ -67,7 +67,7 @@ COMPILED_TRACED = Approximation(
                    "-5.05% (its logits' gradient before the logits scaling, which inductor writes) and Gemma 2 "
                    "+4.31% (its softcapped scores, which inductor never writes); --memory-budget 1 is exact on "
                    "both"),
-    source=("tests/test_compile.py::test_the_compiled_trace_matches_inductor_on_cpu; docs/tracing.md (blocks); "
+    source=("tests/test_compile.py::test_the_compiled_trace_matches_inductor_on_cpu; docs/tracing/compile.md (blocks); "
             "tests/test_support_truth.py (per family); "
             "tests/test_compile.py::test_pointwise_heavy_blocks_are_traced_low_op_by_op_and_exact_as_inductors_code; "
             "tests/test_plan_compiled.py; benchmarks/results/recipes-cddp-2026-11-25.json; "
@@ -224,7 +224,7 @@ def inductor_fallbacks() -> str:
     return (f"; inductor could not generate {len(_FALLBACKS)} graph(s) here ({_FALLBACKS[0]}): they ran op by op "
             "with batchfit's fusion model, which was -8% to 0% under a budget, -3% with float8 and -25% to 0% "
             "with checkpointed blocks "
-            "(docs/tracing.md, torch.compile)")
+            "(docs/tracing/compile.md)")
 
 
 class _Codegen(Exception):

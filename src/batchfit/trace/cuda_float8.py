@@ -130,7 +130,7 @@ def float8_approximations(options: StepOptions, *, traced_compiled: bool = False
              "buffers exact; not yet compared with an H100 run)",
         may_differ_by=("an amount not yet measured on a GPU (cuBLASLt's own workspace for _scaled_mm is not "
                        "counted); the same trace with CPU semantics is within 0.001% of a real CPU step"),
-        source="tests/test_float8.py; docs/tracing.md, float8 training")]
+        source="tests/test_float8.py; docs/tracing/float8.md")]
     if options.compile != "none" and traced_compiled:
         from batchfit.trace.compiled import inductor_fallbacks
 
@@ -141,5 +141,5 @@ def float8_approximations(options: StepOptions, *, traced_compiled: bool = False
             what="torchao's float8 casts traced eager",
             may_differ_by=("+0 to +12 bytes per element of a linear's input or output gradient where they make the "
                            "peak: the cast temporaries (abs, fp32 upcast, scale, clamp) inductor fuses away"),
-            source="docs/tracing.md, float8 training", detail=f"--compile {options.compile}"))
+            source="docs/tracing/float8.md", detail=f"--compile {options.compile}"))
     return found

@@ -86,5 +86,5 @@ def packing_approximation(assumed: int) -> list[Approximation]:
         may_differ_by="a packed batch (positions restarting inside a row) adds, on the GPU, a [B, 1, T, T] "
                       "attention mask per layer and, with grouped-query attention, K and V repeated per query "
                       "head (a tiny bf16 GQA Qwen3-MoE: +24,576 B over 2 layers, 2% of its peak)",
-        source="docs/tracing.md, Code that reads tensor values",
+        source="docs/tracing/value-reads.md",
         detail="transformers' find_packed_sequence_indices reads the values; fake tensors hold none")]

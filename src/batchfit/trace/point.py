@@ -264,7 +264,7 @@ class TracedCurve:
                 what=f"{asked} compiled nothing here: the step was traced eagerly",
                 may_differ_by="what inductor would keep or fuse in whatever a GPU run compiles (not measured for "
                               "this model: run it with `batchfit probe --device cuda`)",
-                source="docs/tracing.md, Compiled steps", detail=compiled)] + fast_path
+                source="docs/tracing/compile.md", detail=compiled)] + fast_path
         return ([dataclasses.replace(COMPILED_TRACED, detail=f"{asked}: {compiled}")] + budget
                 + checkpointed_approximations(asked, checkpointing=self.options.checkpointing) + fast_path)
 

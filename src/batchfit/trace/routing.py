@@ -88,7 +88,7 @@ def routing_approximation(model: nn.Module, routing: str) -> list[Approximation]
                       "top_k under any routing, but HF's expert loop holds one weight-sized gradient per expert "
                       "hit (a tiny Qwen3-MoE: balanced +6.7% over worst, a random router between them): take "
                       "the most of --routing balanced and worst",
-        source="docs/tracing.md, Mixture of experts: routing and expert parallelism",
+        source="docs/tracing/experts.md, Mixture of experts: routing and expert parallelism",
         detail=f"{len(experts)} MoE layers, experts implementation {'/'.join(impls)}{note}")]
 
 

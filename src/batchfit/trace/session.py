@@ -365,7 +365,7 @@ class TraceSession:
         if not self.compiled:
             self.tracker.watch_modules(self.step.model, main_blocks(self.step.model))
         # Micro-batches 3..N of an accumulating step are written as repeats of the second
-        # (MemoryTracker.repeat_micro_batch, docs/tracing.md "Gradient accumulation"), except
+        # (MemoryTracker.repeat_micro_batch, docs/tracing/accumulation.md), except
         # where a later micro-batch may differ from the second: a wrapped model (DDP's no_sync
         # and bucket rebuild, zero2's per-micro-batch reduce), offloading (its host bytes add up
         # per micro-batch), compiled or MoE-routed steps, float8 and quantized layers (untried).

@@ -27,7 +27,7 @@ tracer runs where CUDA runs its memory-efficient kernel (``batchfit::cuda_effici
 in ``trace/cuda_attention.py``: the aten op without its host-side seed and offset). Without them
 the trace would recompute the attention that a GPU keeps. A user's own policy that names
 ``aten._scaled_dot_product_efficient_attention`` does not see the tracer's op (a known limit,
-docs/tracing.md): on fp32 or masked attention it is traced as recomputed.
+docs/tracing/checkpointing.md): on fp32 or masked attention it is traced as recomputed.
 
 A third, over transformers' MoE layers (``selective_context_fn``): the router's logits are kept
 and ``topk`` recomputed from them, the same routing, since HF's routers divide topk's output in
