@@ -32,6 +32,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from batchfit.devices import Device, GiB
+from batchfit.distributed.strategy_name import FSDP_SHARDS
 from batchfit.errors import OptionError
 from batchfit.plan import workers
 from batchfit.plan.derived import SharedTraces
@@ -322,16 +323,16 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     approximations += offload_approximations(options.offload, options.compile)
     approximations += attention_approximations(options.attention)
     approximations += packing_approximation(int(batch_passes_position_ids(workload)))
-    approximations += zero_approximations([s for _, chosen in by_world for s in chosen])
+    approximations += zero_approximations(every)
     from batchfit.distributed.pipeline import pipeline_approximations
 
-    approximations += pipeline_approximations([s for _, chosen in by_world for s in chosen], workload)
+    approximations += pipeline_approximations(every, workload)
     from batchfit.distributed.context_parallel import context_parallel_approximations
 
-    approximations += context_parallel_approximations([s for _, chosen in by_world for s in chosen])
+    approximations += context_parallel_approximations(every)
     from batchfit.distributed.expert_parallel import ep_approximations
 
-    approximations += ep_approximations([s for _, chosen in by_world for s in chosen], options.routing)
+    approximations += ep_approximations(every, options.routing)
     target_bytes = int(target_util * device.usable_bytes)
 
     def one(job: tuple[World, object, list], say: Callable[[str], None]) -> tuple[list[StrategyPlan], int | None, int]:
@@ -365,9 +366,6 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     )
 
 
-FSDP_SHARDS = ("fsdp", "fsdp-noreshard", "hsdp")
-
-
 def _auto(workload: Workload, options: StepOptions, worlds: list[World], parse: Callable, facts,
           pp_schedule: str, microbatches: int) -> tuple[list, list[StrategyPlan]]:
     """``--strategies auto``: per world, the strategies of ``candidates.candidates`` to trace, and a
@@ -381,7 +379,8 @@ def _auto(workload: Workload, options: StepOptions, worlds: list[World], parse: 
         names = [c.name for c in listed if c.skipped is None]
         by_world.append((world, parse(",".join(names), world.gpus) if names else []))
         not_traced += [StrategyPlan(strategy=c.name, gpus=c.gpus, nodes=c.nodes, dp=c.dp, tp=c.tp, shard=c.shard,
-                                    replicas=c.replicas, pp=c.pp, points=[], curve=None, max_local_batch=0,
+                                    replicas=c.replicas, pp=c.pp, cp=c.degrees.get("cp", 1), ep=c.degrees.get("ep", 1),
+                                    points=[], curve=None, max_local_batch=0,
                                     capped=False, skipped=c.skipped) for c in listed if c.skipped]
     return by_world, not_traced
 
@@ -400,9 +399,8 @@ def _set_aside(world: World, chosen: list, why: Callable[[object], str | None], 
         if reason is None:
             kept.append(s)
             continue
-        not_traced.append(StrategyPlan(strategy=s.name, gpus=world.gpus, nodes=world.nodes, dp=s.dp, tp=s.tp,
-                                       shard=s.shard, replicas=getattr(s, "replicas", 1), pp=getattr(s, "pp", 1),
-                                       points=[], curve=None, max_local_batch=0, capped=False, skipped=reason))
+        not_traced.append(StrategyPlan(**_row_base(world, s), points=[], curve=None, max_local_batch=0, capped=False,
+                                       skipped=reason))
     return kept
 
 
@@ -486,7 +484,7 @@ def _row_base(world: World, strategy) -> dict:
     """A row's fields that come from its strategy and world."""
     return dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
                 tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1),
-                ep=getattr(strategy, "ep", 1), pp=getattr(strategy, "pp", 1),
+                ep=getattr(strategy, "ep", 1), pp=getattr(strategy, "pp", 1), cp=getattr(strategy, "cp", 1),
                 pp_schedule=getattr(strategy, "pp_schedule", ""), microbatches=getattr(strategy, "microbatches", 0))
 
 

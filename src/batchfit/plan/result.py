@@ -137,6 +137,8 @@ class StrategyPlan:
     """Expert-parallel degree (ep<N>; within dp, so max_global_batch is unchanged by it)."""
     pp: int = 1
     """Pipeline stages (pp<N>); 1 without."""
+    cp: int = 1
+    """Context-parallel degree (cp<N>; world = pp x dp x cp x tp); 1 without."""
     pp_schedule: str = ""
     """Under pp<N>: the schedule as --pp-schedule names it ("1f1b", "zbv", ...); "" without."""
     microbatches: int = 0
@@ -174,7 +176,7 @@ class StrategyPlan:
     def to_json(self) -> dict:
         return {
             "strategy": self.strategy, "gpus": self.gpus, "nodes": self.nodes, "dp": self.dp, "tp": self.tp,
-            "ep": self.ep, "pp": self.pp, "shard": self.shard, "replicas": self.replicas,
+            "ep": self.ep, "pp": self.pp, "cp": self.cp, "shard": self.shard, "replicas": self.replicas,
             **({"pp_schedule": self.pp_schedule, "microbatches": self.microbatches,
                 "pp_layers_per_stage": self.pp_layers_per_stage} if self.pp > 1 else {}),
             "points": [p.to_json() for p in self.points],

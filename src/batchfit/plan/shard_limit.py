@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-FSDP_SHARDS = ("fsdp", "fsdp-noreshard", "hsdp")
+from batchfit.distributed.strategy_name import FSDP_SHARDS
 
 SMALL_GROUP = 256
 """A shard group of at most this many ranks is not checked (the model is not built for it): every
