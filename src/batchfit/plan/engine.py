@@ -32,6 +32,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from batchfit.devices import Device, GiB
+from batchfit.distributed.parallelisms import approximations as parallelism_approximations
 from batchfit.distributed.strategy_name import FSDP_SHARDS
 from batchfit.errors import OptionError
 from batchfit.plan import workers
@@ -305,7 +306,6 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     _refuse_wide_shards(workload, by_world, auto, not_traced)
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    from batchfit.distributed.zero import zero_approximations  # torch: when a plan runs
     from batchfit.trace.approximation import attention_approximations, offload_approximations
     from batchfit.trace.compiled import plan_compile_approximations, sharded_eager_reason, sharded_traces_compiled
     from batchfit.trace.cuda_float8 import float8_approximations
@@ -323,16 +323,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     approximations += offload_approximations(options.offload, options.compile)
     approximations += attention_approximations(options.attention)
     approximations += packing_approximation(int(batch_passes_position_ids(workload)))
-    approximations += zero_approximations(every)
-    from batchfit.distributed.pipeline import pipeline_approximations
-
-    approximations += pipeline_approximations(every, workload)
-    from batchfit.distributed.context_parallel import context_parallel_approximations
-
-    approximations += context_parallel_approximations(every)
-    from batchfit.distributed.expert_parallel import ep_approximations
-
-    approximations += ep_approximations(every, options.routing)
+    approximations += parallelism_approximations(every, workload, options)  # each parallelism's own (registry)
     target_bytes = int(target_util * device.usable_bytes)
 
     def one(job: tuple[World, object, list], say: Callable[[str], None]) -> tuple[list[StrategyPlan], int | None, int]:
