@@ -135,7 +135,7 @@ def parse_name(text: str) -> StrategyName:
     for i, token in enumerate(name.split("+")):
         match = _TOKEN.match(token)
         if match is None:
-            raise OptionError(f"unknown strategy '{text.strip()}': use {NAMES_HELP}, e.g. --strategies ddp,fsdp,fsdp+tp2")
+            raise _unknown(text)
         key, degree, wrap = match.group(1), int(match.group(2) or 0), match.group(3)
         if key == "pp" and (i > 0 or "pp" in found):
             raise OptionError(f"{name}: pp<N> comes once, first: e.g. pp2+fsdp+tp2")
@@ -146,8 +146,8 @@ def parse_name(text: str) -> StrategyName:
                               f"{dict(pp='pp2+fsdp', cp='fsdp+cp2', ep='ep8+fsdp')[key]} (or drop {key}{degree})")
         if key in ("tp", "hsdp") and degree < 1:
             raise OptionError(f"{name}: {key}<N> needs 1 or more ranks, e.g. {'fsdp+tp2' if key == 'tp' else 'hsdp2'}")
-        if (wrap or key == "hsdp") and shard != "none" or key == "tp" and "tp" in found:
-            raise OptionError(f"unknown strategy '{text.strip()}': use {NAMES_HELP}, e.g. --strategies ddp,fsdp,fsdp+tp2")
+        if ((wrap or key == "hsdp") and shard != "none") or (key == "tp" and "tp" in found):  # two wraps, two tp
+            raise _unknown(text)
         if key == "hsdp":
             shard, replicas = "hsdp", degree
         elif wrap:
@@ -157,20 +157,24 @@ def parse_name(text: str) -> StrategyName:
     parts = StrategyName(shard=shard, replicas=replicas, tp=found.get("tp", 1), cp=found.get("cp", 1),
                          ep=found.get("ep", 1), pp=found.get("pp", 1))
     if parts.name == "none":  # tp1 alone: no wrap, no degree
-        raise OptionError(f"unknown strategy '{text.strip()}': use {NAMES_HELP}, e.g. --strategies ddp,fsdp,fsdp+tp2")
+        raise _unknown(text)
     return parts
+
+
+def _unknown(text: str) -> OptionError:
+    return OptionError(f"unknown strategy '{text.strip()}': use {NAMES_HELP}, e.g. --strategies ddp,fsdp,fsdp+tp2")
+
+
+def _good(world_size: int) -> str:
+    """The degrees that divide ``world_size`` GPUs, for a message."""
+    return ", ".join(str(d) for d in range(2, world_size + 1) if world_size % d == 0) or "(none: one GPU)"
 
 
 def check_degree(name: str, key: str, degree: int, world_size: int, *, product: str) -> None:
     """One line for a component (pp<N>, cp<N>) whose degree does not divide ``world_size`` GPUs."""
     if world_size % degree:
-        good = [d for d in range(2, world_size + 1) if world_size % d == 0]
         raise OptionError(f"{name} on {world_size} GPUs: {product} must equal the GPU count; use {key}<N> with "
-                          f"N in {', '.join(map(str, good)) or '(none: one GPU)'}")
-
-
-def _good(world_size: int) -> str:
-    return ", ".join(str(d) for d in range(2, world_size + 1) if world_size % d == 0) or "(none: one GPU)"
+                          f"N in {_good(world_size)}")
 
 
 def resolve(parts: StrategyName, world_size: int, *, pp_schedule: str = "1f1b", microbatches: int = 0) -> Strategy:
@@ -195,7 +199,7 @@ def _resolve(parts: StrategyName, world_size: int, pp_schedule: str = "1f1b", mi
     if parts.ep > 1:
         return _expert_parallel(parts, world_size)
     if parts.tp > 1 and parts.shard not in ("none", "fsdp", "fsdp-noreshard"):  # TP composes with FSDP2 only
-        raise OptionError(f"unknown strategy '{name}': use {NAMES_HELP}, e.g. --strategies ddp,fsdp,fsdp+tp2")
+        raise _unknown(name)
     if parts.shard == "hsdp":
         if world_size % parts.replicas:
             raise OptionError(f"{name} needs a replica count that divides the {world_size} GPUs: "
