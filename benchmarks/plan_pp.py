@@ -64,7 +64,6 @@ def main() -> None:
     from batchfit.distributed.pp_schedules import bubble_fraction, in_flight, parse_schedule, rank_actions, \
         rank_stages
     from batchfit.plan.pipeline import PipelineSession
-    from batchfit.plan.pp_strategy import parse_pp_strategy
     from batchfit.plan.sharded import parse_strategy
     from batchfit.workload import StepOptions
 
@@ -77,7 +76,7 @@ def main() -> None:
         schedule = parse_schedule(name, MICROBATCHES)
         stages = PP * schedule.virtual
         full_per_stage = LAYERS // stages
-        strategy = parse_pp_strategy(f"pp{PP}+{wrap}+tp{TP}", GPUS, parse_strategy, pp_schedule=name,
+        strategy = parse_strategy(f"pp{PP}+{wrap}+tp{TP}", GPUS, pp_schedule=name,
                                      microbatches=MICROBATCHES)
         by_depth: dict[int, dict[int, dict]] = {}
         for per_stage in (1, 2, 3):

@@ -35,7 +35,6 @@ def main() -> None:
     from batchfit.devices import get_device
     from batchfit.distributed.pp_schedules import rank_actions
     from batchfit.plan.pipeline import PipelineSession
-    from batchfit.plan.pp_strategy import parse_pp_strategy
     from batchfit.plan.sharded import parse_strategy
     from batchfit.workload import StepOptions
 
@@ -59,7 +58,7 @@ def main() -> None:
                 order = real[rank]["orders"].get(name)
                 assert order is None or [tuple(a) for a in order] == rank_actions(
                     t.parse_schedule(name, microbatches), world, rank), (name, rank)
-            strategy = parse_pp_strategy(f"pp{world}", world, parse_strategy, pp_schedule=name,
+            strategy = parse_strategy(f"pp{world}", world, pp_schedule=name,
                                          microbatches=microbatches)
             session = PipelineSession(t.tiny_workload(n_layers), StepOptions(checkpointing=checkpointing),
                                       get_device("h100-80gb"), strategy, cuda_semantics=False)

@@ -4,6 +4,7 @@ and no engine imports another (what two engines share moves down)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).parent.parent / "src" / "batchfit"
@@ -107,3 +108,48 @@ def test_no_files_import_each_other_round_a_circle():
         if module not in state:
             visit(module, [module])
     assert circles == []
+
+
+STRATEGY_PARSER = PACKAGE / "distributed" / "strategy_name.py"
+STRATEGY_TOKEN = re.compile(r"\b(?:pp|cp|ep|tp|hsdp)(?:\(|\\d|\d|<)|\b(?:ddp|fsdp|zero[12])\b")
+"""What a pattern or a literal that reads a strategy name holds: a degree token (pp(, tp\\d, cp2) or a wrap."""
+
+
+def token_like(value: object) -> bool:
+    """A literal that is (part of) a strategy name: '+' (the joiner), 'pp', 'cp2', 'fsdp', 'zero1', ..."""
+    return isinstance(value, str) and (value == "+" or bool(STRATEGY_TOKEN.search(value))
+                                       or re.fullmatch(r"(?:pp|cp|ep|tp|hsdp|zero)\d*", value) is not None)
+
+
+def strategy_text_reads(source: str) -> list[str]:
+    """Where ``source`` reads a strategy name as text instead of its typed degrees: a regular expression
+    over strategy tokens, a ``.split`` / ``.startswith`` / ``.endswith`` / ``.partition`` / ``.removeprefix``
+    of something named strategy, or a ``"cp" in ...strategy...`` test."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        line = f"line {getattr(node, 'lineno', '?')}"
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "re" and node.args
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+                and STRATEGY_TOKEN.search(node.args[0].value)):
+            found.append(f"{line}: re.{node.func.attr}({node.args[0].value!r})")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("split", "startswith", "endswith", "partition", "removeprefix")
+              and "strateg" in ast.unparse(node.func.value).lower()
+              and any(isinstance(a, ast.Constant) and token_like(a.value) for a in node.args)):
+            found.append(f"{line}: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and token_like(node.left.value)
+              and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)
+              and any("strateg" in ast.unparse(c).lower() for c in node.comparators)):
+            found.append(f"{line}: {ast.unparse(node)}")
+    return found
+
+
+def test_one_parser_of_strategy_names():
+    """Strategy names are read in distributed/strategy_name.py alone; everything else reads the typed
+    degrees (Strategy.tp, .cp, .pp, StrategyPlan.cp, ...), as torchtitan's ParallelDims holds them."""
+    assert strategy_text_reads('_PP = re.compile(r"^pp(\\d+)(?:\\+(.+))?$")\nif p.strategy.startswith("pp"): pass\n'
+                               'cp = "cp" in plan.strategy\nparts = strategy.name.split("+")')  # the rule sees them
+    wrong = [f"{path.relative_to(PACKAGE)} {where}" for _, path in modules() if path != STRATEGY_PARSER
+             for where in strategy_text_reads(path.read_text())]
+    assert wrong == []

@@ -29,7 +29,6 @@ from batchfit.devices import get_device
 from batchfit.distributed.pp_schedules import bubble_fraction, in_flight, parse_schedule, rank_actions
 from batchfit.errors import OptionError
 from batchfit.plan.pipeline import PipelineSession
-from batchfit.plan.pp_strategy import parse_pp_strategy
 from batchfit.plan.sharded import parse_strategy
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
@@ -182,7 +181,7 @@ def measured_slow(tmp_path_factory) -> dict:
 def test_each_stage_peak_matches_a_real_gloo_pipeline(request, name, checkpointing):
     fixture = "measured" if (name, checkpointing) in FAST_RUNS else "measured_slow"
     measured = request.getfixturevalue(fixture)
-    strategy = parse_pp_strategy("pp2", WORLD, parse_strategy, pp_schedule=name, microbatches=MICROBATCHES)
+    strategy = parse_strategy("pp2", WORLD, pp_schedule=name, microbatches=MICROBATCHES)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         session = PipelineSession(tiny_workload(), StepOptions(checkpointing=checkpointing), get_device("h100-80gb"),
@@ -277,12 +276,12 @@ def test_bubble_by_hand():
 ])
 def test_bad_pipeline_input_is_one_line(text, world, schedule, micro, says):
     with pytest.raises(OptionError, match=says) as error:
-        parse_pp_strategy(text, world, parse_strategy, pp_schedule=schedule, microbatches=micro)
+        parse_strategy(text, world, pp_schedule=schedule, microbatches=micro)
     assert "\n" not in str(error.value)
 
 
 def test_layers_not_divisible_by_stages_is_one_line():
-    strategy = parse_pp_strategy("pp3", 3, parse_strategy, pp_schedule="1f1b", microbatches=3)
+    strategy = parse_strategy("pp3", 3, pp_schedule="1f1b", microbatches=3)
     with pytest.raises(OptionError, match="4 layers do not split into 3") as error:
         PipelineSession(tiny_workload(), StepOptions(), get_device("h100-80gb"), strategy)
     assert "\n" not in str(error.value)

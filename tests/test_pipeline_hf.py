@@ -23,7 +23,6 @@ import torch
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.pipeline import PipelineSession
-from batchfit.plan.pp_strategy import parse_pp_strategy
 from batchfit.plan.sharded import parse_strategy
 from batchfit.workload import StepOptions
 from test_pipeline import MICRO, MICROBATCHES, WORLD, _measure
@@ -93,7 +92,7 @@ def test_stages_in_a_row_compute_the_whole_models_logits_and_loss(family, tmp_pa
 
 def _session(workload, name: str = "pp2", schedule: str = "1f1b", world: int = WORLD,
              microbatches: int = MICROBATCHES, micro: int = MICRO, checkpointing: str = "none"):
-    strategy = parse_pp_strategy(name, world, parse_strategy, pp_schedule=schedule, microbatches=microbatches)
+    strategy = parse_strategy(name, world, pp_schedule=schedule, microbatches=microbatches)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         session = PipelineSession(workload, StepOptions(checkpointing=checkpointing), get_device("h100-80gb"),
@@ -132,7 +131,7 @@ def test_each_pipeline_rank_holds_its_stages_parameters(family, tmp_path):
 def test_a_tied_head_across_stages_is_written_down(tmp_path):
     from batchfit.distributed.pipeline import pipeline_approximations
 
-    strategy = parse_pp_strategy("pp2", WORLD, parse_strategy, pp_schedule="1f1b", microbatches=MICROBATCHES)
+    strategy = parse_strategy("pp2", WORLD, pp_schedule="1f1b", microbatches=MICROBATCHES)
     tied = pipeline_approximations([strategy], _workload("gemma", tmp_path))
     untied = pipeline_approximations([strategy], _workload("llama", tmp_path))
     assert len(tied) == len(untied) + 1 and "tied to its embedding" in tied[-1].what

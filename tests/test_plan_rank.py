@@ -86,7 +86,7 @@ def test_what_cannot_apply_is_listed_with_its_reason():
 
 
 def test_a_new_component_is_added():
-    """How the cp and ep branches add theirs: a Component with its degrees rule and its name's place."""
+    """How the cp and ep branches add theirs: a Component with its degrees rule (StrategyName writes the name)."""
     def cp_degrees(world, facts, base: Candidate):
         return [(2, None)] if base.shard == "fsdp" else []
 
@@ -94,8 +94,8 @@ def test_a_new_component_is_added():
         return [(2, None if facts.experts else f"{facts.name} is dense: no experts to shard")] \
             if base.shard == "fsdp" and base.pp == 1 else []
 
-    cp = Component(key="cp", takes_gpus=True, place="before-tp", rule="cp<N>: ring attention", degrees=cp_degrees)
-    ep = Component(key="ep", takes_gpus=False, place="first", rule="ep<N>: experts sharded", degrees=ep_degrees)
+    cp = Component(key="cp", takes_gpus=True, rule="cp<N>: ring attention", degrees=cp_degrees)
+    ep = Component(key="ep", takes_gpus=False, rule="ep<N>: experts sharded", degrees=ep_degrees)
     listed = {c.name: c for c in candidates(World(8), LLAMA, components=(cp, ep))}
     assert (listed["fsdp+cp2"].dp, listed["fsdp+cp2"].degrees) == (4, {"cp": 2})
     assert (listed["fsdp+cp2+tp2"].dp, listed["pp2+fsdp+cp2"].dp) == (2, 2)

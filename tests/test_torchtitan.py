@@ -50,9 +50,10 @@ def test_the_debug_job_maps_every_key_once():
 
 def test_emit_patches_only_the_keys_that_change():
     from batchfit.plan.emit_torchtitan import degrees, patch_toml
+    from batchfit.plan.sharded import parse_strategy
 
     text = DEBUG.read_text()
-    values = {"parallelism": degrees("fsdp+tp2", 8), "training": {"local_batch_size": 3, "global_batch_size": 48}}
+    values = {"parallelism": degrees(parse_strategy("fsdp+tp2", 8)), "training": {"local_batch_size": 3, "global_batch_size": 48}}
     out = patch_toml(text, values)
     import difflib
 
@@ -69,17 +70,18 @@ def test_emit_patches_only_the_keys_that_change():
 
 def test_degrees_of_each_strategy_name():
     from batchfit.plan.emit_torchtitan import degrees
+    from batchfit.plan.sharded import parse_strategy
 
-    assert degrees("hsdp2", 8)["data_parallel_replicate_degree"] == 2
-    assert degrees("hsdp2", 8)["data_parallel_shard_degree"] == 4
-    assert degrees("pp2+fsdp+tp2", 16)["pipeline_parallel_degree"] == 2
-    assert degrees("pp2+fsdp+tp2", 16)["data_parallel_shard_degree"] == 4
-    assert degrees("ddp", 4)["data_parallel_replicate_degree"] == 4
-    assert degrees("fsdp-noreshard", 4)["fsdp_reshard_after_forward"] == "never"
+    assert degrees(parse_strategy("hsdp2", 8))["data_parallel_replicate_degree"] == 2
+    assert degrees(parse_strategy("hsdp2", 8))["data_parallel_shard_degree"] == 4
+    assert degrees(parse_strategy("pp2+fsdp+tp2", 16))["pipeline_parallel_degree"] == 2
+    assert degrees(parse_strategy("pp2+fsdp+tp2", 16))["data_parallel_shard_degree"] == 4
+    assert degrees(parse_strategy("ddp", 4))["data_parallel_replicate_degree"] == 4
+    assert degrees(parse_strategy("fsdp-noreshard", 4))["fsdp_reshard_after_forward"] == "never"
     from batchfit.errors import OptionError
 
     with pytest.raises(OptionError, match="no torchtitan equivalent"):
-        degrees("zero1", 4)
+        degrees(parse_strategy("zero1", 4))
 
 
 @pytest.mark.parametrize("schedule, micro, virtual_key", [

@@ -95,7 +95,7 @@ def torchtitan_section(job: TitanJob, result) -> dict:
     if best is not None and best.fits:
         from batchfit.plan.emit_torchtitan import degrees
 
-        answer = {"parallelism": degrees(best.strategy, best.gpus),
+        answer = {"parallelism": degrees(best),
                   "training": {"local_batch_size": best.micro_batch, "global_batch_size": best.global_batch}}
     return {"file": str(job.path), "torchtitan_version": TORCHTITAN_VERSION,
             "code": "torchtitan's own model (TransformerModelArgs of the flavor) and parallelize_llama, traced",

@@ -32,42 +32,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from batchfit.distributed.strategy_name import Strategy
 from batchfit.errors import OptionError
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-
-@dataclass(frozen=True)
-class Strategy:
-    name: str
-    """As the user typed it, normalised: "ddp", "fsdp", "fsdp-noreshard", "hsdp2", "tp2", "fsdp+tp4", "zero1"."""
-    world_size: int
-    """GPUs in all (nodes x GPUs per node)."""
-    dp: int
-    """Data-parallel degree (ranks that see different samples) = world_size // tp."""
-    tp: int
-    """Tensor-parallel degree (1 when none)."""
-    shard: str
-    """"none" (one GPU, no wrapper), "ddp", "fsdp", "fsdp-noreshard", "hsdp", "zero1", "zero2"."""
-    replicas: int = 1
-    """HSDP replica groups (hsdp<R>); 1 otherwise."""
-    pp: int = 1
-    """Pipeline-parallel degree (pp<N>+...; ``distributed/pipeline.py``): world_size = pp x dp x tp."""
-    pp_schedule: str = ""
-    """The pipeline schedule as --pp-schedule names it ("1f1b", "gpipe", "interleaved-1f1b:2"); "" without pp."""
-    microbatches: int = 0
-    """Pipeline micro-batches per step (--microbatches; 0: as many as the stages); 0 without pp."""
-    ep: int = 1
-    """Expert-parallel degree (ep<N>+fsdp[+tp<M>]; ``distributed/expert_parallel.py``): each rank keeps
-    experts / ep of every MoE layer's experts. Borrowed from the dp x tp ranks as torchtitan does with
-    its default etp=1 (ep divides dp x tp, world_size unchanged); the experts are FSDP-sharded over the
-    other dp x tp / ep ranks."""
-    cp: int = 1
-    """Context-parallel degree (cp<N>: each rank holds sequence/N of every sample; torch's ring
-    attention, ``distributed/context_parallel.py``): world_size = pp x dp x cp x tp, and FSDP / DDP
-    run over the dp x cp ranks (torchtitan's dp_shard_cp mesh)."""
 
 
 def data_parallel(shard: str, world_size: int) -> Strategy:

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from batchfit.distributed.strategy_name import StrategyName
 from batchfit.errors import OptionError
 from batchfit.plan.world import World
 
@@ -126,23 +127,21 @@ class Component:
     always tried and need not be listed); a degree with a reason is listed as skipped."""
 
     key: str
-    """'cp' or 'ep': the Candidate.degrees key and the name part's prefix (``cp2``)."""
+    """'cp' or 'ep': the Candidate.degrees key, a degree of ``StrategyName`` (which writes it into the name)."""
     takes_gpus: bool
     """True: a factor of the world (cp: GPUs = pp x dp x cp x tp); False: borrows from dp (ep divides dp)."""
     degrees: Callable[[World, ModelFacts, Candidate], list[tuple[int, str | None]]]
-    place: str
-    """Where its part goes in the name: 'first' (after pp: ep8+fsdp) or 'before-tp' (fsdp+cp2+tp2)."""
     rule: str
     """One line: the rule, as the module docstring writes the others."""
 
 
 # ---- The place for further components -------------------------------------------------------------
 # The cp and ep branches add their Component here (one line each): e.g.
-#   Component(key="cp", takes_gpus=True, place="before-tp", rule="cp<N> ...", degrees=_cp_degrees)
+#   Component(key="cp", takes_gpus=True, rule="cp<N> ...", degrees=_cp_degrees)
 # Candidates then carry degrees={"cp": N} and the composed name ("fsdp+cp2+tp2"); the engine traces
 # them like any other name (the strategy grammar must parse it). tests/test_plan_rank.py shows one added.
 def _cp_degrees(world: World, facts: ModelFacts, base: Candidate) -> list[tuple[int, str | None]]:
-    """cp<N> (plan/cp_strategy.py) on FSDP2 without pp, for attention models from MIN_AUTO_CP_SEQ tokens: the
+    """cp<N> (distributed/strategy_name.py) on FSDP2 without pp, for attention models from MIN_AUTO_CP_SEQ tokens: the
     smallest and largest N within a node that divides the data-parallel ranks and leaves sequence / (2 N) whole
     (torch's head-tail load balancing)."""
     seq = facts.seq_len or 0
@@ -154,7 +153,7 @@ def _cp_degrees(world: World, facts: ModelFacts, base: Candidate) -> list[tuple[
 
 
 def _ep_degrees(world: World, facts: ModelFacts, base: Candidate) -> list[tuple[int, str | None]]:
-    """ep<N>+fsdp[+tp<M>] (plan/ep_strategy.py) for a mixture of experts, without pp: the largest N within a
+    """ep<N>+fsdp[+tp<M>] (distributed/strategy_name.py) for a mixture of experts, without pp: the largest N within a
     node dividing both the experts and the dp x tp ranks it borrows from (torchtitan's etp=1)."""
     fsdp = base.shard == "fsdp" or (base.shard == "none" and base.tp > 1)  # tp<M> alone: FSDP2 over one rank
     if not facts.experts or not fsdp or base.pp > 1:
@@ -164,9 +163,9 @@ def _ep_degrees(world: World, facts: ModelFacts, base: Candidate) -> list[tuple[
 
 
 EXTRA_COMPONENTS: tuple[Component, ...] = (
-    Component(key="cp", takes_gpus=True, place="before-tp", degrees=_cp_degrees,
+    Component(key="cp", takes_gpus=True, degrees=_cp_degrees,
               rule="cp<N>: ring attention over N ranks of each sample, FSDP2 over dp x cp"),
-    Component(key="ep", takes_gpus=False, place="first", degrees=_ep_degrees,
+    Component(key="ep", takes_gpus=False, degrees=_ep_degrees,
               rule="ep<N>+fsdp[+tp<M>]: each rank keeps experts / N, all-to-all dispatch (etp=1 with tp)"),
 )
 # ----------------------------------------------------------------------------------------------------
@@ -235,12 +234,10 @@ def _pp_wrap(schedule: str) -> str:
         return "fsdp"  # a bad name: each pp candidate is skipped with the parser's reason
 
 
-def _name(pp: int, wrap: str, tp: int, parts: dict[str, str] | None = None) -> str:
-    """The grammar's name: [pp<N>+][ep<N>+]wrap[+cp<N>][+tp<N>] ('' wrap: none; 'tp4' alone)."""
-    parts = parts or {}
-    inner = "+".join(p for p in (parts.get("first", ""), wrap, parts.get("before-tp", ""),
-                                 f"tp{tp}" if tp > 1 else "") if p)
-    return "+".join(p for p in (f"pp{pp}" if pp > 1 else "", inner) if p)
+def _name(pp: int, wrap: str, tp: int, degrees: dict[str, int] | None = None) -> str:
+    """The grammar's name (``distributed/strategy_name.py`` writes it): [pp<N>+][ep<N>+]wrap[+cp<N>][+tp<N>]
+    ('' wrap: none; 'tp4' alone)."""
+    return StrategyName(shard=wrap or "none", tp=tp, pp=pp, **(degrees or {})).name
 
 
 def candidates(world: World, facts: ModelFacts, *, pp_schedule: str = "1f1b", microbatches: int = 0,
@@ -263,7 +260,7 @@ def candidates(world: World, facts: ModelFacts, *, pp_schedule: str = "1f1b", mi
     for wrap in DP_WRAPS:
         add(Candidate(name=wrap, **base, dp=g, shard=wrap, rule="data parallel over every GPU"))
     for r in _hsdp_replicas(world):
-        add(Candidate(name=f"hsdp{r}", **base, dp=g, shard="hsdp", replicas=r,
+        add(Candidate(name=StrategyName(shard="hsdp", replicas=r).name, **base, dp=g, shard="hsdp", replicas=r,
                       rule="hsdp<R>: shard groups of whole nodes (or 2+ GPUs on one node), replicated R times"))
     # 2. tensor parallel (FSDP2 over the rest)
     for tp in (d for d in _divisors(g) if 1 < d <= tp_cap):
@@ -286,14 +283,14 @@ def candidates(world: World, facts: ModelFacts, *, pp_schedule: str = "1f1b", mi
                           rule="pp<N> stages, FSDP2 inside, TP none or the largest allowed", skipped=reason))
     # 4. further components (cp, ep): on each combination of 1-3 that applies and has room for them
     for component in components:
-        for c in [c for c in out if c.skipped is None and c.shard != "hsdp"]:  # hsdp<R> composes with nothing
+        for c in [c for c in out if c.skipped is None and c.shard != "hsdp" and not c.degrees]:  # bases; hsdp<R>: none
             for degree, reason in component.degrees(world, facts, c):
                 if degree <= 1 or (c.dp if component.takes_gpus else c.dp * c.tp) % degree:  # ep borrows dp x tp
                     continue
                 dp = c.dp // degree if component.takes_gpus else c.dp
-                name = _name(c.pp, "" if c.shard == "none" else c.shard, c.tp, {component.place: f"{component.key}{degree}"})
-                add(replace(c, name=name, dp=dp, degrees={**c.degrees, component.key: degree}, rule=component.rule,
-                            skipped=reason))
+                degrees = {**c.degrees, component.key: degree}
+                name = _name(c.pp, "" if c.shard == "none" else c.shard, c.tp, degrees)
+                add(replace(c, name=name, dp=dp, degrees=degrees, rule=component.rule, skipped=reason))
     if facts.experts:  # an MoE's experts are tensor-parallel only beside ep (distributed/tp_plans_moe.py)
         out = [replace(c, skipped=_MOE_TP) if c.tp > 1 and "ep" not in c.degrees and c.skipped is None else c
                for c in out]

@@ -18,6 +18,7 @@ import math
 import re
 from pathlib import Path
 
+from batchfit.distributed.parallelisms import PARALLELISMS
 from batchfit.errors import OptionError
 
 EMIT_HELP = "FILE (YAML + torchrun line), accelerate:FILE or torchtitan:FILE"
@@ -115,8 +116,6 @@ def _entry_name(result, p) -> str:
 
 def config_yaml(result) -> str:
     """Seed 001's ``config.yaml`` shape: ``training.batch_config.<gpu>_<n>gpu`` entries."""
-    from batchfit.plan.cp_strategy import split_cp
-
     if not result.recommended:
         raise OptionError("no strategy fits, so there is nothing to emit: see the report's 'what would make it fit'")
     entries = {}
@@ -129,9 +128,8 @@ def config_yaml(result) -> str:
             "nodes": p.nodes,
             "strategy": p.strategy,
             "data_parallel": p.dp,
-            "tensor_parallel": p.tp,
-            **({"context_parallel": cp} if (cp := (split_cp(p.strategy) or (1, ""))[0]) > 1 else {}),
-            **({"expert_parallel": p.ep} if getattr(p, "ep", 1) > 1 else {}),
+            **{k.config_key: getattr(p, k.key) for k in PARALLELISMS  # tensor_parallel always; the others above 1
+               if k.config_key and (getattr(p, k.key) > 1 or k.config_at_1)},
             "elastic_target_util": result.target_util,
             "peak_gib_per_gpu": round(p.peak_bytes_at_micro / 2**30, 2),
             "launch": torchrun_line(p),
@@ -153,16 +151,14 @@ def accelerate_yaml(result) -> str:
     if not result.recommended:
         raise OptionError("no strategy fits, so there is nothing to emit: see the report's 'what would make it fit'")
     p = result.recommended[-1]
-    if p.strategy.startswith("pp"):
+    if p.pp > 1:
         raise OptionError(f"the recommended {p.strategy} is pipeline-parallel, which Accelerate's config cannot say: "
                           "emit the YAML (--emit config.yaml), or plan without pp<N> strategies")
-    from batchfit.plan.cp_strategy import split_cp
-
-    cp = (split_cp(p.strategy) or (1, ""))[0]
+    cp = p.cp
     if cp > 1 and p.shard not in ("fsdp", "fsdp-noreshard"):
         raise OptionError(f"the recommended {p.strategy}: Accelerate runs context parallelism with FSDP2 only: "
                           "emit the YAML (--emit config.yaml), or plan fsdp+cp<N> strategies")
-    if getattr(p, "ep", 1) > 1:
+    if p.ep > 1:
         raise OptionError(f"the recommended {p.strategy} is expert-parallel, which Accelerate's config cannot say: "
                           "emit the YAML (--emit config.yaml), or plan without ep<N> strategies")
     config = {

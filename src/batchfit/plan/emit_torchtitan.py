@@ -21,41 +21,26 @@ from __future__ import annotations
 import re
 import tomllib
 
+from batchfit.distributed.parallelisms import PARALLELISMS
 from batchfit.errors import OptionError
 
-_PART = re.compile(r"^(pp|cp|ep|tp|hsdp)(\d+)$")
-
-
-def degrees(strategy: str, gpus: int) -> dict[str, object]:
-    """torchtitan's [parallelism] keys for a batchfit strategy name on ``gpus`` GPUs:
-    'fsdp+tp2' on 8 -> shard 4, tp 2; 'hsdp2' on 8 -> replicate 2, shard 4; 'pp2+fsdp' -> pipeline 2."""
-    found = {"pp": 1, "cp": 1, "ep": 1, "tp": 1, "hsdp": 0}
-    shard = ""
-    for part in strategy.split("+"):
-        match = _PART.match(part)
-        if match:
-            found[match.group(1)] = int(match.group(2))
-            shard = "hsdp" if match.group(1) == "hsdp" else shard
-        elif part in ("fsdp", "fsdp-noreshard", "ddp"):
-            shard = part
-        else:  # zero1 / zero2: ZeroRedundancyOptimizer, which torchtitan has no setting for
-            raise OptionError(f"--emit torchtitan: the recommended {strategy} has no torchtitan equivalent "
-                              "(torchtitan shards with FSDP2): plan with --strategies fsdp,hsdp<R>,fsdp+tp<N>")
-    pp, cp, tp = found["pp"], found["cp"], found["tp"]
-    dp = gpus // (pp * cp * tp)
-    replicate = found["hsdp"] or (dp if shard == "ddp" else 1)
-    out: dict[str, object] = {
-        "data_parallel_replicate_degree": replicate,
-        "data_parallel_shard_degree": dp // replicate,
-        "tensor_parallel_degree": tp,
-        "pipeline_parallel_degree": pp,
-        "context_parallel_degree": cp,
-    }
-    if found["ep"] > 1:
-        out["expert_parallel_degree"] = found["ep"]
-    if shard == "fsdp-noreshard":
+def degrees(layout) -> dict[str, object]:
+    """torchtitan's [parallelism] keys for a strategy's degrees (a ``Strategy`` or a ``StrategyPlan``:
+    dp, tp, pp, cp, ep, shard, replicas): fsdp+tp2 on 8 -> shard 4, tp 2; hsdp2 on 8 -> replicate 2,
+    shard 4; pp2+fsdp -> pipeline 2."""
+    if layout.shard in ("zero1", "zero2"):  # ZeroRedundancyOptimizer, which torchtitan has no setting for
+        name = getattr(layout, "strategy", None) or layout.name  # a StrategyPlan's name, or a Strategy's
+        raise OptionError(f"--emit torchtitan: the recommended {name} has no torchtitan equivalent (torchtitan shards "
+                          "with FSDP2): plan with --strategies fsdp,hsdp<R>,fsdp+tp<N>")
+    replicate = layout.replicas if layout.shard == "hsdp" else layout.dp if layout.shard == "ddp" else 1
+    out: dict[str, object] = {"data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": layout.dp // replicate}
+    for parallelism in (p for p in PARALLELISMS if p.torchtitan_key):  # each degree's key (distributed/parallelisms.py)
+        degree = getattr(layout, parallelism.key)
+        if degree > 1 or parallelism.torchtitan_at_1:
+            out[parallelism.torchtitan_key] = degree
+    if layout.shard == "fsdp-noreshard":
         out["fsdp_reshard_after_forward"] = "never"
-    elif shard == "fsdp" and pp > 1:  # torchtitan's "default" keeps them gathered under pp; batchfit traced resharding
+    elif layout.shard == "fsdp" and layout.pp > 1:  # torchtitan's "default" keeps them gathered under pp; batchfit traced resharding
         out["fsdp_reshard_after_forward"] = "always"
     return out
 
@@ -79,7 +64,7 @@ def pipeline_values(p) -> dict[str, object]:
 def job_values(p, options) -> dict[str, dict[str, object]]:
     """{section: {key: value}} of the plan ``p`` (a StrategyPlan) with the plan's ``options``."""
     values: dict[str, dict[str, object]] = {
-        "parallelism": {**degrees(p.strategy, p.gpus), **(pipeline_values(p) if p.pp > 1 else {})},
+        "parallelism": {**degrees(p), **(pipeline_values(p) if p.pp > 1 else {})},
         "training": {"local_batch_size": p.micro_batch, "global_batch_size": p.global_batch},
     }
     checkpointing = options.checkpointing

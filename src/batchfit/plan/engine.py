@@ -32,8 +32,12 @@ from collections.abc import Callable
 from types import ModuleType
 
 from batchfit.devices import Device, GiB
+from batchfit.distributed.parallelisms import approximations as parallelism_approximations
+from batchfit.distributed.strategy_name import FSDP_SHARDS
 from batchfit.errors import OptionError
 from batchfit.plan import workers
+from batchfit.plan.derived import SharedTraces
+from batchfit.plan.derived import jobs as derived_jobs
 from batchfit.plan.result import PlanPoint, PlanResult, StrategyPlan, plan_point  # noqa: F401 - the API's names
 from batchfit.plan.time_model import TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
@@ -299,9 +303,9 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
             if auto:
                 chosen[:] = _set_aside(world, chosen, _not_reaching(global_batch, multiple_of), not_traced)
             _check_global_batch(global_batch, chosen, multiple_of)
+    _refuse_wide_shards(workload, by_world, auto, not_traced)
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    from batchfit.distributed.zero import zero_approximations  # torch: when a plan runs
     from batchfit.trace.approximation import attention_approximations, offload_approximations
     from batchfit.trace.compiled import plan_compile_approximations, sharded_eager_reason, sharded_traces_compiled
     from batchfit.trace.cuda_float8 import float8_approximations
@@ -319,31 +323,22 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     approximations += offload_approximations(options.offload, options.compile)
     approximations += attention_approximations(options.attention)
     approximations += packing_approximation(int(batch_passes_position_ids(workload)))
-    approximations += zero_approximations([s for _, chosen in by_world for s in chosen])
-    from batchfit.distributed.pipeline import pipeline_approximations
-
-    approximations += pipeline_approximations([s for _, chosen in by_world for s in chosen], workload)
-    from batchfit.distributed.context_parallel import context_parallel_approximations
-
-    approximations += context_parallel_approximations([s for _, chosen in by_world for s in chosen])
-    from batchfit.distributed.expert_parallel import ep_approximations
-
-    approximations += ep_approximations([s for _, chosen in by_world for s in chosen], options.routing)
+    approximations += parallelism_approximations(every, workload, options)  # each parallelism's own (registry)
     target_bytes = int(target_util * device.usable_bytes)
 
-    def one(job: tuple[World, object], say: Callable[[str], None]) -> tuple[StrategyPlan, int | None]:
-        world, strategy = job
+    def one(job: tuple[World, object, list], say: Callable[[str], None]) -> tuple[list[StrategyPlan], int | None, int]:
+        world, strategy, derived = job
         return _plan_one(open_session, workload, options, device, world, strategy, time_model, say, auto=auto,
                          batch_sizes=batch_sizes, global_batch=global_batch,
                          multiple_of=_own_multiple(strategy, multiple_of) if auto else multiple_of,
                          max_batch=max_batch, target_bytes=target_bytes, limit=limit,
-                         host_limit_bytes=host_memory_bytes)
+                         host_limit_bytes=host_memory_bytes, derived=derived)
 
-    jobs = [(world, strategy) for world, chosen in by_world for strategy in chosen]
-    done = workers.run(one, jobs, say, processes=processes if trace is None else 1)
-    plans = [plan_row for plan_row, _ in done] + not_traced
-    params = next((n for _, n in done if n is not None), None)
-    traces = sum(len(p.points) for p in plans)
+    done = workers.run(one, derived_jobs(by_world), say, processes=processes if trace is None else 1)
+    by_key = {(p.gpus, p.strategy): p for rows, _, _ in done for p in rows}
+    plans = [by_key[(world.gpus, s.name)] for world, chosen in by_world for s in chosen] + not_traced
+    params = next((n for _, n, _ in done if n is not None), None)
+    traces = sum(count for _, _, count in done)
     if params is None:
         raise OptionError(f"no strategy of '{strategies}' could be traced for {workload.name}: "
                           "every one was skipped (see above); name strategies with --strategies ddp,fsdp")
@@ -362,9 +357,6 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     )
 
 
-FSDP_SHARDS = ("fsdp", "fsdp-noreshard", "hsdp")
-
-
 def _auto(workload: Workload, options: StepOptions, worlds: list[World], parse: Callable, facts,
           pp_schedule: str, microbatches: int) -> tuple[list, list[StrategyPlan]]:
     """``--strategies auto``: per world, the strategies of ``candidates.candidates`` to trace, and a
@@ -378,7 +370,8 @@ def _auto(workload: Workload, options: StepOptions, worlds: list[World], parse: 
         names = [c.name for c in listed if c.skipped is None]
         by_world.append((world, parse(",".join(names), world.gpus) if names else []))
         not_traced += [StrategyPlan(strategy=c.name, gpus=c.gpus, nodes=c.nodes, dp=c.dp, tp=c.tp, shard=c.shard,
-                                    replicas=c.replicas, pp=c.pp, points=[], curve=None, max_local_batch=0,
+                                    replicas=c.replicas, pp=c.pp, cp=c.degrees.get("cp", 1), ep=c.degrees.get("ep", 1),
+                                    points=[], curve=None, max_local_batch=0,
                                     capped=False, skipped=c.skipped) for c in listed if c.skipped]
     return by_world, not_traced
 
@@ -397,10 +390,22 @@ def _set_aside(world: World, chosen: list, why: Callable[[object], str | None], 
         if reason is None:
             kept.append(s)
             continue
-        not_traced.append(StrategyPlan(strategy=s.name, gpus=world.gpus, nodes=world.nodes, dp=s.dp, tp=s.tp,
-                                       shard=s.shard, replicas=getattr(s, "replicas", 1), pp=getattr(s, "pp", 1),
-                                       points=[], curve=None, max_local_batch=0, capped=False, skipped=reason))
+        not_traced.append(StrategyPlan(**_row_base(world, s), points=[], curve=None, max_local_batch=0, capped=False,
+                                       skipped=reason))
     return kept
+
+
+def _refuse_wide_shards(workload: Workload, by_world: list, auto: bool, not_traced: list[StrategyPlan]) -> None:
+    """Before any trace: an FSDP2 shard group wider than the model's largest parameter
+    (``plan/shard_limit.py``) stops a named strategy with one line, and is a skipped row under auto."""
+    from batchfit.plan.shard_limit import too_wide
+
+    why = too_wide(workload, [s for _, chosen in by_world for s in chosen])
+    for world, chosen in by_world:
+        if auto:
+            chosen[:] = _set_aside(world, chosen, why, not_traced)
+        elif (reason := next(filter(None, map(why, chosen)), None)) is not None:
+            raise OptionError(reason)
 
 
 def _not_reaching(global_batch: int, multiple_of: int) -> Callable[[object], str | None]:
@@ -428,38 +433,50 @@ def _with_fsdp_only(by_world: list, *, auto: bool) -> list:
 def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, device: Device, world: World,
               strategy, time_model: TimeModel, say: Callable[[str], None], *, auto: bool,
               batch_sizes: list[int] | None, global_batch: int | None, multiple_of: int, max_batch: int,
-              target_bytes: int, limit: str = "reserved",
-              host_limit_bytes: int | None = None) -> tuple[StrategyPlan, int | None]:
-    """One strategy on one GPU count, in one tracing session: its row, and the model's
-    parameter count (None when ``auto`` skipped it: the model has no tensor-parallel plan)."""
-    label = f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}"
-    base = dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
-                tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1),
-                ep=getattr(strategy, "ep", 1), pp=getattr(strategy, "pp", 1),
-                pp_schedule=getattr(strategy, "pp_schedule", ""), microbatches=getattr(strategy, "microbatches", 0))
-    curve = None
+              target_bytes: int, limit: str = "reserved", host_limit_bytes: int | None = None,
+              derived: list[tuple[World, object]] = ()) -> tuple[list[StrategyPlan], int | None, int]:
+    """One strategy on one GPU count, in one tracing session: its row and the rows ``derived`` from
+    its traces (``plan/derived.py``: DDP on other GPU counts), the model's parameter count (None when
+    ``auto`` skipped it: the model has no tensor-parallel plan) and the local batches traced."""
+    shared, rows, params = None, [], None
     try:
         with contextlib.closing(open_session(workload, options, device, strategy)) as session:
-            curve = ShardedCurve(session.trace, device.workspace_bytes, lambda message: say(f"{label}: {message}"),
-                                 replay=getattr(session, "reserved", None),
-                                 replay_first=getattr(session, "replay_gives_point", False))
-            trace_first_sizes(curve, batch_sizes, multiple_of, device.usable_bytes)
-            plan_row = _plan_strategy(base, curve, strategy, world, workload, device, options, time_model,
-                                      global_batch=global_batch, multiple_of=multiple_of,
-                                      max_batch=max_batch, target_bytes=target_bytes, limit=limit,
-                                      host_limit_bytes=host_limit_bytes)
-            plan_row.whole_reserved = list(getattr(session, "whole_reserved", []))
-            plan_row.pp_layers_per_stage = getattr(session, "layers_per_stage", 0)
+            shared = SharedTraces(session, strategy)
+            for row_world, row_strategy in [(world, strategy), *derived]:
+                label = f"{row_strategy.name} on {row_world.gpus} GPU{'s' if row_world.gpus > 1 else ''}" + (
+                    f" (from the {world.gpus}-GPU trace)" if row_strategy is not strategy else "")
+                curve = ShardedCurve(shared.trace_for(row_strategy), device.workspace_bytes,
+                                     lambda message, label=label: say(f"{label}: {message}"),
+                                     replay=shared.reserved if shared.can_replay else None,
+                                     replay_first=getattr(session, "replay_gives_point", False))
+                trace_first_sizes(curve, batch_sizes, multiple_of, device.usable_bytes)
+                plan_row = _plan_strategy(_row_base(row_world, row_strategy), curve, row_strategy, row_world,
+                                          workload, device, options, time_model, global_batch=global_batch,
+                                          multiple_of=multiple_of, max_batch=max_batch, target_bytes=target_bytes,
+                                          limit=limit, host_limit_bytes=host_limit_bytes)
+                plan_row.whole_reserved = list(getattr(session, "whole_reserved", []))
+                plan_row.pp_layers_per_stage = getattr(session, "layers_per_stage", 0)
+                plan_row.derived_from_gpus = world.gpus if row_strategy is not strategy else 0
+                plan_row.points = [curve.points[b] for b in sorted(curve.points)]
+                plan_row.curve = curve.curve()
+                rows.append(plan_row)
+                params = curve.first.params
     except OptionError as error:
-        if not auto or (curve is not None and curve.points):
+        if not auto or (shared is not None and shared.points):
             raise
         # auto tried a combination this model cannot run (no TP plan; a torchtitan job's parallelize_llama has
         # no ddp / zero / pp): a skipped row with the one-line reason, as the candidates' own rules give
-        return StrategyPlan(**base, points=[], curve=None, max_local_batch=0, capped=False,
-                            skipped=str(error)), None
-    plan_row.points = [curve.points[b] for b in sorted(curve.points)]
-    plan_row.curve = curve.curve()
-    return plan_row, curve.first.params
+        return [StrategyPlan(**_row_base(w, s), points=[], curve=None, max_local_batch=0, capped=False,
+                             skipped=str(error)) for w, s in [(world, strategy), *derived]], None, 0
+    return rows, params, len(shared.points)
+
+
+def _row_base(world: World, strategy) -> dict:
+    """A row's fields that come from its strategy and world."""
+    return dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
+                tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1),
+                ep=getattr(strategy, "ep", 1), pp=getattr(strategy, "pp", 1), cp=getattr(strategy, "cp", 1),
+                pp_schedule=getattr(strategy, "pp_schedule", ""), microbatches=getattr(strategy, "microbatches", 0))
 
 
 def _plan_strategy(base: dict, curve: ShardedCurve, strategy, world: World, workload: Workload, device: Device,

@@ -15,9 +15,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from batchfit.distributed.strategy import Strategy
+from batchfit.distributed.strategy_name import stage_strategy
 from batchfit.distributed.pp_schedules import check_pipeline, parse_schedule
 from batchfit.errors import OptionError
-from batchfit.plan.pp_strategy import inner_strategy
 
 @dataclass(frozen=True, kw_only=True)
 class StagePoint:
@@ -104,7 +104,7 @@ class PipelineSession:
         staged = dataclasses.replace(self.workload,
                                      build_model=lambda: self._build_rank(build, pp * v, stages, policy))
         options = dataclasses.replace(self.options, checkpointing="none")  # applied per stage by build_rank
-        with self._sharded(staged, options, self.device, inner_strategy(self.strategy),
+        with self._sharded(staged, options, self.device, stage_strategy(self.strategy),
                            cuda_semantics=self.cuda_semantics) as session:
             step = session.session.step
             step.run = PipelineRun(step, actions=self.actions[rank], microbatches=self.strategy.microbatches,

@@ -137,12 +137,17 @@ class StrategyPlan:
     """Expert-parallel degree (ep<N>; within dp, so max_global_batch is unchanged by it)."""
     pp: int = 1
     """Pipeline stages (pp<N>); 1 without."""
+    cp: int = 1
+    """Context-parallel degree (cp<N>; world = pp x dp x cp x tp); 1 without."""
     pp_schedule: str = ""
     """Under pp<N>: the schedule as --pp-schedule names it ("1f1b", "zbv", ...); "" without."""
     microbatches: int = 0
     """Under pp<N>: micro-batches per pipeline step (the local batch splits into them); 0 without."""
     pp_layers_per_stage: int = 0
     """Under pp<N>: blocks per stage (torchtitan's pipeline_parallel_layers_per_stage); 0 without."""
+    derived_from_gpus: int = 0
+    """The GPU count whose trace this row's memory was derived from (``plan/derived.py``: DDP holds
+    the same bytes on any world above 1); 0: traced for this row itself."""
 
     @property
     def max_global_batch(self) -> int:
@@ -151,6 +156,15 @@ class StrategyPlan:
     @property
     def step_time_s(self) -> float | None:
         return self.time.step_time_s if self.time else None
+
+    @property
+    def source(self) -> str:
+        """Where the row's numbers come from: SOURCE, or the trace its memory was derived from."""
+        memory, time = SOURCE.split("; ")
+        if self.derived_from_gpus:
+            memory = (f"memory derived from the {self.derived_from_gpus}-GPU trace (DDP's rank 0 holds the same "
+                      "bytes on any number of GPUs above 1; its all-reduces timed over this row's GPUs)")
+        return f"{memory}; {time if self.time else 'time not computed (no peak FLOP/s known)'}"
 
     @property
     def fits(self) -> bool:
@@ -162,7 +176,7 @@ class StrategyPlan:
     def to_json(self) -> dict:
         return {
             "strategy": self.strategy, "gpus": self.gpus, "nodes": self.nodes, "dp": self.dp, "tp": self.tp,
-            "ep": self.ep, "pp": self.pp, "shard": self.shard, "replicas": self.replicas,
+            "ep": self.ep, "pp": self.pp, "cp": self.cp, "shard": self.shard, "replicas": self.replicas,
             **({"pp_schedule": self.pp_schedule, "microbatches": self.microbatches,
                 "pp_layers_per_stage": self.pp_layers_per_stage} if self.pp > 1 else {}),
             "points": [p.to_json() for p in self.points],
@@ -183,7 +197,7 @@ class StrategyPlan:
             "tokens_per_s_at_max": self.tokens_per_s_at_max,
             "params_per_rank": self.params_per_rank, "fix": self.fix, "skipped": self.skipped,
             "tp_loss": self.tp_loss,
-            "source": SOURCE if self.time else SOURCE.split(";")[0] + "; time not computed (no peak FLOP/s known)",
+            "source": self.source, "derived_from_gpus": self.derived_from_gpus,
         }
 
 

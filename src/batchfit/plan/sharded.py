@@ -8,30 +8,8 @@ mesh), the step runs on fake tensors, and what rank 0 holds is counted by the tr
 ``estimate`` plus what sharding adds (``_tracker.ShardedTracker``: FSDP2's storage resizes,
 DTensor shards, collective buffers, every collective call, FLOPs per rank).
 
-Strategy names:
-
-    ddp               DistributedDataParallel over all GPUs
-    fsdp              FSDP2, parameters resharded after forward (ZeRO-3)
-    fsdp-noreshard    FSDP2 with reshard_after_forward=False: a block's gathered parameters kept
-                      from its forward to its backward (ZeRO-2-like then), sharded at rest
-    zero1             DDP + torch's ZeroRedundancyOptimizer: optimizer state sharded, parameters
-                      and gradients replicated (ZeRO stage 1)
-    zero2             ZeroRedundancyOptimizer, each gradient reduced to the rank owning it:
-                      optimizer state and gradients sharded, parameters replicated (ZeRO stage 2)
-    hsdp<R>           FSDP2 sharded within groups of world/R GPUs, replicated R times
-    tp<N>             tensor parallelism over all N GPUs (N must be the GPU count; for data
-                      parallelism over the rest, use fsdp+tp<N>)
-    fsdp+tp<N>        a 2-D mesh: TP over groups of N GPUs, FSDP2 across the groups
-                      (fsdp-noreshard+tp<N>: the same, gathered blocks kept from forward to backward)
-    fsdp+cp<N>[+tp<T>], ddp+cp<N>
-                      context parallelism: each rank holds sequence/N of its samples, attention by
-                      torch's ring (plan/cp_strategy.py, distributed/context_parallel.py); FSDP2 / DDP
-                      over dp x cp
-    pp<N>[+X]         a pipeline of N stages (torch.distributed.pipelining; plan/pipeline.py), each
-                      running X (any name above) on world/N GPUs: pp2, pp4+fsdp, pp2+fsdp+tp2
-    ep<N>+X           expert parallelism (plan/ep_strategy.py, distributed/expert_parallel.py): each
-                      MoE layer's experts split over groups of N ranks borrowed from dp x tp (torchtitan's
-                      etp=1), X being fsdp, fsdp-noreshard, fsdp+tp<M> or tp<M>: ep8+fsdp, ep8+fsdp+tp2
+Strategy names (``ddp``, ``fsdp+tp2``, ``pp2+ep4+fsdp+tp2``, ...) are parsed once, in
+``distributed/strategy_name.py``, into typed degrees; this module lists them (``auto``) and traces them.
 
 On one GPU every strategy is the plain single-GPU step (``shard`` "none").
 """
@@ -40,76 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import warnings
 from dataclasses import dataclass
 
 from batchfit.distributed.strategy import Strategy
+from batchfit.distributed.strategy_name import NAMES_HELP, SHARDS, parse_strategy  # noqa: F401 - plan's names
 from batchfit.errors import OptionError
 from batchfit.plan.fake_world import fake_world, meshes_of
-
-SHARDS = ("none", "ddp", "fsdp", "fsdp-noreshard", "hsdp", "zero1", "zero2")
-
-
-_NAME = re.compile(r"^(ddp|fsdp|fsdp-noreshard|zero1|zero2|hsdp(\d+)|tp(\d+)|fsdp(?:-noreshard)?\+tp(\d+))$")
-_NAMES_HELP = ("ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp[-noreshard]+tp<N>, fsdp+cp<N>[+tp<T>], "
-               "ddp+cp<N>, pp<N>[+any of these], ep<N>+fsdp[+tp<M>] or auto")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def parse_strategy(text: str, world_size: int, *, pp_schedule: str = "1f1b", microbatches: int = 0) -> Strategy:
-    """One strategy name on ``world_size`` GPUs (see the module docstring); ``pp<N>+X``: a
-    pipeline of N stages, each running X on world_size / N GPUs (``plan/pipeline.py``), with
-    ``pp_schedule`` (--pp-schedule) and ``microbatches`` (--microbatches)."""
-    from batchfit.plan.pp_strategy import parse_pp_strategy, split_pp
-
-    name = text.strip().lower().replace(" ", "")
-    if split_pp(name) is not None:
-        return parse_pp_strategy(name, world_size, parse_strategy, pp_schedule=pp_schedule, microbatches=microbatches)
-    from batchfit.plan.cp_strategy import parse_cp_strategy, split_cp
-    from batchfit.plan.ep_strategy import parse_ep_strategy, split_ep
-
-    if split_cp(name) is not None and split_ep(name) is not None:
-        raise OptionError(f"'{text.strip()}': context and expert parallelism together are not traced; "
-                          "plan one of them (e.g. fsdp+cp2 or ep2+fsdp)")
-    if split_cp(name) is not None:  # cp<N> anywhere in a + name (plan/cp_strategy.py)
-        return parse_cp_strategy(name, world_size, parse_strategy)
-    if split_ep(name) is not None:
-        return parse_ep_strategy(name, world_size, parse_strategy)
-    match = _NAME.match(name)
-    if match is None:
-        raise OptionError(f"unknown strategy '{text.strip()}': use {_NAMES_HELP}, e.g. --strategies ddp,fsdp,fsdp+tp2")
-    if world_size < 1:
-        raise OptionError(f"the GPU count must be 1 or more, got {world_size}: e.g. --gpus 8")
-    hsdp, tp_only, fsdp_tp = (int(g) if g else None for g in match.groups()[1:])
-    good = [d for d in _divisors(world_size) if d > 1]
-    if hsdp is not None:
-        if hsdp < 1 or world_size % hsdp:
-            raise OptionError(f"{name} needs a replica count that divides the {world_size} GPUs: "
-                              f"use hsdp<R> with R in {', '.join(map(str, good)) or '(none: one GPU)'}")
-        if world_size == 1:
-            return Strategy(name, 1, 1, 1, "none")
-        return Strategy(name, world_size, world_size, 1, "hsdp", replicas=hsdp)
-    if tp_only is not None:
-        if tp_only != world_size:
-            other = f"tp{world_size}, or fsdp+tp{tp_only}" if tp_only > 1 and world_size % tp_only == 0 \
-                else f"tp{world_size}"
-            raise OptionError(f"{name} on {world_size} GPUs: tp<N> splits the model over all N GPUs; use {other}")
-        return Strategy(name, world_size, 1, tp_only, "none")
-    if fsdp_tp is not None:
-        if fsdp_tp < 1 or world_size % fsdp_tp:
-            raise OptionError(f"{name} needs a tensor-parallel degree that divides the {world_size} GPUs: "
-                              f"use fsdp+tp<N> with N in {', '.join(map(str, good)) or '(none: one GPU)'}")
-        wrap = name.split("+")[0]  # fsdp, or fsdp-noreshard (zero-bubble pipelines need it)
-        if fsdp_tp == 1:
-            return parse_strategy(wrap, world_size)
-        return Strategy(name, world_size, world_size // fsdp_tp, fsdp_tp, wrap)
-    if world_size == 1:
-        return Strategy(name, 1, 1, 1, "none")
-    return Strategy(name, world_size, world_size, 1, name)
 
 
 def parse_strategies(text: str, world_size: int, *, pp_schedule: str = "1f1b", microbatches: int = 0) -> list[Strategy]:
@@ -118,7 +33,7 @@ def parse_strategies(text: str, world_size: int, *, pp_schedule: str = "1f1b", m
     degree that does not divide ``world_size`` (e.g. 'tp3' on 4 GPUs)."""
     names = [n for n in text.split(",") if n.strip()]
     if not names:
-        raise OptionError(f"no strategy given: use {_NAMES_HELP}")
+        raise OptionError(f"no strategy given: use {NAMES_HELP}")
     if [n.strip().lower() for n in names] == ["auto"]:  # no model here: plan() asks plan/candidates.py with one
         from batchfit.plan.candidates import ModelFacts, candidates
         from batchfit.plan.world import DEFAULT_GPUS_PER_NODE, World

@@ -65,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from batchfit.devices import Device, host_link_seconds as offload_seconds
+from batchfit.distributed.parallelisms import BY_GROUP
 from batchfit.errors import OptionError, read_text
 from batchfit.plan.world import World
 
@@ -195,12 +196,8 @@ class StepTime:
 def group_span(collective, strategy) -> int:
     """How many consecutive ranks one group of ``collective`` spans (tp innermost, then the
     data-parallel shard group, then the replicas)."""
-    if collective.group == "tp":
-        return collective.group_size
-    if collective.group == "ep":  # ep<N>: the sparse mesh's innermost dimension, N consecutive ranks (with tp
-        return collective.group_size  # the tp ranks among them: torchtitan's etp=1; distributed/strategy.py)
-    if collective.group == "cp":  # the ring: cp x tp consecutive ranks
-        return collective.group_size * strategy.tp
+    if collective.group in BY_GROUP:  # tp, cp's ring, ep: each parallelism's own rule (distributed/parallelisms.py)
+        return BY_GROUP[collective.group].span(collective, strategy)
     if (strategy.shard == "hsdp" and strategy.replicas > 1 and collective.op != "all_reduce"
             and collective.group_size == strategy.dp // strategy.replicas):
         return collective.group_size * strategy.tp  # the shard group inside one replica
@@ -220,7 +217,8 @@ def step_time(point, strategy, world: World, device: Device, precision: str, mod
     sent: dict[str, int] = {}
     link_of: dict[str, str] = {}
     overlapped = exposed = 0.0
-    dp_calls = [i for i, c in enumerate(point.collectives) if c.group not in ("tp", "ep")]
+    waited = {group for group, parallelism in BY_GROUP.items() if parallelism.critical_path}  # tp, ep
+    dp_calls = [i for i, c in enumerate(point.collectives) if c.group not in waited]
     first_forward = next((i for i in dp_calls if point.collectives[i].phase == "forward"), None)
     last_backward = next((i for i in reversed(dp_calls) if point.collectives[i].phase == "backward"), None)
     for i, c in enumerate(point.collectives):
@@ -234,7 +232,7 @@ def step_time(point, strategy, world: World, device: Device, precision: str, mod
         link = "inter-node" if inter else "intra-node"
         link_of[c.group] = link if link_of.get(c.group, link) == link else "intra- and inter-node"  # HSDP
         # TP's collectives and ep's all-to-alls sit on the critical path (the next op waits for them)
-        hidden = (c.group not in ("tp", "ep") and c.phase in ("forward", "backward")
+        hidden = (c.group not in waited and c.phase in ("forward", "backward")
                   and i != (first_forward if strategy.shard in ("fsdp", "fsdp-noreshard", "hsdp") else last_backward))
         if hidden:
             overlapped += seconds

@@ -31,6 +31,23 @@ def default_processes(jobs: int) -> int:
     return max(1, min(cores, jobs))
 
 
+class Steps:
+    """How many of the strategy sessions are done and a rough time left, added to each progress line."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self._started = total, 0, time.perf_counter()
+
+    def tag(self, message: str) -> str:
+        """``message [2/5 sessions done, about 90 s left]``: the time left assumes each session left
+        takes the mean of those done (strategies differ: a rough figure, and none before the first)."""
+        if self.total < 2:
+            return message
+        left = ""
+        if self.done:
+            left = f", about {(time.perf_counter() - self._started) / self.done * (self.total - self.done):.0f} s left"
+        return f"{message} [{self.done}/{self.total} sessions done{left}]"
+
+
 def _run_index(index: int):
     one, jobs, progress = _JOB
     try:
@@ -49,25 +66,31 @@ def run(one: Callable[[Any, Callable[[str], None]], Any], jobs: Sequence, say: C
     and the other jobs are stopped; a worker that dies (killed for memory, say) is an error too."""
     global _JOB
     processes = default_processes(len(jobs)) if processes is None else max(1, min(processes, len(jobs)))
+    steps = Steps(len(jobs))
     if processes == 1 or not can_fork():  # not Linux, one core, BATCHFIT_PROCESSES=1, or CUDA initialized
-        return [one(job, say) for job in jobs]
+        out = []
+        for job in jobs:
+            out.append(one(job, lambda message: say(steps.tag(message))))
+            steps.done = len(out)
+        return out
     context = multiprocessing.get_context("fork")
     progress = context.SimpleQueue()  # put() writes before the job goes on: no line arrives after its result
     _JOB = (one, jobs, progress)
-    say(f"tracing {len(jobs)} strategies, {processes} at a time (one process each)")
+    say(f"tracing {len(jobs)} strategy sessions, {processes} at a time (one process each)")
     pool = ProcessPoolExecutor(processes, mp_context=context)
     try:
         pending = [pool.submit(_run_index, i) for i in range(len(jobs))]
         while not all(future.done() for future in pending):
+            steps.done = sum(future.done() for future in pending)
             if progress.empty():
                 time.sleep(0.05)
             else:
-                say(progress.get())
+                say(steps.tag(progress.get()))
             failed = next((f for f in pending if f.done() and f.exception() is not None), None)
             if failed is not None:
                 break
         while not progress.empty():
-            say(progress.get())
+            say(steps.tag(progress.get()))
         for future in pending:
             if future.done() and future.exception() is not None:
                 error = future.exception()

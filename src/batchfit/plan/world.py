@@ -95,16 +95,3 @@ def parse_tokens(text: str | None) -> str | float | None:
         raise OptionError(f"cannot read --tokens '{text}': give a token count such as 2e11, or chinchilla "
                           f"({CHINCHILLA_TOKENS_PER_PARAM} x the parameters)")
     return tokens
-
-
-def check_degree(name: str, key: str, degree: int, world_size: int, *, product: str, example: str) -> None:
-    """One line for a strategy component (pp<N>, cp<N>) whose degree cannot split ``world_size`` GPUs:
-    fewer than 2 ranks, or not dividing the GPUs (the divisors that would)."""
-    from batchfit.errors import OptionError
-
-    if degree < 2:
-        raise OptionError(f"{name}: {key}<N> needs 2 or more ranks, e.g. {example} (or drop {key})")
-    if world_size % degree:
-        good = [d for d in range(2, world_size + 1) if world_size % d == 0]
-        raise OptionError(f"{name} on {world_size} GPUs: {product} must equal the GPU count; use {key}<N> with "
-                          f"N in {', '.join(map(str, good)) or '(none: one GPU)'}")

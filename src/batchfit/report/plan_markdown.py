@@ -84,6 +84,11 @@ SHARD_MEANING = {
 """What the strategies whose names do not say it do (docs/tracing/zero.md)."""
 
 
+def _named(p) -> str:
+    """A row's strategy, and the trace it was derived from when it was not traced itself."""
+    return p.strategy + (f" (derived from the {p.derived_from_gpus}-GPU trace)" if p.derived_from_gpus else "")
+
+
 def plan_markdown(result, plot_name: str = "plan.png") -> str:
     r = result
     d = r.device
@@ -146,7 +151,7 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
             continue
         micro = (f"{p.micro_batch} x {p.accumulation_steps}" + (" (above target)" if p.above_target else "")
                  if p.fits else "does not fit")
-        lines.append(f"| {p.gpus} | {p.strategy} | {p.dp} | {p.tp} | {p.max_local_batch}"
+        lines.append(f"| {p.gpus} | {_named(p)} | {p.dp} | {p.tp} | {p.max_local_batch}"
                      f"{' (cap)' if p.capped else ''} | {p.max_global_batch} | "
                      f"{_s(p.time_at_max.step_time_s if p.time_at_max else None)} | {_n(p.tokens_per_s_at_max)} | "
                      f"{micro} | {gib(_at_micro(p))} | {_s(p.step_time_s)} | {_n(p.tokens_per_s)} | "
@@ -167,7 +172,7 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
                         else gib(replayed.peak_reserved_bytes) if replayed else "—")
             fits = (pt.peak_bytes <= r.capacity_bytes if r.limit == "allocated" or not replayed
                     else pt.fits(r.capacity_bytes, "reserved"))
-            lines.append(f"| {p.gpus} | {p.strategy} | {pt.local_batch} | {gib(pt.peak_bytes)} | {reserved} | "
+            lines.append(f"| {p.gpus} | {_named(p)} | {pt.local_batch} | {gib(pt.peak_bytes)} | {reserved} | "
                          f"{replayed.peak_step_name if replayed else '—'} | {'yes' if fits else 'no'} | "
                          + " | ".join(gib(pt.breakdown.get(k, 0)) for k in kinds) + " |")
     misfits = [p for p in r.plans if not p.fits and not p.skipped]
