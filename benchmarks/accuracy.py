@@ -7,7 +7,8 @@ the torch profiler's peak of the same real CPU step, a real gloo run's rank, a r
 published figure). Per file: the rows, the error (predicted - measured) / measured as min /
 median / max, and the share of rows below parity (a prediction too low: the worse side, a batch
 said to fit that runs out). Then recommend's answers against full sweeps, and the speed figures
-that benchmarks timed with farm-bench (rows with ``min_s`` / ``median_s`` / ``max_s``).
+that benchmarks timed with farm-bench (``min_s`` / ``median_s`` / ``max_s``, or ``min`` / ``median`` /
+``max`` under a key ending in ``_s``; each file's ``command`` says what was timed).
 
     python benchmarks/accuracy.py            # writes docs/accuracy.md
     python benchmarks/accuracy.py --check    # exit 1 if docs/accuracy.md differs from the results
@@ -128,13 +129,31 @@ def recommend_rows(files: list[Path]) -> list[dict]:
     return rows
 
 
+def _timings(value, path: tuple[str, ...] = ()):
+    """Every farm-bench figure below ``value``: a dict with ``min_s`` / ``median_s`` / ``max_s``, or
+    ``min`` / ``median`` / ``max`` under a key ending in ``_s`` (``wall_s: {after: {min, median, max}}``),
+    with the keys that lead to it."""
+    if isinstance(value, dict):
+        for suffix in ("_s", ""):
+            keys = tuple(f"{k}{suffix}" for k in ("min", "median", "max"))
+            timed = suffix or any(p.endswith("_s") for p in path)
+            if timed and all(isinstance(value.get(k), (int, float)) for k in keys):
+                yield path, dict(zip(("min_s", "median_s", "max_s"), (value[k] for k in keys))), value
+        for key, child in value.items():
+            yield from _timings(child, (*path, str(key)))
+    elif isinstance(value, list):
+        for n, child in enumerate(value):
+            yield from _timings(child, (*path, str(n)))
+
+
 def speed_rows(files: list[Path]) -> list[dict]:
     rows = []
     for path in files:
         data = json.loads(path.read_text())
-        for _, row in _rows(data):
-            if all(isinstance(row.get(k), (int, float)) for k in ("min_s", "median_s", "max_s")):
-                rows.append({"file": path.name, "commit": data.get("commit", ""), **row})
+        for keys, figures, row in _timings(data):
+            label = row.get("command") or row.get("label") or " / ".join(keys) or data.get("command", "")
+            rows.append({"file": path.name, "commit": data.get("commit", ""), "label": label,
+                         "runs": row.get("runs", ""), **figures})
     return rows
 
 
@@ -182,10 +201,14 @@ def render(files: list[Path]) -> str:
     speed = speed_rows(files)
     if speed:
         lines += ["", "## Speed: whole commands timed with farm-bench", "",
-                  "| results file | command | runs | min | median | max | commit |", "|---|---|---|---|---|---|---|"]
+                  "| results file | what | runs | min | median | max | commit |", "|---|---|---|---|---|---|---|"]
         for r in speed:
-            lines.append(f"| `{r['file']}` | `{r.get('command', r.get('label', ''))}` | {r.get('runs', '')} | "
+            lines.append(f"| `{r['file']}` | {r['label']} | {r['runs']} | "
                          f"{r['min_s']:.1f} s | {r['median_s']:.1f} s | {r['max_s']:.1f} s | {r['commit']} |")
+        timed = dict.fromkeys(r["file"] for r in speed)
+        by_name = {path.name: path for path in files}
+        commands = {f: json.loads(by_name[f].read_text()).get("command", "") for f in timed}
+        lines += ["", "What each file timed:", ""] + [f"- `{f}`: `{c}`" for f, c in commands.items() if c]
     return "\n".join(lines) + "\n"
 
 
