@@ -18,11 +18,11 @@ from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, Me
                                  parse_host_memory, warn_about_approximations)
 from batchfit.cli.common import AttentionOpt, say_attention
 from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, merged_batch_sizes,
-                                  merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
+                                  merged_eval, merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
                                   read_trainer, trainer_outputs)
 from batchfit.devices import GiB
 from batchfit.report.host import host_line
-from batchfit.report.run_markdown import run_lines
+from batchfit.report.run_markdown import eval_lines, run_lines
 from batchfit.errors import OptionError
 from batchfit.estimator.batching import check_run_flags
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
@@ -93,6 +93,11 @@ def estimate_command(
     replay_steps: Annotated[int, typer.Option(help="With --data: run the answer's first K steps one after another and "
                                               "replay them through the allocator model (reserved memory per step, "
                                               "fragmentation).")] = 0,
+    eval_batch_size: Annotated[int | None, typer.Option(help="Also trace HF Trainer's eval loop at this batch "
+                                                        "(no gradients, the whole logits) after the training "
+                                                        "step: the larger peak decides (docs/run.md).")] = None,
+    eval_accumulation_steps: Annotated[int | None, typer.Option(help="Eval steps whose logits stay on the GPU "
+                                                                "together (the Trainer's, with compute_metrics).")] = None,
 ) -> None:
     """Predict peak training memory and the largest batch that fits a GPU, without a GPU.
 
@@ -124,7 +129,9 @@ def estimate_command(
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
                            max_batch=max_batch, limit=limit)
     run_batching = check_run_flags(data, batching, length_column, tokenizer, replay_steps)
+    eval_batch, eval_held = merged_eval(eval_batch_size, eval_accumulation_steps, door)
     from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
+    from batchfit.estimator.eval_phase import add_eval_phase
     from batchfit.estimator.run import data_lengths, estimate_run
     from batchfit.report import write_estimate_report
 
@@ -133,9 +140,15 @@ def estimate_command(
         common = dict(device=device, options=options, batch_sizes=sizes, target_util=target_util,
                       multiple_of=multiple_of, max_batch=max_batch, limit=limit,
                       host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say)
-        result = (estimate(load_workload(model, seq_len=seq_len), **common) if lengths is None else
-                  estimate_run(lambda n: load_workload(model, seq_len=n), lengths, run_batching, data=data,
-                               seq_len=seq_len, replay_steps=replay_steps, **common))
+        if lengths is None:
+            workload = load_workload(model, seq_len=seq_len)
+            result = estimate(workload, **common)
+            if eval_batch:
+                add_eval_phase(result, workload, eval_batch, held_steps=eval_held, limit=limit, say=say)
+        else:
+            result = estimate_run(lambda n: load_workload(model, seq_len=n), lengths, run_batching, data=data,
+                                  seq_len=seq_len, replay_steps=replay_steps, eval_batch_size=eval_batch,
+                                  eval_held_steps=eval_held, **common)
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
     fitted = (answer(door, result.max_batch_size_at_target, options.accumulation_steps, multiple_of=result.multiple_of,
                      fits_whole=result.max_batch_size) if door is not None else None)
@@ -187,5 +200,7 @@ def _print_summary(result, console, report_path: Path) -> None:
         console.print(f"paged optimizer state {paged / GiB:.2f} GiB in CUDA unified memory, not in the peaks "
                       "above (it spills to the host when the GPU is full)")
     for line in run_lines(result) if result.run is not None else []:
+        console.print(escape(line), soft_wrap=True)
+    for line in eval_lines(result.eval_phase) if result.eval_phase is not None else []:
         console.print(escape(line), soft_wrap=True)
     console.print(f"report: {report_path}", soft_wrap=True)

@@ -108,6 +108,25 @@ def merged_seq_len(seq_len: int | None, door: FrontDoor | None) -> int | None:
     return door.mapping.seq_len
 
 
+def merged_eval(eval_batch_size: int | None, eval_accumulation_steps: int | None,
+                door: FrontDoor | None) -> tuple[int | None, int]:
+    """(--eval-batch-size, the eval steps whose logits are held together) from the flags and the args."""
+    pairs = (("--eval-batch-size", eval_batch_size, "per_device_eval_batch_size"),
+             ("--eval-accumulation-steps", eval_accumulation_steps, "eval_accumulation_steps"))
+    values = []
+    for flag, typed, name in pairs:
+        given = getattr(door.mapping, name) if door is not None else None
+        if typed is not None and given is not None and typed != given:
+            raise OptionError(f"{flag} {typed} contradicts --trainer {door.args.path} ({name} {given}): "
+                              f"drop {flag}, or change the args")
+        if typed is not None and typed < 1:
+            raise OptionError(f"{flag} {typed}: give a positive number, e.g. {flag} 8")
+        values.append(typed if typed is not None else given)
+    if values[0] is None and values[1] is not None and eval_accumulation_steps is not None:
+        raise OptionError("--eval-accumulation-steps needs --eval-batch-size N (the eval loop's batch)")
+    return values[0], values[1] or 1
+
+
 def merged_batch_sizes(sizes: list[int] | None, door: FrontDoor | None) -> list[int] | None:
     """The typed sizes and the args' per_device_train_batch_size: it is traced, so the answer says if it fits."""
     if door is None:

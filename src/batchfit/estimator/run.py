@@ -61,6 +61,11 @@ class Lengths:
         return dataclasses.replace(self.base, make_batch=batch.make_batch, tokens_per_sample=length,
                                    description=batch.description)
 
+    def select(self, length: int) -> None:
+        """Make :meth:`varying`'s batches ``length`` tokens from now on (loaded now, outside any trace)."""
+        self._batch_of(length)
+        self.length = length
+
     def varying(self, lengths: list[int]) -> Workload:
         """The workload whose batches have :attr:`length` tokens at each call (one model, many steps),
         for these ``lengths``: loaded now, not inside a trace (a workload may make tensors as it loads)."""
@@ -278,7 +283,8 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                  options: StepOptions | None = None, seq_len: int | None = None, limit: str = "reserved",
                  batch_sizes: list[int] | None = None, max_batch: int | None = None,
                  host_memory_bytes: int | None = None, global_batch: int | None = None,
-                 replay_steps: int = 0, progress: Callable[[str], None] | None = None, **estimate_options):
+                 replay_steps: int = 0, eval_batch_size: int | None = None, eval_held_steps: int = 1,
+                 progress: Callable[[str], None] | None = None, **estimate_options):
     """The estimate at the run's deciding length, each traced batch size's run, and the answer in
     the batching's terms; with ``replay_steps`` the answer's first K steps replayed through the
     allocator model (``estimator/churn.py``). ``estimate_options`` go to :func:`estimator.engine.estimate`."""
@@ -289,6 +295,9 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
     if seq_len is not None:  # the tokenizer's max_length: every sample cut to it before batching
         lengths = [min(n, seq_len) for n in lengths]
     check_lengths(lengths, batching)
+    if batching.kind == "tokens" and eval_batch_size:
+        raise OptionError(f"--batching {batching} makes one row per step, so there is no eval batch size: drop "
+                          "--eval-batch-size (or batch --data by pad-longest / pack:MAXLEN)")
     if batching.kind == "tokens" and (global_batch is not None or batch_sizes):
         raise OptionError(f"--batching {batching} makes one row per GPU per step, so drop --global-batch and "
                           "--batch-sizes (the answer is the token budget)")
@@ -332,6 +341,13 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                                       if summary.fits_up_to and summary.fits_up_to >= max(lengths) else None)
     finally:
         tracer.close()
+    if eval_batch_size and summary.max_batch_size:  # the eval batches: the same data, batched the same way
+        from batchfit.estimator.eval_phase import eval_phase
+
+        best = summary.max_batch_size
+        result.eval_phase = eval_phase(at.varying([]), at.select, shapes_at, eval_batch_size, best,
+                                       summary.runs[best].peak_shape, result.options, device,
+                                       held_steps=eval_held_steps, limit=limit, say=say)
     if replay_steps and summary.max_batch_size:
         from batchfit.estimator.churn import churn
 

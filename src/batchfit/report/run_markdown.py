@@ -66,6 +66,44 @@ def run_lines(result) -> list[str]:
     return lines
 
 
+def _held(phase) -> str:
+    return (f", the logits of {phase.held_steps} eval steps held (eval_accumulation_steps {phase.held_steps})"
+            if phase.held_steps > 1 else "")
+
+
+def eval_lines(phase) -> list[str]:
+    """The eval loop beside the train step: each phase's peak, the one that decides, and the eval batch to use."""
+    asked, train = phase.asked, phase.train_shape
+    lines = [f"train step at batch {phase.train_batch_size} ({train.rows} x {train.length:,} tokens): "
+             f"{_gib(phase.train_peak_bytes)} allocated, {_gib(phase.train_peak_reserved_bytes)} reserved; "
+             f"eval step at eval batch {phase.batch_size} ({asked.peak_shape.rows} x {asked.peak_shape.length:,} "
+             f"tokens, no gradients, the whole logits{_held(phase)}): {_gib(asked.peak_bytes)} allocated, "
+             f"{_gib(asked.peak_reserved_bytes)} reserved; the {phase.deciding_phase} step sets the run's peak"]
+    if phase.fits:
+        lines.append(f"eval batch {phase.batch_size} fits after the training step")
+    elif phase.max_batch_size:
+        lines.append(f"eval batch {phase.batch_size} does not fit: the training step fits, its first evaluation "
+                     f"runs out of memory{' (the allocator model cannot place a block)' if asked.oom else ''}; the largest eval batch that fits "
+                     f"is {phase.max_batch_size} (per_device_eval_batch_size={phase.max_batch_size})")
+    else:
+        lines.append(f"eval batch {phase.batch_size} does not fit, nor does eval batch 1: the training step fits, "
+                     "its first evaluation runs out of memory")
+    return lines
+
+
+def eval_markdown(phase) -> str:
+    lines = ["", "## The eval loop", "",
+             ("The training step at the answer, then HF Trainer's evaluation loop (model.eval(), no gradients, the "
+              "model's whole output kept through the step; with eval_accumulation_steps K the logits of K steps held "
+              "together) in the same process: the optimizer state and the allocator's cache are the training "
+              "step's (traced; reserved by the allocator model)."), ""]
+    lines += [f"- {line}" for line in eval_lines(phase)]
+    lines += ["", "| eval batch | rows x tokens | peak allocated | peak reserved |", "|---:|---|---:|---:|"]
+    lines += [f"| {p.batch_size} | {p.peak_shape.rows} x {p.peak_shape.length:,} | {_gib(p.peak_bytes)} | "
+              f"{_gib(p.peak_reserved_bytes) if p.oom is None else 'cannot reserve'} |" for p in phase.traced or []]
+    return "\n".join(lines) + "\n"
+
+
 def churn_markdown(churn, shown: int = 60) -> list[str]:
     """Reserved memory step by step in both allocator replays (every step up to ``shown``, then evenly spaced)."""
     default, expandable = churn.default, {s.step: s for s in churn.expandable.steps}
