@@ -128,3 +128,43 @@ def test_trainer_args_give_the_eval_batch_where_they_evaluate(tmp_path):
     why = {u.field: u.why for u in quiet.mapping.unused}
     assert why["per_device_eval_batch_size"] == "eval_strategy no: no evaluation runs"
     assert json.loads(json.dumps(mapping.to_json()))["per_device_eval_batch_size"] == 16
+
+
+@pytest.mark.slow  # 19 s here: the run's traces at up to 16 packed rows, and the eval batch bisected from 64
+def test_the_answer_in_the_users_knobs_keeps_the_global_batch(tmp_path):
+    """Item 4: TrainingArguments (8 x 2 accumulation = 16 per step, eval batch 64, no packing) and a run
+    over 120 samples of 20-40 tokens packed to rows of 64: the emitted args keep 16 rows per step, turn
+    packing on at max_length 64 (both named in the notes) and lower the eval batch to the largest that
+    fits; every other field is the user's, byte for byte."""
+    from batchfit.cli.trainer import emitted_text, merged_batching, read_trainer, run_answer
+
+    door = read_trainer(_args(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                              eval_strategy="steps", per_device_eval_batch_size=64))
+    lengths = [20 + (i * 7) % 21 for i in range(120)]
+    device = custom_device((512 + 64 + 40) * 2**20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = estimate_run(tiny, lengths, Batching("pack", 64), data="d.jsonl", device=device, limit="allocated",
+                              max_batch=16, eval_batch_size=door.mapping.per_device_eval_batch_size)
+    fitted = run_answer(door, result)
+    micro, steps = fitted["per_device_train_batch_size"], fitted["gradient_accumulation_steps"]
+    assert micro * steps == 16 and micro <= result.run.max_batch_size
+    phase = result.eval_phase
+    assert 0 < phase.max_batch_size < 64
+    assert fitted["fields"] == {"packing": True, "max_length": 64, "per_device_eval_batch_size": phase.max_batch_size}
+    assert any(n.startswith("packing: true (--batching pack:64)") for n in fitted["notes"])
+    assert f"per_device_eval_batch_size 64 -> {phase.max_batch_size}: the eval loop at 64 does not fit" in \
+        " ".join(fitted["notes"])
+    before, after = json.loads(door.args.text), json.loads(emitted_text(door, fitted))
+    changed = {k: after[k] for k in after if before.get(k, "absent") != after[k]}
+    assert changed == {"per_device_train_batch_size": micro, "gradient_accumulation_steps": steps, "packing": True,
+                       "max_length": 64, "per_device_eval_batch_size": phase.max_batch_size}
+    emitted = emitted_text(door, fitted).splitlines()  # edited in place: TRL's two fields added last
+    assert len(emitted) == len(door.args.text.splitlines()) + 2 and emitted[-3:] == [
+        '  "packing": true,', '  "max_length": 64', "}"]
+    # args that pack already decide the batching; another one typed beside them is a contradiction
+    packed = read_trainer(_args(tmp_path, per_device_train_batch_size=2))
+    packed.mapping.packing, packed.mapping.seq_len = True, 128
+    assert merged_batching(None, "d.jsonl", packed) == "pack:128"
+    with pytest.raises(OptionError, match="--batching pad-longest contradicts"):
+        merged_batching("pad-longest", "d.jsonl", packed)

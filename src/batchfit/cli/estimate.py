@@ -17,9 +17,9 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
 from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt,
                                  parse_host_memory, warn_about_approximations)
 from batchfit.cli.common import AttentionOpt, say_attention
-from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, merged_batch_sizes,
+from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, merged_batch_sizes, merged_batching,
                                   merged_eval, merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
-                                  read_trainer, trainer_outputs)
+                                  read_trainer, run_answer, trainer_outputs)
 from batchfit.devices import GiB
 from batchfit.report.host import host_line
 from batchfit.report.run_markdown import eval_lines, run_lines
@@ -128,7 +128,10 @@ def estimate_command(
         print_mapping(door, quiet_if_stdout(json_path))
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
                            max_batch=max_batch, limit=limit)
-    run_batching = check_run_flags(data, batching, length_column, tokenizer, replay_steps)
+    run_batching = check_run_flags(data, merged_batching(batching, data, door), length_column, tokenizer, replay_steps)
+    if emit_path is not None and run_batching is not None and run_batching.kind == "tokens":
+        raise OptionError(f"--batching {run_batching} answers a token budget, which TrainingArguments has no field "
+                          "for: drop --emit (the budget is printed), or batch by pad-longest or pack:MAXLEN")
     eval_batch, eval_held = merged_eval(eval_batch_size, eval_accumulation_steps, door)
     from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
     from batchfit.estimator.eval_phase import add_eval_phase
@@ -150,8 +153,7 @@ def estimate_command(
                                   seq_len=seq_len, replay_steps=replay_steps, eval_batch_size=eval_batch,
                                   eval_held_steps=eval_held, **common)
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
-    fitted = (answer(door, result.max_batch_size_at_target, options.accumulation_steps, multiple_of=result.multiple_of,
-                     fits_whole=result.max_batch_size) if door is not None else None)
+    fitted = run_answer(door, result) if door is not None else None
     data, write_all = trainer_outputs(result.to_json(), door, fitted, lambda files, trainer: write_estimate_report(
         result, folder, files, trainer=trainer), emit_path)
     paths = write_outputs(json_path, data, write_all)

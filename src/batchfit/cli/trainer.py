@@ -154,6 +154,34 @@ def print_mapping(door: FrontDoor, console: Console) -> None:
                       soft_wrap=True, highlight=False)
 
 
+def merged_batching(batching: str | None, data: str | None, door: FrontDoor | None) -> str | None:
+    """--batching, or pack:max_length where the args pack (TRL's ``packing``) and --data is given."""
+    mapping = door.mapping if door is not None else None
+    if data is None or mapping is None or not mapping.packing or mapping.seq_len is None:
+        return batching
+    own = f"pack:{mapping.seq_len}"
+    if batching is not None and batching != own:
+        raise OptionError(f"--batching {batching} contradicts --trainer {door.args.path} (packing, max_length "
+                          f"{mapping.seq_len}: --batching {own}): drop --batching, or change the args")
+    return own
+
+
+def run_answer(door: FrontDoor, result, **kwargs) -> dict:
+    """:func:`answer` for an estimate, in the user's knobs: with --data, the largest micro-batch whose
+    whole run fits, and the rows of --batching pack:MAXLEN; with --eval-batch-size, an eval batch that fits."""
+    from batchfit.integrations.trainer_files import run_fields
+
+    run, phase = result.run, result.eval_phase
+    micro = result.max_batch_size_at_target if run is None else min(result.max_batch_size_at_target, run.max_batch_size)
+    fitted = answer(door, micro, result.options.accumulation_steps, multiple_of=result.multiple_of,
+                    fits_whole=result.max_batch_size if run is None else run.max_batch_size, **kwargs)
+    fields, notes = run_fields(door.mapping, batching=run.batching if run is not None else None,
+                               eval_batch_size=phase.batch_size if phase is not None else None,
+                               eval_max_batch=phase.max_batch_size if phase is not None else None)
+    fitted["fields"], fitted["notes"] = fields, [*fitted["notes"], *notes]
+    return fitted
+
+
 def answer(door: FrontDoor, max_micro_batch: int, traced_accumulation: int, *, multiple_of: int = 1,
            world_size: int | None = None, source: str = "traced", fits_whole: int | None = None) -> dict:
     """per_device_train_batch_size and gradient_accumulation_steps for the args' global batch.
@@ -189,8 +217,9 @@ def print_answer(result: dict, console: Console) -> None:
         console.print(f"[bold red]no TrainingArguments for global batch {result['global_batch']}[/]: "
                       f"{escape('; '.join(result['notes']))}", soft_wrap=True)
         return
+    more = "".join(f", {name}={value}" for name, value in result.get("fields", {}).items())
     console.print(f"[bold green]per_device_train_batch_size={result['per_device_train_batch_size']}, "
-                  f"gradient_accumulation_steps={result['gradient_accumulation_steps']}[/] for global batch "
+                  f"gradient_accumulation_steps={result['gradient_accumulation_steps']}{escape(more)}[/] for global batch "
                   f"{result['global_batch']} over {result['world_size']} device(s) (largest micro-batch "
                   f"{result['max_micro_batch']}, {result['source']})", soft_wrap=True)
     for note in result["notes"]:
@@ -204,7 +233,8 @@ def emitted_text(door: FrontDoor, result: dict) -> str:
     if result["per_device_train_batch_size"] is None:
         raise OptionError("--emit trainer: nothing fits, so there are no arguments to write: "
                           + "; ".join(result["notes"]))
-    return patched_args_text(door.args, result["per_device_train_batch_size"], result["gradient_accumulation_steps"])
+    return patched_args_text(door.args, result["per_device_train_batch_size"], result["gradient_accumulation_steps"],
+                             result.get("fields"))
 
 
 def trainer_outputs(result_json: dict, door: FrontDoor | None, fitted: dict | None, write_report,

@@ -123,6 +123,8 @@ class TrainerMapping:
     """Tokens per sample (max_length / max_seq_length); None: the model's."""
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
+    packing: bool = False
+    """TRL's ``packing``: samples packed into rows of max_length (``--batching pack:max_length`` with --data)."""
     per_device_eval_batch_size: int | None = None
     """Set when the args evaluate (eval_strategy not 'no'): ``estimate`` traces the eval loop at it."""
     eval_accumulation_steps: int | None = None
@@ -160,7 +162,7 @@ class TrainerMapping:
         return {"step_options": dict(self.step), "seq_len": self.seq_len,
                 "per_device_train_batch_size": self.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.gradient_accumulation_steps, "world_size": self.world_size,
-                "per_device_eval_batch_size": self.per_device_eval_batch_size,
+                "packing": self.packing, "per_device_eval_batch_size": self.per_device_eval_batch_size,
                 "eval_accumulation_steps": self.eval_accumulation_steps,
                 "global_batch": self.global_batch, "strategy": self.strategy,
                 "trainer_fields_used": [u.to_json() for u in self.used],

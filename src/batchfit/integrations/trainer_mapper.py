@@ -206,7 +206,7 @@ class Mapper:
         for other in ("max_length", "max_seq_length"):
             if other in data and other != name:
                 self.skip(other, "not set" if name is None else f"{name} is the one read")
-        packing = bool(data.get("packing"))
+        packing = self.mapping.packing = bool(data.get("packing"))
         if name is not None:
             value = data[name]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
