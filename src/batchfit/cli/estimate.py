@@ -93,6 +93,8 @@ def estimate_command(
     replay_steps: Annotated[int, typer.Option(help="With --data: run the answer's first K steps one after another and "
                                               "replay them through the allocator model (reserved memory per step, "
                                               "fragmentation).")] = 0,
+    replay_order: Annotated[str, typer.Option(help="data: replay the steps in the data's order; worst: also in "
+                                              "ascending-length and long-short orders, and show the worst.")] = "data",
     eval_batch_size: Annotated[int | None, typer.Option(help="Also trace HF Trainer's eval loop at this batch "
                                                         "(no gradients, the whole logits) after the training "
                                                         "step: the larger peak decides (docs/run.md).")] = None,
@@ -128,7 +130,8 @@ def estimate_command(
         print_mapping(door, quiet_if_stdout(json_path))
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
                            max_batch=max_batch, limit=limit)
-    run_batching = check_run_flags(data, merged_batching(batching, data, door), length_column, tokenizer, replay_steps)
+    run_batching = check_run_flags(data, merged_batching(batching, data, door), length_column, tokenizer,
+                                   replay_steps, replay_order)
     if emit_path is not None and run_batching is not None and run_batching.kind == "tokens":
         raise OptionError(f"--batching {run_batching} answers a token budget, which TrainingArguments has no field "
                           "for: drop --emit (the budget is printed), or batch by pad-longest or pack:MAXLEN")
@@ -150,8 +153,8 @@ def estimate_command(
                 add_eval_phase(result, workload, eval_batch, held_steps=eval_held, limit=limit, say=say)
         else:
             result = estimate_run(lambda n: load_workload(model, seq_len=n), lengths, run_batching, data=data,
-                                  seq_len=seq_len, replay_steps=replay_steps, eval_batch_size=eval_batch,
-                                  eval_held_steps=eval_held, **common)
+                                  seq_len=seq_len, replay_steps=replay_steps, replay_order=replay_order,
+                                  eval_batch_size=eval_batch, eval_held_steps=eval_held, **common)
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
     fitted = run_answer(door, result) if door is not None else None
     data, write_all = trainer_outputs(result.to_json(), door, fitted, lambda files, trainer: write_estimate_report(

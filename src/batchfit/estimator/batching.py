@@ -193,7 +193,7 @@ def first_failing(shapes: list[Shape], fits) -> int | None:
 
 
 def check_run_flags(data: str | None, batching: str | None, length_column: str | None,
-                    tokenizer: str | None, replay_steps: int = 0) -> Batching | None:
+                    tokenizer: str | None, replay_steps: int = 0, replay_order: str = "data") -> Batching | None:
     """``--batching`` (pad-longest when only --data is given), or None without --data; the flags
     that need --data refused without it."""
     if data is None:
@@ -206,4 +206,9 @@ def check_run_flags(data: str | None, batching: str | None, length_column: str |
         return None
     if replay_steps < 0:
         raise OptionError(f"--replay-steps {replay_steps} is no number of steps: e.g. --replay-steps 50 (0: none)")
+    if replay_order not in ("data", "worst"):
+        raise OptionError(f"--replay-order {replay_order}: give data (the data's order) or worst (also the orders "
+                          "that fragment most, of those tried)")
+    if replay_order == "worst" and not replay_steps:
+        raise OptionError("--replay-order worst reorders the replayed steps: give --replay-steps K too")
     return parse_batching(batching or "pad-longest")

@@ -208,6 +208,8 @@ class RunSummary:
     """tokens:N: the longest row traced to fit (and the next step up traced not to)."""
     churn: object | None = None
     """--replay-steps K: the answer's first K steps through the allocator model (``estimator/churn.py``)."""
+    churn_worst: object | None = None
+    """--replay-order worst: the same K steps in the order (of those tried) that ends worst."""
 
     def to_json(self) -> dict:
         return {"data": self.data, "batching": self.batching, "samples": self.samples, "lengths": self.lengths,
@@ -215,7 +217,8 @@ class RunSummary:
                 "rows": self.rows, "max_batch_size": self.max_batch_size,
                 "traced_shapes": [list(s) for s in self.traced_shapes],
                 "token_budget": self.token_budget, "largest_budget": self.largest_budget,
-                "fits_up_to": self.fits_up_to, "churn": self.churn.to_json() if self.churn is not None else None}
+                "fits_up_to": self.fits_up_to, "churn": self.churn.to_json() if self.churn is not None else None,
+                "churn_worst_order": self.churn_worst.to_json() if self.churn_worst is not None else None}
 
 
 def length_stats(lengths: list[int]) -> dict[str, float]:
@@ -283,7 +286,7 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                  options: StepOptions | None = None, seq_len: int | None = None, limit: str = "reserved",
                  batch_sizes: list[int] | None = None, max_batch: int | None = None,
                  host_memory_bytes: int | None = None, global_batch: int | None = None,
-                 replay_steps: int = 0, eval_batch_size: int | None = None, eval_held_steps: int = 1,
+                 replay_steps: int = 0, replay_order: str = "data", eval_batch_size: int | None = None, eval_held_steps: int = 1,
                  progress: Callable[[str], None] | None = None, **estimate_options):
     """The estimate at the run's deciding length, each traced batch size's run, and the answer in
     the batching's terms; with ``replay_steps`` the answer's first K steps replayed through the
@@ -349,9 +352,12 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                                        summary.runs[best].peak_shape, result.options, device,
                                        held_steps=eval_held_steps, limit=limit, say=say)
     if replay_steps and summary.max_batch_size:
-        from batchfit.estimator.churn import churn
+        from batchfit.estimator.churn import churn, worst_order
 
         say(f"replaying {replay_steps} steps at batch {summary.max_batch_size} through the allocator model")
+        if replay_order == "worst":
+            summary.churn_worst = worst_order(at, shapes_at(summary.max_batch_size)[:replay_steps],
+                                              summary.max_batch_size, result.options, device)
         summary.churn = churn(at, shapes_at(summary.max_batch_size)[:replay_steps], summary.max_batch_size,
                               result.options, device)
     summary.traced_shapes = [(s.rows, s.length) for s in tracer.traced]

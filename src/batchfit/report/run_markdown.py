@@ -61,8 +61,9 @@ def run_lines(result) -> list[str]:
     above = [b for b in sorted(summary.runs) if b > best and summary.runs[b].verdict != "fits"]
     if above:
         lines.append(f"the run at batch {above[0]}: {_oom(summary.runs[above[0]])}")
-    if summary.churn is not None:
-        lines.append(summary.churn.line())
+    for churn in (summary.churn, getattr(summary, "churn_worst", None)):
+        if churn is not None:
+            lines.append(churn.line())
     return lines
 
 
@@ -108,8 +109,9 @@ def churn_markdown(churn, shown: int = 60) -> list[str]:
     """Reserved memory step by step in both allocator replays (every step up to ``shown``, then evenly spaced)."""
     default, expandable = churn.default, {s.step: s for s in churn.expandable.steps}
     every = max(1, -(-len(default.steps) // shown))
-    lines = ["", f"### Allocator replay at batch {churn.batch_size}: {churn.verdict}", "",
-             ("The run's first steps, in the data's order, one after another in one process (step 0 makes the "
+    order = "the data's order" if churn.order == "data" else f"{churn.order} order (the worst of those tried)"
+    lines = ["", f"### Allocator replay at batch {churn.batch_size}, {order}: {churn.verdict}", "",
+             (f"The run's first steps, in {order}, one after another in one process (step 0 makes the "
              "optimizer state), their allocation stream replayed through the caching allocator model "
              "(traced; the allocator is a model, see Known limits)."), "",
              ("| step | rows x tokens | peak allocated | peak reserved | reserved after | cached, not allocated | "
@@ -140,8 +142,9 @@ def run_markdown(result, plot_name: str = "lengths.png") -> str:
                                                         f"{run.first_oom_shape.length:,})")
         lines.append(f"| {b} | {run.steps} | {run.verdict} | {run.peak_step} | {run.peak_shape.rows} x "
                      f"{run.peak_shape.length:,} | {_gib(run.peak_bytes)} | {_gib(run.peak_reserved_bytes)} | {first} |")
-    if summary.churn is not None:
-        lines += churn_markdown(summary.churn)
+    for churn in (summary.churn, getattr(summary, "churn_worst", None)):
+        if churn is not None:
+            lines += churn_markdown(churn)
     lines += ["", "| tokens per sample | samples |", "|---|---:|"]
     lines += [f"| {low:,}–{high:,} | {count:,} |" for low, high, count in summary.histogram]
     return "\n".join(lines) + "\n"
