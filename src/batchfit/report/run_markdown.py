@@ -67,6 +67,10 @@ def run_lines(result) -> list[str]:
     return lines
 
 
+def _reserved(point) -> str:
+    return "cannot reserve" if point.oom is not None else f"{_gib(point.peak_reserved_bytes)} reserved"
+
+
 def _held(phase) -> str:
     return (f", the logits of {phase.held_steps} eval steps held (eval_accumulation_steps {phase.held_steps})"
             if phase.held_steps > 1 else "")
@@ -79,7 +83,7 @@ def eval_lines(phase) -> list[str]:
              f"{_gib(phase.train_peak_bytes)} allocated, {_gib(phase.train_peak_reserved_bytes)} reserved; "
              f"eval step at eval batch {phase.batch_size} ({asked.peak_shape.rows} x {asked.peak_shape.length:,} "
              f"tokens, no gradients, the whole logits{_held(phase)}): {_gib(asked.peak_bytes)} allocated, "
-             f"{_gib(asked.peak_reserved_bytes)} reserved; the {phase.deciding_phase} step sets the run's peak"]
+             f"{_reserved(asked)}; the {phase.deciding_phase} step sets the run's peak"]
     if phase.fits:
         lines.append(f"eval batch {phase.batch_size} fits after the training step")
     elif phase.max_batch_size:
@@ -101,7 +105,7 @@ def eval_markdown(phase) -> str:
     lines += [f"- {line}" for line in eval_lines(phase)]
     lines += ["", "| eval batch | rows x tokens | peak allocated | peak reserved |", "|---:|---|---:|---:|"]
     lines += [f"| {p.batch_size} | {p.peak_shape.rows} x {p.peak_shape.length:,} | {_gib(p.peak_bytes)} | "
-              f"{_gib(p.peak_reserved_bytes) if p.oom is None else 'cannot reserve'} |" for p in phase.traced or []]
+              f"{_reserved(p).removesuffix(' reserved')} |" for p in phase.traced or []]
     return "\n".join(lines) + "\n"
 
 
