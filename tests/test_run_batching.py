@@ -166,3 +166,24 @@ def test_the_replay_orders_and_which_one_ends_worst():
         check_run_flags("d.jsonl", None, None, None, 0, "worst")
     with pytest.raises(OptionError, match="--replay-order backwards"):
         check_run_flags("d.jsonl", None, None, None, 5, "backwards")
+
+
+def test_plan_traces_every_rank_at_the_datas_longest_row(tmp_path):
+    """plan --data: no step of the data makes a row longer than the longest sample (pad-longest, each
+    sample cut at --seq-len), MAXLEN (pack) or the model's length (pad-max); a token budget is refused."""
+    from batchfit.estimator.batching import longest_row
+    from batchfit.estimator.run import data_row_length
+
+    assert longest_row(LENGTHS, Batching("pad-longest"), None) == 20
+    assert longest_row([min(n, 8) for n in LENGTHS], Batching("pad-longest"), 8) == 8
+    assert longest_row(LENGTHS, Batching("pack", 16), None) == 16
+    assert longest_row(LENGTHS, Batching("pad-max"), 32) == 32
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"n": n}) + "\n" for n in LENGTHS))
+    row, section = data_row_length(str(path), Batching("pad-longest"), model="gpt-tinystories-22m", seq_len=12,
+                                   length_column="n")
+    assert row == 12 and section["samples"] == 7 and section["lengths"]["max"] == 12
+    with pytest.raises(OptionError, match="plan with --batching pack:64"):
+        data_row_length(str(path), Batching("tokens", 64), model="gpt-tinystories-22m", length_column="n")
+    result = CliRunner().invoke(app, ["plan", "gpt-tinystories-22m", "--gpu-memory", "24GiB", "--batching", "pack:64"])
+    assert result.exit_code != 0 and "give --data PATH too" in result.output

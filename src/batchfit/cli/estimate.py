@@ -16,7 +16,7 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  report_folder, step_options, warn_about_precision, write_outputs)
 from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt,
                                  parse_host_memory, warn_about_approximations)
-from batchfit.cli.common import AttentionOpt, say_attention
+from batchfit.cli.common import AttentionOpt, BatchingOpt, DataOpt, LengthColumnOpt, TokenizerOpt, say_attention
 from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, merged_batch_sizes, merged_batching,
                                   merged_eval, merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
                                   read_trainer, run_answer, trainer_outputs)
@@ -82,14 +82,10 @@ def estimate_command(
     out: Annotated[Path | None, out_option("report.md, memory.png, estimate.json")] = None,
     trainer: TrainerOpt = None,
     emit: EmitTrainerOpt = None,
-    data: Annotated[str | None, typer.Option(help="The run's data (.txt lines, .jsonl / .parquet rows, a folder): "
-                                             "answer for its worst batch, not one shape (docs/run.md).")] = None,
-    batching: Annotated[str | None, typer.Option(help="How --data is batched: pad-longest (default), pad-max, "
-                                                 "pack:MAXLEN (rows of MAXLEN), tokens:N (one row of up to N "
-                                                 "tokens per GPU).")] = None,
-    length_column: Annotated[str | None, typer.Option(help="A column of token counts in --data's rows.")] = None,
-    tokenizer: Annotated[str | None, typer.Option(help="Tokenizes --data's text: a tokenizer.json, a cached name, "
-                                                  "or bytes (default: the model folder's own).")] = None,
+    data: DataOpt = None,
+    batching: BatchingOpt = None,
+    length_column: LengthColumnOpt = None,
+    tokenizer: TokenizerOpt = None,
     replay_steps: Annotated[int, typer.Option(help="With --data: run the answer's first K steps one after another and "
                                               "replay them through the allocator model (reserved memory per step, "
                                               "fragmentation).")] = 0,

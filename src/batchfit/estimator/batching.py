@@ -71,6 +71,15 @@ class Shape:
         return self.rows >= other.rows and self.length >= other.length
 
 
+def longest_row(lengths: list[int], batching: Batching, seq_len: int | None) -> int | None:
+    """The longest row any step of the data makes (each sample cut at ``seq_len``): the longest sample
+    padded, pack's MAXLEN, tokens' N, or for pad-max ``seq_len`` (None: the model's own). A rank of a
+    data-parallel run holds at most the batch size of such rows, whichever samples its sampler deals it."""
+    if batching.kind == "pad-longest":
+        return max(min(n, seq_len) if seq_len else n for n in lengths)
+    return seq_len if batching.kind == "pad-max" else batching.tokens
+
+
 def check_lengths(lengths: list[int], batching: Batching) -> None:
     """Refuse, before any trace, a token budget that a single sample passes."""
     longest = max(lengths)

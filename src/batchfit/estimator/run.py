@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from batchfit.devices import Device
 from batchfit.errors import ModelSpecError, OptionError
 from batchfit.estimator.batching import (Batching, Shape, check_lengths, deciding_steps, first_failing, histogram,
-                                         largest_budget, peak_step, step_samples, step_shapes, MAX_TOKENS)
+                                         largest_budget, longest_row, peak_step, step_samples, step_shapes, MAX_TOKENS)
 from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits
@@ -410,3 +410,21 @@ def data_lengths(data: str, *, model: str, length_column: str | None = None, tok
                                                          ("tokenizer.json", "tokenizer_config.json"))
     return sample_lengths(data, length_column=length_column,
                           tokenizer=(lambda: cached_tokenizer(str(folder))) if own else None)
+
+
+def data_row_length(data: str, batching: Batching, *, model: str, seq_len: int | None = None,
+                    length_column: str | None = None, tokenizer: str | None = None) -> tuple[int | None, dict]:
+    """``plan --data``: (the tokens per row every rank is traced at, the JSON's ``data`` section). A rank of
+    a data-parallel run steps on the batches its sampler deals it, none with a row longer than the data's
+    longest (``batching.longest_row``): tracing each rank there is never low, and exact for the step that
+    holds the longest sample in a full batch. One line before any trace for what plan cannot answer."""
+    if batching.kind == "tokens":
+        raise OptionError(f"plan --batching {batching}: a token budget makes one row per GPU per step, which plan's "
+                          "micro-batch search does not take; use estimate --data ... --batching "
+                          f"{batching}, or plan with --batching pack:{batching.tokens}")
+    lengths = data_lengths(data, model=model, length_column=length_column, tokenizer=tokenizer)
+    cut = [min(n, seq_len) for n in lengths] if seq_len is not None else lengths
+    check_lengths(cut, batching)
+    row = longest_row(cut, batching, seq_len)
+    return row, {"data": data, "batching": str(batching), "samples": len(cut), "lengths": length_stats(cut),
+                 "traced_length": row}
