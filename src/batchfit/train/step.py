@@ -363,7 +363,7 @@ class TrainingStep:
         evaluation loop runs them (``prediction_step``, ``evaluation_loop``): ``model.eval()``, no
         gradients, the model's own loss (``Workload.loss_fn``: the Trainer's eval calls the model, so no
         chunked or fused loss), and the model's whole output alive until the step ends (the logits, and
-        the KV cache a model in eval mode returns). With ``compute_metrics`` the Trainer keeps every
+        whatever else it returns). With ``compute_metrics`` the Trainer keeps every
         step's logits on the device, concatenated after each step (``nested_concat``), until
         ``eval_accumulation_steps`` steps moved them to the host: ``held_steps`` is that count. The
         model is in train mode again afterwards; returns the last loss."""
