@@ -80,6 +80,7 @@ def test_the_train_step_fits_and_the_eval_loop_at_its_batch_does_not():
     data = result.to_json()["eval"]
     assert data["verdict"] == "does not fit" and data["deciding_phase"] == "eval"
     assert data["max_batch_size"] == phase.max_batch_size and "## The eval loop" in eval_markdown(phase)
+    assert not any("eval" in a.what for a in result.approximations)  # one shape, plain loss: nothing approximated
 
 
 def test_with_data_the_eval_batches_are_the_datas_padded_the_same_way():
@@ -94,6 +95,7 @@ def test_with_data_the_eval_batches_are_the_datas_padded_the_same_way():
     phase = result.eval_phase
     assert step_shapes(lengths, Batching("pad-longest"), 3, 60)[2] == Shape(3, 60)
     assert phase.asked.peak_shape == Shape(3, 60) and phase.fits
+    assert not any("eval" in a.what for a in result.approximations)  # one held step: its own shape
     assert phase.train_shape == result.run.runs[2].peak_shape == Shape(2, 60)
     with pytest.raises(OptionError, match="drop --eval-batch-size"):
         estimate_run(lambda n: tiny(n, vocab=512), lengths, Batching("tokens", 64), data="d.jsonl", device=device,
@@ -168,3 +170,15 @@ def test_the_answer_in_the_users_knobs_keeps_the_global_batch(tmp_path):
     assert merged_batching(None, "d.jsonl", packed) == "pack:128"
     with pytest.raises(OptionError, match="--batching pad-longest contradicts"):
         merged_batching("pad-longest", "d.jsonl", packed)
+
+
+def test_what_the_eval_trace_approximates_is_listed_and_only_then():
+    from batchfit.estimator.eval_phase import EvalPhase, EvalPoint, eval_approximations
+
+    asked = EvalPoint(8, Shape(8, 60), 10, 12)
+    phase = EvalPhase(8, 3, 4, Shape(4, 60), 9, 12, asked)
+    both = eval_approximations(phase, StepOptions(loss="fused-linear"), varying=True)
+    assert [a.what.split(":")[0] for a in both] == ["--eval-accumulation-steps 3",
+                                                    "--eval-batch-size with --loss fused-linear"]
+    assert "8 x 60 tokens" in both[0].what and all("high" in a.may_differ_by for a in both)
+    assert eval_approximations(phase, StepOptions(), varying=False) == []

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from batchfit.devices import Device
 from batchfit.estimator.batching import Shape, deciding_steps
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory
+from batchfit.trace.approximation import Approximation
 from batchfit.trace.point import new_allocator
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
@@ -181,6 +182,25 @@ def eval_phase(workload: Workload, set_length: Callable[[int], None], shapes_at:
         tracer.close()
 
 
+def eval_approximations(phase: EvalPhase, options: StepOptions, varying: bool) -> list[Approximation]:
+    """Where the traced eval loop is higher than the Trainer's (never lower): held logits at the worst
+    step's shape (``varying``: --data), logits the Trainer skips under Liger's fused loss."""
+    out = []
+    if phase.held_steps > 1 and varying:
+        out.append(Approximation(
+            what=f"--eval-accumulation-steps {phase.held_steps}: the logits held from earlier eval steps are traced "
+                 f"at the worst eval step's shape ({phase.asked.peak_shape.rows} x {phase.asked.peak_shape.length:,} "
+                 "tokens)",
+            may_differ_by="high by the held steps' logits beyond their own padded length (the Trainer pads the held "
+                          "logits to the longest held, so never low)", source="docs/run.md, The eval loop"))
+    if options.loss == "fused-linear":
+        out.append(Approximation(
+            what="--eval-batch-size with --loss fused-linear: the eval step makes the whole logits",
+            may_differ_by="high by one eval step's logits (rows x tokens x vocabulary) where the Trainer runs Liger "
+                          "without compute_metrics (skip_logits)", source="docs/run.md, The eval loop"))
+    return out
+
+
 def add_eval_phase(result, workload: Workload, batch_size: int, *, held_steps: int = 1, limit: str = "reserved",
                    say: Callable[[str], None] | None = None) -> None:
     """``result.eval_phase`` for one shape (no --data): the eval loop at the workload's length after a
@@ -191,3 +211,4 @@ def add_eval_phase(result, workload: Workload, batch_size: int, *, held_steps: i
     result.eval_phase = eval_phase(workload, lambda n: None, lambda b: [Shape(b, length)], batch_size,
                                    result.max_batch_size, Shape(result.max_batch_size, length), result.options,
                                    result.device, held_steps=held_steps, limit=limit, say=say)
+    result.approximations = [*result.approximations, *eval_approximations(result.eval_phase, result.options, False)]

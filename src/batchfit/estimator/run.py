@@ -345,12 +345,14 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
     finally:
         tracer.close()
     if eval_batch_size and summary.max_batch_size:  # the eval batches: the same data, batched the same way
-        from batchfit.estimator.eval_phase import eval_phase
+        from batchfit.estimator.eval_phase import eval_approximations, eval_phase
 
         best = summary.max_batch_size
         result.eval_phase = eval_phase(at.varying([]), at.select, shapes_at, eval_batch_size, best,
                                        summary.runs[best].peak_shape, result.options, device,
                                        held_steps=eval_held_steps, limit=limit, say=say)
+        result.approximations = [*result.approximations,
+                                 *eval_approximations(result.eval_phase, result.options, True)]
     if replay_steps and summary.max_batch_size:
         from batchfit.estimator.churn import churn, worst_order
 
