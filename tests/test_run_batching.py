@@ -168,8 +168,8 @@ def test_the_replay_orders_and_which_one_ends_worst():
         check_run_flags("d.jsonl", None, None, None, 5, "backwards")
 
 
-def test_plan_traces_every_rank_at_the_datas_longest_row(tmp_path):
-    """plan --data: no step of the data makes a row longer than the longest sample (pad-longest, each
+def test_plan_and_probe_run_every_step_at_the_datas_longest_row(tmp_path):
+    """plan / probe --data: no step of the data makes a row longer than the longest sample (pad-longest, each
     sample cut at --seq-len), MAXLEN (pack) or the model's length (pad-max); a token budget is refused."""
     from batchfit.estimator.batching import longest_row
     from batchfit.estimator.run import data_row_length
@@ -185,5 +185,11 @@ def test_plan_traces_every_rank_at_the_datas_longest_row(tmp_path):
     assert row == 12 and section["samples"] == 7 and section["lengths"]["max"] == 12
     with pytest.raises(OptionError, match="plan with --batching pack:64"):
         data_row_length(str(path), Batching("tokens", 64), model="gpt-tinystories-22m", length_column="n")
-    result = CliRunner().invoke(app, ["plan", "gpt-tinystories-22m", "--gpu-memory", "24GiB", "--batching", "pack:64"])
-    assert result.exit_code != 0 and "give --data PATH too" in result.output
+    for command in ("plan", "probe"):  # probe finds the batch that survives the same row on a real device
+        result = CliRunner().invoke(app, [command, "gpt-tinystories-22m", "--gpu-memory", "24GiB", "--batching",
+                                          "pack:64"])
+        assert result.exit_code != 0 and "give --data PATH too" in result.output
+    from batchfit.cli.trainer import data_rows
+
+    assert data_rows("gpt-tinystories-22m", 12, None, str(path), None, "n", None) == (row, section)
+    assert data_rows("gpt-tinystories-22m", 12, None, None, None, None, None) == (12, None)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Annotated
 
 import typer
@@ -23,16 +22,14 @@ from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, M
 from batchfit.cli.torchtitan import (print_torchtitan, read_torchtitan, torchtitan_approximation, torchtitan_defaults,
                                      torchtitan_section)
 from batchfit.cli.common import AttentionOpt, BatchingOpt, DataOpt, LengthColumnOpt, TokenizerOpt, say_attention, say_notices
-from batchfit.cli.trainer import (TrainerOpt, emitted_text, merged_batch_sizes, merged_batching, merged_options,
-                                  merged_seq_len, print_answer, print_mapping, read_trainer)
+from batchfit.cli.trainer import (TrainerOpt, data_rows, emitted_text, merged_batch_sizes, merged_options,
+                                  merged_seq_len, print_answer, print_data_rows, print_mapping, read_trainer)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.plan.emit import parse_emit, write_emit
 from batchfit.plan.engine import DEFAULT_MAX_BATCH, DEFAULT_STRATEGIES, plan
 from batchfit.plan.time_model import TimeModel, calibrated
 from batchfit.plan.world import parse_tokens, parse_worlds
-from batchfit.estimator.batching import check_run_flags
-from batchfit.report.run_markdown import distribution_line
 from batchfit.specs import load_workload
 
 MAX_GPUS = 1 << 20
@@ -168,13 +165,7 @@ def plan_command(
     options = dataclasses.replace(options, tp_loss=tp_loss)
     host_memory_bytes = parse_host_memory(host_memory)
     seq_len = merged_seq_len(seq_len, door)
-    run_batching = check_run_flags(data, merged_batching(batching, data, door), length_column, tokenizer)
-    data_section = None
-    if run_batching is not None:  # every rank traced at the data's longest row
-        from batchfit.estimator.run import data_row_length  # torch: after the options are checked
-
-        seq_len, data_section = data_row_length(data, run_batching, model=model, seq_len=seq_len,
-                                                length_column=length_column, tokenizer=tokenizer)
+    seq_len, data_section = data_rows(model, seq_len, door, data, batching, length_column, tokenizer)
     time_model = (calibrated(calibrate, precision) if calibrate is not None
                   else TimeModel(mfu=mfu, mfu_source="set by the user (--mfu)") if mfu is not None else TimeModel())
     time_model = TimeModel(mfu=time_model.mfu, mfu_source=time_model.mfu_source,
@@ -229,9 +220,7 @@ def plan_command(
 
     paths, written = write_outputs(json_path, data, write_all)
     console = quiet_if_stdout(json_path)
-    if data_section is not None:
-        console.print(escape(f"{distribution_line(SimpleNamespace(**data_section))}: every rank traced at {seq_len:,} tokens per "
-                             "row, the longest a step of this data makes"), soft_wrap=True)
+    print_data_rows(data_section, console)
     _print_summary(result, console, paths["md"], written)
     if fitted is not None:
         print_answer(fitted, console)

@@ -166,6 +166,32 @@ def merged_batching(batching: str | None, data: str | None, door: FrontDoor | No
     return own
 
 
+def data_rows(model: str, seq_len: int | None, door: FrontDoor | None, data: str | None, batching: str | None,
+              length_column: str | None, tokenizer: str | None) -> tuple[int | None, dict | None]:
+    """plan / probe ``--data``: (the tokens per row to trace every step at, the JSON's ``data`` section,
+    None without --data): the longest row a step of the data makes (``estimator.run.data_row_length``)."""
+    from batchfit.estimator.batching import check_run_flags
+
+    run_batching = check_run_flags(data, merged_batching(batching, data, door), length_column, tokenizer)
+    if run_batching is None:
+        return seq_len, None
+    from batchfit.estimator.run import data_row_length  # torch: after the options are checked
+
+    return data_row_length(data, run_batching, model=model, seq_len=seq_len, length_column=length_column,
+                           tokenizer=tokenizer)
+
+
+def print_data_rows(section: dict | None, console: Console) -> None:
+    if section is not None:
+        from types import SimpleNamespace
+
+        from batchfit.report.run_markdown import distribution_line
+
+        console.print(escape(f"{distribution_line(SimpleNamespace(**section))}: every step at "
+                             f"{section['traced_length']:,} tokens per row, the longest this data makes"),
+                      soft_wrap=True)
+
+
 def run_answer(door: FrontDoor, result, **kwargs) -> dict:
     """:func:`answer` for an estimate, in the user's knobs: with --data, the largest micro-batch whose
     whole run fits, and the rows of --batching pack:MAXLEN; with --eval-batch-size, an eval batch that fits."""
