@@ -182,3 +182,35 @@ def test_what_the_eval_trace_approximates_is_listed_and_only_then():
                                                     "--eval-batch-size with --loss fused-linear"]
     assert "8 x 60 tokens" in both[0].what and all("high" in a.may_differ_by for a in both)
     assert eval_approximations(phase, StepOptions(), varying=False) == []
+
+
+def test_an_eval_loop_whose_bytes_fit_but_whose_blocks_the_allocator_cannot_place(tmp_path):
+    """Fragmentation, not size: a transformers Llama (2 layers, hidden 32, vocab 128) on a GPU of 600 MiB
+    (88 MiB usable), bf16-mixed, a training step of 16 x 62 tokens, then eval steps of 62 x 62 holding
+    two steps' logits: the eval loop allocates about 74 MB, under the 92,274,688 B usable, but the
+    allocator model cannot place its next block (88 MiB reserved in segments the live tensors pin, and a
+    new 20 MiB segment); with expandable segments the same stream reserves about 90 MB and fits."""
+    transformers = pytest.importorskip("transformers")
+    from batchfit.specs import load_workload
+
+    transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                             num_key_value_heads=1, vocab_size=128,
+                             max_position_embeddings=128).save_pretrained(tmp_path)
+    device = custom_device(600 * 2**20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tracer = EvalTracer(load_workload(f"hf:{tmp_path}", seq_len=62), lambda n: None, Shape(16, 62),
+                            StepOptions(precision="bf16-mixed"), device, held_steps=2)
+        try:
+            point = tracer.point(Shape(62, 62))
+            train = tracer.train_peak_bytes
+        finally:
+            tracer.close()
+    assert train < point.peak_bytes < device.usable_bytes  # its tensors fit
+    assert point.peak_reserved_bytes is None and "Tried to allocate 20.00 MiB" in point.oom
+    assert point.expandable_reserved_bytes <= device.usable_bytes
+    assert not point.fits(device, "reserved") and point.fits(device, "allocated")
+    from batchfit.estimator.eval_phase import EvalPhase
+
+    line = eval_lines(EvalPhase(62, 2, 16, Shape(16, 62), train, None, point, max_batch_size=48))[1]
+    assert "cannot place a block" in line and "fragmentation; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in line

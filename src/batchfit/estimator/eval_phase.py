@@ -17,6 +17,7 @@ The largest eval batch that fits is found by bisection when the asked one does n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ class EvalPoint:
     peak_reserved_bytes: int | None
     """Reserved peak of the eval window (None: the allocator model could not place a block)."""
     oom: str | None = None
+    expandable_reserved_bytes: int | None = None
+    """Where it could not place a block: the reserved peak with ``expandable_segments:True`` (None: nor there)."""
 
     def fits(self, device: Device, limit: str) -> bool:
         if limit != "reserved":
@@ -51,7 +54,8 @@ class EvalPoint:
 
     def to_json(self) -> dict:
         return {"batch_size": self.batch_size, "peak_rows": self.peak_shape.rows, "peak_length": self.peak_shape.length,
-                "peak_bytes": self.peak_bytes, "peak_reserved_bytes": self.peak_reserved_bytes, "oom": self.oom}
+                "peak_bytes": self.peak_bytes, "peak_reserved_bytes": self.peak_reserved_bytes, "oom": self.oom,
+                "expandable_reserved_bytes": self.expandable_reserved_bytes}
 
 
 @dataclass
@@ -118,9 +122,10 @@ class EvalTracer:
         self.train_peak_reserved_bytes, _ = self._reserved(self.session.tracker.events, 0)
         self.points: dict[Shape, EvalPoint] = {}
 
-    def _reserved(self, events: list, window_from: int) -> tuple[int | None, str | None]:
+    def _reserved(self, events: list, window_from: int, config: AllocatorConfig | None = None
+                  ) -> tuple[int | None, str | None]:
         """The reserved peak of ``events[window_from:]`` after the ones before (None and why: cannot place)."""
-        allocator = new_allocator(self.device, self.config)
+        allocator = new_allocator(self.device, config or self.config)
         try:
             allocator.apply(events[:window_from])
             stats = allocator.stats
@@ -142,13 +147,16 @@ class EvalTracer:
             events = tracker.events[:self.after_train] + tracker.events[start:]
             reserved, oom = self._reserved(events, self.after_train)
             self.points[shape] = EvalPoint(shape.rows, shape, peak, reserved, oom)
+            if oom is not None:  # fragmentation, or too much? the same stream with expandable segments
+                expandable = dataclasses.replace(self.config, expandable_segments=True)
+                self.points[shape].expandable_reserved_bytes = self._reserved(events, self.after_train, expandable)[0]
         return self.points[shape]
 
     def worst(self, batch_size: int, shapes: list[Shape]) -> EvalPoint:
         """The eval loop's worst step at ``batch_size`` over ``shapes`` (only the deciding ones traced)."""
         points = [self.point(shapes[i]) for i in deciding_steps(shapes)]
         worst = max(points, key=lambda p: (p.peak_reserved_bytes is None, p.peak_reserved_bytes or 0, p.peak_bytes))
-        return EvalPoint(batch_size, worst.peak_shape, worst.peak_bytes, worst.peak_reserved_bytes, worst.oom)
+        return dataclasses.replace(worst, batch_size=batch_size)
 
     def close(self) -> None:
         self.session.close()

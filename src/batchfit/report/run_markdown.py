@@ -71,6 +71,17 @@ def _reserved(point) -> str:
     return "cannot reserve" if point.oom is not None else f"{_gib(point.peak_reserved_bytes)} reserved"
 
 
+def _why(point) -> str:
+    """Why an eval loop whose blocks the allocator model cannot place does not fit."""
+    if point.oom is None:
+        return ""
+    if point.expandable_reserved_bytes is None:
+        return " (the allocator model cannot place a block, nor with expandable segments)"
+    return (f" (the allocator model cannot place a block, {_gib(point.peak_bytes)} allocated: fragmentation; with "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it reserves {_gib(point.expandable_reserved_bytes)}, "
+            "at the cost that such memory cannot be shared over CUDA IPC nor used by CUDA graphs' private pools)")
+
+
 def _held(phase) -> str:
     return (f", the logits of {phase.held_steps} eval steps held (eval_accumulation_steps {phase.held_steps})"
             if phase.held_steps > 1 else "")
@@ -88,8 +99,8 @@ def eval_lines(phase) -> list[str]:
         lines.append(f"eval batch {phase.batch_size} fits after the training step")
     elif phase.max_batch_size:
         lines.append(f"eval batch {phase.batch_size} does not fit: the training step fits, its first evaluation "
-                     f"runs out of memory{' (the allocator model cannot place a block)' if asked.oom else ''}; the largest eval batch that fits "
-                     f"is {phase.max_batch_size} (per_device_eval_batch_size={phase.max_batch_size})")
+                     f"runs out of memory{_why(asked)}; the largest eval batch that fits is {phase.max_batch_size} "
+                     f"(per_device_eval_batch_size={phase.max_batch_size})")
     else:
         lines.append(f"eval batch {phase.batch_size} does not fit, nor does eval batch 1: the training step fits, "
                      "its first evaluation runs out of memory")
