@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -27,10 +27,15 @@ def profiled_step_peak(step: TrainingStep, batch_size: int, tmp_path: Path, *, w
     the second sees every block the first made, and the max over both is the steady step's."""
     for _ in range(warmup):
         step.run(batch_size)
+    return profiled_peak(lambda: [step.run(batch_size) for _ in range(steps)], tmp_path)
+
+
+def profiled_peak(run: Callable[[], object], tmp_path: Path) -> int:
+    """The peak bytes of the profiler's memory timeline while ``run()`` runs (it knows a block made
+    before only once an op reads it)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
-        for _ in range(steps):
-            step.run(batch_size)
+        run()
     path = tmp_path / "timeline.json"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # export_memory_timeline's FutureWarning

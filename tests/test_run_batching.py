@@ -14,6 +14,7 @@ from batchfit.estimator.batching import (
     Batching,
     Shape,
     check_lengths,
+    check_run_flags,
     deciding_steps,
     first_failing,
     histogram,
@@ -141,3 +142,54 @@ def test_text_is_tokenized_with_the_model_folders_own_tokenizer(tmp_path):
     data.write_text("hello world\nthis is a longer line of text here\n\nshort\n")
     expected = [len(tokenizer.encode(line)) for line in ("hello world", "this is a longer line of text here", "short")]
     assert data_lengths(str(data), model=f"hf:{tmp_path}") == expected == [2, 24, 4]
+
+
+def test_the_replay_orders_and_which_one_ends_worst():
+    """--replay-order worst: the same steps ascending by length, and longest-shortest alternating; a replay
+    that runs out is worse than one that fits only with expandable segments, which is worse than one that
+    fits; between equals, the one that leaves the most reserved but unallocated."""
+    from batchfit.estimator.churn import Churn, Replay, StepMemory, badness, reordered
+
+    shapes = [Shape(4, n) for n in (37, 65, 25, 50, 22)]
+    assert [s.length for s in reordered(shapes, "ascending")] == [22, 25, 37, 50, 65]
+    assert [s.length for s in reordered(shapes, "alternating")] == [65, 22, 50, 25, 37]
+    assert reordered(shapes, "data") == shapes
+
+    def run(first_oom: int | None, expandable_oom: int | None, cached: int) -> Churn:
+        steps = [StepMemory(0, 4, 22, 0, 0, 0, cached)]
+        return Churn(4, Replay("default", steps, first_oom), Replay("expandable", steps, expandable_oom))
+
+    ranked = sorted([run(None, None, 9), run(3, None, 1), run(2, 2, 0), run(None, None, 1)], key=badness)
+    assert [(r.default.first_oom_step, r.expandable.first_oom_step, badness(r)[1]) for r in ranked] == [
+        (None, None, 1), (None, None, 9), (3, None, 1), (2, 2, 0)]
+    with pytest.raises(OptionError, match="give --replay-steps K too"):
+        check_run_flags("d.jsonl", None, None, None, 0, "worst")
+    with pytest.raises(OptionError, match="--replay-order backwards"):
+        check_run_flags("d.jsonl", None, None, None, 5, "backwards")
+
+
+def test_plan_and_probe_run_every_step_at_the_datas_longest_row(tmp_path):
+    """plan / probe --data: no step of the data makes a row longer than the longest sample (pad-longest, each
+    sample cut at --seq-len), MAXLEN (pack) or the model's length (pad-max); a token budget is refused."""
+    from batchfit.estimator.batching import longest_row
+    from batchfit.estimator.run import data_row_length
+
+    assert longest_row(LENGTHS, Batching("pad-longest"), None) == 20
+    assert longest_row([min(n, 8) for n in LENGTHS], Batching("pad-longest"), 8) == 8
+    assert longest_row(LENGTHS, Batching("pack", 16), None) == 16
+    assert longest_row(LENGTHS, Batching("pad-max"), 32) == 32
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"n": n}) + "\n" for n in LENGTHS))
+    row, section = data_row_length(str(path), Batching("pad-longest"), model="gpt-tinystories-22m", seq_len=12,
+                                   length_column="n")
+    assert row == 12 and section["samples"] == 7 and section["lengths"]["max"] == 12
+    with pytest.raises(OptionError, match="plan with --batching pack:64"):
+        data_row_length(str(path), Batching("tokens", 64), model="gpt-tinystories-22m", length_column="n")
+    for command in ("plan", "probe"):  # probe finds the batch that survives the same row on a real device
+        result = CliRunner().invoke(app, [command, "gpt-tinystories-22m", "--gpu-memory", "24GiB", "--batching",
+                                          "pack:64"])
+        assert result.exit_code != 0 and "give --data PATH too" in result.output
+    from batchfit.cli.trainer import data_rows
+
+    assert data_rows("gpt-tinystories-22m", 12, None, str(path), None, "n", None) == (row, section)
+    assert data_rows("gpt-tinystories-22m", 12, None, None, None, None, None) == (12, None)

@@ -174,3 +174,23 @@ def test_a_token_budget_answers_whether_it_fits_and_the_largest_that_does():
         assert estimate(tiny(over), device=device, limit="allocated", max_batch=1).max_batch_size == 0
     assert run.largest_budget >= run.fits_up_to
     assert max(token_rows(lengths, run.largest_budget)) <= run.fits_up_to
+
+
+def test_the_worst_order_replay_is_reported_beside_the_datas():
+    """--replay-order worst on the long-tailed data's first 3 steps at batch 4 (4 x 37, 65, 25 tokens): the
+    JSON and the terminal carry the data order's replay and the worse of the ascending and alternating ones."""
+    from batchfit.estimator.churn import ORDERS
+    from batchfit.report.run_markdown import run_lines, run_markdown
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = estimate_run(tiny, long_tailed_lengths()[:12], Batching("pad-longest"), data="tail.jsonl",
+                              device=custom_device(2**30), limit="allocated", batch_sizes=[BATCH], max_batch=BATCH,
+                              replay_steps=3, replay_order="worst")
+    worst = result.run.churn_worst
+    assert worst.order in ORDERS and len(worst.default.steps) == 3 and worst.verdict == "fits"
+    assert sorted(s.length for s in worst.default.steps) == [25, 37, 65]
+    assert result.to_json()["run"]["churn_worst_order"]["order"] == worst.order
+    assert any(line.startswith(f"allocator replay of 3 steps at batch {BATCH} in {worst.order} order: fits")
+               for line in run_lines(result))
+    assert f"{worst.order} order (the worst of those tried)" in run_markdown(result)

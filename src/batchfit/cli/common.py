@@ -91,6 +91,14 @@ GpuMemoryOpt = Annotated[str | None, typer.Option(help="Any GPU by its memory, t
 DeviceOpt = Annotated[str | None, typer.Option(help=f"Where to run: {DEVICE_HELP}. Default: the GPU here, else a traced H100.")]
 ModelArg = Annotated[str, typer.Argument(help=f"What to train: {SPEC_HELP}.", show_default=False)]
 SeqLenOpt = Annotated[int | None, typer.Option(help="Tokens per sample (default: the model's).")]
+DataOpt = Annotated[str | None, typer.Option(help="The run's data (.txt lines, .jsonl / .parquet rows, a folder): "
+                                             "answer for its worst batch, not one shape (docs/run.md).")]
+BatchingOpt = Annotated[str | None, typer.Option(help="How --data is batched: pad-longest (default), pad-max, "
+                                                 "pack:MAXLEN (rows of MAXLEN), tokens:N (one row of up to N "
+                                                 "tokens per GPU).")]
+LengthColumnOpt = Annotated[str | None, typer.Option(help="A column of token counts in --data's rows.")]
+TokenizerOpt = Annotated[str | None, typer.Option(help="Tokenizes --data's text: a tokenizer.json, a cached name, "
+                                                  "or bytes (default: the model folder's own).")]
 PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights), bf16 (pure), or "
                                                 "fp8-tensorwise / fp8-rowwise (torchao float8 linears, the rest bf16-mixed).")]
 OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor, "

@@ -16,13 +16,13 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  report_folder, step_options, warn_about_precision, write_outputs)
 from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt,
                                  parse_host_memory, warn_about_approximations)
-from batchfit.cli.common import AttentionOpt, say_attention
-from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, merged_batch_sizes,
-                                  merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
-                                  read_trainer, trainer_outputs)
+from batchfit.cli.common import AttentionOpt, BatchingOpt, DataOpt, LengthColumnOpt, TokenizerOpt, say_attention
+from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, merged_batch_sizes, merged_batching,
+                                  merged_eval, merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
+                                  read_trainer, run_answer, trainer_outputs)
 from batchfit.devices import GiB
 from batchfit.report.host import host_line
-from batchfit.report.run_markdown import run_lines
+from batchfit.report.run_markdown import eval_lines, run_lines
 from batchfit.errors import OptionError
 from batchfit.estimator.batching import check_run_flags
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
@@ -82,17 +82,20 @@ def estimate_command(
     out: Annotated[Path | None, out_option("report.md, memory.png, estimate.json")] = None,
     trainer: TrainerOpt = None,
     emit: EmitTrainerOpt = None,
-    data: Annotated[str | None, typer.Option(help="The run's data (.txt lines, .jsonl / .parquet rows, a folder): "
-                                             "answer for its worst batch, not one shape (docs/run.md).")] = None,
-    batching: Annotated[str | None, typer.Option(help="How --data is batched: pad-longest (default), pad-max, "
-                                                 "pack:MAXLEN (rows of MAXLEN), tokens:N (one row of up to N "
-                                                 "tokens per GPU).")] = None,
-    length_column: Annotated[str | None, typer.Option(help="A column of token counts in --data's rows.")] = None,
-    tokenizer: Annotated[str | None, typer.Option(help="Tokenizes --data's text: a tokenizer.json, a cached name, "
-                                                  "or bytes (default: the model folder's own).")] = None,
+    data: DataOpt = None,
+    batching: BatchingOpt = None,
+    length_column: LengthColumnOpt = None,
+    tokenizer: TokenizerOpt = None,
     replay_steps: Annotated[int, typer.Option(help="With --data: run the answer's first K steps one after another and "
                                               "replay them through the allocator model (reserved memory per step, "
                                               "fragmentation).")] = 0,
+    replay_order: Annotated[str, typer.Option(help="data: replay the steps in the data's order; worst: also in "
+                                              "ascending-length and long-short orders, and show the worst.")] = "data",
+    eval_batch_size: Annotated[int | None, typer.Option(help="Also trace HF Trainer's eval loop at this batch "
+                                                        "(no gradients, the whole logits) after the training "
+                                                        "step: the larger peak decides (docs/run.md).")] = None,
+    eval_accumulation_steps: Annotated[int | None, typer.Option(help="Eval steps whose logits stay on the GPU "
+                                                                "together (the Trainer's, with compute_metrics).")] = None,
 ) -> None:
     """Predict peak training memory and the largest batch that fits a GPU, without a GPU.
 
@@ -123,8 +126,14 @@ def estimate_command(
         print_mapping(door, quiet_if_stdout(json_path))
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
                            max_batch=max_batch, limit=limit)
-    run_batching = check_run_flags(data, batching, length_column, tokenizer, replay_steps)
+    run_batching = check_run_flags(data, merged_batching(batching, data, door), length_column, tokenizer,
+                                   replay_steps, replay_order)
+    if emit_path is not None and run_batching is not None and run_batching.kind == "tokens":
+        raise OptionError(f"--batching {run_batching} answers a token budget, which TrainingArguments has no field "
+                          "for: drop --emit (the budget is printed), or batch by pad-longest or pack:MAXLEN")
+    eval_batch, eval_held = merged_eval(eval_batch_size, eval_accumulation_steps, door)
     from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
+    from batchfit.estimator.eval_phase import add_eval_phase
     from batchfit.estimator.run import data_lengths, estimate_run
     from batchfit.report import write_estimate_report
 
@@ -133,12 +142,17 @@ def estimate_command(
         common = dict(device=device, options=options, batch_sizes=sizes, target_util=target_util,
                       multiple_of=multiple_of, max_batch=max_batch, limit=limit,
                       host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say)
-        result = (estimate(load_workload(model, seq_len=seq_len), **common) if lengths is None else
-                  estimate_run(lambda n: load_workload(model, seq_len=n), lengths, run_batching, data=data,
-                               seq_len=seq_len, replay_steps=replay_steps, **common))
+        if lengths is None:
+            workload = load_workload(model, seq_len=seq_len)
+            result = estimate(workload, **common)
+            if eval_batch:
+                add_eval_phase(result, workload, eval_batch, held_steps=eval_held, limit=limit, say=say)
+        else:
+            result = estimate_run(lambda n: load_workload(model, seq_len=n), lengths, run_batching, data=data,
+                                  seq_len=seq_len, replay_steps=replay_steps, replay_order=replay_order,
+                                  eval_batch_size=eval_batch, eval_held_steps=eval_held, **common)
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
-    fitted = (answer(door, result.max_batch_size_at_target, options.accumulation_steps, multiple_of=result.multiple_of,
-                     fits_whole=result.max_batch_size) if door is not None else None)
+    fitted = run_answer(door, result) if door is not None else None
     data, write_all = trainer_outputs(result.to_json(), door, fitted, lambda files, trainer: write_estimate_report(
         result, folder, files, trainer=trainer), emit_path)
     paths = write_outputs(json_path, data, write_all)
@@ -187,5 +201,7 @@ def _print_summary(result, console, report_path: Path) -> None:
         console.print(f"paged optimizer state {paged / GiB:.2f} GiB in CUDA unified memory, not in the peaks "
                       "above (it spills to the host when the GPU is full)")
     for line in run_lines(result) if result.run is not None else []:
+        console.print(escape(line), soft_wrap=True)
+    for line in eval_lines(result.eval_phase) if result.eval_phase is not None else []:
         console.print(escape(line), soft_wrap=True)
     console.print(f"report: {report_path}", soft_wrap=True)

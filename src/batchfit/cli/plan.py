@@ -21,9 +21,9 @@ from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, M
                                  warn_about_approximations)
 from batchfit.cli.torchtitan import (print_torchtitan, read_torchtitan, torchtitan_approximation, torchtitan_defaults,
                                      torchtitan_section)
-from batchfit.cli.common import AttentionOpt, say_attention, say_notices
-from batchfit.cli.trainer import (TrainerOpt, emitted_text, merged_batch_sizes, merged_options, merged_seq_len,
-                                  print_answer, print_mapping, read_trainer)
+from batchfit.cli.common import AttentionOpt, BatchingOpt, DataOpt, LengthColumnOpt, TokenizerOpt, say_attention, say_notices
+from batchfit.cli.trainer import (TrainerOpt, data_rows, emitted_text, merged_batch_sizes, merged_options,
+                                  merged_seq_len, print_answer, print_data_rows, print_mapping, read_trainer)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.plan.emit import parse_emit, write_emit
@@ -76,6 +76,10 @@ def plan_command(
     tokens: Annotated[str | None, typer.Option(help="Tokens to train on, for days: a count (2e11) or chinchilla "
                                                     "(20 x parameters).")] = None,
     seq_len: SeqLenOpt = None,
+    data: DataOpt = None,
+    batching: BatchingOpt = None,
+    length_column: LengthColumnOpt = None,
+    tokenizer: TokenizerOpt = None,
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = None,
     checkpointing: CheckpointingOpt = "none",
@@ -161,6 +165,7 @@ def plan_command(
     options = dataclasses.replace(options, tp_loss=tp_loss)
     host_memory_bytes = parse_host_memory(host_memory)
     seq_len = merged_seq_len(seq_len, door)
+    seq_len, data_section = data_rows(model, seq_len, door, data, batching, length_column, tokenizer)
     time_model = (calibrated(calibrate, precision) if calibrate is not None
                   else TimeModel(mfu=mfu, mfu_source="set by the user (--mfu)") if mfu is not None else TimeModel())
     time_model = TimeModel(mfu=time_model.mfu, mfu_source=time_model.mfu_source,
@@ -198,7 +203,8 @@ def plan_command(
     folder = report_folder(out, "plan", result.workload, target, options, seq_len)
     fitted = _trainer_answer(door, result) if door is not None else None
     section = door.section(fitted) if door is not None else None
-    data = {**result.to_json(), "notices": notices, **({"trainer": section} if section is not None else {})}
+    data = {**result.to_json(), "notices": notices, **({"trainer": section} if section is not None else {}),
+            **({"data": data_section} if data_section is not None else {})}
     if titan is not None:
         data = {**data, "torchtitan": torchtitan_section(titan, result)}
 
@@ -214,6 +220,7 @@ def plan_command(
 
     paths, written = write_outputs(json_path, data, write_all)
     console = quiet_if_stdout(json_path)
+    print_data_rows(data_section, console)
     _print_summary(result, console, paths["md"], written)
     if fitted is not None:
         print_answer(fitted, console)

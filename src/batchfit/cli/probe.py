@@ -15,9 +15,9 @@ from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, F
                                  handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
                                  step_options, warn_about_precision, write_outputs)
 from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
-from batchfit.cli.common import AttentionOpt, say_attention, say_notices
-from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, merged_options, merged_seq_len,
-                                  parse_trainer_emit, print_answer, print_mapping, read_trainer,
+from batchfit.cli.common import AttentionOpt, BatchingOpt, DataOpt, LengthColumnOpt, TokenizerOpt, say_attention, say_notices
+from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, data_rows, merged_options, merged_seq_len,
+                                  parse_trainer_emit, print_answer, print_data_rows, print_mapping, read_trainer,
                                   trainer_outputs)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
@@ -49,6 +49,10 @@ def probe_command(
     gpu_memory: GpuMemoryOpt = None,
     policy: Annotated[str, typer.Option(help=f"Search policy: {', '.join(POLICIES)}.")] = "guided",
     seq_len: SeqLenOpt = None,
+    data: DataOpt = None,
+    batching: BatchingOpt = None,
+    length_column: LengthColumnOpt = None,
+    tokenizer: TokenizerOpt = None,
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = None,
     checkpointing: CheckpointingOpt = "none",
@@ -99,6 +103,7 @@ def probe_command(
                            routing=routing, attention=attention)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)
+    seq_len, data_section = data_rows(model, seq_len, door, data, batching, length_column, tokenizer)
     if door is not None and global_batch is None:  # the args' global batch, per device
         global_batch = door.mapping.global_batch // door.mapping.world_size
     warn_about_precision(target, options.precision)  # after StepOptions refused an unknown precision
@@ -128,9 +133,11 @@ def probe_command(
         tier = next((r for r in result.recommendations if r.name == "production"), None)
         fitted = answer(door, tier.batch_size if tier else result.max_batch_size, options.accumulation_steps,
                         multiple_of=multiple_of, source="probed" if target.kind == "cuda" else "traced (virtual)")
-    data, write_all = trainer_outputs({**result.to_json(), "notices": notices}, door, fitted, lambda files, trainer: write_probe_report(
+    found = {**result.to_json(), "notices": notices, **({"data": data_section} if data_section else {})}
+    data, write_all = trainer_outputs(found, door, fitted, lambda files, trainer: write_probe_report(
         result, folder, files, trainer=trainer), emit_path)
     paths = write_outputs(json_path, data, write_all)
+    print_data_rows(data_section, quiet_if_stdout(json_path))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
     if fitted is not None:
         print_answer(fitted, quiet_if_stdout(json_path))

@@ -108,6 +108,25 @@ def merged_seq_len(seq_len: int | None, door: FrontDoor | None) -> int | None:
     return door.mapping.seq_len
 
 
+def merged_eval(eval_batch_size: int | None, eval_accumulation_steps: int | None,
+                door: FrontDoor | None) -> tuple[int | None, int]:
+    """(--eval-batch-size, the eval steps whose logits are held together) from the flags and the args."""
+    pairs = (("--eval-batch-size", eval_batch_size, "per_device_eval_batch_size"),
+             ("--eval-accumulation-steps", eval_accumulation_steps, "eval_accumulation_steps"))
+    values = []
+    for flag, typed, name in pairs:
+        given = getattr(door.mapping, name) if door is not None else None
+        if typed is not None and given is not None and typed != given:
+            raise OptionError(f"{flag} {typed} contradicts --trainer {door.args.path} ({name} {given}): "
+                              f"drop {flag}, or change the args")
+        if typed is not None and typed < 1:
+            raise OptionError(f"{flag} {typed}: give a positive number, e.g. {flag} 8")
+        values.append(typed if typed is not None else given)
+    if values[0] is None and values[1] is not None and eval_accumulation_steps is not None:
+        raise OptionError("--eval-accumulation-steps needs --eval-batch-size N (the eval loop's batch)")
+    return values[0], values[1] or 1
+
+
 def merged_batch_sizes(sizes: list[int] | None, door: FrontDoor | None) -> list[int] | None:
     """The typed sizes and the args' per_device_train_batch_size: it is traced, so the answer says if it fits."""
     if door is None:
@@ -133,6 +152,60 @@ def print_mapping(door: FrontDoor, console: Console) -> None:
         console.print(f"  [dim]not used, off or not changing training memory ({len(quiet)}; why: "
                       f"trainer.trainer_fields_unused in the JSON, report.md): {escape(', '.join(quiet))}[/]",
                       soft_wrap=True, highlight=False)
+
+
+def merged_batching(batching: str | None, data: str | None, door: FrontDoor | None) -> str | None:
+    """--batching, or pack:max_length where the args pack (TRL's ``packing``) and --data is given."""
+    mapping = door.mapping if door is not None else None
+    if data is None or mapping is None or not mapping.packing or mapping.seq_len is None:
+        return batching
+    own = f"pack:{mapping.seq_len}"
+    if batching is not None and batching != own:
+        raise OptionError(f"--batching {batching} contradicts --trainer {door.args.path} (packing, max_length "
+                          f"{mapping.seq_len}: --batching {own}): drop --batching, or change the args")
+    return own
+
+
+def data_rows(model: str, seq_len: int | None, door: FrontDoor | None, data: str | None, batching: str | None,
+              length_column: str | None, tokenizer: str | None) -> tuple[int | None, dict | None]:
+    """plan / probe ``--data``: (the tokens per row to trace every step at, the JSON's ``data`` section,
+    None without --data): the longest row a step of the data makes (``estimator.run.data_row_length``)."""
+    from batchfit.estimator.batching import check_run_flags
+
+    run_batching = check_run_flags(data, merged_batching(batching, data, door), length_column, tokenizer)
+    if run_batching is None:
+        return seq_len, None
+    from batchfit.estimator.run import data_row_length  # torch: after the options are checked
+
+    return data_row_length(data, run_batching, model=model, seq_len=seq_len, length_column=length_column,
+                           tokenizer=tokenizer)
+
+
+def print_data_rows(section: dict | None, console: Console) -> None:
+    if section is not None:
+        from types import SimpleNamespace
+
+        from batchfit.report.run_markdown import distribution_line
+
+        console.print(escape(f"{distribution_line(SimpleNamespace(**section))}: every step at "
+                             f"{section['traced_length']:,} tokens per row, the longest this data makes"),
+                      soft_wrap=True)
+
+
+def run_answer(door: FrontDoor, result, **kwargs) -> dict:
+    """:func:`answer` for an estimate, in the user's knobs: with --data, the largest micro-batch whose
+    whole run fits, and the rows of --batching pack:MAXLEN; with --eval-batch-size, an eval batch that fits."""
+    from batchfit.integrations.trainer_files import run_fields
+
+    run, phase = result.run, result.eval_phase
+    micro = result.max_batch_size_at_target if run is None else min(result.max_batch_size_at_target, run.max_batch_size)
+    fitted = answer(door, micro, result.options.accumulation_steps, multiple_of=result.multiple_of,
+                    fits_whole=result.max_batch_size if run is None else run.max_batch_size, **kwargs)
+    fields, notes = run_fields(door.mapping, batching=run.batching if run is not None else None,
+                               eval_batch_size=phase.batch_size if phase is not None else None,
+                               eval_max_batch=phase.max_batch_size if phase is not None else None)
+    fitted["fields"], fitted["notes"] = fields, [*fitted["notes"], *notes]
+    return fitted
 
 
 def answer(door: FrontDoor, max_micro_batch: int, traced_accumulation: int, *, multiple_of: int = 1,
@@ -170,8 +243,9 @@ def print_answer(result: dict, console: Console) -> None:
         console.print(f"[bold red]no TrainingArguments for global batch {result['global_batch']}[/]: "
                       f"{escape('; '.join(result['notes']))}", soft_wrap=True)
         return
+    more = "".join(f", {name}={value}" for name, value in result.get("fields", {}).items())
     console.print(f"[bold green]per_device_train_batch_size={result['per_device_train_batch_size']}, "
-                  f"gradient_accumulation_steps={result['gradient_accumulation_steps']}[/] for global batch "
+                  f"gradient_accumulation_steps={result['gradient_accumulation_steps']}{escape(more)}[/] for global batch "
                   f"{result['global_batch']} over {result['world_size']} device(s) (largest micro-batch "
                   f"{result['max_micro_batch']}, {result['source']})", soft_wrap=True)
     for note in result["notes"]:
@@ -185,7 +259,8 @@ def emitted_text(door: FrontDoor, result: dict) -> str:
     if result["per_device_train_batch_size"] is None:
         raise OptionError("--emit trainer: nothing fits, so there are no arguments to write: "
                           + "; ".join(result["notes"]))
-    return patched_args_text(door.args, result["per_device_train_batch_size"], result["gradient_accumulation_steps"])
+    return patched_args_text(door.args, result["per_device_train_batch_size"], result["gradient_accumulation_steps"],
+                             result.get("fields"))
 
 
 def trainer_outputs(result_json: dict, door: FrontDoor | None, fitted: dict | None, write_report,

@@ -71,6 +71,15 @@ class Shape:
         return self.rows >= other.rows and self.length >= other.length
 
 
+def longest_row(lengths: list[int], batching: Batching, seq_len: int | None) -> int | None:
+    """The longest row any step of the data makes (each sample cut at ``seq_len``): the longest sample
+    padded, pack's MAXLEN, tokens' N, or for pad-max ``seq_len`` (None: the model's own). A rank of a
+    data-parallel run holds at most the batch size of such rows, whichever samples its sampler deals it."""
+    if batching.kind == "pad-longest":
+        return max(min(n, seq_len) if seq_len else n for n in lengths)
+    return seq_len if batching.kind == "pad-max" else batching.tokens
+
+
 def check_lengths(lengths: list[int], batching: Batching) -> None:
     """Refuse, before any trace, a token budget that a single sample passes."""
     longest = max(lengths)
@@ -193,7 +202,7 @@ def first_failing(shapes: list[Shape], fits) -> int | None:
 
 
 def check_run_flags(data: str | None, batching: str | None, length_column: str | None,
-                    tokenizer: str | None, replay_steps: int = 0) -> Batching | None:
+                    tokenizer: str | None, replay_steps: int = 0, replay_order: str = "data") -> Batching | None:
     """``--batching`` (pad-longest when only --data is given), or None without --data; the flags
     that need --data refused without it."""
     if data is None:
@@ -206,4 +215,9 @@ def check_run_flags(data: str | None, batching: str | None, length_column: str |
         return None
     if replay_steps < 0:
         raise OptionError(f"--replay-steps {replay_steps} is no number of steps: e.g. --replay-steps 50 (0: none)")
+    if replay_order not in ("data", "worst"):
+        raise OptionError(f"--replay-order {replay_order}: give data (the data's order) or worst (also the orders "
+                          "that fragment most, of those tried)")
+    if replay_order == "worst" and not replay_steps:
+        raise OptionError("--replay-order worst reorders the replayed steps: give --replay-steps K too")
     return parse_batching(batching or "pad-longest")

@@ -64,6 +64,8 @@ class Churn:
     batch_size: int
     default: Replay
     expandable: Replay
+    order: str = "data"
+    """The steps' order: the data's, or one of :data:`ORDERS` (``--replay-order worst``)."""
 
     @property
     def verdict(self) -> str:
@@ -77,7 +79,8 @@ class Churn:
         replay = self.default
         steps = len(replay.steps) + (replay.first_oom_step is not None)
         worst = max(replay.steps, key=lambda s: s.fragmentation_bytes, default=None)
-        text = f"allocator replay of {steps} steps at batch {self.batch_size}: {self.verdict}"
+        order = "" if self.order == "data" else f" in {self.order} order"
+        text = f"allocator replay of {steps} steps at batch {self.batch_size}{order}: {self.verdict}"
         if worst is not None:
             text += (f"; reserved {replay.steps[0].reserved_bytes / 2**30:.2f} GiB after step 0, "
                      f"{replay.steps[-1].reserved_bytes / 2**30:.2f} GiB after step {replay.steps[-1].step}; "
@@ -87,7 +90,7 @@ class Churn:
         return text
 
     def to_json(self) -> dict:
-        return {"batch_size": self.batch_size, "verdict": self.verdict, "first_oom_step": self.default.first_oom_step,
+        return {"batch_size": self.batch_size, "order": self.order, "verdict": self.verdict, "first_oom_step": self.default.first_oom_step,
                 "default": self.default.to_json(), "expandable_segments": self.expandable.to_json()}
 
 
@@ -120,6 +123,43 @@ def replay(events: list[tuple[str, int, int]], marks: list[int], shapes: list[Sh
     except AllocatorOutOfMemory as error:
         out.first_oom_step, out.oom = len(out.steps), str(error)
     return out
+
+
+ORDERS = ("ascending", "alternating")
+"""The other orders ``--replay-order worst`` replays the same steps in: ascending length (every step
+longer than all before it, so no cached block is large enough and each one reserves anew) and
+longest-shortest alternating (the cache split by a long step, then asked for other sizes)."""
+
+
+def reordered(shapes: list[Shape], order: str) -> list[Shape]:
+    """``shapes`` (the same steps) in ``order``: 'data' (as given), or one of :data:`ORDERS`."""
+    if order == "data":
+        return list(shapes)
+    ranked = sorted(shapes, key=lambda s: (s.length, s.rows))
+    if order == "ascending":
+        return ranked
+    out = []
+    while ranked:  # the longest, the shortest, the next longest, ...
+        out.append(ranked.pop())
+        if ranked:
+            out.append(ranked.pop(0))
+    return out
+
+
+def badness(run: Churn) -> tuple[int, int]:
+    """How badly a replay ends: (0 fits, 1 only with expandable segments, 2 does not fit; the most
+    reserved-but-unallocated bytes at a step's end): steps count in each order's own sequence, so
+    an earlier failing step is no worse across orders."""
+    kind = 0 if run.default.first_oom_step is None else 1 if run.expandable.first_oom_step is None else 2
+    return kind, max((s.fragmentation_bytes for s in run.default.steps), default=0)
+
+
+def worst_order(at, shapes: list[Shape], batch_size: int, options: StepOptions, device: Device,
+                config: AllocatorConfig | None = None) -> Churn:
+    """``shapes`` replayed in each of :data:`ORDERS`: the one that ends worst (:func:`badness`)."""
+    runs = [dataclasses.replace(churn(at, reordered(shapes, order), batch_size, options, device, config), order=order)
+            for order in ORDERS]
+    return max(runs, key=badness)
 
 
 def churn(at, shapes: list[Shape], batch_size: int, options: StepOptions, device: Device,

@@ -87,6 +87,8 @@ class EstimateResult:
     run: object | None = None
     """--data --batching: the run over the data (``estimator/run.py``: RunSummary), each traced
     batch size's worst step; None for one shape."""
+    eval_phase: object | None = None
+    """--eval-batch-size: the eval loop after the answer's training step (``estimator/eval_phase.py``: EvalPhase)."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
 
@@ -177,6 +179,7 @@ class EstimateResult:
                 "accumulation_steps": self.split.accumulation_steps, "split": self.split.to_json()}
                if self.split else {}),
             **({"run": self.run.to_json()} if self.run is not None else {}),
+            **({"eval": self.eval_phase.to_json()} if self.eval_phase is not None else {}),
             "created": self.created,
             "torch_version": self.torch_version,
         }

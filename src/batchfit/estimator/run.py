@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from batchfit.devices import Device
 from batchfit.errors import ModelSpecError, OptionError
 from batchfit.estimator.batching import (Batching, Shape, check_lengths, deciding_steps, first_failing, histogram,
-                                         largest_budget, peak_step, step_samples, step_shapes, MAX_TOKENS)
+                                         largest_budget, longest_row, peak_step, step_samples, step_shapes, MAX_TOKENS)
 from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits
@@ -60,6 +60,11 @@ class Lengths:
         batch = self._batch_of(length)
         return dataclasses.replace(self.base, make_batch=batch.make_batch, tokens_per_sample=length,
                                    description=batch.description)
+
+    def select(self, length: int) -> None:
+        """Make :meth:`varying`'s batches ``length`` tokens from now on (loaded now, outside any trace)."""
+        self._batch_of(length)
+        self.length = length
 
     def varying(self, lengths: list[int]) -> Workload:
         """The workload whose batches have :attr:`length` tokens at each call (one model, many steps),
@@ -203,6 +208,8 @@ class RunSummary:
     """tokens:N: the longest row traced to fit (and the next step up traced not to)."""
     churn: object | None = None
     """--replay-steps K: the answer's first K steps through the allocator model (``estimator/churn.py``)."""
+    churn_worst: object | None = None
+    """--replay-order worst: the same K steps in the order (of those tried) that ends worst."""
 
     def to_json(self) -> dict:
         return {"data": self.data, "batching": self.batching, "samples": self.samples, "lengths": self.lengths,
@@ -210,7 +217,8 @@ class RunSummary:
                 "rows": self.rows, "max_batch_size": self.max_batch_size,
                 "traced_shapes": [list(s) for s in self.traced_shapes],
                 "token_budget": self.token_budget, "largest_budget": self.largest_budget,
-                "fits_up_to": self.fits_up_to, "churn": self.churn.to_json() if self.churn is not None else None}
+                "fits_up_to": self.fits_up_to, "churn": self.churn.to_json() if self.churn is not None else None,
+                "churn_worst_order": self.churn_worst.to_json() if self.churn_worst is not None else None}
 
 
 def length_stats(lengths: list[int]) -> dict[str, float]:
@@ -278,7 +286,8 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                  options: StepOptions | None = None, seq_len: int | None = None, limit: str = "reserved",
                  batch_sizes: list[int] | None = None, max_batch: int | None = None,
                  host_memory_bytes: int | None = None, global_batch: int | None = None,
-                 replay_steps: int = 0, progress: Callable[[str], None] | None = None, **estimate_options):
+                 replay_steps: int = 0, replay_order: str = "data", eval_batch_size: int | None = None, eval_held_steps: int = 1,
+                 progress: Callable[[str], None] | None = None, **estimate_options):
     """The estimate at the run's deciding length, each traced batch size's run, and the answer in
     the batching's terms; with ``replay_steps`` the answer's first K steps replayed through the
     allocator model (``estimator/churn.py``). ``estimate_options`` go to :func:`estimator.engine.estimate`."""
@@ -289,6 +298,9 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
     if seq_len is not None:  # the tokenizer's max_length: every sample cut to it before batching
         lengths = [min(n, seq_len) for n in lengths]
     check_lengths(lengths, batching)
+    if batching.kind == "tokens" and eval_batch_size:
+        raise OptionError(f"--batching {batching} makes one row per step, so there is no eval batch size: drop "
+                          "--eval-batch-size (or batch --data by pad-longest / pack:MAXLEN)")
     if batching.kind == "tokens" and (global_batch is not None or batch_sizes):
         raise OptionError(f"--batching {batching} makes one row per GPU per step, so drop --global-batch and "
                           "--batch-sizes (the answer is the token budget)")
@@ -332,10 +344,22 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                                       if summary.fits_up_to and summary.fits_up_to >= max(lengths) else None)
     finally:
         tracer.close()
+    if eval_batch_size and summary.max_batch_size:  # the eval batches: the same data, batched the same way
+        from batchfit.estimator.eval_phase import eval_approximations, eval_phase
+
+        best = summary.max_batch_size
+        result.eval_phase = eval_phase(at.varying([]), at.select, shapes_at, eval_batch_size, best,
+                                       summary.runs[best].peak_shape, result.options, device,
+                                       held_steps=eval_held_steps, limit=limit, say=say)
+        result.approximations = [*result.approximations,
+                                 *eval_approximations(result.eval_phase, result.options, True)]
     if replay_steps and summary.max_batch_size:
-        from batchfit.estimator.churn import churn
+        from batchfit.estimator.churn import churn, worst_order
 
         say(f"replaying {replay_steps} steps at batch {summary.max_batch_size} through the allocator model")
+        if replay_order == "worst":
+            summary.churn_worst = worst_order(at, shapes_at(summary.max_batch_size)[:replay_steps],
+                                              summary.max_batch_size, result.options, device)
         summary.churn = churn(at, shapes_at(summary.max_batch_size)[:replay_steps], summary.max_batch_size,
                               result.options, device)
     summary.traced_shapes = [(s.rows, s.length) for s in tracer.traced]
@@ -388,3 +412,21 @@ def data_lengths(data: str, *, model: str, length_column: str | None = None, tok
                                                          ("tokenizer.json", "tokenizer_config.json"))
     return sample_lengths(data, length_column=length_column,
                           tokenizer=(lambda: cached_tokenizer(str(folder))) if own else None)
+
+
+def data_row_length(data: str, batching: Batching, *, model: str, seq_len: int | None = None,
+                    length_column: str | None = None, tokenizer: str | None = None) -> tuple[int | None, dict]:
+    """``plan --data``: (the tokens per row every rank is traced at, the JSON's ``data`` section). A rank of
+    a data-parallel run steps on the batches its sampler deals it, none with a row longer than the data's
+    longest (``batching.longest_row``): tracing each rank there is never low, and exact for the step that
+    holds the longest sample in a full batch. One line before any trace for what plan cannot answer."""
+    if batching.kind == "tokens":
+        raise OptionError(f"plan --batching {batching}: a token budget makes one row per GPU per step, which plan's "
+                          "micro-batch search does not take; use estimate --data ... --batching "
+                          f"{batching}, or plan with --batching pack:{batching.tokens}")
+    lengths = data_lengths(data, model=model, length_column=length_column, tokenizer=tokenizer)
+    cut = [min(n, seq_len) for n in lengths] if seq_len is not None else lengths
+    check_lengths(cut, batching)
+    row = longest_row(cut, batching, seq_len)
+    return row, {"data": data, "batching": str(batching), "samples": len(cut), "lengths": length_stats(cut),
+                 "traced_length": row}

@@ -75,10 +75,8 @@ MEMORY_FIELDS_NOT_MAPPED: dict[str, str] = {
 OUTSIDE_THE_STEP: dict[str, str] = {
     # fields that change memory, but not the training step's: listed, not shown in the terminal
     "use_cpu": "batchfit sizes the GPU given with --gpu",
-    "per_device_eval_batch_size": "evaluation runs outside the training step",
-    "eval_accumulation_steps": "evaluation runs outside the training step",
-    "bf16_full_eval": "evaluation runs outside the training step",
-    "fp16_full_eval": "evaluation runs outside the training step",
+    "bf16_full_eval": "the eval loop is traced at the training precision, not on a half-precision copy",
+    "fp16_full_eval": "the eval loop is traced at the training precision, not on a half-precision copy",
     "accelerator_config": "accelerate's data-loading settings are outside the training step",
 }
 
@@ -125,6 +123,12 @@ class TrainerMapping:
     """Tokens per sample (max_length / max_seq_length); None: the model's."""
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
+    packing: bool = False
+    """TRL's ``packing``: samples packed into rows of max_length (``--batching pack:max_length`` with --data)."""
+    per_device_eval_batch_size: int | None = None
+    """Set when the args evaluate (eval_strategy not 'no'): ``estimate`` traces the eval loop at it."""
+    eval_accumulation_steps: int | None = None
+    """Eval steps whose logits the Trainer holds on the device together (None: not set)."""
     world_size: int = 1
     """Devices the args train on (1 unless given: a saved TrainingArguments does not record it)."""
     strategy: str | None = None
@@ -158,6 +162,8 @@ class TrainerMapping:
         return {"step_options": dict(self.step), "seq_len": self.seq_len,
                 "per_device_train_batch_size": self.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.gradient_accumulation_steps, "world_size": self.world_size,
+                "packing": self.packing, "per_device_eval_batch_size": self.per_device_eval_batch_size,
+                "eval_accumulation_steps": self.eval_accumulation_steps,
                 "global_batch": self.global_batch, "strategy": self.strategy,
                 "trainer_fields_used": [u.to_json() for u in self.used],
                 "trainer_fields_unused": [u.to_json() for u in self.unused]}

@@ -27,7 +27,9 @@ from batchfit.errors import OptionError, read_text
 from batchfit.integrations.trainer_args import SECTIONS, TrainerMapping, args_to_dict, from_training_arguments
 
 ANSWERED = ("per_device_train_batch_size", "gradient_accumulation_steps")
-"""The two fields batchfit answers, and the only ones --emit trainer: changes."""
+"""The two fields batchfit answers for the global batch; --emit trainer: changes them, and only where
+the run asks for it (``--data``, ``--eval-batch-size``) ``max_length``, ``packing`` and
+``per_device_eval_batch_size``, each named in the answer's notes."""
 
 
 @dataclass(kw_only=True)
@@ -177,19 +179,53 @@ def split_for_global_batch(mapping: TrainerMapping, max_micro_batch: int, multip
     return None
 
 
-def patched_args_text(args: TrainerArgs, per_device_train_batch_size: int, gradient_accumulation_steps: int) -> str:
-    """The user's args with the two answered fields set; everything else as it was."""
-    values = dict(zip(ANSWERED, (per_device_train_batch_size, gradient_accumulation_steps), strict=True))
+def patched_args_text(args: TrainerArgs, per_device_train_batch_size: int, gradient_accumulation_steps: int,
+                      more: dict[str, Any] | None = None) -> str:
+    """The user's args with the two answered fields (and ``more``) set; everything else as it was."""
+    values = {**dict(zip(ANSWERED, (per_device_train_batch_size, gradient_accumulation_steps), strict=True)),
+              **(more or {})}
     if args.text is None:
         data = {**args.data, **values}
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
     text = args.text
     for name, value in values.items():
-        pattern = re.compile(rf'("{name}"\s*:\s*)(-?\d+)')
-        if len(pattern.findall(text)) == 1:
-            text = pattern.sub(lambda match, v=value: f"{match.group(1)}{v}", text)
-        else:  # absent (the Trainer's default was used) or odd: rewrite the whole object
+        pattern = re.compile(rf'("{name}"\s*:\s*)(-?\d+|true|false|null)')
+        found = len(pattern.findall(text))
+        if found == 1:
+            text = pattern.sub(lambda match, v=json.dumps(value): f"{match.group(1)}{v}", text)
+        elif found == 0 and f'"{name}"' not in text and text.rstrip().endswith("}") and args.data:
+            # absent (a TRL field in TrainingArguments' JSON): added last, every other byte kept
+            body = text.rstrip()[:-1].rstrip()
+            text = f'{body},\n  "{name}": {json.dumps(value)}\n}}\n'
+        else:  # a default the Trainer used, or odd: rewrite the whole object
             data = json.loads(args.text)
             data.update(values)
             return json.dumps(data, indent=2, sort_keys=True) + "\n"
     return text
+
+
+def run_fields(mapping: TrainerMapping, *, batching: str | None = None, eval_batch_size: int | None = None,
+               eval_max_batch: int | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The fields beyond the two that the run's answer sets in the args (``--batching pack:MAXLEN``: rows of
+    MAXLEN; an eval batch that does not fit: the largest that does), each with a note: never silently."""
+    fields: dict[str, Any] = {}
+    notes: list[str] = []
+    if batching is not None and batching.startswith("pack:"):
+        length = int(batching.removeprefix("pack:"))
+        if not mapping.packing:
+            fields["packing"] = True
+            notes.append(f"packing: true (--batching {batching}): per_device_train_batch_size counts packed rows of "
+                         f"{length:,} tokens, not samples, so each step holds more samples than the args' padded "
+                         "batches did; the global batch is kept in rows")
+        if mapping.seq_len != length:
+            fields["max_length"] = length
+            notes.append(f"max_length {mapping.seq_len} -> {length} (--batching {batching})")
+    if eval_batch_size and eval_max_batch is not None and eval_max_batch < eval_batch_size:
+        if eval_max_batch:
+            fields["per_device_eval_batch_size"] = eval_max_batch
+            notes.append(f"per_device_eval_batch_size {eval_batch_size} -> {eval_max_batch}: the eval loop at "
+                         f"{eval_batch_size} does not fit after the training step (the training batch is unchanged)")
+        else:
+            notes.append(f"per_device_eval_batch_size {eval_batch_size}: not even an eval batch of 1 fits after "
+                         "the training step; left as it was")
+    return fields, notes

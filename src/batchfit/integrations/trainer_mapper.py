@@ -59,6 +59,7 @@ class Mapper:
     def run(self) -> TrainerMapping:
         data = self.data
         self.batch()
+        self.evaluation()
         self.precision()
         self.checkpointing()
         self.optimizer()
@@ -98,6 +99,31 @@ class Mapper:
                 m.gradient_accumulation_steps = value
         if "gradient_accumulation_steps" in data and "accumulation_steps" not in m.step:
             m.gradient_accumulation_steps = data["gradient_accumulation_steps"]
+
+    def evaluation(self) -> None:
+        """per_device_eval_batch_size and eval_accumulation_steps, where the args evaluate at all."""
+        m, data = self.mapping, self.data
+        strategy = str(data.get("eval_strategy", data.get("evaluation_strategy")) or "no").lower()
+        evaluates = strategy.rsplit(".", 1)[-1] != "no" or bool(data.get("do_eval"))
+        for name in ("per_device_eval_batch_size", "eval_accumulation_steps"):
+            value = data.get(name)
+            if name not in data:
+                continue
+            if not evaluates:
+                self.skip(name, f"eval_strategy {strategy}: no evaluation runs")
+            elif value is None:
+                self.skip(name, "not set: with compute_metrics the Trainer keeps every eval step's logits on the "
+                                "device until the loop ends; traced: one step's (give --eval-accumulation-steps K)")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise OptionError(f"{name} must be a positive integer, got {value!r}")
+            elif name == "per_device_eval_batch_size":
+                m.per_device_eval_batch_size = value
+                self.use(name, f"--eval-batch-size {value}", "the eval loop traced after the training step "
+                                                             "(estimate); the larger peak decides")
+            else:
+                m.eval_accumulation_steps = value
+                self.use(name, f"--eval-accumulation-steps {value}", "the logits of this many eval steps held on "
+                                                                     "the device together (with compute_metrics)")
 
     def precision(self) -> None:
         bf16, fp16 = bool(self.data.get("bf16")), bool(self.data.get("fp16"))
@@ -180,7 +206,7 @@ class Mapper:
         for other in ("max_length", "max_seq_length"):
             if other in data and other != name:
                 self.skip(other, "not set" if name is None else f"{name} is the one read")
-        packing = bool(data.get("packing"))
+        packing = self.mapping.packing = bool(data.get("packing"))
         if name is not None:
             value = data[name]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

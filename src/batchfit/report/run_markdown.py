@@ -61,17 +61,72 @@ def run_lines(result) -> list[str]:
     above = [b for b in sorted(summary.runs) if b > best and summary.runs[b].verdict != "fits"]
     if above:
         lines.append(f"the run at batch {above[0]}: {_oom(summary.runs[above[0]])}")
-    if summary.churn is not None:
-        lines.append(summary.churn.line())
+    for churn in (summary.churn, getattr(summary, "churn_worst", None)):
+        if churn is not None:
+            lines.append(churn.line())
     return lines
+
+
+def _reserved(point) -> str:
+    return "cannot reserve" if point.oom is not None else f"{_gib(point.peak_reserved_bytes)} reserved"
+
+
+def _why(point) -> str:
+    """Why an eval loop whose blocks the allocator model cannot place does not fit."""
+    if point.oom is None:
+        return ""
+    if point.expandable_reserved_bytes is None:
+        return " (the allocator model cannot place a block, nor with expandable segments)"
+    return (f" (the allocator model cannot place a block, {_gib(point.peak_bytes)} allocated: fragmentation; with "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it reserves {_gib(point.expandable_reserved_bytes)}, "
+            "at the cost that such memory cannot be shared over CUDA IPC nor used by CUDA graphs' private pools)")
+
+
+def _held(phase) -> str:
+    return (f", the logits of {phase.held_steps} eval steps held (eval_accumulation_steps {phase.held_steps})"
+            if phase.held_steps > 1 else "")
+
+
+def eval_lines(phase) -> list[str]:
+    """The eval loop beside the train step: each phase's peak, the one that decides, and the eval batch to use."""
+    asked, train = phase.asked, phase.train_shape
+    lines = [f"train step at batch {phase.train_batch_size} ({train.rows} x {train.length:,} tokens): "
+             f"{_gib(phase.train_peak_bytes)} allocated, {_gib(phase.train_peak_reserved_bytes)} reserved; "
+             f"eval step at eval batch {phase.batch_size} ({asked.peak_shape.rows} x {asked.peak_shape.length:,} "
+             f"tokens, no gradients, the whole logits{_held(phase)}): {_gib(asked.peak_bytes)} allocated, "
+             f"{_reserved(asked)}; the {phase.deciding_phase} step sets the run's peak"]
+    if phase.fits:
+        lines.append(f"eval batch {phase.batch_size} fits after the training step")
+    elif phase.max_batch_size:
+        lines.append(f"eval batch {phase.batch_size} does not fit: the training step fits, its first evaluation "
+                     f"runs out of memory{_why(asked)}; the largest eval batch that fits is {phase.max_batch_size} "
+                     f"(per_device_eval_batch_size={phase.max_batch_size})")
+    else:
+        lines.append(f"eval batch {phase.batch_size} does not fit, nor does eval batch 1: the training step fits, "
+                     "its first evaluation runs out of memory")
+    return lines
+
+
+def eval_markdown(phase) -> str:
+    lines = ["", "## The eval loop", "",
+             ("The training step at the answer, then HF Trainer's evaluation loop (model.eval(), no gradients, the "
+              "model's whole output kept through the step; with eval_accumulation_steps K the logits of K steps held "
+              "together) in the same process: the optimizer state and the allocator's cache are the training "
+              "step's (traced; reserved by the allocator model)."), ""]
+    lines += [f"- {line}" for line in eval_lines(phase)]
+    lines += ["", "| eval batch | rows x tokens | peak allocated | peak reserved |", "|---:|---|---:|---:|"]
+    lines += [f"| {p.batch_size} | {p.peak_shape.rows} x {p.peak_shape.length:,} | {_gib(p.peak_bytes)} | "
+              f"{_reserved(p).removesuffix(' reserved')} |" for p in phase.traced or []]
+    return "\n".join(lines) + "\n"
 
 
 def churn_markdown(churn, shown: int = 60) -> list[str]:
     """Reserved memory step by step in both allocator replays (every step up to ``shown``, then evenly spaced)."""
     default, expandable = churn.default, {s.step: s for s in churn.expandable.steps}
     every = max(1, -(-len(default.steps) // shown))
-    lines = ["", f"### Allocator replay at batch {churn.batch_size}: {churn.verdict}", "",
-             ("The run's first steps, in the data's order, one after another in one process (step 0 makes the "
+    order = "the data's order" if churn.order == "data" else f"{churn.order} order (the worst of those tried)"
+    lines = ["", f"### Allocator replay at batch {churn.batch_size}, {order}: {churn.verdict}", "",
+             (f"The run's first steps, in {order}, one after another in one process (step 0 makes the "
              "optimizer state), their allocation stream replayed through the caching allocator model "
              "(traced; the allocator is a model, see Known limits)."), "",
              ("| step | rows x tokens | peak allocated | peak reserved | reserved after | cached, not allocated | "
@@ -102,8 +157,9 @@ def run_markdown(result, plot_name: str = "lengths.png") -> str:
                                                         f"{run.first_oom_shape.length:,})")
         lines.append(f"| {b} | {run.steps} | {run.verdict} | {run.peak_step} | {run.peak_shape.rows} x "
                      f"{run.peak_shape.length:,} | {_gib(run.peak_bytes)} | {_gib(run.peak_reserved_bytes)} | {first} |")
-    if summary.churn is not None:
-        lines += churn_markdown(summary.churn)
+    for churn in (summary.churn, getattr(summary, "churn_worst", None)):
+        if churn is not None:
+            lines += churn_markdown(churn)
     lines += ["", "| tokens per sample | samples |", "|---|---:|"]
     lines += [f"| {low:,}–{high:,} | {count:,} |" for low, high, count in summary.histogram]
     return "\n".join(lines) + "\n"

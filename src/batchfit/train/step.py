@@ -156,6 +156,14 @@ def _grad_scaler(options: StepOptions, device: torch.device, model: nn.Module) -
     return torch.amp.GradScaler(device.type)
 
 
+def _logits_of(output: Any) -> torch.Tensor:
+    """The logits of a model's output: a transformers ModelOutput's ``logits``, else the output itself."""
+    logits = getattr(output, "logits", output)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"an evaluation step keeps the model's logits; its output is a {type(output).__name__}")
+    return logits
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What :meth:`TrainingStep.step` did."""
@@ -349,6 +357,43 @@ class TrainingStep:
             raise TypeError("TrainingStep.around has no Workload to make batches: use step()")
         with self.step_context():
             return self._run(batch_size, hooks or NoHooks())
+
+    def evaluate(self, batch_size: int, hooks: StepHooks | None = None, *, held_steps: int = 1) -> torch.Tensor:
+        """``held_steps`` evaluation steps of ``batch_size`` samples from ``make_batch``, as HF Trainer's
+        evaluation loop runs them (``prediction_step``, ``evaluation_loop``): ``model.eval()``, no
+        gradients, the model's own loss (``Workload.loss_fn``: the Trainer's eval calls the model, so no
+        chunked or fused loss), and the model's whole output alive until the step ends (the logits, and
+        whatever else it returns). With ``compute_metrics`` the Trainer keeps every
+        step's logits on the device, concatenated after each step (``nested_concat``), until
+        ``eval_accumulation_steps`` steps moved them to the host: ``held_steps`` is that count. The
+        model is in train mode again afterwards; returns the last loss."""
+        if self.workload is None:
+            raise TypeError("TrainingStep.around has no Workload to make batches")
+        hooks = hooks or NoHooks()
+        outputs: list[Any] = []
+        keep = self.model.register_forward_hook(lambda module, args, output: outputs.append(output))
+        held: torch.Tensor | None = None
+        self.model.eval()
+        try:
+            with self.step_context(), torch.no_grad():
+                for _ in range(held_steps):
+                    hooks.phase("inputs")
+                    batch = self.workload.make_batch(batch_size, self.device)
+                    hooks.phase("forward")
+                    with self.forward_autocast():
+                        loss = self.workload.loss_fn(self.model, batch).detach()
+                    del batch
+                    logits = _logits_of(outputs.pop())
+                    outputs.clear()  # the rest of the output (the KV cache) goes with the step
+                    # nested_concat: the held and the new logits alive while their concatenation is made
+                    held = logits if held is None else torch.cat((held, logits), dim=0)
+                    del logits
+        finally:
+            keep.remove()
+            self.model.train()
+        del held
+        hooks.phase("idle")
+        return loss
 
     def _run(self, batch_size: int, hooks: StepHooks) -> torch.Tensor:
         forward_autocast = self.forward_autocast
