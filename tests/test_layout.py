@@ -12,12 +12,13 @@ LAYERS = [  # bottom to top
     {"train"},
     {"trace"},
     {"distributed"},
+    {"runs"},
     {"estimator", "probe", "bench", "plan", "sweep", "recommend"},
     {"report"},
     {"integrations", "lightning", "transformers"},
     {"cli", "__init__"},
 ]
-ENGINES = LAYERS[4]
+ENGINES = LAYERS[5]
 
 
 def layer_of(part: str) -> int:

@@ -15,8 +15,8 @@ from batchfit.recommend.engine import RecommendConfig, evaluator, plan_recommend
 from batchfit.recommend.read import extrapolate, power_exponent
 from batchfit.recommend.priors import power_lines, step_law
 from batchfit.report.recommend_markdown import recommend_markdown
-from batchfit.train.budget import Schedule
-from batchfit.train.data import BatchSource, tokenize
+from batchfit.runs.budget import Schedule
+from batchfit.runs.data import BatchSource, tokenize
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
 from tests.test_sweep_helpers import write_corpus, write_tiny
@@ -133,7 +133,7 @@ import os, signal, sqlite3, sys
 import torch
 from batchfit import load_workload
 from batchfit.recommend.engine import RecommendConfig, plan_recommend, run_recommend
-from batchfit.train.data import open_tokens
+from batchfit.runs.data import open_tokens
 from batchfit.train.step import TrainingStep
 torch.set_num_threads(1)
 spec, cache, store, config = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from batchfit.errors import OptionError
-from batchfit.train.budget import Budget, Schedule, parse_amount, parse_count, parse_lrs, scaled_lr
+from batchfit.runs.budget import Budget, Schedule, parse_amount, parse_count, parse_lrs, scaled_lr
 
 SEED_002_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 

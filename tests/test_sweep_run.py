@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from batchfit import load_workload
+from batchfit.runs.data import BatchSource, lm_format, tokenize
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
-from batchfit.train.data import BatchSource, lm_format, tokenize
 from batchfit.train.step import TrainingStep
 from batchfit.sweep.run import micro_batch_for
 from batchfit.workload import StepOptions
@@ -161,7 +161,7 @@ def test_a_run_whose_loss_diverges_says_so_and_keeps_its_curve(tmp_path):
     (run,) = run_sweep(plan_sweep(settings, diverging)).runs
     assert run["status"] == "error" and run["error"].startswith("NonFiniteLoss: the ")  # validation loss, here
     assert "loss is not finite (inf) at step" in run["error"] and "lower --lrs" in run["error"]
-    from batchfit.train.store import Store
+    from batchfit.runs.store import Store
 
     with Store(tmp_path / "sweep.db") as store:
         kept = store.points(run["id"])
