@@ -12,7 +12,6 @@ import datetime
 import gc
 import logging
 import os
-import socket
 import weakref
 from typing import NamedTuple
 
@@ -267,12 +266,6 @@ def test_global_batch_is_micro_times_accumulation_times_ranks():
 
 
 # -- two ranks over gloo -------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ddp_main(rank: int, port: int, out_dir: str) -> None:

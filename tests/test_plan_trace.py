@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import warnings
 
 import pytest
@@ -64,12 +63,6 @@ def _workload(name: str) -> Workload:
 
 
 # --- the real runs -----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _profiled_peak(step: TrainingStep, path: str) -> int | None:
     """Rank 0's peak over one more steady step, from the profiler's memory timeline; None when
     the timeline's own data-flow check fails ("version mismatch": seen once in a full CI run,
