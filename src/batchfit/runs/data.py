@@ -148,6 +148,7 @@ def read_texts(data: str) -> tuple[list[str], str]:
     files = _local_files(data)
     if files is not None:
         return [d for f in files for d in _read_file(f)], _fingerprint(files)
+    path = Path(data).expanduser()
     if not path.exists() and (path.suffix in (*TEXT_SUFFIXES, ".json", ".csv") or data.startswith(("/", ".", "~"))):
         # a file's path, not a dataset's name: a Hub lookup would only add a network error
         parent = path.parent if path.parent.is_dir() else None
