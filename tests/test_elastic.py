@@ -22,7 +22,7 @@ from torch import nn
 
 from cpu_truth import spawn_profiled_gloo
 from batchfit.integrations.elastic import ElasticStep, predict_micro_batch
-from batchfit.integrations.elastic_split import batch_size, split_batch, split_global_batch, take_samples
+from batchfit.integrations.elastic_split import batch_size, divide_global_batch, split_batch, take_samples
 from batchfit.errors import OptionError
 
 SAMPLES = 60
@@ -255,14 +255,14 @@ def test_split_batch_encoding():
 
 
 def test_global_batch_is_micro_times_accumulation_times_ranks():
-    assert split_global_batch(512, 100) == (64, 8)
-    assert split_global_batch(512, 100, world_size=2) == (64, 4)
-    assert split_global_batch(512, 1000, world_size=4) == (128, 1)
-    assert split_global_batch(96, 50, multiple_of=16) == (48, 2)
+    assert divide_global_batch(512, 100) == (64, 8)
+    assert divide_global_batch(512, 100, world_size=2) == (64, 4)
+    assert divide_global_batch(512, 1000, world_size=4) == (128, 1)
+    assert divide_global_batch(96, 50, multiple_of=16) == (48, 2)
     with pytest.raises(OptionError, match="multiple of 3"):
-        split_global_batch(512, 100, world_size=3)
+        divide_global_batch(512, 100, world_size=3)
     with pytest.raises(OptionError, match="multiple of 16"):
-        split_global_batch(100, 64, multiple_of=16)
+        divide_global_batch(100, 64, multiple_of=16)
 
 
 # -- two ranks over gloo -------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from batchfit.plan.time_model import TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
 from batchfit.search import (DEFAULT_MAX_BATCH, SearchResult, Trial, _check_limit, check_search_options,
                               choose_micro, guided, micro_candidates, reserved_search, trace_first_sizes)
+from batchfit.targets import bytes_at_target
 from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
 
@@ -329,7 +330,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     from batchfit.distributed.expert_parallel import ep_approximations
 
     approximations += ep_approximations([s for _, chosen in by_world for s in chosen], options.routing)
-    target_bytes = int(target_util * device.usable_bytes)
+    target_bytes = bytes_at_target(device, target_util)
 
     def one(job: tuple[World, object], say: Callable[[str], None]) -> tuple[StrategyPlan, int | None]:
         world, strategy = job
