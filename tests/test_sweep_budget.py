@@ -1,5 +1,7 @@
 """Exact budgets: steps = budget / (batch x seq) at every batch size, or a refusal that
-names the nearest budgets that divide; the schedule is a function of tokens."""
+names the nearest budgets that divide; the schedule is a function of tokens.
+
+Checked against arithmetic worked out by hand."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """The executors: the local one with two worker processes and a local Ray cluster fill the
 store with the numbers of runs trained alone; the device pool hands out free devices; a run
-is claimed by exactly one of two sweeps."""
+is claimed by exactly one of two sweeps.
+
+Checked against the same runs trained for real on the CPU, alone and in this process."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """A sweep killed with SIGKILL after a checkpoint, then --resume: the same numbers as a sweep
-that was never interrupted (CPU, one thread), and runs that are done are not repeated."""
+that was never interrupted (CPU, one thread), and runs that are done are not repeated.
+
+Checked against the same sweep run for real on the CPU without an interruption."""
 
 from __future__ import annotations
 
