@@ -26,6 +26,7 @@ from torch import nn
 from cpu_truth import spawn_profiled_gloo
 from batchfit.integrations.elastic import ElasticStep, predict_micro_batch
 from batchfit.integrations.elastic_split import batch_size, divide_global_batch, split_batch, take_samples
+from tiny import load_example
 from batchfit.errors import OptionError
 
 SAMPLES = 60
@@ -300,18 +301,6 @@ def test_two_ddp_ranks_agree_when_only_one_runs_out(tmp_path):
     for r in ranks:
         for got, want in zip(r["params"], expected):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-
-
-def load_example(name: str):
-    """An example script as a module, so its main() runs here as it runs from the command line."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parent.parent / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_elastic_loop_example_runs_and_recovers_once():

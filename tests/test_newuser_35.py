@@ -156,7 +156,7 @@ def test_sweep_and_recommend_refuse_a_budget_the_data_holds_only_repeated_alike(
 def test_a_sweep_that_fails_to_start_leaves_no_store_and_the_rerun_runs(tmp_path, monkeypatch):
     """A validation split shorter than a sample was refused by the first run, after the store held the
     settings: the corrected rerun was refused as 'a different sweep (it differs in data)'."""
-    from tests.test_sweep_helpers import write_tiny
+    from tiny import write_tiny
 
     monkeypatch.chdir(tmp_path)
     args = ["sweep", write_tiny(tmp_path), *_short_text(tmp_path), "--samples", "8", "--batch-sizes", "4", "--store", "s.db",
@@ -217,7 +217,7 @@ def test_sweep_and_noise_say_steps_done_and_the_time_left(tmp_path):
     from batchfit.runs.data import BatchSource
     from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
     from batchfit.sweep.noise import gradient_noise_scale
-    from tests.test_sweep_helpers import write_corpus, write_tiny
+    from tiny import write_corpus, write_tiny
 
     spec = write_tiny(tmp_path)
     workload = load_workload(spec)

@@ -22,7 +22,7 @@ from batchfit.runs.budget import Schedule
 from batchfit.runs.data import BatchSource, tokenize
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
-from tests.test_sweep_helpers import write_corpus, write_tiny
+from tiny import write_corpus, write_tiny
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

@@ -24,7 +24,7 @@ from batchfit.runs.executors import DevicePool, local_devices, run_pool
 from batchfit.runs.store import Store
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
 from batchfit.sweep.run import RunSpec
-from tests.test_sweep_helpers import write_corpus, write_tiny
+from tiny import write_corpus, write_tiny
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

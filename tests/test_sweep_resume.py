@@ -17,7 +17,7 @@ import torch
 
 from batchfit import load_workload
 from batchfit.sweep import SweepConfig, plan_sweep, read_result, run_sweep
-from tests.test_sweep_helpers import write_corpus, write_tiny
+from tiny import write_corpus, write_tiny
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

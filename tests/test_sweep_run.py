@@ -17,7 +17,7 @@ from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
 from batchfit.train.step import TrainingStep
 from batchfit.sweep.run import micro_batch_for
 from batchfit.workload import StepOptions
-from tests.test_sweep_helpers import write_corpus, write_tiny
+from tiny import write_corpus, write_tiny
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
