@@ -153,10 +153,11 @@ def gloo_offload_params() -> tuple[int, int]:
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-    from test_offload_fsdp import OFFLOAD, _free_port, _gloo_main, _trace
+    from cpu_truth import spawn_profiled_gloo
+    from test_offload_fsdp import OFFLOAD, _gloo_main, _trace
 
     with tempfile.TemporaryDirectory() as folder:
-        torch.multiprocessing.spawn(_gloo_main, args=(_free_port(), folder), nprocs=2, join=True)
+        spawn_profiled_gloo(_gloo_main, lambda port: (port, folder), nprocs=2)
         measured = json.loads((Path(folder) / "peak.json").read_text())
     return _trace(OFFLOAD).total_peak_bytes, measured
 

@@ -33,8 +33,8 @@ from sweep_cpu import story
 
 from batchfit import load_workload
 from batchfit.recommend import RecommendConfig, plan_recommend, run_recommend
+from batchfit.runs.data import tokenize
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
-from batchfit.train.data import tokenize
 
 MODEL = '''
 from batchfit.zoo import language_model_workload

@@ -29,8 +29,8 @@ from _common import RESULTS, write_result
 
 from batchfit import load_workload
 from batchfit.report.sweep_markdown import write_sweep_report
+from batchfit.runs.data import BatchSource
 from batchfit.sweep import SweepConfig, gradient_noise_scale, plan_sweep, run_sweep
-from batchfit.train.data import BatchSource
 from batchfit.sweep.result import read_result, save_noise
 
 MODEL = '''

@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from batchfit.train.step import TrainingStep
+from batchfit.workload import StepOptions, Workload
 
 
 def profiled_step_peak(step: TrainingStep, batch_size: int, tmp_path: Path, *, warmup: int = 1,
@@ -43,6 +44,11 @@ def profiled_peak(run: Callable[[], object], tmp_path: Path) -> int:
     _, sizes = json.loads(path.read_text())
     return max(sum(row) for row in sizes)
 
+
+
+def profiled_workload_peak(workload: Workload, batch_size: int, tmp_path: Path) -> int:
+    """``profiled_step_peak`` of ``workload``'s default step (fp32, AdamW) on this CPU."""
+    return profiled_step_peak(TrainingStep(workload, StepOptions(), torch.device("cpu")), batch_size, tmp_path)
 
 @contextlib.contextmanager
 def same_kernels_on_any_x86() -> Iterator[None]:

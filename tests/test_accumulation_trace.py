@@ -1,6 +1,8 @@
 """A traced step of N accumulated micro-batches runs two and writes the rest as repeats of the
 second: its peak, breakdowns and allocation stream (so its reserved peak) are those of the
-step traced with all N micro-batches run, exactly (MemoryTracker.repeat_micro_batch)."""
+step traced with all N micro-batches run, exactly (MemoryTracker.repeat_micro_batch).
+
+Checked against batchfit's own trace of every micro-batch run (checks the counting, not the fidelity to a GPU)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ EXTRAS = {extra: {_import_name(r) for r in reqs} for extra, reqs in PROJECT["opt
 OPTIONAL = set().union(*EXTRAS.values())
 
 UNGUARDED_BY_DESIGN = {
-    ("train/executors.py", "ray"): "run_ray runs only after check_executor said pip install 'batchfit[ray]'",
+    ("runs/executors.py", "ray"): "run_ray runs only after check_executor said pip install 'batchfit[ray]'",
     ("trace/bnb_fake.py", "bitsandbytes"): "runs only after train/quantize.py's load_bitsandbytes said "
                                            "pip install 'batchfit[quant]'",
     ("cli/trainer.py", "click"): "imported only where typer has no copy of click of its own (typer._click, 0.2x); "

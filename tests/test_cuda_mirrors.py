@@ -1,4 +1,7 @@
-"""The CUDA mirrors: autocast's op table and cast cache, fused attention's saved tensors."""
+"""The CUDA mirrors: autocast's op table and cast cache, fused attention's saved tensors.
+
+Checked against torch's own autocast registrations (the installed header and dispatcher) and, for the
+dtypes CUDA gives, batchfit's own table of CUDA's behaviour (checks the mirroring, not a GPU run)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
-from test_plan_trace import CFG, LOCAL_BATCH, _profiled_peak, tiny_workload
+from tiny import CFG, LOCAL_BATCH, profiled_rank_peak, tiny_workload
 
 LOSSES = ("sharded", "gathered")
 STEPS = 2
@@ -57,7 +57,7 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str, cases: tuple
         peaks: list[int] = []
         for _ in range(10):
             if rank == 0:
-                peak = _profiled_peak(step, os.path.join(out_dir, f"timeline-{case}.json"))
+                peak = profiled_rank_peak(step, os.path.join(out_dir, f"timeline-{case}.json"))
                 peaks += [peak] if peak is not None else []
             else:
                 step.run(LOCAL_BATCH)

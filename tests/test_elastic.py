@@ -3,6 +3,9 @@
 The OOMs are forced: a forward hook raises ``torch.OutOfMemoryError`` when a micro-batch holds
 more samples than a limit, as a GPU would at some size. The model is float64 and the optimizer
 plain SGD, so "the same parameters" is checked to 1e-12, not to a loose tolerance.
+
+Checked against torch's own code running for real: one full-batch SGD step on real tensors, and
+DDP / FSDP2 ranks over gloo.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import datetime
 import gc
 import logging
 import os
-import socket
 import weakref
 from typing import NamedTuple
 
@@ -23,7 +25,8 @@ from torch import nn
 
 from cpu_truth import spawn_profiled_gloo
 from batchfit.integrations.elastic import ElasticStep, predict_micro_batch
-from batchfit.integrations.elastic_split import batch_size, split_batch, split_global_batch, take_samples
+from batchfit.integrations.elastic_split import batch_size, divide_global_batch, split_batch, take_samples
+from tiny import load_example
 from batchfit.errors import OptionError
 
 SAMPLES = 60
@@ -256,23 +259,17 @@ def test_split_batch_encoding():
 
 
 def test_global_batch_is_micro_times_accumulation_times_ranks():
-    assert split_global_batch(512, 100) == (64, 8)
-    assert split_global_batch(512, 100, world_size=2) == (64, 4)
-    assert split_global_batch(512, 1000, world_size=4) == (128, 1)
-    assert split_global_batch(96, 50, multiple_of=16) == (48, 2)
+    assert divide_global_batch(512, 100) == (64, 8)
+    assert divide_global_batch(512, 100, world_size=2) == (64, 4)
+    assert divide_global_batch(512, 1000, world_size=4) == (128, 1)
+    assert divide_global_batch(96, 50, multiple_of=16) == (48, 2)
     with pytest.raises(OptionError, match="multiple of 3"):
-        split_global_batch(512, 100, world_size=3)
+        divide_global_batch(512, 100, world_size=3)
     with pytest.raises(OptionError, match="multiple of 16"):
-        split_global_batch(100, 64, multiple_of=16)
+        divide_global_batch(100, 64, multiple_of=16)
 
 
 # -- two ranks over gloo -------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ddp_main(rank: int, port: int, out_dir: str) -> None:
@@ -304,18 +301,6 @@ def test_two_ddp_ranks_agree_when_only_one_runs_out(tmp_path):
     for r in ranks:
         for got, want in zip(r["params"], expected):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-
-
-def load_example(name: str):
-    """An example script as a module, so its main() runs here as it runs from the command line."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parent.parent / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_elastic_loop_example_runs_and_recovers_once():

@@ -1,4 +1,7 @@
-"""batchfit.estimate end to end on CPU: the answer is traced, and the edges are answers."""
+"""batchfit.estimate end to end on CPU: the answer is traced, and the edges are answers.
+
+Checked against batchfit's own traces of the sizes around each answer (checks the search and its
+edges, not the fidelity to a GPU: tests/test_memory.py and the profiler truths do that)."""
 
 from __future__ import annotations
 

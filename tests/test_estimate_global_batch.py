@@ -1,6 +1,8 @@
 """estimate --global-batch N: the largest micro-batch under the target that divides N, with
 N / micro-batch accumulation steps, each candidate traced with its own accumulation (plan's
-rule, ``search.choose_micro``); in the terminal, report.md and the JSON."""
+rule, ``search.choose_micro``); in the terminal, report.md and the JSON.
+
+Checked against batchfit's own traces at each candidate (checks the rule, not the fidelity to a GPU)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from cpu_truth import join_gloo, spawn_profiled_gloo
 
 transformers = pytest.importorskip("transformers")
 
-from test_routing import B, tiny_moe  # noqa: E402 - after the importorskip
+from tiny import B, tiny_moe  # noqa: E402 - after the importorskip
 
 WORLD = 2
 OPTIONS = dict(optimizer="sgd")

@@ -123,14 +123,14 @@ def test_fsdp2_gathers_float8_weights_with_one_byte_per_element():
     The scales: one all-reduce of every weight's amax after the optimizer step (torchao's
     precompute_float8_dynamic_scale_for_fsdp), none in forward. A real 2-process gloo run of the same
     step peaks 44 B above this trace (benchmarks/recipes.py, "fsdp2 x2" rows)."""
-    from test_plan_trace import BLOCK, ROOT, _bytes, _trace
+    from tiny import BLOCK, ROOT, collective_bytes, traced_rank0
 
     linears = 128 * 8 * 32 + 128 * 128 + 128 * 2 * 256 + 256 * 128  # qkv, proj, up (gate+up), down
     norms = 2 * 128
     assert linears + norms == BLOCK
-    fp8 = _trace("fsdp", 2, StepOptions(precision="fp8-tensorwise"))
-    assert _bytes(fp8, "all_gather") == [2 * ROOT] + [linears + 2 * norms] * 4  # the root: bf16 (head filtered)
-    assert _bytes(fp8, "reduce_scatter") == [4 * BLOCK, 4 * BLOCK, 4 * ROOT]
+    fp8 = traced_rank0("fsdp", 2, StepOptions(precision="fp8-tensorwise"))
+    assert collective_bytes(fp8, "all_gather") == [2 * ROOT] + [linears + 2 * norms] * 4  # the root: bf16 (head filtered)
+    assert collective_bytes(fp8, "reduce_scatter") == [4 * BLOCK, 4 * BLOCK, 4 * ROOT]
     assert [(c.phase, c.bytes) for c in fp8.collectives if c.op == "all_reduce"] == [("optimizer", 8 * 4)]
 
 

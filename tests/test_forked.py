@@ -1,5 +1,7 @@
 """Depths 2 and 3 traced in a forked process while this one traces depth 4 (trace/forked.py):
-the same bytes as all three here, errors come back as errors, a dead process is one."""
+the same bytes as all three here, errors come back as errors, a dead process is one.
+
+Checked against batchfit's own traces in this process (checks the fork, not the fidelity to a GPU)."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def test_fit_training_args_then_the_trainer_trains_with_those_numbers(tmp_path, 
 
 def test_the_hf_example_runs(tmp_path):
     pytest.importorskip("accelerate")
-    from test_elastic import load_example
+    from tiny import load_example
 
     args, trainer = load_example("hf_trainer").main(str(tmp_path))
     assert trainer.state.global_step == 2

@@ -84,7 +84,7 @@ def test_import_batchfit_pulls_in_neither_lightning_nor_transformers():
 
 
 def test_the_lightning_example_runs(tmp_path):
-    from test_elastic import load_example
+    from tiny import load_example
 
     fit, trainer, data = load_example("lightning_batchfit").main(str(tmp_path))
     assert trainer.global_step == 3

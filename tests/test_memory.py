@@ -7,11 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from batchfit.train.step import TrainingStep
 from batchfit.trace.memory import rounded
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
-from cpu_truth import profiled_step_peak
+from cpu_truth import profiled_workload_peak
 
 # Linear(1024, 4096) + Linear(4096, 1024) in fp32: each tensor is a multiple of 512 bytes.
 W1, B1, W2, B2 = 4096 * 1024 * 4, 4096 * 4, 1024 * 4096 * 4, 1024 * 4
@@ -73,15 +72,11 @@ def test_gradient_accumulation_keeps_gradients_across_micro_batches(mlp):
     assert four.breakdown["gradients"] > 0
 
 
-def _profiled_peak(work: Workload, batch_size: int, tmp_path) -> int:
-    return profiled_step_peak(TrainingStep(work, StepOptions(), torch.device("cpu")), batch_size, tmp_path)
-
-
 @pytest.mark.parametrize("batch_size", [64, 4096])
 def test_traced_peak_matches_the_profilers_memory_timeline(mlp, batch_size, tmp_path):
     """An independent measurement: PyTorch's profiler on a real CPU step, within 2%."""
     traced = TraceSession(mlp, StepOptions(), cuda_semantics=False).trace(batch_size).snapshot.peak_bytes
-    measured = _profiled_peak(mlp, batch_size, tmp_path)
+    measured = profiled_workload_peak(mlp, batch_size, tmp_path)
     assert abs(traced - measured) / measured < 0.02
 
 

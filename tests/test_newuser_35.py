@@ -156,7 +156,7 @@ def test_sweep_and_recommend_refuse_a_budget_the_data_holds_only_repeated_alike(
 def test_a_sweep_that_fails_to_start_leaves_no_store_and_the_rerun_runs(tmp_path, monkeypatch):
     """A validation split shorter than a sample was refused by the first run, after the store held the
     settings: the corrected rerun was refused as 'a different sweep (it differs in data)'."""
-    from tests.test_sweep_helpers import write_tiny
+    from tiny import write_tiny
 
     monkeypatch.chdir(tmp_path)
     args = ["sweep", write_tiny(tmp_path), *_short_text(tmp_path), "--samples", "8", "--batch-sizes", "4", "--store", "s.db",
@@ -202,7 +202,7 @@ def test_a_missing_local_data_file_is_not_looked_up_on_the_hub(command, args, tm
 
 
 def test_time_left_is_the_rest_at_the_rate_so_far():
-    from batchfit.train.budget import time_left
+    from batchfit.runs.budget import time_left
 
     assert time_left(10.0, 1, 4) == "ETA 30 s"  # 3 more at 10 s each
     assert time_left(60.0, 3, 13) == "ETA 3 min 20 s"
@@ -214,10 +214,10 @@ def test_time_left_is_the_rest_at_the_rate_so_far():
 def test_sweep_and_noise_say_steps_done_and_the_time_left(tmp_path):
     """Both showed a spinner with no step count or ETA; noise's said 'tokens from the cache' while it trained."""
     from batchfit import load_workload
+    from batchfit.runs.data import BatchSource
     from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
     from batchfit.sweep.noise import gradient_noise_scale
-    from batchfit.train.data import BatchSource
-    from tests.test_sweep_helpers import write_corpus, write_tiny
+    from tiny import write_corpus, write_tiny
 
     spec = write_tiny(tmp_path)
     workload = load_workload(spec)

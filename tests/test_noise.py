@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from batchfit.errors import OptionError
-from batchfit.train.data import BatchSource
+from batchfit.runs.data import BatchSource
 from batchfit.sweep.noise import gradient_noise_scale, ratio_interval, t_quantile, unbiased
 from batchfit.workload import Workload
 

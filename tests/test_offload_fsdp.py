@@ -23,7 +23,7 @@ from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
-from test_plan_trace import LOCAL_BATCH, TOTAL, _profiled_peak, tiny_workload
+from tiny import LOCAL_BATCH, TOTAL, profiled_rank_peak, tiny_workload
 
 OFFLOAD = StepOptions(offload="params")
 
@@ -47,7 +47,7 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
     peaks = []
     for _ in range(3):  # rank 0 keeps the smaller of two profiled steps (test_plan_trace's reason)
         if rank == 0:
-            peak = _profiled_peak(step, os.path.join(out_dir, "timeline.json"))
+            peak = profiled_rank_peak(step, os.path.join(out_dir, "timeline.json"))
             peaks += [peak] if peak is not None else []
         else:
             step.run(LOCAL_BATCH)

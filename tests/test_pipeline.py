@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import warnings
 from pathlib import Path
 
@@ -56,12 +55,6 @@ def tiny_workload(n_layers: int = CFG.n_layers) -> Workload:
     import dataclasses
 
     return tiny_llama_workload(dataclasses.replace(CFG, n_layers=n_layers))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _real_schedule(name: str, stages: list, microbatches: int, **kw):

@@ -25,7 +25,7 @@ from batchfit.devices import get_device
 from batchfit.plan.sharded import ShardedSession, parse_strategy
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
-from test_plan_trace import LOCAL_BATCH, _profiled_peak, tiny_workload
+from tiny import LOCAL_BATCH, profiled_rank_peak, tiny_workload
 
 OPTIONS = StepOptions(compile="blocks")  # fp32, AdamW; torchtitan compiles per block under FSDP2
 MEASURED = ("fsdp", "fsdp-noreshard", "hsdp2", "ddp", "zero1", "zero2")
@@ -54,7 +54,7 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
         # the profiler's timeline failed its own check (it does, now and then).
         for _ in range(5):
             if rank == 0:
-                peak = _profiled_peak(step, os.path.join(out_dir, "timeline.json"))
+                peak = profiled_rank_peak(step, os.path.join(out_dir, "timeline.json"))
                 peaks[name] += [peak] if peak is not None else []
             else:
                 step.run(LOCAL_BATCH)

@@ -10,100 +10,41 @@ Collective bytes are checked against the closed form, computed from parameter sh
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import socket
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpu_truth import spawn_profiled_gloo, tiny_llama_workload
-from batchfit.devices import get_device
+from cpu_truth import join_gloo, spawn_profiled_gloo
 from batchfit.errors import OptionError
-from batchfit.plan.sharded import Strategy, parse_strategies, parse_strategy, trace_sharded
+from batchfit.plan.sharded import Strategy, parse_strategies, parse_strategy
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
-from batchfit.zoo.transformer import TransformerConfig
+from tiny import BLOCK, CFG, LOCAL_BATCH, OPTIONS, ROOT, TOTAL, tiny_workload_named
+from tiny import tiny_workload  # noqa: F401 - test_plan_reserved.py imports it from here
+from tiny import collective_bytes as _bytes
+from tiny import profiled_rank_peak as _profiled_peak
+from tiny import traced_rank0 as _trace
 
-# Llama blocks (RMSNorm, SwiGLU, RoPE, GQA), untied head: every parameter's first dimension
-# divides by 4, so FSDP shards are exact (no padding) on 2 and 4 ranks.
-CFG = TransformerConfig(vocab_size=512, seq_len=64, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256,
-                        llama=True, tied_embeddings=False)
-LOCAL_BATCH = 4
-OPTIONS = StepOptions()  # fp32, AdamW
 MEASURED = {2: ("ddp", "fsdp", "fsdp:t5"), 4: ("fsdp+tp2",)}
 """Strategies run for real, by world size; ':t5' runs the tiny encoder-decoder instead."""
 
 
-def tiny_workload() -> Workload:
-    return tiny_llama_workload(CFG)
-
-
-def tiny_t5_workload() -> Workload:
-    """An encoder-decoder (HF T5 from a small config, no weights): two stacks of T5Block."""
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    config = T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
-                      num_heads=4, decoder_start_token_id=0, pad_token_id=0)
-
-    def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.randint(1, 256, (batch_size, 32), device=device),
-                torch.randint(1, 256, (batch_size, 16), device=device))
-
-    return Workload(name="tiny-t5", build_model=lambda: T5ForConditionalGeneration(config), make_batch=make_batch,
-                    loss_fn=lambda model, batch: model(input_ids=batch[0], labels=batch[1]).loss,
-                    tokens_per_sample=48, description="tiny T5: 2 encoder + 2 decoder blocks")
-
-
-def _workload(name: str) -> Workload:
-    return tiny_t5_workload() if name.endswith(":t5") else tiny_workload()
-
-
 # --- the real runs -----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _profiled_peak(step: TrainingStep, path: str) -> int | None:
-    """Rank 0's peak over one more steady step, from the profiler's memory timeline; None when
-    the timeline's own data-flow check fails ("version mismatch": seen once in a full CI run,
-    never alone), and the caller profiles the next step instead."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        step.run(LOCAL_BATCH)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            prof.export_memory_timeline(path, device="cpu")
-    except AssertionError:
-        return None
-    with open(path) as f:
-        _, sizes = json.load(f)
-    return max(sum(row) for row in sizes)
-
-
 def _gloo_main(rank: int, world_size: int, port: int, out_dir: str, names: tuple[str, ...]) -> None:
     from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.tp_plans import tp_plan
 
-    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
+    join_gloo(rank, world_size, port, timeout_s=60)
     peaks = {}
     for name in names:
         strategy = parse_strategy(name.removesuffix(":t5"), world_size)
         meshes = build_meshes(strategy)
         torch.manual_seed(0)
-        step = TrainingStep(_workload(name), OPTIONS, torch.device("cpu"),
+        step = TrainingStep(tiny_workload_named(name), OPTIONS, torch.device("cpu"),
                             wrap=lambda m: apply_strategy(m, strategy, meshes, precision=OPTIONS.precision,
                                                           fake=False, parallelize=tp_plan(m)))
         step.run(LOCAL_BATCH)
@@ -168,32 +109,6 @@ def test_traced_rank0_peak_matches_a_real_gloo_run(measured, world_size, name):
 
 
 # --- collective bytes, in closed form ----------------------------------------------------------
-# Parameter elements of the tiny model, from CFG by hand (head_dim 32; qkv holds 4 + 2 + 2 heads).
-BLOCK = (128 * 8 * 32) + (128 * 128) + (128 * 2 * 256) + (256 * 128) + 2 * 128  # qkv, proj, up (gate+up), down, norms
-ROOT = 512 * 128 + 128 + 128 * 512  # embedding, final norm, head
-TOTAL = ROOT + 2 * BLOCK
-assert (BLOCK, ROOT, TOTAL) == (147712, 131200, 426624)
-
-
-_TRACED: dict = {}
-
-
-def _trace(name: str, world_size: int, options: StepOptions = OPTIONS, workload: Workload | None = None):
-    """Rank 0 of ``name`` at LOCAL_BATCH with CPU semantics; the tiny model's traces are kept
-    (several tests read the same one)."""
-    key = (name, world_size, options.precision) if workload is None else None
-    if key in _TRACED:
-        return _TRACED[key]
-    point = trace_sharded(workload or _workload(name), options, get_device("h100-80gb"),
-                          parse_strategy(name.removesuffix(":t5"), world_size), LOCAL_BATCH, cuda_semantics=False)
-    if key is not None:
-        _TRACED[key] = point
-    return point
-
-
-def _bytes(point, op: str, phase: str | None = None) -> list[int]:
-    return [c.bytes for c in point.collectives if c.op == op and (phase is None or c.phase == phase)]
-
 
 def test_fsdp_wraps_the_blocks_of_both_stacks_of_an_encoder_decoder():
     # T5's encoder and decoder each hold 2 T5Blocks: with the root, 5 FSDP units, each gathered

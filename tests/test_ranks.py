@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -54,12 +53,6 @@ def transformer_workload(rows: slice) -> Workload:
     return Workload(name="tiny-transformer", build_model=lambda: Transformer(CFG),
                     make_batch=lambda b, device: (x[rows].to(device), y[rows].to(device)),
                     loss_fn=loss_fn, tokens_per_sample=CFG.seq_len)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _join(rank: int, port: int) -> None:

@@ -1,6 +1,9 @@
 """batchfit recommend: exact branches (k = 1 repeats the parent bit for bit), the checks
 before any training, the priors' arithmetic, and a whole small recommendation whose branches
-run as jobs of the executors into the runs store (killed and resumed; on Ray)."""
+run as jobs of the executors into the runs store (killed and resumed; on Ray).
+
+Checked against the parent run trained for real on the CPU (a branch at k = 1 repeats it bit for bit)
+and the priors' formulas worked out by hand."""
 
 from __future__ import annotations
 
@@ -15,11 +18,11 @@ from batchfit.recommend.engine import RecommendConfig, evaluator, plan_recommend
 from batchfit.recommend.read import extrapolate, power_exponent
 from batchfit.recommend.priors import power_lines, step_law
 from batchfit.report.recommend_markdown import recommend_markdown
-from batchfit.train.budget import Schedule
-from batchfit.train.data import BatchSource, tokenize
+from batchfit.runs.budget import Schedule
+from batchfit.runs.data import BatchSource, tokenize
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
-from tests.test_sweep_helpers import write_corpus, write_tiny
+from tiny import write_corpus, write_tiny
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -133,7 +136,7 @@ import os, signal, sqlite3, sys
 import torch
 from batchfit import load_workload
 from batchfit.recommend.engine import RecommendConfig, plan_recommend, run_recommend
-from batchfit.train.data import open_tokens
+from batchfit.runs.data import open_tokens
 from batchfit.train.step import TrainingStep
 torch.set_num_threads(1)
 spec, cache, store, config = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])

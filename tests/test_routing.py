@@ -16,10 +16,9 @@ from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload, check_routing
 from batchfit.zoo.hf import _unpacked_sequences
 from cpu_truth import profiled_step_peak, same_kernels_on_any_x86
+from tiny import B, EXPERTS, T, TOP_K, forced, tiny_moe
 
 transformers = pytest.importorskip("transformers")
-
-B, T, EXPERTS, TOP_K = 2, 32, 8, 2
 
 
 def test_tokens_per_expert_by_hand():
@@ -36,46 +35,6 @@ def test_a_bad_routing_is_one_line(bad):
     with pytest.raises(OptionError, match="use balanced") as info:
         check_routing(bad)
     assert "\n" not in str(info.value)
-
-
-def forced(kind: str):
-    """A router whose indices are set after it ran (its own allocations kept): balanced sends
-    token t to experts (t x top_k + j) mod experts, worst sends every token to experts 0..top_k-1."""
-    def wrap(gate):
-        original = gate.forward
-
-        def forward(hidden_states):
-            logits, scores, indices = original(hidden_states)
-            tokens = indices.shape[0]
-            if kind == "balanced":
-                new = (torch.arange(tokens * TOP_K, device=indices.device) % EXPERTS).view(tokens, TOP_K)
-            else:
-                new = torch.arange(TOP_K, device=indices.device).expand(tokens, TOP_K).contiguous()
-            return logits, scores, new
-        gate.forward = forward
-    return wrap
-
-
-def tiny_moe(router: str | None = None, implementation: str = "eager") -> Workload:
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K, decoder_sparse_step=1, mlp_only_layers=[], use_cache=False)
-
-    def build():
-        model = transformers.Qwen3MoeForCausalLM._from_config(config, attn_implementation="sdpa",
-                                                               experts_implementation=implementation)
-        if router is not None:
-            for layer in model.model.layers:
-                forced(router)(layer.mlp.gate)
-        return model
-
-    def loss_fn(model, ids):
-        with _unpacked_sequences(transformers):  # as hf: workloads call it (zoo/hf.py)
-            return model(input_ids=ids, labels=ids).loss
-
-    return Workload(name="tiny-qwen3-moe", build_model=build,
-                    make_batch=lambda b, device: torch.randint(0, 128, (b, T), device=device), loss_fn=loss_fn)
 
 
 def traced(workload: Workload, routing: str, precision: str = "fp32") -> int:

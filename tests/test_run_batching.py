@@ -25,7 +25,7 @@ from batchfit.estimator.batching import (
     step_shapes,
     token_rows,
 )
-from batchfit.train.data import sample_lengths
+from batchfit.runs.data import sample_lengths
 
 LENGTHS = [5, 9, 3, 20, 7, 7, 2]
 
@@ -100,7 +100,7 @@ def test_lengths_come_from_a_length_column_input_ids_or_text(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("\n".join(json.dumps(r) for r in ({"n": 3, "input_ids": [1, 2]}, {"n": 5, "text": "abc"})))
     assert sample_lengths(str(rows), length_column="n") == [3, 5]
-    from batchfit.train.data import bytes_tokenizer
+    from batchfit.runs.data import bytes_tokenizer
 
     assert sample_lengths(str(rows), tokenizer=bytes_tokenizer) == [2, 3]
     text = tmp_path / "lines.txt"
@@ -131,7 +131,7 @@ def test_text_is_tokenized_with_the_model_folders_own_tokenizer(tmp_path):
     """hf:FOLDER with a tokenizer.json: its tokenizer counts the tokens, as the run would make them."""
     pytest.importorskip("transformers")
     from batchfit.estimator.run import data_lengths
-    from batchfit.train.data import train_bpe
+    from batchfit.runs.data import train_bpe
 
     tokenizer, saved = train_bpe("hello world this is a tiny corpus for a tokenizer " * 50, 300)
     (tmp_path / "tokenizer.json").write_text(saved)

@@ -1,4 +1,6 @@
-"""The search and the curve are pure: property-tested with synthetic probes."""
+"""The search and the curve are pure: property-tested with synthetic probes.
+
+Checked against synthetic probes whose answer is known by construction (no torch, no trace)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The allocation stream written from depths 2, 3, 4 is the whole model's, event for event."""
+"""The allocation stream written from depths 2, 3, 4 is the whole model's, event for event.
+
+Checked against batchfit's own whole-model trace (checks the writing, not the fidelity to a GPU)."""
 
 from __future__ import annotations
 

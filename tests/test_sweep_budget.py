@@ -1,5 +1,7 @@
 """Exact budgets: steps = budget / (batch x seq) at every batch size, or a refusal that
-names the nearest budgets that divide; the schedule is a function of tokens."""
+names the nearest budgets that divide; the schedule is a function of tokens.
+
+Checked against arithmetic worked out by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import math
 import pytest
 
 from batchfit.errors import OptionError
-from batchfit.train.budget import Budget, Schedule, parse_amount, parse_count, parse_lrs, scaled_lr
+from batchfit.runs.budget import Budget, Schedule, parse_amount, parse_count, parse_lrs, scaled_lr
 
 SEED_002_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 

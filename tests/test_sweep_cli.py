@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from batchfit.cli.app import app
-from tests.test_sweep_helpers import write_corpus, write_tiny
+from tiny import write_corpus, write_tiny
 
 runner = CliRunner()
 

@@ -1,6 +1,8 @@
 """The executors: the local one with two worker processes and a local Ray cluster fill the
 store with the numbers of runs trained alone; the device pool hands out free devices; a run
-is claimed by exactly one of two sweeps."""
+is claimed by exactly one of two sweeps.
+
+Checked against the same runs trained for real on the CPU, alone and in this process."""
 
 from __future__ import annotations
 
@@ -17,12 +19,12 @@ import pytest
 import torch
 
 from batchfit import load_workload
+from batchfit.runs.budget import Budget, Schedule
+from batchfit.runs.executors import DevicePool, local_devices, run_pool
+from batchfit.runs.store import Store
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
-from batchfit.train.budget import Budget, Schedule
-from batchfit.sweep.executors import DevicePool, local_devices, run_pool
 from batchfit.sweep.run import RunSpec
-from batchfit.sweep.store import Store
-from tests.test_sweep_helpers import write_corpus, write_tiny
+from tiny import write_corpus, write_tiny
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -105,7 +107,7 @@ def test_a_ray_task_never_opens_the_drivers_store(tmp_path, alone):
     # returns the run. Here the task's context names a store and checkpoints it cannot reach.
     from dataclasses import replace
 
-    from batchfit.sweep.executors import WorkerContext, execute_remote
+    from batchfit.runs.executors import WorkerContext, execute_remote
 
     cfg = config(tmp_path, "local", workers=1)
     plan = plan_sweep(cfg, load_workload(cfg.model))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_sweep_helpers import write_corpus, write_tiny
+from tiny import write_corpus, write_tiny
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

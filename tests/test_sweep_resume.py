@@ -1,5 +1,7 @@
 """A sweep killed with SIGKILL after a checkpoint, then --resume: the same numbers as a sweep
-that was never interrupted (CPU, one thread), and runs that are done are not repeated."""
+that was never interrupted (CPU, one thread), and runs that are done are not repeated.
+
+Checked against the same sweep run for real on the CPU without an interruption."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 from batchfit import load_workload
 from batchfit.sweep import SweepConfig, plan_sweep, read_result, run_sweep
-from tests.test_sweep_helpers import write_corpus, write_tiny
+from tiny import write_corpus, write_tiny
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

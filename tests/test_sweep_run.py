@@ -1,5 +1,8 @@
 """One run and one in-process sweep: exact accounting in the store, accumulation that gives
-the full batch's gradient, and a failing run recorded while the sweep goes on."""
+the full batch's gradient, and a failing run recorded while the sweep goes on.
+
+Checked against torch's own code running for real (one SGD step on the full batch on the CPU) and
+counts worked out by hand."""
 
 from __future__ import annotations
 
@@ -9,12 +12,12 @@ import pytest
 import torch
 
 from batchfit import load_workload
+from batchfit.runs.data import BatchSource, lm_format, tokenize
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
-from batchfit.train.data import BatchSource, lm_format, tokenize
 from batchfit.train.step import TrainingStep
 from batchfit.sweep.run import micro_batch_for
 from batchfit.workload import StepOptions
-from tests.test_sweep_helpers import write_corpus, write_tiny
+from tiny import write_corpus, write_tiny
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -161,7 +164,7 @@ def test_a_run_whose_loss_diverges_says_so_and_keeps_its_curve(tmp_path):
     (run,) = run_sweep(plan_sweep(settings, diverging)).runs
     assert run["status"] == "error" and run["error"].startswith("NonFiniteLoss: the ")  # validation loss, here
     assert "loss is not finite (inf) at step" in run["error"] and "lower --lrs" in run["error"]
-    from batchfit.train.store import Store
+    from batchfit.runs.store import Store
 
     with Store(tmp_path / "sweep.db") as store:
         kept = store.points(run["id"])

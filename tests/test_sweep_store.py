@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from batchfit.errors import OptionError
+from batchfit.runs.store import Store
 from batchfit.sweep.result import read_result
-from batchfit.sweep.store import Store
 
 
 def test_reading_a_store_that_does_not_exist_is_an_error_and_creates_nothing(tmp_path):

@@ -22,11 +22,11 @@ import pytest
 import torch
 from torch import nn
 
+from batchfit.runs.budget import Budget, Schedule
+from batchfit.runs.data import BatchSource
+from batchfit.runs.store import Store
 from batchfit.train.step import TrainingStep
-from batchfit.train.budget import Budget, Schedule
-from batchfit.train.data import BatchSource
 from batchfit.sweep.run import RunSpec, train_run
-from batchfit.sweep.store import Store
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 

@@ -17,7 +17,7 @@ from batchfit.cli.app import app
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 
-from test_memory import _profiled_peak
+from cpu_truth import profiled_workload_peak
 
 V, D, T = 64, 32, 16
 
@@ -52,7 +52,7 @@ def _workload(build) -> Workload:
 def test_a_causal_mask_check_is_traced_as_the_profiler_measures_it(mask, tmp_path):
     work = _workload(lambda: CausalEncoder(mask))
     traced = TraceSession(work, StepOptions(), cuda_semantics=False).trace(64).snapshot.peak_bytes
-    measured = _profiled_peak(work, 64, tmp_path)
+    measured = profiled_workload_peak(work, 64, tmp_path)
     assert abs(traced - measured) / measured < 0.01
     # Found causal, as PyTorch finds it: the same step as with is_causal=True said outright.
     hinted = TraceSession(_workload(lambda: CausalEncoder(mask, hint=True)), StepOptions(),
@@ -78,7 +78,7 @@ class CausalTransformer(nn.Module):
 def test_nn_transformer_with_a_causal_mask_is_traced_as_the_profiler_measures_it(tmp_path):
     work = _workload(CausalTransformer)
     traced = TraceSession(work, StepOptions(), cuda_semantics=False).trace(64).snapshot.peak_bytes
-    measured = _profiled_peak(work, 64, tmp_path)
+    measured = profiled_workload_peak(work, 64, tmp_path)
     assert abs(traced - measured) / measured < 0.01
 
 
@@ -95,7 +95,7 @@ def test_a_causal_mask_in_a_model_cast_to_bf16_in_its_init_is_still_causal(tmp_p
     session = TraceSession(_workload(Cast), StepOptions(), cuda_semantics=False)
     assert session.step.model.mask.dtype == torch.bfloat16
     traced = session.trace(64).snapshot.peak_bytes
-    measured = _profiled_peak(_workload(Cast), 64, tmp_path)
+    measured = profiled_workload_peak(_workload(Cast), 64, tmp_path)
     assert abs(traced - measured) / measured < 0.01
 
 
@@ -119,7 +119,7 @@ class FrozenEncoder(nn.Module):
 def test_a_frozen_encoder_in_train_mode_is_traced_as_the_profiler_measures_it(tmp_path):
     work = _workload(FrozenEncoder)
     traced = TraceSession(work, StepOptions(), cuda_semantics=False).trace(64).snapshot.peak_bytes
-    measured = _profiled_peak(work, 64, tmp_path)
+    measured = profiled_workload_peak(work, 64, tmp_path)
     assert abs(traced - measured) / measured < 0.01
 
 
@@ -225,7 +225,7 @@ def test_item_on_a_constant_buffer_in_init_is_traced_as_the_profiler_measures_it
     session = TraceSession(work, StepOptions(), cuda_semantics=False)
     assert session.step.model.factor == 2.0
     traced = session.trace(64).snapshot.peak_bytes
-    measured = _profiled_peak(work, 64, tmp_path)
+    measured = profiled_workload_peak(work, 64, tmp_path)
     assert abs(traced - measured) / measured < 0.01
 
 
@@ -282,7 +282,7 @@ def test_a_user_built_hf_model_is_traced_unpacked_as_the_profiler_measures_it(tm
     work = _user_hf_llama()
     traced = TraceSession(work, StepOptions(), cuda_semantics=False).trace(8).snapshot.peak_bytes
     with same_kernels_on_any_x86():
-        measured = _profiled_peak(work, 8, tmp_path)
+        measured = profiled_workload_peak(work, 8, tmp_path)
     # -68 B today (956,840 traced, 956,908 measured); answered "packed" it read +1.7% (973,224)
     assert abs(traced - measured) / measured < 0.002, (traced, measured)
     own = TraceSession(_user_hf_llama(position_ids=True), StepOptions(), cuda_semantics=False)

@@ -15,7 +15,6 @@ import dataclasses
 import gc
 import json
 import os
-import socket
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,12 +52,6 @@ def _trace(name: str, options: StepOptions = StepOptions(), world: int = WORLD, 
 
 
 # --- the real runs -----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _profiled(step, batch: int, out: str) -> int:
     """The smaller peak of three profiled steps: the profiler's timeline sometimes fails its own
     data-flow check ("version mismatch", as in tests/test_plan_trace.py), and that step is

@@ -1,4 +1,7 @@
-"""The zoo's models: the recurrent scan is exact, saves what its kernel saves, and traces like seed 000."""
+"""The zoo's models: the recurrent scan is exact, saves what its kernel saves, and traces like seed 000.
+
+Checked against torch's own code running for real (autograd's gradient, the profiler on a CPU step) and
+seed 000's max_memory_allocated, measured on a GPU and recorded."""
 
 from __future__ import annotations
 

@@ -395,6 +395,14 @@ def micro_candidates(global_batch: int, max_local: int, multiple_of: int, dp: in
     return [m for m in sizes if global_batch % (m * dp) == 0]
 
 
+def largest_micro_batch(global_batch: int, max_local: int, multiple_of: int = 1, dp: int = 1) -> int | None:
+    """The largest micro-batch of ``global_batch`` (the first of :func:`micro_candidates`): the
+    fewest, fullest accumulation steps; None when no multiple of ``multiple_of`` up to
+    ``max_local`` divides it. The one rule of every caller that splits a global batch (probe's
+    tier, ElasticStep's split, the sweep's and recommend's runs)."""
+    return next(iter(micro_candidates(global_batch, min(max_local, global_batch // dp), multiple_of, dp)), None)
+
+
 def choose_micro(candidates: list[int], predicted_bytes: Callable[[int], float], target_bytes: int,
                  fits: Callable[[int], bool]) -> int:
     """plan's and estimate's rule for the micro-batch of a global batch: the largest candidate

@@ -112,3 +112,26 @@ def resolve_target(*, gpu: str | None = None, gpu_memory: str | None = None, dev
         say(f"no --gpu or --device given and no GPU here: tracing a virtual {DEFAULT_GPU} "
             f"(choose with --gpu, see `batchfit gpus`)")
     return Target("virtual", CATALOG[DEFAULT_GPU], f"virtual:{DEFAULT_GPU}")
+
+
+def bytes_at_target(device: Device, target_util: float) -> int:
+    """The bytes under ``target_util`` of ``device``'s usable memory: what every answer "at the
+    target" (estimate's, plan's) must fit."""
+    return int(target_util * device.usable_bytes)
+
+
+class SizedForTarget:
+    """The two limits of a result sized for its ``device`` at its ``target_util`` (EstimateResult,
+    PlanResult): what must fit (``capacity_bytes``) and what the answer at the target fits
+    (``target_bytes``), written once."""
+
+    device: Device
+    target_util: float
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.device.usable_bytes
+
+    @property
+    def target_bytes(self) -> int:
+        return bytes_at_target(self.device, self.target_util)

@@ -58,7 +58,7 @@ def noise_command(
     / --gpu-memory (traced) check that a micro-batch of the small size fits that GPU.
     """
     from batchfit.report.sweep_markdown import write_noise_report
-    from batchfit.train.data import BatchSource, lm_format, tokenize
+    from batchfit.runs.data import BatchSource, lm_format, tokenize
     from batchfit.sweep.noise import check_noise_options, gradient_noise_scale
 
     check_outputs(json_path, out, cache_dir=cache_dir)

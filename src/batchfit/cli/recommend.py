@@ -14,8 +14,8 @@ from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, Model
                                  report_folder, write_outputs)
 from batchfit.cli.sweep import CacheDirOpt, DataOpt, SeedOpt, TokenizerOpt, ValFractionOpt, needs_data, sweep_target
 from batchfit.errors import OptionError, UsageError
+from batchfit.runs.budget import parse_count, parse_lrs
 from batchfit.specs import load_workload
-from batchfit.train.budget import parse_count, parse_lrs
 from batchfit.workload import StepOptions
 
 EXAMPLES = """
@@ -88,9 +88,9 @@ def recommend_command(
     import torch  # here: --help does not load it
 
     from batchfit.recommend.engine import RecommendConfig, plan_recommend, run_recommend
-    from batchfit.train.executors import check_executor
     from batchfit.report.recommend_markdown import write_recommend_report
-    from batchfit.train.data import BatchSource, lm_format, tokenize
+    from batchfit.runs.data import BatchSource, lm_format, tokenize
+    from batchfit.runs.executors import check_executor
 
     check_outputs(json_path, out, *([("--store", store)] if store is not None else []), cache_dir=cache_dir)
     if noise and noise_repeats < 2:

@@ -15,8 +15,8 @@ from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, Model
                                  progress_line, quiet_if_stdout, report_folder, warn_about_precision,
                                  write_outputs)
 from batchfit.errors import BatchfitError, OptionError
+from batchfit.runs.budget import parse_count, parse_lrs
 from batchfit.specs import load_workload
-from batchfit.train.budget import parse_count, parse_lrs
 from batchfit.targets import Target
 from batchfit.workload import StepOptions
 
@@ -158,7 +158,7 @@ def _with_noise(plan, say, repeats: int, save_noise, read_result):
     """The noise scale from the sweep's smallest batch size and the largest multiple of it."""
     import torch
 
-    from batchfit.train.data import BatchSource
+    from batchfit.runs.data import BatchSource
     from batchfit.sweep.noise import gradient_noise_scale
 
     sizes = plan.config.batch_sizes

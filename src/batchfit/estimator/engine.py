@@ -22,6 +22,7 @@ from batchfit.errors import OptionError
 from batchfit.estimator.global_batch import (GlobalBatchSplit, accumulation_curves, check_global_batch,
                                              split_global_batch)
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options, trace_first_sizes
+from batchfit.targets import SizedForTarget, bytes_at_target
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve
 from batchfit.trace.depth import DEPTHS
@@ -44,7 +45,7 @@ class Suggestion:
 
 
 @dataclass(kw_only=True)
-class EstimateResult:
+class EstimateResult(SizedForTarget):
     workload: str
     description: str
     tokens_per_sample: int | None
@@ -91,14 +92,6 @@ class EstimateResult:
     """--eval-batch-size: the eval loop after the answer's training step (``estimator/eval_phase.py``: EvalPhase)."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.device.usable_bytes
-
-    @property
-    def target_bytes(self) -> int:
-        return int(self.target_util * self.device.usable_bytes)
 
     def point(self, batch_size: int) -> MemoryPoint | None:
         return next((p for p in self.points if p.batch_size == batch_size), None)
@@ -214,7 +207,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         trace_first_sizes(traced, batch_sizes, multiple_of, device.usable_bytes)
         answers = [traced.max_batch(limit_bytes, lo=multiple_of, hi=max_batch, multiple_of=multiple_of,
                                     reserved=limit == "reserved", host_limit_bytes=host_memory_bytes)
-                   for limit_bytes in (device.usable_bytes, int(target_util * device.usable_bytes))]
+                   for limit_bytes in (device.usable_bytes, bytes_at_target(device, target_util))]
         points = traced.points
         known_limits = traced.known_limits
         approximations = traced.approximations
@@ -229,7 +222,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
             with accumulation_curves(open_curve, options) as at_accumulation:
                 split = split_global_batch(traced, at_accumulation, global_batch=global_batch,
                                            max_local=answers[0].max_batch_size, multiple_of=multiple_of,
-                                           target_bytes=int(target_util * device.usable_bytes),
+                                           target_bytes=bytes_at_target(device, target_util),
                                            capacity_bytes=device.usable_bytes, limit=limit,
                                            host_limit_bytes=host_memory_bytes)
             points = traced.points

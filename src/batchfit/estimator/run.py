@@ -1,6 +1,6 @@
 """``batchfit estimate --data --batching``: the largest batch whose WORST batch in the data fits.
 
-A run dies at its worst step, not its first. The data's sample lengths (``train/data.py``)
+A run dies at its worst step, not its first. The data's sample lengths (``runs/data.py``)
 and the batching (``estimator/batching.py``) give every step's shape in the data's order;
 the peak is monotone in rows and in tokens per row, so only the shapes no other step covers
 are traced (``batching.deciding_steps``): for pad-longest, the batch with the longest padded
@@ -402,7 +402,7 @@ def data_lengths(data: str, *, model: str, length_column: str | None = None, tok
     has one (``hf:path/to/model``), else only rows that need no tokenizer."""
     from pathlib import Path
 
-    from batchfit.train.data import cached_tokenizer, sample_lengths, tokenizer_named
+    from batchfit.runs.data import cached_tokenizer, sample_lengths, tokenizer_named
 
     if tokenizer is not None:
         loaded = tokenizer_named(tokenizer)

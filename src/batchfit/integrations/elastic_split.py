@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from batchfit.errors import OptionError
+from batchfit.search import largest_micro_batch
 from batchfit.workload import StepOptions, Workload
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def take_samples(batch: Any, n: int) -> Any:
     return take(batch)
 
 
-def split_global_batch(global_batch: int, max_micro_batch: int, *, world_size: int = 1,
+def divide_global_batch(global_batch: int, max_micro_batch: int, *, world_size: int = 1,
                        multiple_of: int = 1) -> tuple[int, int]:
     """(micro-batch per rank, accumulation steps) with micro x accumulation x world_size == global_batch.
 
@@ -141,10 +142,9 @@ def split_global_batch(global_batch: int, max_micro_batch: int, *, world_size: i
         raise OptionError(f"global_batch {global_batch} does not split evenly over {world_size} devices: "
                           f"use a multiple of {world_size}, e.g. {math.ceil(global_batch / world_size) * world_size}")
     per_rank = global_batch // world_size
-    cap = min(max_micro_batch, per_rank)
-    for micro in range(cap - cap % multiple_of, 0, -multiple_of):
-        if per_rank % micro == 0:
-            return micro, per_rank // micro
+    micro = largest_micro_batch(per_rank, max_micro_batch, multiple_of)
+    if micro:
+        return micro, per_rank // micro
     step = multiple_of * world_size
     raise OptionError(f"no micro-batch of at most {max_micro_batch} samples (a multiple of {multiple_of}) divides "
                       f"the {per_rank} samples per device of global_batch {global_batch}: use a global_batch that "
@@ -306,6 +306,6 @@ def plan_global_batch(workload: Workload, *, model: nn.Module, global_batch: int
         raise OptionError(f"not even a micro-batch of {multiple_of} fits {target_util:.0%} of {sizing.device_name} "
                           f"({sizing.source}): lower the memory of a sample (bf16-mixed precision, activation "
                           "checkpointing), or name a larger GPU (gpu='h100-80gb')")
-    micro, accumulation = split_global_batch(global_batch, sizing.micro_batch, world_size=world_size,
+    micro, accumulation = divide_global_batch(global_batch, sizing.micro_batch, world_size=world_size,
                                              multiple_of=multiple_of)
     return GlobalBatchPlan(global_batch, world_size, micro, accumulation, sizing)

@@ -43,6 +43,7 @@ from batchfit.plan.time_model import TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
 from batchfit.search import (DEFAULT_MAX_BATCH, SearchResult, Trial, _check_limit, check_search_options,
                               choose_micro, guided, micro_candidates, reserved_search, trace_first_sizes)
+from batchfit.targets import bytes_at_target
 from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
 
@@ -324,7 +325,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     approximations += attention_approximations(options.attention)
     approximations += packing_approximation(int(batch_passes_position_ids(workload)))
     approximations += parallelism_approximations(every, workload, options)  # each parallelism's own (registry)
-    target_bytes = int(target_util * device.usable_bytes)
+    target_bytes = bytes_at_target(device, target_util)
 
     def one(job: tuple[World, object, list], say: Callable[[str], None]) -> tuple[list[StrategyPlan], int | None, int]:
         world, strategy, derived = job

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from batchfit.devices import Device
 from batchfit.plan.time_model import OVERLAP_RULE, StepTime, TimeModel
 from batchfit.plan.world import World
+from batchfit.targets import SizedForTarget
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve
 from batchfit.workload import StepOptions
@@ -202,7 +203,7 @@ class StrategyPlan:
 
 
 @dataclass(kw_only=True)
-class PlanResult:
+class PlanResult(SizedForTarget):
     workload: str
     description: str
     tokens_per_sample: int | None
@@ -229,14 +230,6 @@ class PlanResult:
     host_limit_bytes: int | None = None
     """--host-memory: what each rank's offloaded pinned host bytes must fit; None: not checked."""
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.device.usable_bytes
-
-    @property
-    def target_bytes(self) -> int:
-        return int(self.target_util * self.device.usable_bytes)
 
     @property
     def recommended(self) -> list[StrategyPlan]:

@@ -319,9 +319,8 @@ def _recommend(result: SearchResult, probe: Callable[[int], Trial], trials: list
                 out.append(tier)
     if global_batch:
         micro_cap = next((r.batch_size for r in out if r.name == "production"), best)
-        micros = [d for d in range(m, min(micro_cap, global_batch) + 1, m) if global_batch % d == 0]
-        if micros:
-            micro = micros[-1]
+        micro = search.largest_micro_batch(global_batch, micro_cap, m)
+        if micro:
             out.append(Recommendation("global batch", micro, None,
                                       f"{global_batch} samples per optimizer step as {global_batch // micro} "
                                       f"micro-batches of {micro} (no larger than {micro_cap})",

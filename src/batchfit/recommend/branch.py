@@ -4,7 +4,7 @@ of the exact state train a short window at k times the batch.
 
 A branch starts from the parent's exact state: the model, the optimizer state (Adam's moments
 and step count), the RNG state, and the data position (samples consumed: the data order is a
-function of the seed and that one integer, ``batchfit.train.data``). So a branch at k = 1 with
+function of the seed and that one integer, ``batchfit.runs.data``). So a branch at k = 1 with
 the parent's learning rate repeats the parent's next steps bit for bit on a CPU
 (``tests/test_recommend.py`` checks it). Every step is the one training step
 (``TrainingStep.step``), with micro-batches of the size the caller sized (traced), so a
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchfit.train.budget import Schedule
-from batchfit.train.data import BatchSource
+from batchfit.runs.budget import Schedule
+from batchfit.runs.data import BatchSource
 from batchfit.train.oom import NonFiniteLoss
 from batchfit.train.step import TrainingStep
 from batchfit.workload import Workload

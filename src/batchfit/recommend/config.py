@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from batchfit.errors import OptionError
 from batchfit.recommend.result import SWEEP_EVAL_EVERY
-from batchfit.train.budget import LR_SCALINGS, Budget, Schedule
+from batchfit.runs.budget import LR_SCALINGS, Budget, Schedule
 
 
 @dataclass(kw_only=True)

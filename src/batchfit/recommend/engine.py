@@ -9,8 +9,8 @@
 3. At each branch point, branch every (batch size, learning rate) for a window of tokens
    (``branch.py``); at the last one, repeat the branches on ``seeds`` - 1 further windows of
    data (the same state, the data position moved on by whole windows) for an interval. Every
-   branch is a job of the executors (``train/executors.py``: here, local processes or Ray)
-   and a row of the runs store (``train/store.py``), so a killed recommendation resumes.
+   branch is a job of the executors (``runs/executors.py``: here, local processes or Ray)
+   and a row of the runs store (``runs/store.py``), so a killed recommendation resumes.
    Each window ends with a cooldown: over its last ``cooldown`` share the rate decays linearly
    to the schedule's final rate. The sweep compares runs after their decay; at peak rate a
    larger batch's smaller gradient noise shows as a loss advantage that the decay takes away
@@ -43,8 +43,8 @@ from batchfit.recommend.read import read_recommendation
 from batchfit.recommend.result import RecommendResult
 from batchfit.recommend.jobs import (BranchSpec, branch_name, cooldown_from, last_point, load_point, point_path,
                                       read_branch, save_point)
-from batchfit.train.budget import Schedule, micro_batch_for, parse_amount, scaled_lr
-from batchfit.train.data import BatchSource, TokenData, lm_format
+from batchfit.runs.budget import Schedule, micro_batch_for, parse_amount, scaled_lr
+from batchfit.runs.data import BatchSource, TokenData, lm_format
 from batchfit.train.oom import NonFiniteLoss
 from batchfit.workload import StepOptions, Workload
 
@@ -109,15 +109,15 @@ def run_recommend(plan: Plan, workload: Workload, tokens: TokenData | None, *, d
                   executor: str = "local", workers: int = 1, ray_address: str | None = None,
                   model: str | None = None) -> RecommendResult:
     """Train the parent to every branch point (its state saved at each), then every branch as a
-    job of the executors (``train/executors.py``: this process, ``workers`` local processes, or
+    job of the executors (``runs/executors.py``: this process, ``workers`` local processes, or
     Ray), into the runs store at ``store`` (a temporary one if None). A run that finds the store
     and the points' files of the same recommendation resumes: the parent from its last saved
     point, and only the branches not done. ``model`` is the MODEL spec workers rebuild the
     workload from (needed with worker processes or Ray)."""
     import tempfile
 
-    from batchfit.train.executors import WorkerContext, check_executor, run_in_process, run_local, run_ray
-    from batchfit.train.store import Store, check_store
+    from batchfit.runs.executors import WorkerContext, check_executor, run_in_process, run_local, run_ray
+    from batchfit.runs.store import Store, check_store
 
     check_executor(executor, workers)
     if (executor == "ray" or workers > 1) and model is None:

@@ -1,5 +1,5 @@
-"""A branch as a job of the executors (``train/executors.py``): local processes or Ray run it,
-and its curve lands in the runs store (``train/store.py``), one row per branch.
+"""A branch as a job of the executors (``runs/executors.py``): local processes or Ray run it,
+and its curve lands in the runs store (``runs/store.py``), one row per branch.
 
 The parent's state at a branch point is one file beside the store
 (``<store>.checkpoints/point-<n>.pt``: model, optimizer, RNG, data position, the parent's curve
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from batchfit.recommend.branch import Curve, Snapshot, Trainer, evaluator
-from batchfit.train.budget import Schedule
-from batchfit.train.data import BatchSource
-from batchfit.train.store import Store
+from batchfit.runs.budget import Schedule
+from batchfit.runs.data import BatchSource
+from batchfit.runs.store import Store
 from batchfit.workload import StepOptions, Workload
 
 

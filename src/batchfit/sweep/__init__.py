@@ -1,11 +1,11 @@
 """Training runs: the batch-size sweep (``batchfit sweep``) and the gradient noise scale
-(``batchfit noise``). Their budgets and data live one floor down, shared with ``recommend``:
-``train/budget.py`` (token/sample budgets, the schedule, learning rate per batch size) and
-``train/data.py`` (text -> token ids, batches in a seeded order).
+(``batchfit noise``). Their store, executors, budgets and data live one floor down in ``runs/``,
+shared with ``recommend``: ``runs/budget.py`` (token/sample budgets, the schedule, learning rate
+per batch size), ``runs/data.py`` (text -> token ids, batches in a seeded order), ``runs/store.py``
+(the SQLite store every worker writes to) and ``runs/executors.py`` (this process, local worker
+processes, or Ray).
 
-    store.py      the SQLite store every worker writes to
     run.py        one training run: accumulation, checkpoint and resume
-    executors.py  this process, local worker processes, or Ray
     engine.py     SweepConfig -> Plan -> runs -> SweepResult
     result.py     the result read back from the store
     noise.py      B_simple from gradient norms at two batch sizes (McCandlish et al. 2018)
@@ -16,12 +16,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from batchfit.train.budget import Budget, Schedule
+    from batchfit.runs.budget import Budget, Schedule
     from batchfit.sweep.engine import SweepConfig, plan_sweep, run_sweep
     from batchfit.sweep.noise import NoiseResult, gradient_noise_scale
     from batchfit.sweep.result import SweepResult, read_result
 
-_LAZY = {"Budget": "batchfit.train.budget", "Schedule": "batchfit.train.budget", "SweepConfig": "batchfit.sweep.engine",
+_LAZY = {"Budget": "batchfit.runs.budget", "Schedule": "batchfit.runs.budget", "SweepConfig": "batchfit.sweep.engine",
          "plan_sweep": "batchfit.sweep.engine", "run_sweep": "batchfit.sweep.engine", "NoiseResult": "batchfit.sweep.noise",
          "gradient_noise_scale": "batchfit.sweep.noise", "SweepResult": "batchfit.sweep.result",
          "read_result": "batchfit.sweep.result"}

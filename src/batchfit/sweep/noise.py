@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from batchfit.errors import OptionError
-from batchfit.train.budget import time_left
-from batchfit.train.data import BatchSource
+from batchfit.runs.budget import time_left
+from batchfit.runs.data import BatchSource
 from batchfit.workload import Workload
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batchfit.train.store import Store
+from batchfit.runs.store import Store
 
 
 @dataclass(kw_only=True)

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
+from batchfit.runs.budget import Budget, Schedule, micro_batch_for
+from batchfit.runs.data import BatchSource
+from batchfit.runs.store import Store
 from batchfit.train.step import TrainingStep
-from batchfit.train.budget import Budget, Schedule, micro_batch_for
-from batchfit.train.data import BatchSource
 from batchfit.train.oom import NonFiniteLoss
-from batchfit.train.store import Store
 from batchfit.workload import StepOptions, Workload
 
 
@@ -67,7 +67,7 @@ class RunSpec:
 
     def train(self, workload: Workload, source: BatchSource, store: Store, checkpoints: Path, device: torch.device,
               progress: Callable[[str], None] | None = None) -> dict:
-        """The executors' entry (``train/executors.py``): :func:`train_run`."""
+        """The executors' entry (``runs/executors.py``): :func:`train_run`."""
         return train_run(workload, source, self, store, checkpoints, device, progress)
 
 

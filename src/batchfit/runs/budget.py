@@ -17,6 +17,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from batchfit.errors import OptionError
+from batchfit.search import largest_micro_batch
 
 _SUFFIX = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9, "T": 10**12}
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
@@ -190,8 +191,4 @@ def micro_batch_for(batch_size: int, fits: int | None) -> int:
     """The largest divisor of ``batch_size`` that is at most ``fits`` (equal micro-batches,
     so each sample weighs the same); ``batch_size`` when there is no limit; 0 when not even
     one sample fits."""
-    if fits is None or fits >= batch_size:
-        return batch_size
-    if fits < 1:
-        return 0
-    return max(d for d in range(1, fits + 1) if batch_size % d == 0)
+    return batch_size if fits is None else largest_micro_batch(batch_size, fits) or 0

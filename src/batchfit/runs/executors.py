@@ -5,7 +5,7 @@ recommend``'s branches): a run is a *job*, a picklable spec with the fields belo
 ``train(workload, source, store, checkpoints, device, progress)`` method that trains it into
 the store and returns its row (``sweep/run.py: RunSpec``, ``recommend/jobs.py: BranchSpec``).
 Every executor trains through the same function, :func:`guarded_run`, and every run ends up in
-the same SQLite store (``train/store.py``); the executors differ only in who calls it. A worker process (or Ray
+the same SQLite store (``runs/store.py``); the executors differ only in who calls it. A worker process (or Ray
 task) rebuilds the workload from its MODEL spec and reads the tokens from the on-disk cache,
 so nothing unpicklable crosses a process boundary. Ray is imported only inside
 :func:`run_ray`: it is an optional extra (``pip install 'batchfit[ray]'``).
@@ -44,10 +44,10 @@ from typing import Protocol
 import torch
 
 from batchfit.errors import OptionError
+from batchfit.runs.budget import micro_batch_for, time_left
+from batchfit.runs.data import BatchSource, TokenData, open_tokens
+from batchfit.runs.store import Store, owner_id
 from batchfit.train.oom import classify, describe
-from batchfit.train.data import BatchSource, TokenData, open_tokens
-from batchfit.train.budget import micro_batch_for, time_left
-from batchfit.train.store import Store, owner_id
 from batchfit.workload import Workload
 
 
