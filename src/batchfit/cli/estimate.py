@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
-                                 JsonOpt, LimitOpt, ModelArg, MultipleOfOpt, OptimizerOpt, PrecisionOpt,
+                                 JsonOpt, LimitOpt, ModelArg, MultipleOfOpt, NoCacheOpt, OptimizerOpt, PrecisionOpt,
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
                                  report_folder, step_options, warn_about_precision, write_outputs)
@@ -40,6 +40,8 @@ Examples:
   batchfit estimate hf:llama-3.2-1b --gpu rtx4090-24gb --precision bf16-mixed --global-batch 64
 
   batchfit estimate hf:llama-3.2-1b --gpu rtx4090-24gb --trainer args.json --emit trainer:args.fitted.json
+
+  batchfit estimate gpt2-124m --gpu a100-40gb --no-cache    (trace again; `batchfit cache clear` empties the cache)
 """
 
 
@@ -78,6 +80,7 @@ def estimate_command(
     out: Annotated[Path | None, out_option("report.md, memory.png, estimate.json")] = None,
     trainer: TrainerOpt = None,
     emit: EmitTrainerOpt = None,
+    no_cache: NoCacheOpt = False,
 ) -> None:
     """Predict peak training memory and the largest batch that fits a GPU, without a GPU.
 
@@ -115,7 +118,8 @@ def estimate_command(
     with progress_line() as say:
         result = estimate(workload, device=device, options=options, batch_sizes=sizes, target_util=target_util,
                           multiple_of=multiple_of, max_batch=max_batch, limit=limit,
-                          host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say)
+                          host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say,
+                          cache=not no_cache)
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
     fitted = (answer(door, result.max_batch_size_at_target, options.accumulation_steps, multiple_of=result.multiple_of,
                      fits_whole=result.max_batch_size) if door is not None else None)
