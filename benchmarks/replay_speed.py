@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import time
 
 from _common import write_result
@@ -54,7 +55,8 @@ def measure(new_tokens: int, batch_size: int, before: bool) -> dict:
         streams = {d: stream.without_cut(events, curve._seen.cuts.get(d))
                    for d, events in curve._streams[batch_size].items()}
         blocks = curve.blocks
-    row = {"new_tokens": new_tokens, "batch_size": batch_size, "trace_depths_s": round(traced_s, 1),
+    row = {"new_tokens": new_tokens, "batch_size": batch_size, "load_average_1m": os.getloadavg()[0],
+           "trace_depths_s": round(traced_s, 1),
            "events_by_depth": {d: len(e) for d, e in streams.items()}}
     events, row["extend_after_s"] = _extend(streams, blocks, matching.FastMatcher)
     row["events_full_depth"] = len(events)
