@@ -139,3 +139,9 @@ def test_dataclass_results_survive_the_cache(tmp_path):
     value = [Approximation(what="w", may_differ_by="m", source="s")]
     cache.put("approximations", value)
     assert cache.get("approximations") == value and dataclasses.is_dataclass(value[0])
+
+
+def test_a_value_that_does_not_pickle_is_not_kept(tmp_path):
+    cache = trace_cache.TraceCache({"workload": "w"}, folder=tmp_path)
+    cache.put("f", lambda: 0)  # a lambda does not pickle: skipped, no temporary file left
+    assert cache.get("f") is None and list(cache.folder.iterdir()) == []

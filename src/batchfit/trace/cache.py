@@ -14,7 +14,8 @@ name); anything else (a truncated file, another version's layout) is deleted and
 Writes go to a temporary file in the same folder, then ``os.replace``: a reader sees the old
 entry or the new one, never half of one, and two processes writing the same entry write the
 same bytes. The folder is kept under ``MAX_BYTES``, the least recently read entries first.
-Only workloads loaded from a spec (``Workload.cache_key``) are cached: a Python callable has no
+Entries are pickles, read back only from the user's own cache folder (the trust of any file
+there). Only workloads loaded from a spec (``Workload.cache_key``) are cached: a Python callable has no
 content to key. ``batchfit cache clear`` empties it; ``--no-cache`` neither reads nor writes it.
 """
 
@@ -93,22 +94,30 @@ class TraceCache:
                 header, value = pickle.load(file)
             if header != (FORMAT, self.key, name):
                 raise ValueError(f"{path}: written for another key")
-            os.utime(path)  # recently read: pruned last
-            return value
         except FileNotFoundError:
             return None
         except Exception:  # noqa: BLE001 - truncated, corrupted, another layout: never trusted
             path.unlink(missing_ok=True)
             return None
+        try:
+            os.utime(path)  # recently read: pruned last
+        except OSError:  # pruned or cleared meanwhile by another process: the value read stands
+            pass
+        return value
 
     def put(self, name: str, value: Any) -> None:
-        """Write the entry atomically; a cache that cannot be written (read-only, full) is skipped."""
+        """Write the entry atomically; a cache that cannot be written (read-only, full) or a value
+        that does not pickle is skipped: the answer is the same, only not kept."""
+        temporary = None
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.folder, prefix=f".{name}.", suffix=".tmp", delete=False) as file:
+                temporary = file.name
                 pickle.dump(((FORMAT, self.key, name), value), file, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(file.name, self._path(name))
-        except OSError:
+            os.replace(temporary, self._path(name))
+        except (OSError, pickle.PicklingError, TypeError, AttributeError):
+            if temporary is not None:
+                Path(temporary).unlink(missing_ok=True)
             return
         prune(self.root, self.max_bytes)
 
