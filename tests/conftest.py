@@ -20,6 +20,13 @@ def mlp_workload(d_in: int = 1024, d_hidden: int = 4096, *, name: str = "mlp") -
     )
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path_factory, monkeypatch):
+    """Each test has its own $BATCHFIT_CACHE (the trace cache, the token cache): no test reads
+    or writes the user's, and none reads the traces another test left."""
+    monkeypatch.setenv("BATCHFIT_CACHE", str(tmp_path_factory.mktemp("batchfit-cache")))
+
+
 @pytest.fixture
 def mlp() -> Workload:
     return mlp_workload()

@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
+import json
 import importlib.util
 import inspect
 import sys
@@ -46,11 +48,12 @@ def load_workload(spec: str, *, seq_len: int | None = None, for_plan: bool = Fal
     if spec.startswith("hf:"):
         from batchfit.zoo.hf import hf_workload
 
-        return hf_workload(spec[3:], seq_len)
+        return _keyed(hf_workload(spec[3:], seq_len), spec, seq_len, Path(spec[3:]).expanduser())
     if spec in ZOO:
-        return ZOO[spec](seq_len)
+        return _keyed(ZOO[spec](seq_len), spec, seq_len, None)
     if ":" in spec:
-        return _user_workload(spec, seq_len)
+        workload, file = _user_workload(spec, seq_len)
+        return _keyed(workload, spec, seq_len, Path(file))
     from batchfit.zoo.hf import CONFIGS
 
     names = [*ZOO, *(f"hf:{n}" for n in CONFIGS)]
@@ -59,7 +62,19 @@ def load_workload(spec: str, *, seq_len: int | None = None, for_plan: bool = Fal
     raise ModelSpecError(f"unknown model '{spec}': {hint}MODEL is {SPEC_HELP}")
 
 
-def _user_workload(spec: str, seq_len: int | None) -> Workload:
+def _keyed(workload: Workload, spec: str, seq_len: int | None, path: Path | None) -> Workload:
+    """``workload`` with its trace cache key: the spec, --seq-len, and the content of the file (or
+    the .json files of the folder) the spec names, so an edited model is traced again. Only that
+    file: a model file that imports another of the user's files is keyed by its own text alone."""
+    digest = hashlib.sha256()
+    if path is not None and path.exists():
+        for file in sorted(path.glob("*.json")) if path.is_dir() else [path]:
+            digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    workload.cache_key = json.dumps({"spec": spec, "seq_len": seq_len, "content": digest.hexdigest()})
+    return workload
+
+
+def _user_workload(spec: str, seq_len: int | None) -> tuple[Workload, str]:
     target, _, fn_name = spec.rpartition(":")
     if not fn_name.isidentifier():
         raise ModelSpecError(f"'{spec}': after the colon comes a function name, e.g. my_model.py:workload")
@@ -94,7 +109,7 @@ def _user_workload(spec: str, seq_len: int | None) -> Workload:
         ) from error
     if not isinstance(workload, Workload):
         raise ModelSpecError(f"{spec} returned {type(workload).__name__}, not a batchfit.Workload")
-    return workload
+    return workload, file
 
 
 def _load_module(target: str) -> tuple[ModuleType, str]:

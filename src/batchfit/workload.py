@@ -254,6 +254,10 @@ class Workload:
     the config's ``attn_implementation``, else sdpa where transformers' class supports it
     (``_supports_sdpa``), else eager; None: a model with its own attention code, which
     ``StepOptions.attention`` cannot change."""
+    cache_key: str | None = None
+    """What names this workload in the trace cache (``trace/cache.py``): its spec, a digest of the
+    file the spec names, and ``--seq-len``; set by ``load_workload``. None (a Workload built in
+    Python, whose functions have no content to key): never cached."""
 
     def batch_multiple(self, multiple_of: int = 1) -> int:
         """The granularity of batch sizes: ``multiple_of`` and the group size, both."""

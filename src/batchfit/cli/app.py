@@ -6,6 +6,7 @@ import typer
 
 from batchfit.cli.bench import EXAMPLES as BENCH_EXAMPLES
 from batchfit.cli.bench import bench_command
+from batchfit.cli.cache import cache_app
 from batchfit.cli.estimate import EXAMPLES, estimate_command
 from batchfit.cli.gpus import gpus_command, zoo_command
 from batchfit.cli.noise import EXAMPLES as NOISE_EXAMPLES
@@ -54,6 +55,7 @@ app.command("noise", epilog=NOISE_EXAMPLES)(noise_command)
 app.command("recommend", epilog=RECOMMEND_EXAMPLES)(recommend_command)
 app.command("gpus")(gpus_command)
 app.command("zoo")(zoo_command)
+app.add_typer(cache_app)
 
 
 def _plain_help(typer_app: typer.Typer) -> None:

@@ -122,6 +122,9 @@ LoraOpt = Annotated[str, typer.Option(help="PEFT LoRA adapters: none or r=16[,al
                                             "(default targets: every linear layer but the output head). Needs batchfit[quant].")]
 TargetUtilOpt = Annotated[float, typer.Option(help="Fraction of usable memory to plan for.")]
 MultipleOfOpt = Annotated[int, typer.Option(help="Batch sizes must be multiples of this, e.g. 8.")]
+NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Trace again: neither read nor write the trace cache "
+                                          "($BATCHFIT_CACHE/traces, else ~/.cache/batchfit/traces; "
+                                          "`batchfit cache clear` empties it).")]
 JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON result here too ('-' for stdout).")]
 LimitOpt = Annotated[str, typer.Option(help="What must fit: reserved (what a GPU runs out of: the caching allocator's "
                                             "segments, fragmentation included) or allocated (tensors only).")]

@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
-                                 JsonOpt, LimitOpt, ModelArg, MultipleOfOpt, OptimizerOpt, PrecisionOpt,
+                                 JsonOpt, LimitOpt, ModelArg, MultipleOfOpt, NoCacheOpt, OptimizerOpt, PrecisionOpt,
                                  SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
                                  handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
                                  report_folder, step_options, warn_about_precision, write_outputs)
@@ -44,6 +44,7 @@ Examples:
   batchfit estimate hf:llama-3.2-1b --gpu rtx4090-24gb --trainer args.json --emit trainer:args.fitted.json
 
   batchfit estimate hf:llama-3.2-1b --gpu rtx4090-24gb --data train.jsonl --batching pack:4096
+  batchfit estimate gpt2-124m --gpu a100-40gb --no-cache    (trace again; `batchfit cache clear` empties the cache)
 """
 
 
@@ -96,6 +97,7 @@ def estimate_command(
                                                         "step: the larger peak decides (docs/run.md).")] = None,
     eval_accumulation_steps: Annotated[int | None, typer.Option(help="Eval steps whose logits stay on the GPU "
                                                                 "together (the Trainer's, with compute_metrics).")] = None,
+    no_cache: NoCacheOpt = False,
 ) -> None:
     """Predict peak training memory and the largest batch that fits a GPU, without a GPU.
 
@@ -141,7 +143,8 @@ def estimate_command(
     with progress_line() as say:
         common = dict(device=device, options=options, batch_sizes=sizes, target_util=target_util,
                       multiple_of=multiple_of, max_batch=max_batch, limit=limit,
-                      host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say)
+                      host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say,
+                      cache=not no_cache)
         if lengths is None:
             workload = load_workload(model, seq_len=seq_len)
             result = estimate(workload, **common)

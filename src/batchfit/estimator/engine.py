@@ -182,7 +182,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
              batch_sizes: list[int] | None = None, target_util: float = 0.9, multiple_of: int = 1,
              max_batch: int = DEFAULT_MAX_BATCH, suggest: bool = True, limit: str = "reserved",
              host_memory_bytes: int | None = None, global_batch: int | None = None,
-             progress: Callable[[str], None] | None = None) -> EstimateResult:
+             progress: Callable[[str], None] | None = None, cache: bool = True) -> EstimateResult:
     """Trace ``workload`` and find the largest batch that fits ``device``.
 
     ``limit`` is what must stay under the usable memory: ``reserved`` (default: what the
@@ -192,6 +192,8 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     pass it does not fit; None does not check them (they are reported all the same).
     ``global_batch`` (``--global-batch``): also the micro-batch and accumulation steps that make
     it on one device, by plan's rule, each candidate traced with its accumulation.
+    ``cache``: reuse the traces of an earlier call in the trace cache (``trace/cache.py``; only for
+    a workload from ``load_workload``), and write this call's there.
     """
     options = (options or StepOptions()).with_attention_of(workload)  # named in every output
     if options.offloads("params"):  # before any trace: one device has no FSDP
@@ -203,7 +205,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     notices = no_op_notices(workload, options)
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    with TracedCurve(workload, options, device, say, keep_streams=limit == "reserved") as traced:
+    with TracedCurve(workload, options, device, say, keep_streams=limit == "reserved", cache=cache) as traced:
         trace_first_sizes(traced, batch_sizes, multiple_of, device.usable_bytes)
         answers = [traced.max_batch(limit_bytes, lo=multiple_of, hi=max_batch, multiple_of=multiple_of,
                                     reserved=limit == "reserved", host_limit_bytes=host_memory_bytes)
@@ -211,13 +213,13 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
         points = traced.points
         known_limits = traced.known_limits
         approximations = traced.approximations
-        suggestions = (_suggestions(workload, options, device, points[min(points)], say)
+        suggestions = (_suggestions(workload, options, device, points[min(points)], say, cache)
                        if suggest and answers[0].max_batch_size == 0 else [])
         split = None
         if global_batch is not None:
             def open_curve(alt: StepOptions) -> TracedCurve:
                 say(f"tracing with {alt.accumulation_steps} accumulation steps for global batch {global_batch}")
-                return TracedCurve(workload, alt, device, say, keep_streams=limit == "reserved")
+                return TracedCurve(workload, alt, device, say, keep_streams=limit == "reserved", cache=cache)
 
             with accumulation_curves(open_curve, options) as at_accumulation:
                 split = split_global_batch(traced, at_accumulation, global_batch=global_batch,
@@ -255,7 +257,7 @@ def _has_parameters(workload: Workload, pattern: str) -> bool:
 
 
 def _suggestions(workload: Workload, options: StepOptions, device: Device,
-                 smallest: MemoryPoint, say: Callable[[str], None]) -> list[Suggestion]:
+                 smallest: MemoryPoint, say: Callable[[str], None], cache: bool = False) -> list[Suggestion]:
     """What would make the smallest batch fit: traced where it is a step option, else computed."""
     capacity = device.usable_bytes
     out: list[Suggestion] = []
@@ -265,7 +267,7 @@ def _suggestions(workload: Workload, options: StepOptions, device: Device,
         say(f"tracing batch size {smallest.batch_size} with {option}")
         alt = StepOptions(**{**options.to_json(), **changes})
         try:
-            traced_alt = TracedCurve(workload, alt, device)
+            traced_alt = TracedCurve(workload, alt, device, cache=cache)
         except OptionError:
             return  # not applicable to this model (no block stack to checkpoint, say)
         with traced_alt:

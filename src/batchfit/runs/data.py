@@ -35,8 +35,13 @@ EOT = "<|endoftext|>"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
+def cache_root() -> Path:
+    """Where batchfit keeps what it computed once: $BATCHFIT_CACHE, else ~/.cache/batchfit."""
+    return Path(os.environ.get("BATCHFIT_CACHE", Path.home() / ".cache" / "batchfit"))
+
+
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("BATCHFIT_CACHE", Path.home() / ".cache" / "batchfit")) / "tokens"
+    return cache_root() / "tokens"
 
 
 # --- reading text ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ the next size up, so every answer is a traced one.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ import torch
 from batchfit.devices import Device
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided, reserved_search
-from batchfit.trace import depth, forked, repeats, stream
+from batchfit.trace import cache as trace_cache, depth, forked, repeats, stream
 from batchfit.trace.approximation import (Approximation, attention_approximations, fast_path_approximations,
                                            offload_approximations, quantize_approximations)
 from batchfit.trace.compiled import (COMPILED_TRACED, MEMORY_BUDGET_TRACED, checkpointed_approximations,
@@ -98,6 +99,11 @@ def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
     )
 
 
+def config_digest(config: AllocatorConfig) -> str:
+    """A short name for an allocator configuration (its fields), for the trace cache's replays."""
+    return hashlib.sha256(repr(config).encode()).hexdigest()[:12]
+
+
 def new_allocator(device: Device, config: AllocatorConfig | None = None) -> CachingAllocator:
     """The allocator model of ``device`` as a training process finds it: the cuBLAS workspaces
     (allocated through the caching allocator, before the step's tensors) already taken."""
@@ -158,18 +164,19 @@ class TracedCurve:
 
     def __init__(self, workload: Workload, options: StepOptions, device: Device,
                  say: Callable[[str], None] | None = None, *, by_depth: bool = True,
-                 keep_streams: bool = False, parallel: bool = True) -> None:
+                 keep_streams: bool = False, parallel: bool = True, cache: bool = False) -> None:
         """``keep_streams``: reserved peaks will be asked for, so a traced size that may fit runs
         as a fresh process at each depth and keeps its allocation stream (one more step per
         batch size, instead of two more steps at each depth for each reserved peak).
         ``parallel``: trace the shallow depths in a forked process where there are two cores
-        (``trace/forked.py``; ``BATCHFIT_PROCESSES=1`` turns it off)."""
+        (``trace/forked.py``; ``BATCHFIT_PROCESSES=1`` turns it off).
+        ``cache``: read and write traced sizes and replays in the trace cache (``trace/cache.py``),
+        for a workload loaded from a spec; the model is built only when something is not there."""
         self.workload, self.options, self.device = workload, options, device
         self.keep_streams = keep_streams
         self._streams: dict[int, dict[int, list | None]] = {}
         self._whole_streams: dict[int, list | None] = {}
         self.say = say or (lambda message: None)
-        self.say(f"building {workload.name} on fake tensors")
         self.points: dict[int, MemoryPoint] = {}
         self.blocks: int | None = None
         """Blocks of the full model, when traced by depth."""
@@ -183,16 +190,34 @@ class TracedCurve:
         """The shallowest depths, traced side by side in a forked process (``trace/forked.py``)."""
         self._params_by_depth: list[tuple[int, int]] = []
         self._full: TraceSession | None = None
-        self._seen = seen = depth.Depth()
-        by_depth = by_depth and options.blocks_alike and options.compile == "none"  # every:N: blocks differ by position; a compiled trace has no per-block parts
+        self._first: TraceSession | None = None
+        self._seen = depth.Depth()
+        self._by_depth, self._parallel = by_depth, parallel
+        self._cache = (trace_cache.for_curve(workload.cache_key, options.to_json(), by_depth=by_depth)
+                       if cache else None)
+        facts = self._cache.get("model") if self._cache is not None else None
+        if facts is None:
+            self._open()
+        else:  # the model's traces are cached: it is built only if something is not there
+            self.say(f"{workload.name}: reading its traces from the cache (--no-cache traces it again)")
+            self.blocks, self._seen.cuts, self._params_by_depth, self._facts = facts
+
+    def _open(self) -> None:
+        """Build the model on fake tensors: at depths 2, 3 and 4 where its blocks are alike, else whole."""
+        workload, options, seen = self.workload, self.options, self._seen
+        self.say(f"building {workload.name} on fake tensors")
+        self._params_by_depth = []
+        by_depth = self._by_depth and options.blocks_alike and options.compile == "none"  # every:N: blocks differ by position; a compiled trace has no per-block parts
         self._first = first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
                                            options)
         if by_depth and first.compiled:  # the workload compiles itself: traced whole, as --compile is
             first.close()
             by_depth, self._first = False, (first := TraceSession(workload, options))
+        if first.compiled:  # what a compiled trace reports depends on dynamo's state too: not cached
+            self._cache = None
         if by_depth and seen.blocks and seen.blocks >= depth.MIN_BLOCKS:
             self.blocks = seen.blocks
-            if parallel and forked.can_fork():
+            if self._parallel and forked.can_fork():
                 self._fork_shallow(first)
             else:
                 self._shallow = [first] + [TraceSession(depth.at_depth(workload, d, seen), options)
@@ -200,6 +225,26 @@ class TracedCurve:
             self._params_by_depth += [(s.params, s.trainable_params) for s in self._shallow]
         else:  # nothing was cut: the first session is the whole model
             self._full = first
+        self._facts = {"params": self._session_params(), "repeats_micro_batches": first.tracker.repeats_micro_batches}
+        if self._cache is not None:
+            self._cache.put("model", (self.blocks, dict(seen.cuts), self._params_by_depth, self._facts))
+
+    @property
+    def _opened(self) -> bool:
+        return self._first is not None
+
+    def _cached(self, name: str, compute: Callable[[], object]) -> object:
+        """``compute()`` on the built model, or, while it is not built, the trace cache's ``name``."""
+        if not self._opened and self._cache is not None:
+            found = self._cache.get(name)
+            if found is not None:
+                return found
+        if not self._opened:
+            self._open()
+        value = compute()
+        if self._cache is not None:
+            self._cache.put(name, value)
+        return value
 
     def _fork_shallow(self, first: TraceSession) -> None:
         """Depths 2 and 3 in a forked process (the first session goes with it), depth 4 here."""
@@ -222,6 +267,9 @@ class TracedCurve:
 
     def _trace_depths(self, batch_size: int, fresh: bool) -> list[tuple[TracePoint, list | None]]:
         """(traced point, fresh stream) at each depth, the forked ones tracing meanwhile."""
+        if not self._opened:
+            self._open()
+        self.say(f"tracing batch size {batch_size} at depths {', '.join(map(str, depth.DEPTHS))} of {self.blocks}")
         if self._forked is not None:
             self._forked.start(batch_size, fresh=fresh)
         here = [(s.trace(batch_size, fresh=fresh), s.fresh_folded if fresh else None) for s in self._shallow]
@@ -230,6 +278,9 @@ class TracedCurve:
     @property
     def known_limits(self) -> list[str]:
         """What this model runs that the trace does not mirror, in words for the report."""
+        return self._cached("known_limits", self._known_limits)
+
+    def _known_limits(self) -> list[str]:
         session = self._full or self._first
         recurrent = sorted({type(m).__name__ for m in session.step.model.modules() if isinstance(m, nn.RNNBase)})
         if not recurrent:
@@ -241,6 +292,9 @@ class TracedCurve:
     @property
     def approximations(self) -> list[Approximation]:
         """Where this trace approximates the step it stands for (a compiled model run as eager)."""
+        return self._cached("approximations", self._approximations)
+
+    def _approximations(self) -> list[Approximation]:
         session = self._full or self._first
         fast_path = (fast_path_approximations(session.step.model)
                      + float8_approximations(self.options, traced_compiled=session.compiled)
@@ -272,23 +326,25 @@ class TracedCurve:
     def repeats_micro_batches(self) -> bool:
         """Whether a step of several accumulation steps runs two micro-batches and writes the
         rest (``MemoryTracker.repeat_micro_batch``), so that tracing N costs two."""
-        return (self._full or self._first).tracker.repeats_micro_batches
+        return self._facts["repeats_micro_batches"]
 
     @property
     def by_depth(self) -> bool:
         return self.blocks is not None
 
+    def _session_params(self) -> tuple[int, int]:
+        """(parameters, trainable parameters) of the full model, from the built sessions."""
+        if self.blocks is None:
+            return self._full.params, self._full.trainable_params
+        return tuple(depth.line_at([counts[i] for counts in self._params_by_depth], self.blocks) for i in (0, 1))
+
     @property
     def params(self) -> int:
-        if self.blocks is None:
-            return self._full.params
-        return depth.line_at([params for params, _ in self._params_by_depth], self.blocks)
+        return self._facts["params"][0]
 
     @property
     def trainable_params(self) -> int:
-        if self.blocks is None:
-            return self._full.trainable_params
-        return depth.line_at([trainable for _, trainable in self._params_by_depth], self.blocks)
+        return self._facts["params"][1]
 
     def _may_be_replayed(self, batch_size: int) -> bool:
         """Could the reserved search ask for this size? Not when a size no larger, or the
@@ -311,24 +367,40 @@ class TracedCurve:
             fresh = self.keep_streams and self._may_be_replayed(batch_size)
         workspace = self.device.workspace_bytes
         found = None
+        warmth = "fresh" if fresh else "warm"  # a warm trace's step follows others: cached apart
         if self.by_depth:
-            self.say(f"tracing batch size {batch_size} at depths {', '.join(map(str, depth.DEPTHS))} "
-                     f"of {self.blocks}")
-            traced = self._trace_depths(batch_size, fresh)
+            traced = self._from_cache(f"depths-{batch_size}-{warmth}", lambda: self._trace_depths(batch_size, fresh))
             if fresh:
                 self._streams[batch_size] = {d: events for d, (_, events) in zip(depth.DEPTHS, traced)}
             found = depth.extrapolate([allocated_point(point, workspace) for point, _ in traced], self.blocks)
         if found is None:  # not traced by depth, or not affine in depth: the whole model
-            if self._full is None:
-                self.say(f"memory is not affine in depth here: building the whole {self.workload.name}")
-                self._full = TraceSession(self.workload, self.options)
-            self.say(f"tracing batch size {batch_size}")
-            found = allocated_point(self._full.trace(batch_size, fresh=fresh), workspace)
+            traced, events = self._from_cache(f"whole-{batch_size}-{warmth}", lambda: self._trace_whole(batch_size, fresh))
+            found = allocated_point(traced, workspace)
             if fresh:
-                self._whole_streams[batch_size] = self._full.fresh_stream
+                self._whole_streams[batch_size] = events
             self.full_traces.append(batch_size)
         self.points[batch_size] = found
         return found
+
+    def _from_cache(self, name: str, trace: Callable[[], object]) -> object:
+        """The trace cache's ``name``, else ``trace()``, written there."""
+        found = self._cache.get(name) if self._cache is not None else None
+        if found is None:
+            found = trace()
+            if self._cache is not None:
+                self._cache.put(name, found)
+        return found
+
+    def _trace_whole(self, batch_size: int, fresh: bool) -> tuple[TracePoint, list | None]:
+        """(the whole model's traced point, its fresh stream when ``fresh``)."""
+        if not self._opened:
+            self._open()
+        if self._full is None:
+            self.say(f"memory is not affine in depth here: building the whole {self.workload.name}")
+            self._full = TraceSession(self.workload, self.options)
+        self.say(f"tracing batch size {batch_size}")
+        traced = self._full.trace(batch_size, fresh=fresh)
+        return traced, self._full.fresh_stream if fresh else None
 
     def reserved(self, batch_size: int) -> MemoryPoint:
         """The point with its reserved peak: the allocation stream of a fresh process, from the
@@ -340,13 +412,25 @@ class TracedCurve:
         """
         point = self.point(batch_size)
         if point.peak_reserved_bytes is None and point.reserved_oom is None:
-            events = self._extended_stream(batch_size) if self.by_depth else None
-            point = self.points[batch_size]  # traced again, fresh, if its streams were not kept
-            if events is None:
-                events = self._whole_stream(batch_size)
+            if self.by_depth and batch_size not in self._streams:  # traced before streams were kept: again, fresh
+                self.points.pop(batch_size)
+                self.point(batch_size, fresh=True)
+            point = self.points[batch_size]
+            config = AllocatorConfig.from_env()
+            replayed = f"replay-{batch_size}-{self.device.usable_bytes}-{self.device.workspace_bytes}-{config_digest(config)}"
+            peak, oom, ratio, whole = self._from_cache(replayed, lambda: self._replay(batch_size, config))
+            if whole:
                 self.whole_reserved.append(batch_size)
-            point.peak_reserved_bytes, point.reserved_oom, point.reserved_ratio = replay_reserved(events, self.device)
+            point.peak_reserved_bytes, point.reserved_oom, point.reserved_ratio = peak, oom, ratio
         return point
+
+    def _replay(self, batch_size: int, config: AllocatorConfig) -> tuple[int | None, str | None, float, bool]:
+        """``replay_reserved``'s three figures, and whether the stream had to be traced whole."""
+        events = self._extended_stream(batch_size) if self.by_depth else None
+        whole = events is None
+        if whole:
+            events = self._whole_stream(batch_size)
+        return (*replay_reserved(events, self.device, config), whole)
 
     def _whole_stream(self, batch_size: int) -> list[tuple[str, int, int]]:
         """The whole model's fresh-process stream at ``batch_size``: kept from its trace, or
@@ -354,6 +438,8 @@ class TracedCurve:
         holds something from an earlier step, in a new one."""
         events = self._whole_streams.get(batch_size)
         if events is None:
+            if not self._opened:
+                self._open()
             self.say(f"tracing batch size {batch_size} whole for reserved memory")
             if self._full is None:
                 self._full = TraceSession(self.workload, self.options)
@@ -366,11 +452,7 @@ class TracedCurve:
         return events
 
     def _extended_stream(self, batch_size: int) -> list[tuple[str, int, int]] | None:
-        streams = self._streams.get(batch_size)
-        if streams is None:  # traced before streams were kept: trace the depths again, fresh
-            self.points.pop(batch_size)
-            self.point(batch_size, fresh=True)
-            streams = self._streams[batch_size]
+        streams = self._streams[batch_size]
         if any(events is None for events in streams.values()):
             return None
         # folded streams (micro-batches 3..N as marks, trace/repeats.py): extended at two
@@ -414,7 +496,8 @@ class TracedCurve:
     def close(self) -> None:
         if self._forked is not None:
             self._forked.close()
-        for session in {id(s): s for s in [self._first, *self._shallow, *([self._full] if self._full else [])]}.values():
+        opened = [s for s in [self._first, *self._shallow, self._full] if s is not None]
+        for session in {id(s): s for s in opened}.values():
             session.close()
 
     def __enter__(self) -> TracedCurve:

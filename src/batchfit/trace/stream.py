@@ -25,10 +25,11 @@ model whole.
 
 from __future__ import annotations
 
-import difflib
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from batchfit.trace.matching import FastMatcher
 
 Event = tuple[str, int, int]
 """('malloc', ident, requested bytes) or ('free', ident, 0), as MemoryTracker records them; or a
@@ -125,7 +126,9 @@ def _after(previous: Run, run: Run, longer: list[tuple[str, int]]) -> Run:
 def _runs(shorter: list[tuple[str, int]], longer: list[tuple[str, int]]) -> list[Run]:
     """The runs of ``longer``: where it has one more period than ``shorter``."""
     runs = []
-    for tag, _, _, j1, j2 in difflib.SequenceMatcher(None, shorter, longer, autojunk=False).get_opcodes():
+    # difflib's opcodes (no junk), with its longest-match search indexed: difflib alone takes
+    # about n^3 on a generation loop's stream of few distinct events (trace/matching.py)
+    for tag, _, _, j1, j2 in FastMatcher(shorter, longer).get_opcodes():
         if tag == "equal":
             continue
         if tag != "insert":
