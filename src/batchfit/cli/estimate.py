@@ -44,6 +44,7 @@ Examples:
   batchfit estimate hf:llama-3.2-1b --gpu rtx4090-24gb --trainer args.json --emit trainer:args.fitted.json
 
   batchfit estimate hf:llama-3.2-1b --gpu rtx4090-24gb --data train.jsonl --batching pack:4096
+
   batchfit estimate gpt2-124m --gpu a100-40gb --no-cache    (trace again; `batchfit cache clear` empties the cache)
 """
 
