@@ -21,14 +21,14 @@ import warnings
 from pathlib import Path
 
 import torch
+
 from _common import write_result
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from cpu_truth import profiled_step_peak, same_kernels_on_any_x86  # noqa: E402
-
 from batchfit.trace.session import TraceSession  # noqa: E402
 from batchfit.train.step import TrainingStep  # noqa: E402
 from batchfit.workload import StepOptions, Workload  # noqa: E402
+from cpu_truth import profiled_step_peak, same_kernels_on_any_x86  # noqa: E402
 
 
 def llama(attention: str, seq_len: int = 128) -> Workload:

@@ -29,11 +29,10 @@ from pathlib import Path
 from _common import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from seed004 import enoki  # noqa: E402 - the reconstructed model, one copy
-
 from batchfit import StepOptions, get_device  # noqa: E402
 from batchfit.plan.engine import plan  # noqa: E402
 from batchfit.plan.world import World  # noqa: E402
+from seed004 import enoki  # noqa: E402 - the reconstructed model, one copy
 
 GiB = 2**30
 # heads: seed 004's summary row: params, then tp=1 and tp=4: (max global, local batch, iter_dt s, tok/s), days tp=1

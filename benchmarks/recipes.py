@@ -71,13 +71,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import write_result
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from _common import write_result
+from batchfit.trace.session import TraceSession
 from batchfit.train.model import block_list
 from batchfit.train.step import TrainingStep
-from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo import ZOO
 
@@ -169,12 +169,11 @@ def gloo_torchtitan(strategy_name: str = "fsdp") -> tuple[int, int]:
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-    from cpu_truth import spawn_profiled_gloo
-    from test_torchtitan import DEBUG, LOCAL_BATCH, SEQ, _gloo_main, _options
-
     from batchfit.devices import get_device
     from batchfit.plan.sharded import parse_strategy, trace_sharded
     from batchfit.specs import load_workload
+    from cpu_truth import spawn_profiled_gloo
+    from test_torchtitan import DEBUG, LOCAL_BATCH, SEQ, _gloo_main, _options
 
     with tempfile.TemporaryDirectory() as folder:
         spawn_profiled_gloo(_gloo_main, lambda port: (2, port, folder, strategy_name), nprocs=2)

@@ -16,12 +16,11 @@ import statistics
 import time
 
 from _common import write_result
-
 from batchfit import search
 from batchfit.probe.find import _Predictor
 from batchfit.probe.runner import probe_once
-from batchfit.targets import parse_target
 from batchfit.search import Trial
+from batchfit.targets import parse_target
 from batchfit.workload import StepOptions
 from batchfit.zoo import ZOO
 

@@ -25,13 +25,13 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, write_result
 
+from _common import RESULTS, write_result
 from batchfit import load_workload
 from batchfit.report.sweep_markdown import write_sweep_report
 from batchfit.sweep import SweepConfig, gradient_noise_scale, plan_sweep, run_sweep
-from batchfit.train.data import BatchSource
 from batchfit.sweep.result import read_result, save_noise
+from batchfit.train.data import BatchSource
 
 MODEL = '''
 from batchfit.zoo import language_model_workload

@@ -23,13 +23,13 @@ import gc
 import time
 
 import torch
-from _common import write_result
 
+from _common import write_result
 from batchfit import StepOptions, estimate, find_max_batch, parse_target
 from batchfit.devices import detect_cuda_device
 from batchfit.probe.runner import probe_isolated, probe_once
-from batchfit.train.step import TrainingStep
 from batchfit.targets import Target
+from batchfit.train.step import TrainingStep
 from batchfit.zoo import ZOO
 
 GiB = 2**30

@@ -26,16 +26,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from _common import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from cpu_truth import profiled_step_peak  # noqa: E402
-
 from batchfit.devices import get_device  # noqa: E402
 from batchfit.plan.sharded import parse_strategy, trace_sharded  # noqa: E402
 from batchfit.train.step import TrainingStep  # noqa: E402
 from batchfit.workload import StepOptions  # noqa: E402
 from batchfit.zoo import ZOO  # noqa: E402
+from cpu_truth import profiled_step_peak  # noqa: E402
 
 WORLD = 2
 MODEL = "gpt-tinystories-22m"

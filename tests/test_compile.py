@@ -19,8 +19,14 @@ from batchfit.errors import OptionError
 from batchfit.plan.engine import plan
 from batchfit.plan.world import World
 from batchfit.report.plan_markdown import plan_markdown
-from batchfit.trace.compiled import (COMPILED_AS_EAGER, COMPILED_TRACED, MEMORY_BUDGET_TRACED, VALIDATION, compiled_parts,
-                                     workload_approximations)
+from batchfit.trace.compiled import (
+    COMPILED_AS_EAGER,
+    COMPILED_TRACED,
+    MEMORY_BUDGET_TRACED,
+    VALIDATION,
+    compiled_parts,
+    workload_approximations,
+)
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from cpu_truth import profiled_step_peak, same_kernels_on_any_x86

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpu_truth import spawn_profiled_gloo
+from batchfit.errors import OptionError
 from batchfit.integrations.elastic import ElasticStep, predict_micro_batch
 from batchfit.integrations.elastic_split import batch_size, split_batch, split_global_batch, take_samples
-from batchfit.errors import OptionError
+from cpu_truth import spawn_profiled_gloo
 
 SAMPLES = 60
 LR = 0.1

@@ -75,11 +75,10 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int, cases: tuple, che
     """Each case's real step on this rank (rank 0, or with ``every_rank`` each rank, profiled in a steady
     step, each into its own folder); with ``check_losses``, the EP model's loss and the plain model's on
     this rank's batch under each forced routing (the ranks of a tensor-parallel group share a batch)."""
-    from cpu_truth import profiled_step_peak
-
     from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.tp_plans import tp_plan
     from batchfit.train.losses import loss_context
+    from cpu_truth import profiled_step_peak
 
     join_gloo(rank, world, port, timeout_s=300)
     peaks, losses, peaks_relaxed = {}, {}, []

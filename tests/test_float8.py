@@ -16,9 +16,9 @@ pytest.importorskip("torchao.float8")
 
 from batchfit.devices import get_device, precision_warning  # noqa: E402
 from batchfit.errors import OptionError  # noqa: E402
+from batchfit.trace.session import TraceSession  # noqa: E402
 from batchfit.train.float8 import convert_to_float8  # noqa: E402
 from batchfit.train.step import TrainingStep  # noqa: E402
-from batchfit.trace.session import TraceSession  # noqa: E402
 from batchfit.workload import StepOptions, Workload  # noqa: E402
 from batchfit.zoo import language_model_workload  # noqa: E402
 from batchfit.zoo.transformer import Transformer, TransformerConfig  # noqa: E402

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from batchfit.cli.common import step_options
 from batchfit.errors import OptionError
-from batchfit.train.losses import chunked_cross_entropy, fused_linear_cross_entropy
-from batchfit.train.step import TrainingStep
 from batchfit.trace.memory import MemoryTracker
 from batchfit.trace.session import TraceSession
+from batchfit.train.losses import chunked_cross_entropy, fused_linear_cross_entropy
+from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo import language_model_workload
 from batchfit.zoo.hf import hf_workload

@@ -213,11 +213,12 @@ def test_time_left_is_the_rest_at_the_rate_so_far():
 @pytest.mark.usefixtures("one_thread")
 def test_sweep_and_noise_say_steps_done_and_the_time_left(tmp_path):
     """Both showed a spinner with no step count or ETA; noise's said 'tokens from the cache' while it trained."""
+    from tests.test_sweep_helpers import write_corpus, write_tiny
+
     from batchfit import load_workload
     from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
     from batchfit.sweep.noise import gradient_noise_scale
     from batchfit.train.data import BatchSource
-    from tests.test_sweep_helpers import write_corpus, write_tiny
 
     spec = write_tiny(tmp_path)
     workload = load_workload(spec)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from batchfit.errors import OptionError
-from batchfit.train.data import BatchSource
 from batchfit.sweep.noise import gradient_noise_scale, ratio_interval, t_quantile, unbiased
+from batchfit.train.data import BatchSource
 from batchfit.workload import Workload
 
 MU = torch.tensor([3.0, 4.0])

@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpu_truth import join_gloo, spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.plan.sharded import ShardedSession, parse_strategy
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
+from cpu_truth import join_gloo, spawn_profiled_gloo
 from test_plan_trace import LOCAL_BATCH, _profiled_peak, tiny_workload
 
 OPTIONS = StepOptions(compile="blocks")  # fp32, AdamW; torchtitan compiles per block under FSDP2

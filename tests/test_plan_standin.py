@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from batchfit.devices import GiB, Device
+from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
 from batchfit.workload import Workload
 

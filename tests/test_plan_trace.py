@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpu_truth import spawn_profiled_gloo, tiny_llama_workload
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import Strategy, parse_strategies, parse_strategy, trace_sharded
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo.transformer import TransformerConfig
+from cpu_truth import spawn_profiled_gloo, tiny_llama_workload
 
 # Llama blocks (RMSNorm, SwiGLU, RoPE, GQA), untied head: every parameter's first dimension
 # divides by 4, so FSDP shards are exact (no padding) on 2 and 4 ranks.

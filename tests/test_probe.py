@@ -18,8 +18,8 @@ from batchfit.cli.app import app
 from batchfit.errors import OptionError, UsageError
 from batchfit.probe.find import find_max_batch, peak_of
 from batchfit.probe.runner import probe_isolated, probe_once
-from batchfit.targets import parse_target
 from batchfit.specs import load_workload
+from batchfit.targets import parse_target
 from batchfit.workload import StepOptions, Workload
 
 SMALL = "virtual:2GiB"  # 1.5 GiB usable: 1 GiB leaves too little for the allocator's segments

@@ -4,23 +4,21 @@ run as jobs of the executors into the runs store (killed and resumed; on Ray).""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from tests.test_sweep_helpers import write_corpus, write_tiny
 
 from batchfit import load_workload
 from batchfit.errors import UsageError
 from batchfit.recommend.branch import Curve, Trainer
 from batchfit.recommend.engine import RecommendConfig, evaluator, plan_recommend, run_recommend
-from batchfit.recommend.read import extrapolate, power_exponent
 from batchfit.recommend.priors import power_lines, step_law
+from batchfit.recommend.read import extrapolate, power_exponent
 from batchfit.report.recommend_markdown import recommend_markdown
 from batchfit.train.budget import Schedule
 from batchfit.train.data import BatchSource, tokenize
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
-from tests.test_sweep_helpers import write_corpus, write_tiny
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-from cpu_truth import profiled_peak, same_kernels_on_any_x86, tiny_llama_workload
 
 from batchfit.devices import custom_device
 from batchfit.errors import OptionError
@@ -26,6 +25,7 @@ from batchfit.report.run_markdown import eval_lines, eval_markdown
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
 from batchfit.zoo.transformer import TransformerConfig
+from cpu_truth import profiled_peak, same_kernels_on_any_x86, tiny_llama_workload
 
 
 def tiny(seq_len: int | None = None, vocab: int = 4096):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from batchfit import StepOptions, Workload, get_device, load_workload

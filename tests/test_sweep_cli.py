@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 import torch
+from tests.test_sweep_helpers import write_corpus, write_tiny
 from typer.testing import CliRunner
 
 from batchfit.cli.app import app
-from tests.test_sweep_helpers import write_corpus, write_tiny
 
 runner = CliRunner()
 

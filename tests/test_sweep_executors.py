@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.test_sweep_helpers import write_corpus, write_tiny
 
 from batchfit import load_workload
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
-from batchfit.train.budget import Budget, Schedule
 from batchfit.sweep.executors import DevicePool, local_devices, run_pool
 from batchfit.sweep.run import RunSpec
 from batchfit.sweep.store import Store
-from tests.test_sweep_helpers import write_corpus, write_tiny
+from batchfit.train.budget import Budget, Schedule
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -103,7 +103,6 @@ def test_local_ray_cluster_fills_the_store_through_the_driver(tmp_path, monkeypa
 def test_a_ray_task_never_opens_the_drivers_store(tmp_path, alone):
     # On a cluster the store is on the driver's disk: a task trains into a store of its own and
     # returns the run. Here the task's context names a store and checkpoints it cannot reach.
-    from dataclasses import replace
 
     from batchfit.sweep.executors import WorkerContext, execute_remote
 

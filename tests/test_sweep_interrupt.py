@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from tests.test_sweep_helpers import write_corpus, write_tiny
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.test_sweep_helpers import write_corpus, write_tiny
 
 from batchfit import load_workload
 from batchfit.sweep import SweepConfig, plan_sweep, read_result, run_sweep
-from tests.test_sweep_helpers import write_corpus, write_tiny
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

@@ -7,15 +7,14 @@ import math
 
 import pytest
 import torch
+from tests.test_sweep_helpers import write_corpus, write_tiny
 
 from batchfit import load_workload
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
+from batchfit.sweep.run import micro_batch_for
 from batchfit.train.data import BatchSource, lm_format, tokenize
 from batchfit.train.step import TrainingStep
-from batchfit.sweep.run import micro_batch_for
 from batchfit.workload import StepOptions
-from tests.test_sweep_helpers import write_corpus, write_tiny
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

@@ -17,11 +17,11 @@ import os
 import pytest
 import torch
 
-from cpu_truth import agreed_profiled_peak, join_gloo, spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
 from batchfit.workload import StepOptions
+from cpu_truth import agreed_profiled_peak, join_gloo, spawn_profiled_gloo
 
 pytest.importorskip("transformers")
 

@@ -22,12 +22,12 @@ import pytest
 import torch
 from torch import nn
 
-from batchfit.train.step import TrainingStep
-from batchfit.train.budget import Budget, Schedule
-from batchfit.train.data import BatchSource
 from batchfit.sweep.run import RunSpec, train_run
 from batchfit.sweep.store import Store
 from batchfit.trace.session import TraceSession
+from batchfit.train.budget import Budget, Schedule
+from batchfit.train.data import BatchSource
+from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 
 UNDERFLOWS = 2.0**-27

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpu_truth import join_gloo, spawn_profiled_gloo, tiny_llama_workload
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
@@ -33,6 +32,7 @@ from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo import language_model_workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig
+from cpu_truth import join_gloo, spawn_profiled_gloo, tiny_llama_workload
 
 CFG = TransformerConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
                         llama=True, tied_embeddings=False)
@@ -207,9 +207,8 @@ def test_muon_trains_hidden_matrices_and_adamw_the_rest():
 
 
 def test_muon_state_bytes_by_hand_and_against_the_cpu_profiler(tmp_path):
-    from cpu_truth import profiled_step_peak
-
     from batchfit.trace.session import TraceSession
+    from cpu_truth import profiled_step_peak
 
     params = list(Transformer(CFG).named_parameters())
     total = sum(p.numel() for _, p in params)

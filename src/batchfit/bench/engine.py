@@ -28,15 +28,15 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from batchfit.devices import Device, host_link_seconds
 from batchfit.errors import OptionError
-from batchfit.train.oom import classify, describe
-from batchfit.train.step import TrainingStep
 from batchfit.targets import Target
 from batchfit.tiers import Tier, tiers
-from batchfit.train.timing import run_timed_steps
 from batchfit.trace.allocator import AllocatorConfig
 from batchfit.trace.curve import fit_line
 from batchfit.trace.point import allocated_point, replay_reserved
 from batchfit.trace.session import TraceSession
+from batchfit.train.oom import classify, describe
+from batchfit.train.step import TrainingStep
+from batchfit.train.timing import run_timed_steps
 from batchfit.workload import StepOptions, Workload
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -10,13 +10,42 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
-                                 JsonOpt, ModelArg, OptimizerOpt, PrecisionOpt, SeqLenOpt, TrainOnlyOpt,
-                                 check_outputs, command_target, flag, handle_errors, out_option,
-                                 parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
-                                 step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
-from batchfit.cli.common import AttentionOpt, say_attention, say_notices
+from batchfit.cli.common import (
+    AccumulationOpt,
+    AttentionOpt,
+    CheckpointingOpt,
+    CompileOpt,
+    DeviceOpt,
+    FreezeOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    JsonOpt,
+    LoraOpt,
+    LossOpt,
+    MemoryBudgetOpt,
+    ModelArg,
+    OffloadOpt,
+    OptimizerOpt,
+    PrecisionOpt,
+    QuantizeOpt,
+    RoutingOpt,
+    SeqLenOpt,
+    TrainOnlyOpt,
+    check_outputs,
+    command_target,
+    flag,
+    handle_errors,
+    out_option,
+    parse_batch_sizes,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    say_attention,
+    say_notices,
+    step_options,
+    warn_about_precision,
+    write_outputs,
+)
 from batchfit.cli.trainer import TrainerOpt, merged_options, merged_seq_len, print_mapping, read_trainer
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
@@ -90,8 +119,8 @@ def bench_command(
     if door is not None:
         print_mapping(door, quiet_if_stdout(json_path))
     from batchfit.bench.engine import bench  # torch: after the options are checked
-    from batchfit.trace.noops import no_op_notices
     from batchfit.report import write_bench_report
+    from batchfit.trace.noops import no_op_notices
 
     workload = load_workload(model, seq_len=seq_len)
     notices = no_op_notices(workload, options)

@@ -22,8 +22,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from batchfit.devices import precision_warning
 from batchfit.errors import BatchfitError, OptionError
 from batchfit.report.write import StagedFiles, staged_files, write_text_atomic
-from batchfit.specs import SPEC_HELP
 from batchfit.search import MAX_BATCH_SIZE
+from batchfit.specs import SPEC_HELP
 from batchfit.targets import DEVICE_HELP, Target, resolve_target
 from batchfit.workload import StepOptions, attention_words
 

@@ -9,9 +9,22 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg, SeqLenOpt, check_outputs,
-                                 handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
-                                 report_folder, write_outputs)
+from batchfit.cli.common import (
+    DeviceOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    JsonOpt,
+    ModelArg,
+    SeqLenOpt,
+    check_outputs,
+    handle_errors,
+    out_option,
+    parse_batch_sizes,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    write_outputs,
+)
 from batchfit.cli.sweep import CacheDirOpt, DataOpt, SeedOpt, TokenizerOpt, ValFractionOpt, needs_data, sweep_target
 from batchfit.errors import BatchfitError, OptionError, UsageError
 from batchfit.specs import load_workload
@@ -58,8 +71,8 @@ def noise_command(
     / --gpu-memory (traced) check that a micro-batch of the small size fits that GPU.
     """
     from batchfit.report.sweep_markdown import write_noise_report
-    from batchfit.train.data import BatchSource, lm_format, tokenize
     from batchfit.sweep.noise import check_noise_options, gradient_noise_scale
+    from batchfit.train.data import BatchSource, lm_format, tokenize
 
     check_outputs(json_path, out, cache_dir=cache_dir)
     sizes = parse_batch_sizes(batch_sizes)

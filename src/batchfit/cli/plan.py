@@ -12,18 +12,67 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg,
-                                 MultipleOfOpt, OptimizerOpt, PrecisionOpt, SeqLenOpt, TargetUtilOpt, TrainOnlyOpt,
-                                 check_outputs, command_target, handle_errors, out_option, parse_batch_sizes,
-                                 progress_line, quiet_if_stdout, report_folder, step_options, warn_about_precision,
-                                 write_outputs)
-from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, parse_host_memory,
-                                 warn_about_approximations)
-from batchfit.cli.torchtitan import (print_torchtitan, read_torchtitan, torchtitan_approximation, torchtitan_defaults,
-                                     torchtitan_section)
-from batchfit.cli.common import AttentionOpt, BatchingOpt, DataOpt, LengthColumnOpt, TokenizerOpt, say_attention, say_notices
-from batchfit.cli.trainer import (TrainerOpt, data_rows, emitted_text, merged_batch_sizes, merged_options,
-                                  merged_seq_len, print_answer, print_data_rows, print_mapping, read_trainer)
+from batchfit.cli.common import (
+    AttentionOpt,
+    BatchingOpt,
+    CheckpointingOpt,
+    CompileOpt,
+    DataOpt,
+    DeviceOpt,
+    FreezeOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    HostMemoryOpt,
+    JsonOpt,
+    LengthColumnOpt,
+    LimitOpt,
+    LossOpt,
+    MemoryBudgetOpt,
+    ModelArg,
+    MultipleOfOpt,
+    OffloadOpt,
+    OptimizerOpt,
+    PrecisionOpt,
+    RoutingOpt,
+    SeqLenOpt,
+    TargetUtilOpt,
+    TokenizerOpt,
+    TrainOnlyOpt,
+    check_outputs,
+    command_target,
+    handle_errors,
+    out_option,
+    parse_batch_sizes,
+    parse_host_memory,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    say_attention,
+    say_notices,
+    step_options,
+    warn_about_approximations,
+    warn_about_precision,
+    write_outputs,
+)
+from batchfit.cli.torchtitan import (
+    print_torchtitan,
+    read_torchtitan,
+    torchtitan_approximation,
+    torchtitan_defaults,
+    torchtitan_section,
+)
+from batchfit.cli.trainer import (
+    TrainerOpt,
+    data_rows,
+    emitted_text,
+    merged_batch_sizes,
+    merged_options,
+    merged_seq_len,
+    print_answer,
+    print_data_rows,
+    print_mapping,
+    read_trainer,
+)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.plan.emit import parse_emit, write_emit

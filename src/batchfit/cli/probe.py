@@ -9,19 +9,65 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
-                                 JsonOpt, LimitOpt, ModelArg, MultipleOfOpt, OptimizerOpt, PrecisionOpt,
-                                 SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target, flag,
-                                 handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
-                                 step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
-from batchfit.cli.common import AttentionOpt, BatchingOpt, DataOpt, LengthColumnOpt, TokenizerOpt, say_attention, say_notices
-from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, data_rows, merged_options, merged_seq_len,
-                                  parse_trainer_emit, print_answer, print_data_rows, print_mapping, read_trainer,
-                                  trainer_outputs)
+from batchfit.cli.common import (
+    AccumulationOpt,
+    AttentionOpt,
+    BatchingOpt,
+    CheckpointingOpt,
+    CompileOpt,
+    DataOpt,
+    DeviceOpt,
+    FreezeOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    JsonOpt,
+    LengthColumnOpt,
+    LimitOpt,
+    LoraOpt,
+    LossOpt,
+    MemoryBudgetOpt,
+    ModelArg,
+    MultipleOfOpt,
+    OffloadOpt,
+    OptimizerOpt,
+    PrecisionOpt,
+    QuantizeOpt,
+    RoutingOpt,
+    SeqLenOpt,
+    TargetUtilOpt,
+    TokenizerOpt,
+    TrainOnlyOpt,
+    check_outputs,
+    command_target,
+    flag,
+    handle_errors,
+    out_option,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    say_attention,
+    say_notices,
+    step_options,
+    warn_about_precision,
+    write_outputs,
+)
+from batchfit.cli.trainer import (
+    EmitTrainerOpt,
+    TrainerOpt,
+    answer,
+    data_rows,
+    merged_options,
+    merged_seq_len,
+    parse_trainer_emit,
+    print_answer,
+    print_data_rows,
+    print_mapping,
+    read_trainer,
+    trainer_outputs,
+)
 from batchfit.devices import GiB
-from batchfit.errors import OptionError
 from batchfit.distributed.wrap import STRATEGIES
+from batchfit.errors import OptionError
 from batchfit.search import POLICIES, check_probe_options, no_memory_limit
 from batchfit.specs import load_workload
 
@@ -113,8 +159,8 @@ def probe_command(
                         target_util=target_util, global_batch=global_batch, limit=limit)
     from batchfit.probe.find import find_max_batch  # torch: after the options are checked
     from batchfit.probe.ranks import rank
-    from batchfit.trace.noops import no_op_notices
     from batchfit.report import write_probe_report
+    from batchfit.trace.noops import no_op_notices
 
     workload = load_workload(model, seq_len=seq_len)
     notices = no_op_notices(workload, options)

@@ -9,9 +9,23 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg, SeqLenOpt, check_outputs,
-                                 flag, handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
-                                 report_folder, write_outputs)
+from batchfit.cli.common import (
+    DeviceOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    JsonOpt,
+    ModelArg,
+    SeqLenOpt,
+    check_outputs,
+    flag,
+    handle_errors,
+    out_option,
+    parse_batch_sizes,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    write_outputs,
+)
 from batchfit.cli.sweep import CacheDirOpt, DataOpt, SeedOpt, TokenizerOpt, ValFractionOpt, needs_data, sweep_target
 from batchfit.errors import OptionError, UsageError
 from batchfit.specs import load_workload
@@ -88,9 +102,9 @@ def recommend_command(
     import torch  # here: --help does not load it
 
     from batchfit.recommend.engine import RecommendConfig, plan_recommend, run_recommend
-    from batchfit.train.executors import check_executor
     from batchfit.report.recommend_markdown import write_recommend_report
     from batchfit.train.data import BatchSource, lm_format, tokenize
+    from batchfit.train.executors import check_executor
 
     check_outputs(json_path, out, *([("--store", store)] if store is not None else []), cache_dir=cache_dir)
     if noise and noise_repeats < 2:

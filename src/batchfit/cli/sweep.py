@@ -10,14 +10,30 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg, PrecisionOpt, SeqLenOpt,
-                                 check_outputs, command_target, flag, handle_errors, out_option, parse_batch_sizes,
-                                 progress_line, quiet_if_stdout, report_folder, warn_about_precision,
-                                 write_outputs)
+from batchfit.cli.common import (
+    DeviceOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    JsonOpt,
+    ModelArg,
+    PrecisionOpt,
+    SeqLenOpt,
+    check_outputs,
+    command_target,
+    flag,
+    handle_errors,
+    out_option,
+    parse_batch_sizes,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    warn_about_precision,
+    write_outputs,
+)
 from batchfit.errors import BatchfitError, OptionError
 from batchfit.specs import load_workload
-from batchfit.train.budget import parse_count, parse_lrs
 from batchfit.targets import Target
+from batchfit.train.budget import parse_count, parse_lrs
 from batchfit.workload import StepOptions
 
 EXAMPLES = """
@@ -158,8 +174,8 @@ def _with_noise(plan, say, repeats: int, save_noise, read_result):
     """The noise scale from the sweep's smallest batch size and the largest multiple of it."""
     import torch
 
-    from batchfit.train.data import BatchSource
     from batchfit.sweep.noise import gradient_noise_scale
+    from batchfit.train.data import BatchSource
 
     sizes = plan.config.batch_sizes
     small = sizes[0]

@@ -41,7 +41,6 @@ from torch import nn
 
 from batchfit.errors import OptionError
 
-
 LAYOUT = ("torchtitan's etp=1 layout: ep<N> borrows the dp x tp ranks (the sparse mesh (efsdp, ep), ep "
           "innermost), each tp rank dispatching 1/tp of its MoE block's all-gathered tokens "
           "(ReordererSequenceParallel); attention, norms, shared experts, embedding and head tensor-parallel; "

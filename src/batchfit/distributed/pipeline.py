@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 from batchfit.errors import OptionError
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
 def _zoo_blocks(model: nn.Module) -> nn.ModuleList | None:

@@ -18,8 +18,7 @@ Parallelize = Callable[[nn.Module, "DeviceMesh"], nn.Module]  # noqa: F821
 
 def styles():
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
     return Replicate, Shard, ColwiseParallel, RowwiseParallel, PrepareModuleInput, SequenceParallel
 
 

@@ -19,8 +19,12 @@ import torch
 
 from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
-from batchfit.estimator.global_batch import (GlobalBatchSplit, accumulation_curves, check_global_batch,
-                                             split_global_batch)
+from batchfit.estimator.global_batch import (
+    GlobalBatchSplit,
+    accumulation_curves,
+    check_global_batch,
+    split_global_batch,
+)
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options, trace_first_sizes
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve

@@ -25,8 +25,20 @@ from dataclasses import dataclass, field
 
 from batchfit.devices import Device
 from batchfit.errors import ModelSpecError, OptionError
-from batchfit.estimator.batching import (Batching, Shape, check_lengths, deciding_steps, first_failing, histogram,
-                                         largest_budget, longest_row, peak_step, step_samples, step_shapes, MAX_TOKENS)
+from batchfit.estimator.batching import (
+    MAX_TOKENS,
+    Batching,
+    Shape,
+    check_lengths,
+    deciding_steps,
+    first_failing,
+    histogram,
+    largest_budget,
+    longest_row,
+    peak_step,
+    step_samples,
+    step_shapes,
+)
 from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits

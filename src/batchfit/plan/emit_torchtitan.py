@@ -19,10 +19,12 @@ torch: a PlanResult in, text out.
 from __future__ import annotations
 
 import re
+
 import tomllib
 
 from batchfit.distributed.parallelisms import PARALLELISMS
 from batchfit.errors import OptionError
+
 
 def degrees(layout) -> dict[str, object]:
     """torchtitan's [parallelism] keys for a strategy's degrees (a ``Strategy`` or a ``StrategyPlan``:

@@ -41,8 +41,18 @@ from batchfit.plan.derived import jobs as derived_jobs
 from batchfit.plan.result import PlanPoint, PlanResult, StrategyPlan, plan_point  # noqa: F401 - the API's names
 from batchfit.plan.time_model import TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
-from batchfit.search import (DEFAULT_MAX_BATCH, SearchResult, Trial, _check_limit, check_search_options,
-                              choose_micro, guided, micro_candidates, reserved_search, trace_first_sizes)
+from batchfit.search import (
+    DEFAULT_MAX_BATCH,
+    SearchResult,
+    Trial,
+    _check_limit,
+    check_search_options,
+    choose_micro,
+    guided,
+    micro_candidates,
+    reserved_search,
+    trace_first_sizes,
+)
 from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
 

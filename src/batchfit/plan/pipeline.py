@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from batchfit.distributed.pp_schedules import check_pipeline, parse_schedule
 from batchfit.distributed.strategy import Strategy
 from batchfit.distributed.strategy_name import stage_strategy
-from batchfit.distributed.pp_schedules import check_pipeline, parse_schedule
 from batchfit.errors import OptionError
+
 
 @dataclass(frozen=True, kw_only=True)
 class StagePoint:
@@ -41,13 +42,13 @@ class PipelineSession:
 
     def __init__(self, workload, options, device, strategy: Strategy, *, cuda_semantics: bool = True,
                  ranks: list[int] | None = None) -> None:
+        import torch
+
         from batchfit.distributed.pipeline import build_rank, hidden_size_of, n_layers_of
         from batchfit.distributed.pipeline_hf import pp_parts
-        from batchfit.distributed.tp_plans import sequence_parallel
         from batchfit.distributed.pp_schedules import rank_actions, rank_stages
+        from batchfit.distributed.tp_plans import sequence_parallel
         from batchfit.plan.sharded import ShardedSession
-
-        import torch
 
         self.strategy = strategy
         self.workload, self.options, self.device = workload, options, device

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from batchfit import search
-from batchfit.distributed import wrap as parallel
 from batchfit.devices import format_bytes
+from batchfit.distributed import wrap as parallel
 from batchfit.errors import OptionError
 from batchfit.probe import ranks
 from batchfit.probe.runner import probe_isolated, probe_once

@@ -39,10 +39,18 @@ import torch
 from batchfit.errors import BatchfitError, UsageError
 from batchfit.recommend.branch import Curve, Trainer, evaluator  # noqa: F401 - evaluator: the tests' name
 from batchfit.recommend.config import Plan, RecommendConfig
+from batchfit.recommend.jobs import (
+    BranchSpec,
+    branch_name,
+    cooldown_from,
+    last_point,
+    load_point,
+    point_path,
+    read_branch,
+    save_point,
+)
 from batchfit.recommend.read import read_recommendation
 from batchfit.recommend.result import RecommendResult
-from batchfit.recommend.jobs import (BranchSpec, branch_name, cooldown_from, last_point, load_point, point_path,
-                                      read_branch, save_point)
 from batchfit.train.budget import Schedule, micro_batch_for, parse_amount, scaled_lr
 from batchfit.train.data import BatchSource, TokenData, lm_format
 from batchfit.train.oom import NonFiniteLoss

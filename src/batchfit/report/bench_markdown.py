@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from batchfit.report.markdown import gib
-from batchfit.workload import attention_words
 from batchfit.phases import PHASES
+from batchfit.report.markdown import gib
 from batchfit.tiers import TIERS
+from batchfit.workload import attention_words
 
 
 def _num(x: float | None, fmt: str = ",.0f") -> str:

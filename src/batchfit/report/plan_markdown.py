@@ -7,10 +7,10 @@ from pathlib import Path
 from batchfit.devices import GiB
 from batchfit.plan.time_model import OVERLAP_RULE  # pure Python, no torch
 from batchfit.report import write_report
-from batchfit.report.write import StagedFiles, staged_files
 from batchfit.report.host import plan_host_line as host_line_for_plan
 from batchfit.report.markdown import approximation_lines, attention_rows, gib
 from batchfit.report.plan_plots import plan_plot, ranking_plot
+from batchfit.report.write import StagedFiles, staged_files
 
 KNOWN_LIMITS = """\
 - Memory is rank 0's, traced on a fake process group: every rank of DDP, FSDP and TP holds the
@@ -133,7 +133,7 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
               f"| Frozen / train-only | {', '.join(r.options.frozen) or '—'} / {', '.join(r.options.trainable) or '—'} |",
               f"| GPU | {d.display_name}: {gib(d.total_bytes)} GiB total, {gib(d.context_bytes)} GiB CUDA context "
               f"(assumed), {gib(d.usable_bytes)} GiB usable; target {r.target_util:.0%} = {gib(r.target_bytes)} GiB |",
-              f"| GPUs | " + ", ".join(f"{w.gpus} ({w.nodes} node{'s' if w.nodes > 1 else ''} of {w.gpus_per_node})"
+              "| GPUs | " + ", ".join(f"{w.gpus} ({w.nodes} node{'s' if w.nodes > 1 else ''} of {w.gpus_per_node})"
                                       for w in r.worlds) + " |",
               f"| Strategies | {r.strategies_asked} |",
               f"| Local batch sizes | multiples of {r.multiple_of} |",

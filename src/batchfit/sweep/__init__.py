@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from batchfit.train.budget import Budget, Schedule
     from batchfit.sweep.engine import SweepConfig, plan_sweep, run_sweep
     from batchfit.sweep.noise import NoiseResult, gradient_noise_scale
     from batchfit.sweep.result import SweepResult, read_result
+    from batchfit.train.budget import Budget, Schedule
 
 _LAZY = {"Budget": "batchfit.train.budget", "Schedule": "batchfit.train.budget", "SweepConfig": "batchfit.sweep.engine",
          "plan_sweep": "batchfit.sweep.engine", "run_sweep": "batchfit.sweep.engine", "NoiseResult": "batchfit.sweep.noise",

@@ -22,11 +22,11 @@ import torch
 
 from batchfit.devices import Device
 from batchfit.errors import OptionError, UsageError
+from batchfit.sweep.result import SweepResult, read_result
+from batchfit.sweep.run import RunSpec, micro_batch_for
 from batchfit.train.budget import LR_SCALINGS, Budget, Schedule, parse_amount, scaled_lr
 from batchfit.train.data import BatchSource, TokenData, lm_format, tokenize
 from batchfit.train.executors import WorkerContext, check_executor, run_in_process, run_local, run_ray
-from batchfit.sweep.result import SweepResult, read_result
-from batchfit.sweep.run import RunSpec, micro_batch_for
 from batchfit.train.store import Store, check_store
 from batchfit.workload import PRECISIONS, Workload
 

@@ -24,10 +24,13 @@ from pathlib import Path
 
 import torch
 
-from batchfit.train.step import TrainingStep
-from batchfit.train.budget import Budget, Schedule, micro_batch_for
+from batchfit.train.budget import Budget, Schedule
+
+# Re-exported: sweep.engine and tests/test_sweep_run.py import it from here.
+from batchfit.train.budget import micro_batch_for as micro_batch_for
 from batchfit.train.data import BatchSource
 from batchfit.train.oom import NonFiniteLoss
+from batchfit.train.step import TrainingStep
 from batchfit.train.store import Store
 from batchfit.workload import StepOptions, Workload
 

@@ -334,10 +334,10 @@ def trace_backend(tracker: Any, memory_budget: float | None = None, *, inductor_
     (:class:`_FusedRun`, with batchfit's model of inductor's fusion), or, under a budget, with
     ``inductor_code`` (:func:`inductor_everywhere`), or where the graph recomputes a checkpointed region
     (:func:`recomputes`), as the wrapper code inductor generates for it (:func:`inductor_plan`)."""
-    from batchfit.train.step import with_memory_budget
-
-    from torch._functorch.partitioners import min_cut_rematerialization_partition  # functorch.compile's, in torch
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition  # functorch.compile's, in torch
+
+    from batchfit.train.step import with_memory_budget
 
     def compiler(module: fx.GraphModule, example_inputs: list, *, is_backward: bool) -> Callable:
         if recomputes(module):
@@ -462,9 +462,9 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budge
     """Compile ``model`` (``mode``: model or blocks, as ``TrainingStep`` does on a real device)
     with :func:`trace_backend`, and let compiled code run under ``tracker``. Under ``checkpointing``
     every graph runs inductor's generated code (:func:`inductor_everywhere`)."""
-    from batchfit.train.step import block_list
-
     import torch._dynamo.config as dynamo_config
+
+    from batchfit.train.step import block_list
 
     # Each block, each batch size and each model the trace builds (depths, fresh processes)
     # is a cache entry of the same frame (Module._call_impl): past dynamo's limit it would run

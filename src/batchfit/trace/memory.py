@@ -13,8 +13,8 @@ the end of the step; otherwise by the phase that made the tensor: inputs, activa
 
 from __future__ import annotations
 
-import weakref
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 

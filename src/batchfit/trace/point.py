@@ -16,22 +16,32 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
-import torch
-
 from batchfit.devices import Device
-from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided, reserved_search
 from batchfit.trace import depth, forked, repeats, stream
-from batchfit.trace.approximation import (Approximation, attention_approximations, fast_path_approximations,
-                                           offload_approximations, quantize_approximations)
-from batchfit.trace.compiled import (COMPILED_TRACED, MEMORY_BUDGET_TRACED, checkpointed_approximations,
-                                     compile_approximations, graph_breaks, inductor_fallbacks)
-from batchfit.trace.hf_packing import packing_approximation
-from batchfit.trace.routing import routing_approximation
+from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
+from batchfit.trace.approximation import (
+    Approximation,
+    attention_approximations,
+    fast_path_approximations,
+    offload_approximations,
+    quantize_approximations,
+)
+from batchfit.trace.compiled import (
+    COMPILED_TRACED,
+    MEMORY_BUDGET_TRACED,
+    checkpointed_approximations,
+    compile_approximations,
+    graph_breaks,
+    inductor_fallbacks,
+)
 from batchfit.trace.cuda_float8 import float8_approximations
 from batchfit.trace.curve import MemoryCurve, fit_curve
+from batchfit.trace.hf_packing import packing_approximation
+from batchfit.trace.routing import routing_approximation
 from batchfit.trace.session import TracePoint, TraceSession
 from batchfit.workload import StepOptions, Workload
 

@@ -44,9 +44,9 @@ from typing import Protocol
 import torch
 
 from batchfit.errors import OptionError
-from batchfit.train.oom import classify, describe
-from batchfit.train.data import BatchSource, TokenData, open_tokens
 from batchfit.train.budget import micro_batch_for, time_left
+from batchfit.train.data import BatchSource, TokenData, open_tokens
+from batchfit.train.oom import classify, describe
 from batchfit.train.store import Store, owner_id
 from batchfit.workload import Workload
 

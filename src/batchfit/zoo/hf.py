@@ -10,8 +10,8 @@ else eager (Gemma 2); ``--attention`` (``StepOptions.attention``) sets another.
 
 from __future__ import annotations
 
-import difflib
 import contextlib
+import difflib
 import json
 from collections.abc import Iterator
 from pathlib import Path
