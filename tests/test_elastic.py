@@ -88,7 +88,7 @@ class Recorder:
 def test_forced_ooms_shrink_and_the_parameters_are_the_full_batch_steps():
     batches = make_batches(3)
     model = make_model()
-    oom = ForcedOOM(model, limit=20)
+    ForcedOOM(model, limit=20)
     loss_fn = Recorder()
     step = ElasticStep(model, torch.optim.SGD(model.parameters(), lr=LR), loss_fn, micro_batch=32)
     infos = []

@@ -16,7 +16,6 @@ import yaml
 from typer.testing import CliRunner
 
 from batchfit.cli.app import app
-from test_plan_standin import standin  # noqa: F401 - a fixture
 
 runner = CliRunner()
 MODEL = "gpt-tinystories-22m"  # the stand-in only reads its tokens per sample (256)

@@ -18,7 +18,7 @@ from batchfit.plan.world import World
 from batchfit.workload import StepOptions
 from batchfit.zoo.transformer import TransformerConfig
 from cpu_truth import tiny_llama_workload
-from test_plan_standin import gpu, standin, trace_sharded, workload  # noqa: F401 - standin is a fixture
+from test_plan_standin import gpu, trace_sharded, workload
 
 HALF = TimeModel(mfu=0.5, mfu_source="test")
 TINY = TransformerConfig(vocab_size=512, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, llama=True,

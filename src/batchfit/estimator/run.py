@@ -235,7 +235,10 @@ class RunSummary:
 
 def length_stats(lengths: list[int]) -> dict[str, float]:
     ordered = sorted(lengths)
-    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def at(q: float) -> int:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
     return {"min": ordered[0], "median": ordered[len(ordered) // 2], "mean": round(statistics.fmean(ordered), 1),
             "p90": at(0.9), "p99": at(0.99), "max": ordered[-1]}
 
@@ -317,7 +320,10 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
         raise OptionError(f"--batching {batching} makes one row per GPU per step, so drop --global-batch and "
                           "--batch-sizes (the answer is the token budget)")
     model_len = model_length(lengths, batching, seq_len, load)
-    shapes_at = lambda b: step_shapes(lengths, batching, b, model_len)
+
+    def shapes_at(b: int) -> list[Shape]:
+        return step_shapes(lengths, batching, b, model_len)
+
     worst = max(shapes_at(1), key=lambda s: s.length).length
     try:
         at = Lengths(load, model_len)
