@@ -93,7 +93,8 @@ def main() -> None:
     parser.add_argument("--compile", default="model,blocks")
     parser.add_argument("--checkpointing", default="full,selective,every:2")
     parser.add_argument("--precision", default="fp32,bf16-mixed")
-    parser.add_argument("--cells", default="", help="instead of the grid: attention/compile/checkpointing/precision,...")
+    parser.add_argument("--cells", default="",
+                        help="instead of the grid: attention/compile/checkpointing/precision,...")
     parser.add_argument("--op-by-op", action="store_true", help="also trace each graph op by op")
     parser.add_argument("--merge", action="store_true", help="keep today's other rows (cells not measured again)")
     args = parser.parse_args()

@@ -93,7 +93,8 @@ def table(size: dict) -> list[str]:
     ranked = {row["strategy"]: row for row in size["ranking"]}
     ratio = (ranked["fsdp"]["tokens_per_s"] / ranked["tp4"]["tokens_per_s"]
              if ranked.get("fsdp", {}).get("tokens_per_s") and ranked.get("tp4", {}).get("tokens_per_s") else None)
-    lines += ["", "Seed 004 (measured, its summary row) against batchfit (traced memory, computed time at MFU 0.4):", "",
+    lines += ["",
+              "Seed 004 (measured, its summary row) against batchfit (traced memory, computed time at MFU 0.4):", "",
               "| | seed tp=1 | batchfit fsdp | seed tp=4 | batchfit tp4 |", "|---|---:|---:|---:|---:|",
               f"| max global batch | {tp1[0]} | {fsdp.get('max_global_batch', '—')} | {tp4[0]} | "
               f"{tp4_ours.get('max_global_batch', '—')} |",

@@ -410,7 +410,8 @@ def main() -> None:
         print(f"{name:<40} {traced:>13,} {measured:>13,} {error:>+9.4%} {seconds:>8.1f}"
               + (" (timeline checks relaxed)" if timeline != "strict" else ""), flush=True)
     path = write_result(f"{args.name}-{args.tag}" if args.tag else args.name, {
-        "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": "per row (options.precision)",
+        "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "precision": "per row (options.precision)",
         "truth": "torch.profiler export_memory_timeline peak of the same real CPU step (the second one)",
         "traced": "TraceSession(cuda_semantics=False) peak", "rows": rows,
         "notes": "user SAC policy: the real step also keeps torch.get_rng_state() (5,056 B) per checkpointed "

@@ -151,7 +151,8 @@ def main() -> None:
                               "traced_eager_vs_compiled": relative(traced.peak_bytes,
                                                                    compiled.get("peak_allocated_bytes"))})
         print(f"compile {model:20s} b{b}: eager {eager['peak_allocated_bytes'] / GiB:.3f} GiB, compiled "
-              f"{compiled.get('peak_allocated_bytes', 0) / GiB:.3f} GiB, traced eager {traced.peak_bytes / GiB:.3f} GiB",
+              f"{compiled.get('peak_allocated_bytes', 0) / GiB:.3f} GiB, traced eager "
+              f"{traced.peak_bytes / GiB:.3f} GiB",
               flush=True)
     path = write_result(args.name, {"device": device.display_name, "precision": args.precision,
                                          "torch": torch.__version__, "fixed_costs": costs, "rows": rows,

@@ -69,7 +69,8 @@ def test_the_config_names_the_attention(tmp_path):
     assert flash.attention == "flash" and flash.build_model().config._attn_implementation == "sdpa"
     with pytest.raises(ModelSpecError, match="set it to eager, sdpa or flash_attention_2"):
         load_workload(_config(tmp_path, "llama", attn_implementation="flex_attention"))
-    with pytest.raises(ModelSpecError, match="Gemma2ForCausalLM does not support: set it to eager or flash_attention_2"):
+    with pytest.raises(ModelSpecError,
+                       match="Gemma2ForCausalLM does not support: set it to eager or flash_attention_2"):
         load_workload(_config(tmp_path, "gemma2", attn_implementation="sdpa"))
 
 

@@ -217,7 +217,8 @@ def test_graph_breaks_are_counted_with_their_reason(tmp_path):
     spec = _workload_with(tmp_path, "torch._dynamo.graph_break()")
     data, _, _ = estimate_cli(tmp_path, spec, "--compile", "blocks")
     detail = data["approximations"][0]["detail"]
-    assert re.fullmatch(r"--compile blocks: \d+ graphs compiled, [1-9]\d* graph breaks \(most often: .*\)", detail), detail
+    assert re.fullmatch(r"--compile blocks: \d+ graphs compiled, [1-9]\d* graph breaks "
+                        r"\(most often: .*\)", detail), detail
     assert "graph_break" in detail
 
 
@@ -227,13 +228,15 @@ def test_what_dynamo_cannot_capture_is_said_in_one_line(tmp_path):
     data, report, terminal = estimate_cli(tmp_path, spec, "--compile", "model")
     detail = data["approximations"][0]["detail"]
     assert re.fullmatch(r"--compile model: \d+ graphs compiled, [1-9]\d* graph breaks \(most often: Failed to trace "
-                        r"builtin operator: Dynamo does not know how to trace builtin operator `print`.*\)", detail), detail
+                        r"builtin operator: Dynamo does not know how to trace builtin "
+                        r"operator `print`.*\)", detail), detail
     assert "Traceback" not in terminal and detail in report
 
 
 def test_mixed_precision_on_cuda_is_traced_compiled(tmp_path):
     """Under CUDA's autocast mirror too (it recursed without end under dynamo: tests/test_cuda_mirrors.py)."""
-    data, report, _ = estimate_cli(tmp_path, write_workload(tmp_path), "--compile", "model", "--precision", "bf16-mixed")
+    data, report, _ = estimate_cli(tmp_path, write_workload(tmp_path), "--compile", "model", "--precision",
+                                   "bf16-mixed")
     [approximation] = data["approximations"]
     assert approximation["what"] == COMPILED_TRACED.what
     assert re.fullmatch(r"--compile model: [1-9]\d* graphs compiled, 0 graph breaks", approximation["detail"])

@@ -175,8 +175,8 @@ def test_accelerate_config_says_the_cp_size():
 
     from batchfit.plan.emit import accelerate_yaml
 
-    p = SimpleNamespace(strategy="fsdp+cp4+tp2", shard="fsdp", gpus=16, nodes=2, tp=2, dp=2, pp=1, cp=4, ep=1, replicas=1,
-                        micro_batch=1, accumulation_steps=4, global_batch=8, peak_bytes_at_micro=0)
+    p = SimpleNamespace(strategy="fsdp+cp4+tp2", shard="fsdp", gpus=16, nodes=2, tp=2, dp=2, pp=1, cp=4,
+                        ep=1, replicas=1, micro_batch=1, accumulation_steps=4, global_batch=8, peak_bytes_at_micro=0)
     result = SimpleNamespace(recommended=[p], options=StepOptions(precision="bf16-mixed"), workload="w")
     config = yaml.safe_load(accelerate_yaml(result))
     assert config["distributed_type"] == "FSDP"

@@ -159,7 +159,8 @@ def test_the_report_folder_names_the_loss():
     from batchfit.cli.common import report_folder
     from batchfit.targets import parse_target
 
-    folder = report_folder(None, "estimate", "gpt2-124m", parse_target("virtual:h100-80gb"), StepOptions(loss="chunked:8"))
+    folder = report_folder(None, "estimate", "gpt2-124m", parse_target("virtual:h100-80gb"),
+                           StepOptions(loss="chunked:8"))
     assert folder.name.endswith("-loss-chunked_8")
     assert "loss" not in report_folder(None, "estimate", "gpt2-124m", parse_target("virtual:h100-80gb"), StepOptions()).name
 

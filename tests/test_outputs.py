@@ -21,8 +21,8 @@ MODEL = ["gpt-tinystories-22m", "--seq-len", "16"]
 DEVICE = {"estimate": ["--gpu", "t4-16gb"], "probe": ["--device", "virtual:t4-16gb"],
           "bench": ["--device", "virtual:t4-16gb"], "plan": ["--gpu", "t4-16gb", "--gpus", "2"],
           "sweep": ["--batch-sizes", "2,4", "--samples", "8"]}
-ENGINES = [("batchfit.estimator.engine", "estimate"), ("batchfit.probe.find", "find_max_batch"), ("batchfit.bench.engine", "bench"),
-           ("batchfit.cli.plan", "plan"), ("batchfit.sweep.engine", "plan_sweep"),
+ENGINES = [("batchfit.estimator.engine", "estimate"), ("batchfit.probe.find", "find_max_batch"),
+           ("batchfit.bench.engine", "bench"), ("batchfit.cli.plan", "plan"), ("batchfit.sweep.engine", "plan_sweep"),
            ("batchfit.sweep.engine", "run_sweep")]
 
 

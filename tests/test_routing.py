@@ -81,8 +81,8 @@ def tiny_moe(router: str | None = None, implementation: str = "eager") -> Worklo
 def traced(workload: Workload, routing: str, precision: str = "fp32") -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with TraceSession(workload, StepOptions(routing=routing, precision=precision, optimizer="sgd"), cuda_semantics=False,
-                          tracker=MemoryTracker(round_bytes=1)) as session:
+        with TraceSession(workload, StepOptions(routing=routing, precision=precision, optimizer="sgd"),
+                          cuda_semantics=False, tracker=MemoryTracker(round_bytes=1)) as session:
             return session.trace(B).snapshot.peak_bytes
 
 

@@ -53,7 +53,8 @@ def test_emit_patches_only_the_keys_that_change():
     from batchfit.plan.sharded import parse_strategy
 
     text = DEBUG.read_text()
-    values = {"parallelism": degrees(parse_strategy("fsdp+tp2", 8)), "training": {"local_batch_size": 3, "global_batch_size": 48}}
+    values = {"parallelism": degrees(parse_strategy("fsdp+tp2", 8)),
+              "training": {"local_batch_size": 3, "global_batch_size": 48}}
     out = patch_toml(text, values)
     import difflib
 

@@ -223,7 +223,8 @@ def test_sft_model_init_kwargs_and_checkpointing_aliases():
     transformers 5's deprecated gradient_checkpointing alias is the same setting, not a second one."""
     mapping = from_training_arguments(
         {"bf16": True, "activation_checkpointing": True, "gradient_checkpointing": True,
-         "activation_checkpointing_kwargs": {"every_n_layers": 2}, "gradient_checkpointing_kwargs": {"every_n_layers": 2},
+         "activation_checkpointing_kwargs": {"every_n_layers": 2},
+         "gradient_checkpointing_kwargs": {"every_n_layers": 2},
          "model_init_kwargs": {"torch_dtype": "bfloat16", "attn_implementation": "sdpa"}, "max_length": 512},
         check_fields=False)
     assert mapping.step == {"precision": "bf16", "checkpointing": "every:2", "attention": "sdpa"} and mapping.seq_len == 512

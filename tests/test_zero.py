@@ -245,8 +245,8 @@ def test_accelerate_config_of_zero1_and_zero2_is_deepspeed_stage_1_and_2():
     from batchfit.plan.emit import accelerate_yaml
 
     for shard, stage in (("zero1", 1), ("zero2", 2)):
-        p = SimpleNamespace(strategy=shard, shard=shard, gpus=8, nodes=1, tp=1, dp=8, pp=1, cp=1, ep=1, replicas=1, micro_batch=4,
-                            accumulation_steps=2, global_batch=64)
+        p = SimpleNamespace(strategy=shard, shard=shard, gpus=8, nodes=1, tp=1, dp=8, pp=1, cp=1, ep=1, replicas=1,
+                            micro_batch=4, accumulation_steps=2, global_batch=64)
         result = SimpleNamespace(recommended=[p], options=StepOptions(precision="bf16-mixed"), workload="w")
         config = yaml.safe_load(accelerate_yaml(result))
         assert config["distributed_type"] == "DEEPSPEED"

@@ -139,7 +139,8 @@ def _traced(workload: Workload, options: StepOptions, batch_size: int, device: D
         if device is not None:  # the whole fresh process: build, first step, second step
             config = AllocatorConfig.from_env()
             reserved, reserved_oom, _ = replay_reserved(session.tracker.events, device, config)
-            expandable, _, _ = replay_reserved(session.tracker.events, device, replace(config, expandable_segments=True))
+            expandable, _, _ = replay_reserved(session.tracker.events, device,
+                                               replace(config, expandable_segments=True))
         with session.fake_mode, FlopCounterMode(display=False, custom_mapping=_FLOPS) as counter:
             session.step.run(batch_size)
         flops = counter.get_total_flops()
@@ -296,16 +297,18 @@ def _hints(rows: list[BenchRow], leak: Leak | None, points: list[dict]) -> list[
             hints.append(
                 f"batch {worst.batch_size}: {waste / 2**30:.2f} GiB reserved but not allocated (fragmentation); "
                 f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is traced to reserve "
-                f"{worst.reserved_expandable_bytes / 2**30:.2f} GiB instead of {worst.peak_reserved_bytes / 2**30:.2f} GiB")
+                f"{worst.reserved_expandable_bytes / 2**30:.2f} GiB instead of "
+                f"{worst.peak_reserved_bytes / 2**30:.2f} GiB")
     if leak and leak.leaking:
         top = leak.where[0] if leak.where else None
         place = f": {top['op']} in the {top['phase']} phase" + (f" ({top['module']})" if top["module"] else "") if top else ""
         hints.append(f"memory grows by {leak.bytes_per_step:,.0f} bytes per step{place}; keep .item() of losses, "
                      "not the tensors, and do not keep tensors that hold the graph across steps")
     for point in points:
-        hints.append(f"memory per sample changes at batch ~{point['at']}: {point['bytes_per_sample_before'] / 2**20:.1f} -> "
-                     f"{point['bytes_per_sample_after'] / 2**20:.1f} MiB/sample; the peak moves from the "
-                     f"{point['phase_before']} phase to the {point['phase_after']} phase")
+        hints.append(f"memory per sample changes at batch ~{point['at']}: "
+                     f"{point['bytes_per_sample_before'] / 2**20:.1f} -> {point['bytes_per_sample_after'] / 2**20:.1f} "
+                     f"MiB/sample; the peak moves from the {point['phase_before']} phase to the "
+                     f"{point['phase_after']} phase")
     return hints
 
 

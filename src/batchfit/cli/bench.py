@@ -89,7 +89,8 @@ def bench_command(
     accumulation_steps: AccumulationOpt = 1,
     steps: Annotated[int, typer.Option(help="Timed steps per batch size (with --leak-check: steps to watch).")] = 10,
     warmup: Annotated[int, typer.Option(help="Burn-in steps before timing.")] = 3,
-    leak_check: Annotated[bool, flag("--leak-check", "Watch allocated memory over --steps steps and say if it grows.")] = False,
+    leak_check: Annotated[bool, flag("--leak-check",
+                                     "Watch allocated memory over --steps steps and say if it grows.")] = False,
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, throughput.png, bench.json")] = None,
     trainer: TrainerOpt = None,
@@ -107,8 +108,8 @@ def bench_command(
     door = read_trainer(trainer)
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
-                           quantize=quantize, lora=lora, memory_budget=memory_budget,
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps,
+                           compile_, loss, offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
                            routing=routing, attention=attention)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)

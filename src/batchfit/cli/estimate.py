@@ -143,7 +143,8 @@ def estimate_command(
                                                         "(no gradients, the whole logits) after the training "
                                                         "step: the larger peak decides (docs/run.md).")] = None,
     eval_accumulation_steps: Annotated[int | None, typer.Option(help="Eval steps whose logits stay on the GPU "
-                                                                "together (the Trainer's, with compute_metrics).")] = None,
+                                                                "together (the Trainer's, with "
+                                                                "compute_metrics).")] = None,
 ) -> None:
     """Predict peak training memory and the largest batch that fits a GPU, without a GPU.
 
@@ -162,8 +163,8 @@ def estimate_command(
         raise OptionError("estimate sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb), "
                           "--gpu-memory 24GiB or --device cuda")
     device = target.device
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
-                           quantize=quantize, lora=lora, memory_budget=memory_budget,
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps,
+                           compile_, loss, offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
                            routing=routing, attention=attention)
     host_memory_bytes = parse_host_memory(host_memory)
     options = merged_options(options, door)

@@ -49,7 +49,8 @@ def parse_shares(text: str, option: str) -> list[float]:
         try:
             shares.append(float(part[:-1]) / 100 if part.endswith("%") else float(part))
         except ValueError:
-            raise OptionError(f"cannot read {option} '{text}': give shares of the budget, e.g. 10%,25% or 0.1,0.25") from None
+            raise OptionError(f"cannot read {option} '{text}': give shares of the budget, e.g. "
+                              "10%,25% or 0.1,0.25") from None
     return shares
 
 
@@ -58,7 +59,8 @@ def recommend_command(
     model: ModelArg,
     tokens: Annotated[str | None, typer.Option(help="The training budget in tokens, e.g. 327.68M.")] = None,
     samples: Annotated[str | None, typer.Option(help="The budget in samples instead, e.g. 200k.")] = None,
-    batch_sizes: Annotated[str, typer.Option(help="The batch sizes a sweep would try, e.g. 1,2,4,8,16,32.")] = "1,2,4,8,16,32,64",
+    batch_sizes: Annotated[str, typer.Option(help="The batch sizes a sweep would try, e.g. "
+                                                  "1,2,4,8,16,32.")] = "1,2,4,8,16,32,64",
     lrs: Annotated[str | None, typer.Option(help="Peak learning rates at the smallest batch size, e.g. 3e-4 "
                                                  "(default: the optimizer's).")] = None,
     lr_scaling: Annotated[str, typer.Option(help="How a branch at k x the batch scales its rate: sqrt (Adam, the "

@@ -83,7 +83,8 @@ class Lengths:
         for these ``lengths``: loaded now, not inside a trace (a workload may make tensors as it loads)."""
         for length in lengths:
             self._batch_of(length)
-        return dataclasses.replace(self.base, make_batch=lambda b, device: self._batch_of(self.length).make_batch(b, device))
+        return dataclasses.replace(self.base,
+                                   make_batch=lambda b, device: self._batch_of(self.length).make_batch(b, device))
 
 
 def fits(point: MemoryPoint, device: Device, limit: str, host_limit_bytes: int | None) -> bool:
@@ -301,8 +302,8 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                  options: StepOptions | None = None, seq_len: int | None = None, limit: str = "reserved",
                  batch_sizes: list[int] | None = None, max_batch: int | None = None,
                  host_memory_bytes: int | None = None, global_batch: int | None = None,
-                 replay_steps: int = 0, replay_order: str = "data", eval_batch_size: int | None = None, eval_held_steps: int = 1,
-                 progress: Callable[[str], None] | None = None, **estimate_options):
+                 replay_steps: int = 0, replay_order: str = "data", eval_batch_size: int | None = None,
+                 eval_held_steps: int = 1, progress: Callable[[str], None] | None = None, **estimate_options):
     """The estimate at the run's deciding length, each traced batch size's run, and the answer in
     the batching's terms; with ``replay_steps`` the answer's first K steps replayed through the
     allocator model (``estimator/churn.py``). ``estimate_options`` go to :func:`estimator.engine.estimate`."""

@@ -214,7 +214,8 @@ def _fix(plan: StrategyPlan, point: PlanPoint, capacity_bytes: int, options: Ste
                   f"reserves {needed / GiB:.2f} GiB (allocator model, {point.reserved.peak_step_name})")]
     else:
         out = [f"local batch {point.local_batch} needs {point.peak_bytes / GiB:.2f} GiB per GPU, "
-               f"{(point.peak_bytes - capacity_bytes) / GiB:.2f} GiB more than the {capacity_bytes / GiB:.2f} GiB usable"]
+               f"{(point.peak_bytes - capacity_bytes) / GiB:.2f} GiB more than the "
+               f"{capacity_bytes / GiB:.2f} GiB usable"]
     if plan.shard in ("none", "ddp") and plan.gpus > 1 and state:
         saving = state * (1 - 1 / plan.gpus)
         out.append(f"fsdp shards parameters, gradients and optimizer state ({state / GiB:.2f} GiB here) over the "

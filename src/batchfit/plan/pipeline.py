@@ -77,10 +77,10 @@ class PipelineSession:
         sp = strategy.tp > 1 and (getattr(probe, "pos", None) is None if pp_parts(probe) is None
                                   else sequence_parallel(probe))
         if sp and pp_parts(probe) is not None and self.schedule.splits_backward:
-            raise OptionError(f"{strategy.name} with {self.schedule.name}: an HF stage under sequence-parallel TP sends "
-                              "its sequence shard as a view of the residual stream's DTensor, which torch's "
-                              "stage_backward_input cannot detach in place: use --pp-schedule 1f1b, gpipe or "
-                              "interleaved-1f1b, or drop tp")
+            raise OptionError(f"{strategy.name} with {self.schedule.name}: an HF stage under "
+                              "sequence-parallel TP sends its sequence shard as a view of the residual stream's "
+                              "DTensor, which torch's stage_backward_input cannot detach in place: use --pp-schedule "
+                              "1f1b, gpipe or interleaved-1f1b, or drop tp")
         self.seq_len = workload.tokens_per_sample // (strategy.tp if sp else 1)
         del probe
         self.ranks = list(range(strategy.pp)) if ranks is None else ranks

@@ -87,7 +87,8 @@ def plan_point(traced, workspace_bytes: int) -> PlanPoint:
         peak += workspace_bytes
     return PlanPoint(traced.local_batch, peak, breakdown, traced.flops, tuple(traced.collectives),
                      getattr(traced, "host_reserved_bytes", 0), getattr(traced, "offloaded_bytes", 0),
-                     getattr(traced, "host_peak_bytes", 0), stage_peak_bytes=tuple(getattr(traced, "stage_peak_bytes", ())))
+                     getattr(traced, "host_peak_bytes", 0),
+                     stage_peak_bytes=tuple(getattr(traced, "stage_peak_bytes", ())))
 
 
 @dataclass

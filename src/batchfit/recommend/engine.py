@@ -108,7 +108,8 @@ def identity(plan: Plan, workload: Workload, tokens: TokenData | None) -> dict:
     from dataclasses import asdict
 
     return {**asdict(plan.config), "branch_points": list(plan.config.branch_points), "workload": workload.name,
-            "data": tokens.key if tokens is not None else None, "lrs_per_batch": {str(b): v for b, v in plan.lrs.items()},
+            "data": tokens.key if tokens is not None else None,
+            "lrs_per_batch": {str(b): v for b, v in plan.lrs.items()},
             "micro_batches": {str(b): m for b, m in plan.micro_batches.items()}}
 
 

@@ -30,9 +30,10 @@ def recommend_markdown(data: dict) -> str:
              f"same rule, {data.get(f'sweep_val_{unit}', 0):,} validated).",
              *[f"- Weight decay {p['weight_decay']:.3g} at this batch and rate: {p['source']} (a formula's answer, "
                "not measured)." for p in data["sources"]["priors"] if p.get("weight_decay") is not None],
-             f"- Parent at batch {data['batch_sizes'][0]}; branches at {', '.join(f'{p:,}' for p in data['branch_points'])}"
-             f" {unit}, each {data['window']:,} {unit} long, the last {data.get('cooldown', 0):.0%} of it a linear "
-             f"decay to the schedule's final rate; learning rate scaled by {data['lr_scaling']} of the "
+             f"- Parent at batch {data['batch_sizes'][0]}; branches at "
+             f"{', '.join(f'{p:,}' for p in data['branch_points'])} {unit}, each {data['window']:,} {unit} long, the "
+             f"last {data.get('cooldown', 0):.0%} of it a linear decay to the schedule's final rate; learning rate "
+             f"scaled by {data['lr_scaling']} of the "
              "batch ratio; the last point repeated on "
              f"{data['seeds']} data window(s).", "", "## Evidence", "",
              "| source | batch size | learning rate | kind | note |", "|---|---:|---:|---|---|"]

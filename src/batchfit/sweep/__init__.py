@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from batchfit.train.budget import Budget, Schedule
 
 _LAZY = {"Budget": "batchfit.train.budget", "Schedule": "batchfit.train.budget", "SweepConfig": "batchfit.sweep.engine",
-         "plan_sweep": "batchfit.sweep.engine", "run_sweep": "batchfit.sweep.engine", "NoiseResult": "batchfit.sweep.noise",
+         "plan_sweep": "batchfit.sweep.engine", "run_sweep": "batchfit.sweep.engine",
+         "NoiseResult": "batchfit.sweep.noise",
          "gradient_noise_scale": "batchfit.sweep.noise", "SweepResult": "batchfit.sweep.result",
          "read_result": "batchfit.sweep.result"}
 

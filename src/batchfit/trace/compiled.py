@@ -55,8 +55,8 @@ COMPILED_TRACED = Approximation(
                    "(4-layer Llama, batch 2 and 4); plan's rank 0 against 2-process gloo runs compiled with inductor "
                    "(tiny Llama, fp32): fsdp -0.001% (blocks) to +0.02% (model), -0.001% bf16-mixed (blocks); "
                    "fsdp-noreshard, hsdp, ddp, zero1, zero2 (blocks) and ddp cut at its buckets (model): "
-                   "within 60 B (-0.0006%; gpt-tinystories-22m: within 108 B); tp2 (model, DTensor in the graph): +0.13% "
-                   "(gpt-tinystories-22m: +0.011%); "
+                   "within 60 B (-0.0006%; gpt-tinystories-22m: within 108 B); tp2 (model, DTensor in the "
+                   "graph): +0.13% (gpt-tinystories-22m: +0.011%); "
                    "bf16-mixed: -0.9% to +0.01% (2-layer Llama, tinystories-22m); "
                    "against inductor on an H100 (bf16-mixed, 3 models, dynamo's shapes as in the measured "
                    "process): -0.28% to 0%; shapes compiled static where the H100 run had dynamic ones: -7.4% "
@@ -79,9 +79,9 @@ MEMORY_BUDGET_TRACED = Approximation(
     what=("--memory-budget: each graph runs the wrapper code inductor generates for it on this machine's CPU "
           "(inductor's fusion, schedule and buffer reuse), its kernels skipped, on fake tensors"),
     may_differ_by=("-0.12% to +0.00% of inductor's peak on this CPU (2-layer Llama, budgets 1 to 0: +0.0003% at "
-                   "each but 0.1, -0.12% there; gpt-tinystories-22m at 0.5 and 0.1: +0.007%, +0.008%); the peak is traced at each budget, not assumed to fall with it "
-                   "(pytorch/pytorch#197838); for a GPU it is inductor's CPU schedule: Triton fuses and orders "
-                   "kernels by its own rules, not measured here"),
+                   "each but 0.1, -0.12% there; gpt-tinystories-22m at 0.5 and 0.1: +0.007%, +0.008%); the peak is "
+                   "traced at each budget, not assumed to fall with it (pytorch/pytorch#197838); for a GPU it is "
+                   "inductor's CPU schedule: Triton fuses and orders kernels by its own rules, not measured here"),
     source="benchmarks/results/memory_budget-2026-11-25.json (python benchmarks/memory_budget.py); "
            "benchmarks/results/recipes-budget-2026-11-26.json",
 )
@@ -300,7 +300,8 @@ def inductor_plan(module: fx.GraphModule, example_inputs: list, tracker: Any, *,
         tracker.uncounted = uncounted
     builds = "async_compile = AsyncCompile()"
     if builds not in source:
-        raise RuntimeError("inductor's wrapper does not build its kernels with AsyncCompile (the trace cannot skip them)")
+        raise RuntimeError("inductor's wrapper does not build its kernels with AsyncCompile (the trace "
+                           "cannot skip them)")
     scope: dict[str, Any] = {"__name__": "batchfit_inductor_wrapper", "_NoKernels": _NoKernels}
     exec(compile(source.replace(builds, "async_compile = _NoKernels()"), "<inductor wrapper>", "exec"), scope)
     # The wrapper's allocators and checks are C++ fast paths that bypass the dispatcher (they would
@@ -478,7 +479,8 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budge
     _FALLBACKS.clear()
     _RECOMPUTING.clear()
     tracker.run_compiled = True
-    backend = _split_as_ddp(trace_backend(tracker, memory_budget, inductor_code=inductor_everywhere(model, checkpointing)),
+    backend = _split_as_ddp(trace_backend(tracker, memory_budget,
+                                          inductor_code=inductor_everywhere(model, checkpointing)),
                             ddp_mode() == "ddp_optimizer")
     # DDP (and zero1's DDP) wraps the model compiled before it, as TrainingStep does on a device:
     # its inner module is what a real run compiles with --compile model.
@@ -592,9 +594,9 @@ def compile_approximations(options: StepOptions, model: nn.Module, loss_fn: Any 
 
 
 TP_BLOCKS_FAIL = ("a real --compile blocks run of a tensor-parallel plan fails in its first backward (2 gloo ranks, "
-                  "torch 2.13): the vocabulary-parallel embedding's output (RowwiseParallel, Shard(1): reduce-scattered "
-                  "into an AsyncCollectiveTensor) enters the first compiled block, and the gradient that block's compiled "
-                  "backward returns for it reaches DTensor's Redistribute.backward "
+                  "torch 2.13): the vocabulary-parallel embedding's output (RowwiseParallel, Shard(1): "
+                  "reduce-scattered into an AsyncCollectiveTensor) enters the first compiled block, and the gradient "
+                  "that block's compiled backward returns for it reaches DTensor's Redistribute.backward "
                   "(torch/distributed/tensor/_redistribute.py) as a plain Tensor (AttributeError: '_local_tensor'); "
                   "--compile model runs and is traced compiled")
 """Why ``--compile blocks`` under TP stays eager: the step it would trace does not run."""

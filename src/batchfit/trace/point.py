@@ -194,7 +194,8 @@ class TracedCurve:
         self._params_by_depth: list[tuple[int, int]] = []
         self._full: TraceSession | None = None
         self._seen = seen = depth.Depth()
-        by_depth = by_depth and options.blocks_alike and options.compile == "none"  # every:N: blocks differ by position; a compiled trace has no per-block parts
+        # every:N: blocks differ by position; a compiled trace has no per-block parts
+        by_depth = by_depth and options.blocks_alike and options.compile == "none"
         self._first = first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
                                            options)
         if by_depth and first.compiled:  # the workload compiles itself: traced whole, as --compile is
@@ -267,7 +268,8 @@ class TracedCurve:
         if self.options.memory_budget is not None:
             asked += f" --memory-budget {self.options.memory_budget:g}"
             budget = [dataclasses.replace(MEMORY_BUDGET_TRACED,
-                                          detail=f"--memory-budget {self.options.memory_budget:g}{inductor_fallbacks()}")]
+                                          detail="--memory-budget "
+                                                 f"{self.options.memory_budget:g}{inductor_fallbacks()}")]
         compiled = graph_breaks()
         if compiled.startswith("0 graphs compiled"):  # dynamo gave every frame up: the step ran eagerly
             return [Approximation(

@@ -217,7 +217,8 @@ def _rules(events: list[Event], labels: list[tuple], copies: tuple[int, ...]) ->
         if kind != "free":  # a mark: frees nothing
             continue
         slot = label[:2] if label[0] == "base" else ("run", label[1], label[3])
-        seen.setdefault(slot, []).append((label[2] if label[0] == "run" else 0, _encodings(label, where[ident], copies)))
+        seen.setdefault(slot, []).append((label[2] if label[0] == "run" else 0,
+                                          _encodings(label, where[ident], copies)))
     rules = {}
     for slot, frees in seen.items():
         if slot[0] == "base":

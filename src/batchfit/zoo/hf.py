@@ -64,7 +64,8 @@ CONFIGS: dict[str, dict] = {
 }
 ALIASES = {"gpt2": "gpt2-124m", "bert-large-uncased": "bert-large", "llama-3.1-8b-instruct": "llama-3.1-8b",
            "llama-3.1-70b-instruct": "llama-3.1-70b",
-           "mistral-7b-v0.3": "mistral-7b", "qwen3-30b-a3b": "qwen3-moe-30b-a3b", "mixtral-8x7b-v0.1": "mixtral-8x7b", "qwen2.5-7b-instruct": "qwen2.5-7b"}
+           "mistral-7b-v0.3": "mistral-7b", "qwen3-30b-a3b": "qwen3-moe-30b-a3b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
+           "qwen2.5-7b-instruct": "qwen2.5-7b"}
 DEFAULT_SEQ_LEN = 2048
 
 
