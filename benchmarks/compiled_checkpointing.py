@@ -3,8 +3,9 @@
 this CPU (the profiler's memory timeline, one thread and oneDNN off: tests/cpu_truth.py).
 
 The model: a small HF Llama (hidden 128, 4 heads, 2 K/V heads, SwiGLU 256, vocab 512, 2 layers, seq
-128, no KV cache: as batchfit's hf: specs build it), AdamW. ``--op-by-op`` adds the trace as it ran before each checkpointed graph ran inductor's own
-wrapper code (batchfit's fusion model, op by op). Writes benchmarks/results/compiled_checkpointing-<date>.json.
+128, no KV cache: as batchfit's hf: specs build it), AdamW. ``--op-by-op`` adds the trace as it ran
+before each checkpointed graph ran inductor's own wrapper code (batchfit's fusion model, op by op).
+Writes benchmarks/results/compiled_checkpointing-<date>.json.
 
     python benchmarks/compiled_checkpointing.py [--batch-size 4] [--attention sdpa,eager]
         [--compile model,blocks] [--checkpointing full,selective,every:2] [--precision fp32,bf16-mixed]

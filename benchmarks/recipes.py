@@ -55,7 +55,7 @@ buckets: a 1 MiB first bucket, then 25 MiB), tp2 under --compile model; rank 0 t
 process group against rank 0 of a real 2-process gloo run compiled with inductor.
 
     python benchmarks/recipes.py --only compile-plan --name recipes-cddp
-"""
+"""  # noqa: E501 - a command line to copy whole
 
 from __future__ import annotations
 
@@ -394,7 +394,8 @@ def main() -> None:
             traced, measured, options, relaxed = gloo_expert_parallel(name)
             timeline = "relaxed" if relaxed else "strict"
         elif name in GLOO:
-            options = StepOptions(precision="bf16-mixed") if name.startswith("torchtitan") else StepOptions(offload="params")
+            options = (StepOptions(precision="bf16-mixed") if name.startswith("torchtitan")
+                       else StepOptions(offload="params"))
             traced, measured = (gloo_torchtitan(name.split()[2]) if name.startswith("torchtitan")
                                 else gloo_offload_params())
         else:

@@ -78,7 +78,8 @@ def main() -> None:
         summary[policy] = {"median_probes": statistics.median(counts), "max_probes": max(counts),
                            "found_true_max": sum(row["policies"][policy]["found_true_max"] for row in rows),
                            "cases": len(rows),
-                           "median_probe_seconds": statistics.median(row["policies"][policy]["probe_seconds"] for row in rows)}
+                           "median_probe_seconds": statistics.median(row["policies"][policy]["probe_seconds"]
+                                                                     for row in rows)}
         print(f"{policy:10s} median probes {summary[policy]['median_probes']:5}  max "
               f"{summary[policy]['max_probes']:3}  true max found {summary[policy]['found_true_max']}/{len(rows)}")
     path = write_result("search_cost", {

@@ -218,7 +218,8 @@ DEFAULTS = {dim: values[0] for dim, values in DIMENSIONS.items()}
 def default_rows() -> list[dict]:
     """Every family as a user runs it first (every option at its default), on one GPU and under fsdp,
     with reserved memory replayed through the allocator model (the arrays check ``--limit allocated``)."""
-    return [{**DEFAULTS, "family": family, "strategy": strategy} for family in FAMILIES for strategy in ("single", "fsdp")]
+    return [{**DEFAULTS, "family": family, "strategy": strategy}
+            for family in FAMILIES for strategy in ("single", "fsdp")]
 
 
 def row_id(row: dict) -> str:

@@ -275,7 +275,8 @@ def test_the_memory_budget_is_traced_and_said(tmp_path):
     workload = load_workload(spec)
     peaks = []
     for budget in (None, 1.0, 0.0):  # activations dominate at batch 4096: 2 x 64 floats a sample
-        with TraceSession(workload, StepOptions(compile="model", memory_budget=budget), cuda_semantics=False) as session:
+        with TraceSession(workload, StepOptions(compile="model", memory_budget=budget),
+                          cuda_semantics=False) as session:
             peaks.append(session.trace(4096).snapshot.peak_bytes)
     assert peaks[0] == peaks[1] > peaks[2]  # 7,964,168 and 6,391,304 B when written: budget 0 recomputes the relu
     # Under a budget each graph ran the wrapper inductor generates for it (its schedule of the
@@ -345,7 +346,8 @@ def build():
                                         attn_implementation="sdpa"))
 
 def workload():
-    return Workload(name="llama-4l", build_model=build, make_batch=lambda b, d: torch.randint(0, 2048, (b, 128), device=d),
+    return Workload(name="llama-4l", build_model=build,
+                    make_batch=lambda b, d: torch.randint(0, 2048, (b, 128), device=d),
                     loss_fn=lambda m, x: m(input_ids=x, labels=x).loss, tokens_per_sample=128)
 """
 
@@ -448,7 +450,8 @@ def test_pointwise_heavy_blocks_are_traced_low_op_by_op_and_exact_as_inductors_c
     workload = load_workload(f"{tmp_path}/pointwise.py:workload")
     traced = {}
     for budget in (None, 1.0):
-        with TraceSession(workload, StepOptions(compile="model", memory_budget=budget), cuda_semantics=False) as session:
+        with TraceSession(workload, StepOptions(compile="model", memory_budget=budget),
+                          cuda_semantics=False) as session:
             traced[budget] = session.trace(4).snapshot.peak_bytes
     with same_kernels_on_any_x86():
         truth = profiled_step_peak(TrainingStep(workload, StepOptions(compile="model"), torch.device("cpu")), 4,

@@ -32,9 +32,10 @@ LM = language_model_workload(name="tiny-lm", build_model=lambda: Transformer(CON
 
 
 def test_traced_float8_step_matches_the_cpu_profiler(tmp_path):
-    """Rowwise (per-row scales, its backward's fp32 rescaling). torch._scaled_mm runs on this CPU (an fp32 emulation): the real step, measured by the profiler,
-    against the trace with CPU semantics (which runs that kernel's scratch op by op:
-    ``trace/cuda_float8.py``); everything else is torchao's own code on both sides."""
+    """Rowwise (per-row scales, its backward's fp32 rescaling). torch._scaled_mm runs on this CPU (an
+    fp32 emulation): the real step, measured by the profiler, against the trace with CPU semantics
+    (which runs that kernel's scratch op by op: ``trace/cuda_float8.py``); everything else is
+    torchao's own code on both sides."""
     options = StepOptions(precision="fp8-rowwise")
     with TraceSession(LM, options, cuda_semantics=False) as session:
         traced = session.trace(B).snapshot.peak_bytes

@@ -65,7 +65,8 @@ def test_a_read_only_folder_is_refused(command, no_work, tmp_path, monkeypatch):
     read_only.mkdir()
     real_access = os.access
     monkeypatch.setattr("batchfit.cli.common.os.access",
-                        lambda path, mode: False if os.path.abspath(path) == str(read_only) else real_access(path, mode))
+                        lambda path, mode: (False if os.path.abspath(path) == str(read_only)
+                                            else real_access(path, mode)))
     line = refused(command, "--json", str(read_only / "r.json"))
     assert f"cannot write in '{read_only}' (read-only" in line
     assert "read-only" in refused(command, "--out", str(read_only / "report"))

@@ -114,7 +114,8 @@ def test_calibrate_takes_the_mfu_a_gpu_bench_measured(standin, tmp_path):
                  "bf16-mixed", "--calibrate", str(tmp_path / "bench.json"), "--out", str(tmp_path), "--json", "-")
     assert result.exit_code == 0, result.output
     model = json.loads(result.stdout)["time_model"]
-    assert model["mfu"] == 0.35 and "measured by batchfit bench on NVIDIA H100 80GB HBM3 at batch 8" in model["mfu_source"]
+    assert model["mfu"] == 0.35
+    assert "measured by batchfit bench on NVIDIA H100 80GB HBM3 at batch 8" in model["mfu_source"]
     cpu_bench = {"rows": [{"batch_size": 4, "mfu": None}]}
     (tmp_path / "cpu.json").write_text(json.dumps(cpu_bench))
     result = run("plan", MODEL, "--gpu", "h100-80gb", "--gpus", "2", "--calibrate", str(tmp_path / "cpu.json"))

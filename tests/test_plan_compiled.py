@@ -132,7 +132,8 @@ def test_a_plan_says_which_strategies_were_traced_compiled_and_why_not_the_other
         (COMPILED_TRACED.what, "--compile blocks: fsdp, ddp traced compiled"),
         (COMPILED_AS_EAGER.what, "--compile blocks: tp2 traced eager: why"),
         (COMPILED_AS_EAGER.what, "--compile blocks: pp2 traced eager: why not")]
-    assert [a.what for a in plan_compile_approximations(tiny_workload(), OPTIONS, ["fsdp"], {})] == [COMPILED_TRACED.what]
+    assert [a.what for a in plan_compile_approximations(tiny_workload(), OPTIONS, ["fsdp"], {})] == [
+        COMPILED_TRACED.what]
     assert [a.what for a in plan_compile_approximations(tiny_workload(), OPTIONS, [], {"tp2": "why"})] == [
         COMPILED_AS_EAGER.what]
     assert plan_compile_approximations(tiny_workload(), StepOptions(), [], {"ddp": ""}) == []

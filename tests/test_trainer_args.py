@@ -227,7 +227,8 @@ def test_sft_model_init_kwargs_and_checkpointing_aliases():
          "gradient_checkpointing_kwargs": {"every_n_layers": 2},
          "model_init_kwargs": {"torch_dtype": "bfloat16", "attn_implementation": "sdpa"}, "max_length": 512},
         check_fields=False)
-    assert mapping.step == {"precision": "bf16", "checkpointing": "every:2", "attention": "sdpa"} and mapping.seq_len == 512
+    assert mapping.step == {"precision": "bf16", "checkpointing": "every:2", "attention": "sdpa"}
+    assert mapping.seq_len == 512
     used = {u.field: u for u in mapping.used}
     assert "replaces --precision bf16-mixed" in used["model_init_kwargs.torch_dtype"].why
     assert used["gradient_checkpointing"].why == "the same as activation_checkpointing"

@@ -272,7 +272,8 @@ class BenchResult:
     steps: int
     warmup: int
     seconds: float
-    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    created: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
 
     def to_json(self) -> dict:
@@ -293,7 +294,8 @@ def _hints(rows: list[BenchRow], leak: Leak | None, points: list[dict]) -> list[
     worst = max(wasteful, key=lambda r: r.peak_reserved_bytes - r.peak_allocated_bytes, default=None)
     if worst is not None:
         waste = worst.peak_reserved_bytes - worst.peak_allocated_bytes
-        if waste >= max(0.1 * worst.peak_reserved_bytes, 256 * 2**20) and worst.reserved_expandable_bytes < worst.peak_reserved_bytes:
+        if (waste >= max(0.1 * worst.peak_reserved_bytes, 256 * 2**20)
+                and worst.reserved_expandable_bytes < worst.peak_reserved_bytes):
             hints.append(
                 f"batch {worst.batch_size}: {waste / 2**30:.2f} GiB reserved but not allocated (fragmentation); "
                 f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is traced to reserve "
@@ -301,7 +303,8 @@ def _hints(rows: list[BenchRow], leak: Leak | None, points: list[dict]) -> list[
                 f"{worst.peak_reserved_bytes / 2**30:.2f} GiB")
     if leak and leak.leaking:
         top = leak.where[0] if leak.where else None
-        place = f": {top['op']} in the {top['phase']} phase" + (f" ({top['module']})" if top["module"] else "") if top else ""
+        place = (f": {top['op']} in the {top['phase']} phase" + (f" ({top['module']})" if top["module"] else "")
+                 if top else "")
         hints.append(f"memory grows by {leak.bytes_per_step:,.0f} bytes per step{place}; keep .item() of losses, "
                      "not the tensors, and do not keep tensors that hold the graph across steps")
     for point in points:

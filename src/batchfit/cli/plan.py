@@ -92,7 +92,7 @@ Examples:
   batchfit plan frozen-pair --gpu h100-80gb --gpus 1,2,3,4 --strategies ddp --precision bf16-mixed --target-util 0.8 --emit config.yaml
 
   batchfit plan hf:qwen2.5-7b --gpu a100-80gb --nodes 2 --gpus-per-node 8 --strategies auto --precision bf16-mixed
-"""
+"""  # noqa: E501 - each example is a command line to copy whole from --help
 
 
 @handle_errors
@@ -371,9 +371,8 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
     for best in result.recommended:
         console.print(f"[bold green]{best.gpus} GPU{'s' if best.gpus > 1 else ''}: {best.strategy}[/], micro-batch "
                       f"{best.micro_batch} x {best.accumulation_steps} accumulation = global batch {best.global_batch}"
-                      + (f"; its reserved peak is in the {best.peak_step}" if best.peak_step not in (None,
-                                                                                                     "steady step")
-                         else ""))
+                      + (f"; its reserved peak is in the {best.peak_step}"
+                         if best.peak_step not in (None, "steady step") else ""))
     for path in written:
         console.print(f"wrote {path}")
     console.print(f"report: {report_path}", soft_wrap=True)

@@ -38,7 +38,7 @@ Examples:
   batchfit recommend gpt-tinystories-22m --data stories.txt --tokens 327.68M --batch-sizes 1,2,4,8,16,32,64,128,256 --lrs 3e-4
 
   batchfit recommend my_gpt.py:workload --data corpus/ --tokens 50M --batch-sizes 8,16,32,64,128 --lr-scaling none --gpu t4-16gb
-"""
+"""  # noqa: E501 - each example is a command line to copy whole from --help
 
 
 def parse_shares(text: str, option: str) -> list[float]:

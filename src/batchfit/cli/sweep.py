@@ -44,7 +44,7 @@ Examples:
   batchfit sweep my_model.py:workload --batch-sizes 4,16,64 --samples 200000 --lrs 0.05 --resume --store sweep.db
 
   batchfit sweep hf:gpt2-124m --data corpus/ --batch-sizes 8,32,128 --tokens 50M --executor ray --workers 4
-"""
+"""  # noqa: E501 - each example is a command line to copy whole from --help
 
 DataOpt = Annotated[str | None, typer.Option(help="Text: a .txt file, a folder of .txt/.jsonl/.parquet, or a datasets "
                                                   "name or path. Without it: the workload's batches (synthetic).")]

@@ -129,7 +129,8 @@ def _reduce_to_owner(owner: int, me: int, world: int, group):
     return hook
 
 
-def with_sharded_optimizer(workload: Workload, options: StepOptions, strategy: Strategy) -> tuple[Workload, StepOptions]:
+def with_sharded_optimizer(workload: Workload, options: StepOptions,
+                           strategy: Strategy) -> tuple[Workload, StepOptions]:
     """``workload`` and ``options`` whose training step builds its optimizer (``--optimizer`` or
     the workload's own) wrapped as ``strategy`` needs it: a ZeroRedundancyOptimizer for zero1 /
     zero2, unchanged otherwise. The same for the traced rank (``plan``) and real gloo ranks."""

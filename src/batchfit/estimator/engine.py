@@ -93,7 +93,8 @@ class EstimateResult:
     batch size's worst step; None for one shape."""
     eval_phase: object | None = None
     """--eval-batch-size: the eval loop after the answer's training step (``estimator/eval_phase.py``: EvalPhase)."""
-    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    created: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
 
     @property

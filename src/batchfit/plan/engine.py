@@ -200,7 +200,8 @@ def _choose_micro(plan: StrategyPlan, curve: ShardedCurve, target_bytes: int, gl
 def _fix(plan: StrategyPlan, point: PlanPoint, capacity_bytes: int, options: StepOptions,
          host_limit_bytes: int | None = None) -> list[str]:
     """What would make local batch 1 fit, computed from its breakdown (labelled computed)."""
-    if point.peak_bytes <= capacity_bytes and host_limit_bytes is not None and point.host_reserved_bytes > host_limit_bytes:
+    if (point.peak_bytes <= capacity_bytes and host_limit_bytes is not None
+            and point.host_reserved_bytes > host_limit_bytes):
         return [f"local batch {point.local_batch} fits the GPU, but its offloaded tensors hold "
                 f"{point.host_reserved_bytes / GiB:.2f} GiB of pinned host memory per rank, over --host-memory "
                 f"{host_limit_bytes / GiB:.2f} GiB: offload less (--offload none) or give the host's memory"]

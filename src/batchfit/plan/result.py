@@ -229,7 +229,8 @@ class PlanResult:
     output says each one."""
     host_limit_bytes: int | None = None
     """--host-memory: what each rank's offloaded pinned host bytes must fit; None: not checked."""
-    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    created: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
     @property
     def capacity_bytes(self) -> int:

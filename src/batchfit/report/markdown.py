@@ -63,7 +63,8 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
             f"headroom {gib(r.capacity_bytes - peak)} GiB",
         ]
         if r.options.offload != "none":
-            lines += [f"- {host_line(at_best, r.host_limit_bytes)[0].upper()}{host_line(at_best, r.host_limit_bytes)[1:]}"]
+            host = host_line(at_best, r.host_limit_bytes)
+            lines += [f"- {host[0].upper()}{host[1:]}"]
     else:
         small = r.points[0]
         lines += [

@@ -74,8 +74,8 @@ def branches_plot(data: dict, path: Path) -> None:
         start_val = next((v for p, v in parent["val"] if p == curve["start"]), None)
         ys = ([start_val] if start_val is not None else []) + [v for _, v in curve["val"]]
         ax.plot(xs[-len(ys):], ys, color=color, lw=1, alpha=0.9 if curve["seed"] == 0 else 0.5,
-                label=f"batch {curve['batch_size']}" if curve["seed"] == 0 and curve["point"] == data["branch_points"][0]
-                else None)
+                label=(f"batch {curve['batch_size']}"
+                       if curve["seed"] == 0 and curve["point"] == data["branch_points"][0] else None))
     ax.set_xlabel(f"{data['unit']} trained on")
     ax.set_ylabel("validation loss")
     ax.set_title(f"{data['workload']}: branches from the parent run", fontsize=10)

@@ -31,7 +31,8 @@ def distribution_line(summary) -> str:
 def _oom(run) -> str:
     if run.first_oom_step is None:
         return "does not fit"
-    return f"does not fit, first at step {run.first_oom_step} ({run.first_oom_shape.rows} x {run.first_oom_shape.length:,} tokens)"
+    return (f"does not fit, first at step {run.first_oom_step} ({run.first_oom_shape.rows} x "
+            f"{run.first_oom_shape.length:,} tokens)")
 
 
 def run_lines(result) -> list[str]:

@@ -6,7 +6,8 @@ min-cut partitioner (what inductor saves for backward), and the forward and back
 run op by op on fake tensors under the tracker, which does not count the buffers inductor's
 pointwise fusion never writes (:func:`unmaterialized`). Inductor's kernels cannot run on fake
 tensors; under ``--memory-budget`` the trace runs inductor's generated wrapper with its kernels
-skipped instead (:func:`inductor_plan`: inductor's own schedule of the recomputation). Mixed precision on CUDA semantics runs the same way, under CUDA's autocast mirror
+skipped instead (:func:`inductor_plan`: inductor's own schedule of the recomputation). Mixed
+precision on CUDA semantics runs the same way, under CUDA's autocast mirror
 (``trace/cuda_autocast.py``: its kernels step aside differently under the Python dispatcher
 that dynamo and AOTAutograd trace with). ``--memory-budget F`` is set around the partition
 (:func:`trace_backend`), as ``train/step.py`` sets it around inductor for real steps. Such a

@@ -133,7 +133,8 @@ def replay_reserved(events: list[tuple[str, int, int]], device: Device,
     return stats.peak_reserved_bytes, None, stats.peak_reserved_bytes / stats.peak_allocated_bytes
 
 
-def run_out_at_reserved(session: TraceSession, device: Device, config: AllocatorConfig | None = None) -> CachingAllocator:
+def run_out_at_reserved(session: TraceSession, device: Device,
+                        config: AllocatorConfig | None = None) -> CachingAllocator:
     """Make ``session`` a virtual ``device`` that runs out where the caching allocator would:
     the allocator model is fed every allocation as it happens, and raises
     ``torch.OutOfMemoryError`` when it cannot reserve a segment after freeing its cache."""
@@ -426,7 +427,8 @@ class TracedCurve:
     def close(self) -> None:
         if self._forked is not None:
             self._forked.close()
-        for session in {id(s): s for s in [self._first, *self._shallow, *([self._full] if self._full else [])]}.values():
+        sessions = [self._first, *self._shallow, *([self._full] if self._full else [])]
+        for session in {id(s): s for s in sessions}.values():  # each once: the same session may be in two places
             session.close()
 
     def __enter__(self) -> TracedCurve:

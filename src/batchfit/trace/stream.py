@@ -19,8 +19,8 @@ free is written as a rule that holds at every depth: the same copy index plus an
 mirrored copy index plus an offset, or a fixed allocation outside the runs; the first and the
 last copy of a run may have rules of their own (the edges of the stack). Rules are learnt at
 the largest depth (where every run has an interior) and narrowed by the middle one; the
-streams they write for the two smaller depths must be the traced ones, event for event. Anything else returns None, and the caller traces the
-model whole.
+streams they write for the two smaller depths must be the traced ones, event for event. Anything
+else returns None, and the caller traces the model whole.
 """
 
 from __future__ import annotations

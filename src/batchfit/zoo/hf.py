@@ -211,7 +211,8 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
     # A masked LM's loss is not next-token; a softcapped or biased head is not hidden @ weight.T.
     head_is_plain = (not masked and not seq2seq and getattr(config, "final_logit_softcapping", None) is None
                      and getattr(config, "logit_scale", None) is None)
-    kind = "masked LM" if masked else "encoder-decoder LM (the labels are the decoder's sequence)" if seq2seq else "causal LM"
+    kind = ("masked LM" if masked else "encoder-decoder LM (the labels are the decoder's sequence)" if seq2seq
+            else "causal LM")
     return Workload(name=name, build_model=build_model, make_batch=make_batch, loss_fn=loss_fn,
                     tokens_per_sample=seq, description=f"transformers {model_type} {kind}, seq {seq}",
                     lm_parts=lm_parts if head_is_plain else None, attention=attention)
