@@ -69,8 +69,9 @@ def main() -> None:
         row = run(args.accumulation)
         rows.append(row)
         print(f"max batch {row['max_batch_size']} ({row['max_batch_size_at_target']} at 90%), reserved at max "
-              f"{row['peak_reserved_bytes_at_max']:,} B; {row['wall_s']} s wall, {row['cpu_s']} s CPU (goal {GOAL_S} s; "
-              f"load {row['load_average_1min_before']}; traced whole for reserved: {row['whole_reserved']})", flush=True)
+              f"{row['peak_reserved_bytes_at_max']:,} B; {row['wall_s']} s wall, {row['cpu_s']} s CPU (goal "
+              f"{GOAL_S} s; load {row['load_average_1min_before']}; traced whole for reserved: "
+              f"{row['whole_reserved']})", flush=True)
     path = write_result("accumulation-reserved", {"estimate_command": "batchfit " + " ".join(COMMAND)
                                                   + f" --accumulation-steps {args.accumulation}", "goal_s": GOAL_S,
                                                   "rows": rows})

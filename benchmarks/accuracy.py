@@ -64,7 +64,8 @@ def _rows(value, inherited: dict | None = None):
     """Every dict below ``value``, each with the label keys of the rows above it (a model's
     points inherit its name; the file's own top-level keys are defaults, not labels)."""
     if isinstance(value, dict):
-        here = {**(inherited or {}), **{k: v for k, v in value.items() if k in LABEL_KEYS and not isinstance(v, (dict, list))}}
+        here = {**(inherited or {}),
+                **{k: v for k, v in value.items() if k in LABEL_KEYS and not isinstance(v, (dict, list))}}
         if isinstance(value.get("options"), dict) and value["options"]:
             here["options"] = " ".join(f"{k}={v}" for k, v in value["options"].items())
         yield here, value
@@ -183,13 +184,15 @@ def render(files: list[Path]) -> str:
         low = r["worst_low"]
         lowest = f"{_pct(low['error'])} ({low['label']})" if low["error"] < 0 else "none below"
         lines.append(f"| `{r['file']}` | {r['truth']} | {r['rows']} | {_pct(r['min'])} | {_pct(r['median'])} | "
-                     f"{_pct(r['max'])} | {r['below']:.0%} | {r['far_below']} | {lowest} | {r['hardware']} | {r['torch']} |")
+                     f"{_pct(r['max'])} | {r['below']:.0%} | {r['far_below']} | {lowest} | {r['hardware']} | "
+                     f"{r['torch']} |")
     lines += ["", "Each file's `command` reproduces it:", ""]
     lines += [f"- `{r['file']}`: `{r['command']}`" for r in ledger if r["command"]]
     recommend = recommend_rows(files)
     if recommend:
         lines += ["", "## recommend against the full sweep it replaces", "",
-                  "| results file | setup | sweep's best batch | recommended (interval) | ratio | share of the sweep's tokens |",
+                  "| results file | setup | sweep's best batch | recommended (interval) | ratio | share of the "
+                  "sweep's tokens |",
                   "|---|---|---|---|---|---|"]
         for r in recommend:
             best, got = r["sweep_best_batch_size"], r["recommended_batch_size"]

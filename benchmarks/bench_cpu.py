@@ -14,8 +14,8 @@ import argparse
 import statistics
 
 import torch
-from _common import write_result
 
+from _common import write_result
 from batchfit import StepOptions, load_workload, parse_target
 from batchfit.bench.engine import bench_row
 

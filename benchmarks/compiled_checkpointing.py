@@ -3,8 +3,9 @@
 this CPU (the profiler's memory timeline, one thread and oneDNN off: tests/cpu_truth.py).
 
 The model: a small HF Llama (hidden 128, 4 heads, 2 K/V heads, SwiGLU 256, vocab 512, 2 layers, seq
-128, no KV cache: as batchfit's hf: specs build it), AdamW. ``--op-by-op`` adds the trace as it ran before each checkpointed graph ran inductor's own
-wrapper code (batchfit's fusion model, op by op). Writes benchmarks/results/compiled_checkpointing-<date>.json.
+128, no KV cache: as batchfit's hf: specs build it), AdamW. ``--op-by-op`` adds the trace as it ran
+before each checkpointed graph ran inductor's own wrapper code (batchfit's fusion model, op by op).
+Writes benchmarks/results/compiled_checkpointing-<date>.json.
 
     python benchmarks/compiled_checkpointing.py [--batch-size 4] [--attention sdpa,eager]
         [--compile model,blocks] [--checkpointing full,selective,every:2] [--precision fp32,bf16-mixed]
@@ -21,14 +22,14 @@ import warnings
 from pathlib import Path
 
 import torch
+
 from _common import write_result
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from cpu_truth import profiled_step_peak, same_kernels_on_any_x86  # noqa: E402
-
 from batchfit.trace.session import TraceSession  # noqa: E402
 from batchfit.train.step import TrainingStep  # noqa: E402
 from batchfit.workload import StepOptions, Workload  # noqa: E402
+from cpu_truth import profiled_step_peak, same_kernels_on_any_x86  # noqa: E402
 
 
 def llama(attention: str, seq_len: int = 128) -> Workload:
@@ -93,7 +94,8 @@ def main() -> None:
     parser.add_argument("--compile", default="model,blocks")
     parser.add_argument("--checkpointing", default="full,selective,every:2")
     parser.add_argument("--precision", default="fp32,bf16-mixed")
-    parser.add_argument("--cells", default="", help="instead of the grid: attention/compile/checkpointing/precision,...")
+    parser.add_argument("--cells", default="",
+                        help="instead of the grid: attention/compile/checkpointing/precision,...")
     parser.add_argument("--op-by-op", action="store_true", help="also trace each graph op by op")
     parser.add_argument("--merge", action="store_true", help="keep today's other rows (cells not measured again)")
     args = parser.parse_args()

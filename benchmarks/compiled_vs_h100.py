@@ -23,7 +23,6 @@ import argparse
 import json
 
 from _common import RESULTS, write_result
-
 from batchfit.devices import get_device
 from batchfit.estimator.engine import estimate
 from batchfit.workload import StepOptions

@@ -25,9 +25,8 @@ RUNS = ((2, "fsdp+cp2"), (4, "fsdp+cp4"), (4, "fsdp+cp2"))
 
 
 def main() -> None:
-    from cpu_truth import spawn_profiled_gloo
-
     import test_context_parallel as t
+    from cpu_truth import spawn_profiled_gloo
 
     warnings.simplefilter("ignore")
     rows = []

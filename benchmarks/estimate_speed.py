@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 from _common import write_result
-
 from batchfit import StepOptions, estimate, get_device, load_workload
 
 MODEL = ["hf:llama-3.1-8b", "--gpu", "h100-80gb", "--seq-len", "8192"]

@@ -22,10 +22,9 @@ import time
 import warnings
 
 from _common import write_result
+from batchfit.workload import StepOptions
 from memory_budget import llama, traced_peak
 from recipes import profiled_peak  # the third step, compiled: inductor compiles in the first
-
-from batchfit.workload import StepOptions
 
 
 def main() -> None:

@@ -18,11 +18,11 @@ import time
 import warnings
 
 import torch
-from _common import write_result
-from recipes import profiled_peak  # the third step, compiled: inductor compiles in the first
 
+from _common import write_result
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
+from recipes import profiled_peak  # the third step, compiled: inductor compiles in the first
 
 
 def llama(layers: int, seq_len: int = 128) -> Workload:

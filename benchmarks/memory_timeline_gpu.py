@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import write_result
 
+from _common import write_result
 from batchfit import StepOptions
 from batchfit.train.step import TrainingStep
 from batchfit.zoo import ZOO

@@ -61,8 +61,7 @@ def workload(n_layers: int):
 
 def main() -> None:
     from batchfit.devices import get_device
-    from batchfit.distributed.pp_schedules import bubble_fraction, in_flight, parse_schedule, rank_actions, \
-        rank_stages
+    from batchfit.distributed.pp_schedules import bubble_fraction, in_flight, parse_schedule, rank_actions, rank_stages
     from batchfit.plan.pipeline import PipelineSession
     from batchfit.plan.sharded import parse_strategy
     from batchfit.workload import StepOptions

@@ -29,11 +29,10 @@ from pathlib import Path
 from _common import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from seed004 import enoki  # noqa: E402 - the reconstructed model, one copy
-
 from batchfit import StepOptions, get_device  # noqa: E402
 from batchfit.plan.engine import plan  # noqa: E402
 from batchfit.plan.world import World  # noqa: E402
+from seed004 import enoki  # noqa: E402 - the reconstructed model, one copy
 
 GiB = 2**30
 # heads: seed 004's summary row: params, then tp=1 and tp=4: (max global, local batch, iter_dt s, tok/s), days tp=1
@@ -94,7 +93,8 @@ def table(size: dict) -> list[str]:
     ranked = {row["strategy"]: row for row in size["ranking"]}
     ratio = (ranked["fsdp"]["tokens_per_s"] / ranked["tp4"]["tokens_per_s"]
              if ranked.get("fsdp", {}).get("tokens_per_s") and ranked.get("tp4", {}).get("tokens_per_s") else None)
-    lines += ["", "Seed 004 (measured, its summary row) against batchfit (traced memory, computed time at MFU 0.4):", "",
+    lines += ["",
+              "Seed 004 (measured, its summary row) against batchfit (traced memory, computed time at MFU 0.4):", "",
               "| | seed tp=1 | batchfit fsdp | seed tp=4 | batchfit tp4 |", "|---|---:|---:|---:|---:|",
               f"| max global batch | {tp1[0]} | {fsdp.get('max_global_batch', '—')} | {tp4[0]} | "
               f"{tp4_ours.get('max_global_batch', '—')} |",

@@ -58,7 +58,8 @@ def main() -> None:
         print(f"{r['limit']:10} {r['plan_max_local_batch']:8d} {r['plan_micro_batch']:6d} "
               f"{r['estimate_max_batch_size']:8d} {r['estimate_max_batch_size_at_target']:6d} "
               f"{'yes' if r['agree'] else 'NO':>5} {r['plan_s']:7.1f} {r['estimate_s']:7.1f}  {r['plan_peak_step']}")
-    path = write_result("plan_reserved", {"commands": ["batchfit plan " + " ".join(MODEL) + " --gpus 1 --strategies ddp",
+    path = write_result("plan_reserved", {"commands": ["batchfit plan " + " ".join(MODEL)
+                                                       + " --gpus 1 --strategies ddp",
                                                        "batchfit estimate " + " ".join(MODEL)], "rows": rows})
     print(f"wrote {path}")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 
 from _common import write_result
-
 from batchfit import StepOptions, get_device, load_workload
 from batchfit.plan.deep import DeepSession
 from batchfit.plan.reserved import replay_steps

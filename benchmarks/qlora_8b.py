@@ -51,7 +51,8 @@ def run(limit: str, src: str) -> dict:
     micro = result["micro_batch"] or 0
     commit = subprocess.run(["git", "-C", src, "describe", "--always", "--dirty"], capture_output=True,
                             text=True).stdout.strip()
-    return {"limit": limit, "source_commit": commit, "load_average_1min_before": round(load_before, 2), "wall_s": round(wall, 1),
+    return {"limit": limit, "source_commit": commit, "load_average_1min_before": round(load_before, 2),
+            "wall_s": round(wall, 1),
             "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
             "tokens_per_sample": result["tokens_per_sample"], "max_batch_size": result["max_batch_size"],
             "max_batch_size_at_target": at_target, "micro_batch_for_global_64": micro,
@@ -78,7 +79,8 @@ def main() -> None:
         print(f"--limit {limit}: max batch {row['max_batch_size']} ({row['max_batch_size_at_target']} at 90%), "
               f"global 64 = {row['micro_batch_for_global_64']} x {row['accumulation_steps_for_global_64']} "
               f"accumulation; paged {row['paged_bytes']:,} B; {row['wall_s']} s wall, {row['cpu_s']} s CPU "
-              f"(load {row['load_average_1min_before']}; at {row['source_commit']}; traced whole for reserved: {row['whole_reserved']})",
+              f"(load {row['load_average_1min_before']}; at {row['source_commit']}; traced whole for reserved: "
+              f"{row['whole_reserved']})",
               flush=True)
     path = write_result(args.name, {"estimate_command": "batchfit " + " ".join(COMMAND), "global_batch": GLOBAL_BATCH,
                                      "rows": rows})

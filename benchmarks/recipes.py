@@ -55,7 +55,7 @@ buckets: a 1 MiB first bucket, then 25 MiB), tp2 under --compile model; rank 0 t
 process group against rank 0 of a real 2-process gloo run compiled with inductor.
 
     python benchmarks/recipes.py --only compile-plan --name recipes-cddp
-"""
+"""  # noqa: E501 - a command line to copy whole
 
 from __future__ import annotations
 
@@ -71,13 +71,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import write_result
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from _common import write_result
+from batchfit.trace.session import TraceSession
 from batchfit.train.model import block_list
 from batchfit.train.step import TrainingStep
-from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo import ZOO
 
@@ -170,12 +170,11 @@ def gloo_torchtitan(strategy_name: str = "fsdp") -> tuple[int, int]:
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-    from cpu_truth import spawn_profiled_gloo
-    from test_torchtitan import DEBUG, LOCAL_BATCH, SEQ, _gloo_main, _options
-
     from batchfit.devices import get_device
     from batchfit.plan.sharded import parse_strategy, trace_sharded
     from batchfit.specs import load_workload
+    from cpu_truth import spawn_profiled_gloo
+    from test_torchtitan import DEBUG, LOCAL_BATCH, SEQ, _gloo_main, _options
 
     with tempfile.TemporaryDirectory() as folder:
         spawn_profiled_gloo(_gloo_main, lambda port: (2, port, folder, strategy_name), nprocs=2)
@@ -396,7 +395,8 @@ def main() -> None:
             traced, measured, options, relaxed = gloo_expert_parallel(name)
             timeline = "relaxed" if relaxed else "strict"
         elif name in GLOO:
-            options = StepOptions(precision="bf16-mixed") if name.startswith("torchtitan") else StepOptions(offload="params")
+            options = (StepOptions(precision="bf16-mixed") if name.startswith("torchtitan")
+                       else StepOptions(offload="params"))
             traced, measured = (gloo_torchtitan(name.split()[2]) if name.startswith("torchtitan")
                                 else gloo_offload_params())
         else:
@@ -412,7 +412,8 @@ def main() -> None:
         print(f"{name:<40} {traced:>13,} {measured:>13,} {error:>+9.4%} {seconds:>8.1f}"
               + (" (timeline checks relaxed)" if timeline != "strict" else ""), flush=True)
     path = write_result(f"{args.name}-{args.tag}" if args.tag else args.name, {
-        "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": "per row (options.precision)",
+        "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "precision": "per row (options.precision)",
         "truth": "torch.profiler export_memory_timeline peak of the same real CPU step (the second one)",
         "traced": "TraceSession(cuda_semantics=False) peak", "rows": rows,
         "notes": "user SAC policy: the real step also keeps torch.get_rng_state() (5,056 B) per checkpointed "

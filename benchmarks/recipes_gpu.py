@@ -24,12 +24,12 @@ import time
 import traceback
 
 import torch
-from _common import write_result
-from validate_gpu import relative
 
+from _common import write_result
 from batchfit import StepOptions, estimate, load_workload, parse_target
 from batchfit.devices import detect_cuda_device, get_device
 from batchfit.probe.runner import probe_once
+from validate_gpu import relative
 
 GPT2 = ("gpt2-124m", None, 8)
 LLAMA = ("hf:llama-3.2-1b", 2048, 2)

@@ -28,13 +28,13 @@ import time
 from pathlib import Path
 
 import torch
-from _common import write_result
-from sweep_cpu import story
 
+from _common import write_result
 from batchfit import load_workload
 from batchfit.recommend import RecommendConfig, plan_recommend, run_recommend
 from batchfit.runs.data import tokenize
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
+from sweep_cpu import story
 
 MODEL = '''
 from batchfit.zoo import language_model_workload

@@ -23,7 +23,6 @@ import os
 import time
 
 from _common import write_result
-
 from batchfit.devices import get_device
 from batchfit.trace import matching, repeats, stream
 from batchfit.trace.point import TracedCurve, replay_reserved

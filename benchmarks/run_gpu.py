@@ -61,10 +61,9 @@ def rel(predicted: int | None, measured: int | None) -> float | None:
 def cpu_dry_run(at_of, shapes, eval_shape, options) -> None:
     """The loop on this CPU, each step's profiled peak against its trace with CPU semantics."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from cpu_truth import profiled_peak, profiled_step_peak
-
     from batchfit.estimator.run import step_peaks
     from batchfit.train.step import TrainingStep
+    from cpu_truth import profiled_peak, profiled_step_peak
 
     predicted = step_peaks(at_of(), shapes, options, cuda_semantics=False)
     real = at_of()
@@ -179,7 +178,6 @@ def main() -> None:
         return
 
     from _common import write_result
-
     from batchfit.devices import detect_cuda_device
 
     device = detect_cuda_device()

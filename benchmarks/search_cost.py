@@ -16,12 +16,11 @@ import statistics
 import time
 
 from _common import write_result
-
 from batchfit import search
 from batchfit.probe.find import _Predictor
 from batchfit.probe.runner import probe_once
-from batchfit.targets import parse_target
 from batchfit.search import Trial
+from batchfit.targets import parse_target
 from batchfit.workload import StepOptions
 from batchfit.zoo import ZOO
 
@@ -79,9 +78,10 @@ def main() -> None:
         summary[policy] = {"median_probes": statistics.median(counts), "max_probes": max(counts),
                            "found_true_max": sum(row["policies"][policy]["found_true_max"] for row in rows),
                            "cases": len(rows),
-                           "median_probe_seconds": statistics.median(row["policies"][policy]["probe_seconds"] for row in rows)}
-        print(f"{policy:10s} median probes {summary[policy]['median_probes']:5}  max {summary[policy]['max_probes']:3}  "
-              f"true max found {summary[policy]['found_true_max']}/{len(rows)}")
+                           "median_probe_seconds": statistics.median(row["policies"][policy]["probe_seconds"]
+                                                                     for row in rows)}
+        print(f"{policy:10s} median probes {summary[policy]['median_probes']:5}  max "
+              f"{summary[policy]['max_probes']:3}  true max found {summary[policy]['found_true_max']}/{len(rows)}")
     path = write_result("search_cost", {
         "what": f"search probes per policy on virtual devices ({args.precision}, batch 1..{MAX_BATCH}); "
                 "'!' marks a policy that did not find the true maximum",

@@ -22,7 +22,6 @@ import argparse
 import time
 
 from _common import RESULTS, write_result
-
 from batchfit import StepOptions, get_device
 from batchfit.plan.engine import plan
 from batchfit.plan.world import World

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 
 import torch
-from _common import write_result
 
+from _common import write_result
 from batchfit import StepOptions, Workload, get_device
 from batchfit.trace import depth, stream
 from batchfit.trace.point import replay_reserved

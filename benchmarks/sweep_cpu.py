@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, write_result
 
+from _common import RESULTS, write_result
 from batchfit import load_workload
 from batchfit.report.sweep_markdown import write_sweep_report
 from batchfit.runs.data import BatchSource
@@ -117,7 +117,8 @@ def main() -> None:
              "seconds": round(r["seconds"], 1)} for b, r in best.items()]
     print(f"{'batch':>5} {'lr':>8} {'steps':>6} {'best val':>9} {'seconds':>8}")
     for row in rows:
-        print(f"{row['batch_size']:5d} {row['lr']:8.2g} {row['steps']:6d} {row['best_val_loss']:9.4f} {row['seconds']:8.1f}")
+        print(f"{row['batch_size']:5d} {row['lr']:8.2g} {row['steps']:6d} {row['best_val_loss']:9.4f} "
+              f"{row['seconds']:8.1f}")
     print(f"sweep: best batch {result.best_batch_size()}, fastest to {result.target():.4f}: "
           f"{result.fastest_batch_size()} ({sweep_seconds:.0f} s)")
     print(f"noise: B_simple {noise.b_simple:.1f} {noise.b_simple_interval} ({noise_seconds:.0f} s)")

@@ -23,13 +23,13 @@ import gc
 import time
 
 import torch
-from _common import write_result
 
+from _common import write_result
 from batchfit import StepOptions, estimate, find_max_batch, parse_target
 from batchfit.devices import detect_cuda_device
 from batchfit.probe.runner import probe_isolated, probe_once
-from batchfit.train.step import TrainingStep
 from batchfit.targets import Target
+from batchfit.train.step import TrainingStep
 from batchfit.zoo import ZOO
 
 GiB = 2**30
@@ -151,7 +151,8 @@ def main() -> None:
                               "traced_eager_vs_compiled": relative(traced.peak_bytes,
                                                                    compiled.get("peak_allocated_bytes"))})
         print(f"compile {model:20s} b{b}: eager {eager['peak_allocated_bytes'] / GiB:.3f} GiB, compiled "
-              f"{compiled.get('peak_allocated_bytes', 0) / GiB:.3f} GiB, traced eager {traced.peak_bytes / GiB:.3f} GiB",
+              f"{compiled.get('peak_allocated_bytes', 0) / GiB:.3f} GiB, traced eager "
+              f"{traced.peak_bytes / GiB:.3f} GiB",
               flush=True)
     path = write_result(args.name, {"device": device.display_name, "precision": args.precision,
                                          "torch": torch.__version__, "fixed_costs": costs, "rows": rows,

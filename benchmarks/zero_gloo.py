@@ -26,16 +26,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from _common import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from cpu_truth import profiled_step_peak  # noqa: E402
-
 from batchfit.devices import get_device  # noqa: E402
 from batchfit.plan.sharded import parse_strategy, trace_sharded  # noqa: E402
 from batchfit.train.step import TrainingStep  # noqa: E402
 from batchfit.workload import StepOptions  # noqa: E402
 from batchfit.zoo import ZOO  # noqa: E402
+from cpu_truth import profiled_step_peak  # noqa: E402
 
 WORLD = 2
 MODEL = "gpt-tinystories-22m"
@@ -115,7 +115,8 @@ def main() -> None:
     rows = []
     for name, optimizer in ROWS:
         key = f"{name} {optimizer or 'adamw'}"
-        point = trace_sharded(ZOO[MODEL](seq_len=args.seq_len), StepOptions(optimizer=optimizer), get_device("h100-80gb"),
+        point = trace_sharded(ZOO[MODEL](seq_len=args.seq_len), StepOptions(optimizer=optimizer),
+                              get_device("h100-80gb"),
                               parse_strategy(name, WORLD), args.batch_size, cuda_semantics=False)
         error = (point.peak_bytes - real[key]) / real[key]
         state = point.breakdown["optimizer_state"]
@@ -125,8 +126,8 @@ def main() -> None:
     path = write_result("zero-gloo", {
         "model": MODEL, "world_size": WORLD, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "precision": "fp32", "truth": "rank 0's torch.profiler export_memory_timeline peak, real gloo run, "
-        "smallest of steps 3 to 7 (a step whose timeline fails the profiler's own check skipped)", "traced": "trace_sharded(cuda_semantics=False) on the fake process group",
-        "rows": rows})
+        "smallest of steps 3 to 7 (a step whose timeline fails the profiler's own check skipped)",
+        "traced": "trace_sharded(cuda_semantics=False) on the fake process group", "rows": rows})
     print(f"wrote {path}")
 
 

@@ -33,7 +33,8 @@ def main(output_dir: str | None = None) -> tuple[transformers.TrainingArguments,
     fit = batchfit.transformers.fit_training(model, args, global_batch=64, seq_len=SEQ_LEN, gpu_memory="700MiB")
     ids = torch.randint(0, config.vocab_size, (256, SEQ_LEN))
     dataset = [{"input_ids": row, "labels": row} for row in ids]
-    trainer = transformers.Trainer(model=model, args=fit.args, train_dataset=dataset, callbacks=[fit.callback(after_steps=1)])
+    trainer = transformers.Trainer(model=model, args=fit.args, train_dataset=dataset,
+                                   callbacks=[fit.callback(after_steps=1)])
     trainer.train()
     print(f"trained {trainer.state.global_step} steps of {fit.args.per_device_train_batch_size} x "
           f"{fit.args.gradient_accumulation_steps} samples")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -63,3 +66,14 @@ def fewer_blocks(tmp_path):
         return f"hf:{path}"
 
     return spec
+
+
+@pytest.fixture
+def standin(monkeypatch) -> types.ModuleType:
+    """``batchfit.plan.sharded`` replaced, for the test, by the stand-in of test_plan_standin.py whose
+    numbers are known (here, not imported from there, so that no test module imports a fixture)."""
+    from test_plan_standin import module
+
+    fake = module()
+    monkeypatch.setitem(sys.modules, "batchfit.plan.sharded", fake)
+    return fake

@@ -86,7 +86,8 @@ REFUSED: list[tuple[dict, object, str]] = [
      "expert parallelism needs an MoE model"),
     (dict(family="bert", loss="chunked:4"), lambda r: r["loss"] != "plain" and r["family"] in NOT_CAUSAL,
      "chunked and fused-linear losses are next-token losses of a causal LM"),
-    (dict(precision="fp8-rowwise", recipe="qlora"), lambda r: r["recipe"] == "qlora" and r["precision"] == "fp8-rowwise",
+    (dict(precision="fp8-rowwise", recipe="qlora"),
+     lambda r: r["recipe"] == "qlora" and r["precision"] == "fp8-rowwise",
      "float8 linears and bitsandbytes linears are two kinds of the same layer"),
     (dict(recipe="qlora", strategy="ddp"), lambda r: r["recipe"] == "qlora" and r["strategy"] != "single",
      "QLoRA (--quantize) is traced on one GPU only, not under plan's strategies yet"),
@@ -110,7 +111,8 @@ REFUSED: list[tuple[dict, object, str]] = [
                                                                                       or "cp" in r["strategy"]),
      "activation offloading copies saved tensors into plain host tensors; TP and cp save DTensors"),
     (dict(checkpointing="selective", strategy="pp2+fsdp-noreshard/zbv"), lambda r: r["checkpointing"] == "selective"
-     and r["strategy"].endswith("zbv"), "selective checkpointing lets a region backward once; zero-bubble runs it twice"),
+     and r["strategy"].endswith("zbv"),
+     "selective checkpointing lets a region backward once; zero-bubble runs it twice"),
     (dict(family="gpt2", strategy="pp2+fsdp"), lambda r: r["family"] == "gpt2" and r["strategy"].startswith("pp"),
      "GPT-2's config has no base_model_pp_plan"),
     (dict(family="gpt2", precision="fp8-rowwise", strategy="tp2"), lambda r: r["family"] == "gpt2"
@@ -216,7 +218,8 @@ DEFAULTS = {dim: values[0] for dim, values in DIMENSIONS.items()}
 def default_rows() -> list[dict]:
     """Every family as a user runs it first (every option at its default), on one GPU and under fsdp,
     with reserved memory replayed through the allocator model (the arrays check ``--limit allocated``)."""
-    return [{**DEFAULTS, "family": family, "strategy": strategy} for family in FAMILIES for strategy in ("single", "fsdp")]
+    return [{**DEFAULTS, "family": family, "strategy": strategy}
+            for family in FAMILIES for strategy in ("single", "fsdp")]
 
 
 def row_id(row: dict) -> str:

@@ -31,11 +31,10 @@ def test_a_family_without_sdpa_is_built_eager_and_traced_as_the_profiler_measure
     """Gemma 2 has no SDPA path (``_supports_sdpa`` False): built with SDPA it failed to build; built eager
     it holds its [B, H, T, T] scores (softcapped: tanh and softmax each T x T too), which the trace
     counts as a real CPU step does, within 1%."""
-    from cpu_truth import profiled_step_peak, same_kernels_on_any_x86
-
     from batchfit.specs import load_workload
     from batchfit.trace.session import TraceSession
     from batchfit.train.step import TrainingStep
+    from cpu_truth import profiled_step_peak, same_kernels_on_any_x86
 
     work = load_workload(_config(tmp_path, "gemma2"), seq_len=64)
     assert work.attention == "eager"
@@ -73,7 +72,8 @@ def test_the_config_names_the_attention(tmp_path):
     assert flash.attention == "flash" and flash.build_model().config._attn_implementation == "sdpa"
     with pytest.raises(ModelSpecError, match="set it to eager, sdpa or flash_attention_2"):
         load_workload(_config(tmp_path, "llama", attn_implementation="flex_attention"))
-    with pytest.raises(ModelSpecError, match="Gemma2ForCausalLM does not support: set it to eager or flash_attention_2"):
+    with pytest.raises(ModelSpecError,
+                       match="Gemma2ForCausalLM does not support: set it to eager or flash_attention_2"):
         load_workload(_config(tmp_path, "gemma2", attn_implementation="sdpa"))
 
 

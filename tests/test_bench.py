@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from batchfit.bench.engine import BenchRow, bench, breakpoints, leak_check, tiers
 from batchfit.cli.app import app
 from batchfit.errors import OptionError
-from batchfit.targets import parse_target
 from batchfit.specs import load_workload
+from batchfit.targets import parse_target
 from batchfit.workload import StepOptions, Workload
 
 GiB = 2**30

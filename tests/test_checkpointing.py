@@ -19,10 +19,10 @@ import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from batchfit.errors import OptionError
-from batchfit.train.checkpointing import checkpointed_blocks, save_ops
-from batchfit.train.step import TrainingStep
 from batchfit.trace.memory import MemoryTracker, rounded
 from batchfit.trace.session import TraceSession
+from batchfit.train.checkpointing import checkpointed_blocks, save_ops
+from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo import language_model_workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig

@@ -19,12 +19,18 @@ from batchfit.errors import OptionError
 from batchfit.plan.engine import plan
 from batchfit.plan.world import World
 from batchfit.report.plan_markdown import plan_markdown
-from batchfit.trace.compiled import (COMPILED_AS_EAGER, COMPILED_TRACED, MEMORY_BUDGET_TRACED, VALIDATION, compiled_parts,
-                                     workload_approximations)
+from batchfit.trace.compiled import (
+    COMPILED_AS_EAGER,
+    COMPILED_TRACED,
+    MEMORY_BUDGET_TRACED,
+    VALIDATION,
+    compiled_parts,
+    workload_approximations,
+)
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from cpu_truth import profiled_step_peak, same_kernels_on_any_x86
-from test_plan_standin import gpu, standin  # noqa: F401 - standin is a fixture
+from test_plan_standin import gpu
 
 ROOT = Path(__file__).parent.parent
 runner = CliRunner()
@@ -211,7 +217,8 @@ def test_graph_breaks_are_counted_with_their_reason(tmp_path):
     spec = _workload_with(tmp_path, "torch._dynamo.graph_break()")
     data, _, _ = estimate_cli(tmp_path, spec, "--compile", "blocks")
     detail = data["approximations"][0]["detail"]
-    assert re.fullmatch(r"--compile blocks: \d+ graphs compiled, [1-9]\d* graph breaks \(most often: .*\)", detail), detail
+    assert re.fullmatch(r"--compile blocks: \d+ graphs compiled, [1-9]\d* graph breaks "
+                        r"\(most often: .*\)", detail), detail
     assert "graph_break" in detail
 
 
@@ -221,13 +228,15 @@ def test_what_dynamo_cannot_capture_is_said_in_one_line(tmp_path):
     data, report, terminal = estimate_cli(tmp_path, spec, "--compile", "model")
     detail = data["approximations"][0]["detail"]
     assert re.fullmatch(r"--compile model: \d+ graphs compiled, [1-9]\d* graph breaks \(most often: Failed to trace "
-                        r"builtin operator: Dynamo does not know how to trace builtin operator `print`.*\)", detail), detail
+                        r"builtin operator: Dynamo does not know how to trace builtin "
+                        r"operator `print`.*\)", detail), detail
     assert "Traceback" not in terminal and detail in report
 
 
 def test_mixed_precision_on_cuda_is_traced_compiled(tmp_path):
     """Under CUDA's autocast mirror too (it recursed without end under dynamo: tests/test_cuda_mirrors.py)."""
-    data, report, _ = estimate_cli(tmp_path, write_workload(tmp_path), "--compile", "model", "--precision", "bf16-mixed")
+    data, report, _ = estimate_cli(tmp_path, write_workload(tmp_path), "--compile", "model", "--precision",
+                                   "bf16-mixed")
     [approximation] = data["approximations"]
     assert approximation["what"] == COMPILED_TRACED.what
     assert re.fullmatch(r"--compile model: [1-9]\d* graphs compiled, 0 graph breaks", approximation["detail"])
@@ -266,7 +275,8 @@ def test_the_memory_budget_is_traced_and_said(tmp_path):
     workload = load_workload(spec)
     peaks = []
     for budget in (None, 1.0, 0.0):  # activations dominate at batch 4096: 2 x 64 floats a sample
-        with TraceSession(workload, StepOptions(compile="model", memory_budget=budget), cuda_semantics=False) as session:
+        with TraceSession(workload, StepOptions(compile="model", memory_budget=budget),
+                          cuda_semantics=False) as session:
             peaks.append(session.trace(4096).snapshot.peak_bytes)
     assert peaks[0] == peaks[1] > peaks[2]  # 7,964,168 and 6,391,304 B when written: budget 0 recomputes the relu
     # Under a budget each graph ran the wrapper inductor generates for it (its schedule of the
@@ -336,7 +346,8 @@ def build():
                                         attn_implementation="sdpa"))
 
 def workload():
-    return Workload(name="llama-4l", build_model=build, make_batch=lambda b, d: torch.randint(0, 2048, (b, 128), device=d),
+    return Workload(name="llama-4l", build_model=build,
+                    make_batch=lambda b, d: torch.randint(0, 2048, (b, 128), device=d),
                     loss_fn=lambda m, x: m(input_ids=x, labels=x).loss, tokens_per_sample=128)
 """
 
@@ -439,7 +450,8 @@ def test_pointwise_heavy_blocks_are_traced_low_op_by_op_and_exact_as_inductors_c
     workload = load_workload(f"{tmp_path}/pointwise.py:workload")
     traced = {}
     for budget in (None, 1.0):
-        with TraceSession(workload, StepOptions(compile="model", memory_budget=budget), cuda_semantics=False) as session:
+        with TraceSession(workload, StepOptions(compile="model", memory_budget=budget),
+                          cuda_semantics=False) as session:
             traced[budget] = session.trace(4).snapshot.peak_bytes
     with same_kernels_on_any_x86():
         truth = profiled_step_peak(TrainingStep(workload, StepOptions(compile="model"), torch.device("cpu")), 4,

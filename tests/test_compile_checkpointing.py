@@ -109,7 +109,8 @@ def test_bf16_compile_and_checkpointing_trace_for_a_gpu_and_say_so(tmp_path, com
         assert session.compiled and session.trace(64).snapshot.peak_bytes > 0
     assert recomputing_graphs() == (2 if compile_ == "model" else 4)  # forward and backward of each graph
     [said] = checkpointed_approximations(f"--compile {compile_}", checkpointing=checkpointing)
-    assert said.what == CHECKPOINTED_TRACED.what and said.detail == f"--compile {compile_} --checkpointing {checkpointing}"
+    assert said.what == CHECKPOINTED_TRACED.what
+    assert said.detail == f"--compile {compile_} --checkpointing {checkpointing}"
 
 
 @pytest.mark.slow
@@ -147,7 +148,8 @@ def build():
                                         attn_implementation="{attention}", use_cache=False))
 
 def workload():
-    return Workload(name="llama-2l", build_model=build, make_batch=lambda b, d: torch.randint(0, 512, (b, 128), device=d),
+    return Workload(name="llama-2l", build_model=build,
+                    make_batch=lambda b, d: torch.randint(0, 512, (b, 128), device=d),
                     loss_fn=lambda m, x: m(input_ids=x, labels=x).loss, tokens_per_sample=128)
 """
 

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpu_truth import join_gloo, spawn_profiled_gloo, tiny_llama_workload
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
@@ -27,6 +26,7 @@ from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo import language_model_workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig
+from cpu_truth import join_gloo, spawn_profiled_gloo, tiny_llama_workload
 
 # Llama blocks; 4 heads of 32 (K/V repeated to 4 heads before SDPA, as the zoo's attention does),
 # every first dimension divisible by 2 (exact FSDP shards), a sequence of 64 = 2 x cp x 16.
@@ -45,9 +45,9 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, name: str
     """Rank ``rank`` of a real ``name`` run (fsdp+cp2 on 2): its steady-step peak in peak<rank>.json."""
     import dataclasses
 
-    from cpu_truth import agreed_profiled_peak
     from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.context_parallel import ring_attention, shard_position_tables, sharded_make_batch
+    from cpu_truth import agreed_profiled_peak
 
     join_gloo(rank, world, port, timeout_s=120)
     strategy = parse_strategy(name, world)
@@ -175,8 +175,8 @@ def test_accelerate_config_says_the_cp_size():
 
     from batchfit.plan.emit import accelerate_yaml
 
-    p = SimpleNamespace(strategy="fsdp+cp4+tp2", shard="fsdp", gpus=16, nodes=2, tp=2, dp=2, pp=1, cp=4, ep=1, replicas=1,
-                        micro_batch=1, accumulation_steps=4, global_batch=8, peak_bytes_at_micro=0)
+    p = SimpleNamespace(strategy="fsdp+cp4+tp2", shard="fsdp", gpus=16, nodes=2, tp=2, dp=2, pp=1, cp=4,
+                        ep=1, replicas=1, micro_batch=1, accumulation_steps=4, global_batch=8, peak_bytes_at_micro=0)
     result = SimpleNamespace(recommended=[p], options=StepOptions(precision="bf16-mixed"), workload="w")
     config = yaml.safe_load(accelerate_yaml(result))
     assert config["distributed_type"] == "FSDP"

@@ -15,14 +15,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from batchfit.specs import load_workload
 from batchfit.trace import cuda_autocast
 from batchfit.trace.cuda_attention import CudaAttention
-from batchfit.trace.cuda_norm import CudaRmsNorm
-from batchfit.trace.memory import MemoryTracker
 from batchfit.trace.cuda_autocast import (
     BCE_BANNED_MESSAGE,
     CudaAutocast,
     cuda_autocast_policies,
     not_mirrored,
 )
+from batchfit.trace.cuda_norm import CudaRmsNorm
+from batchfit.trace.memory import MemoryTracker
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions
 

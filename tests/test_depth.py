@@ -66,7 +66,8 @@ def test_a_phase_whose_peak_moves_to_another_part_with_depth():
     for d in (2, 3, 4, 32):
         with TraceSession(depth.at_depth(workload, d, depth.Depth()) if d < 32 else workload, StepOptions()) as s:
             snaps[d] = s.trace(1).snapshot
-    backward = {d: {k: v for k, v in snap.peak_by_part.items() if k.startswith("backward:")} for d, snap in snaps.items()}
+    backward = {d: {k: v for k, v in snap.peak_by_part.items() if k.startswith("backward:")}
+                for d, snap in snaps.items()}
     assert max(backward[4], key=backward[4].get) == "backward:tail"
     assert max(backward[32], key=backward[32].get) == "backward:head"
     one_line = depth.line_at([snaps[d].peak_by_phase["backward"] for d in (2, 3, 4)], 32)

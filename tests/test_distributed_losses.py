@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpu_truth import join_gloo, spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
+from cpu_truth import join_gloo, spawn_profiled_gloo
 from tiny import CFG, LOCAL_BATCH, profiled_rank_peak, tiny_workload
 
 LOSSES = ("sharded", "gathered")

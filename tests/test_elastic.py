@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpu_truth import spawn_profiled_gloo
+from batchfit.errors import OptionError
 from batchfit.integrations.elastic import ElasticStep, predict_micro_batch
 from batchfit.integrations.elastic_split import batch_size, divide_global_batch, split_batch, take_samples
+from cpu_truth import spawn_profiled_gloo
 from tiny import load_example
-from batchfit.errors import OptionError
 
 SAMPLES = 60
 LR = 0.1
@@ -91,7 +91,7 @@ class Recorder:
 def test_forced_ooms_shrink_and_the_parameters_are_the_full_batch_steps():
     batches = make_batches(3)
     model = make_model()
-    oom = ForcedOOM(model, limit=20)
+    ForcedOOM(model, limit=20)
     loss_fn = Recorder()
     step = ElasticStep(model, torch.optim.SGD(model.parameters(), lr=LR), loss_fn, micro_batch=32)
     infos = []

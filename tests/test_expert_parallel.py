@@ -75,11 +75,10 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int, cases: tuple, che
     """Each case's real step on this rank (rank 0, or with ``every_rank`` each rank, profiled in a steady
     step, each into its own folder); with ``check_losses``, the EP model's loss and the plain model's on
     this rank's batch under each forced routing (the ranks of a tensor-parallel group share a batch)."""
-    from cpu_truth import profiled_step_peak
-
     from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.tp_plans import tp_plan
     from batchfit.train.losses import loss_context
+    from cpu_truth import profiled_step_peak
 
     join_gloo(rank, world, port, timeout_s=300)
     peaks, losses, peaks_relaxed = {}, {}, []
@@ -264,7 +263,8 @@ def test_emit_says_ep_where_the_config_can_and_refuses_where_it_cannot():
     from batchfit.plan.emit import accelerate_yaml, config_yaml
 
     row = SimpleNamespace(strategy="ep8+fsdp", ep=8, gpus=64, nodes=8, micro_batch=6, accumulation_steps=1,
-                          global_batch=384, dp=64, tp=1, pp=1, cp=1, shard="fsdp", replicas=1, peak_bytes_at_micro=2**30)
+                          global_batch=384, dp=64, tp=1, pp=1, cp=1, shard="fsdp", replicas=1,
+                          peak_bytes_at_micro=2**30)
     result = SimpleNamespace(recommended=[row], device=get_device("h100-80gb"), target_util=0.9, workload="moe",
                              options=StepOptions())
     assert "expert_parallel: 8" in config_yaml(result)
@@ -331,7 +331,8 @@ def test_ep_with_tp_is_emitted_for_torchtitan_and_its_layout_said():
     from batchfit.distributed.expert_parallel import ep_approximations
     from batchfit.plan.emit_torchtitan import degrees, torchtitan_toml
 
-    assert degrees(parse_strategy("ep8+fsdp+tp2", 64)) == {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 32,
+    assert degrees(parse_strategy("ep8+fsdp+tp2", 64)) == {"data_parallel_replicate_degree": 1,
+                                                           "data_parallel_shard_degree": 32,
                                            "tensor_parallel_degree": 2, "pipeline_parallel_degree": 1,
                                            "context_parallel_degree": 1, "expert_parallel_degree": 8}
     row = SimpleNamespace(strategy="ep8+fsdp+tp2", gpus=64, dp=32, tp=2, pp=1, cp=1, ep=8, shard="fsdp", replicas=1,

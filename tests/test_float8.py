@@ -16,9 +16,9 @@ pytest.importorskip("torchao.float8")
 
 from batchfit.devices import get_device, precision_warning  # noqa: E402
 from batchfit.errors import OptionError  # noqa: E402
+from batchfit.trace.session import TraceSession  # noqa: E402
 from batchfit.train.float8 import convert_to_float8  # noqa: E402
 from batchfit.train.step import TrainingStep  # noqa: E402
-from batchfit.trace.session import TraceSession  # noqa: E402
 from batchfit.workload import StepOptions, Workload  # noqa: E402
 from batchfit.zoo import language_model_workload  # noqa: E402
 from batchfit.zoo.transformer import Transformer, TransformerConfig  # noqa: E402
@@ -32,9 +32,10 @@ LM = language_model_workload(name="tiny-lm", build_model=lambda: Transformer(CON
 
 
 def test_traced_float8_step_matches_the_cpu_profiler(tmp_path):
-    """Rowwise (per-row scales, its backward's fp32 rescaling). torch._scaled_mm runs on this CPU (an fp32 emulation): the real step, measured by the profiler,
-    against the trace with CPU semantics (which runs that kernel's scratch op by op:
-    ``trace/cuda_float8.py``); everything else is torchao's own code on both sides."""
+    """Rowwise (per-row scales, its backward's fp32 rescaling). torch._scaled_mm runs on this CPU (an
+    fp32 emulation): the real step, measured by the profiler, against the trace with CPU semantics
+    (which runs that kernel's scratch op by op: ``trace/cuda_float8.py``); everything else is
+    torchao's own code on both sides."""
     options = StepOptions(precision="fp8-rowwise")
     with TraceSession(LM, options, cuda_semantics=False) as session:
         traced = session.trace(B).snapshot.peak_bytes
@@ -129,7 +130,8 @@ def test_fsdp2_gathers_float8_weights_with_one_byte_per_element():
     norms = 2 * 128
     assert linears + norms == BLOCK
     fp8 = traced_rank0("fsdp", 2, StepOptions(precision="fp8-tensorwise"))
-    assert collective_bytes(fp8, "all_gather") == [2 * ROOT] + [linears + 2 * norms] * 4  # the root: bf16 (head filtered)
+    # the root: bf16 (head filtered)
+    assert collective_bytes(fp8, "all_gather") == [2 * ROOT] + [linears + 2 * norms] * 4
     assert collective_bytes(fp8, "reduce_scatter") == [4 * BLOCK, 4 * BLOCK, 4 * ROOT]
     assert [(c.phase, c.bytes) for c in fp8.collectives if c.op == "all_reduce"] == [("optimizer", 8 * 4)]
 

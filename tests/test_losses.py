@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from batchfit.cli.common import step_options
 from batchfit.errors import OptionError
-from batchfit.train.losses import chunked_cross_entropy, fused_linear_cross_entropy
-from batchfit.train.step import TrainingStep
 from batchfit.trace.memory import MemoryTracker
 from batchfit.trace.session import TraceSession
+from batchfit.train.losses import chunked_cross_entropy, fused_linear_cross_entropy
+from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo import language_model_workload
 from batchfit.zoo.hf import hf_workload
@@ -159,9 +159,11 @@ def test_the_report_folder_names_the_loss():
     from batchfit.cli.common import report_folder
     from batchfit.targets import parse_target
 
-    folder = report_folder(None, "estimate", "gpt2-124m", parse_target("virtual:h100-80gb"), StepOptions(loss="chunked:8"))
+    folder = report_folder(None, "estimate", "gpt2-124m", parse_target("virtual:h100-80gb"),
+                           StepOptions(loss="chunked:8"))
     assert folder.name.endswith("-loss-chunked_8")
-    assert "loss" not in report_folder(None, "estimate", "gpt2-124m", parse_target("virtual:h100-80gb"), StepOptions()).name
+    plain = report_folder(None, "estimate", "gpt2-124m", parse_target("virtual:h100-80gb"), StepOptions())
+    assert "loss" not in plain.name
 
 
 def test_the_cli_passes_the_loss_through():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
@@ -108,7 +107,7 @@ def test_a_shape_error_is_one_line_naming_the_users_line(tmp_path, capfd):
         "                    loss_fn=lambda m, x: m(x).sum())\n")
     with pytest.raises(TraceError) as error:
         estimate(load_workload(f"{tmp_path}/bad.py:workload"), device=get_device("t4-16gb"))
-    assert f"bad.py:8" in str(error.value) and "same reduction dim" in str(error.value)
+    assert "bad.py:8" in str(error.value) and "same reduction dim" in str(error.value)
     assert capfd.readouterr().err == ""  # no fake-tensor log before the clean error
 
 

@@ -159,12 +159,13 @@ def test_a_sweep_that_fails_to_start_leaves_no_store_and_the_rerun_runs(tmp_path
     from tiny import write_tiny
 
     monkeypatch.chdir(tmp_path)
-    args = ["sweep", write_tiny(tmp_path), *_short_text(tmp_path), "--samples", "8", "--batch-sizes", "4", "--store", "s.db",
-            "--device", "cpu", "--eval-samples", "1", "--out", "report"]
+    args = ["sweep", write_tiny(tmp_path), *_short_text(tmp_path), "--samples", "8", "--batch-sizes", "4",
+            "--store", "s.db", "--device", "cpu", "--eval-samples", "1", "--out", "report"]
     failed = runner.invoke(app, args)
     assert failed.exit_code == 2 and "fewer than one sample of 17" in failed.output, failed.output
     assert not Path("s.db").exists()
-    huge = runner.invoke(app, [*args[:args.index("--samples")], "--tokens", "1e99", *args[args.index("--batch-sizes"):]])
+    huge = runner.invoke(app,
+                         [*args[:args.index("--samples")], "--tokens", "1e99", *args[args.index("--batch-sizes"):]])
     assert huge.exit_code == 2 and "--tokens '1e99' is too large" in huge.output and not Path("s.db").exists()
     rerun = runner.invoke(app, [*args, "--val-fraction", "0.1"])
     assert rerun.exit_code == 0, rerun.output

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from batchfit.errors import OptionError
-from batchfit.train.step import TrainingStep
 from batchfit.trace.memory import MemoryTracker, pinned_rounded
 from batchfit.trace.session import TraceSession
+from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload, check_offload
 from cpu_truth import profiled_step_peak
 

@@ -21,8 +21,8 @@ MODEL = ["gpt-tinystories-22m", "--seq-len", "16"]
 DEVICE = {"estimate": ["--gpu", "t4-16gb"], "probe": ["--device", "virtual:t4-16gb"],
           "bench": ["--device", "virtual:t4-16gb"], "plan": ["--gpu", "t4-16gb", "--gpus", "2"],
           "sweep": ["--batch-sizes", "2,4", "--samples", "8"]}
-ENGINES = [("batchfit.estimator.engine", "estimate"), ("batchfit.probe.find", "find_max_batch"), ("batchfit.bench.engine", "bench"),
-           ("batchfit.cli.plan", "plan"), ("batchfit.sweep.engine", "plan_sweep"),
+ENGINES = [("batchfit.estimator.engine", "estimate"), ("batchfit.probe.find", "find_max_batch"),
+           ("batchfit.bench.engine", "bench"), ("batchfit.cli.plan", "plan"), ("batchfit.sweep.engine", "plan_sweep"),
            ("batchfit.sweep.engine", "run_sweep")]
 
 
@@ -65,7 +65,8 @@ def test_a_read_only_folder_is_refused(command, no_work, tmp_path, monkeypatch):
     read_only.mkdir()
     real_access = os.access
     monkeypatch.setattr("batchfit.cli.common.os.access",
-                        lambda path, mode: False if os.path.abspath(path) == str(read_only) else real_access(path, mode))
+                        lambda path, mode: (False if os.path.abspath(path) == str(read_only)
+                                            else real_access(path, mode)))
     line = refused(command, "--json", str(read_only / "r.json"))
     assert f"cannot write in '{read_only}' (read-only" in line
     assert "read-only" in refused(command, "--out", str(read_only / "report"))

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cpu_truth import join_gloo, spawn_profiled_gloo, tiny_llama_workload
 from batchfit.devices import get_device
 from batchfit.distributed.pp_schedules import bubble_fraction, in_flight, parse_schedule, rank_actions
 from batchfit.errors import OptionError
@@ -32,6 +31,7 @@ from batchfit.plan.sharded import parse_strategy
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo.transformer import TransformerConfig
+from cpu_truth import join_gloo, spawn_profiled_gloo, tiny_llama_workload
 
 CFG = TransformerConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128,
                         llama=True, tied_embeddings=False)
@@ -97,7 +97,6 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatc
     its loss the causal LM's own."""
     import dataclasses
 
-    from cpu_truth import agreed_profiled_peak
     from torch.distributed.pipelining import PipelineStage
 
     from batchfit.distributed.pipeline import build_rank
@@ -105,6 +104,7 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatc
     from batchfit.distributed.pipeline_run import stage_batch
     from batchfit.distributed.pp_schedules import parse_schedule, rank_stages
     from batchfit.zoo.hf import hf_workload
+    from cpu_truth import agreed_profiled_peak
 
     join_gloo(rank, world, port, timeout_s=120)
     peaks, orders = {}, {}

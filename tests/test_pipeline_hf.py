@@ -149,10 +149,10 @@ def _tp_rows_main(rank: int, port: int, out_dir: str, paths: dict) -> None:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpu_truth import join_gloo
     from batchfit.distributed.pipeline import split_stage
     from batchfit.distributed.tp_plans import tp_plan
     from batchfit.zoo.hf import hf_workload
+    from cpu_truth import join_gloo
 
     join_gloo(rank, 2, port, timeout_s=120)
     mesh = init_device_mesh("cpu", (2,))
@@ -264,7 +264,6 @@ def _pp_tp_main(rank: int, port: int, out_dir: str, path: str, schedule_name: st
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from cpu_truth import join_gloo, profiled_step_peak
     from batchfit.distributed.pipeline import build_rank
     from batchfit.distributed.pipeline_hf import hf_stage_loss
     from batchfit.distributed.pipeline_run import stage_batch
@@ -272,6 +271,7 @@ def _pp_tp_main(rank: int, port: int, out_dir: str, path: str, schedule_name: st
     from batchfit.distributed.tp_plans import tp_plan
     from batchfit.train.step import TrainingStep
     from batchfit.zoo.hf import hf_workload
+    from cpu_truth import join_gloo, profiled_step_peak
     from test_pipeline import _real_schedule
 
     join_gloo(rank, 4, port, timeout_s=180)

@@ -21,7 +21,7 @@ from batchfit.plan.engine import plan
 from batchfit.plan.time_model import TimeModel, bus_factor
 from batchfit.plan.world import World, parse_tokens, parse_worlds
 from batchfit.workload import StepOptions
-from test_plan_standin import GiB, gpu, standin, trace_sharded, workload  # noqa: F401 - standin is a fixture
+from test_plan_standin import GiB, gpu, trace_sharded, workload
 
 BF16 = StepOptions(precision="bf16-mixed")
 HALF = TimeModel(mfu=0.5, mfu_source="test")

@@ -16,7 +16,6 @@ import yaml
 from typer.testing import CliRunner
 
 from batchfit.cli.app import app
-from test_plan_standin import standin  # noqa: F401 - a fixture
 
 runner = CliRunner()
 MODEL = "gpt-tinystories-22m"  # the stand-in only reads its tokens per sample (256)
@@ -115,7 +114,8 @@ def test_calibrate_takes_the_mfu_a_gpu_bench_measured(standin, tmp_path):
                  "bf16-mixed", "--calibrate", str(tmp_path / "bench.json"), "--out", str(tmp_path), "--json", "-")
     assert result.exit_code == 0, result.output
     model = json.loads(result.stdout)["time_model"]
-    assert model["mfu"] == 0.35 and "measured by batchfit bench on NVIDIA H100 80GB HBM3 at batch 8" in model["mfu_source"]
+    assert model["mfu"] == 0.35
+    assert "measured by batchfit bench on NVIDIA H100 80GB HBM3 at batch 8" in model["mfu_source"]
     cpu_bench = {"rows": [{"batch_size": 4, "mfu": None}]}
     (tmp_path / "cpu.json").write_text(json.dumps(cpu_bench))
     result = run("plan", MODEL, "--gpu", "h100-80gb", "--gpus", "2", "--calibrate", str(tmp_path / "cpu.json"))

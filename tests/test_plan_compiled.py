@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpu_truth import join_gloo, spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.plan.sharded import ShardedSession, parse_strategy
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
+from cpu_truth import join_gloo, spawn_profiled_gloo
 from tiny import LOCAL_BATCH, profiled_rank_peak, tiny_workload
 
 OPTIONS = StepOptions(compile="blocks")  # fp32, AdamW; torchtitan compiles per block under FSDP2
@@ -132,7 +132,8 @@ def test_a_plan_says_which_strategies_were_traced_compiled_and_why_not_the_other
         (COMPILED_TRACED.what, "--compile blocks: fsdp, ddp traced compiled"),
         (COMPILED_AS_EAGER.what, "--compile blocks: tp2 traced eager: why"),
         (COMPILED_AS_EAGER.what, "--compile blocks: pp2 traced eager: why not")]
-    assert [a.what for a in plan_compile_approximations(tiny_workload(), OPTIONS, ["fsdp"], {})] == [COMPILED_TRACED.what]
+    compiled = plan_compile_approximations(tiny_workload(), OPTIONS, ["fsdp"], {})
+    assert [a.what for a in compiled] == [COMPILED_TRACED.what]
     assert [a.what for a in plan_compile_approximations(tiny_workload(), OPTIONS, [], {"tp2": "why"})] == [
         COMPILED_AS_EAGER.what]
     assert plan_compile_approximations(tiny_workload(), StepOptions(), [], {"ddp": ""}) == []

@@ -30,7 +30,7 @@ from batchfit.plan.engine import plan
 from batchfit.plan.time_model import TimeModel
 from batchfit.plan.world import World
 from batchfit.workload import StepOptions
-from test_plan_standin import gpu, parse_strategies, standin, trace_sharded, workload  # noqa: F401 - a fixture
+from test_plan_standin import gpu, parse_strategies, trace_sharded, workload
 
 LLAMA = ModelFacts(name="llama", n_layers=32, heads=32, kv_heads=8, tp_plan=True)
 ORDER = ["hsdp2", "fsdp", "fsdp-noreshard", "ddp", "zero2", "zero1", "fsdp+tp2", "pp2+fsdp", "tp4", "pp2+tp2"]

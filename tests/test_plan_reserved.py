@@ -19,7 +19,7 @@ from batchfit.plan.engine import plan
 from batchfit.plan.reserved import replay_steps
 from batchfit.plan.world import World
 from batchfit.workload import StepOptions
-from test_plan_standin import gpu, standin, trace_sharded, workload  # noqa: F401 - standin is a fixture
+from test_plan_standin import gpu, trace_sharded, workload
 from test_plan_trace import tiny_workload
 
 ONCE_BYTES = 8 * GiB

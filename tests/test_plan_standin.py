@@ -19,14 +19,13 @@ import dataclasses
 import importlib
 import inspect
 import re
-import sys
 import types
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from batchfit.devices import GiB, Device
+from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
 from batchfit.workload import Workload
 
@@ -171,18 +170,12 @@ class ShardedSession:
 
 
 def module() -> types.ModuleType:
-    """The stand-in as a module, to put in ``sys.modules['batchfit.plan.sharded']``."""
+    """The stand-in as a module, to put in ``sys.modules['batchfit.plan.sharded']`` (the ``standin``
+    fixture in conftest.py does)."""
     standin = types.ModuleType("batchfit.plan.sharded")
     for name in ("Strategy", "Collective", "ShardedPoint", "parse_strategies", "trace_sharded", "ShardedSession"):
         setattr(standin, name, globals()[name])
     return standin
-
-
-@pytest.fixture
-def standin(monkeypatch) -> types.ModuleType:
-    fake = module()
-    monkeypatch.setitem(sys.modules, "batchfit.plan.sharded", fake)
-    return fake
 
 
 def workload(tokens: int | None = 1000) -> Workload:

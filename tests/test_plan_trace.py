@@ -18,13 +18,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpu_truth import join_gloo, spawn_profiled_gloo
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import Strategy, parse_strategies, parse_strategy
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
-from tiny import BLOCK, CFG, LOCAL_BATCH, OPTIONS, ROOT, TOTAL, tiny_workload_named
-from tiny import tiny_workload  # noqa: F401 - test_plan_reserved.py imports it from here
+from cpu_truth import join_gloo, spawn_profiled_gloo
+from tiny import (
+    BLOCK,
+    CFG,
+    LOCAL_BATCH,
+    OPTIONS,
+    ROOT,
+    TOTAL,
+    tiny_workload,  # noqa: F401 - test_plan_reserved.py imports it from here
+    tiny_workload_named,
+)
 from tiny import collective_bytes as _bytes
 from tiny import profiled_rank_peak as _profiled_peak
 from tiny import traced_rank0 as _trace
@@ -192,11 +200,13 @@ def test_strategy_names_and_degrees():
     assert parse_strategies("ddp, fsdp,fsdp+tp2,hsdp2,fsdp-noreshard", 4) == [
         Strategy("ddp", 4, 4, 1, "ddp"), Strategy("fsdp", 4, 4, 1, "fsdp"), Strategy("fsdp+tp2", 4, 2, 2, "fsdp"),
         Strategy("hsdp2", 4, 4, 1, "hsdp", replicas=2), Strategy("fsdp-noreshard", 4, 4, 1, "fsdp-noreshard")]
-    assert parse_strategies("tp4,fsdp+tp4", 4) == [Strategy("tp4", 4, 1, 4, "none"), Strategy("fsdp+tp4", 4, 1, 4, "fsdp")]
+    assert parse_strategies("tp4,fsdp+tp4", 4) == [Strategy("tp4", 4, 1, 4, "none"),
+                                                   Strategy("fsdp+tp4", 4, 1, 4, "fsdp")]
     assert parse_strategies("fsdp", 1) == [Strategy("fsdp", 1, 1, 1, "none")]
     assert [s.name for s in parse_strategies("auto", 8)] == [  # plan/candidates.py's, no model: no pp
         "ddp", "fsdp", "fsdp-noreshard", "zero1", "zero2", "hsdp2", "hsdp4", "fsdp+tp2", "fsdp+tp4", "tp8"]
-    for text, world_size, message in [("tp3", 4, "use tp4"), ("fsdp+tp3", 4, "N in 2, 4"), ("zero3", 4, "unknown strategy"),
+    for text, world_size, message in [("tp3", 4, "use tp4"), ("fsdp+tp3", 4, "N in 2, 4"),
+                                      ("zero3", 4, "unknown strategy"),
                                       ("hsdp3", 4, "R in 2, 4"), ("tp2", 4, "fsdp\\+tp2"), ("", 4, "no strategy"),
                                       ("ddp", 0, "1 or more")]:
         with pytest.raises(OptionError, match=message) as error:
@@ -206,7 +216,8 @@ def test_strategy_names_and_degrees():
 
 def test_tp_on_a_model_without_a_plan_is_one_line():
     mlp = Workload(name="mlp", build_model=lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)),
-                   make_batch=lambda b, device: torch.randn(b, 8, device=device), loss_fn=lambda m, x: m(x).pow(2).mean())
+                   make_batch=lambda b, device: torch.randn(b, 8, device=device),
+                   loss_fn=lambda m, x: m(x).pow(2).mean())
     with pytest.raises(OptionError, match="has no tensor-parallel plan") as error:
         _trace("tp2", 2, workload=mlp)
     assert "\n" not in str(error.value)
@@ -219,7 +230,8 @@ def test_a_workloads_own_parallelize_is_used():
         return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
     mlp = Workload(name="mlp", build_model=lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)),
-                   make_batch=lambda b, device: torch.randn(b, 8, device=device), loss_fn=lambda m, x: m(x).pow(2).mean())
+                   make_batch=lambda b, device: torch.randn(b, 8, device=device),
+                   loss_fn=lambda m, x: m(x).pow(2).mean())
     mlp.parallelize = parallelize  # the field the coordinator adds to Workload
     point = _trace("tp2", 2, workload=mlp)
     assert point.params == 8 * 16 + 16 + 16 * 8 + 8

@@ -51,7 +51,6 @@ def test_a_plan_traced_two_strategies_at_a_time_is_the_plan_traced_one_by_one():
     from batchfit.devices import get_device
     from batchfit.plan.engine import plan
     from batchfit.plan.world import World
-    from batchfit.workload import StepOptions
     from batchfit.zoo import language_model_workload
     from batchfit.zoo.transformer import Transformer, TransformerConfig
 

@@ -16,9 +16,9 @@ from batchfit.plan.engine import plan
 from batchfit.plan.time_model import TimeModel
 from batchfit.plan.world import World
 from batchfit.workload import StepOptions
-from cpu_truth import tiny_llama_workload
-from test_plan_standin import gpu, standin, trace_sharded, workload  # noqa: F401 - standin is a fixture
 from batchfit.zoo.transformer import TransformerConfig
+from cpu_truth import tiny_llama_workload
+from test_plan_standin import gpu, trace_sharded, workload
 
 HALF = TimeModel(mfu=0.5, mfu_source="test")
 TINY = TransformerConfig(vocab_size=512, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, llama=True,
@@ -40,8 +40,8 @@ def test_fsdp_wider_than_the_largest_parameter_stops_before_any_trace():
 
 
 def test_fsdp_within_the_largest_parameter_is_not_refused():
-    from batchfit.plan.sharded import parse_strategies
     from batchfit.plan.shard_limit import too_wide
+    from batchfit.plan.sharded import parse_strategies
 
     chosen = parse_strategies("ddp,fsdp,hsdp2,zero1", 1024)
     why = too_wide(tiny_llama_workload(TINY), chosen)

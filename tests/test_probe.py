@@ -18,8 +18,8 @@ from batchfit.cli.app import app
 from batchfit.errors import OptionError, UsageError
 from batchfit.probe.find import find_max_batch, peak_of
 from batchfit.probe.runner import probe_isolated, probe_once
-from batchfit.targets import parse_target
 from batchfit.specs import load_workload
+from batchfit.targets import parse_target
 from batchfit.workload import StepOptions, Workload
 
 SMALL = "virtual:2GiB"  # 1.5 GiB usable: 1 GiB leaves too little for the allocator's segments
@@ -241,9 +241,10 @@ def test_global_batch_accumulation_respects_the_granularity():
     trials = [Trial(b, "ok" if b <= 96 else "oom", peak_allocated_bytes=b * 10 if b <= 96 else None) for b in (96, 104)]
     result = SearchResult(96, trials, 104, capped=False, multiple_of=8)
     no_probe = lambda b: pytest.fail("nothing needs probing")  # noqa: E731
-    recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 512, {"lo": 8, "hi": 4096, "multiple_of": 8})[0]}
+    space = {"lo": 8, "hi": 4096, "multiple_of": 8}
+    recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 512, space)[0]}
     assert (recs["global batch"].batch_size, recs["global batch"].accumulation_steps) == (64, 8)  # 64 | 512, <= 96
-    recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 100, {"lo": 8, "hi": 4096, "multiple_of": 8})[0]}
+    recs = {r.name: r for r in _recommend(result, no_probe, trials, None, 0.9, 100, space)[0]}
     assert recs["global batch"].batch_size == 0 and "multiple of 8" in recs["global batch"].why
 
 

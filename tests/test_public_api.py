@@ -6,7 +6,8 @@ import batchfit
 def test_public_names_are_pinned_and_sorted():
     assert batchfit.__all__ == sorted(batchfit.__all__, key=lambda name: (not name.isupper(), name))
     assert set(batchfit.__all__) == {
-        "CATALOG", "BatchfitError", "Device", "ElasticInfo", "ElasticStep", "EstimateResult", "ModelSpecError", "OptionError",
+        "CATALOG", "BatchfitError", "Device", "ElasticInfo", "ElasticStep", "EstimateResult", "ModelSpecError",
+        "OptionError",
         "ProbeResult", "SizeError", "StepOptions", "Target", "TraceError", "UnknownGPUError", "UsageError",
         "Workload", "estimate", "find_max_batch", "get_device", "load_workload", "parse_size", "parse_target",
         "resolve_target",

@@ -27,7 +27,8 @@ LAYERS = 2
 def llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=LAYERS,
+    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344,
+                                        num_hidden_layers=LAYERS,
                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
                                         attn_implementation="sdpa"))
 

@@ -19,16 +19,16 @@ import torch.nn.functional as F
 from torch import nn
 from typer.testing import CliRunner
 
-from cpu_truth import spawn_profiled_gloo
-from batchfit.distributed import wrap as parallel
 from batchfit.cli.app import app
+from batchfit.distributed import wrap as parallel
 from batchfit.errors import OptionError
 from batchfit.probe import ranks
 from batchfit.probe.find import find_max_batch
-from batchfit.train.step import TrainingStep
 from batchfit.targets import Target, parse_target
+from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig
+from cpu_truth import spawn_profiled_gloo
 
 CFG = TransformerConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32)
 SAMPLES_PER_RANK = 2

@@ -7,7 +7,6 @@ and the priors' formulas worked out by hand."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -15,15 +14,14 @@ from batchfit import load_workload
 from batchfit.errors import UsageError
 from batchfit.recommend.branch import Curve, Trainer
 from batchfit.recommend.engine import RecommendConfig, evaluator, plan_recommend, run_recommend
-from batchfit.recommend.read import extrapolate, power_exponent
 from batchfit.recommend.priors import power_lines, step_law
+from batchfit.recommend.read import extrapolate, power_exponent
 from batchfit.report.recommend_markdown import recommend_markdown
 from batchfit.runs.budget import Schedule
 from batchfit.runs.data import BatchSource, tokenize
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
 from tiny import write_corpus, write_tiny
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

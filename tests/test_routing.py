@@ -16,7 +16,7 @@ from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload, check_routing
 from batchfit.zoo.hf import _unpacked_sequences
 from cpu_truth import profiled_step_peak, same_kernels_on_any_x86
-from tiny import B, EXPERTS, T, TOP_K, forced, tiny_moe
+from tiny import EXPERTS, TOP_K, B, T, forced, tiny_moe
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,8 +40,8 @@ def test_a_bad_routing_is_one_line(bad):
 def traced(workload: Workload, routing: str, precision: str = "fp32") -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with TraceSession(workload, StepOptions(routing=routing, precision=precision, optimizer="sgd"), cuda_semantics=False,
-                          tracker=MemoryTracker(round_bytes=1)) as session:
+        with TraceSession(workload, StepOptions(routing=routing, precision=precision, optimizer="sgd"),
+                          cuda_semantics=False, tracker=MemoryTracker(round_bytes=1)) as session:
             return session.trace(B).snapshot.peak_bytes
 
 

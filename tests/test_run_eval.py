@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-from cpu_truth import profiled_peak, same_kernels_on_any_x86, tiny_llama_workload
 
 from batchfit.devices import custom_device
 from batchfit.errors import OptionError
@@ -26,6 +25,7 @@ from batchfit.report.run_markdown import eval_lines, eval_markdown
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
 from batchfit.zoo.transformer import TransformerConfig
+from cpu_truth import profiled_peak, same_kernels_on_any_x86, tiny_llama_workload
 
 
 def tiny(seq_len: int | None = None, vocab: int = 4096):
@@ -213,4 +213,5 @@ def test_an_eval_loop_whose_bytes_fit_but_whose_blocks_the_allocator_cannot_plac
     from batchfit.estimator.eval_phase import EvalPhase
 
     line = eval_lines(EvalPhase(62, 2, 16, Shape(16, 62), train, None, point, max_batch_size=48))[1]
-    assert "cannot place a block" in line and "fragmentation; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in line
+    assert "cannot place a block" in line
+    assert "fragmentation; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in line

@@ -18,7 +18,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from cpu_truth import profiled_step_peak, same_kernels_on_any_x86, tiny_llama_workload
 
 from batchfit.devices import custom_device
 from batchfit.estimator.batching import (
@@ -33,6 +32,7 @@ from batchfit.estimator.run import Lengths, estimate_run, step_peaks
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
 from batchfit.zoo.transformer import TransformerConfig
+from cpu_truth import profiled_step_peak, same_kernels_on_any_x86, tiny_llama_workload
 
 MAX_LEN, BATCH = 96, 4
 

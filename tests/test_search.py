@@ -10,16 +10,16 @@ import signal
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tests.conftest import mlp_workload
 
 from batchfit import search
 from batchfit.devices import custom_device
 from batchfit.estimator.engine import estimate
 from batchfit.search import Trial, guided
+from batchfit.trace.curve import fit_curve, fit_line
 from batchfit.trace.point import allocated_point
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions
-from batchfit.trace.curve import fit_curve, fit_line
-from tests.conftest import mlp_workload
 
 
 def threshold_probe(limit: int, seen: list[int]):

@@ -5,7 +5,6 @@ Checked against batchfit's own whole-model trace (checks the writing, not the fi
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from batchfit import StepOptions, Workload, get_device, load_workload
@@ -18,7 +17,8 @@ from batchfit.trace.session import TraceSession
 # from depths 2, 3, 4 past them, and a whole trace 10/16 as long
 @pytest.mark.parametrize("spec,options", [
     pytest.param("hf:llama-3.2-1b", StepOptions(precision="bf16", checkpointing="full"), marks=pytest.mark.slow),
-    pytest.param("hf:llama-3.2-1b", StepOptions(precision="bf16-mixed", optimizer="sgd-momentum"), marks=pytest.mark.slow),
+    pytest.param("hf:llama-3.2-1b", StepOptions(precision="bf16-mixed", optimizer="sgd-momentum"),
+                 marks=pytest.mark.slow),
 ])
 def test_the_written_stream_is_the_whole_models(spec, options, fewer_blocks):
     workload = load_workload(fewer_blocks(spec, 10), seq_len=32)

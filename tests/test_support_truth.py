@@ -29,7 +29,6 @@ import pytest
 import torch
 
 import support_matrix as matrix
-from cpu_truth import join_gloo, profiled_step_peak, same_kernels_on_any_x86, spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.errors import UsageError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
@@ -38,6 +37,7 @@ from batchfit.trace.routing import moe_experts
 from batchfit.trace.session import TraceSession
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
+from cpu_truth import join_gloo, profiled_step_peak, same_kernels_on_any_x86, spawn_profiled_gloo
 
 pytest.importorskip("transformers")
 
@@ -155,9 +155,8 @@ def test_each_familys_traced_peak_matches_the_profiler_on_a_real_cpu_step(family
 def _gloo_main(rank: int, port: int, out_dir: str, families: tuple[str, ...]) -> None:
     """Each family's real fsdp step on this rank; rank 0's steady-step peak (the least of two profiled
     steps: a collective that completes late on a loaded machine keeps a buffer alive longer in one)."""
-    from cpu_truth import agreed_profiled_peak
-
     from batchfit.distributed import apply_strategy, build_meshes
+    from cpu_truth import agreed_profiled_peak
 
     join_gloo(rank, GLOO_WORLD, port, timeout_s=120)
     strategy = parse_strategy("fsdp", GLOO_WORLD)

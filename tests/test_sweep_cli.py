@@ -37,8 +37,8 @@ def existing(tmp_path_factory):
 
 def sweep(spec, corpus, tmp_path, *extra, cache=None):
     args = ["sweep", spec, "--data", str(corpus), "--tokenizer", "bytes", "--batch-sizes", "2,4", "--tokens", "256",
-            "--eval-samples", "4", "--store", str(tmp_path / "sweep.db"), "--cache-dir", str(cache or tmp_path / "cache"),
-            "--device", "cpu", "--out", str(tmp_path / "report"), *extra]
+            "--eval-samples", "4", "--store", str(tmp_path / "sweep.db"), "--cache-dir",
+            str(cache or tmp_path / "cache"), "--device", "cpu", "--out", str(tmp_path / "report"), *extra]
     return runner.invoke(app, args)
 
 

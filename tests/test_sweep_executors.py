@@ -105,7 +105,6 @@ def test_local_ray_cluster_fills_the_store_through_the_driver(tmp_path, monkeypa
 def test_a_ray_task_never_opens_the_drivers_store(tmp_path, alone):
     # On a cluster the store is on the driver's disk: a task trains into a store of its own and
     # returns the run. Here the task's context names a store and checkpoints it cannot reach.
-    from dataclasses import replace
 
     from batchfit.runs.executors import WorkerContext, execute_remote
 

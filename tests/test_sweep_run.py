@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from batchfit import load_workload
+from batchfit.runs.budget import micro_batch_for
 from batchfit.runs.data import BatchSource, lm_format, tokenize
 from batchfit.sweep import SweepConfig, plan_sweep, run_sweep
 from batchfit.train.step import TrainingStep
-from batchfit.sweep.run import micro_batch_for
 from batchfit.workload import StepOptions
 from tiny import write_corpus, write_tiny
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 DATA = Path(__file__).parent / "data" / "torchtitan"
 DEBUG = DATA / "debug_model.toml"
@@ -53,7 +53,8 @@ def test_emit_patches_only_the_keys_that_change():
     from batchfit.plan.sharded import parse_strategy
 
     text = DEBUG.read_text()
-    values = {"parallelism": degrees(parse_strategy("fsdp+tp2", 8)), "training": {"local_batch_size": 3, "global_batch_size": 48}}
+    values = {"parallelism": degrees(parse_strategy("fsdp+tp2", 8)),
+              "training": {"local_batch_size": 3, "global_batch_size": 48}}
     out = patch_toml(text, values)
     import difflib
 
@@ -126,11 +127,11 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str, strategy_nam
                profiled_steps: int = 3) -> None:
     import torch
     import torch.distributed as dist
-    from cpu_truth import TimelineFailed, join_gloo, profiled_step_peak
 
     from batchfit.plan.sharded import parse_strategy
     from batchfit.specs import load_workload
     from batchfit.train.step import TrainingStep
+    from cpu_truth import TimelineFailed, join_gloo, profiled_step_peak
 
     join_gloo(rank, world_size, port, 120)
     workload = load_workload(f"torchtitan:{DEBUG}", seq_len=SEQ, for_plan=True)
@@ -179,11 +180,10 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str, strategy_nam
 @pytest.mark.slow
 @needs_torchtitan
 def test_traced_torchtitan_tp_step_matches_a_real_gloo_run(tmp_path):
-    from cpu_truth import spawn_profiled_gloo
-
     from batchfit.devices import get_device
     from batchfit.plan.sharded import parse_strategy, trace_sharded
     from batchfit.specs import load_workload
+    from cpu_truth import spawn_profiled_gloo
 
     # one profiled step: TP's collectives are waited on where they are called (no late buffers)
     spawn_profiled_gloo(_gloo_main, lambda port: (2, port, str(tmp_path), "tp2", 1), nprocs=2)

@@ -17,11 +17,11 @@ import os
 import pytest
 import torch
 
-from cpu_truth import agreed_profiled_peak, join_gloo, spawn_profiled_gloo
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
 from batchfit.workload import StepOptions
+from cpu_truth import agreed_profiled_peak, join_gloo, spawn_profiled_gloo
 
 pytest.importorskip("transformers")
 
@@ -183,6 +183,7 @@ def test_a_style_with_no_dtensor_counterpart_is_named(tmp_path):
                   max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                   first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
                   v_head_dim=16, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    with pytest.raises(OptionError, match="has no tensor-parallel plan .*'moe_tp_experts', which has no DTensor style") as error:
+    with pytest.raises(OptionError, match="has no tensor-parallel plan .*'moe_tp_experts', which has no "
+                                          "DTensor style") as error:
         _trace(_workload(config, tmp_path))
     assert "\n" not in str(error.value)

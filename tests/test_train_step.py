@@ -25,9 +25,9 @@ from torch import nn
 from batchfit.runs.budget import Budget, Schedule
 from batchfit.runs.data import BatchSource
 from batchfit.runs.store import Store
-from batchfit.train.step import TrainingStep
 from batchfit.sweep.run import RunSpec, train_run
 from batchfit.trace.session import TraceSession
+from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 
 UNDERFLOWS = 2.0**-27

@@ -223,10 +223,12 @@ def test_sft_model_init_kwargs_and_checkpointing_aliases():
     transformers 5's deprecated gradient_checkpointing alias is the same setting, not a second one."""
     mapping = from_training_arguments(
         {"bf16": True, "activation_checkpointing": True, "gradient_checkpointing": True,
-         "activation_checkpointing_kwargs": {"every_n_layers": 2}, "gradient_checkpointing_kwargs": {"every_n_layers": 2},
+         "activation_checkpointing_kwargs": {"every_n_layers": 2},
+         "gradient_checkpointing_kwargs": {"every_n_layers": 2},
          "model_init_kwargs": {"torch_dtype": "bfloat16", "attn_implementation": "sdpa"}, "max_length": 512},
         check_fields=False)
-    assert mapping.step == {"precision": "bf16", "checkpointing": "every:2", "attention": "sdpa"} and mapping.seq_len == 512
+    assert mapping.step == {"precision": "bf16", "checkpointing": "every:2", "attention": "sdpa"}
+    assert mapping.seq_len == 512
     used = {u.field: u for u in mapping.used}
     assert "replaces --precision bf16-mixed" in used["model_init_kwargs.torch_dtype"].why
     assert used["gradient_checkpointing"].why == "the same as activation_checkpointing"

@@ -16,7 +16,6 @@ from typer.testing import CliRunner
 from batchfit.cli.app import app
 from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
-
 from cpu_truth import profiled_workload_peak
 
 V, D, T = 64, 32, 16

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpu_truth import join_gloo, spawn_profiled_gloo, tiny_llama_workload
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
@@ -32,6 +31,7 @@ from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from batchfit.zoo import language_model_workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig
+from cpu_truth import join_gloo, spawn_profiled_gloo, tiny_llama_workload
 
 CFG = TransformerConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
                         llama=True, tied_embeddings=False)
@@ -200,9 +200,8 @@ def test_muon_trains_hidden_matrices_and_adamw_the_rest():
 
 
 def test_muon_state_bytes_by_hand_and_against_the_cpu_profiler(tmp_path):
-    from cpu_truth import profiled_step_peak
-
     from batchfit.trace.session import TraceSession
+    from cpu_truth import profiled_step_peak
 
     params = list(Transformer(CFG).named_parameters())
     total = sum(p.numel() for _, p in params)
@@ -239,8 +238,8 @@ def test_accelerate_config_of_zero1_and_zero2_is_deepspeed_stage_1_and_2():
     from batchfit.plan.emit import accelerate_yaml
 
     for shard, stage in (("zero1", 1), ("zero2", 2)):
-        p = SimpleNamespace(strategy=shard, shard=shard, gpus=8, nodes=1, tp=1, dp=8, pp=1, cp=1, ep=1, replicas=1, micro_batch=4,
-                            accumulation_steps=2, global_batch=64)
+        p = SimpleNamespace(strategy=shard, shard=shard, gpus=8, nodes=1, tp=1, dp=8, pp=1, cp=1, ep=1, replicas=1,
+                            micro_batch=4, accumulation_steps=2, global_batch=64)
         result = SimpleNamespace(recommended=[p], options=StepOptions(precision="bf16-mixed"), workload="w")
         config = yaml.safe_load(accelerate_yaml(result))
         assert config["distributed_type"] == "DEEPSPEED"

@@ -12,10 +12,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from batchfit.devices import get_device
-from batchfit.trace.point import allocated_point
 from batchfit.specs import load_workload
-from batchfit.train.step import TrainingStep
+from batchfit.trace.point import allocated_point
 from batchfit.trace.session import TraceSession
+from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
 from batchfit.zoo import language_model_workload
 from batchfit.zoo.recurrent import ElmanScan, RecurrentConfig, RecurrentLM, elman_loop

@@ -67,10 +67,17 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from batchfit.devices import CATALOG, Device, get_device, parse_size
-    from batchfit.integrations.elastic import ElasticInfo, ElasticStep
-    from batchfit.errors import (BatchfitError, ModelSpecError, OptionError, SizeError, TraceError,
-                                 UnknownGPUError, UsageError)
+    from batchfit.errors import (
+        BatchfitError,
+        ModelSpecError,
+        OptionError,
+        SizeError,
+        TraceError,
+        UnknownGPUError,
+        UsageError,
+    )
     from batchfit.estimator.engine import EstimateResult, estimate
+    from batchfit.integrations.elastic import ElasticInfo, ElasticStep
     from batchfit.probe.find import ProbeResult, find_max_batch
     from batchfit.specs import load_workload
     from batchfit.targets import Target, parse_target, resolve_target

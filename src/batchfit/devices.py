@@ -164,9 +164,11 @@ def _gpu(name, display, mib, tflops, fp32_tflops, bandwidth_gb_per_s, cc_major, 
 CATALOG: dict[str, Device] = {
     d.name: d
     for d in [
-        _gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", 81559, 989.0, 67.0, 3350, 9, intra=NVLINK4, inter=IB_NDR, host=PCIE5),
+        _gpu("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", 81559, 989.0, 67.0, 3350, 9, intra=NVLINK4,
+             inter=IB_NDR, host=PCIE5),
         _gpu("h100-pcie-80gb", "NVIDIA H100 PCIe 80GB", 81559, 756.0, 51.0, 2000, 9, intra=PCIE5, host=PCIE5),
-        _gpu("h200-141gb", "NVIDIA H200 141GB HBM3e", 143771, 989.0, 67.0, 4800, 9, intra=NVLINK4, inter=IB_NDR, host=PCIE5),
+        _gpu("h200-141gb", "NVIDIA H200 141GB HBM3e", 143771, 989.0, 67.0, 4800, 9, intra=NVLINK4,
+             inter=IB_NDR, host=PCIE5),
         _gpu("a100-80gb", "NVIDIA A100 80GB", 81920, 312.0, 19.5, 2039, 8, intra=NVLINK3, inter=IB_HDR, fp8=False),
         _gpu("a100-40gb", "NVIDIA A100 40GB", 40960, 312.0, 19.5, 1555, 8, intra=NVLINK3, inter=IB_HDR, fp8=False),
         _gpu("a10g-24gb", "NVIDIA A10G", 23028, 70.0, 31.2, 600, 8, fp8=False),
@@ -174,8 +176,10 @@ CATALOG: dict[str, Device] = {
         _gpu("l40s-48gb", "NVIDIA L40S", 46068, 362.0, 91.6, 864, 8),
         _gpu("rtx4090-24gb", "NVIDIA GeForce RTX 4090", 24564, 165.0, 82.6, 1008, 8),
         _gpu("rtx6000ada-48gb", "NVIDIA RTX 6000 Ada Generation", 49140, 364.0, 91.1, 960, 8),
-        _gpu("v100-16gb", "NVIDIA Tesla V100 16GB", 16160, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2, host=PCIE3, fp8=False),
-        _gpu("v100-32gb", "NVIDIA Tesla V100 32GB", 32510, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2, host=PCIE3, fp8=False),
+        _gpu("v100-16gb", "NVIDIA Tesla V100 16GB", 16160, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2,
+             host=PCIE3, fp8=False),
+        _gpu("v100-32gb", "NVIDIA Tesla V100 32GB", 32510, 125.0, 15.7, 900, 7, bf16=False, intra=NVLINK2,
+             host=PCIE3, fp8=False),
         _gpu("t4-16gb", "NVIDIA Tesla T4", 15360, 65.0, 8.1, 320, 7, bf16=False, intra=PCIE3, host=PCIE3, fp8=False),
         _gpu("mi300x-192gb", "AMD Instinct MI300X", 196592, 1307.0, 163.4, 5300, 9, intra=INFINITY_FABRIC, host=PCIE5),
     ]

@@ -14,9 +14,9 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib
-import json
 import importlib.util
 import inspect
+import json
 import sys
 import traceback
 from pathlib import Path
@@ -88,7 +88,8 @@ def _user_workload(spec: str, seq_len: int | None) -> tuple[Workload, str]:
         parameters = {}
     accepts_seq_len = "seq_len" in parameters
     if seq_len is not None and not accepts_seq_len:
-        raise ModelSpecError(f"--seq-len was given but {fn_name}() takes no seq_len argument: add one or drop --seq-len")
+        raise ModelSpecError(f"--seq-len was given but {fn_name}() takes no seq_len argument: add one or "
+                             "drop --seq-len")
     passed = {"seq_len"} if accepts_seq_len and seq_len is not None else set()
     required = [p.name for p in parameters.values()
                 if p.default is p.empty and p.name not in passed

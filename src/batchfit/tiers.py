@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-TIERS: tuple[tuple[str, float], ...] = (("maximum", 1.0), ("aggressive", 0.95), ("default", 0.85), ("conservative", 0.70))
+TIERS: tuple[tuple[str, float], ...] = (("maximum", 1.0), ("aggressive", 0.95), ("default", 0.85),
+                                        ("conservative", 0.70))
 """(name, fraction of usable memory) of each tier, from the largest."""
 
 

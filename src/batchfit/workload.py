@@ -338,8 +338,9 @@ class StepOptions:
         check_quantize(self.quantize)
         check_lora(self.lora)
         if self.quantize != "none" and self.precision in FP8_PRECISIONS:
-            raise OptionError(f"--precision {self.precision} makes the linear layers torchao float8 ones and --quantize "
-                              f"{self.quantize} makes them bitsandbytes ones: use one of them (QLoRA: --precision bf16-mixed)")
+            raise OptionError(f"--precision {self.precision} makes the linear layers torchao float8 ones "
+                              f"and --quantize {self.quantize} makes them bitsandbytes ones: use one of them (QLoRA: "
+                              "--precision bf16-mixed)")
         if self.quantize != "none" and self.lora == "none":  # the step would find no parameter to train
             raise OptionError(f"--quantize {self.quantize} freezes the whole base model (QLoRA: only the adapters "
                               "train), so nothing would train: add --lora, e.g. --lora r=16")

@@ -28,15 +28,15 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from batchfit.devices import Device, host_link_seconds
 from batchfit.errors import OptionError
-from batchfit.train.oom import classify, describe
-from batchfit.train.step import TrainingStep
 from batchfit.targets import Target
 from batchfit.tiers import Tier, tiers
-from batchfit.train.timing import run_timed_steps
 from batchfit.trace.allocator import AllocatorConfig
 from batchfit.trace.curve import fit_line
 from batchfit.trace.point import allocated_point, replay_reserved
 from batchfit.trace.session import TraceSession
+from batchfit.train.oom import classify, describe
+from batchfit.train.step import TrainingStep
+from batchfit.train.timing import run_timed_steps
 from batchfit.workload import StepOptions, Workload
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -139,7 +139,8 @@ def _traced(workload: Workload, options: StepOptions, batch_size: int, device: D
         if device is not None:  # the whole fresh process: build, first step, second step
             config = AllocatorConfig.from_env()
             reserved, reserved_oom, _ = replay_reserved(session.tracker.events, device, config)
-            expandable, _, _ = replay_reserved(session.tracker.events, device, replace(config, expandable_segments=True))
+            expandable, _, _ = replay_reserved(session.tracker.events, device,
+                                               replace(config, expandable_segments=True))
         with session.fake_mode, FlopCounterMode(display=False, custom_mapping=_FLOPS) as counter:
             session.step.run(batch_size)
         flops = counter.get_total_flops()
@@ -271,7 +272,8 @@ class BenchResult:
     steps: int
     warmup: int
     seconds: float
-    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    created: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
 
     def to_json(self) -> dict:
@@ -292,20 +294,24 @@ def _hints(rows: list[BenchRow], leak: Leak | None, points: list[dict]) -> list[
     worst = max(wasteful, key=lambda r: r.peak_reserved_bytes - r.peak_allocated_bytes, default=None)
     if worst is not None:
         waste = worst.peak_reserved_bytes - worst.peak_allocated_bytes
-        if waste >= max(0.1 * worst.peak_reserved_bytes, 256 * 2**20) and worst.reserved_expandable_bytes < worst.peak_reserved_bytes:
+        if (waste >= max(0.1 * worst.peak_reserved_bytes, 256 * 2**20)
+                and worst.reserved_expandable_bytes < worst.peak_reserved_bytes):
             hints.append(
                 f"batch {worst.batch_size}: {waste / 2**30:.2f} GiB reserved but not allocated (fragmentation); "
                 f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is traced to reserve "
-                f"{worst.reserved_expandable_bytes / 2**30:.2f} GiB instead of {worst.peak_reserved_bytes / 2**30:.2f} GiB")
+                f"{worst.reserved_expandable_bytes / 2**30:.2f} GiB instead of "
+                f"{worst.peak_reserved_bytes / 2**30:.2f} GiB")
     if leak and leak.leaking:
         top = leak.where[0] if leak.where else None
-        place = f": {top['op']} in the {top['phase']} phase" + (f" ({top['module']})" if top["module"] else "") if top else ""
+        place = (f": {top['op']} in the {top['phase']} phase" + (f" ({top['module']})" if top["module"] else "")
+                 if top else "")
         hints.append(f"memory grows by {leak.bytes_per_step:,.0f} bytes per step{place}; keep .item() of losses, "
                      "not the tensors, and do not keep tensors that hold the graph across steps")
     for point in points:
-        hints.append(f"memory per sample changes at batch ~{point['at']}: {point['bytes_per_sample_before'] / 2**20:.1f} -> "
-                     f"{point['bytes_per_sample_after'] / 2**20:.1f} MiB/sample; the peak moves from the "
-                     f"{point['phase_before']} phase to the {point['phase_after']} phase")
+        hints.append(f"memory per sample changes at batch ~{point['at']}: "
+                     f"{point['bytes_per_sample_before'] / 2**20:.1f} -> {point['bytes_per_sample_after'] / 2**20:.1f} "
+                     f"MiB/sample; the peak moves from the {point['phase_before']} phase to the "
+                     f"{point['phase_after']} phase")
     return hints
 
 

@@ -10,13 +10,42 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
-                                 JsonOpt, ModelArg, OptimizerOpt, PrecisionOpt, SeqLenOpt, TrainOnlyOpt,
-                                 check_outputs, command_target, flag, handle_errors, out_option,
-                                 parse_batch_sizes, progress_line, quiet_if_stdout, report_folder,
-                                 step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
-from batchfit.cli.common import AttentionOpt, say_attention, say_notices
+from batchfit.cli.common import (
+    AccumulationOpt,
+    AttentionOpt,
+    CheckpointingOpt,
+    CompileOpt,
+    DeviceOpt,
+    FreezeOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    JsonOpt,
+    LoraOpt,
+    LossOpt,
+    MemoryBudgetOpt,
+    ModelArg,
+    OffloadOpt,
+    OptimizerOpt,
+    PrecisionOpt,
+    QuantizeOpt,
+    RoutingOpt,
+    SeqLenOpt,
+    TrainOnlyOpt,
+    check_outputs,
+    command_target,
+    flag,
+    handle_errors,
+    out_option,
+    parse_batch_sizes,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    say_attention,
+    say_notices,
+    step_options,
+    warn_about_precision,
+    write_outputs,
+)
 from batchfit.cli.trainer import TrainerOpt, merged_options, merged_seq_len, print_mapping, read_trainer
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
@@ -60,7 +89,8 @@ def bench_command(
     accumulation_steps: AccumulationOpt = 1,
     steps: Annotated[int, typer.Option(help="Timed steps per batch size (with --leak-check: steps to watch).")] = 10,
     warmup: Annotated[int, typer.Option(help="Burn-in steps before timing.")] = 3,
-    leak_check: Annotated[bool, flag("--leak-check", "Watch allocated memory over --steps steps and say if it grows.")] = False,
+    leak_check: Annotated[bool, flag("--leak-check",
+                                     "Watch allocated memory over --steps steps and say if it grows.")] = False,
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, throughput.png, bench.json")] = None,
     trainer: TrainerOpt = None,
@@ -78,8 +108,8 @@ def bench_command(
     door = read_trainer(trainer)
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
-                           quantize=quantize, lora=lora, memory_budget=memory_budget,
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps,
+                           compile_, loss, offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
                            routing=routing, attention=attention)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)
@@ -90,8 +120,8 @@ def bench_command(
     if door is not None:
         print_mapping(door, quiet_if_stdout(json_path))
     from batchfit.bench.engine import bench  # torch: after the options are checked
-    from batchfit.trace.noops import no_op_notices
     from batchfit.report import write_bench_report
+    from batchfit.trace.noops import no_op_notices
 
     workload = load_workload(model, seq_len=seq_len)
     notices = no_op_notices(workload, options)

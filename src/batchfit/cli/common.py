@@ -22,8 +22,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from batchfit.devices import precision_warning
 from batchfit.errors import BatchfitError, OptionError
 from batchfit.report.write import StagedFiles, staged_files, write_text_atomic
-from batchfit.specs import SPEC_HELP
 from batchfit.search import MAX_BATCH_SIZE
+from batchfit.specs import SPEC_HELP
 from batchfit.targets import DEVICE_HELP, Target, resolve_target
 from batchfit.workload import StepOptions, attention_words
 
@@ -62,7 +62,8 @@ def parse_batch_sizes(text: str | None) -> list[int] | None:
     if text is None:
         return None
     if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text):
-        raise OptionError(f"cannot read --batch-sizes '{text}': give positive integers separated by commas, e.g. 8,16,32")
+        raise OptionError(f"cannot read --batch-sizes '{text}': give positive integers separated by commas, "
+                          "e.g. 8,16,32")
     sizes = [int(s) for s in text.split(",")]
     if not 1 <= min(sizes) <= max(sizes) <= MAX_BATCH_SIZE:  # beyond: overflows inside torch
         raise OptionError(f"--batch-sizes must all be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8,16,32")
@@ -88,7 +89,8 @@ def quiet_if_stdout(path: str | None) -> Console:
 # --- options shared by the commands that run a training step ------------------------------
 GpuOpt = Annotated[str | None, typer.Option(help="GPU from the catalog (`batchfit gpus`), traced, e.g. h100-80gb.")]
 GpuMemoryOpt = Annotated[str | None, typer.Option(help="Any GPU by its memory, traced, e.g. 24GiB or 80GB.")]
-DeviceOpt = Annotated[str | None, typer.Option(help=f"Where to run: {DEVICE_HELP}. Default: the GPU here, else a traced H100.")]
+DeviceOpt = Annotated[str | None, typer.Option(help=f"Where to run: {DEVICE_HELP}. Default: the GPU here, else a "
+                                                    "traced H100.")]
 ModelArg = Annotated[str, typer.Argument(help=f"What to train: {SPEC_HELP}.", show_default=False)]
 SeqLenOpt = Annotated[int | None, typer.Option(help="Tokens per sample (default: the model's).")]
 DataOpt = Annotated[str | None, typer.Option(help="The run's data (.txt lines, .jsonl / .parquet rows, a folder): "
@@ -99,27 +101,34 @@ BatchingOpt = Annotated[str | None, typer.Option(help="How --data is batched: pa
 LengthColumnOpt = Annotated[str | None, typer.Option(help="A column of token counts in --data's rows.")]
 TokenizerOpt = Annotated[str | None, typer.Option(help="Tokenizes --data's text: a tokenizer.json, a cached name, "
                                                   "or bytes (default: the model folder's own).")]
-PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights), bf16 (pure), or "
-                                                "fp8-tensorwise / fp8-rowwise (torchao float8 linears, the rest bf16-mixed).")]
-OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, sgd-momentum, adafactor, "
-                                                 "muon (Muon for hidden matrices, AdamW for the rest); "
-                                                 "adamw-8bit, paged-adamw-8bit, lion-8bit, paged-lion-8bit (bitsandbytes), "
-                                                 "adamw-torchao-8bit, adamw-torchao-4bit (torchao).")]
-CheckpointingOpt = Annotated[str, typer.Option(help="Activation checkpointing: none, full (every block), selective (torchtitan's per-op policy) or every:N (every N-th block).")]
+PrecisionOpt = Annotated[str, typer.Option(help="fp32, bf16-mixed, fp16-mixed (autocast, fp32 weights), "
+                                                "bf16 (pure), or fp8-tensorwise / fp8-rowwise (torchao float8 linears, "
+                                                "the rest bf16-mixed).")]
+OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: adamw, adam, sgd, "
+                                                 "sgd-momentum, adafactor, muon (Muon for hidden matrices, AdamW "
+                                                 "for the rest); adamw-8bit, paged-adamw-8bit, lion-8bit, "
+                                                 "paged-lion-8bit (bitsandbytes), adamw-torchao-8bit, "
+                                                 "adamw-torchao-4bit (torchao).")]
+CheckpointingOpt = Annotated[str, typer.Option(help="Activation checkpointing: none, full (every block), selective "
+                                                    "(torchtitan's per-op policy) or every:N (every N-th block).")]
 LossOpt = Annotated[str, typer.Option(help="Language-model loss: plain (the model's), chunked:N (cross-entropy over N "
-                                           "chunks of the sequence, torchtune's) or fused-linear (Liger's fused linear + "
-                                           "cross-entropy: never the whole logits).")]
+                                           "chunks of the sequence, torchtune's) or fused-linear (Liger's "
+                                           "fused linear + cross-entropy: never the whole logits).")]
 CompileOpt = Annotated[str, typer.Option("--compile", help="torch.compile: none, model (whole model) or blocks "
                                           "(each block, as torchtitan does). Traced as compiled (AOTAutograd's min-cut "
                                           "partition); where it cannot be, the output says so.")]
-FreezeOpt = Annotated[list[str] | None, typer.Option(help="Freeze parameters matching this glob (repeatable), e.g. 'model.layers.*'.")]
-TrainOnlyOpt = Annotated[list[str] | None, typer.Option(help="Train only parameters matching this glob (repeatable), e.g. '*lora*'.")]
+FreezeOpt = Annotated[list[str] | None, typer.Option(help="Freeze parameters matching this glob (repeatable), e.g. "
+                                                          "'model.layers.*'.")]
+TrainOnlyOpt = Annotated[list[str] | None, typer.Option(help="Train only parameters matching this glob (repeatable), "
+                                                             "e.g. '*lora*'.")]
 AccumulationOpt = Annotated[int, typer.Option(help="Micro-batches per optimizer step.")]
-QuantizeOpt = Annotated[str, typer.Option(help="Quantize the frozen base's linear layers with bitsandbytes (QLoRA): none, "
-                                                 "nf4, nf4-dq, fp4, fp4-dq (4-bit; -dq: double quantization; compute dtype "
-                                                 "from --precision) or int8. Needs batchfit[quant].")]
+QuantizeOpt = Annotated[str, typer.Option(help="Quantize the frozen base's linear layers with bitsandbytes "
+                                                 "(QLoRA): none, nf4, nf4-dq, fp4, fp4-dq (4-bit; -dq: double "
+                                                 "quantization; compute dtype from --precision) or int8. Needs "
+                                                 "batchfit[quant].")]
 LoraOpt = Annotated[str, typer.Option(help="PEFT LoRA adapters: none or r=16[,alpha=32][,dora][,targets=q_proj+v_proj] "
-                                            "(default targets: every linear layer but the output head). Needs batchfit[quant].")]
+                                            "(default targets: every linear layer but the output head). Needs "
+                                            "batchfit[quant].")]
 TargetUtilOpt = Annotated[float, typer.Option(help="Fraction of usable memory to plan for.")]
 MultipleOfOpt = Annotated[int, typer.Option(help="Batch sizes must be multiples of this, e.g. 8.")]
 NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Trace again: neither read nor write the trace cache "

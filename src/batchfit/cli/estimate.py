@@ -9,22 +9,71 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
-                                 JsonOpt, LimitOpt, ModelArg, MultipleOfOpt, NoCacheOpt, OptimizerOpt, PrecisionOpt,
-                                 SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target,
-                                 handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
-                                 report_folder, step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt,
-                                 parse_host_memory, warn_about_approximations)
-from batchfit.cli.common import AttentionOpt, BatchingOpt, DataOpt, LengthColumnOpt, TokenizerOpt, say_attention
-from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, merged_batch_sizes, merged_batching,
-                                  merged_eval, merged_options, merged_seq_len, parse_trainer_emit, print_answer, print_mapping,
-                                  read_trainer, run_answer, trainer_outputs)
+from batchfit.cli.common import (
+    AccumulationOpt,
+    AttentionOpt,
+    BatchingOpt,
+    CheckpointingOpt,
+    CompileOpt,
+    DataOpt,
+    DeviceOpt,
+    FreezeOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    HostMemoryOpt,
+    JsonOpt,
+    LengthColumnOpt,
+    LimitOpt,
+    LoraOpt,
+    LossOpt,
+    MemoryBudgetOpt,
+    ModelArg,
+    MultipleOfOpt,
+    NoCacheOpt,
+    OffloadOpt,
+    OptimizerOpt,
+    PrecisionOpt,
+    QuantizeOpt,
+    RoutingOpt,
+    SeqLenOpt,
+    TargetUtilOpt,
+    TokenizerOpt,
+    TrainOnlyOpt,
+    check_outputs,
+    command_target,
+    handle_errors,
+    out_option,
+    parse_batch_sizes,
+    parse_host_memory,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    say_attention,
+    step_options,
+    warn_about_approximations,
+    warn_about_precision,
+    write_outputs,
+)
+from batchfit.cli.trainer import (
+    EmitTrainerOpt,
+    TrainerOpt,
+    merged_batch_sizes,
+    merged_batching,
+    merged_eval,
+    merged_options,
+    merged_seq_len,
+    parse_trainer_emit,
+    print_answer,
+    print_mapping,
+    read_trainer,
+    run_answer,
+    trainer_outputs,
+)
 from batchfit.devices import GiB
-from batchfit.report.host import host_line
-from batchfit.report.run_markdown import eval_lines, run_lines
 from batchfit.errors import OptionError
 from batchfit.estimator.batching import check_run_flags
+from batchfit.report.host import host_line
+from batchfit.report.run_markdown import eval_lines, run_lines
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
 from batchfit.specs import load_workload
 
@@ -97,7 +146,8 @@ def estimate_command(
                                                         "(no gradients, the whole logits) after the training "
                                                         "step: the larger peak decides (docs/run.md).")] = None,
     eval_accumulation_steps: Annotated[int | None, typer.Option(help="Eval steps whose logits stay on the GPU "
-                                                                "together (the Trainer's, with compute_metrics).")] = None,
+                                                                "together (the Trainer's, with "
+                                                                "compute_metrics).")] = None,
     no_cache: NoCacheOpt = False,
 ) -> None:
     """Predict peak training memory and the largest batch that fits a GPU, without a GPU.
@@ -117,8 +167,8 @@ def estimate_command(
         raise OptionError("estimate sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb), "
                           "--gpu-memory 24GiB or --device cuda")
     device = target.device
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
-                           quantize=quantize, lora=lora, memory_budget=memory_budget,
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps,
+                           compile_, loss, offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
                            routing=routing, attention=attention)
     host_memory_bytes = parse_host_memory(host_memory)
     options = merged_options(options, door)

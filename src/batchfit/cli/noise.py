@@ -9,9 +9,22 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg, SeqLenOpt, check_outputs,
-                                 handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
-                                 report_folder, write_outputs)
+from batchfit.cli.common import (
+    DeviceOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    JsonOpt,
+    ModelArg,
+    SeqLenOpt,
+    check_outputs,
+    handle_errors,
+    out_option,
+    parse_batch_sizes,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    write_outputs,
+)
 from batchfit.cli.sweep import CacheDirOpt, DataOpt, SeedOpt, TokenizerOpt, ValFractionOpt, needs_data, sweep_target
 from batchfit.errors import BatchfitError, OptionError, UsageError
 from batchfit.specs import load_workload
@@ -32,10 +45,13 @@ def noise_command(
     model: ModelArg,
     batch_sizes: Annotated[str, typer.Option(help="Two batch sizes, small then big (a multiple of small), e.g. 8,128.",
                                              show_default=False)],
-    steps: Annotated[int, typer.Option(help="Training steps to track it over (EMA); 0: at the initial parameters.")] = 0,
+    steps: Annotated[int, typer.Option(help="Training steps to track it over (EMA); 0: at the "
+                                            "initial parameters.")] = 0,
     repeats: Annotated[int, typer.Option(help="With --steps 0: measurements to average.")] = 100,
-    ema: Annotated[float, typer.Option(help="EMA factor over steps (the interval uses the last 1/(1-ema) steps).")] = 0.95,
-    lr: Annotated[float | None, typer.Option(help="Learning rate of the tracking run (default: the optimizer's).")] = None,
+    ema: Annotated[float, typer.Option(help="EMA factor over steps (the interval uses the last "
+                                            "1/(1-ema) steps).")] = 0.95,
+    lr: Annotated[float | None, typer.Option(help="Learning rate of the tracking run (default: the "
+                                                  "optimizer's).")] = None,
     data: DataOpt = None,
     tokenizer: TokenizerOpt = "bpe",
     val_fraction: ValFractionOpt = 0.01,

@@ -12,18 +12,67 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit.cli.common import (CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg,
-                                 MultipleOfOpt, OptimizerOpt, PrecisionOpt, SeqLenOpt, TargetUtilOpt, TrainOnlyOpt,
-                                 check_outputs, command_target, handle_errors, out_option, parse_batch_sizes,
-                                 progress_line, quiet_if_stdout, report_folder, step_options, warn_about_precision,
-                                 write_outputs)
-from batchfit.cli.common import (CompileOpt, HostMemoryOpt, LimitOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, parse_host_memory,
-                                 warn_about_approximations)
-from batchfit.cli.torchtitan import (print_torchtitan, read_torchtitan, torchtitan_approximation, torchtitan_defaults,
-                                     torchtitan_section)
-from batchfit.cli.common import AttentionOpt, BatchingOpt, DataOpt, LengthColumnOpt, TokenizerOpt, say_attention, say_notices
-from batchfit.cli.trainer import (TrainerOpt, data_rows, emitted_text, merged_batch_sizes, merged_options,
-                                  merged_seq_len, print_answer, print_data_rows, print_mapping, read_trainer)
+from batchfit.cli.common import (
+    AttentionOpt,
+    BatchingOpt,
+    CheckpointingOpt,
+    CompileOpt,
+    DataOpt,
+    DeviceOpt,
+    FreezeOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    HostMemoryOpt,
+    JsonOpt,
+    LengthColumnOpt,
+    LimitOpt,
+    LossOpt,
+    MemoryBudgetOpt,
+    ModelArg,
+    MultipleOfOpt,
+    OffloadOpt,
+    OptimizerOpt,
+    PrecisionOpt,
+    RoutingOpt,
+    SeqLenOpt,
+    TargetUtilOpt,
+    TokenizerOpt,
+    TrainOnlyOpt,
+    check_outputs,
+    command_target,
+    handle_errors,
+    out_option,
+    parse_batch_sizes,
+    parse_host_memory,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    say_attention,
+    say_notices,
+    step_options,
+    warn_about_approximations,
+    warn_about_precision,
+    write_outputs,
+)
+from batchfit.cli.torchtitan import (
+    print_torchtitan,
+    read_torchtitan,
+    torchtitan_approximation,
+    torchtitan_defaults,
+    torchtitan_section,
+)
+from batchfit.cli.trainer import (
+    TrainerOpt,
+    data_rows,
+    emitted_text,
+    merged_batch_sizes,
+    merged_options,
+    merged_seq_len,
+    print_answer,
+    print_data_rows,
+    print_mapping,
+    read_trainer,
+)
 from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.plan.emit import parse_emit, write_emit
@@ -43,7 +92,7 @@ Examples:
   batchfit plan frozen-pair --gpu h100-80gb --gpus 1,2,3,4 --strategies ddp --precision bf16-mixed --target-util 0.8 --emit config.yaml
 
   batchfit plan hf:qwen2.5-7b --gpu a100-80gb --nodes 2 --gpus-per-node 8 --strategies auto --precision bf16-mixed
-"""
+"""  # noqa: E501 - each example is a command line to copy whole from --help
 
 
 @handle_errors
@@ -57,19 +106,19 @@ def plan_command(
     nodes: Annotated[int | None, typer.Option(help="Nodes (with --gpus-per-node): multi-node plans.")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(help="GPUs in each node.")] = None,
     strategies: Annotated[str, typer.Option(help="Comma-separated: ddp, fsdp (ZeRO-3), fsdp-noreshard (FSDP2 "
-                                                 "reshard_after_forward=False: gathered parameters kept from forward to "
-                                                 "backward, sharded at rest), zero1 (DDP + ZeroRedundancyOptimizer: "
-                                                 "optimizer state sharded), zero2 (optimizer state and gradients "
-                                                 "sharded, parameters replicated), hsdp<R>, tp<N>, fsdp+tp<N>, "
-                                                 "fsdp+cp<N>[+tp<T>], ddp+cp<N> (context parallelism: sequence/N per rank, ring "
-                                                 "attention), ep<N>+fsdp[+tp<M>] (MoE expert parallelism; with tp "
-                                                 "torchtitan's etp=1 layout), "
-                                                 "pp<N>[+any of these] (pipeline stages: pp4+fsdp, pp2+fsdp+tp2); or auto: "
-                                                 "every combination of plan/candidates.py's rules (the 5 above, hsdp<R>, "
-                                                 "tp within a node, pp<N>+fsdp[+tp] when the layers split), ranked by "
-                                                 "tokens/s: at most 7 traced on 2 GPUs, 11 on 4, 15 on 8, 17 on 64 "
-                                                 "(those that cannot apply are listed, not traced); a list traces "
-                                                 "only those.")]
+                                                 "reshard_after_forward=False: gathered parameters kept "
+                                                 "from forward to backward, sharded at rest), zero1 (DDP + "
+                                                 "ZeroRedundancyOptimizer: optimizer state sharded), zero2 (optimizer "
+                                                 "state and gradients sharded, parameters replicated), hsdp<R>, tp<N>, "
+                                                 "fsdp+tp<N>, fsdp+cp<N>[+tp<T>], ddp+cp<N> (context parallelism: "
+                                                 "sequence/N per rank, ring attention), ep<N>+fsdp[+tp<M>] (MoE expert "
+                                                 "parallelism; with tp torchtitan's etp=1 layout), "
+                                                 "pp<N>[+any of these] (pipeline stages: pp4+fsdp, "
+                                                 "pp2+fsdp+tp2); or auto: every combination of plan/candidates.py's "
+                                                 "rules (the 5 above, hsdp<R>, tp within a node, pp<N>+fsdp[+tp] when "
+                                                 "the layers split), ranked by tokens/s: at most 7 traced on 2 GPUs, "
+                                                 "11 on 4, 15 on 8, 17 on 64 (those that cannot apply are listed, not "
+                                                 "traced); a list traces only those.")]
     = DEFAULT_STRATEGIES,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step over all GPUs; the plan picks "
                                                           "micro-batch x accumulation to reach it.")] = None,
@@ -109,10 +158,10 @@ def plan_command(
     inter_node_gb_per_s: Annotated[float | None, typer.Option(help="GB/s per GPU between nodes, per direction "
                                                                    "(default: the GPU catalog's).")] = None,
     emit: Annotated[list[str] | None, typer.Option(help="Write the recommended configuration: FILE (YAML + torchrun "
-                                                        "line), accelerate:FILE (Accelerate config), torchtitan:FILE (a "
-                                                        "torchtitan job toml's [parallelism] and batch sizes; patches "
-                                                        "the torchtitan:job.toml planned) or trainer:FILE (the "
-                                                        "--trainer args with the recommended batch); "
+                                                        "line), accelerate:FILE (Accelerate config), "
+                                                        "torchtitan:FILE (a torchtitan job toml's [parallelism] and "
+                                                        "batch sizes; patches the torchtitan:job.toml planned) or "
+                                                        "trainer:FILE (the --trainer args with the recommended batch); "
                                                         "repeatable.")]
     = None,
     processes: Annotated[int | None, typer.Option(help="Strategies traced at once, one process each (default: one "
@@ -161,7 +210,8 @@ def plan_command(
             global_batch=global_batch, precision=precision, compile_=compile_, checkpointing=checkpointing,
             batch_sizes=sizes)
     options = merged_options(step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss,
-                                          offload, memory_budget=memory_budget, routing=routing, attention=attention), door, accumulation=False)  # the plan picks the accumulation
+                                          offload, memory_budget=memory_budget, routing=routing, attention=attention),
+                             door, accumulation=False)  # the plan picks the accumulation
     options = dataclasses.replace(options, tp_loss=tp_loss)
     host_memory_bytes = parse_host_memory(host_memory)
     seq_len = merged_seq_len(seq_len, door)
@@ -289,13 +339,15 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
     for row in rows:
         head = [*([str(row.gpus)] if several else []), row.strategy]  # in rank order; the ranked ones first
         if row.rank is None:
-            table.add_row(*head, "", "skipped" if row.status == "skipped" else "no fit", *[""] * (len(columns) - len(head) - 2))
+            table.add_row(*head, "", "skipped" if row.status == "skipped" else "no fit",
+                          *[""] * (len(columns) - len(head) - 2))
             continue
         speed = row.tokens_per_s or row.samples_per_s
         table.add_row(*head, str(row.max_local_batch),
                       f"{row.micro_batch} x {row.accumulation_steps}" + ("!" if row.status == "above target" else ""),
                       gib(row.reserved_bytes if reserved else row.allocated_bytes), secs(row.exposed_comm_s),
-                      *([secs(row.bubble_s)] if bubble else []), secs(row.step_time_s), f"{speed:,.0f}" if speed else "—",
+                      *([secs(row.bubble_s)] if bubble else []), secs(row.step_time_s),
+                      f"{speed:,.0f}" if speed else "—",
                       *([("—" if row.days is None else f"{row.days:.0f}" if row.days >= 100 else f"{row.days:.1f}")]
                         if days else []))
     console.print(table)
@@ -319,8 +371,8 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
     for best in result.recommended:
         console.print(f"[bold green]{best.gpus} GPU{'s' if best.gpus > 1 else ''}: {best.strategy}[/], micro-batch "
                       f"{best.micro_batch} x {best.accumulation_steps} accumulation = global batch {best.global_batch}"
-                      + (f"; its reserved peak is in the {best.peak_step}" if best.peak_step not in (None, "steady step")
-                         else ""))
+                      + (f"; its reserved peak is in the {best.peak_step}"
+                         if best.peak_step not in (None, "steady step") else ""))
     for path in written:
         console.print(f"wrote {path}")
     console.print(f"report: {report_path}", soft_wrap=True)

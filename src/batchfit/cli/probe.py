@@ -9,19 +9,65 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit.cli.common import (AccumulationOpt, CheckpointingOpt, DeviceOpt, FreezeOpt, GpuMemoryOpt, GpuOpt,
-                                 JsonOpt, LimitOpt, ModelArg, MultipleOfOpt, OptimizerOpt, PrecisionOpt,
-                                 SeqLenOpt, TargetUtilOpt, TrainOnlyOpt, check_outputs, command_target, flag,
-                                 handle_errors, out_option, progress_line, quiet_if_stdout, report_folder,
-                                 step_options, warn_about_precision, write_outputs)
-from batchfit.cli.common import CompileOpt, LoraOpt, LossOpt, MemoryBudgetOpt, OffloadOpt, RoutingOpt, QuantizeOpt
-from batchfit.cli.common import AttentionOpt, BatchingOpt, DataOpt, LengthColumnOpt, TokenizerOpt, say_attention, say_notices
-from batchfit.cli.trainer import (EmitTrainerOpt, TrainerOpt, answer, data_rows, merged_options, merged_seq_len,
-                                  parse_trainer_emit, print_answer, print_data_rows, print_mapping, read_trainer,
-                                  trainer_outputs)
+from batchfit.cli.common import (
+    AccumulationOpt,
+    AttentionOpt,
+    BatchingOpt,
+    CheckpointingOpt,
+    CompileOpt,
+    DataOpt,
+    DeviceOpt,
+    FreezeOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    JsonOpt,
+    LengthColumnOpt,
+    LimitOpt,
+    LoraOpt,
+    LossOpt,
+    MemoryBudgetOpt,
+    ModelArg,
+    MultipleOfOpt,
+    OffloadOpt,
+    OptimizerOpt,
+    PrecisionOpt,
+    QuantizeOpt,
+    RoutingOpt,
+    SeqLenOpt,
+    TargetUtilOpt,
+    TokenizerOpt,
+    TrainOnlyOpt,
+    check_outputs,
+    command_target,
+    flag,
+    handle_errors,
+    out_option,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    say_attention,
+    say_notices,
+    step_options,
+    warn_about_precision,
+    write_outputs,
+)
+from batchfit.cli.trainer import (
+    EmitTrainerOpt,
+    TrainerOpt,
+    answer,
+    data_rows,
+    merged_options,
+    merged_seq_len,
+    parse_trainer_emit,
+    print_answer,
+    print_data_rows,
+    print_mapping,
+    read_trainer,
+    trainer_outputs,
+)
 from batchfit.devices import GiB
-from batchfit.errors import OptionError
 from batchfit.distributed.wrap import STRATEGIES
+from batchfit.errors import OptionError
 from batchfit.search import POLICIES, check_probe_options, no_memory_limit
 from batchfit.specs import load_workload
 
@@ -69,14 +115,22 @@ def probe_command(
     accumulation_steps: AccumulationOpt = 1,
     multiple_of: MultipleOfOpt = 1,
     min_batch: Annotated[int, typer.Option("--min", help="Smallest batch size to probe.")] = 1,
-    max_batch: Annotated[int | None, typer.Option("--max", help="Largest batch size to probe (the cap; default 4096).", show_default=False)] = None,
-    steps: Annotated[int, typer.Option(help="Training steps per probe (at least 2: the second has optimizer state).")] = 2,
+    max_batch: Annotated[int | None, typer.Option("--max", help="Largest batch size to probe (the cap; default 4096).",
+                                                  show_default=False)] = None,
+    steps: Annotated[int, typer.Option(help="Training steps per probe (at least 2: the second has "
+                                            "optimizer state).")] = 2,
     isolate: Annotated[bool, flag("--isolate", "Run each probe in a fresh process.")] = False,
-    stop_on_nan: Annotated[bool, flag("--stop-on-nan", "Treat a NaN or infinite loss as an error that stops the search.")] = False,
+    stop_on_nan: Annotated[bool, flag("--stop-on-nan",
+                                      "Treat a NaN or infinite loss as an error that stops the search.")] = False,
     target_util: TargetUtilOpt = 0.9,
-    verify_tiers: Annotated[bool, flag("--verify-tiers", "Probe the production and conservative tiers too (default: predicted from the measured line, one extra probe).")] = False,
-    global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step you want: adds the gradient accumulation that reaches it.")] = None,
-    strategy: Annotated[str | None, typer.Option(help=f"Under torchrun, how each rank wraps the model: {', '.join(STRATEGIES)} (default ddp; not on virtual devices).")] = None,
+    verify_tiers: Annotated[bool, flag("--verify-tiers",
+                                       "Probe the production and conservative tiers too (default: predicted from the "
+                                       "measured line, one extra probe).")] = False,
+    global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step you want: adds the gradient "
+                                                          "accumulation that reaches it.")] = None,
+    strategy: Annotated[str | None, typer.Option(help="Under torchrun, how each rank wraps the model: "
+                                                      f"{', '.join(STRATEGIES)} (default ddp; not on "
+                                                      "virtual devices).")] = None,
     json_path: JsonOpt = None,
     limit: LimitOpt = "reserved",
     out: Annotated[Path | None, out_option("report.md, memory.png, probe.json")] = None,
@@ -98,8 +152,8 @@ def probe_command(
         raise OptionError(no_memory_limit("probe --device cpu", "--max N",
                                           "add --gpu t4-16gb or --gpu-memory 16GiB"))
     max_batch = DEFAULT_MAX if max_batch is None else max_batch
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps, compile_, loss, offload,
-                           quantize=quantize, lora=lora, memory_budget=memory_budget,
+    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps,
+                           compile_, loss, offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
                            routing=routing, attention=attention)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)
@@ -113,8 +167,8 @@ def probe_command(
                         target_util=target_util, global_batch=global_batch, limit=limit)
     from batchfit.probe.find import find_max_batch  # torch: after the options are checked
     from batchfit.probe.ranks import rank
-    from batchfit.trace.noops import no_op_notices
     from batchfit.report import write_probe_report
+    from batchfit.trace.noops import no_op_notices
 
     workload = load_workload(model, seq_len=seq_len)
     notices = no_op_notices(workload, options)

@@ -9,9 +9,23 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg, SeqLenOpt, check_outputs,
-                                 flag, handle_errors, out_option, parse_batch_sizes, progress_line, quiet_if_stdout,
-                                 report_folder, write_outputs)
+from batchfit.cli.common import (
+    DeviceOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    JsonOpt,
+    ModelArg,
+    SeqLenOpt,
+    check_outputs,
+    flag,
+    handle_errors,
+    out_option,
+    parse_batch_sizes,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    write_outputs,
+)
 from batchfit.cli.sweep import CacheDirOpt, DataOpt, SeedOpt, TokenizerOpt, ValFractionOpt, needs_data, sweep_target
 from batchfit.errors import OptionError, UsageError
 from batchfit.runs.budget import parse_count, parse_lrs
@@ -24,7 +38,7 @@ Examples:
   batchfit recommend gpt-tinystories-22m --data stories.txt --tokens 327.68M --batch-sizes 1,2,4,8,16,32,64,128,256 --lrs 3e-4
 
   batchfit recommend my_gpt.py:workload --data corpus/ --tokens 50M --batch-sizes 8,16,32,64,128 --lr-scaling none --gpu t4-16gb
-"""
+"""  # noqa: E501 - each example is a command line to copy whole from --help
 
 
 def parse_shares(text: str, option: str) -> list[float]:
@@ -35,7 +49,8 @@ def parse_shares(text: str, option: str) -> list[float]:
         try:
             shares.append(float(part[:-1]) / 100 if part.endswith("%") else float(part))
         except ValueError:
-            raise OptionError(f"cannot read {option} '{text}': give shares of the budget, e.g. 10%,25% or 0.1,0.25") from None
+            raise OptionError(f"cannot read {option} '{text}': give shares of the budget, e.g. "
+                              "10%,25% or 0.1,0.25") from None
     return shares
 
 
@@ -44,7 +59,8 @@ def recommend_command(
     model: ModelArg,
     tokens: Annotated[str | None, typer.Option(help="The training budget in tokens, e.g. 327.68M.")] = None,
     samples: Annotated[str | None, typer.Option(help="The budget in samples instead, e.g. 200k.")] = None,
-    batch_sizes: Annotated[str, typer.Option(help="The batch sizes a sweep would try, e.g. 1,2,4,8,16,32.")] = "1,2,4,8,16,32,64",
+    batch_sizes: Annotated[str, typer.Option(help="The batch sizes a sweep would try, e.g. "
+                                                  "1,2,4,8,16,32.")] = "1,2,4,8,16,32,64",
     lrs: Annotated[str | None, typer.Option(help="Peak learning rates at the smallest batch size, e.g. 3e-4 "
                                                  "(default: the optimizer's).")] = None,
     lr_scaling: Annotated[str, typer.Option(help="How a branch at k x the batch scales its rate: sqrt (Adam, the "

@@ -10,10 +10,26 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from batchfit.cli.common import (DeviceOpt, GpuMemoryOpt, GpuOpt, JsonOpt, ModelArg, PrecisionOpt, SeqLenOpt,
-                                 check_outputs, command_target, flag, handle_errors, out_option, parse_batch_sizes,
-                                 progress_line, quiet_if_stdout, report_folder, warn_about_precision,
-                                 write_outputs)
+from batchfit.cli.common import (
+    DeviceOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    JsonOpt,
+    ModelArg,
+    PrecisionOpt,
+    SeqLenOpt,
+    check_outputs,
+    command_target,
+    flag,
+    handle_errors,
+    out_option,
+    parse_batch_sizes,
+    progress_line,
+    quiet_if_stdout,
+    report_folder,
+    warn_about_precision,
+    write_outputs,
+)
 from batchfit.errors import BatchfitError, OptionError
 from batchfit.runs.budget import parse_count, parse_lrs
 from batchfit.specs import load_workload
@@ -28,14 +44,15 @@ Examples:
   batchfit sweep my_model.py:workload --batch-sizes 4,16,64 --samples 200000 --lrs 0.05 --resume --store sweep.db
 
   batchfit sweep hf:gpt2-124m --data corpus/ --batch-sizes 8,32,128 --tokens 50M --executor ray --workers 4
-"""
+"""  # noqa: E501 - each example is a command line to copy whole from --help
 
 DataOpt = Annotated[str | None, typer.Option(help="Text: a .txt file, a folder of .txt/.jsonl/.parquet, or a datasets "
                                                   "name or path. Without it: the workload's batches (synthetic).")]
 TokenizerOpt = Annotated[str, typer.Option(help="bpe (byte-level BPE trained on the train split at the model's "
                                                 "vocabulary size), bytes, or a tokenizer.json / cached name.")]
 ValFractionOpt = Annotated[float, typer.Option(help="Share of the text kept for validation (the end of it).")]
-CacheDirOpt = Annotated[Path | None, typer.Option(help="Where token ids are cached (default ~/.cache/batchfit/tokens).")]
+CacheDirOpt = Annotated[Path | None, typer.Option(help="Where token ids are cached (default "
+                                                       "~/.cache/batchfit/tokens).")]
 SeedOpt = Annotated[int, typer.Option(help="Fixes the initial model and the data order.")]
 
 
@@ -76,10 +93,12 @@ def sweep_command(
     lrs: Annotated[str | None, typer.Option(help="Peak learning rates to try at each batch size, e.g. "
                                                  "1e-4,3e-4,1e-3 (default: the optimizer's).")] = None,
     lr_scaling: Annotated[str, typer.Option(help="none, linear or sqrt: scale --lrs from --lr-ref-batch.")] = "none",
-    lr_ref_batch: Annotated[int | None, typer.Option(help="The batch size --lrs are right for (default: the smallest).")] = None,
+    lr_ref_batch: Annotated[int | None, typer.Option(help="The batch size --lrs are right for (default: "
+                                                          "the smallest).")] = None,
     warmup: Annotated[str, typer.Option(help="Warmup in tokens (2M) or as a share of the budget (1%).")] = "1%",
     min_lr_ratio: Annotated[float, typer.Option(help="The cosine decays to this x the peak learning rate.")] = 0.1,
-    eval_every: Annotated[str, typer.Option(help="Validate every this many tokens (or samples), or share: 10%.")] = "10%",
+    eval_every: Annotated[str, typer.Option(help="Validate every this many tokens (or samples), "
+                                                 "or share: 10%.")] = "10%",
     eval_samples: Annotated[int, typer.Option(help="Validation samples (the same fixed set for every run).")] = 64,
     checkpoint_every: Annotated[str | None, typer.Option(help="Checkpoint every this many tokens or share "
                                                               "(default: at every validation).")] = None,
@@ -88,7 +107,8 @@ def sweep_command(
     precision: PrecisionOpt = "fp32",
     store: Annotated[Path, typer.Option(help="The SQLite store of runs and curves.")] = Path("sweep.db"),
     resume: Annotated[bool, flag("--resume", "Finish the sweep in --store: runs that are done are kept.")] = False,
-    executor: Annotated[str, typer.Option(help="local (--workers processes here) or ray (pip install 'batchfit\\[ray]').")] = "local",
+    executor: Annotated[str, typer.Option(help="local (--workers processes here) or ray (pip install "
+                                               "'batchfit\\[ray]').")] = "local",
     workers: Annotated[int, typer.Option(help="Runs at once (local: processes, one per GPU; ray: tasks).")] = 1,
     ray_address: Annotated[str | None, typer.Option(help="A Ray cluster's address (default: a local cluster).")] = None,
     gpu: GpuOpt = None,

@@ -245,8 +245,8 @@ def print_answer(result: dict, console: Console) -> None:
         return
     more = "".join(f", {name}={value}" for name, value in result.get("fields", {}).items())
     console.print(f"[bold green]per_device_train_batch_size={result['per_device_train_batch_size']}, "
-                  f"gradient_accumulation_steps={result['gradient_accumulation_steps']}{escape(more)}[/] for global batch "
-                  f"{result['global_batch']} over {result['world_size']} device(s) (largest micro-batch "
+                  f"gradient_accumulation_steps={result['gradient_accumulation_steps']}{escape(more)}[/] for "
+                  f"global batch {result['global_batch']} over {result['world_size']} device(s) (largest micro-batch "
                   f"{result['max_micro_batch']}, {result['source']})", soft_wrap=True)
     for note in result["notes"]:
         console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)

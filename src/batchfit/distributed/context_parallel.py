@@ -215,8 +215,8 @@ def context_parallel_approximations(strategies) -> list:
              "i <= r instead of half the queries), and NCCL's own all-gather / all-to-all staging is not counted",
         may_differ_by="-1.4% to +0.4% of each rank's real peak under cp2 (2 and 4 gloo ranks, tiny Llama, the CPU "
                       "flash kernel through the same ring), -0.3% to -3.2% under cp4 (4 gloo ranks on 2 cores: the "
-                      "real peak varies run to run by 162 KB, in buffers held until a collective completes); the position tables are sharded once, as "
-                      "torchtitan's _context_parallel_shard path does: torch's context_parallel(buffers=...) "
-                      "also keeps a clone of each table it restores for the step (seq x head_dim x 4 B for a "
-                      "RoPE cos + sin pair: 64 MiB at seq 131072, head 128), not counted",
+                      "real peak varies run to run by 162 KB, in buffers held until a collective completes); the "
+                      "position tables are sharded once, as torchtitan's _context_parallel_shard path does: torch's "
+                      "context_parallel(buffers=...) also keeps a clone of each table it restores for the step (seq x "
+                      "head_dim x 4 B for a RoPE cos + sin pair: 64 MiB at seq 131072, head 128), not counted",
         source="tests/test_context_parallel.py; docs/tracing/context-parallel.md")]

@@ -41,7 +41,6 @@ from torch import nn
 
 from batchfit.errors import OptionError
 
-
 LAYOUT = ("torchtitan's etp=1 layout: ep<N> borrows the dp x tp ranks (the sparse mesh (efsdp, ep), ep "
           "innermost), each tp rank dispatching 1/tp of its MoE block's all-gathered tokens "
           "(ReordererSequenceParallel); attention, norms, shared experts, embedding and head tensor-parallel; "
@@ -250,7 +249,8 @@ class ExpertParallelExperts(nn.Module):
         device = hidden_states.device
         with torch.no_grad():  # index tensors made with shapes known from the splits (no values read)
             lengths = torch.tensor([n for _, n in segments], dtype=torch.long, device=device)
-            shift = torch.tensor([a for a, _ in segments], dtype=torch.long, device=device) - (lengths.cumsum(0) - lengths)
+            shift = (torch.tensor([a for a, _ in segments], dtype=torch.long, device=device)
+                     - (lengths.cumsum(0) - lengths))
             permuted_indices = torch.repeat_interleave(shift, lengths, output_size=sum(per_expert))
             permuted_indices += torch.arange(sum(per_expert), device=device)
             # int32, as _grouped_mm takes them; past 2**31 rows per expert (a plan's search probing an

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 from batchfit.errors import OptionError
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
 def _zoo_blocks(model: nn.Module) -> nn.ModuleList | None:
@@ -211,7 +210,8 @@ def pipeline_approximations(strategies, workload=None) -> list:
                 if dualpipe else ""),
         may_differ_by="on gloo (2 and 4 ranks, tests/test_pipeline.py, benchmarks/pp_gloo.py): every rank within "
                       "90 B for each schedule, with and without full activation checkpointing (an HF Qwen3 cut by its "
-                      "base_model_pp_plan, 1F1B and ZBV with full checkpointing on 2 ranks: within 72 B; pp2 x tp2 on an HF "
-                      "Llama, 4 ranks: the first pipeline rank 0.56% under, the last within 52 B); NCCL's P2P "
-                      "staging buffers (outside the caching allocator) are not counted",
-        source="tests/test_pipeline.py; tests/test_pipeline_hf.py; benchmarks/pp_gloo.py; docs/tracing/pipeline.md")] + tied
+                      "base_model_pp_plan, 1F1B and ZBV with full checkpointing on 2 ranks: within 72 B; pp2 x "
+                      "tp2 on an HF Llama, 4 ranks: the first pipeline rank 0.56% under, the last within 52 "
+                      "B); NCCL's P2P staging buffers (outside the caching allocator) are not counted",
+        source="tests/test_pipeline.py; tests/test_pipeline_hf.py; benchmarks/pp_gloo.py; "
+               "docs/tracing/pipeline.md")] + tied

@@ -18,8 +18,7 @@ Parallelize = Callable[[nn.Module, "DeviceMesh"], nn.Module]  # noqa: F821
 
 def styles():
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
     return Replicate, Shard, ColwiseParallel, RowwiseParallel, PrepareModuleInput, SequenceParallel
 
 
@@ -56,8 +55,8 @@ def replicate_rest(model: nn.Module, mesh, skip: tuple[type, ...] = ()) -> nn.Mo
             continue
         for name, param in own:
             if id(param) not in replicated:
-                replicated[id(param)] = nn.Parameter(DTensor.from_local(param.data, mesh, [Replicate()], run_check=False),
-                                                     requires_grad=param.requires_grad)
+                local = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+                replicated[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
             module._parameters[name] = replicated[id(param)]
         converted: list[bool] = []
 

@@ -42,9 +42,18 @@ import functools
 import torch
 from torch import nn
 
+from batchfit.distributed.tp_pieces import (
+    Parallelize,
+    check_heads,
+    head_style,
+    hf_attention_plan,
+    hf_dense_mlp_plan,
+    hf_root_plan,
+    holds,
+    replicate_rest,
+    styles,
+)
 from batchfit.distributed.tp_plans_hf import hf_own_plan, hf_plan_refusal
-from batchfit.distributed.tp_pieces import (Parallelize, check_heads, head_style, hf_attention_plan, holds,
-                                             hf_dense_mlp_plan, hf_root_plan, replicate_rest, styles)
 from batchfit.train.losses import TP_LOSS_ATTR
 from batchfit.workload import check_tp_loss
 
@@ -164,9 +173,8 @@ def _hf_bert(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Module:
 def tp_plan(model: nn.Module, loss: str = "sharded") -> Parallelize | None:
     """The shipped plan for ``model``, or None when there is none; ``loss`` ("sharded" or
     "gathered") is how a plan that splits the head by the vocabulary leaves its logits."""
-    from batchfit.zoo.transformer import Transformer
-
     from batchfit.distributed.tp_plans_moe import MOE_TYPES, hf_moe_decoder
+    from batchfit.zoo.transformer import Transformer
 
     check_tp_loss(loss)
     plan = None

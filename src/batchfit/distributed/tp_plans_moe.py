@@ -80,8 +80,7 @@ def hf_moe_decoder(model: nn.Module, mesh, *, loss: str = "sharded") -> nn.Modul
     from torch.distributed.tensor.parallel import parallelize_module
 
     from batchfit.distributed.expert_parallel import ExpertParallelExperts
-    from batchfit.distributed.tp_pieces import (hf_attention_plan, hf_dense_mlp_plan, hf_root_plan, holds,
-                                                 replicate_rest)
+    from batchfit.distributed.tp_pieces import hf_attention_plan, hf_dense_mlp_plan, hf_root_plan, holds, replicate_rest
     from batchfit.trace.routing import moe_experts
 
     tp = mesh.size()

@@ -29,13 +29,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401 - defines the fsdp:: ops
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils import flop_counter
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
 from batchfit.trace.memory import CATEGORIES, MemoryTracker
-from torch.utils import flop_counter
 
 SHARDED_CATEGORIES: tuple[str, ...] = (*CATEGORIES[:-1], "collective", CATEGORIES[-1])
 

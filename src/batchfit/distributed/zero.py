@@ -62,7 +62,8 @@ def zero_optimizer(inner: torch.optim.Optimizer, *, shard_gradients: bool, model
         zero = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **defaults)
     except (TypeError, ValueError) as error:
         raise OptionError(f"ZeroRedundancyOptimizer builds each rank's optimizer as {cls.__name__}(param groups, "
-                          f"**defaults), which failed ({str(error).splitlines()[0] if str(error) else type(error).__name__}): "
+                          "**defaults), which failed "
+                          f"({str(error).splitlines()[0] if str(error) else type(error).__name__}): "
                           "pick --optimizer adamw, or ddp / fsdp for this optimizer") from None
     # The rank's state lives in its local optimizer; ZeroRedundancyOptimizer's own .state stays
     # empty. batchfit labels optimizer state (and clears it for a fresh trace) through .state.
@@ -128,7 +129,8 @@ def _reduce_to_owner(owner: int, me: int, world: int, group):
     return hook
 
 
-def with_sharded_optimizer(workload: Workload, options: StepOptions, strategy: Strategy) -> tuple[Workload, StepOptions]:
+def with_sharded_optimizer(workload: Workload, options: StepOptions,
+                           strategy: Strategy) -> tuple[Workload, StepOptions]:
     """``workload`` and ``options`` whose training step builds its optimizer (``--optimizer`` or
     the workload's own) wrapped as ``strategy`` needs it: a ZeroRedundancyOptimizer for zero1 /
     zero2, unchanged otherwise. The same for the traced rank (``plan``) and real gloo ranks."""

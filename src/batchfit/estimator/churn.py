@@ -90,7 +90,8 @@ class Churn:
         return text
 
     def to_json(self) -> dict:
-        return {"batch_size": self.batch_size, "order": self.order, "verdict": self.verdict, "first_oom_step": self.default.first_oom_step,
+        return {"batch_size": self.batch_size, "order": self.order, "verdict": self.verdict,
+                "first_oom_step": self.default.first_oom_step,
                 "default": self.default.to_json(), "expandable_segments": self.expandable.to_json()}
 
 

@@ -19,8 +19,12 @@ import torch
 
 from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
-from batchfit.estimator.global_batch import (GlobalBatchSplit, accumulation_curves, check_global_batch,
-                                             split_global_batch)
+from batchfit.estimator.global_batch import (
+    GlobalBatchSplit,
+    accumulation_curves,
+    check_global_batch,
+    split_global_batch,
+)
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options, trace_first_sizes
 from batchfit.targets import SizedForTarget, bytes_at_target
 from batchfit.trace.approximation import Approximation
@@ -90,7 +94,8 @@ class EstimateResult(SizedForTarget):
     batch size's worst step; None for one shape."""
     eval_phase: object | None = None
     """--eval-batch-size: the eval loop after the answer's training step (``estimator/eval_phase.py``: EvalPhase)."""
-    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    created: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
 
     def point(self, batch_size: int) -> MemoryPoint | None:

@@ -50,7 +50,8 @@ class EvalPoint:
     def fits(self, device: Device, limit: str) -> bool:
         if limit != "reserved":
             return self.peak_bytes <= device.usable_bytes
-        return self.peak_reserved_bytes is not None and max(self.peak_bytes, self.peak_reserved_bytes) <= device.usable_bytes
+        return (self.peak_reserved_bytes is not None
+                and max(self.peak_bytes, self.peak_reserved_bytes) <= device.usable_bytes)
 
     def to_json(self) -> dict:
         return {"batch_size": self.batch_size, "peak_rows": self.peak_shape.rows, "peak_length": self.peak_shape.length,

@@ -25,8 +25,20 @@ from dataclasses import dataclass, field
 
 from batchfit.devices import Device
 from batchfit.errors import ModelSpecError, OptionError
-from batchfit.estimator.batching import (Batching, Shape, check_lengths, deciding_steps, first_failing, histogram,
-                                         largest_budget, longest_row, peak_step, step_samples, step_shapes, MAX_TOKENS)
+from batchfit.estimator.batching import (
+    MAX_TOKENS,
+    Batching,
+    Shape,
+    check_lengths,
+    deciding_steps,
+    first_failing,
+    histogram,
+    largest_budget,
+    longest_row,
+    peak_step,
+    step_samples,
+    step_shapes,
+)
 from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits
@@ -71,7 +83,8 @@ class Lengths:
         for these ``lengths``: loaded now, not inside a trace (a workload may make tensors as it loads)."""
         for length in lengths:
             self._batch_of(length)
-        return dataclasses.replace(self.base, make_batch=lambda b, device: self._batch_of(self.length).make_batch(b, device))
+        return dataclasses.replace(self.base,
+                                   make_batch=lambda b, device: self._batch_of(self.length).make_batch(b, device))
 
 
 def fits(point: MemoryPoint, device: Device, limit: str, host_limit_bytes: int | None) -> bool:
@@ -223,7 +236,10 @@ class RunSummary:
 
 def length_stats(lengths: list[int]) -> dict[str, float]:
     ordered = sorted(lengths)
-    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def at(q: float) -> int:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
     return {"min": ordered[0], "median": ordered[len(ordered) // 2], "mean": round(statistics.fmean(ordered), 1),
             "p90": at(0.9), "p99": at(0.99), "max": ordered[-1]}
 
@@ -286,8 +302,8 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                  options: StepOptions | None = None, seq_len: int | None = None, limit: str = "reserved",
                  batch_sizes: list[int] | None = None, max_batch: int | None = None,
                  host_memory_bytes: int | None = None, global_batch: int | None = None,
-                 replay_steps: int = 0, replay_order: str = "data", eval_batch_size: int | None = None, eval_held_steps: int = 1,
-                 progress: Callable[[str], None] | None = None, **estimate_options):
+                 replay_steps: int = 0, replay_order: str = "data", eval_batch_size: int | None = None,
+                 eval_held_steps: int = 1, progress: Callable[[str], None] | None = None, **estimate_options):
     """The estimate at the run's deciding length, each traced batch size's run, and the answer in
     the batching's terms; with ``replay_steps`` the answer's first K steps replayed through the
     allocator model (``estimator/churn.py``). ``estimate_options`` go to :func:`estimator.engine.estimate`."""
@@ -305,7 +321,10 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
         raise OptionError(f"--batching {batching} makes one row per GPU per step, so drop --global-batch and "
                           "--batch-sizes (the answer is the token budget)")
     model_len = model_length(lengths, batching, seq_len, load)
-    shapes_at = lambda b: step_shapes(lengths, batching, b, model_len)
+
+    def shapes_at(b: int) -> list[Shape]:
+        return step_shapes(lengths, batching, b, model_len)
+
     worst = max(shapes_at(1), key=lambda s: s.length).length
     try:
         at = Lengths(load, model_len)

@@ -57,10 +57,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from batchfit.integrations.elastic_split import batch_size, live_workload, same_optimizer, size_micro_batch, split_batch
 from batchfit.errors import OptionError
-from batchfit.train.oom import classify, describe
+from batchfit.integrations.elastic_split import batch_size, live_workload, same_optimizer, size_micro_batch, split_batch
 from batchfit.probe import ranks
+from batchfit.train.oom import classify, describe
 from batchfit.train.step import LossFn, TrainingStep
 from batchfit.workload import StepOptions
 

@@ -35,9 +35,15 @@ except ImportError as error:  # say what to install, not just what is missing
     raise ImportError(f"batchfit.lightning needs Lightning: pip install 'batchfit[lightning]' ({error})") from error
 from torch import nn
 
-from batchfit.integrations.elastic_split import (GlobalBatchPlan, fake_copy, plan_global_batch, same_optimizer,
-                                    take_samples, to_device)
 from batchfit.errors import OptionError
+from batchfit.integrations.elastic_split import (
+    GlobalBatchPlan,
+    fake_copy,
+    plan_global_batch,
+    same_optimizer,
+    take_samples,
+    to_device,
+)
 from batchfit.workload import StepOptions, Workload
 
 logger = logging.getLogger(__name__)

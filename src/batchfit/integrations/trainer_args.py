@@ -28,8 +28,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchfit.errors import OptionError
-from batchfit.integrations.trainer_fields import SECTIONS, TRL_FIELDS, TrainerMapping, args_to_dict
-from batchfit.integrations.trainer_fields import traced_in_a_trainer  # noqa: F401 - imported from here by the integrations
+from batchfit.integrations.trainer_fields import (
+    SECTIONS,
+    TRL_FIELDS,
+    TrainerMapping,
+    args_to_dict,
+    traced_in_a_trainer,  # noqa: F401 - imported from here by the integrations
+)
+
 
 def known_fields() -> frozenset[str] | None:
     """The TrainingArguments fields of the transformers installed here, and SFTConfig's

@@ -9,9 +9,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchfit.errors import OptionError
+from batchfit.integrations.trainer_fields import (
+    MEMORY_FIELDS_NOT_MAPPED,
+    NO_MEMORY,
+    OPTIMIZERS_BY_OPTIM,
+    OUTSIDE_THE_STEP,
+    FieldUse,
+    TrainerMapping,
+    _plain,
+    args_to_dict,
+)
 from batchfit.workload import HF_ATTENTION
-from batchfit.integrations.trainer_fields import (MEMORY_FIELDS_NOT_MAPPED, NO_MEMORY, OPTIMIZERS_BY_OPTIM,
-                                                  OUTSIDE_THE_STEP, FieldUse, TrainerMapping, _plain, args_to_dict)
 
 
 class Mapper:

@@ -34,8 +34,8 @@ try:
 except ImportError as error:  # say what to install, not just what is missing
     raise ImportError(f"batchfit.transformers needs transformers: pip install 'batchfit[hf]' ({error})") from error
 
-from batchfit.integrations.elastic_split import GlobalBatchPlan, fake_copy, plan_global_batch, same_optimizer
 from batchfit.errors import OptionError
+from batchfit.integrations.elastic_split import GlobalBatchPlan, fake_copy, plan_global_batch, same_optimizer
 from batchfit.integrations.trainer_args import from_training_arguments, traced_in_a_trainer
 from batchfit.train.attention import attention_of
 from batchfit.workload import ATTENTIONS, StepOptions, Workload

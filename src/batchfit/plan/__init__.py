@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 _LAZY = {"plan": "engine", "PlanResult": "engine", "StrategyPlan": "engine", "TimeModel": "time_model",
          "World": "world", "parse_worlds": "world"}
 
-__all__ = sorted(_LAZY)
+# Written out (not sorted(_LAZY)) so linters see the TYPE_CHECKING imports above as re-exports.
+__all__ = ["PlanResult", "StrategyPlan", "TimeModel", "World", "parse_worlds", "plan"]
 
 
 def __getattr__(name: str):

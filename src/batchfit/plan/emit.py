@@ -136,7 +136,8 @@ def config_yaml(result) -> str:
         }
     head = (f"# batchfit plan: {result.workload} on {result.device.display_name}, {result.options.precision}.\n"
             "# batch_size is per GPU (the micro-batch); effective_batch_size = batch_size x data_parallel x\n"
-            f"# gradient_accumulation_steps. Memory traced, not measured. Replace {SCRIPT} in launch with your script.\n")
+            f"# gradient_accumulation_steps. Memory traced, not measured. Replace {SCRIPT} in launch with "
+            "your script.\n")
     return head + dump_yaml({"training": {"batch_config": entries}})
 
 
@@ -214,7 +215,8 @@ def accelerate_yaml(result) -> str:
             "# accelerate launch --config_file THIS_FILE your_script.py\n" + fp8_note)
     if config["distributed_type"] == "DEEPSPEED":
         head += ("# Traced with torch's ZeroRedundancyOptimizer, not DeepSpeed: DeepSpeed's own reduce bucket and\n"
-                 "# gradient partition buffers (reduce_bucket_size) and, under bf16, fp32 master weights come on top.\n")
+                 "# gradient partition buffers (reduce_bucket_size) and, under bf16, fp32 master weights "
+                 "come on top.\n")
     return head + dump_yaml(config)
 
 

@@ -19,10 +19,12 @@ torch: a PlanResult in, text out.
 from __future__ import annotations
 
 import re
+
 import tomllib
 
 from batchfit.distributed.parallelisms import PARALLELISMS
 from batchfit.errors import OptionError
+
 
 def degrees(layout) -> dict[str, object]:
     """torchtitan's [parallelism] keys for a strategy's degrees (a ``Strategy`` or a ``StrategyPlan``:
@@ -33,14 +35,16 @@ def degrees(layout) -> dict[str, object]:
         raise OptionError(f"--emit torchtitan: the recommended {name} has no torchtitan equivalent (torchtitan shards "
                           "with FSDP2): plan with --strategies fsdp,hsdp<R>,fsdp+tp<N>")
     replicate = layout.replicas if layout.shard == "hsdp" else layout.dp if layout.shard == "ddp" else 1
-    out: dict[str, object] = {"data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": layout.dp // replicate}
+    out: dict[str, object] = {"data_parallel_replicate_degree": replicate,
+                              "data_parallel_shard_degree": layout.dp // replicate}
     for parallelism in (p for p in PARALLELISMS if p.torchtitan_key):  # each degree's key (distributed/parallelisms.py)
         degree = getattr(layout, parallelism.key)
         if degree > 1 or parallelism.torchtitan_at_1:
             out[parallelism.torchtitan_key] = degree
     if layout.shard == "fsdp-noreshard":
         out["fsdp_reshard_after_forward"] = "never"
-    elif layout.shard == "fsdp" and layout.pp > 1:  # torchtitan's "default" keeps them gathered under pp; batchfit traced resharding
+    # torchtitan's "default" keeps them gathered under pp; batchfit traced resharding
+    elif layout.shard == "fsdp" and layout.pp > 1:
         out["fsdp_reshard_after_forward"] = "always"
     return out
 

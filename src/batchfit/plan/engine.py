@@ -41,8 +41,18 @@ from batchfit.plan.derived import jobs as derived_jobs
 from batchfit.plan.result import PlanPoint, PlanResult, StrategyPlan, plan_point  # noqa: F401 - the API's names
 from batchfit.plan.time_model import TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
-from batchfit.search import (DEFAULT_MAX_BATCH, SearchResult, Trial, _check_limit, check_search_options,
-                              choose_micro, guided, micro_candidates, reserved_search, trace_first_sizes)
+from batchfit.search import (
+    DEFAULT_MAX_BATCH,
+    SearchResult,
+    Trial,
+    _check_limit,
+    check_search_options,
+    choose_micro,
+    guided,
+    micro_candidates,
+    reserved_search,
+    trace_first_sizes,
+)
 from batchfit.targets import bytes_at_target
 from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
@@ -191,7 +201,8 @@ def _choose_micro(plan: StrategyPlan, curve: ShardedCurve, target_bytes: int, gl
 def _fix(plan: StrategyPlan, point: PlanPoint, capacity_bytes: int, options: StepOptions,
          host_limit_bytes: int | None = None) -> list[str]:
     """What would make local batch 1 fit, computed from its breakdown (labelled computed)."""
-    if point.peak_bytes <= capacity_bytes and host_limit_bytes is not None and point.host_reserved_bytes > host_limit_bytes:
+    over_host = host_limit_bytes is not None and point.host_reserved_bytes > host_limit_bytes
+    if point.peak_bytes <= capacity_bytes and over_host:
         return [f"local batch {point.local_batch} fits the GPU, but its offloaded tensors hold "
                 f"{point.host_reserved_bytes / GiB:.2f} GiB of pinned host memory per rank, over --host-memory "
                 f"{host_limit_bytes / GiB:.2f} GiB: offload less (--offload none) or give the host's memory"]
@@ -205,7 +216,8 @@ def _fix(plan: StrategyPlan, point: PlanPoint, capacity_bytes: int, options: Ste
                   f"reserves {needed / GiB:.2f} GiB (allocator model, {point.reserved.peak_step_name})")]
     else:
         out = [f"local batch {point.local_batch} needs {point.peak_bytes / GiB:.2f} GiB per GPU, "
-               f"{(point.peak_bytes - capacity_bytes) / GiB:.2f} GiB more than the {capacity_bytes / GiB:.2f} GiB usable"]
+               f"{(point.peak_bytes - capacity_bytes) / GiB:.2f} GiB more than the "
+               f"{capacity_bytes / GiB:.2f} GiB usable"]
     if plan.shard in ("none", "ddp") and plan.gpus > 1 and state:
         saving = state * (1 - 1 / plan.gpus)
         out.append(f"fsdp shards parameters, gradients and optimizer state ({state / GiB:.2f} GiB here) over the "

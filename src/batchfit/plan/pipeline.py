@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from batchfit.distributed.pp_schedules import check_pipeline, parse_schedule
 from batchfit.distributed.strategy import Strategy
 from batchfit.distributed.strategy_name import stage_strategy
-from batchfit.distributed.pp_schedules import check_pipeline, parse_schedule
 from batchfit.errors import OptionError
+
 
 @dataclass(frozen=True, kw_only=True)
 class StagePoint:
@@ -41,13 +42,13 @@ class PipelineSession:
 
     def __init__(self, workload, options, device, strategy: Strategy, *, cuda_semantics: bool = True,
                  ranks: list[int] | None = None) -> None:
+        import torch
+
         from batchfit.distributed.pipeline import build_rank, hidden_size_of, n_layers_of
         from batchfit.distributed.pipeline_hf import pp_parts
-        from batchfit.distributed.tp_plans import sequence_parallel
         from batchfit.distributed.pp_schedules import rank_actions, rank_stages
+        from batchfit.distributed.tp_plans import sequence_parallel
         from batchfit.plan.sharded import ShardedSession
-
-        import torch
 
         self.strategy = strategy
         self.workload, self.options, self.device = workload, options, device
@@ -76,10 +77,10 @@ class PipelineSession:
         sp = strategy.tp > 1 and (getattr(probe, "pos", None) is None if pp_parts(probe) is None
                                   else sequence_parallel(probe))
         if sp and pp_parts(probe) is not None and self.schedule.splits_backward:
-            raise OptionError(f"{strategy.name} with {self.schedule.name}: an HF stage under sequence-parallel TP sends "
-                              "its sequence shard as a view of the residual stream's DTensor, which torch's "
-                              "stage_backward_input cannot detach in place: use --pp-schedule 1f1b, gpipe or "
-                              "interleaved-1f1b, or drop tp")
+            raise OptionError(f"{strategy.name} with {self.schedule.name}: an HF stage under "
+                              "sequence-parallel TP sends its sequence shard as a view of the residual stream's "
+                              "DTensor, which torch's stage_backward_input cannot detach in place: use --pp-schedule "
+                              "1f1b, gpipe or interleaved-1f1b, or drop tp")
         self.seq_len = workload.tokens_per_sample // (strategy.tp if sp else 1)
         del probe
         self.ranks = list(range(strategy.pp)) if ranks is None else ranks

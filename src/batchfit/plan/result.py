@@ -88,7 +88,8 @@ def plan_point(traced, workspace_bytes: int) -> PlanPoint:
         peak += workspace_bytes
     return PlanPoint(traced.local_batch, peak, breakdown, traced.flops, tuple(traced.collectives),
                      getattr(traced, "host_reserved_bytes", 0), getattr(traced, "offloaded_bytes", 0),
-                     getattr(traced, "host_peak_bytes", 0), stage_peak_bytes=tuple(getattr(traced, "stage_peak_bytes", ())))
+                     getattr(traced, "host_peak_bytes", 0),
+                     stage_peak_bytes=tuple(getattr(traced, "stage_peak_bytes", ())))
 
 
 @dataclass
@@ -229,7 +230,8 @@ class PlanResult(SizedForTarget):
     output says each one."""
     host_limit_bytes: int | None = None
     """--host-memory: what each rank's offloaded pinned host bytes must fit; None: not checked."""
-    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    created: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
     @property
     def recommended(self) -> list[StrategyPlan]:

@@ -176,14 +176,14 @@ class ShardedSession:
 
         from batchfit.distributed import apply_strategy
         from batchfit.distributed.strategy import check_step_options
+        from batchfit.distributed.tp_plans import tp_plan
         from batchfit.distributed.tracker import ShardedTracker
         from batchfit.distributed.zero import with_sharded_optimizer
-        from batchfit.distributed.tp_plans import tp_plan
-        from batchfit.train.losses import tp_loss_of
-        from batchfit.train.step import TrainingStep
         from batchfit.trace.compiled import sharded_traces_compiled
         from batchfit.trace.memory import CUDA_BLOCK_BYTES
         from batchfit.trace.session import TraceSession
+        from batchfit.train.losses import tp_loss_of
+        from batchfit.train.step import TrainingStep
 
         self.strategy = strategy
         self.workspace = device.workspace_bytes if cuda_semantics else 0

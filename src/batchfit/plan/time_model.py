@@ -64,7 +64,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from batchfit.devices import Device, host_link_seconds as offload_seconds
+from batchfit.devices import Device
+from batchfit.devices import host_link_seconds as offload_seconds
 from batchfit.distributed.parallelisms import BY_GROUP
 from batchfit.errors import OptionError, read_text
 from batchfit.plan.world import World

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from batchfit import search
-from batchfit.distributed import wrap as parallel
 from batchfit.devices import format_bytes
+from batchfit.distributed import wrap as parallel
 from batchfit.errors import OptionError
 from batchfit.probe import ranks
 from batchfit.probe.runner import probe_isolated, probe_once
@@ -80,7 +80,8 @@ class ProbeResult:
     """How each rank's step was wrapped ('ddp', 'fsdp'); None: the single-GPU step on every rank."""
     stopped_by: Trial | None = None
     """The trial whose error stopped the search (then max_batch_size is what was found before)."""
-    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    created: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     torch_version: str = torch.__version__
     traced_bytes_per_sample: float | None = None
     """The traced slope the tiers use when only one probe fit (None without a trace)."""

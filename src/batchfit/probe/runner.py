@@ -22,14 +22,14 @@ from collections.abc import Callable
 
 from torch import nn
 
-from batchfit.train.oom import classify, describe
-from batchfit.search import Trial
-from batchfit.train.step import TrainingStep
 from batchfit.devices import Device
+from batchfit.search import Trial
 from batchfit.targets import Target
-from batchfit.train.timing import run_timed_steps
 from batchfit.trace.point import allocated_point, run_out_at_reserved
 from batchfit.trace.session import TraceSession
+from batchfit.train.oom import classify, describe
+from batchfit.train.step import TrainingStep
+from batchfit.train.timing import run_timed_steps
 from batchfit.workload import StepOptions, Workload
 
 DEFAULT_ISOLATED_TIMEOUT_S = 1800.0

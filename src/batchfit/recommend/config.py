@@ -59,7 +59,8 @@ class RecommendConfig:
         if self.epsilon <= 0:
             raise OptionError(f"--epsilon must be above 0, e.g. 0.01; got {self.epsilon}")
         if not 0 <= self.cooldown < 1:
-            raise OptionError(f"--cooldown must be a share of the window from 0 to below 1, e.g. 75%; got {self.cooldown}")
+            raise OptionError("--cooldown must be a share of the window from 0 to below 1, e.g. 75%; got "
+                              f"{self.cooldown}")
         if self.seeds < 1:
             raise OptionError(f"--seeds must be 1 or more, got {self.seeds}")
         self.branch_points = tuple(sorted(set(self.branch_points)))

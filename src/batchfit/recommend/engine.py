@@ -39,10 +39,18 @@ import torch
 from batchfit.errors import BatchfitError, UsageError
 from batchfit.recommend.branch import Curve, Trainer, evaluator  # noqa: F401 - evaluator: the tests' name
 from batchfit.recommend.config import Plan, RecommendConfig
+from batchfit.recommend.jobs import (
+    BranchSpec,
+    branch_name,
+    cooldown_from,
+    last_point,
+    load_point,
+    point_path,
+    read_branch,
+    save_point,
+)
 from batchfit.recommend.read import read_recommendation
 from batchfit.recommend.result import RecommendResult
-from batchfit.recommend.jobs import (BranchSpec, branch_name, cooldown_from, last_point, load_point, point_path,
-                                      read_branch, save_point)
 from batchfit.runs.budget import Schedule, micro_batch_for, parse_amount, scaled_lr
 from batchfit.runs.data import BatchSource, TokenData, lm_format
 from batchfit.train.oom import NonFiniteLoss
@@ -100,7 +108,8 @@ def identity(plan: Plan, workload: Workload, tokens: TokenData | None) -> dict:
     from dataclasses import asdict
 
     return {**asdict(plan.config), "branch_points": list(plan.config.branch_points), "workload": workload.name,
-            "data": tokens.key if tokens is not None else None, "lrs_per_batch": {str(b): v for b, v in plan.lrs.items()},
+            "data": tokens.key if tokens is not None else None,
+            "lrs_per_batch": {str(b): v for b, v in plan.lrs.items()},
             "micro_batches": {str(b): m for b, m in plan.micro_batches.items()}}
 
 

@@ -54,7 +54,8 @@ def _best_per_batch(rows: list[dict], key: str) -> dict[int, dict]:
     return dict(sorted(best.items()))
 
 
-def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches: list[dict], seconds: float) -> RecommendResult:
+def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches: list[dict],
+                        seconds: float) -> RecommendResult:
     config, per_sample, eps = plan.config, plan.budget.per_sample, plan.config.epsilon
     end, W = plan.total_samples, plan.window_samples
     slope = _shared_slope(plan, parent, branches)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from batchfit.report.markdown import gib
-from batchfit.workload import attention_words
 from batchfit.phases import PHASES
+from batchfit.report.markdown import gib
 from batchfit.tiers import TIERS
+from batchfit.workload import attention_words
 
 
 def _num(x: float | None, fmt: str = ",.0f") -> str:
@@ -41,8 +41,8 @@ def bench_markdown(result, plot_name: str = "throughput.png") -> str:
             f"{_num(row.samples_per_min, ',.0f')} | {_num(row.tokens_per_s)} | "
             f"{_num(row.flops_per_step / 1e12 if row.flops_per_step else None, ',.2f')} | "
             f"{_num(row.mfu * 100 if row.mfu is not None else None, '.1f')}{'%' if row.mfu is not None else ''} | "
-            f"{gib(row.peak_allocated_bytes)} | {gib(row.peak_reserved_bytes)} | {gib(row.reserved_expandable_bytes)} | "
-            f"{row.source}{': ' + row.error if row.error else ''} |")
+            f"{gib(row.peak_allocated_bytes)} | {gib(row.peak_reserved_bytes)} | "
+            f"{gib(row.reserved_expandable_bytes)} | {row.source}{': ' + row.error if row.error else ''} |")
     if r.options.offload != "none":
         lines += ["", f"Offload ({r.options.offload}), traced host bytes and the computed transfer (bytes / the GPU's "
                       "host link, each way per micro-batch; a measured GPU step already holds the real copies):", ""]
@@ -67,9 +67,10 @@ def bench_markdown(result, plot_name: str = "throughput.png") -> str:
         lines += ["", "## Where memory stops growing linearly", ""]
         for point in r.breakpoints:
             lines.append(f"- Between batch {point['between'][0]} and {point['between'][1]}: "
-                         f"{point['bytes_per_sample_before'] / 2**20:.1f} → {point['bytes_per_sample_after'] / 2**20:.1f} "
-                         f"MiB per sample; the peak moves from the {point['phase_before']} phase to the "
-                         f"{point['phase_after']} phase. Largest tensors after it: " +
+                         f"{point['bytes_per_sample_before'] / 2**20:.1f} → "
+                         f"{point['bytes_per_sample_after'] / 2**20:.1f} MiB per sample; the peak moves from the "
+                         f"{point['phase_before']} phase to the {point['phase_after']} phase. Largest "
+                         "tensors after it: " +
                          ", ".join(f"{t['op']} {tuple(t['shape'])} {t['dtype']} ({t['category']})"
                                    for t in point["largest_after"]))
     if r.leak:
@@ -83,12 +84,14 @@ def bench_markdown(result, plot_name: str = "throughput.png") -> str:
                          f"{w['bytes']:,} bytes still alive")
     if r.target.device is not None:
         lines += ["", "## Tiers", "", "From the benched batch sizes only (reserved memory where known):", "",
-                  "| tier | memory used ≤ | batch | headroom GiB | tokens/s | samples/s |", "|---|---:|---:|---:|---:|---:|"]
+                  "| tier | memory used ≤ | batch | headroom GiB | tokens/s | samples/s |",
+                  "|---|---:|---:|---:|---:|---:|"]
         found = {t.name: t for t in r.tiers}
         for name, util in TIERS:
             t = found.get(name)
             if t is None:  # say so, rather than drop the row
-                lines.append(f"| {name} | {util:.0%} | — | — | — | no benched size fits under {util:.0%} of usable memory |")
+                lines.append(f"| {name} | {util:.0%} | — | — | — | no benched size fits under {util:.0%} of "
+                             "usable memory |")
             else:
                 lines.append(f"| {t.name} | {t.util:.0%} | {t.batch_size} | {gib(t.headroom_bytes)} | "
                              f"{_num(t.tokens_per_s)} | {_num(t.samples_per_s, ',.1f')} |")

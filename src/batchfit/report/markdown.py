@@ -63,7 +63,8 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
             f"headroom {gib(r.capacity_bytes - peak)} GiB",
         ]
         if r.options.offload != "none":
-            lines += [f"- {host_line(at_best, r.host_limit_bytes)[0].upper()}{host_line(at_best, r.host_limit_bytes)[1:]}"]
+            host = host_line(at_best, r.host_limit_bytes)
+            lines += [f"- {host[0].upper()}{host[1:]}"]
     else:
         small = r.points[0]
         lines += [
@@ -71,7 +72,8 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
             f"(peak in the {small.phase} phase).",
         ]
     if getattr(r, "split", None) is not None:
-        lines.append(f"- **{r.split.line(r.target_util)[0].upper()}{r.split.line(r.target_util)[1:]}** (--global-batch)")
+        lines.append(f"- **{r.split.line(r.target_util)[0].upper()}{r.split.line(r.target_util)[1:]}** "
+                     "(--global-batch)")
     paged = r.points[0].paged_bytes if r.points else 0
     if paged:
         lines.append(f"- Paged optimizer state: {gib(paged)} GiB in CUDA unified memory (bitsandbytes' paged "
@@ -105,7 +107,8 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
            "(byte for byte affine)" if r.depth_blocks else "")
         + (f"; reserved peaks replayed from allocation streams written for {r.depth_blocks} blocks from the "
            "depths' streams (checked event for event at the smaller depths)"
-           + (f", except batch sizes {', '.join(map(str, r.whole_reserved))} (traced whole)" if r.whole_reserved else "")
+           + (f", except batch sizes {', '.join(map(str, r.whole_reserved))} "
+              "(traced whole)" if r.whole_reserved else "")
            if r.depth_blocks and r.limit == "reserved" else "") + " |",
         "",
         "## Peak memory by batch size (GiB)",
@@ -119,7 +122,8 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
               + " | ".join(k.replace("_", " ") for k in kinds) + " |",
               "|---:|---:|---:|:-:|---|" + "---:|" * len(kinds)]
     for p in r.points:
-        lines.append(f"| {p.batch_size} | {gib(p.peak_bytes)} | {gib(p.peak_reserved_bytes)} | {r.fits(p)} | {p.phase} | "
+        lines.append(f"| {p.batch_size} | {gib(p.peak_bytes)} | {gib(p.peak_reserved_bytes)} | {r.fits(p)} | "
+                     f"{p.phase} | "
                      + " | ".join(gib(p.breakdown.get(k, 0)) for k in kinds) + " |")
     refused = [p for p in r.points if p.reserved_oom]
     if refused:

@@ -7,10 +7,10 @@ from pathlib import Path
 from batchfit.devices import GiB
 from batchfit.plan.time_model import OVERLAP_RULE  # pure Python, no torch
 from batchfit.report import write_report
-from batchfit.report.write import StagedFiles, staged_files
 from batchfit.report.host import plan_host_line as host_line_for_plan
 from batchfit.report.markdown import approximation_lines, attention_rows, gib
 from batchfit.report.plan_plots import plan_plot, ranking_plot
+from batchfit.report.write import StagedFiles, staged_files
 
 KNOWN_LIMITS = """\
 - Memory is rank 0's, traced on a fake process group: every rank of DDP, FSDP and TP holds the
@@ -130,10 +130,11 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
               f"| Activation checkpointing | {r.options.checkpointing} |",
               *attention_rows(r.options),
               *_tp_loss_rows(r),
-              f"| Frozen / train-only | {', '.join(r.options.frozen) or '—'} / {', '.join(r.options.trainable) or '—'} |",
+              f"| Frozen / train-only | {', '.join(r.options.frozen) or '—'} / "
+              f"{', '.join(r.options.trainable) or '—'} |",
               f"| GPU | {d.display_name}: {gib(d.total_bytes)} GiB total, {gib(d.context_bytes)} GiB CUDA context "
               f"(assumed), {gib(d.usable_bytes)} GiB usable; target {r.target_util:.0%} = {gib(r.target_bytes)} GiB |",
-              f"| GPUs | " + ", ".join(f"{w.gpus} ({w.nodes} node{'s' if w.nodes > 1 else ''} of {w.gpus_per_node})"
+              "| GPUs | " + ", ".join(f"{w.gpus} ({w.nodes} node{'s' if w.nodes > 1 else ''} of {w.gpus_per_node})"
                                       for w in r.worlds) + " |",
               f"| Strategies | {r.strategies_asked} |",
               f"| Local batch sizes | multiples of {r.multiple_of} |",
@@ -212,9 +213,10 @@ def ranking_lines(r, plot_name: str = "plan.png") -> list[str]:
         if row.rank is None:
             continue
         speed = row.tokens_per_s or row.samples_per_s
-        out.append(f"| {row.rank} | {row.gpus} | {row.strategy}{' (above target)' if row.status == 'above target' else ''} "
-                   f"| {row.pp} | {row.dp} | {row.tp} | {row.max_local_batch} | {row.max_global_batch} | "
-                   f"{row.micro_batch} x {row.accumulation_steps} | {gib(row.allocated_bytes)} | "
+        out.append(f"| {row.rank} | {row.gpus} | "
+                   f"{row.strategy}{' (above target)' if row.status == 'above target' else ''} | {row.pp} | {row.dp} | "
+                   f"{row.tp} | {row.max_local_batch} | {row.max_global_batch} | {row.micro_batch} x "
+                   f"{row.accumulation_steps} | {gib(row.allocated_bytes)} | "
                    f"{gib(row.reserved_bytes) if row.reserved_bytes else '—'} | {_t(row.compute_s)} | "
                    f"{_t(row.exposed_comm_s)} | {_t(row.bubble_s)} | {_s(row.step_time_s, 3)} | {_n(speed)} | "
                    f"{'—' if row.vs_best is None else f'{row.vs_best:.2f}x'} | {_days(row.days)} |")

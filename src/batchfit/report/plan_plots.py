@@ -113,8 +113,10 @@ def ranking_figure(result) -> Figure:
             ax.annotate(f"{row.rank}. {row.strategy} {row.micro_batch}x{row.accumulation_steps}{above}", (gib, speed),
                         xytext=(6, 3 if i % 2 == 0 else -9), textcoords="offset points", fontsize=7)
         ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
-        ax.axvline(result.capacity_bytes / GiB, color="black", lw=1, label=f"usable {result.capacity_bytes / GiB:.1f} GiB")
-        ax.axvline(result.target_bytes / GiB, color="tab:orange", ls="--", lw=1, label=f"target {result.target_util:.0%}")
+        ax.axvline(result.capacity_bytes / GiB, color="black", lw=1,
+                   label=f"usable {result.capacity_bytes / GiB:.1f} GiB")
+        ax.axvline(result.target_bytes / GiB, color="tab:orange", ls="--", lw=1,
+                   label=f"target {result.target_util:.0%}")
         ax.set_xlabel(f"memory per GPU at the micro-batch, rank 0, {what} (GiB, traced)", fontsize=8)
         if n == 0:
             ax.set_ylabel(f"{unit} (computed, MFU {result.time_model.mfu:.2f})")
@@ -155,8 +157,8 @@ def _scaling_figure(result, ranked: list, unit: str, what: str) -> Figure:
     for row, speed in zip(ranked, speeds):
         gib = (row.reserved_bytes or row.allocated_bytes or 0) / GiB
         above = ", above target" if row.status == "above target" else ""
-        ax.annotate(f"{row.strategy} {row.micro_batch}x{row.accumulation_steps}, {gib:.1f} GiB{above}", (row.gpus, speed),
-                    xytext=(6, -12), textcoords="offset points", fontsize=8)
+        ax.annotate(f"{row.strategy} {row.micro_batch}x{row.accumulation_steps}, {gib:.1f} GiB{above}",
+                    (row.gpus, speed), xytext=(6, -12), textcoords="offset points", fontsize=8)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
     ax.set_xlabel("GPUs")

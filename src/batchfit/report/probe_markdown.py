@@ -38,7 +38,8 @@ def probe_markdown(result, plot_name: str = "memory.png") -> str:
         elif r.search and r.search.exact:
             verdict = f"exact: {r.search.next_size} did not fit"
         else:
-            verdict = ("not shown to be the largest: " + (f"{r.search.next_size} failed" if r.search and r.search.next_size
+            verdict = ("not shown to be "
+                       "the largest: " + (f"{r.search.next_size} failed" if r.search and r.search.next_size
                                                           else "nothing above was probed"))
         lines += [f"- **Maximum batch size: {best}** ({verdict})"]
         if best_trial and best_trial.peak_allocated_bytes and capacity:
@@ -48,13 +49,15 @@ def probe_markdown(result, plot_name: str = "memory.png") -> str:
             peak = best_trial.peak_reserved_bytes or best_trial.peak_allocated_bytes
             rule = "what a GPU runs out of" if r.target.kind == "cuda" else f"`--limit {r.limit}`"
             lines += [f"- Peak memory at {best}: {gib(best_trial.peak_allocated_bytes)} GiB allocated"
-                      + (f", {gib(best_trial.peak_reserved_bytes)} GiB reserved" if best_trial.peak_reserved_bytes else "")
+                      + (f", {gib(best_trial.peak_reserved_bytes)} "
+                         "GiB reserved" if best_trial.peak_reserved_bytes else "")
                       + f", of {gib(capacity)} GiB usable; {figure} must fit ({rule}): {peak / capacity:.1%} used, "
                       f"headroom {gib(capacity - peak)} GiB"]
     elif not r.stopped_by:
         lines += [f"- **Not even batch {r.smallest} fits** on this device."]
     lines += [f"- Policy `{r.policy}`: {len(r.search.trials) if r.search else len(r.trials)} search probes, "
-              f"{len(r.trials)} in all, {r.seconds:.1f} s" + (f", {r.world_size} ranks agreeing" if r.world_size > 1 else ""),
+              f"{len(r.trials)} in all, {r.seconds:.1f} s" + (f", {r.world_size} "
+                                                              "ranks agreeing" if r.world_size > 1 else ""),
               f"- Source: {_source(r)}", ""]
     if r.target.device:
         lines += [f"![memory vs batch size]({plot_name})", ""]
@@ -95,7 +98,8 @@ def probe_markdown(result, plot_name: str = "memory.png") -> str:
                   "|---:|---:|---:|---:|"]
         for t in predicted:
             error = (t.predicted_bytes - t.peak_allocated_bytes) / t.peak_allocated_bytes
-            lines.append(f"| {t.batch_size} | {gib(t.predicted_bytes)} | {gib(t.peak_allocated_bytes)} | {error:+.1%} |")
+            lines.append(f"| {t.batch_size} | {gib(t.predicted_bytes)} | {gib(t.peak_allocated_bytes)} | "
+                         f"{error:+.1%} |")
     if best_trial and r.tokens_per_sample:
         tokens = best * r.tokens_per_sample
         lines += ["", "## Throughput implication", "", f"- Tokens per batch at {best}: {tokens:,}"]
@@ -108,8 +112,8 @@ def probe_markdown(result, plot_name: str = "memory.png") -> str:
         lines += ["", "## Recommendations", "", "| setting | batch size | accumulation | peak GiB | source | why |",
                   "|---|---:|---:|---:|---|---|"]
         for rec in r.recommendations:
-            lines.append(f"| {rec.name} | {rec.batch_size} | {rec.accumulation_steps} | {gib(rec.peak_allocated_bytes)} | "
-                         f"{getattr(rec, 'source', 'probed')} | {rec.why} |")
+            lines.append(f"| {rec.name} | {rec.batch_size} | {rec.accumulation_steps} | "
+                         f"{gib(rec.peak_allocated_bytes)} | {getattr(rec, 'source', 'probed')} | {rec.why} |")
         if any(rec.source == "predicted" for rec in r.recommendations):
             lines += ["", "Peak GiB: allocated where probed; where predicted, the memory-per-sample line's value "
                       "(the figure that must fit) at that batch."]

@@ -30,9 +30,10 @@ def recommend_markdown(data: dict) -> str:
              f"same rule, {data.get(f'sweep_val_{unit}', 0):,} validated).",
              *[f"- Weight decay {p['weight_decay']:.3g} at this batch and rate: {p['source']} (a formula's answer, "
                "not measured)." for p in data["sources"]["priors"] if p.get("weight_decay") is not None],
-             f"- Parent at batch {data['batch_sizes'][0]}; branches at {', '.join(f'{p:,}' for p in data['branch_points'])}"
-             f" {unit}, each {data['window']:,} {unit} long, the last {data.get('cooldown', 0):.0%} of it a linear "
-             f"decay to the schedule's final rate; learning rate scaled by {data['lr_scaling']} of the "
+             f"- Parent at batch {data['batch_sizes'][0]}; branches at "
+             f"{', '.join(f'{p:,}' for p in data['branch_points'])} {unit}, each {data['window']:,} {unit} long, the "
+             f"last {data.get('cooldown', 0):.0%} of it a linear decay to the schedule's final rate; learning rate "
+             f"scaled by {data['lr_scaling']} of the "
              "batch ratio; the last point repeated on "
              f"{data['seeds']} data window(s).", "", "## Evidence", "",
              "| source | batch size | learning rate | kind | note |", "|---|---:|---:|---|---|"]
@@ -73,8 +74,8 @@ def branches_plot(data: dict, path: Path) -> None:
         start_val = next((v for p, v in parent["val"] if p == curve["start"]), None)
         ys = ([start_val] if start_val is not None else []) + [v for _, v in curve["val"]]
         ax.plot(xs[-len(ys):], ys, color=color, lw=1, alpha=0.9 if curve["seed"] == 0 else 0.5,
-                label=f"batch {curve['batch_size']}" if curve["seed"] == 0 and curve["point"] == data["branch_points"][0]
-                else None)
+                label=(f"batch {curve['batch_size']}"
+                       if curve["seed"] == 0 and curve["point"] == data["branch_points"][0] else None))
     ax.set_xlabel(f"{data['unit']} trained on")
     ax.set_ylabel("validation loss")
     ax.set_title(f"{data['workload']}: branches from the parent run", fontsize=10)

@@ -31,7 +31,8 @@ def distribution_line(summary) -> str:
 def _oom(run) -> str:
     if run.first_oom_step is None:
         return "does not fit"
-    return f"does not fit, first at step {run.first_oom_step} ({run.first_oom_shape.rows} x {run.first_oom_shape.length:,} tokens)"
+    return (f"does not fit, first at step {run.first_oom_step} ({run.first_oom_shape.rows} x "
+            f"{run.first_oom_shape.length:,} tokens)")
 
 
 def run_lines(result) -> list[str]:
@@ -148,15 +149,18 @@ def run_markdown(result, plot_name: str = "lengths.png") -> str:
     lines += [f"- {line}" for line in run_lines(result)[1:]]
     lines += [(f"- The estimate above was traced at {summary.traced_length:,} tokens per row, the longest a step "
                "of this run makes; the peak only grows with the rows and the tokens per row, so the steps no "
-               "other step covers decide the run (traced; the others are not). Steps count from 0 in the data's order."),
+               "other step covers decide the run (traced; the others are not). Steps count from 0 in the "
+               "data's order."),
               "", f"![tokens per sample]({plot_name})", "",
-              "| batch | steps | verdict | peak step | rows x tokens | peak allocated | peak reserved | first step that does not fit |",
+              "| batch | steps | verdict | peak step | rows x tokens | peak allocated | peak reserved | first step "
+              "that does not fit |",
               "|---:|---:|---|---:|---|---:|---:|---|"]
     for b, run in sorted(summary.runs.items()):
         first = "—" if run.first_oom_step is None else (f"{run.first_oom_step} ({run.first_oom_shape.rows} x "
                                                         f"{run.first_oom_shape.length:,})")
         lines.append(f"| {b} | {run.steps} | {run.verdict} | {run.peak_step} | {run.peak_shape.rows} x "
-                     f"{run.peak_shape.length:,} | {_gib(run.peak_bytes)} | {_gib(run.peak_reserved_bytes)} | {first} |")
+                     f"{run.peak_shape.length:,} | {_gib(run.peak_bytes)} | "
+                     f"{_gib(run.peak_reserved_bytes)} | {first} |")
     for churn in (summary.churn, getattr(summary, "churn_worst", None)):
         if churn is not None:
             lines += churn_markdown(churn)
@@ -175,7 +179,8 @@ def lengths_plot(summary, path: Path) -> None:
     lows = [low for low, _, _ in summary.histogram]
     widths = [high - low + 1 for low, high, _ in summary.histogram]
     ax.bar(lows, [count for _, _, count in summary.histogram], width=widths, align="edge", color="tab:blue")
-    ax.axvline(summary.traced_length, color="tab:red", lw=1, label=f"traced at {summary.traced_length:,} tokens per row")
+    ax.axvline(summary.traced_length, color="tab:red", lw=1,
+               label=f"traced at {summary.traced_length:,} tokens per row")
     ax.set_title(f"{summary.data}: {summary.samples:,} samples, --batching {summary.batching}", fontsize=10)
     ax.set_xlabel("tokens per sample")
     ax.set_ylabel("samples")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from batchfit.report.sweep_plots import curves_plot, loss_vs_batch_plot
 from batchfit.report import write_report
+from batchfit.report.sweep_plots import curves_plot, loss_vs_batch_plot
 from batchfit.report.write import StagedFiles, staged_files
 
 

@@ -29,15 +29,11 @@ import torch
 from torch import nn
 
 from batchfit.errors import OptionError, UsageError, read_text
+from batchfit.trace.cache import cache_root
 from batchfit.workload import Workload
 
 EOT = "<|endoftext|>"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
-
-
-def cache_root() -> Path:
-    """Where batchfit keeps what it computed once: $BATCHFIT_CACHE, else ~/.cache/batchfit."""
-    return Path(os.environ.get("BATCHFIT_CACHE", Path.home() / ".cache" / "batchfit"))
 
 
 def default_cache_dir() -> Path:
@@ -130,7 +126,8 @@ def _dataset_texts(name: str) -> tuple[list[str], str]:
     except Exception as error:  # network, unknown name, no cache: one line
         first = (str(error).strip().splitlines() or [""])[0]
         raise UsageError(f"--data {name}: no such file or folder, and datasets cannot load it "
-                         f"({type(error).__name__}: {first}); give a text file, a folder, or a cached dataset") from None
+                         f"({type(error).__name__}: {first}); give a text file, a folder, or a "
+                         "cached dataset") from None
     split = loaded["train"] if isinstance(loaded, dict) or hasattr(loaded, "keys") else loaded
     if "text" not in split.column_names:
         raise UsageError(f"--data {name}: the train split has no 'text' column ({', '.join(split.column_names)})")
@@ -197,7 +194,8 @@ def train_bpe(text: str, vocab_size: int) -> tuple[Tokenizer, str]:
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
     except ImportError:
-        raise UsageError("the default BPE tokenizer needs pip install 'batchfit[data]', or give --tokenizer bytes") from None
+        raise UsageError("the default BPE tokenizer needs pip install 'batchfit[data]', or give "
+                         "--tokenizer bytes") from None
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -479,10 +477,12 @@ class BatchSource:
             self._format = lm_format(workload)
             if self._format is None:
                 raise UsageError(f"--data gives text, but {workload.name} is not a token language model "
-                                 "(its make_batch returns no token ids): drop --data, or give the workload train_batches")
+                                 "(its make_batch returns no token ids): drop --data, or give the workload "
+                                 "train_batches")
             if tokens.vocab_size > self._format.vocab_size:
                 raise OptionError(f"the tokenizer has {tokens.vocab_size:,} tokens, the model's embedding "
-                                  f"{self._format.vocab_size:,}: use --tokenizer bpe or a model with a larger vocabulary")
+                                  f"{self._format.vocab_size:,}: use --tokenizer bpe or a model with a "
+                                  "larger vocabulary")
             self._train = TokenSamples(tokens.train, self._format.seq_len, seed)
             self._val = TokenSamples(tokens.val, self._format.seq_len, seed)
             self.kind = "text"

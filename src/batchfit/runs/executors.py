@@ -250,7 +250,8 @@ class WorkMeter:
         done = self._done()
         eta = time_left(time.perf_counter() - self.started, self._work(done) - self.first,
                         self.total_work - self.first)
-        return f"[{sum(done.values()):,}/{sum(s.steps for s in self.specs.values()):,} steps{', ' + eta if eta else ''}]"
+        total = sum(s.steps for s in self.specs.values())
+        return f"[{sum(done.values()):,}/{total:,} steps{', ' + eta if eta else ''}]"
 
 
 def run_in_process(workload: Workload, tokens: TokenData | None, context: WorkerContext, specs: list[RunSpec],

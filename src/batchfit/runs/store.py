@@ -179,7 +179,8 @@ class Store:
         """The run's id, creating it as pending if it is new; ``branch`` names a recommend
         branch ('' for a sweep's run)."""
         with self._write() as db:
-            db.execute("INSERT OR IGNORE INTO runs (batch_size, lr, status, steps, branch) VALUES (?, ?, 'pending', ?, ?)",
+            db.execute("INSERT OR IGNORE INTO runs (batch_size, lr, status, steps, branch) VALUES (?, ?, "
+                       "'pending', ?, ?)",
                        (batch_size, lr, steps, branch))
             return db.execute("SELECT id FROM runs WHERE batch_size = ? AND lr = ? AND branch = ?",
                               (batch_size, lr, branch)).fetchone()[0]

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from batchfit.sweep.result import SweepResult, read_result
 
 _LAZY = {"Budget": "batchfit.runs.budget", "Schedule": "batchfit.runs.budget", "SweepConfig": "batchfit.sweep.engine",
-         "plan_sweep": "batchfit.sweep.engine", "run_sweep": "batchfit.sweep.engine", "NoiseResult": "batchfit.sweep.noise",
+         "plan_sweep": "batchfit.sweep.engine", "run_sweep": "batchfit.sweep.engine",
+         "NoiseResult": "batchfit.sweep.noise",
          "gradient_noise_scale": "batchfit.sweep.noise", "SweepResult": "batchfit.sweep.result",
          "read_result": "batchfit.sweep.result"}
 

@@ -22,12 +22,12 @@ import torch
 
 from batchfit.devices import Device
 from batchfit.errors import OptionError, UsageError
-from batchfit.runs.budget import LR_SCALINGS, Budget, Schedule, parse_amount, scaled_lr
+from batchfit.runs.budget import LR_SCALINGS, Budget, Schedule, micro_batch_for, parse_amount, scaled_lr
 from batchfit.runs.data import BatchSource, TokenData, lm_format, tokenize
 from batchfit.runs.executors import WorkerContext, check_executor, run_in_process, run_local, run_ray
 from batchfit.runs.store import Store, check_store
 from batchfit.sweep.result import SweepResult, read_result
-from batchfit.sweep.run import RunSpec, micro_batch_for
+from batchfit.sweep.run import RunSpec
 from batchfit.workload import PRECISIONS, Workload
 
 
@@ -92,7 +92,8 @@ class SweepConfig:
         if self.precision not in PRECISIONS:
             raise OptionError(f"unknown precision '{self.precision}': use one of {', '.join(PRECISIONS)}")
         if self.grad_clip is not None and not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
-            raise OptionError(f"--grad-clip must be 0 (no clipping) or more, e.g. --grad-clip 1.0; got {self.grad_clip}")
+            raise OptionError("--grad-clip must be 0 (no clipping) or more, e.g. --grad-clip 1.0; got "
+                              f"{self.grad_clip}")
         if self.grad_clip == 0:
             self.grad_clip = None
         check_executor(self.executor, self.workers)
@@ -157,7 +158,8 @@ def plan_sweep(config: SweepConfig, workload: Workload, *, largest_fitting: Call
     say = progress or (lambda message: None)
     if config.data is None and config.require_data and lm_format(workload) is not None:
         raise UsageError(f"{workload.name} is a language model: give --data (a text file, a folder of "
-                         ".txt/.jsonl/.parquet, or a datasets name), e.g. --data stories.txt; random tokens teach it nothing")
+                         ".txt/.jsonl/.parquet, or a datasets name), e.g. --data stories.txt; random tokens "
+                         "teach it nothing")
     budget = config.budget(workload.tokens_per_sample)
     steps = budget.check(config.batch_sizes)
     schedule = Schedule(total=budget.total, warmup=parse_amount(config.warmup, budget.total, "--warmup"),
@@ -190,7 +192,8 @@ def plan_sweep(config: SweepConfig, workload: Workload, *, largest_fitting: Call
     micro = {b: micro_batch_for(b, fits) for b in config.batch_sizes}
     notes = [f"batch {b} runs as {b // m} accumulated micro-batches of {m} (largest that fits: {fits})"
              for b, m in micro.items() if m and m < b]
-    notes += [f"batch {b}: not even one sample fits {fit_device.display_name} (traced)" for b, m in micro.items() if not m]
+    notes += [f"batch {b}: not even one sample fits "
+              f"{fit_device.display_name} (traced)" for b, m in micro.items() if not m]
     if kind == "synthetic":
         notes.append("no --data: batches come from the workload's make_batch (synthetic data); validation "
                      "batches are drawn with a fixed seed")

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from batchfit.runs.budget import Budget, Schedule, micro_batch_for
+from batchfit.runs.budget import Budget, Schedule
 from batchfit.runs.data import BatchSource
 from batchfit.runs.store import Store
-from batchfit.train.step import TrainingStep
 from batchfit.train.oom import NonFiniteLoss
+from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 
 
@@ -143,8 +143,9 @@ def train_run(workload: Workload, source: BatchSource, spec: RunSpec, store: Sto
         # keeping what was measured before (its curve points, steps and time).
         if not math.isfinite(loss):
             store.update_run(spec.run_id, seconds=state["seconds"] + time.perf_counter() - started)
-            raise NonFiniteLoss(f"the {what} loss is not finite ({loss}) at step {step:,} of {steps:,}: the run diverged "
-                                f"and stopped there (its curve up to step {store.run(spec.run_id)['steps_done'] or 0:,} "
+            raise NonFiniteLoss(f"the {what} loss is not finite ({loss}) at step {step:,} of {steps:,}: the "
+                                "run diverged and stopped there (its curve up to step "
+                                f"{store.run(spec.run_id)['steps_done'] or 0:,} "
                                 "is kept); lower --lrs, or keep --grad-clip")
 
     if state["step"] == 0 and state["initial_val"] is None:

@@ -53,8 +53,14 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from batchfit.trace.alloc_conf import (ENV_VARS, LARGE_BUFFER, MiB, ROUNDUP_INTERVALS,  # noqa: F401 - re-exported
-                                       AllocatorConfig, parse_alloc_conf)
+from batchfit.trace.alloc_conf import (  # noqa: F401 - re-exported
+    ENV_VARS,
+    LARGE_BUFFER,
+    ROUNDUP_INTERVALS,
+    AllocatorConfig,
+    MiB,
+    parse_alloc_conf,
+)
 
 MIN_BLOCK = 512                 # kMinBlockSize
 SMALL_SIZE = 1 << 20            # kSmallSize: largest small-pool request

@@ -34,14 +34,18 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from batchfit.train.data import cache_root
-
 FORMAT = 1
 """Bumped when an entry's layout changes (the source digest changes with it anyway)."""
 MAX_BYTES = 2 << 30
 """The most the trace cache holds (2 GiB: a GRPO step's streams take about 5 MB a batch size)."""
 _STALE_TMP_S = 3600
 """A temporary file this old was left by a killed writer."""
+
+
+def cache_root() -> Path:
+    """Where batchfit keeps what it computed once (traces here, tokens in ``runs/data.py``):
+    $BATCHFIT_CACHE, else ~/.cache/batchfit."""
+    return Path(os.environ.get("BATCHFIT_CACHE", Path.home() / ".cache" / "batchfit"))
 
 
 def traces_dir() -> Path:

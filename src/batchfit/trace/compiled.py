@@ -6,7 +6,8 @@ min-cut partitioner (what inductor saves for backward), and the forward and back
 run op by op on fake tensors under the tracker, which does not count the buffers inductor's
 pointwise fusion never writes (:func:`unmaterialized`). Inductor's kernels cannot run on fake
 tensors; under ``--memory-budget`` the trace runs inductor's generated wrapper with its kernels
-skipped instead (:func:`inductor_plan`: inductor's own schedule of the recomputation). Mixed precision on CUDA semantics runs the same way, under CUDA's autocast mirror
+skipped instead (:func:`inductor_plan`: inductor's own schedule of the recomputation). Mixed
+precision on CUDA semantics runs the same way, under CUDA's autocast mirror
 (``trace/cuda_autocast.py``: its kernels step aside differently under the Python dispatcher
 that dynamo and AOTAutograd trace with). ``--memory-budget F`` is set around the partition
 (:func:`trace_backend`), as ``train/step.py`` sets it around inductor for real steps. Such a
@@ -55,8 +56,8 @@ COMPILED_TRACED = Approximation(
                    "(4-layer Llama, batch 2 and 4); plan's rank 0 against 2-process gloo runs compiled with inductor "
                    "(tiny Llama, fp32): fsdp -0.001% (blocks) to +0.02% (model), -0.001% bf16-mixed (blocks); "
                    "fsdp-noreshard, hsdp, ddp, zero1, zero2 (blocks) and ddp cut at its buckets (model): "
-                   "within 60 B (-0.0006%; gpt-tinystories-22m: within 108 B); tp2 (model, DTensor in the graph): +0.13% "
-                   "(gpt-tinystories-22m: +0.011%); "
+                   "within 60 B (-0.0006%; gpt-tinystories-22m: within 108 B); tp2 (model, DTensor in the "
+                   "graph): +0.13% (gpt-tinystories-22m: +0.011%); "
                    "bf16-mixed: -0.9% to +0.01% (2-layer Llama, tinystories-22m); "
                    "against inductor on an H100 (bf16-mixed, 3 models, dynamo's shapes as in the measured "
                    "process): -0.28% to 0%; shapes compiled static where the H100 run had dynamic ones: -7.4% "
@@ -79,9 +80,9 @@ MEMORY_BUDGET_TRACED = Approximation(
     what=("--memory-budget: each graph runs the wrapper code inductor generates for it on this machine's CPU "
           "(inductor's fusion, schedule and buffer reuse), its kernels skipped, on fake tensors"),
     may_differ_by=("-0.12% to +0.00% of inductor's peak on this CPU (2-layer Llama, budgets 1 to 0: +0.0003% at "
-                   "each but 0.1, -0.12% there; gpt-tinystories-22m at 0.5 and 0.1: +0.007%, +0.008%); the peak is traced at each budget, not assumed to fall with it "
-                   "(pytorch/pytorch#197838); for a GPU it is inductor's CPU schedule: Triton fuses and orders "
-                   "kernels by its own rules, not measured here"),
+                   "each but 0.1, -0.12% there; gpt-tinystories-22m at 0.5 and 0.1: +0.007%, +0.008%); the peak is "
+                   "traced at each budget, not assumed to fall with it (pytorch/pytorch#197838); for a GPU it is "
+                   "inductor's CPU schedule: Triton fuses and orders kernels by its own rules, not measured here"),
     source="benchmarks/results/memory_budget-2026-11-25.json (python benchmarks/memory_budget.py); "
            "benchmarks/results/recipes-budget-2026-11-26.json",
 )
@@ -300,7 +301,8 @@ def inductor_plan(module: fx.GraphModule, example_inputs: list, tracker: Any, *,
         tracker.uncounted = uncounted
     builds = "async_compile = AsyncCompile()"
     if builds not in source:
-        raise RuntimeError("inductor's wrapper does not build its kernels with AsyncCompile (the trace cannot skip them)")
+        raise RuntimeError("inductor's wrapper does not build its kernels with AsyncCompile (the trace "
+                           "cannot skip them)")
     scope: dict[str, Any] = {"__name__": "batchfit_inductor_wrapper", "_NoKernels": _NoKernels}
     exec(compile(source.replace(builds, "async_compile = _NoKernels()"), "<inductor wrapper>", "exec"), scope)
     # The wrapper's allocators and checks are C++ fast paths that bypass the dispatcher (they would
@@ -334,10 +336,10 @@ def trace_backend(tracker: Any, memory_budget: float | None = None, *, inductor_
     (:class:`_FusedRun`, with batchfit's model of inductor's fusion), or, under a budget, with
     ``inductor_code`` (:func:`inductor_everywhere`), or where the graph recomputes a checkpointed region
     (:func:`recomputes`), as the wrapper code inductor generates for it (:func:`inductor_plan`)."""
-    from batchfit.train.step import with_memory_budget
-
-    from torch._functorch.partitioners import min_cut_rematerialization_partition  # functorch.compile's, in torch
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition  # functorch.compile's, in torch
+
+    from batchfit.train.step import with_memory_budget
 
     def compiler(module: fx.GraphModule, example_inputs: list, *, is_backward: bool) -> Callable:
         if recomputes(module):
@@ -462,9 +464,9 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budge
     """Compile ``model`` (``mode``: model or blocks, as ``TrainingStep`` does on a real device)
     with :func:`trace_backend`, and let compiled code run under ``tracker``. Under ``checkpointing``
     every graph runs inductor's generated code (:func:`inductor_everywhere`)."""
-    from batchfit.train.step import block_list
-
     import torch._dynamo.config as dynamo_config
+
+    from batchfit.train.step import block_list
 
     # Each block, each batch size and each model the trace builds (depths, fresh processes)
     # is a cache entry of the same frame (Module._call_impl): past dynamo's limit it would run
@@ -478,7 +480,8 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budge
     _FALLBACKS.clear()
     _RECOMPUTING.clear()
     tracker.run_compiled = True
-    backend = _split_as_ddp(trace_backend(tracker, memory_budget, inductor_code=inductor_everywhere(model, checkpointing)),
+    backend = _split_as_ddp(trace_backend(tracker, memory_budget,
+                                          inductor_code=inductor_everywhere(model, checkpointing)),
                             ddp_mode() == "ddp_optimizer")
     # DDP (and zero1's DDP) wraps the model compiled before it, as TrainingStep does on a device:
     # its inner module is what a real run compiles with --compile model.
@@ -592,9 +595,9 @@ def compile_approximations(options: StepOptions, model: nn.Module, loss_fn: Any 
 
 
 TP_BLOCKS_FAIL = ("a real --compile blocks run of a tensor-parallel plan fails in its first backward (2 gloo ranks, "
-                  "torch 2.13): the vocabulary-parallel embedding's output (RowwiseParallel, Shard(1): reduce-scattered "
-                  "into an AsyncCollectiveTensor) enters the first compiled block, and the gradient that block's compiled "
-                  "backward returns for it reaches DTensor's Redistribute.backward "
+                  "torch 2.13): the vocabulary-parallel embedding's output (RowwiseParallel, Shard(1): "
+                  "reduce-scattered into an AsyncCollectiveTensor) enters the first compiled block, and the gradient "
+                  "that block's compiled backward returns for it reaches DTensor's Redistribute.backward "
                   "(torch/distributed/tensor/_redistribute.py) as a plain Tensor (AttributeError: '_local_tensor'); "
                   "--compile model runs and is traced compiled")
 """Why ``--compile blocks`` under TP stays eager: the step it would trace does not run."""

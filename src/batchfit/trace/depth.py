@@ -23,8 +23,8 @@ from typing import TypeVar
 
 from torch import nn
 
-from batchfit.train.model import block_list
 from batchfit.trace.memory import active_tracker
+from batchfit.train.model import block_list
 from batchfit.workload import Workload
 
 Point = TypeVar("Point")  # a trace.point.MemoryPoint

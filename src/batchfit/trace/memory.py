@@ -13,8 +13,8 @@ the end of the step; otherwise by the phase that made the tensor: inputs, activa
 
 from __future__ import annotations
 
-import weakref
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -96,8 +96,9 @@ PARTS: tuple[str, ...] = ("head", "first", "second", "middle", "penultimate", "l
 runs, the first block, the second, the others between, the one before the last, the last,
 after the last (the time between two blocks goes with the block before; with three blocks
 the second is also the penultimate). A phase that runs no block is all head; one that runs the
-stack more than once (generation, its cache growing) is "repeated", which is not extrapolated. Forward runs block 0 first; backward runs the last block first
-(from the gradient of its output to the gradient of its input). See ``trace.depth`` for how a deep model's peak follows from them."""
+stack more than once (generation, its cache growing) is "repeated", which is not extrapolated.
+Forward runs block 0 first; backward runs the last block first (from the gradient of its output to
+the gradient of its input). See ``trace.depth`` for how a deep model's peak follows from them."""
 
 
 def held_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -457,7 +458,8 @@ class MemoryTracker(TorchDispatchMode):
             state, made = out
             if self.round_bytes > 1:  # CUDA semantics: a host tensor
                 self._host.add(id(state.untyped_storage()))
-                weakref.finalize(state.untyped_storage(), self._host.discard, id(state.untyped_storage())).atexit = False
+                weakref.finalize(state.untyped_storage(), self._host.discard,
+                                 id(state.untyped_storage())).atexit = False
             else:
                 self._maybe_track(state, op, [])
         for tensor in tree_leaves(made):

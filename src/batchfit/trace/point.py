@@ -17,22 +17,33 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
-import torch
-
 from batchfit.devices import Device
-from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.search import SearchResult, Trial, guided, reserved_search
-from batchfit.trace import cache as trace_cache, depth, forked, repeats, stream
-from batchfit.trace.approximation import (Approximation, attention_approximations, fast_path_approximations,
-                                           offload_approximations, quantize_approximations)
-from batchfit.trace.compiled import (COMPILED_TRACED, MEMORY_BUDGET_TRACED, checkpointed_approximations,
-                                     compile_approximations, graph_breaks, inductor_fallbacks)
-from batchfit.trace.hf_packing import packing_approximation
-from batchfit.trace.routing import routing_approximation
+from batchfit.trace import cache as trace_cache
+from batchfit.trace import depth, forked, repeats, stream
+from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
+from batchfit.trace.approximation import (
+    Approximation,
+    attention_approximations,
+    fast_path_approximations,
+    offload_approximations,
+    quantize_approximations,
+)
+from batchfit.trace.compiled import (
+    COMPILED_TRACED,
+    MEMORY_BUDGET_TRACED,
+    checkpointed_approximations,
+    compile_approximations,
+    graph_breaks,
+    inductor_fallbacks,
+)
 from batchfit.trace.cuda_float8 import float8_approximations
 from batchfit.trace.curve import MemoryCurve, fit_curve
+from batchfit.trace.hf_packing import packing_approximation
+from batchfit.trace.routing import routing_approximation
 from batchfit.trace.session import TracePoint, TraceSession
 from batchfit.workload import StepOptions, Workload
 
@@ -129,7 +140,8 @@ def replay_reserved(events: list[tuple[str, int, int]], device: Device,
     return stats.peak_reserved_bytes, None, stats.peak_reserved_bytes / stats.peak_allocated_bytes
 
 
-def run_out_at_reserved(session: TraceSession, device: Device, config: AllocatorConfig | None = None) -> CachingAllocator:
+def run_out_at_reserved(session: TraceSession, device: Device,
+                        config: AllocatorConfig | None = None) -> CachingAllocator:
     """Make ``session`` a virtual ``device`` that runs out where the caching allocator would:
     the allocator model is fed every allocation as it happens, and raises
     ``torch.OutOfMemoryError`` when it cannot reserve a segment after freeing its cache."""
@@ -207,7 +219,8 @@ class TracedCurve:
         workload, options, seen = self.workload, self.options, self._seen
         self.say(f"building {workload.name} on fake tensors")
         self._params_by_depth = []
-        by_depth = self._by_depth and options.blocks_alike and options.compile == "none"  # every:N: blocks differ by position; a compiled trace has no per-block parts
+        # every:N: blocks differ by position; a compiled trace has no per-block parts
+        by_depth = self._by_depth and options.blocks_alike and options.compile == "none"
         self._first = first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
                                            options)
         if by_depth and first.compiled:  # the workload compiles itself: traced whole, as --compile is
@@ -311,7 +324,8 @@ class TracedCurve:
         if self.options.memory_budget is not None:
             asked += f" --memory-budget {self.options.memory_budget:g}"
             budget = [dataclasses.replace(MEMORY_BUDGET_TRACED,
-                                          detail=f"--memory-budget {self.options.memory_budget:g}{inductor_fallbacks()}")]
+                                          detail="--memory-budget "
+                                                 f"{self.options.memory_budget:g}{inductor_fallbacks()}")]
         compiled = graph_breaks()
         if compiled.startswith("0 graphs compiled"):  # dynamo gave every frame up: the step ran eagerly
             return [Approximation(
@@ -374,7 +388,8 @@ class TracedCurve:
                 self._streams[batch_size] = {d: events for d, (_, events) in zip(depth.DEPTHS, traced)}
             found = depth.extrapolate([allocated_point(point, workspace) for point, _ in traced], self.blocks)
         if found is None:  # not traced by depth, or not affine in depth: the whole model
-            traced, events = self._from_cache(f"whole-{batch_size}-{warmth}", lambda: self._trace_whole(batch_size, fresh))
+            traced, events = self._from_cache(f"whole-{batch_size}-{warmth}",
+                                              lambda: self._trace_whole(batch_size, fresh))
             found = allocated_point(traced, workspace)
             if fresh:
                 self._whole_streams[batch_size] = events
@@ -417,7 +432,8 @@ class TracedCurve:
                 self.point(batch_size, fresh=True)
             point = self.points[batch_size]
             config = AllocatorConfig.from_env()
-            replayed = f"replay-{batch_size}-{self.device.usable_bytes}-{self.device.workspace_bytes}-{config_digest(config)}"
+            replayed = (f"replay-{batch_size}-{self.device.usable_bytes}-{self.device.workspace_bytes}-"
+                        f"{config_digest(config)}")
             peak, oom, ratio, whole = self._from_cache(replayed, lambda: self._replay(batch_size, config))
             if whole:
                 self.whole_reserved.append(batch_size)

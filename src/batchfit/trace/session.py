@@ -25,18 +25,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules import transformer as _transformer
 
 from batchfit.errors import BatchfitError, ModelSpecError, OptionError, TraceError
-from batchfit.train.model import main_blocks
-from batchfit.train.quantize import BNB_OPTIMIZERS, TORCHAO_OPTIMIZERS, load_bitsandbytes, preload
-from batchfit.train.step import TrainingStep
 from batchfit.trace import bnb_fake, repeats
+from batchfit.trace.compiled import compile_for_trace, retarget_for_trace, trace_context
 from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.cuda_float8 import cpu_scaled_mm_scratch, mirror_float8_autocast
 from batchfit.trace.cuda_norm import CudaRmsNorm
 from batchfit.trace.hf_packing import PackedSequences
-from batchfit.trace.compiled import compile_for_trace, retarget_for_trace, trace_context
 from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot, held_tensor
 from batchfit.trace.routing import RoutedExperts, moe_experts
+from batchfit.train.model import main_blocks
+from batchfit.train.quantize import BNB_OPTIMIZERS, TORCHAO_OPTIMIZERS, load_bitsandbytes, preload
+from batchfit.train.step import TrainingStep
 from batchfit.workload import FP8_PRECISIONS, StepOptions, Workload
 
 _CANNOT_FAKE = (

@@ -19,8 +19,8 @@ free is written as a rule that holds at every depth: the same copy index plus an
 mirrored copy index plus an offset, or a fixed allocation outside the runs; the first and the
 last copy of a run may have rules of their own (the edges of the stack). Rules are learnt at
 the largest depth (where every run has an interior) and narrowed by the middle one; the
-streams they write for the two smaller depths must be the traced ones, event for event. Anything else returns None, and the caller traces the
-model whole.
+streams they write for the two smaller depths must be the traced ones, event for event. Anything
+else returns None, and the caller traces the model whole.
 """
 
 from __future__ import annotations
@@ -220,7 +220,8 @@ def _rules(events: list[Event], labels: list[tuple], copies: tuple[int, ...]) ->
         if kind != "free":  # a mark: frees nothing
             continue
         slot = label[:2] if label[0] == "base" else ("run", label[1], label[3])
-        seen.setdefault(slot, []).append((label[2] if label[0] == "run" else 0, _encodings(label, where[ident], copies)))
+        seen.setdefault(slot, []).append((label[2] if label[0] == "run" else 0,
+                                          _encodings(label, where[ident], copies)))
     rules = {}
     for slot, frees in seen.items():
         if slot[0] == "base":

@@ -92,8 +92,8 @@ def flash_attention_saved(module: nn.Module, query: torch.Tensor, key: torch.Ten
     if padded:  # flash_attn pads the head size to a multiple of 8 itself (FlashAttnFunc.forward)
         query, key, value = (nn.functional.pad(t, [0, 8 - padded]) for t in (query, key, value))
     causal = module.is_causal if is_causal is None else is_causal
-    out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout, causal, False,
-                                                             scale=scaling if scaling is not None else head_dim ** -0.5)[0]
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout, causal, False, scale=scale)[0]
     return out[..., :v_head_dim].transpose(1, 2), None  # [B, T, H, D], as flash_attn returns it
 
 

@@ -132,7 +132,8 @@ def enable_float8_all_gather(model: nn.Module) -> int:
     wrapped = 0
     for _, module in float8_linears(model):
         cast = module.config.cast_config_weight
-        if (cast.scaling_granularity is not ScalingGranularity.TENSORWISE or cast.scaling_type is not ScalingType.DYNAMIC
+        if (cast.scaling_granularity is not ScalingGranularity.TENSORWISE
+                or cast.scaling_type is not ScalingType.DYNAMIC
                 or isinstance(module.weight, WeightWithDynamicFloat8CastTensor)):
             continue
         module.config = dataclasses.replace(module.config, enable_fsdp_float8_all_gather=True)

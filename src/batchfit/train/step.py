@@ -55,6 +55,7 @@ from batchfit.train.model import apply_freezing, block_list, build_optimizer, mo
 from batchfit.train.offload import OffloadActivations
 from batchfit.workload import FP8_PRECISIONS, PARAMS_OFFLOAD_NEEDS_FSDP, StepOptions, Workload
 
+
 class StepHooks(Protocol):
     def phase(self, name: str) -> None:
         """Called as the step enters one of PHASES (or 'idle' when it is done)."""

@@ -10,8 +10,8 @@ else eager (Gemma 2); ``--attention`` (``StepOptions.attention``) sets another.
 
 from __future__ import annotations
 
-import difflib
 import contextlib
+import difflib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,7 +64,8 @@ CONFIGS: dict[str, dict] = {
 }
 ALIASES = {"gpt2": "gpt2-124m", "bert-large-uncased": "bert-large", "llama-3.1-8b-instruct": "llama-3.1-8b",
            "llama-3.1-70b-instruct": "llama-3.1-70b",
-           "mistral-7b-v0.3": "mistral-7b", "qwen3-30b-a3b": "qwen3-moe-30b-a3b", "mixtral-8x7b-v0.1": "mixtral-8x7b", "qwen2.5-7b-instruct": "qwen2.5-7b"}
+           "mistral-7b-v0.3": "mistral-7b", "qwen3-30b-a3b": "qwen3-moe-30b-a3b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
+           "qwen2.5-7b-instruct": "qwen2.5-7b"}
 DEFAULT_SEQ_LEN = 2048
 
 
@@ -210,7 +211,8 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
     # A masked LM's loss is not next-token; a softcapped or biased head is not hidden @ weight.T.
     head_is_plain = (not masked and not seq2seq and getattr(config, "final_logit_softcapping", None) is None
                      and getattr(config, "logit_scale", None) is None)
-    kind = "masked LM" if masked else "encoder-decoder LM (the labels are the decoder's sequence)" if seq2seq else "causal LM"
+    kind = ("masked LM" if masked else "encoder-decoder LM (the labels are the decoder's sequence)" if seq2seq
+            else "causal LM")
     return Workload(name=name, build_model=build_model, make_batch=make_batch, loss_fn=loss_fn,
                     tokens_per_sample=seq, description=f"transformers {model_type} {kind}, seq {seq}",
                     lm_parts=lm_parts if head_is_plain else None, attention=attention)

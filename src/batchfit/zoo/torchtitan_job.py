@@ -17,9 +17,10 @@ sections and defaults below.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 from batchfit.errors import ModelSpecError, read_text
 
