@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from batchfit.errors import OptionError
+from batchfit.options import Checkpointing
 from batchfit.trace.memory import MemoryTracker, rounded
 from batchfit.trace.session import TraceSession
 from batchfit.train.checkpointing import checkpointed_blocks, save_ops
@@ -112,10 +113,13 @@ def test_a_policy_needs_a_stack_of_blocks(mlp):
 
 def test_every_n_checkpoints_blocks_as_torchtitan_counts_them():
     """torchtitan's layer SAC counts blocks from 1 and wraps those where count % N == 0."""
-    assert checkpointed_blocks("every:2", 4) == [1, 3]
-    assert checkpointed_blocks("every:3", 7) == [2, 5]
-    assert checkpointed_blocks("every:1", 3) == checkpointed_blocks("full", 3) == [0, 1, 2]
-    assert checkpointed_blocks("every:5", 4) == []
+    def blocks(policy: str, count: int) -> list[int]:
+        return checkpointed_blocks(Checkpointing.parse(policy), count)
+
+    assert blocks("every:2", 4) == [1, 3]
+    assert blocks("every:3", 7) == [2, 5]
+    assert blocks("every:1", 3) == blocks("full", 3) == [0, 1, 2]
+    assert blocks("every:5", 4) == []
 
 
 def test_selective_saves_the_attention_kernels_whichever_the_trace_runs():

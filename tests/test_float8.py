@@ -88,9 +88,9 @@ def test_torchtitans_filter_leaves_the_head_and_odd_dims():
     model = nn.Module()
     model.body = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 24))  # 24: not divisible by 16
     model.lm_head = nn.Linear(64, 128)
-    converted = convert_to_float8(model, "fp8-tensorwise")
+    converted = convert_to_float8(model, "tensorwise")
     assert converted == ["body.0"]
-    assert convert_to_float8(model, "fp8-tensorwise") == ["body.0"]  # idempotent: converted layers stay
+    assert convert_to_float8(model, "tensorwise") == ["body.0"]  # idempotent: converted layers stay
 
 
 def test_fp8_options_say_what_to_do():

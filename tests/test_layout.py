@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parent.parent / "src" / "batchfit"
 LAYERS = [  # bottom to top
-    {"errors", "notices", "phases", "tiers", "devices", "workload", "search", "targets", "specs", "zoo"},
+    {"errors", "notices", "phases", "tiers", "devices", "options", "workload", "search", "targets", "specs", "zoo"},
     {"train"},
     {"trace"},
     {"distributed"},
@@ -177,3 +177,41 @@ def test_no_test_module_imports_another():
                 if name.startswith("test_"):
                     found.add((path.stem, name))
     assert found <= STILL_SHARED, sorted(found - STILL_SHARED)
+
+
+OPTIONS_MODULE = PACKAGE / "options.py"
+OPTION_FIELDS = ("precision", "checkpointing", "loss", "offload", "quantize", "lora", "routing")
+"""StepOptions' text fields whose grammar options.py parses (``StepOptions.checkpointing_spec`` ...)."""
+OPTION_MARKS = ("every:", "chunked:", "capacity:", "fp8", "bf16", "-dq", "r=", "alpha=", "targets=")
+"""The pieces of those grammars a text test would look for."""
+TEXT_TESTS = ("split", "rsplit", "partition", "rpartition", "startswith", "endswith", "removeprefix", "removesuffix")
+
+
+def option_text_reads(source: str) -> list[str]:
+    """Where ``source`` reads an option's grammar from its text instead of its parsed value: a
+    ``.split`` / ``.startswith`` / ``.removeprefix`` ... of something named after an option field
+    (``options.checkpointing``, ``routing``), or of anything with a grammar's piece (``"every:"``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in TEXT_TESTS):
+            continue
+        receiver = node.func.value
+        name = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", None)
+        marked = any(isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith(OPTION_MARKS)
+                     for a in node.args)
+        if name in OPTION_FIELDS or marked:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_option_grammar_is_parsed_outside_its_dataclass():
+    """The option grammars (every:N, chunked:N, capacity:F, r=N,..., a+b, fp8-<recipe>, <kind>-dq) are
+    parsed in options.py alone, once, by StepOptions.__post_init__; everything else reads the fields
+    (``options.checkpointing_spec.every``, ``options.offload_spec.params``, ``.precision_spec.fp8_recipe``)."""
+    old = ('every = options.checkpointing.startswith("every:")\nfactor = float(routing.removeprefix("capacity:"))\n'
+           'parts = offload.split("+")\nkind = options.quantize.removesuffix("-dq")\n'
+           'recipe = result.options.precision.removeprefix("fp8-")\nn = policy.removeprefix("every:")')
+    assert len(option_text_reads(old)) == 6  # the code before options.py: the rule sees each
+    wrong = [f"{path.relative_to(PACKAGE)} {where}" for _, path in modules() if path != OPTIONS_MODULE
+             for where in option_text_reads(path.read_text())]
+    assert wrong == []

@@ -265,9 +265,10 @@ def test_estimate_takes_the_loss_and_fits_a_larger_batch_with_it(tmp_path):
 
 def test_more_chunks_than_tokens_is_refused_in_one_line():
     """chunked:100000 on a 256-token sequence made 100,000 empty chunks, an op each: it hung."""
+    from batchfit.options import Loss
     from batchfit.specs import load_workload
     from batchfit.train.losses import lm_loss
 
     with pytest.raises(OptionError, match="at most 256"):
-        lm_loss("chunked:100000", load_workload("gpt-tinystories-22m"))
-    assert lm_loss("chunked:256", load_workload("gpt-tinystories-22m")) is not None
+        lm_loss(Loss.parse("chunked:100000"), load_workload("gpt-tinystories-22m"))
+    assert lm_loss(Loss.parse("chunked:256"), load_workload("gpt-tinystories-22m")) is not None

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from batchfit.devices import get_device
 from batchfit.distributed.pp_schedules import bubble_fraction, in_flight, parse_schedule, rank_actions
 from batchfit.errors import OptionError
+from batchfit.options import Checkpointing
 from batchfit.plan.pipeline import PipelineSession
 from batchfit.plan.sharded import parse_strategy
 from batchfit.train.step import TrainingStep
@@ -114,7 +115,7 @@ def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatc
         indices = rank_stages(schedule, world, rank)
         base = tiny_workload(n_layers) if hf_config is None else hf_workload(hf_config, seq_len=CFG.seq_len)
         workload = dataclasses.replace(base, build_model=lambda: build_rank(base.build_model, n_stages, indices,
-                                                                            checkpointing))
+                                                                            Checkpointing.parse(checkpointing)))
         torch.manual_seed(0)
         step = TrainingStep(workload, StepOptions(), torch.device("cpu"))
         stages = [PipelineStage(module, s, n_stages, torch.device("cpu"))

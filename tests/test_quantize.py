@@ -12,9 +12,10 @@ from torch import nn
 
 from batchfit import Workload
 from batchfit.errors import OptionError
+from batchfit.options import LoRA
 from batchfit.trace.session import TraceSession
 from batchfit.train.step import TrainingStep
-from batchfit.workload import StepOptions, parse_lora
+from batchfit.workload import StepOptions
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -39,9 +40,9 @@ LLAMA = Workload(name="llama-2l", build_model=llama,
 
 
 def test_the_options_are_checked_in_one_line():
-    assert parse_lora("r=16") == {"r": 16, "alpha": None, "dora": False, "targets": None}
-    assert parse_lora("r=8,alpha=16,dora,targets=q_proj+v_proj") == {
-        "r": 8, "alpha": 16, "dora": True, "targets": ("q_proj", "v_proj")}
+    assert LoRA.parse("r=16") == LoRA(r=16, alpha=None, dora=False, targets=None)
+    assert LoRA.parse("r=8,alpha=16,dora,targets=q_proj+v_proj") == LoRA(r=8, alpha=16, dora=True,
+                                                                       targets=("q_proj", "v_proj"))
     for bad in ("16", "r=0", "r=8,targets=", "r=8,dropout=0.1", "alpha=8"):
         with pytest.raises(OptionError, match="r=16"):
             StepOptions(lora=bad)

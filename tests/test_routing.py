@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from batchfit.errors import OptionError
+from batchfit.options import Routing
 from batchfit.trace.memory import MemoryTracker
 from batchfit.trace.routing import tokens_per_expert
 from batchfit.trace.session import TraceSession
 from batchfit.train.step import TrainingStep
-from batchfit.workload import StepOptions, Workload, check_routing
+from batchfit.workload import StepOptions, Workload
 from batchfit.zoo.hf import _unpacked_sequences
 from cpu_truth import profiled_step_peak, same_kernels_on_any_x86
 from tiny import EXPERTS, TOP_K, B, T, forced, tiny_moe
@@ -22,18 +23,19 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_tokens_per_expert_by_hand():
-    assert tokens_per_expert("balanced", 32, 2, 8) == [8] * 8
-    assert tokens_per_expert("balanced", 5, 2, 4) == [3, 3, 2, 2]  # 10 routed, the remainder first
-    assert tokens_per_expert("worst", 32, 2, 8) == [32, 32, 0, 0, 0, 0, 0, 0]
-    assert tokens_per_expert("capacity:1.0", 32, 2, 8) == [8] * 8  # ceil(1.0 x 64 / 8)
-    assert tokens_per_expert("capacity:2", 32, 2, 8) == [16, 16, 16, 16, 0, 0, 0, 0]  # as uneven as allowed
-    assert tokens_per_expert("capacity:0.5", 32, 2, 8) == [4] * 8  # 32 of the 64 routed dropped
+    parse = Routing.parse
+    assert tokens_per_expert(parse("balanced"), 32, 2, 8) == [8] * 8
+    assert tokens_per_expert(parse("balanced"), 5, 2, 4) == [3, 3, 2, 2]  # 10 routed, the remainder first
+    assert tokens_per_expert(parse("worst"), 32, 2, 8) == [32, 32, 0, 0, 0, 0, 0, 0]
+    assert tokens_per_expert(parse("capacity:1.0"), 32, 2, 8) == [8] * 8  # ceil(1.0 x 64 / 8)
+    assert tokens_per_expert(parse("capacity:2"), 32, 2, 8) == [16, 16, 16, 16, 0, 0, 0, 0]  # as uneven as allowed
+    assert tokens_per_expert(parse("capacity:0.5"), 32, 2, 8) == [4] * 8  # 32 of the 64 routed dropped
 
 
 @pytest.mark.parametrize("bad", ["even", "capacity:", "capacity:-1", "capacity:x", "capacity:nan"])
 def test_a_bad_routing_is_one_line(bad):
     with pytest.raises(OptionError, match="use balanced") as info:
-        check_routing(bad)
+        Routing.parse(bad)
     assert "\n" not in str(info.value)
 
 

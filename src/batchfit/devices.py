@@ -42,6 +42,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from batchfit.errors import SizeError, UnknownGPUError
+from batchfit.options import PrecisionSpec
 
 MiB = 2**20
 GiB = 2**30
@@ -119,7 +120,7 @@ class Device:
         """
         if precision == "fp32":
             return self.fp32_tflops
-        if precision.startswith("bf16") and not self.supports_bf16:
+        if PrecisionSpec.parse(precision).bf16 and not self.supports_bf16:
             return None
         return self.bf16_tflops
 
@@ -287,10 +288,11 @@ def detect_cuda_device(index: int = 0) -> Device:
 
 def precision_warning(device: Device, precision: str) -> str | None:
     """One line to print when ``precision`` does not suit ``device``; None when it does."""
-    if precision.startswith("fp8") and not device.supports_fp8:
+    spec = PrecisionSpec.parse(precision)
+    if spec.fp8_recipe and not device.supports_fp8:
         return (f"{device.name} has no float8 tensor cores (they start with compute capability 8.9: H100, H200, "
                 "L4, L40S, RTX 4090/6000 Ada): torch._scaled_mm fails there; use --precision bf16-mixed")
-    if precision.startswith("bf16") and not device.supports_bf16:
+    if spec.bf16 and not device.supports_bf16:
         return (f"{device.name} has no bf16 tensor cores: bf16 runs emulated and slowly there; "
                 "use --precision fp16-mixed")
     return None

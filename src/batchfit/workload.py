@@ -16,21 +16,26 @@ if TYPE_CHECKING:
     from torch import nn
 
 from batchfit.errors import OptionError
+from batchfit.options import (  # noqa: F401  (the grammars, re-exported where they were always imported from)
+    CHECKPOINTING,
+    FP8_PRECISIONS,
+    LORA,
+    LOSSES,
+    OFFLOAD,
+    OFFLOAD_PARTS,
+    PRECISIONS,
+    QUANTIZE,
+    ROUTINGS,
+    Checkpointing,
+    LoRA,
+    Loss,
+    Offload,
+    PrecisionSpec,
+    Quantize,
+    Routing,
+)
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp8-tensorwise", "fp8-rowwise"]
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp8-tensorwise", "fp8-rowwise")
-FP8_PRECISIONS: tuple[str, ...] = ("fp8-tensorwise", "fp8-rowwise")
-"""float8 training with torchao's ``convert_to_float8_training`` (``train/float8.py``), the
-recipe after the dash, the rest of the step in bf16-mixed (autocast), as torchtitan runs it."""
-
-
-def check_precision(value: str) -> None:
-    """Raise a one-line OptionError unless ``value`` is one of :data:`PRECISIONS` (and, for the
-    float8 ones, torchao is installed: looked up, not imported)."""
-    if value not in PRECISIONS:
-        raise OptionError(f"unknown precision '{value}': use one of {', '.join(PRECISIONS)}")
-    if value in FP8_PRECISIONS and not _installed("torchao"):
-        raise OptionError(f"--precision {value} needs torchao (float8 training): pip install 'batchfit[fp8]'")
 
 
 def _installed(module: str) -> bool:
@@ -40,38 +45,16 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent package is missing, or sys.modules holds None
         return False
+
+
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "muon",
                                "adamw-8bit", "paged-adamw-8bit", "lion-8bit", "paged-lion-8bit",
                                "adamw-torchao-8bit", "adamw-torchao-4bit")
 """muon: train/muon.py; the last six: bitsandbytes' 8-bit (and paged) AdamW and Lion, torchao's low-bit
 AdamW (``train/quantize.py``; the ``[quant]`` extra)."""
-CHECKPOINTING: tuple[str, ...] = ("none", "full", "selective", "every:N")
-"""The --checkpointing grammar (``train/checkpointing.py``); N is a positive integer."""
 
 
-def check_checkpointing(value: str) -> None:
-    """Raise a one-line OptionError unless ``value`` is one of :data:`CHECKPOINTING`."""
-    if value in ("none", "full", "selective"):
-        return
-    n = value.removeprefix("every:") if value.startswith("every:") else None
-    if n is None or not (n.isascii() and n.isdigit()) or int(n) < 1:  # no sign, no spaces
-        raise OptionError(f"unknown checkpointing '{value}': use none, full, selective or every:N "
-                          "(e.g. every:2), N a positive integer")
 COMPILE: tuple[str, ...] = ("none", "model", "blocks")
-LOSSES: tuple[str, ...] = ("plain", "chunked:N", "fused-linear")
-"""The --loss grammar (``train/losses.py``); N is a positive integer."""
-
-
-def check_loss(value: str) -> None:
-    """Raise a one-line OptionError unless ``value`` is one of :data:`LOSSES`."""
-    if value in ("plain", "fused-linear"):
-        return
-    n = value.removeprefix("chunked:") if value.startswith("chunked:") else None
-    if n is None or not (n.isascii() and n.isdigit()) or int(n) < 1:
-        raise OptionError(f"unknown loss '{value}': use plain, chunked:N (e.g. chunked:8), fused-linear; "
-                          "N a positive integer")
-
-
 TP_LOSSES: tuple[str, ...] = ("sharded", "gathered")
 """The --tp-loss values (``distributed/tp_plans.py``): the vocabulary-sharded loss (loss_parallel)
 or the logits all-gathered onto every tensor-parallel rank."""
@@ -82,41 +65,6 @@ def check_tp_loss(value: str) -> None:
     if value not in TP_LOSSES:
         raise OptionError(f"unknown --tp-loss '{value}': use sharded (the logits split by the vocabulary, "
                           "loss_parallel) or gathered (the whole logits on every tensor-parallel rank)")
-
-
-OFFLOAD: tuple[str, ...] = ("none", "activations", "params", "activations+params")
-"""The --offload grammar: none, or parts joined by '+' (``train/offload.py``)."""
-OFFLOAD_PARTS: tuple[str, ...] = ("activations", "params")
-
-
-def check_offload(value: str) -> None:
-    """Raise a one-line OptionError unless ``value`` is none or parts of :data:`OFFLOAD_PARTS`
-    joined by '+', each once."""
-    parts = value.split("+")
-    if value == "none" or (all(p in OFFLOAD_PARTS for p in parts) and len(set(parts)) == len(parts)):
-        return
-    raise OptionError(f"unknown offload '{value}': use none, activations, params or activations+params "
-                      "(params: FSDP2's CPUOffloadPolicy, plan with an fsdp strategy)")
-
-
-ROUTINGS: tuple[str, ...] = ("balanced", "capacity:F", "worst")
-"""The --routing grammar (``trace/routing.py``): how many tokens each expert of an MoE layer gets
-on fake tensors, where a router's values decide it; F is a positive number."""
-
-
-def check_routing(value: str) -> None:
-    """Raise a one-line OptionError unless ``value`` is one of :data:`ROUTINGS`."""
-    if value in ("balanced", "worst"):
-        return
-    factor = value.removeprefix("capacity:") if value.startswith("capacity:") else None
-    try:
-        ok = factor is not None and math.isfinite(float(factor)) and float(factor) > 0
-    except ValueError:
-        ok = False
-    if not ok:
-        raise OptionError(f"unknown routing '{value}': use balanced (tokens x top_k / experts each), "
-                          "capacity:F (e.g. capacity:1.25, F a positive number) or worst (every token to "
-                          "the same top_k experts)")
 
 
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash")
@@ -145,50 +93,6 @@ def attention_words(value: str | None) -> str:
 
 PARAMS_OFFLOAD_NEEDS_FSDP = ("--offload params is FSDP2's CPUOffloadPolicy, for sharded steps: use it with "
                              "`batchfit plan --strategies fsdp`; on one GPU use --offload activations")
-
-
-QUANTIZE: tuple[str, ...] = ("none", "nf4", "nf4-dq", "fp4", "fp4-dq", "int8")
-"""The --quantize grammar: the frozen base's linear layers in bitsandbytes 4-bit (nf4/fp4; -dq:
-double quantization of the absmax) or 8-bit (LLM.int8), ``train/quantize.py``."""
-
-
-def check_quantize(value: str) -> None:
-    """Raise a one-line OptionError unless ``value`` is one of :data:`QUANTIZE`."""
-    if value not in QUANTIZE:
-        raise OptionError(f"unknown quantize '{value}': use one of {', '.join(QUANTIZE)} "
-                          "(-dq: double quantization, as BitsAndBytesConfig's bnb_4bit_use_double_quant)")
-
-
-LORA = "r=N[,alpha=A][,dora][,targets=a+b]"
-"""The --lora grammar: PEFT LoRA adapters of rank N (DoRA with ``dora``) on the linear layers whose
-names end in one of the targets (default: every linear layer but the output head, PEFT's all-linear)."""
-
-
-def parse_lora(value: str) -> dict[str, Any] | None:
-    """``--lora`` as {'r', 'alpha', 'dora', 'targets'} (None for 'none'); a one-line OptionError
-    that shows the grammar otherwise."""
-    if value == "none":
-        return None
-    spec: dict[str, Any] = {"r": None, "alpha": None, "dora": False, "targets": None}
-    bad = OptionError(f"bad --lora '{value}': use none or {LORA}, e.g. r=16 or r=16,dora,targets=q_proj+v_proj")
-    for part in value.split(","):
-        key, _, arg = part.strip().partition("=")
-        if key in ("r", "alpha") and arg.isascii() and arg.isdigit() and int(arg) >= 1 and spec[key] is None:
-            spec[key] = int(arg)
-        elif key == "dora" and not arg and not spec["dora"]:
-            spec["dora"] = True
-        elif key == "targets" and arg and spec["targets"] is None and all(arg.split("+")):
-            spec["targets"] = tuple(arg.split("+"))
-        else:
-            raise bad
-    if spec["r"] is None:
-        raise bad
-    return spec
-
-
-def check_lora(value: str) -> None:
-    """Raise a one-line OptionError unless ``value`` follows :data:`LORA` (or is 'none')."""
-    parse_lora(value)
 
 
 def check_memory_budget(value: float | None, compile: str) -> None:
@@ -323,20 +227,35 @@ class StepOptions:
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form notes carried into reports."""
 
+    if TYPE_CHECKING:  # set by __post_init__, not fields: to_json and the constructor stay the text
+        precision_spec: PrecisionSpec
+        checkpointing_spec: Checkpointing
+        loss_spec: Loss
+        offload_spec: Offload
+        quantize_spec: Quantize
+        lora_spec: LoRA | None
+        """None for 'none'."""
+        routing_spec: Routing
+
     def __post_init__(self) -> None:
-        check_precision(self.precision)
+        # Each grammar parsed once, here (batchfit/options.py): downstream code reads these fields,
+        # never the text (tests/test_layout.py pins it).
+        self.precision_spec = PrecisionSpec.parse(self.precision)
+        if self.precision_spec.fp8_recipe and not _installed("torchao"):  # looked up, not imported
+            raise OptionError(f"--precision {self.precision} needs torchao (float8 training): "
+                              "pip install 'batchfit[fp8]'")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise OptionError(
                 f"unknown optimizer '{self.optimizer}': use one of {', '.join(OPTIMIZERS)}"
             )
-        check_checkpointing(self.checkpointing)
+        self.checkpointing_spec = Checkpointing.parse(self.checkpointing)
         if self.compile not in COMPILE:
             raise OptionError(f"unknown compile '{self.compile}': use one of {', '.join(COMPILE)}")
-        check_loss(self.loss)
+        self.loss_spec = Loss.parse(self.loss)
         check_tp_loss(self.tp_loss)
-        check_offload(self.offload)
-        check_quantize(self.quantize)
-        check_lora(self.lora)
+        self.offload_spec = Offload.parse(self.offload)
+        self.quantize_spec = Quantize.parse(self.quantize)
+        self.lora_spec = LoRA.parse(self.lora)
         if self.quantize != "none" and self.precision in FP8_PRECISIONS:
             raise OptionError(f"--precision {self.precision} makes the linear layers torchao float8 ones "
                               f"and --quantize {self.quantize} makes them bitsandbytes ones: use one of them (QLoRA: "
@@ -345,7 +264,7 @@ class StepOptions:
             raise OptionError(f"--quantize {self.quantize} freezes the whole base model (QLoRA: only the adapters "
                               "train), so nothing would train: add --lora, e.g. --lora r=16")
         check_memory_budget(self.memory_budget, self.compile)
-        check_routing(self.routing)
+        self.routing_spec = Routing.parse(self.routing)
         check_attention(self.attention)
         if self.accumulation_steps < 1:
             raise OptionError(
@@ -359,7 +278,7 @@ class StepOptions:
         """Every block of the main stack runs under the same policy: not every:N with N > 1,
         which checkpoints blocks by position, so a stack cut to 2, 3 and 4 blocks says nothing
         of the whole one (``trace/depth.py`` extrapolates only when this holds)."""
-        return not self.checkpointing.startswith("every:") or self.checkpointing == "every:1"
+        return not self.checkpointing_spec.by_position
 
     @property
     def autocast_dtype(self) -> str | None:
@@ -367,10 +286,6 @@ class StepOptions:
         if self.precision in ("bf16-mixed", *FP8_PRECISIONS):
             return "bfloat16"
         return "float16" if self.precision == "fp16-mixed" else None
-
-    def offloads(self, part: str) -> bool:
-        """Whether ``part`` (one of :data:`OFFLOAD_PARTS`) moves to host memory."""
-        return part in self.offload.split("+")
 
     def with_attention_of(self, workload: Workload) -> StepOptions:
         """These options with the attention implementation named: the one asked for, else the

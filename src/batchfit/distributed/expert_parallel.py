@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from batchfit.errors import OptionError
+from batchfit.options import Routing
 
 LAYOUT = ("torchtitan's etp=1 layout: ep<N> borrows the dp x tp ranks (the sparse mesh (efsdp, ep), ep "
           "innermost), each tp rank dispatching 1/tp of its MoE block's all-gathered tokens "
@@ -60,7 +61,7 @@ def _experts_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]
     return found
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh, *, routing: str = "balanced", name: str = "ep",
+def apply_expert_parallel(model: nn.Module, ep_mesh, *, routing: Routing = Routing("balanced"), name: str = "ep",
                           token_mesh=None) -> nn.Module:
     """Every HF experts module of ``model`` replaced by an :class:`ExpertParallelExperts` holding this
     rank's experts / ep experts (in place); ``token_mesh`` (the tp mesh under ep<N>+...+tp<M>): each of
@@ -142,7 +143,8 @@ class ExpertParallelExperts(nn.Module):
     """One rank's experts of an HF MoE layer under ep<N>: its ``num_experts / N`` slice of the stacked
     weights, and torchtitan's dispatch / combine around them (the module docstring)."""
 
-    def __init__(self, experts: nn.Module, ep_mesh, *, routing: str = "balanced", token_mesh=None) -> None:
+    def __init__(self, experts: nn.Module, ep_mesh, *, routing: Routing = Routing("balanced"),
+                 token_mesh=None) -> None:
         super().__init__()
         if (not getattr(experts, "has_gate", True) or getattr(experts, "has_bias", False)
                 or getattr(experts, "has_post_expert_norm", False)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from batchfit.errors import OptionError
+from batchfit.options import Checkpointing
 
 if TYPE_CHECKING:
     from torch import nn
@@ -117,7 +118,7 @@ class RankStages:
 
 
 def build_rank(build_model: Callable[[], nn.Module], stages: int, indices: list[int],
-               checkpointing: str = "none") -> nn.Module:
+               checkpointing: Checkpointing = Checkpointing("none")) -> nn.Module:
     """The stage modules ``indices`` of a model cut into ``stages`` (one pipeline rank's, from
     ``pp_schedules.rank_stages``). ``checkpointing`` (--checkpointing) is applied to each stage's
     own blocks, as torchtitan applies AC per stage model (the step's own pass would pick one
@@ -125,7 +126,7 @@ def build_rank(build_model: Callable[[], nn.Module], stages: int, indices: list[
     from batchfit.train.step import _checkpoint_blocks
 
     modules = [split_stage(build_model(), s, stages) for s in indices]
-    if checkpointing != "none":
+    if checkpointing.kind != "none":
         for stage in modules:
             _checkpoint_blocks(stage, checkpointing, preserve_rng_state=False)  # fake tensors: no CPU RNG snapshot
     return RankStages(modules, list(indices))

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from batchfit.distributed.strategy_name import Strategy
 from batchfit.errors import OptionError
+from batchfit.options import Routing
 
 if TYPE_CHECKING:
     import torch
@@ -306,13 +307,13 @@ def check_step_options(strategy: Strategy, options, model: nn.Module) -> None:
         raise OptionError(f"{strategy.name}: --optimizer {options.optimizer} is bitsandbytes', whose step takes plain "
                           "tensors, not the DTensor shards of FSDP2 / TP / ep (bitsandbytes issues #89, #1633): use "
                           "ddp, zero1 or zero2, or --optimizer adamw")
-    if strategy.tp > 1 and options.precision.startswith("fp8") and type(model).__name__.startswith("GPT2"):
+    if strategy.tp > 1 and options.precision_spec.fp8_recipe and type(model).__name__.startswith("GPT2"):
         # Its TP plan (distributed/tp_plans.py) turns GPT-2's Conv1D layers into nn.Linear after float8's
         # converter ran (which skips Conv1D), and the step's second preparation would convert those.
         raise OptionError(f"{strategy.name}: float8 on GPT-2 under tensor parallelism is not traced (its Conv1D layers "
                           "become linears only inside the TP plan, after float8's conversion): use --precision "
                           "bf16-mixed, or ddp / fsdp")
-    if (strategy.tp > 1 or strategy.cp > 1) and options.offloads("activations"):
+    if (strategy.tp > 1 or strategy.cp > 1) and options.offload_spec.activations:
         # torchtune's / TRL's hooks copy each saved tensor into a plain host tensor (copy_), and under
         # TP or cp autograd saves DTensors: the copy fails in the real step as in the trace.
         raise OptionError(f"{strategy.name}: --offload activations copies each saved tensor into a plain host tensor "
@@ -335,7 +336,7 @@ def _causal(model: nn.Module) -> bool:
 def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, precision: str, fake: bool,
                    parallelize: Callable | None = None, on_bucket: Callable[[torch.Tensor], None] | None = None,
                    device: torch.device | None = None, cpu_offload: bool = False,
-                   routing: str = "balanced") -> nn.Module:
+                   routing: Routing = Routing("balanced")) -> nn.Module:
     """``model`` as a rank of ``strategy`` trains it: expert parallelism first (ep<N>: the rank's
     experts only, tokens dispatched by all-to-all; under TP each tensor-parallel rank dispatches its
     1/tp of the tokens), TP next (on the tp mesh; an MoE model's plan leaves those experts alone), then

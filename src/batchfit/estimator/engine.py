@@ -201,7 +201,7 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     a workload from ``load_workload``), and write this call's there.
     """
     options = (options or StepOptions()).with_attention_of(workload)  # named in every output
-    if options.offloads("params"):  # before any trace: one device has no FSDP
+    if options.offload_spec.params:  # before any trace: one device has no FSDP
         raise OptionError(PARAMS_OFFLOAD_NEEDS_FSDP)
     check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=batch_sizes,
                            max_batch=max_batch, limit=limit)

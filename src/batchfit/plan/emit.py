@@ -186,7 +186,7 @@ def accelerate_yaml(result) -> str:
     fp8_note = ""
     if config["mixed_precision"] == "fp8":  # Accelerate's torchao backend; the recipe is set in the script
         config["fp8_config"] = {"backend": "AO"}
-        recipe = result.options.precision.removeprefix("fp8-")
+        recipe = result.options.precision_spec.fp8_recipe
         fp8_note = (f"# float8 ({recipe}): pass AORecipeKwargs(config=Float8LinearConfig.from_recipe_name('{recipe}')) "
                     "to Accelerator(kwargs_handlers=...) in your script.\n")
     if config["distributed_type"] == "FSDP":

@@ -71,18 +71,18 @@ def job_values(p, options) -> dict[str, dict[str, object]]:
         "parallelism": {**degrees(p), **(pipeline_values(p) if p.pp > 1 else {})},
         "training": {"local_batch_size": p.micro_batch, "global_batch_size": p.global_batch},
     }
-    checkpointing = options.checkpointing
-    if checkpointing == "full":
+    checkpointing = options.checkpointing_spec
+    if checkpointing.kind == "full":
         values["activation_checkpoint"] = {"mode": "full"}
-    elif checkpointing.startswith("every:"):  # torchtitan's layer SAC: every N-th block recomputed
-        values["activation_checkpoint"] = {"mode": "selective", "selective_ac_option": checkpointing.split(":")[1]}
-    elif checkpointing == "selective":
+    elif checkpointing.kind == "every":  # torchtitan's layer SAC: every N-th block recomputed
+        values["activation_checkpoint"] = {"mode": "selective", "selective_ac_option": str(checkpointing.every)}
+    elif checkpointing.kind == "selective":
         values["activation_checkpoint"] = {"mode": "selective", "selective_ac_option": "op"}
     if options.compile != "none":
         values["compile"] = {"enable": True}
-    if options.precision.startswith("fp8-"):
+    if options.precision_spec.fp8_recipe:
         values["model"] = {"converters": ["float8"]}
-        values["quantize.linear.float8"] = {"recipe_name": options.precision.removeprefix("fp8-")}
+        values["quantize.linear.float8"] = {"recipe_name": options.precision_spec.fp8_recipe}
     elif options.precision in ("bf16-mixed", "fp32"):
         values["training"]["mixed_precision_param"] = "bfloat16" if options.precision == "bf16-mixed" else "float32"
     return values

@@ -305,11 +305,11 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         multiple_of = math.lcm(multiple_of, *(s.microbatches for s in chosen if getattr(s, "pp", 1) > 1))
     if auto:  # each its own: pipelines do not make fsdp's local batch a multiple of their micro-batches
         multiple_of = base_multiple
-    if options.offloads("params") and auto:
+    if options.offload_spec.params and auto:
         for world, chosen in by_world:
             chosen[:] = _set_aside(world, chosen, lambda s: None if s.shard in FSDP_SHARDS else
                                    "--offload params is FSDP2's CPUOffloadPolicy: this has no FSDP", not_traced)
-    elif options.offloads("params"):
+    elif options.offload_spec.params:
         by_world = _with_fsdp_only(by_world, auto=False)
     if global_batch is not None:
         for world, chosen in by_world:
@@ -333,7 +333,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     every = [s for _, chosen in by_world for s in chosen]
     approximations += workload_routing_approximation(
         workload, options, expert_parallel=bool(every) and all(getattr(s, "ep", 1) > 1 for s in every))
-    approximations += offload_approximations(options.offload, options.compile)
+    approximations += offload_approximations(options.offload_spec, options.compile)
     approximations += attention_approximations(options.attention)
     approximations += packing_approximation(int(batch_passes_position_ids(workload)))
     approximations += parallelism_approximations(every, workload, options)  # each parallelism's own (registry)
@@ -517,10 +517,10 @@ def _time(plan_row: StrategyPlan, curve: ShardedCurve, strategy, world: World, d
     """Step time, samples/s and tokens/s at the micro-batch, and at the max local batch."""
     at_micro = curve.points[plan_row.micro_batch]
     plan_row.time = step_time(at_micro, strategy, world, device, options.precision, model,
-                              plan_row.accumulation_steps, param_offload=options.offloads("params"))
+                              plan_row.accumulation_steps, param_offload=options.offload_spec.params)
     at_max = curve.points.get(plan_row.max_local_batch)
     plan_row.time_at_max = at_max and step_time(at_max, strategy, world, device, options.precision, model,
-                                                param_offload=options.offloads("params"))
+                                                param_offload=options.offload_spec.params)
     if plan_row.time:
         plan_row.samples_per_s = plan_row.global_batch / plan_row.time.step_time_s
         if workload.tokens_per_sample:

@@ -100,7 +100,7 @@ class PipelineSession:
 
         pp, v = self.strategy.pp, self.schedule.virtual
         build = self.workload.build_model
-        policy = self.options.checkpointing
+        policy = self.options.checkpointing_spec
         stages = self.stages_of[rank]
         staged = dataclasses.replace(self.workload,
                                      build_model=lambda: self._build_rank(build, pp * v, stages, policy))

@@ -205,7 +205,7 @@ class ShardedSession:
                 if workload.parallelize_all is not None:  # the model's own (torchtitan's parallelize_llama)
                     return workload.parallelize_all(model, strategy, meshes.groups)
                 return _unpinned(apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
-                                                cpu_offload=options.offloads("params"), routing=options.routing,
+                                                cpu_offload=options.offload_spec.params, routing=options.routing_spec,
                                                 parallelize=own_plan or tp_plan(model, options.tp_loss),
                                                 on_bucket=tracker.mark_collective))
 
@@ -239,7 +239,7 @@ class ShardedSession:
             """Where the first and the second step start in :attr:`fresh_stream` (the build before
             them), and under DDP where its bucket rebuild (at the start of the second step's forward) ends."""
             self.tp_loss = tp_loss_of(prepared) if strategy.tp > 1 else None
-            if options.offloads("params"):
+            if options.offload_spec.params:
                 _count_cpu_offload(self.session.step.model, tracker)
         except BaseException:
             self._exit.close()

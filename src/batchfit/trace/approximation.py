@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from batchfit.options import Offload
+
 
 @dataclass(frozen=True)
 class Approximation:
@@ -79,12 +81,11 @@ OFFLOAD_COMPILED = Approximation(
     source="docs/tracing/offload.md")
 
 
-def offload_approximations(offload: str, compile: str = "none") -> list[Approximation]:
-    """What a traced step with ``--offload`` (``StepOptions.offload``) approximates."""
-    parts = offload.split("+")
-    return (([OFFLOAD_STREAMS] if "activations" in parts else [])
-            + ([OFFLOAD_COMPILED] if "activations" in parts and compile != "none" else [])
-            + ([FSDP_CPU_OFFLOAD] if "params" in parts else []))
+def offload_approximations(offload: Offload, compile: str = "none") -> list[Approximation]:
+    """What a traced step with ``--offload`` (``StepOptions.offload_spec``) approximates."""
+    return (([OFFLOAD_STREAMS] if offload.activations else [])
+            + ([OFFLOAD_COMPILED] if offload.activations and compile != "none" else [])
+            + ([FSDP_CPU_OFFLOAD] if offload.params else []))
 
 
 def quantize_approximations(quantize: str) -> list[Approximation]:

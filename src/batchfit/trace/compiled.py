@@ -620,7 +620,7 @@ def sharded_eager_reason(strategy: Any, options: StepOptions) -> str | None:
                 "is untried: no gloo truth of a compiled pipeline yet (torchtitan compiles each stage's blocks)")
     if getattr(strategy, "ep", 1) > 1 or getattr(strategy, "cp", 1) > 1:
         return "expert and context parallelism under compile are untried (no gloo truth)"
-    if options.offloads("params"):
+    if options.offload_spec.params:
         return "FSDP2's CPUOffloadPolicy under compile is untried (no gloo truth)"
     if options.precision in FP8_PRECISIONS:
         return "torchao's float8 subclasses under dynamo on fake tensors are untried"

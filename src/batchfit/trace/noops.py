@@ -18,20 +18,18 @@ from batchfit.workload import StepOptions, Workload
 def no_op_notices(workload: Workload, options: StepOptions) -> list[str]:
     """One line per option in ``options`` that changes nothing for ``workload``'s model (built on the
     meta device: no memory; not built at all when no such option is set)."""
-    every = options.checkpointing.startswith("every:")
-    if options.routing == "balanced" and not every:
+    every = options.checkpointing_spec.every
+    if options.routing_spec.kind == "balanced" and every is None:
         return []
     with torch.device("meta"):
         model = workload.build_model()
     notices = []
-    if options.routing != "balanced" and not moe_experts(model):
+    if options.routing_spec.kind != "balanced" and not moe_experts(model):
         notices.append(f"--routing {options.routing} changes nothing: {workload.name} has no mixture-of-experts "
                        "layers (the routing decides how many tokens each expert gets); drop it")
     blocks = block_list(model)
-    if every and blocks is not None:
-        n = int(options.checkpointing.removeprefix("every:"))
-        if n > len(blocks):
-            notices.append(f"--checkpointing {options.checkpointing} changes nothing: {workload.name} has "
-                           f"{len(blocks)} blocks and every:{n} checkpoints each {n}-th, none of them; use "
-                           f"every:N with N at most {len(blocks)}, or --checkpointing full")
+    if every is not None and blocks is not None and every > len(blocks):
+        notices.append(f"--checkpointing {options.checkpointing} changes nothing: {workload.name} has "
+                       f"{len(blocks)} blocks and every:{every} checkpoints each {every}-th, none of them; use "
+                       f"every:N with N at most {len(blocks)}, or --checkpointing full")
     return notices

@@ -311,10 +311,10 @@ class TracedCurve:
         session = self._full or self._first
         fast_path = (fast_path_approximations(session.step.model)
                      + float8_approximations(self.options, traced_compiled=session.compiled)
-                     + offload_approximations(self.options.offload, self.options.compile)
+                     + offload_approximations(self.options.offload_spec, self.options.compile)
                      + attention_approximations(self.options.attention)
                      + quantize_approximations(self.options.quantize)
-                     + routing_approximation(session.step.model, self.options.routing)
+                     + routing_approximation(session.step.model, self.options.routing_spec)
                      + packing_approximation(session.packing.assumed))
         if not session.compiled:  # nothing compiled (a sharded step is traced by plan's own session)
             return compile_approximations(self.options, session.step.model, self.workload.loss_fn) + fast_path

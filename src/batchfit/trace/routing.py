@@ -30,18 +30,19 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from batchfit.options import Routing
 from batchfit.trace.approximation import Approximation
 
 
-def tokens_per_expert(routing: str, tokens: int, top_k: int, experts: int) -> list[int]:
-    """How many tokens each expert gets under ``routing`` (``workload.ROUTINGS``'s grammar)."""
+def tokens_per_expert(routing: Routing, tokens: int, top_k: int, experts: int) -> list[int]:
+    """How many tokens each expert gets under ``routing`` (``options.ROUTINGS``'s grammar)."""
     routed = tokens * top_k
-    if routing == "balanced":
+    if routing.kind == "balanced":
         base, extra = divmod(routed, experts)
         return [base + (e < extra) for e in range(experts)]
-    if routing == "worst":
+    if routing.kind == "worst":
         return [tokens if e < top_k else 0 for e in range(experts)]
-    factor = float(routing.removeprefix("capacity:"))
+    factor = routing.capacity_factor or 1.0
     capacity = min(math.ceil(factor * routed / experts), tokens)
     counts, left = [], routed
     for _ in range(experts):
@@ -50,13 +51,13 @@ def tokens_per_expert(routing: str, tokens: int, top_k: int, experts: int) -> li
     return counts
 
 
-def routing_line(routing: str) -> str:
+def routing_line(routing: Routing) -> str:
     """The routing in words, for every output."""
-    if routing == "balanced":
+    if routing.kind == "balanced":
         return "balanced (each expert gets tokens x top_k / experts)"
-    if routing == "worst":
+    if routing.kind == "worst":
         return "worst (every token to the same top_k experts: the bound)"
-    factor = routing.removeprefix("capacity:")
+    factor = f"{routing.capacity_factor:g}"
     return (f"capacity:{factor} (experts filled to a capacity of ceil({factor} x tokens x top_k / experts) "
             "in turn, tokens beyond it dropped)")
 
@@ -73,7 +74,7 @@ def moe_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def routing_approximation(model: nn.Module, routing: str) -> list[Approximation]:
+def routing_approximation(model: nn.Module, routing: Routing) -> list[Approximation]:
     """The routing a trace of an MoE model assumed, said on every output (empty for a dense model)."""
     experts = moe_experts(model)
     if not experts:
@@ -110,7 +111,7 @@ class RoutedExperts(TorchDispatchMode):
     Pushed above the fake mode (``TraceSession.tracing``); hooks on the experts modules open a
     frame for each call (the checkpointed recomputation calls them again, and is answered again)."""
 
-    def __init__(self, model: nn.Module, routing: str) -> None:
+    def __init__(self, model: nn.Module, routing: Routing) -> None:
         super().__init__()
         self.routing = routing
         self._local = threading.local()
@@ -185,7 +186,7 @@ def workload_routing_approximation(workload, options, *, expert_parallel: bool =
     not HF's loop: the line says so."""
     with torch.device("meta"):
         model = workload.build_model()
-    found = routing_approximation(model, options.routing)
+    found = routing_approximation(model, options.routing_spec)
     if expert_parallel and found:
         (line,) = found
         found = [dataclasses.replace(

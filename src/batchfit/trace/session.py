@@ -338,7 +338,7 @@ class TraceSession:
                 bnb_fake.place_quantile_maps(self.step.optimizer, self.tracker)
         _require_fake_parameters(self.step, workload.name)
         if moe_experts(self.step.model):
-            self.routed = RoutedExperts(self.step.model, options.routing)
+            self.routed = RoutedExperts(self.step.model, options.routing_spec)
         if self.step.offload is not None:  # what the offload hooks copy out is counted on the host
             self.step.offload.host_context = self.tracker.on_host
         if cuda_semantics:

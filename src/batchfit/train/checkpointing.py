@@ -42,16 +42,18 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from batchfit.options import Checkpointing
+
 FORCE_RECOMPUTE_MM_FQNS: tuple[str, ...] = ("moe.router.gate",)
 """torchtitan's ``force_recompute_mm_shapes_by_fqns`` default: an mm with the RHS shape of
 these Linear layers is always recomputed (and not counted)."""
 
 
-def checkpointed_blocks(policy: str, blocks: int) -> list[int]:
+def checkpointed_blocks(policy: Checkpointing, blocks: int) -> list[int]:
     """The indices of the blocks that ``policy`` wraps in a checkpoint."""
-    if policy in ("full", "selective"):
+    if policy.kind in ("full", "selective"):
         return list(range(blocks))
-    every = int(policy.removeprefix("every:"))
+    every = policy.every or 1
     # torchtitan's _apply_layer_sac: `_layer_sac_count += 1; if _layer_sac_count % ac_freq == 0`.
     return [i for i in range(blocks) if (i + 1) % every == 0]
 

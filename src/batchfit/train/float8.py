@@ -33,15 +33,9 @@ from types import SimpleNamespace
 from torch import nn
 
 from batchfit.errors import OptionError
-from batchfit.workload import FP8_PRECISIONS
 
 HEAD_NAMES: tuple[str, ...] = ("lm_head", "output", "head")
 """Top-level names of an output head that stays in high precision (torchtitan's filter_fqns)."""
-
-
-def recipe_name(precision: str) -> str | None:
-    """``fp8-rowwise`` -> ``rowwise``; None for a precision that is not float8."""
-    return precision.removeprefix("fp8-") if precision in FP8_PRECISIONS else None
 
 
 def _torchao():
@@ -93,14 +87,15 @@ def float8_filter(model: nn.Module):
     return keep
 
 
-def convert_to_float8(model: nn.Module, precision: str) -> list[str]:
+def convert_to_float8(model: nn.Module, recipe: str) -> list[str]:
     """Swap the model's eligible ``nn.Linear`` layers for torchao's ``Float8Linear`` (in place,
-    with torchao's ``convert_to_float8_training``); returns the names of its float8 linears. Layers
-    already converted (a model prepared on the meta device and filled later, as ``plan`` does) stay."""
+    with torchao's ``convert_to_float8_training`` and ``recipe``: tensorwise or rowwise); returns the
+    names of its float8 linears. Layers already converted (a model prepared on the meta device and
+    filled later, as ``plan`` does) stay."""
     float8 = _torchao()
     Float8Linear = float8.Float8Linear  # noqa: N806 - torchao's class
 
-    config = float8.Float8LinearConfig.from_recipe_name(recipe_name(precision))
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
     keep = float8_filter(model)
     float8.convert_to_float8_training(
         model, config=config,

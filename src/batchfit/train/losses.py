@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchfit.errors import OptionError
-from batchfit.workload import Workload, check_loss
+from batchfit.options import Loss
+from batchfit.workload import Workload
 
 IGNORE_INDEX = -100
 """Targets equal to this count for nothing (HF's and torch's default)."""
@@ -159,23 +160,22 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
                                          ignore_index)
 
 
-def lm_loss(loss: str, workload: Workload) -> Callable[[nn.Module, Any], torch.Tensor]:
+def lm_loss(loss: Loss, workload: Workload) -> Callable[[nn.Module, Any], torch.Tensor]:
     """The ``(model, batch) -> loss`` of ``--loss``: the Workload's own for ``plain``, else the
     chunked or fused loss over ``workload.lm_parts``."""
-    check_loss(loss)
-    if loss == "plain":
+    if loss.kind == "plain":
         return workload.loss_fn
     parts = workload.lm_parts
     if parts is None:
         raise OptionError(f"--loss {loss} needs the hidden states and the output head, and {workload.name} "
                           "gives no lm_parts: set Workload.lm_parts, or use --loss plain")
-    if loss == "fused-linear":
+    if loss.kind == "fused-linear":
         def fused(model: nn.Module, batch: Any) -> torch.Tensor:
             hidden, weight, targets = parts(model, batch)
             return fused_linear_cross_entropy(hidden, weight, targets)
 
         return fused
-    chunks = int(loss.removeprefix("chunked:"))
+    chunks = loss.chunks or 1
     seq = workload.tokens_per_sample
     if seq is not None and chunks > seq:  # tensor_split would make empty chunks, one op each (100,000 of them)
         raise OptionError(f"--loss {loss}: {chunks} chunks of a {seq}-token sequence; use chunked:N with N at most "

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from batchfit.errors import OptionError
-from batchfit.workload import StepOptions, parse_lora
+from batchfit.workload import StepOptions
 
 BNB_OPTIMIZERS = {"adamw-8bit": "AdamW8bit", "paged-adamw-8bit": "PagedAdamW8bit",
                   "lion-8bit": "Lion8bit", "paged-lion-8bit": "PagedLion8bit"}
@@ -114,7 +114,7 @@ def quantize_model(model: nn.Module, options: StepOptions, device: torch.device)
     if not names:
         raise OptionError(f"--quantize {options.quantize} found no nn.Linear layer (but the output head) "
                           "to quantize in this model: drop --quantize")
-    kind = options.quantize.removesuffix("-dq")
+    kind = options.quantize_spec.kind
     for name in names:
         old = model.get_submodule(name)
         with torch.device("meta"):  # the new module's own init weight: replaced below
@@ -124,7 +124,7 @@ def quantize_model(model: nn.Module, options: StepOptions, device: torch.device)
             else:
                 new = bnb.nn.Linear4bit(old.in_features, old.out_features, old.bias is not None,
                                         compute_dtype=compute_dtype(options),
-                                        compress_statistics=options.quantize.endswith("-dq"), quant_type=kind)
+                                        compress_statistics=options.quantize_spec.double, quant_type=kind)
         if kind == "int8":
             # Int8Params quantizes when it leaves the CPU for another device; on the CPU itself
             # (the truth runs, the fake trace) the same function quantizes it here.
@@ -133,7 +133,7 @@ def quantize_model(model: nn.Module, options: StepOptions, device: torch.device)
             new.weight._quantize(device)
         else:
             new.weight = bnb.nn.Params4bit(old.weight.data, requires_grad=False,
-                                           compress_statistics=options.quantize.endswith("-dq"),
+                                           compress_statistics=options.quantize_spec.double,
                                            quant_type=kind, module=new)
             new.weight._quantize(device)
         if old.bias is not None:
@@ -152,12 +152,12 @@ def apply_lora(model: nn.Module, options: StepOptions) -> nn.Module:
     """PEFT's LoRA (or DoRA) on ``model``: ``get_peft_model(model, LoraConfig(...))``, which wraps
     a quantized layer in ``peft.tuners.lora.bnb.Linear4bit`` / ``Linear8bitLt``. Only the
     adapters train."""
-    spec = parse_lora(options.lora)
+    spec = options.lora_spec
     if spec is None:
         return model
     peft = _load_peft(f"--lora {options.lora}")
     linears = [name for name, m in model.named_modules() if _is_linear(m)]
-    targets = spec["targets"]
+    targets = spec.targets
     if targets:
         missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in linears)]
         if missing:
@@ -167,8 +167,8 @@ def apply_lora(model: nn.Module, options: StepOptions) -> nn.Module:
     elif not [n for n in linears if model.get_submodule(n) is not _output_head(model)]:
         raise OptionError("--lora found no linear layer (but the output head) to adapt in this model; "
                           f"its modules are named {', '.join(n for n, _ in list(model.named_modules())[1:6])}")
-    config = peft.LoraConfig(r=spec["r"], lora_alpha=spec["alpha"] or 2 * spec["r"], lora_dropout=0.0,
-                             use_dora=spec["dora"], target_modules=list(targets) if targets else "all-linear")
+    config = peft.LoraConfig(r=spec.r, lora_alpha=spec.alpha or 2 * spec.r, lora_dropout=0.0,
+                             use_dora=spec.dora, target_modules=list(targets) if targets else "all-linear")
     for param in model.parameters():
         param.requires_grad_(False)
     with warnings.catch_warnings():  # transformers' FutureWarning on an attribute PEFT reads

@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
 
 from batchfit.errors import OptionError
+from batchfit.options import Checkpointing
 from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() receives
 from batchfit.train.attention import set_attention
 from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
@@ -53,7 +54,7 @@ from batchfit.train.float8 import convert_to_float8, precompute_scales_after_ste
 from batchfit.train.losses import lm_loss, loss_context, tp_loss_of
 from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module
 from batchfit.train.offload import OffloadActivations
-from batchfit.workload import FP8_PRECISIONS, PARAMS_OFFLOAD_NEEDS_FSDP, StepOptions, Workload
+from batchfit.workload import PARAMS_OFFLOAD_NEEDS_FSDP, StepOptions, Workload
 
 
 class StepHooks(Protocol):
@@ -72,7 +73,7 @@ class NoHooks:
         pass
 
 
-def _checkpoint_blocks(model: nn.Module, policy: str, preserve_rng_state: bool) -> None:
+def _checkpoint_blocks(model: nn.Module, policy: Checkpointing, preserve_rng_state: bool) -> None:
     """Wrap the main stack's blocks that ``policy`` names (full, selective, every:N) in
     ``checkpoint(use_reentrant=False)``; ``train/checkpointing.py`` holds the policies."""
     blocks = block_list(model)
@@ -86,7 +87,7 @@ def _checkpoint_blocks(model: nn.Module, policy: str, preserve_rng_state: bool) 
         block = blocks[index]
         forward = block.forward
         extra = ({"context_fn": selective_context_fn(block, f"{stack}.{index}".lstrip("."))}
-                 if policy == "selective" else {})
+                 if policy.kind == "selective" else {})
 
         def checkpointed(*args, _forward=forward, _extra=extra, **kwargs):
             return checkpoint(_forward, *args, use_reentrant=False,
@@ -212,13 +213,13 @@ class TrainingStep:
             quantize_model(self.model, options, device)
             self.model = apply_lora(self.model, options)
         # First, as torchtitan's model converters run before parallelisms, AC and compile.
-        self.float8_layers: list[str] = (convert_to_float8(self.model, options.precision)
-                                         if options.precision in FP8_PRECISIONS else [])
+        self.float8_layers: list[str] = (convert_to_float8(self.model, options.precision_spec.fp8_recipe)
+                                         if options.precision_spec.fp8_recipe else [])
         """The linears torchao's float8 training converted (fp8 precisions only)."""
         apply_freezing(self.model, options)
         if options.checkpointing != "none":
             # Fake tensors cannot snapshot the CPU generator; dropout-free steps do not need it.
-            _checkpoint_blocks(self.model, options.checkpointing, preserve_rng_state=device.type == "cuda")
+            _checkpoint_blocks(self.model, options.checkpointing_spec, preserve_rng_state=device.type == "cuda")
         if options.compile != "none":
             _compile(self.model, options.compile, apply=device.type != "meta" and not _is_fake(self.model),
                      memory_budget=options.memory_budget)
@@ -233,10 +234,10 @@ class TrainingStep:
             raise OptionError(f"--loss {options.loss} does not run under tensor parallelism: use --loss plain "
                               "(the TP plan's vocabulary-sharded loss, --tp-loss sharded, never gathers the "
                               "logits either), or a ddp / fsdp strategy")
-        if options.offloads("params"):
+        if options.offload_spec.params:
             _require_fsdp(self.model)
         self.offload: OffloadActivations | None = (OffloadActivations(self.model, device)
-                                                   if options.offloads("activations") else None)
+                                                   if options.offload_spec.activations else None)
         """The saved-tensor hooks of ``--offload activations`` (``train/offload.py``), else None."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
@@ -245,7 +246,7 @@ class TrainingStep:
                           else workload.build_optimizer(params))
         if self.float8_layers:
             precompute_scales_after_step(self.model, self.optimizer)  # FSDP2 float8 all-gather only
-        self.loss_fn: LossFn = lm_loss(options.loss, workload)  # plain: workload.loss_fn itself
+        self.loss_fn: LossFn = lm_loss(options.loss_spec, workload)  # plain: workload.loss_fn itself
         self.loss_context: Callable[[], contextlib.AbstractContextManager] = loss_context(self.model)
         """Entered around the forward (which computes the loss) and the backward: torch's
         loss_parallel() when a tensor-parallel plan kept the logits sharded on the vocabulary."""

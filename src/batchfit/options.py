@@ -1,0 +1,228 @@
+"""The small text grammars of StepOptions, each parsed once into a frozen value.
+
+A user types ``--checkpointing every:2``, ``--loss chunked:8``, ``--routing capacity:1.25``,
+``--lora r=16,dora``, ``--offload activations+params``; ``StepOptions`` keeps that text (its
+public constructor) and its ``__post_init__`` parses each here, once, into the values below
+(``options.checkpointing_spec.every``, ``options.offload_spec.params``, ...). The step, the tracer,
+the planners and the emitters read those fields, never the text: ``tests/test_layout.py`` holds
+every other module to it. Each ``parse`` raises the one-line OptionError that shows the grammar;
+``str()`` gives the text back. Ground floor: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from batchfit.errors import OptionError
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp8-tensorwise", "fp8-rowwise")
+FP8_PRECISIONS: tuple[str, ...] = ("fp8-tensorwise", "fp8-rowwise")
+"""float8 training with torchao's ``convert_to_float8_training`` (``train/float8.py``), the
+recipe after the dash, the rest of the step in bf16-mixed (autocast), as torchtitan runs it."""
+CHECKPOINTING: tuple[str, ...] = ("none", "full", "selective", "every:N")
+"""The --checkpointing grammar (``train/checkpointing.py``); N is a positive integer."""
+LOSSES: tuple[str, ...] = ("plain", "chunked:N", "fused-linear")
+"""The --loss grammar (``train/losses.py``); N is a positive integer."""
+OFFLOAD: tuple[str, ...] = ("none", "activations", "params", "activations+params")
+"""The --offload grammar: none, or parts joined by '+' (``train/offload.py``)."""
+OFFLOAD_PARTS: tuple[str, ...] = ("activations", "params")
+ROUTINGS: tuple[str, ...] = ("balanced", "capacity:F", "worst")
+"""The --routing grammar (``trace/routing.py``): how many tokens each expert of an MoE layer gets
+on fake tensors, where a router's values decide it; F is a positive number."""
+QUANTIZE: tuple[str, ...] = ("none", "nf4", "nf4-dq", "fp4", "fp4-dq", "int8")
+"""The --quantize grammar: the frozen base's linear layers in bitsandbytes 4-bit (nf4/fp4; -dq:
+double quantization of the absmax) or 8-bit (LLM.int8), ``train/quantize.py``."""
+LORA = "r=N[,alpha=A][,dora][,targets=a+b]"
+"""The --lora grammar: PEFT LoRA adapters of rank N (DoRA with ``dora``) on the linear layers whose
+names end in one of the targets (default: every linear layer but the output head, PEFT's all-linear)."""
+
+
+def _positive_int(text: str | None) -> int | None:
+    """``text`` as an integer of 1 or more, written without sign or spaces; None otherwise."""
+    return int(text) if text is not None and text.isascii() and text.isdigit() and int(text) >= 1 else None
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    """--precision in parts: what the weights are kept in, what autocast runs, the float8 recipe."""
+
+    name: str
+    """The text, one of :data:`PRECISIONS`."""
+
+    @classmethod
+    def parse(cls, text: str) -> PrecisionSpec:
+        if text not in PRECISIONS:
+            raise OptionError(f"unknown precision '{text}': use one of {', '.join(PRECISIONS)}")
+        return cls(text)
+
+    @property
+    def fp8_recipe(self) -> str | None:
+        """torchao's float8 recipe (``tensorwise``, ``rowwise``); None when not float8."""
+        return self.name.removeprefix("fp8-") if self.name in FP8_PRECISIONS else None
+
+    @property
+    def bf16(self) -> bool:
+        """The step's math runs in bf16 (bf16 weights or bf16-mixed; float8 is asked apart)."""
+        return self.name in ("bf16", "bf16-mixed")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """--checkpointing: which blocks of the main stack recompute in backward."""
+
+    kind: Literal["none", "full", "selective", "every"]
+    every: int | None = None
+    """every:N's N (block i recomputed when (i + 1) % N == 0); None for the other kinds."""
+
+    @classmethod
+    def parse(cls, text: str) -> Checkpointing:
+        if text in ("none", "full", "selective"):
+            return cls(text)  # type: ignore[arg-type]
+        every = _positive_int(text.removeprefix("every:")) if text.startswith("every:") else None
+        if every is None:
+            raise OptionError(f"unknown checkpointing '{text}': use none, full, selective or every:N "
+                              "(e.g. every:2), N a positive integer")
+        return cls("every", every)
+
+    @property
+    def by_position(self) -> bool:
+        """Blocks are checkpointed by their position (every:N with N > 1), so they differ."""
+        return self.kind == "every" and self.every != 1
+
+    def __str__(self) -> str:
+        return f"every:{self.every}" if self.kind == "every" else self.kind
+
+
+@dataclass(frozen=True)
+class Loss:
+    """--loss: the language-model loss."""
+
+    kind: Literal["plain", "chunked", "fused-linear"]
+    chunks: int | None = None
+    """chunked:N's N; None for the other kinds."""
+
+    @classmethod
+    def parse(cls, text: str) -> Loss:
+        if text in ("plain", "fused-linear"):
+            return cls(text)  # type: ignore[arg-type]
+        chunks = _positive_int(text.removeprefix("chunked:")) if text.startswith("chunked:") else None
+        if chunks is None:
+            raise OptionError(f"unknown loss '{text}': use plain, chunked:N (e.g. chunked:8), fused-linear; "
+                              "N a positive integer")
+        return cls("chunked", chunks)
+
+    def __str__(self) -> str:
+        return f"chunked:{self.chunks}" if self.kind == "chunked" else self.kind
+
+
+@dataclass(frozen=True)
+class Routing:
+    """--routing: how many tokens each expert of an MoE layer gets on fake tensors."""
+
+    kind: Literal["balanced", "capacity", "worst"]
+    capacity_factor: float | None = None
+    """capacity:F's F; None for the other kinds."""
+
+    @classmethod
+    def parse(cls, text: str) -> Routing:
+        if text in ("balanced", "worst"):
+            return cls(text)  # type: ignore[arg-type]
+        factor = None
+        if text.startswith("capacity:"):
+            try:
+                factor = float(text.removeprefix("capacity:"))
+            except ValueError:
+                pass
+        if factor is None or not math.isfinite(factor) or factor <= 0:
+            raise OptionError(f"unknown routing '{text}': use balanced (tokens x top_k / experts each), "
+                              "capacity:F (e.g. capacity:1.25, F a positive number) or worst (every token to "
+                              "the same top_k experts)")
+        return cls("capacity", factor)
+
+    def __str__(self) -> str:
+        return f"capacity:{self.capacity_factor:g}" if self.kind == "capacity" else self.kind
+
+
+@dataclass(frozen=True)
+class Offload:
+    """--offload: what moves to pinned host memory."""
+
+    activations: bool = False
+    """The tensors autograd saves in the forward (saved-tensor hooks)."""
+    params: bool = False
+    """FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer state."""
+
+    @classmethod
+    def parse(cls, text: str) -> Offload:
+        parts = text.split("+")
+        if text == "none":
+            return cls()
+        if all(p in OFFLOAD_PARTS for p in parts) and len(set(parts)) == len(parts):
+            return cls(activations="activations" in parts, params="params" in parts)
+        raise OptionError(f"unknown offload '{text}': use none, activations, params or activations+params "
+                          "(params: FSDP2's CPUOffloadPolicy, plan with an fsdp strategy)")
+
+    def __str__(self) -> str:
+        return "+".join(p for p in OFFLOAD_PARTS if getattr(self, p)) or "none"
+
+
+@dataclass(frozen=True)
+class Quantize:
+    """--quantize: the frozen base's linear layers in bitsandbytes."""
+
+    kind: Literal["none", "nf4", "fp4", "int8"]
+    double: bool = False
+    """-dq: double quantization of the absmax (BitsAndBytesConfig's bnb_4bit_use_double_quant)."""
+
+    @classmethod
+    def parse(cls, text: str) -> Quantize:
+        if text not in QUANTIZE:
+            raise OptionError(f"unknown quantize '{text}': use one of {', '.join(QUANTIZE)} "
+                              "(-dq: double quantization, as BitsAndBytesConfig's bnb_4bit_use_double_quant)")
+        return cls(text.removesuffix("-dq"), text.endswith("-dq"))  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        return self.kind + "-dq" * self.double
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """--lora: PEFT LoRA adapters (None on StepOptions for 'none')."""
+
+    r: int
+    alpha: int | None = None
+    """None: PEFT's default."""
+    dora: bool = False
+    targets: tuple[str, ...] | None = None
+    """Endings of the linear layers' names; None: every linear layer but the output head."""
+
+    @classmethod
+    def parse(cls, text: str) -> LoRA | None:
+        """None for 'none'; a one-line OptionError that shows the grammar otherwise."""
+        if text == "none":
+            return None
+        spec: dict = {"r": None, "alpha": None, "dora": False, "targets": None}
+        bad = OptionError(f"bad --lora '{text}': use none or {LORA}, e.g. r=16 or r=16,dora,targets=q_proj+v_proj")
+        for part in text.split(","):
+            key, _, arg = part.strip().partition("=")
+            if key in ("r", "alpha") and _positive_int(arg) is not None and spec[key] is None:
+                spec[key] = int(arg)
+            elif key == "dora" and not arg and not spec["dora"]:
+                spec["dora"] = True
+            elif key == "targets" and arg and spec["targets"] is None and all(arg.split("+")):
+                spec["targets"] = tuple(arg.split("+"))
+            else:
+                raise bad
+        if spec["r"] is None:
+            raise bad
+        return cls(**spec)
+
+    def __str__(self) -> str:
+        return ",".join([f"r={self.r}", *([f"alpha={self.alpha}"] if self.alpha is not None else []),
+                         *(["dora"] if self.dora else []),
+                         *([f"targets={'+'.join(self.targets)}"] if self.targets else [])])
