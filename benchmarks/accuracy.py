@@ -130,21 +130,26 @@ def recommend_rows(files: list[Path]) -> list[dict]:
     return rows
 
 
-def _timings(value, path: tuple[str, ...] = ()):
+SKIPPED_FIGURES = ("user_s", "sys_s")
+"""Parts of cpu_s, which is kept."""
+
+
+def _timings(value, path: tuple[str, ...] = (), parent: dict | None = None):
     """Every farm-bench figure below ``value``: a dict with ``min_s`` / ``median_s`` / ``max_s``, or
-    ``min`` / ``median`` / ``max`` under a key ending in ``_s`` (``wall_s: {after: {min, median, max}}``),
-    with the keys that lead to it."""
+    ``min`` / ``median`` / ``max`` under a key ending in ``_s`` (``wall_s: {min, median, max}``), with
+    the keys that lead to it and the row that holds it."""
     if isinstance(value, dict):
         for suffix in ("_s", ""):
             keys = tuple(f"{k}{suffix}" for k in ("min", "median", "max"))
-            timed = suffix or any(p.endswith("_s") for p in path)
+            figure = next((k for k in reversed(path) if k.endswith("_s")), None)
+            timed = suffix or (figure is not None and figure not in SKIPPED_FIGURES)
             if timed and all(isinstance(value.get(k), (int, float)) for k in keys):
-                yield path, dict(zip(("min_s", "median_s", "max_s"), (value[k] for k in keys))), value
+                yield path, dict(zip(("min_s", "median_s", "max_s"), (value[k] for k in keys))), parent or {}
         for key, child in value.items():
-            yield from _timings(child, (*path, str(key)))
+            yield from _timings(child, (*path, str(key)), value)
     elif isinstance(value, list):
         for n, child in enumerate(value):
-            yield from _timings(child, (*path, str(n)))
+            yield from _timings(child, (*path, str(n)), parent)
 
 
 def speed_rows(files: list[Path]) -> list[dict]:
@@ -152,7 +157,10 @@ def speed_rows(files: list[Path]) -> list[dict]:
     for path in files:
         data = json.loads(path.read_text())
         for keys, figures, row in _timings(data):
-            label = row.get("command") or row.get("label") or " / ".join(keys) or data.get("command", "")
+            what = row.get("command") or row.get("label") or ""
+            detail = f" ({row['cache']})" if isinstance(row.get("cache"), str) else ""
+            figure = next((k for k in reversed(keys) if k.endswith("_s")), "")
+            label = f"`{what}`{detail}: {figure}" if what else " / ".join(keys)
             rows.append({"file": path.name, "commit": data.get("commit", ""), "label": label,
                          "runs": row.get("runs", ""), **figures})
     return rows
