@@ -133,7 +133,7 @@ TargetUtilOpt = Annotated[float, typer.Option(help="Fraction of usable memory to
 MultipleOfOpt = Annotated[int, typer.Option(help="Batch sizes must be multiples of this, e.g. 8.")]
 NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Trace again: neither read nor write the trace cache "
                                           "($BATCHFIT_CACHE/traces, else ~/.cache/batchfit/traces; "
-                                          "`batchfit cache clear` empties it).")]
+                                          "`batchfit cache clear` empties it).", metavar="")]
 JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON result here too ('-' for stdout).")]
 LimitOpt = Annotated[str, typer.Option(help="What must fit: reserved (what a GPU runs out of: the caching allocator's "
                                             "segments, fragmentation included) or allocated (tensors only).")]

@@ -14,7 +14,7 @@ from batchfit.devices import CATALOG, GiB
 
 
 def gpus_command(
-    as_json: Annotated[bool, typer.Option("--json", help="Print the catalog as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the catalog as JSON.", metavar="")] = False,
 ) -> None:
     """List the GPU catalog: names for --gpu, memory, dense fp32 and bf16 TFLOP/s, bandwidth.
 
