@@ -82,12 +82,12 @@ def _gloo_main(rank: int, port: int, out_dir: str, families: tuple[str, ...]) ->
         strategy = parse_strategy("tp2", 2)
         meshes = build_meshes(strategy)
         torch.manual_seed(0)
-        workload = _workload(FAMILIES[family], out_dir)
+        folder = Path(out_dir) / f"{family}-{rank}"
+        folder.mkdir()
+        workload = _workload(FAMILIES[family], folder)  # one file per rank: the ranks never read a half-written file
         step = TrainingStep(workload, StepOptions(), torch.device("cpu"),
                             wrap=lambda m: apply_strategy(m, strategy, meshes, precision="fp32", fake=False,
                                                           parallelize=tp_plan(m)))
-        folder = Path(out_dir) / f"{family}-{rank}"
-        folder.mkdir()
         out[family] = agreed_profiled_peak(step, LOCAL_BATCH, folder, best_of=2)
         del step
     if rank == 0:
