@@ -83,10 +83,10 @@ def test_an_unsupported_attention_is_refused_in_one_line(tmp_path):
     from batchfit.train.step import TrainingStep
 
     gemma = load_workload(_config(tmp_path, "gemma2"), seq_len=16)
-    with pytest.raises(OptionError, match="use --attention eager or flash for Gemma2ForCausalLM") as error:
+    with pytest.raises(OptionError, match="use `attention` eager or flash for Gemma2ForCausalLM") as error:
         TraceSession(gemma, StepOptions(attention="sdpa"))
     assert "\n" not in str(error.value)
-    with pytest.raises(OptionError, match="fp16 / bf16 only.*--precision bf16-mixed"):
+    with pytest.raises(OptionError, match="fp16 / bf16 only.*`precision` bf16-mixed"):
         TraceSession(gemma, StepOptions(attention="flash"))  # fp32: flash_attn refuses it on a GPU too
     with pytest.raises(OptionError, match="a cpu step cannot"):
         TrainingStep(gemma, StepOptions(attention="flash", precision="bf16-mixed"), torch.device("cpu"))
@@ -94,7 +94,7 @@ def test_an_unsupported_attention_is_refused_in_one_line(tmp_path):
         StepOptions(attention="fast")
     own = Workload(name="linear", build_model=lambda: torch.nn.Linear(4, 4), make_batch=lambda b, d: torch.ones(b, 4),
                    loss_fn=lambda model, batch: model(batch).sum())
-    with pytest.raises(OptionError, match="Linear is not one.*drop --attention"):
+    with pytest.raises(OptionError, match="Linear is not one.*drop `attention`"):
         TraceSession(own, StepOptions(attention="eager"))
 
 

@@ -107,7 +107,7 @@ def test_an_unknown_checkpointing_value_lists_the_valid_ones(value):
 
 
 def test_a_policy_needs_a_stack_of_blocks(mlp):
-    with pytest.raises(OptionError, match="--checkpointing every:2 needs a model with an nn.ModuleList"):
+    with pytest.raises(OptionError, match="`checkpointing` every:2 needs a model with an nn.ModuleList"):
         TrainingStep(mlp, StepOptions(checkpointing="every:2"), torch.device("cpu"))
 
 

@@ -172,7 +172,7 @@ def test_real_steps_compile_in_place(tmp_path):
     assert compiled_parts(TrainingStep(workload, StepOptions(compile="model"), torch.device("meta")).model) == []
     flat = Workload(name="flat", build_model=lambda: nn.Linear(2, 2), make_batch=lambda b, d: torch.zeros(b, 2),
                     loss_fn=lambda m, x: m(x).sum())
-    with pytest.raises(OptionError, match="--compile blocks needs a model with an nn.ModuleList"):
+    with pytest.raises(OptionError, match="`compile` blocks needs a model with an nn.ModuleList"):
         TrainingStep(flat, StepOptions(compile="blocks"), torch.device("meta"))
 
 
@@ -287,7 +287,7 @@ def test_the_memory_budget_is_traced_and_said(tmp_path):
     options = StepOptions(compile="model", memory_budget=0.0)
     truth = profiled_step_peak(TrainingStep(workload, options, torch.device("cpu")), 4096, tmp_path, warmup=2)
     assert abs(peaks[2] - truth) / truth < 0.02, (peaks[2], truth)
-    with pytest.raises(OptionError, match="--memory-budget is torch.compile's .*: add --compile model"):
+    with pytest.raises(OptionError, match="`memory_budget` is torch.compile's .*: add `compile` model"):
         StepOptions(memory_budget=0.5)
 
 

@@ -129,6 +129,6 @@ def test_an_unknown_tp_loss_is_one_line():
 
 
 def test_a_chunked_loss_under_tensor_parallelism_is_one_line():
-    with pytest.raises(OptionError, match="does not run under tensor parallelism: use --loss plain"):
+    with pytest.raises(OptionError, match="does not run under tensor parallelism: use `loss` plain"):
         trace_sharded(tiny_workload(), StepOptions(loss="chunked:4"), get_device("h100-80gb"),
                       parse_strategy("tp2", 2), LOCAL_BATCH, cuda_semantics=False)

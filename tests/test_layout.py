@@ -215,3 +215,55 @@ def test_no_option_grammar_is_parsed_outside_its_dataclass():
     wrong = [f"{path.relative_to(PACKAGE)} {where}" for _, path in modules() if path != OPTIONS_MODULE
              for where in option_text_reads(path.read_text())]
     assert wrong == []
+
+
+FLAG = re.compile(r"(?<![\w`-])--[a-z][a-z0-9-]*")
+"""A CLI flag in a message (``--seq-len``)."""
+QUOTED_COMMANDS = re.compile(r"`batchfit [^`]*`|torchrun .*")
+"""A command line a message quotes whole (`batchfit bench --device cuda`, torchrun --nproc-per-node 2 ...):
+its flags are the command's own, what the user types into a shell, not a library field."""
+NAMED_FIELD = re.compile(r"`([a-z][a-z0-9_]*)(?:=[^`]*)?`")
+
+
+def error_texts(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every string a library error message is built from: the string parts of a
+    ``raise`` statement and of an ``...Error(...)`` made outside one."""
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            node = node.exc
+        elif not (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("Error")):
+            continue
+        found |= {id(part): (part.lineno, part.value) for part in ast.walk(node)
+                  if isinstance(part, ast.Constant) and isinstance(part.value, str)}
+    return sorted(found.values())
+
+
+def library_error_texts() -> list[tuple[str, int, str]]:
+    return [(str(path.relative_to(PACKAGE)), line, text) for part, path in modules() if part != "cli"
+            for line, text in error_texts(path.read_text())]
+
+
+def flags_named(texts: list[tuple[int, str]]) -> list[str]:
+    """``line: flag`` of each CLI flag in ``texts``, outside a command line they quote whole."""
+    return [f"{line}: {flag}" for line, text in texts for flag in FLAG.findall(QUOTED_COMMANDS.sub("", text))]
+
+
+def test_no_library_error_names_a_cli_flag():
+    """A library user calling ``estimate(...)`` or ``StepOptions(...)`` typed no flag: a library error
+    names the field in backticks (``seq_len``, ``checkpointing='full'``, see batchfit/errors.py), and
+    the CLI prints it as the flag (cli/flags.py). Only a whole command line a message quotes keeps its flags."""
+    old = ('raise OptionError(f"--seq-len {n} is too long")\nbad = OptionError("use --loss plain")\n'
+           'raise OptionError("run `batchfit probe --device cuda`, or torchrun --nproc-per-node 2")')
+    assert flags_named(error_texts(old)) == ["1: --seq-len", "2: --loss"]  # the rule sees them
+    wrong = [f"{path}:{where}" for path, line, text in library_error_texts() for where in flags_named([(line, text)])]
+    assert wrong == []
+
+
+def test_every_field_a_library_error_names_has_a_flag():
+    """Each backticked field of a library error is in cli/flags.py's table, so a CLI user reads its flag."""
+    from batchfit.cli.flags import FIELD_FLAGS
+
+    named = {field for _, _, text in library_error_texts() for field in NAMED_FIELD.findall(text)}
+    assert named - set(FIELD_FLAGS) == set()
+    assert len(named) > 50  # the rule reads the messages (the fields they name)

@@ -132,7 +132,7 @@ def test_an_unknown_loss_says_the_valid_ones_in_one_line(bad):
 
 def test_a_workload_without_lm_parts_says_what_is_missing(tmp_path):
     workload = dataclasses.replace(tiny(), lm_parts=None)
-    with pytest.raises(OptionError, match="gives no lm_parts: set Workload.lm_parts, or use --loss plain"):
+    with pytest.raises(OptionError, match="gives no lm_parts: set Workload.lm_parts, or use `loss` plain"):
         TrainingStep(workload, StepOptions(loss="fused-linear"), torch.device("cpu"))
     masked = hf_tiny(tmp_path, model_type="bert", vocab_size=100, hidden_size=32, num_hidden_layers=1,
                      num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
@@ -150,7 +150,7 @@ def test_a_tensor_parallel_model_refuses_a_non_plain_loss_in_one_line():
         setattr(model, TP_LOSS_ATTR, "sharded")
         return model
 
-    with pytest.raises(OptionError, match="does not run under tensor parallelism: use --loss plain"):
+    with pytest.raises(OptionError, match="does not run under tensor parallelism: use `loss` plain"):
         TrainingStep(tiny(), StepOptions(loss="chunked:4"), torch.device("cpu"), wrap=tensor_parallel)
     TrainingStep(tiny(), StepOptions(loss="chunked:4"), torch.device("cpu"), wrap=lambda model: model)
 

@@ -124,11 +124,11 @@ def test_while_training_the_figure_and_its_interval_come_from_the_same_window():
 
 
 @pytest.mark.parametrize("small, big, steps, repeats, message", [
-    (8, 100, 0, 10, "must be a multiple of the small one.*--batch-sizes 8,96"),
-    (8, 12, 0, 10, "--batch-sizes 8,16"),  # it suggested 8,8, which it then refused
+    (8, 100, 0, 10, "must be a multiple of the small one.*`batch_sizes` 8,96"),
+    (8, 12, 0, 10, "`batch_sizes` 8,16"),  # it suggested 8,8, which it then refused
     (8, 8, 0, 10, "small then big"),
-    (8, 64, 0, 1, "--repeats 2 or more"),
-    (8, 64, -1, 10, "--steps must be 0"),
+    (8, 64, 0, 1, "`repeats` 2 or more"),
+    (8, 64, -1, 10, "`steps` must be 0"),
 ])
 def test_bad_noise_options(small, big, steps, repeats, message):
     workload = quadratic()

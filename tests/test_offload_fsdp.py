@@ -85,5 +85,5 @@ def test_device_bytes_fall_by_the_shards_and_state_that_moved() -> None:
 
 
 def test_params_offload_needs_fsdp() -> None:
-    with pytest.raises(OptionError, match="--offload params is FSDP2's CPUOffloadPolicy"):
+    with pytest.raises(OptionError, match="`offload` params is FSDP2's CPUOffloadPolicy"):
         _trace(OFFLOAD, "ddp")

@@ -134,7 +134,7 @@ def test_auto_skips_tensor_parallel_on_a_model_without_a_plan(standin):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(worlds=[World(8)], strategies="ddp", global_batch=100), "use a multiple of 8, e.g. --global-batch 96"),
+    (dict(worlds=[World(8)], strategies="ddp", global_batch=100), "use a multiple of 8, e.g. `global_batch` 96"),
     (dict(worlds=[World(4)], strategies="ddp,fsdp+tp4", global_batch=6), "ddp's 4 data-parallel ranks"),
     (dict(worlds=[World(4)], strategies="ddp", tokens="lots"), "chinchilla"),
     (dict(worlds=[World(4)], strategies="ddp", target_util=90), "0.9"),
@@ -155,10 +155,10 @@ def test_worlds_tokens_and_ring_bytes():
     assert parse_worlds("1,2,3,4") == [World(1), World(2), World(3), World(4)]
     assert parse_worlds("16") == [World(16, 2)]
     assert parse_worlds(None, 2, 8) == [World(16, 2)]
-    for bad, message in (("0", "1 or more"), ("4,x", "cannot read --gpus"), ("12", "--nodes 2 --gpus-per-node 6")):
+    for bad, message in (("0", "1 or more"), ("4,x", "cannot read `gpus`"), ("12", "`nodes` 2 `gpus_per_node` 6")):
         with pytest.raises(OptionError, match=message):
             parse_worlds(bad)
-    with pytest.raises(OptionError, match="needs --gpus-per-node"):
+    with pytest.raises(OptionError, match="needs `gpus_per_node`"):
         parse_worlds(None, 2)
     assert parse_tokens("2e11") == 2e11 and parse_tokens("chinchilla") == "chinchilla"
     assert bus_factor("all_reduce", 4) == 1.5 and bus_factor("all_gather", 8) == 7 / 8

@@ -119,7 +119,7 @@ def test_bitsandbytes_missing_or_broken_is_one_line(monkeypatch, failure, words)
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(OptionError, match=words.replace("[", r"\[").replace("]", r"\]")) as info:
-        load_bitsandbytes("--quantize nf4")
+        load_bitsandbytes("`quantize` nf4")
     assert "\n" not in str(info.value)
 
 

@@ -151,11 +151,11 @@ def test_probe_under_two_ranks_wraps_in_ddp_and_the_ranks_agree(tmp_path):
 def test_strategies_are_checked_before_anything_runs():
     with pytest.raises(OptionError, match="use one of ddp, fsdp"):
         parallel.step_wrapper("zero3", torch.device("cpu"))
-    with pytest.raises(OptionError, match="drop --strategy"):  # fake tensors cannot join a process group
+    with pytest.raises(OptionError, match="drop `strategy`"):  # fake tensors cannot join a process group
         parallel.choose_strategy("fsdp", virtual=True, world_size=2)
     with pytest.raises(OptionError, match="torchrun"):
         parallel.choose_strategy("ddp", virtual=False, world_size=1)
-    with pytest.raises(OptionError, match="drop --isolate"):
+    with pytest.raises(OptionError, match="drop `isolate`"):
         parallel.choose_strategy(None, virtual=False, world_size=2, isolate=True)
     assert parallel.choose_strategy(None, virtual=False, world_size=2) == "ddp"
     assert parallel.choose_strategy(None, virtual=True, world_size=2) is None  # each rank traces, as before
@@ -183,7 +183,7 @@ def test_each_rank_probes_its_own_gpu(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert ranks.local_target(cuda) == Target("cuda", "gpu 3", "cuda:3", 3)
     assert ranks.local_target(Target("cpu", None, "cpu")) == Target("cpu", None, "cpu")
-    with pytest.raises(OptionError, match="pass --device cuda"):
+    with pytest.raises(OptionError, match="pass `device` cuda"):
         ranks.local_target(Target("cuda", "gpu 1", "cuda:1", 1))
     _fake_gpus(monkeypatch, 1)  # a launcher that shows each rank one GPU
     with pytest.raises(OptionError, match="sees 1 CUDA device"):

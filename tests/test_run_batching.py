@@ -35,7 +35,7 @@ def test_batching_is_parsed_once_and_refused_in_one_line():
     assert parse_batching("pack:4_096") == Batching("pack", 4096)
     assert str(parse_batching("tokens:16384")) == "tokens:16384"
     for bad in ("pack", "tokens:0", "tokens:many", "pad", "pad-max:8", "tokens:99999999999999999999"):
-        with pytest.raises(OptionError, match="--batching"):
+        with pytest.raises(OptionError, match="`batching`"):
             parse_batching(bad)
 
 
@@ -162,9 +162,9 @@ def test_the_replay_orders_and_which_one_ends_worst():
     ranked = sorted([run(None, None, 9), run(3, None, 1), run(2, 2, 0), run(None, None, 1)], key=badness)
     assert [(r.default.first_oom_step, r.expandable.first_oom_step, badness(r)[1]) for r in ranked] == [
         (None, None, 1), (None, None, 9), (3, None, 1), (2, 2, 0)]
-    with pytest.raises(OptionError, match="give --replay-steps K too"):
+    with pytest.raises(OptionError, match="give `replay_steps` K too"):
         check_run_flags("d.jsonl", None, None, None, 0, "worst")
-    with pytest.raises(OptionError, match="--replay-order backwards"):
+    with pytest.raises(OptionError, match="`replay_order` backwards"):
         check_run_flags("d.jsonl", None, None, None, 5, "backwards")
 
 
@@ -183,7 +183,7 @@ def test_plan_and_probe_run_every_step_at_the_datas_longest_row(tmp_path):
     row, section = data_row_length(str(path), Batching("pad-longest"), model="gpt-tinystories-22m", seq_len=12,
                                    length_column="n")
     assert row == 12 and section["samples"] == 7 and section["lengths"]["max"] == 12
-    with pytest.raises(OptionError, match="plan with --batching pack:64"):
+    with pytest.raises(OptionError, match="plan with `batching` pack:64"):
         data_row_length(str(path), Batching("tokens", 64), model="gpt-tinystories-22m", length_column="n")
     for command in ("plan", "probe"):  # probe finds the batch that survives the same row on a real device
         result = CliRunner().invoke(app, [command, "gpt-tinystories-22m", "--gpu-memory", "24GiB", "--batching",

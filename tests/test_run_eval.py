@@ -97,7 +97,7 @@ def test_with_data_the_eval_batches_are_the_datas_padded_the_same_way():
     assert phase.asked.peak_shape == Shape(3, 60) and phase.fits
     assert not any("eval" in a.what for a in result.approximations)  # one held step: its own shape
     assert phase.train_shape == result.run.runs[2].peak_shape == Shape(2, 60)
-    with pytest.raises(OptionError, match="drop --eval-batch-size"):
+    with pytest.raises(OptionError, match="drop `eval_batch_size`"):
         estimate_run(lambda n: tiny(n, vocab=512), lengths, Batching("tokens", 64), data="d.jsonl", device=device,
                      eval_batch_size=3)
 

@@ -53,7 +53,7 @@ def test_hf_config_json_path(tmp_path):
 
 def test_seq_len_overrides_and_is_checked():
     assert load_workload("gpt2-124m", seq_len=128).tokens_per_sample == 128
-    with pytest.raises(ModelSpecError, match="--seq-len"):
+    with pytest.raises(ModelSpecError, match="`seq_len`"):
         load_workload("gpt2-124m", seq_len=0)
 
 

@@ -33,7 +33,7 @@ def test_sample_budget():
 def test_a_budget_that_does_not_divide_is_refused_with_the_nearest_exact_ones():
     # batch 8 x seq 16 = 128 tokens per step; lcm(2 x 16, 8 x 16) = 128; 1000 lies between 896 and 1024.
     budget = Budget(unit="tokens", total=1000, tokens_per_sample=16)
-    with pytest.raises(OptionError, match=r"batch size 2 .*multiples of 128, e.g. --tokens 896 or 1024"):
+    with pytest.raises(OptionError, match=r"batch size 2 .*multiples of 128, e.g. `tokens` 896 or 1024"):
         budget.check([2, 8])
     with pytest.raises(OptionError, match="not a whole number of steps at batch size 8"):
         budget.steps(8)
@@ -48,7 +48,7 @@ def test_a_batch_above_the_budget_is_refused():
 
 @pytest.mark.parametrize("text", ["0", "0M"])
 def test_zero_budget_is_refused(text):
-    with pytest.raises(OptionError, match="--tokens must be 1 or more"):
+    with pytest.raises(OptionError, match="`tokens` must be 1 or more"):
         Budget(unit="tokens", total=parse_count(text, "--tokens"), tokens_per_sample=16)
 
 

@@ -90,6 +90,6 @@ def test_a_store_of_another_sweep_is_refused_and_left_alone(tmp_path, resume):
     with pytest.raises(OptionError, match="holds a different sweep \\(it differs in tokens\\)"):
         plan_sweep(SweepConfig(**{**base, "tokens": 512, "resume": resume}), load_workload(spec))
     if not resume:
-        with pytest.raises(OptionError, match="already holds this sweep: add --resume"):
+        with pytest.raises(OptionError, match="already holds this sweep: add `resume`"):
             plan_sweep(SweepConfig(**base), load_workload(spec))
     assert store.read_bytes() == content

@@ -162,7 +162,7 @@ def test_a_run_whose_loss_diverges_says_so_and_keeps_its_curve(tmp_path):
                            eval_samples=4, store=tmp_path / "sweep.db", device="cpu")
     (run,) = run_sweep(plan_sweep(settings, diverging)).runs
     assert run["status"] == "error" and run["error"].startswith("NonFiniteLoss: the ")  # validation loss, here
-    assert "loss is not finite (inf) at step" in run["error"] and "lower --lrs" in run["error"]
+    assert "loss is not finite (inf) at step" in run["error"] and "lower `lrs`" in run["error"]
     from batchfit.runs.store import Store
 
     with Store(tmp_path / "sweep.db") as store:

@@ -11,7 +11,7 @@ from batchfit.sweep.result import read_result
 
 def test_reading_a_store_that_does_not_exist_is_an_error_and_creates_nothing(tmp_path):
     typo = tmp_path / "sweeep.db"
-    with pytest.raises(OptionError, match=r"--store .*sweeep.db does not exist: give the file a sweep wrote"):
+    with pytest.raises(OptionError, match=r"`store` .*sweeep.db does not exist: give the file a sweep wrote"):
         read_result(typo)
     assert list(tmp_path.iterdir()) == []
 

@@ -29,9 +29,9 @@ def test_cpu_time_with_memory_sized_for_a_gpu():
 
 
 def test_two_names_for_the_gpu_are_refused():
-    with pytest.raises(OptionError, match="give one of --gpu / --gpu-memory"):
+    with pytest.raises(OptionError, match="give one of `gpu` / `gpu_memory`"):
         resolve_target(gpu="t4-16gb", gpu_memory="16GiB")
-    with pytest.raises(OptionError, match="give one of --gpu / --device"):
+    with pytest.raises(OptionError, match="give one of `gpu` / `device`"):
         resolve_target(gpu="t4-16gb", device="virtual:t4-16gb")
 
 

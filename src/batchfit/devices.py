@@ -225,14 +225,14 @@ def get_device(name: str) -> Device:
     if len(found) == 1:
         return CATALOG[found[0]]
     if found:
-        raise UnknownGPUError(f"'{name}' is ambiguous: {' or '.join(found)}; give the full name, e.g. --gpu {found[0]}")
+        raise UnknownGPUError(f"'{name}' is ambiguous: {' or '.join(found)}; give the full name, e.g. `gpu` {found[0]}")
     family = [n for n in CATALOG if _letters(_squash(n)) == _letters(key)] or list(CATALOG)
     by_key = {_squash(n): n for n in family}
     close = [by_key[k] for k in difflib.get_close_matches(key, by_key, n=2, cutoff=0.5)]
     hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     raise UnknownGPUError(
         f"unknown GPU '{name}': {hint}run `batchfit gpus` for the catalog, "
-        "or give the capacity with --gpu-memory 24GiB"
+        "or give the capacity with `gpu_memory` 24GiB"
     )
 
 
@@ -270,8 +270,8 @@ def custom_device(total_bytes: int) -> Device:
     least = DEFAULT_CONTEXT_BYTES + cublas_workspace_bytes(9)
     if total_bytes <= least:
         raise SizeError(
-            f"--gpu-memory {format_bytes(total_bytes)} leaves no usable memory ({format_bytes(DEFAULT_CONTEXT_BYTES)} "
-            "go to the CUDA context, 64 MiB to cuBLAS): give the card's total, e.g. --gpu-memory 24GiB")
+            f"`gpu_memory` {format_bytes(total_bytes)} leaves no usable memory ({format_bytes(DEFAULT_CONTEXT_BYTES)} "
+            "go to the CUDA context, 64 MiB to cuBLAS): give the card's total, e.g. `gpu_memory` 24GiB")
     return Device(name="custom", display_name=f"GPU with {format_bytes(total_bytes)}",
                   total_bytes=total_bytes, source="user")
 

@@ -9,6 +9,15 @@
     └── TraceError                the training step cannot run on fake tensors (names the op)
 
 Every message says what to type instead; the CLI prints it on one line.
+
+Fields, not flags: a message names a setting as the field a library user passes (the keyword of
+estimate, plan, StepOptions, resolve_target ...) in backticks, the value after it where it helps:
+    "`seq_len` 9000 is longer than gpt2 allows (1024)", "use `checkpointing` full",
+    or as one Python keyword: "use `checkpointing='full'`".
+The CLI writes each backticked field as its flag when it prints the error (cli/flags.py, one
+table): "--seq-len 9000 ...", "use --checkpointing full". A whole command line a message quotes
+("`batchfit gpus`", "torchrun --nproc-per-node 2 ...") keeps its flags; tests/test_layout.py checks
+that no other library error names a flag.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ class TraceError(BatchfitError):
 def read_text(path: Path | str, what: str, error: type[UsageError] = OptionError) -> str:
     """The text of a file the user named (JSON, TOML, .jsonl: UTF-8 by their specifications),
     decoded as UTF-8; a file in another encoding is ``error``, one line that says where (as the
-    user typed ``what``, e.g. '--trainer args.json') and what to do, not a UnicodeDecodeError."""
+    user gave ``what``, e.g. '`trainer` args.json') and what to do, not a UnicodeDecodeError."""
     raw = Path(path).read_bytes()
     try:
         return raw.decode("utf-8")

@@ -207,7 +207,7 @@ class LoRA:
         if text == "none":
             return None
         spec: dict = {"r": None, "alpha": None, "dora": False, "targets": None}
-        bad = OptionError(f"bad --lora '{text}': use none or {LORA}, e.g. r=16 or r=16,dora,targets=q_proj+v_proj")
+        bad = OptionError(f"bad `lora` '{text}': use none or {LORA}, e.g. r=16 or r=16,dora,targets=q_proj+v_proj")
         for part in text.split(","):
             key, _, arg = part.strip().partition("=")
             if key in ("r", "alpha") and _positive_int(arg) is not None and spec[key] is None:

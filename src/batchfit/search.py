@@ -38,14 +38,14 @@ def check_size(option: str, value: int | None) -> None:
 
 def check_search_options(*, target_util: float, multiple_of: int, max_batch: int) -> None:
     """The options every batch-size search shares (estimate, plan)."""
-    check_size("--multiple-of", multiple_of)
-    check_size("--max-batch", max_batch)
+    check_size("`multiple_of`", multiple_of)
+    check_size("`max_batch`", max_batch)
     if not 0 < target_util <= 1:
-        raise OptionError(f"--target-util must be in (0, 1], e.g. 0.9; got {target_util}")
+        raise OptionError(f"`target_util` must be in (0, 1], e.g. 0.9; got {target_util}")
     if multiple_of < 1:
-        raise OptionError(f"--multiple-of must be 1 or more, got {multiple_of}")
+        raise OptionError(f"`multiple_of` must be 1 or more, got {multiple_of}")
     if max_batch < multiple_of:
-        raise OptionError(f"--max-batch ({max_batch}) must be at least --multiple-of ({multiple_of})")
+        raise OptionError(f"`max_batch` ({max_batch}) must be at least `multiple_of` ({multiple_of})")
 
 
 def check_estimate_options(*, target_util: float, multiple_of: int, batch_sizes: list[int] | None,
@@ -54,27 +54,27 @@ def check_estimate_options(*, target_util: float, multiple_of: int, batch_sizes:
     check_search_options(target_util=target_util, multiple_of=multiple_of, max_batch=max_batch)
     for b in batch_sizes or []:
         if b < 1:
-            raise OptionError(f"batch sizes must be 1 or more, got {b}: e.g. --batch-sizes 8,16,32")
+            raise OptionError(f"batch sizes must be 1 or more, got {b}: e.g. `batch_sizes` 8,16,32")
     _check_limit(limit)
 
 
 def check_probe_options(*, policy: str, multiple_of: int, smallest: int, largest: int, steps: int,
                         target_util: float, global_batch: int | None, limit: str) -> None:
     """probe's options, checked before anything runs (the CLI: before torch loads)."""
-    for option, value in (("--multiple-of", multiple_of), ("--min", smallest), ("--max", largest),
-                          ("--global-batch", global_batch)):
+    for option, value in (("`multiple_of`", multiple_of), ("`min`", smallest), ("`max`", largest),
+                          ("`global_batch`", global_batch)):
         check_size(option, value)
     if policy not in POLICIES:
-        raise OptionError(f"unknown --policy '{policy}': use one of {', '.join(POLICIES)}")
+        raise OptionError(f"unknown `policy` '{policy}': use one of {', '.join(POLICIES)}")
     if multiple_of < 1 or smallest < 1 or largest < smallest:
-        raise OptionError(f"need 1 <= --min <= --max and --multiple-of >= 1 (got min {smallest}, "
+        raise OptionError(f"need 1 <= `min` <= `max` and `multiple_of` >= 1 (got min {smallest}, "
                           f"max {largest}, multiple-of {multiple_of})")
     if steps < 2:
-        raise OptionError(f"--steps must be at least 2 (the second step has optimizer state), got {steps}")
+        raise OptionError(f"`steps` must be at least 2 (the second step has optimizer state), got {steps}")
     if not 0 < target_util <= 1:
-        raise OptionError(f"--target-util must be in (0, 1], e.g. 0.9; got {target_util}")
+        raise OptionError(f"`target_util` must be in (0, 1], e.g. 0.9; got {target_util}")
     if global_batch is not None and global_batch < 1:
-        raise OptionError(f"--global-batch must be 1 or more, got {global_batch}")
+        raise OptionError(f"`global_batch` must be 1 or more, got {global_batch}")
     _check_limit(limit)
 
 
@@ -86,7 +86,7 @@ def no_memory_limit(what: str, cap: str, sized: str) -> str:
 
 def _check_limit(limit: str) -> None:
     if limit not in LIMITS:
-        raise OptionError(f"unknown --limit '{limit}': use reserved (what a GPU runs out of) or allocated")
+        raise OptionError(f"unknown `limit` '{limit}': use reserved (what a GPU runs out of) or allocated")
 
 
 def trace_first_sizes(curve, batch_sizes: list[int] | None, multiple_of: int, usable_bytes: int) -> None:

@@ -34,13 +34,13 @@ def load_workload(spec: str, *, seq_len: int | None = None, for_plan: bool = Fal
     job only with ``for_plan``: its activation checkpointing and sharding are torchtitan's
     ``parallelize_llama``, which only ``plan`` applies (``Workload.parallelize_all``)."""
     if seq_len is not None and not 1 <= seq_len <= 1 << 24:  # beyond: overflows in the model's own code
-        raise ModelSpecError(f"--seq-len must be from 1 to {1 << 24:,} (2^24 tokens), got {seq_len}")
+        raise ModelSpecError(f"`seq_len` must be from 1 to {1 << 24:,} (2^24 tokens), got {seq_len}")
     from batchfit.zoo import ZOO  # here: the zoo's models load torch
 
     if spec.startswith("torchtitan:"):
         if not for_plan:
             raise ModelSpecError(f"{spec}: a torchtitan job is planned with its own parallelize_llama (activation "
-                                 "checkpointing, FSDP2, TP): use batchfit plan " + spec + " (--gpus 1 for one GPU)")
+                                 "checkpointing, FSDP2, TP): use batchfit plan " + spec + " (`gpus` 1 for one GPU)")
         from batchfit.zoo.torchtitan_job import read_job
         from batchfit.zoo.torchtitan_model import torchtitan_workload
 
@@ -88,8 +88,8 @@ def _user_workload(spec: str, seq_len: int | None) -> tuple[Workload, str]:
         parameters = {}
     accepts_seq_len = "seq_len" in parameters
     if seq_len is not None and not accepts_seq_len:
-        raise ModelSpecError(f"--seq-len was given but {fn_name}() takes no seq_len argument: add one or "
-                             "drop --seq-len")
+        raise ModelSpecError(f"`seq_len` was given but {fn_name}() takes no seq_len argument: add one or "
+                             "drop `seq_len`")
     passed = {"seq_len"} if accepts_seq_len and seq_len is not None else set()
     required = [p.name for p in parameters.values()
                 if p.default is p.empty and p.name not in passed
@@ -98,7 +98,7 @@ def _user_workload(spec: str, seq_len: int | None) -> tuple[Workload, str]:
         line = getattr(getattr(fn, "__code__", None), "co_firstlineno", "?")
         raise ModelSpecError(
             f"{file}:{line}: {fn_name}() needs the argument '{required[0]}', but batchfit calls it "
-            f"with none (seq_len only with --seq-len): give '{required[0]}' a default"
+            f"with none (seq_len only with `seq_len`): give '{required[0]}' a default"
         )
     try:
         workload = fn(seq_len=seq_len) if passed else fn()

@@ -60,25 +60,25 @@ def parse_target(text: str) -> Target:
     kind, _, rest = text.strip().partition(":")
     if kind == "virtual":
         if not rest:
-            raise OptionError("--device virtual needs a GPU: e.g. virtual:h100-80gb or virtual:24GiB")
+            raise OptionError("`device` virtual needs a GPU: e.g. virtual:h100-80gb or virtual:24GiB")
         device = custom_device(parse_size(rest)) if rest[0].isdigit() else get_device(rest)
         return Target("virtual", device, text)
     if kind == "cuda":
         if rest and not rest.isdigit():
-            raise OptionError(f"unknown --device '{text}': use cuda or cuda:N, e.g. cuda:1")
+            raise OptionError(f"unknown `device` '{text}': use cuda or cuda:N, e.g. cuda:1")
         import torch
 
         if not torch.cuda.is_available():
-            raise UsageError("--device cuda, but no CUDA device is visible here: use virtual:<gpu> to "
-                             "trace a GPU instead (e.g. --device virtual:h100-80gb or --gpu h100-80gb)")
+            raise UsageError("`device` cuda, but no CUDA device is visible here: use virtual:<gpu> to "
+                             "trace a GPU instead (e.g. `device` virtual:h100-80gb or `gpu` h100-80gb)")
         index = int(rest) if rest else 0
         if index >= torch.cuda.device_count():
-            raise OptionError(f"--device {text}, but only {torch.cuda.device_count()} CUDA device(s) are "
+            raise OptionError(f"`device` {text}, but only {torch.cuda.device_count()} CUDA device(s) are "
                               f"visible: use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
         return Target("cuda", detect_cuda_device(index), text, index)
     if kind == "cpu" and not rest:
         return Target("cpu", None, text)
-    raise OptionError(f"unknown --device '{text}': use {DEVICE_HELP}")
+    raise OptionError(f"unknown `device` '{text}': use {DEVICE_HELP}")
 
 
 def resolve_target(*, gpu: str | None = None, gpu_memory: str | None = None, device: str | None = None,
@@ -87,10 +87,10 @@ def resolve_target(*, gpu: str | None = None, gpu_memory: str | None = None, dev
 
     ``say`` is told which device was chosen when the user named none.
     """
-    named = [flag for flag, value in (("--gpu", gpu), ("--gpu-memory", gpu_memory), ("--device", device)) if value]
+    named = [flag for flag, value in (("`gpu`", gpu), ("`gpu_memory`", gpu_memory), ("`device`", device)) if value]
     if len(named) > 1 and not (device == "cpu" and len(named) == 2):
         raise OptionError(f"give one of {' / '.join(named)}: they all say which GPU "
-                          "(only --device cpu combines with --gpu or --gpu-memory: time on the CPU, "
+                          "(only `device` cpu combines with `gpu` or `gpu_memory`: time on the CPU, "
                           "memory traced for that GPU)")
     if device == "cpu" and (gpu or gpu_memory):
         sized = custom_device(parse_size(gpu_memory)) if gpu_memory else get_device(gpu)

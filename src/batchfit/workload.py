@@ -63,7 +63,7 @@ or the logits all-gathered onto every tensor-parallel rank."""
 def check_tp_loss(value: str) -> None:
     """Raise a one-line OptionError unless ``value`` is one of :data:`TP_LOSSES`."""
     if value not in TP_LOSSES:
-        raise OptionError(f"unknown --tp-loss '{value}': use sharded (the logits split by the vocabulary, "
+        raise OptionError(f"unknown `tp_loss` '{value}': use sharded (the logits split by the vocabulary, "
                           "loss_parallel) or gathered (the whole logits on every tensor-parallel rank)")
 
 
@@ -91,8 +91,8 @@ def attention_words(value: str | None) -> str:
             "flash": "flash (flash_attn's FlashAttention-2)"}.get(value or "", "the model's own")
 
 
-PARAMS_OFFLOAD_NEEDS_FSDP = ("--offload params is FSDP2's CPUOffloadPolicy, for sharded steps: use it with "
-                             "`batchfit plan --strategies fsdp`; on one GPU use --offload activations")
+PARAMS_OFFLOAD_NEEDS_FSDP = ("`offload` params is FSDP2's CPUOffloadPolicy, for sharded steps: use it with "
+                             "`batchfit plan --strategies fsdp`; on one GPU use `offload` activations")
 
 
 def check_memory_budget(value: float | None, compile: str) -> None:
@@ -102,9 +102,9 @@ def check_memory_budget(value: float | None, compile: str) -> None:
     if value is None:
         return
     if not 0 <= value <= 1:
-        raise OptionError(f"--memory-budget must be a fraction from 0 to 1 (e.g. 0.5), got {value:g}")
+        raise OptionError(f"`memory_budget` must be a fraction from 0 to 1 (e.g. 0.5), got {value:g}")
     if compile == "none":
-        raise OptionError("--memory-budget is torch.compile's activation memory budget: add --compile model "
+        raise OptionError("`memory_budget` is torch.compile's activation memory budget: add `compile` model "
                           "(or blocks)")
 
 
@@ -242,7 +242,7 @@ class StepOptions:
         # never the text (tests/test_layout.py pins it).
         self.precision_spec = PrecisionSpec.parse(self.precision)
         if self.precision_spec.fp8_recipe and not _installed("torchao"):  # looked up, not imported
-            raise OptionError(f"--precision {self.precision} needs torchao (float8 training): "
+            raise OptionError(f"`precision` {self.precision} needs torchao (float8 training): "
                               "pip install 'batchfit[fp8]'")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise OptionError(
@@ -257,18 +257,18 @@ class StepOptions:
         self.quantize_spec = Quantize.parse(self.quantize)
         self.lora_spec = LoRA.parse(self.lora)
         if self.quantize != "none" and self.precision in FP8_PRECISIONS:
-            raise OptionError(f"--precision {self.precision} makes the linear layers torchao float8 ones "
-                              f"and --quantize {self.quantize} makes them bitsandbytes ones: use one of them (QLoRA: "
-                              "--precision bf16-mixed)")
+            raise OptionError(f"`precision` {self.precision} makes the linear layers torchao float8 ones "
+                              f"and `quantize` {self.quantize} makes them bitsandbytes ones: use one of them (QLoRA: "
+                              "`precision` bf16-mixed)")
         if self.quantize != "none" and self.lora == "none":  # the step would find no parameter to train
-            raise OptionError(f"--quantize {self.quantize} freezes the whole base model (QLoRA: only the adapters "
-                              "train), so nothing would train: add --lora, e.g. --lora r=16")
+            raise OptionError(f"`quantize` {self.quantize} freezes the whole base model (QLoRA: only the adapters "
+                              "train), so nothing would train: add `lora`, e.g. `lora` r=16")
         check_memory_budget(self.memory_budget, self.compile)
         self.routing_spec = Routing.parse(self.routing)
         check_attention(self.attention)
         if self.accumulation_steps < 1:
             raise OptionError(
-                f"--accumulation-steps must be 1 or more, got {self.accumulation_steps}"
+                f"`accumulation_steps` must be 1 or more, got {self.accumulation_steps}"
             )
         self.frozen = tuple(self.frozen)
         self.trainable = tuple(self.trainable)

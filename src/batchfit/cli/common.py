@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from batchfit.cli.flags import as_flags
 from batchfit.devices import precision_warning
 from batchfit.errors import BatchfitError, OptionError
 from batchfit.report.write import StagedFiles, staged_files, write_text_atomic
@@ -43,7 +44,8 @@ def handle_errors(command: Callable) -> Callable:
         except BatchfitError as error:
             if os.environ.get("BATCHFIT_DEBUG"):
                 raise
-            err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
+            # library errors name fields (`seq_len`); a command line types flags (--seq-len)
+            err.print(f"[bold red]error:[/] {escape(as_flags(str(error)))}", highlight=False, soft_wrap=True)
             err.print("[dim]set BATCHFIT_DEBUG=1 for a traceback[/]")
             raise typer.Exit(error.exit_code) from None
         except KeyboardInterrupt:

@@ -56,7 +56,7 @@ def check_sequence(seq_len: int | None, cp: int) -> None:
     if seq_len % (2 * cp):
         good = [n for n in (2, 4, 8, 16, 32) if seq_len % (2 * n) == 0]
         raise OptionError(f"cp{cp}: the sequence length {seq_len} must divide by 2 x cp = {2 * cp} (torch's head-tail "
-                          f"load balancing cuts it in 2 x cp chunks): use --seq-len a multiple of {2 * cp}"
+                          f"load balancing cuts it in 2 x cp chunks): use `seq_len` a multiple of {2 * cp}"
                           + (f", or cp<N> with N in {', '.join(map(str, good))}" if good else ""))
 
 

@@ -100,20 +100,20 @@ def parse_schedule(text: str, microbatches: int = 0) -> PipelineSchedule:
     kind = _ALIASES.get(match.group(1), match.group(1)) if match else None
     if kind not in KINDS:
         raise OptionError(f"unknown pipeline schedule '{shown}': use {CHOICES} (or torchtitan's name, e.g. "
-                          "ZBVZeroBubble), e.g. --pp-schedule interleaved-1f1b:2")
+                          "ZBVZeroBubble), e.g. `pp_schedule` interleaved-1f1b:2")
     fixed = KINDS[kind].stages_per_rank
     virtual = match.group(2)
     if virtual is not None and fixed is not None:
         what = f"exactly {fixed} stages per rank (V-shaped)" if fixed > 1 else "one stage per rank"
-        raise OptionError(f"--pp-schedule {shown}: {kind} places {what}: only interleaved-1f1b and "
+        raise OptionError(f"`pp_schedule` {shown}: {kind} places {what}: only interleaved-1f1b and "
                           "interleaved-zb take :V (stages per rank)")
     v = fixed if fixed is not None else int(virtual) if virtual is not None else 2
     if v < 2 and fixed is None:
         # torchtitan's pipeline_llm: "Multi-stage schedule requires at least 2 stages per rank"
-        raise OptionError(f"--pp-schedule {shown}: {kind} needs 2 or more stages per rank, e.g. {kind}:2 "
+        raise OptionError(f"`pp_schedule` {shown}: {kind} needs 2 or more stages per rank, e.g. {kind}:2 "
                           "(or use 1f1b)")
     if microbatches < 0:
-        raise OptionError(f"--microbatches must be 1 or more, got {microbatches}")
+        raise OptionError(f"`microbatches` must be 1 or more, got {microbatches}")
     return PipelineSchedule(kind=kind, virtual=v, microbatches=microbatches)
 
 
@@ -131,15 +131,15 @@ def check_pipeline(schedule: PipelineSchedule, pp: int, n_layers: int | None) ->
     if schedule.kind in ("1f1b", "interleaved-1f1b") and m < pp:
         # Schedule1F1B raises below the stage count; batchfit asks the same of interleaved-1f1b.
         raise OptionError(f"{name} on pp{pp} needs at least {pp} micro-batches (one per stage), got {m}: "
-                          f"--microbatches {pp} or more, or --pp-schedule gpipe")
+                          f"`microbatches` {pp} or more, or `pp_schedule` gpipe")
     if schedule.kind in ("interleaved-1f1b", "interleaved-zb"):
         rounds = max(1, m // pp)  # ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble __init__
         if m % rounds:
             raise OptionError(f"{name} on pp{pp}: {m} micro-batches must be a multiple of {rounds} "
-                              f"(micro-batches // ranks, torch's rule): e.g. --microbatches {rounds * pp}")
+                              f"(micro-batches // ranks, torch's rule): e.g. `microbatches` {rounds * pp}")
     if schedule.kind == "dualpipev" and m < stages:
         raise OptionError(f"dualpipev on pp{pp} needs at least {stages} micro-batches (one per stage, torch's "
-                          f"ScheduleDualPipeV), got {m}: --microbatches {stages} or more")
+                          f"ScheduleDualPipeV), got {m}: `microbatches` {stages} or more")
     return m
 
 
@@ -159,10 +159,10 @@ def check_inner(schedule: PipelineSchedule, name: str, shard: str) -> None:
         raise OptionError(f"{name} with {schedule.name}: FSDP2 that reshards after forward loses the blocks' weight "
                           "gradients in torch's split backward (I reads the sharded parameters): use "
                           f"{name.replace('fsdp', 'fsdp-noreshard', 1)} (torchtitan's default under pp) or "
-                          "--pp-schedule interleaved-1f1b")
+                          "`pp_schedule` interleaved-1f1b")
     raise OptionError(f"{name} with {schedule.name}: {shard} inside a zero-bubble pipeline does not reduce the "
                       "gradients torch's split backward computes (autograd.grad runs no AccumulateGrad hook): use "
-                      "pp<N>+fsdp-noreshard[+tp<T>] or --pp-schedule interleaved-1f1b")
+                      "pp<N>+fsdp-noreshard[+tp<T>] or `pp_schedule` interleaved-1f1b")
 
 
 def rank_stages(schedule: PipelineSchedule, pp: int, rank: int) -> list[int]:

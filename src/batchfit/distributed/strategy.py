@@ -304,21 +304,21 @@ def check_step_options(strategy: Strategy, options, model: nn.Module) -> None:
 
     dtensors = strategy.tp > 1 or strategy.ep > 1 or strategy.shard in ("fsdp", "fsdp-noreshard", "hsdp")
     if dtensors and options.optimizer in BNB_OPTIMIZERS:
-        raise OptionError(f"{strategy.name}: --optimizer {options.optimizer} is bitsandbytes', whose step takes plain "
+        raise OptionError(f"{strategy.name}: `optimizer` {options.optimizer} is bitsandbytes', whose step takes plain "
                           "tensors, not the DTensor shards of FSDP2 / TP / ep (bitsandbytes issues #89, #1633): use "
-                          "ddp, zero1 or zero2, or --optimizer adamw")
+                          "ddp, zero1 or zero2, or `optimizer` adamw")
     if strategy.tp > 1 and options.precision_spec.fp8_recipe and type(model).__name__.startswith("GPT2"):
         # Its TP plan (distributed/tp_plans.py) turns GPT-2's Conv1D layers into nn.Linear after float8's
         # converter ran (which skips Conv1D), and the step's second preparation would convert those.
         raise OptionError(f"{strategy.name}: float8 on GPT-2 under tensor parallelism is not traced (its Conv1D layers "
-                          "become linears only inside the TP plan, after float8's conversion): use --precision "
+                          "become linears only inside the TP plan, after float8's conversion): use `precision` "
                           "bf16-mixed, or ddp / fsdp")
     if (strategy.tp > 1 or strategy.cp > 1) and options.offload_spec.activations:
         # torchtune's / TRL's hooks copy each saved tensor into a plain host tensor (copy_), and under
         # TP or cp autograd saves DTensors: the copy fails in the real step as in the trace.
-        raise OptionError(f"{strategy.name}: --offload activations copies each saved tensor into a plain host tensor "
+        raise OptionError(f"{strategy.name}: `offload` activations copies each saved tensor into a plain host tensor "
                           "(torchtune's OffloadActivations), and tensor / context parallelism saves DTensors: use "
-                          "it with ddp / fsdp / hsdp, or use --checkpointing instead")
+                          "it with ddp / fsdp / hsdp, or use `checkpointing` instead")
     if strategy.cp > 1 and not _causal(model):
         raise OptionError(f"{strategy.name}: context parallelism's load-balanced ring attention is causal only, and "
                           f"{type(model).__name__} attends both ways: use fsdp / tp without cp<N>")
@@ -353,10 +353,10 @@ def apply_strategy(model: nn.Module, strategy: Strategy, meshes: Meshes, *, prec
     if strategy.tp > 1 and precision == "fp8-tensorwise":
         raise OptionError(f"{strategy.name}: float8 tensorwise under tensor parallelism needs torchao's float8 TP "
                           "styles (Float8ColwiseParallel, torchtitan's), not traced yet: use ddp / fsdp strategies, "
-                          "or --precision fp8-rowwise (its TP collectives are bf16)")
+                          "or `precision` fp8-rowwise (its TP collectives are bf16)")
     if cpu_offload and strategy.shard not in ("fsdp", "fsdp-noreshard", "hsdp"):
-        raise OptionError(f"--offload params is FSDP2's CPUOffloadPolicy: {strategy.name} has no FSDP; use "
-                          "--strategies fsdp (or hsdp<R>, fsdp+tp<N>), or --offload activations")
+        raise OptionError(f"`offload` params is FSDP2's CPUOffloadPolicy: {strategy.name} has no FSDP; use "
+                          "`strategies` fsdp (or hsdp<R>, fsdp+tp<N>), or `offload` activations")
     if strategy.tp > 1 and parallelize is None:
         from batchfit.distributed.tp_plans import no_plan_reason
 

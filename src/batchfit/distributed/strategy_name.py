@@ -162,7 +162,7 @@ def parse_name(text: str) -> StrategyName:
 
 
 def _unknown(text: str) -> OptionError:
-    return OptionError(f"unknown strategy '{text.strip()}': use {NAMES_HELP}, e.g. --strategies ddp,fsdp,fsdp+tp2")
+    return OptionError(f"unknown strategy '{text.strip()}': use {NAMES_HELP}, e.g. `strategies` ddp,fsdp,fsdp+tp2")
 
 
 def _good(world_size: int) -> str:
@@ -182,7 +182,7 @@ def resolve(parts: StrategyName, world_size: int, *, pp_schedule: str = "1f1b", 
     GPU count (a degree that does not divide it, tp<N> that is not every GPU); ``pp_schedule``
     (--pp-schedule) and ``microbatches`` (--microbatches) for a pipeline. The Strategy keeps ``parts``."""
     if world_size < 1:
-        raise OptionError(f"the GPU count must be 1 or more, got {world_size}: e.g. --gpus 8")
+        raise OptionError(f"the GPU count must be 1 or more, got {world_size}: e.g. `gpus` 8")
     strategy = _resolve(parts, world_size, pp_schedule, microbatches)
     return dataclasses.replace(strategy, name=parts.name, parsed=parts)
 

@@ -25,7 +25,7 @@ STRATEGIES = ("ddp", "fsdp")
 
 def check_strategy(strategy: str) -> None:
     if strategy not in STRATEGIES:
-        raise OptionError(f"unknown --strategy '{strategy}': use one of {', '.join(STRATEGIES)}")
+        raise OptionError(f"unknown `strategy` '{strategy}': use one of {', '.join(STRATEGIES)}")
 
 
 def wrap_model(model: nn.Module, strategy: str, device: torch.device, precision: str = "fp32") -> nn.Module:
@@ -38,7 +38,7 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device, precision:
 
     check_strategy(strategy)
     if not (dist.is_available() and dist.is_initialized()):
-        raise OptionError(f"--strategy {strategy} needs torch.distributed's process group: run under "
+        raise OptionError(f"`strategy` {strategy} needs torch.distributed's process group: run under "
                           "torchrun, e.g. torchrun --nproc-per-node 2 -m batchfit.cli.app probe ...")
     layout = data_parallel(strategy, dist.get_world_size())
     # DDP runs on the default group: no mesh to build
@@ -55,15 +55,15 @@ def choose_strategy(strategy: str | None, *, virtual: bool, world_size: int, iso
     if strategy is not None:
         check_strategy(strategy)
         if virtual:
-            raise OptionError(f"--strategy {strategy} wraps real steps in torch.distributed; the virtual device "
-                              "traces one GPU's step on fake tensors: drop --strategy, or probe --device cuda")
+            raise OptionError(f"`strategy` {strategy} wraps real steps in torch.distributed; the virtual device "
+                              "traces one GPU's step on fake tensors: drop `strategy`, or probe `device` cuda")
         if world_size <= 1:
-            raise OptionError(f"--strategy {strategy} needs several ranks: run under torchrun, e.g. "
+            raise OptionError(f"`strategy` {strategy} needs several ranks: run under torchrun, e.g. "
                               "torchrun --nproc-per-node 2 -m batchfit.cli.app probe MODEL --device cuda")
     strategy = strategy or "ddp"
     if isolate:
-        raise OptionError(f"--isolate runs each probe in a fresh process outside torchrun's process group, "
-                          f"so it cannot wrap the model in {strategy}: drop --isolate")
+        raise OptionError(f"`isolate` runs each probe in a fresh process outside torchrun's process group, "
+                          f"so it cannot wrap the model in {strategy}: drop `isolate`")
     return strategy
 
 

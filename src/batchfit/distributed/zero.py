@@ -64,7 +64,7 @@ def zero_optimizer(inner: torch.optim.Optimizer, *, shard_gradients: bool, model
         raise OptionError(f"ZeroRedundancyOptimizer builds each rank's optimizer as {cls.__name__}(param groups, "
                           "**defaults), which failed "
                           f"({str(error).splitlines()[0] if str(error) else type(error).__name__}): "
-                          "pick --optimizer adamw, or ddp / fsdp for this optimizer") from None
+                          "pick `optimizer` adamw, or ddp / fsdp for this optimizer") from None
     # The rank's state lives in its local optimizer; ZeroRedundancyOptimizer's own .state stays
     # empty. batchfit labels optimizer state (and clears it for a fresh trace) through .state.
     zero.state = zero.optim.state
@@ -96,8 +96,8 @@ def _require_one_dtype(params: list[torch.Tensor], name: str, model: torch.nn.Mo
                      f"{f', e.g. {example!r}' if example else ''})")
     raise OptionError(f"{name} runs torch's ZeroRedundancyOptimizer, which takes trainable parameters of one dtype "
                       f"only (it raises 'only supports using the same dense type for all parameters'), and this "
-                      f"model trains {' and '.join(parts)}: use --precision bf16 (every parameter in bf16), "
-                      "freeze the odd ones (--freeze), or plan ddp / fsdp")
+                      f"model trains {' and '.join(parts)}: use `precision` bf16 (every parameter in bf16), "
+                      "freeze the odd ones (`frozen`), or plan ddp / fsdp")
 
 
 def _keep_the_mean(param: torch.Tensor, world: int):

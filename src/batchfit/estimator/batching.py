@@ -51,12 +51,12 @@ def parse_batching(text: str) -> Batching:
         except ValueError:
             value = 0
         if value > MAX_TOKENS:
-            raise OptionError(f"--batching {text} is more than {MAX_TOKENS:,} tokens (2^24) per row, the most "
+            raise OptionError(f"`batching` {text} is more than {MAX_TOKENS:,} tokens (2^24) per row, the most "
                               "a sequence can have here")
         if value >= 1:
             return Batching(kind, value)
-        raise OptionError(f"--batching {text} needs a token count after {kind}, e.g. --batching {kind}:4096")
-    raise OptionError(f"--batching {text} is none of {', '.join(BATCHINGS)}; e.g. --batching pad-longest")
+        raise OptionError(f"`batching` {text} needs a token count after {kind}, e.g. `batching` {kind}:4096")
+    raise OptionError(f"`batching` {text} is none of {', '.join(BATCHINGS)}; e.g. `batching` pad-longest")
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ def check_lengths(lengths: list[int], batching: Batching) -> None:
     """Refuse, before any trace, a token budget that a single sample passes."""
     longest = max(lengths)
     if batching.kind == "tokens" and batching.tokens < longest:
-        raise OptionError(f"--batching {batching} is less than the longest sample ({longest:,} tokens), which no "
-                          f"row can split: give at least --batching tokens:{longest}")
+        raise OptionError(f"`batching` {batching} is less than the longest sample ({longest:,} tokens), which no "
+                          f"row can split: give at least `batching` tokens:{longest}")
 
 
 def step_shapes(lengths: list[int], batching: Batching, batch_size: int, max_len: int) -> list[Shape]:
@@ -206,18 +206,18 @@ def check_run_flags(data: str | None, batching: str | None, length_column: str |
     """``--batching`` (pad-longest when only --data is given), or None without --data; the flags
     that need --data refused without it."""
     if data is None:
-        given = [flag for flag, value in (("--batching", batching), ("--length-column", length_column),
-                                          ("--tokenizer", tokenizer), ("--replay-steps", replay_steps or None))
+        given = [flag for flag, value in (("`batching`", batching), ("`length_column`", length_column),
+                                          ("`tokenizer`", tokenizer), ("`replay_steps`", replay_steps or None))
                  if value is not None]
         if given:
-            raise OptionError(f"{given[0]} describes the data of a run: give --data PATH too (a .txt, .jsonl or "
-                              f".parquet file or a folder), e.g. --data train.jsonl {given[0]} ...")
+            raise OptionError(f"{given[0]} describes the data of a run: give `data` PATH too (a .txt, .jsonl or "
+                              f".parquet file or a folder), e.g. `data` train.jsonl {given[0]} ...")
         return None
     if replay_steps < 0:
-        raise OptionError(f"--replay-steps {replay_steps} is no number of steps: e.g. --replay-steps 50 (0: none)")
+        raise OptionError(f"`replay_steps` {replay_steps} is no number of steps: e.g. `replay_steps` 50 (0: none)")
     if replay_order not in ("data", "worst"):
-        raise OptionError(f"--replay-order {replay_order}: give data (the data's order) or worst (also the orders "
+        raise OptionError(f"`replay_order` {replay_order}: give data (the data's order) or worst (also the orders "
                           "that fragment most, of those tried)")
     if replay_order == "worst" and not replay_steps:
-        raise OptionError("--replay-order worst reorders the replayed steps: give --replay-steps K too")
+        raise OptionError("`replay_order` worst reorders the replayed steps: give `replay_steps` K too")
     return parse_batching(batching or "pad-longest")

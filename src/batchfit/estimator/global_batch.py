@@ -72,16 +72,16 @@ def check_global_batch(global_batch: int | None, multiple_of: int, options: Step
     if global_batch is None:
         return
     if global_batch < 1:
-        raise OptionError(f"--global-batch must be 1 or more, e.g. 64; got {global_batch}")
-    check_size("--global-batch", global_batch)
+        raise OptionError(f"`global_batch` must be 1 or more, e.g. 64; got {global_batch}")
+    check_size("`global_batch`", global_batch)
     if options.accumulation_steps != 1:
-        raise OptionError("--global-batch chooses the accumulation steps itself (micro-batch x accumulation = "
-                          "global batch): drop --accumulation-steps")
+        raise OptionError("`global_batch` chooses the accumulation steps itself (micro-batch x accumulation = "
+                          "global batch): drop `accumulation_steps`")
     if global_batch % multiple_of:
         near = max(multiple_of, round(global_batch / multiple_of) * multiple_of)
-        raise OptionError(f"--global-batch {global_batch} cannot be made of micro-batches that are multiples of "
+        raise OptionError(f"`global_batch` {global_batch} cannot be made of micro-batches that are multiples of "
                           f"{multiple_of} (the batch multiple): use a multiple of {multiple_of}, e.g. "
-                          f"--global-batch {near}")
+                          f"`global_batch` {near}")
 
 
 def split_global_batch(main: TracedCurve, at_accumulation: Callable[[int], TracedCurve], *, global_batch: int,

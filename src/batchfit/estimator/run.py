@@ -315,11 +315,11 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
         lengths = [min(n, seq_len) for n in lengths]
     check_lengths(lengths, batching)
     if batching.kind == "tokens" and eval_batch_size:
-        raise OptionError(f"--batching {batching} makes one row per step, so there is no eval batch size: drop "
-                          "--eval-batch-size (or batch --data by pad-longest / pack:MAXLEN)")
+        raise OptionError(f"`batching` {batching} makes one row per step, so there is no eval batch size: drop "
+                          "`eval_batch_size` (or batch `data` by pad-longest / pack:MAXLEN)")
     if batching.kind == "tokens" and (global_batch is not None or batch_sizes):
-        raise OptionError(f"--batching {batching} makes one row per GPU per step, so drop --global-batch and "
-                          "--batch-sizes (the answer is the token budget)")
+        raise OptionError(f"`batching` {batching} makes one row per GPU per step, so drop `global_batch` and "
+                          "`batch_sizes` (the answer is the token budget)")
     model_len = model_length(lengths, batching, seq_len, load)
 
     def shapes_at(b: int) -> list[Shape]:
@@ -329,15 +329,15 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
     try:
         at = Lengths(load, model_len)
     except ModelSpecError as error:  # its words are --seq-len's, which the user may not have given
-        raise ModelSpecError(f"--data makes rows of {model_len:,} tokens with --batching {batching}: {error} "
-                             "(give --seq-len to truncate the samples, or a smaller budget)") from None
+        raise ModelSpecError(f"`data` makes rows of {model_len:,} tokens with `batching` {batching}: {error} "
+                             "(give `seq_len` to truncate the samples, or a smaller budget)") from None
     # A batch larger than the data is the whole data: the search stops at the rows the data makes.
     rows = sum(s.rows for s in shapes_at(1))
     extra = {"max_batch": min(max_batch or DEFAULT_MAX_BATCH, rows)}
     if batching.kind == "tokens":
         batch_sizes, extra = [1], {"max_batch": 1}
     elif batch_sizes and max(batch_sizes) > rows:
-        raise OptionError(f"--batch-sizes {max(batch_sizes)}: the data makes {rows:,} rows with --batching "
+        raise OptionError(f"`batch_sizes` {max(batch_sizes)}: the data makes {rows:,} rows with `batching` "
                           f"{batching}, so no batch can be larger")
     result = estimate(at.at(worst), device=device, options=options, batch_sizes=batch_sizes, limit=limit,
                       host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say,
@@ -440,9 +440,9 @@ def data_row_length(data: str, batching: Batching, *, model: str, seq_len: int |
     longest (``batching.longest_row``): tracing each rank there is never low, and exact for the step that
     holds the longest sample in a full batch. One line before any trace for what plan cannot answer."""
     if batching.kind == "tokens":
-        raise OptionError(f"plan --batching {batching}: a token budget makes one row per GPU per step, which plan's "
-                          "micro-batch search does not take; use estimate --data ... --batching "
-                          f"{batching}, or plan with --batching pack:{batching.tokens}")
+        raise OptionError(f"plan `batching` {batching}: a token budget makes one row per GPU per step, which plan's "
+                          "micro-batch search does not take; use estimate `data` ... `batching` "
+                          f"{batching}, or plan with `batching` pack:{batching.tokens}")
     lengths = data_lengths(data, model=model, length_column=length_column, tokenizer=tokenizer)
     cut = [min(n, seq_len) for n in lengths] if seq_len is not None else lengths
     check_lengths(cut, batching)

@@ -54,20 +54,20 @@ def load_trainer_args(spec: str) -> TrainerArgs:
         else (spec, "", "")
     path = Path(file)
     if not path.is_file():
-        raise OptionError(f"--trainer {spec}: no such file; give the JSON TrainingArguments.to_json_string() wrote "
-                          "(e.g. --trainer args.json) or a .py file that builds them (--trainer args.py)")
+        raise OptionError(f"`trainer` {spec}: no such file; give the JSON TrainingArguments.to_json_string() wrote "
+                          "(e.g. `trainer` args.json) or a .py file that builds them (`trainer` args.py)")
     if path.suffix == ".py":
         args = _from_python(path, attribute or "args")
     else:
-        text = read_text(path, f"--trainer {spec}")
+        text = read_text(path, f"`trainer` {spec}")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
-            raise OptionError(f"--trainer {spec} is not JSON ({error.msg} at line {error.lineno}, column "
+            raise OptionError(f"`trainer` {spec} is not JSON ({error.msg} at line {error.lineno}, column "
                               f"{error.colno}): save the args with TrainingArguments(...).to_json_string(), or "
                               "give a .py file that builds them") from None
         if not isinstance(data, dict):
-            raise OptionError(f"--trainer {spec} holds a JSON {type(data).__name__}, not the object "
+            raise OptionError(f"`trainer` {spec} holds a JSON {type(data).__name__}, not the object "
                               "TrainingArguments.to_json_string() writes")
         args = TrainerArgs(path=path, data=data, text=text)
     args.deepspeed_config = _deepspeed(args.data.get("deepspeed"), path)
@@ -81,19 +81,19 @@ def _from_python(path: Path, attribute: str) -> TrainerArgs:
     try:
         module_spec.loader.exec_module(module)
     except Exception as error:  # the user's file failed: say where, in one line
-        raise OptionError(f"--trainer {path}:{_line_in(error, path)}: {_first_line(error)} (raised while building "
+        raise OptionError(f"`trainer` {path}:{_line_in(error, path)}: {_first_line(error)} (raised while building "
                           "the args): fix that line") from None
     finally:
         sys.modules.pop(name, None)
     if not hasattr(module, attribute):
-        raise OptionError(f"--trainer {path} has no '{attribute}': define args = TrainingArguments(...) (or a "
-                          f"function returning it), or name it: --trainer {path}:build_args")
+        raise OptionError(f"`trainer` {path} has no '{attribute}': define args = TrainingArguments(...) (or a "
+                          f"function returning it), or name it: `trainer` {path}:build_args")
     args = getattr(module, attribute)
     if callable(args) and not hasattr(args, "to_dict"):
         try:
             args = args()
         except Exception as error:
-            raise OptionError(f"--trainer {path}:{_line_in(error, path)}: {_first_line(error)} (raised in "
+            raise OptionError(f"`trainer` {path}:{_line_in(error, path)}: {_first_line(error)} (raised in "
                               f"{attribute}()): fix that line") from None
     _check_args_object(args, path, attribute)
     data = args_to_dict(args)
@@ -117,7 +117,7 @@ def _check_args_object(args: Any, path: Path, attribute: str) -> None:
         return
     shown = repr(args)
     shown = shown if len(shown) <= 40 else shown[:37] + "..."
-    raise OptionError(f"--trainer {path}: {attribute} is {shown} (type {type(args).__name__}), not TrainingArguments: "
+    raise OptionError(f"`trainer` {path}: {attribute} is {shown} (type {type(args).__name__}), not TrainingArguments: "
                       f"define {attribute} = TrainingArguments(...) (or a function returning them, or a dict of "
                       "their fields)")
 

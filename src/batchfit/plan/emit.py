@@ -92,11 +92,11 @@ def parse_emit(text: str) -> tuple[str, Path]:
     kind, _, rest = text.partition(":")
     kind, path = (kind, Path(rest)) if kind in ("accelerate", "torchtitan") else ("yaml", Path(text))
     if not str(path) or str(path) == ".":
-        raise OptionError(f"--emit {text}: give a file, e.g. --emit config.yaml or --emit accelerate:fsdp.yaml")
+        raise OptionError(f"`emit` {text}: give a file, e.g. `emit` config.yaml or `emit` accelerate:fsdp.yaml")
     if not path.parent.is_dir():
-        raise OptionError(f"--emit {text}: the folder '{path.parent}' does not exist; create it or write elsewhere")
+        raise OptionError(f"`emit` {text}: the folder '{path.parent}' does not exist; create it or write elsewhere")
     if path.is_dir():
-        raise OptionError(f"--emit {text} is a folder: give a file name, e.g. --emit {path}/config.yaml")
+        raise OptionError(f"`emit` {text} is a folder: give a file name, e.g. `emit` {path}/config.yaml")
     return kind, path
 
 
@@ -154,14 +154,14 @@ def accelerate_yaml(result) -> str:
     p = result.recommended[-1]
     if p.pp > 1:
         raise OptionError(f"the recommended {p.strategy} is pipeline-parallel, which Accelerate's config cannot say: "
-                          "emit the YAML (--emit config.yaml), or plan without pp<N> strategies")
+                          "emit the YAML (`emit` config.yaml), or plan without pp<N> strategies")
     cp = p.cp
     if cp > 1 and p.shard not in ("fsdp", "fsdp-noreshard"):
         raise OptionError(f"the recommended {p.strategy}: Accelerate runs context parallelism with FSDP2 only: "
-                          "emit the YAML (--emit config.yaml), or plan fsdp+cp<N> strategies")
+                          "emit the YAML (`emit` config.yaml), or plan fsdp+cp<N> strategies")
     if p.ep > 1:
         raise OptionError(f"the recommended {p.strategy} is expert-parallel, which Accelerate's config cannot say: "
-                          "emit the YAML (--emit config.yaml), or plan without ep<N> strategies")
+                          "emit the YAML (`emit` config.yaml), or plan without ep<N> strategies")
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": ("NO" if p.gpus == 1 else "MULTI_GPU" if p.shard in ("ddp", "none") and p.tp == 1

@@ -32,8 +32,8 @@ def degrees(layout) -> dict[str, object]:
     shard 4; pp2+fsdp -> pipeline 2."""
     if layout.shard in ("zero1", "zero2"):  # ZeroRedundancyOptimizer, which torchtitan has no setting for
         name = getattr(layout, "strategy", None) or layout.name  # a StrategyPlan's name, or a Strategy's
-        raise OptionError(f"--emit torchtitan: the recommended {name} has no torchtitan equivalent (torchtitan shards "
-                          "with FSDP2): plan with --strategies fsdp,hsdp<R>,fsdp+tp<N>")
+        raise OptionError(f"`emit` torchtitan: the recommended {name} has no torchtitan equivalent (torchtitan shards "
+                          "with FSDP2): plan with `strategies` fsdp,hsdp<R>,fsdp+tp<N>")
     replicate = layout.replicas if layout.shard == "hsdp" else layout.dp if layout.shard == "ddp" else 1
     out: dict[str, object] = {"data_parallel_replicate_degree": replicate,
                               "data_parallel_shard_degree": layout.dp // replicate}

@@ -111,7 +111,7 @@ class ShardedCurve:
         replayed first where the replay's fresh trace gives its point too (``replay_first``)."""
         if self._replay is None:
             self.point(local_batch)
-            raise OptionError("this tracer cannot replay reserved memory: use --limit allocated")
+            raise OptionError("this tracer cannot replay reserved memory: use `limit` allocated")
         replayed = None
         if self._replay_first and local_batch not in self.points:
             self._say(f"local batch {local_batch}: reserved memory (allocator model)")
@@ -156,9 +156,9 @@ def _validate(target_util: float, multiple_of: int, max_batch: int, batch_sizes:
     check_search_options(target_util=target_util, multiple_of=multiple_of, max_batch=max_batch)
     _check_limit(limit)
     if any(b < 1 for b in batch_sizes or []):
-        raise OptionError("--batch-sizes are local batch sizes, 1 or more: e.g. --batch-sizes 1,2,4")
+        raise OptionError("`batch_sizes` are local batch sizes, 1 or more: e.g. `batch_sizes` 1,2,4")
     if global_batch is not None and global_batch < 1:
-        raise OptionError(f"--global-batch must be 1 or more, e.g. 512; got {global_batch}")
+        raise OptionError(f"`global_batch` must be 1 or more, e.g. 512; got {global_batch}")
 
 
 def _check_global_batch(global_batch: int, strategies: list, multiple_of: int) -> None:
@@ -168,9 +168,9 @@ def _check_global_batch(global_batch: int, strategies: list, multiple_of: int) -
             step = math.lcm(*(x.dp * multiple_of for x in strategies))
             near = max(step, round(global_batch / step) * step)
             raise OptionError(
-                f"--global-batch {global_batch} cannot be split over {s.name}'s {s.dp} data-parallel ranks on "
+                f"`global_batch` {global_batch} cannot be split over {s.name}'s {s.dp} data-parallel ranks on "
                 f"{s.world_size} GPUs{f' in multiples of {multiple_of}' if multiple_of > 1 else ''}: "
-                f"use a multiple of {step}, e.g. --global-batch {near}")
+                f"use a multiple of {step}, e.g. `global_batch` {near}")
 
 
 def _choose_micro(plan: StrategyPlan, curve: ShardedCurve, target_bytes: int, global_batch: int | None,
@@ -270,17 +270,17 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     tokens_asked = tokens if isinstance(tokens, str) else None
     tokens = parse_tokens(tokens) if isinstance(tokens, str) else tokens
     if tokens is not None and not workload.tokens_per_sample:
-        raise OptionError(f"--tokens needs a sequence model: {workload.name} has no tokens per sample; drop --tokens")
+        raise OptionError(f"`tokens` needs a sequence model: {workload.name} has no tokens per sample; drop `tokens`")
     if options.quantize != "none":
         # plan prepares each rank's step on the meta device, then once more per rank: bitsandbytes'
         # quantization state (absmax, not a parameter) would stay behind, and FSDP2 / TP would hold
         # Params4bit as DTensors, which bitsandbytes cannot (nor can ColwiseParallel split them).
-        raise OptionError(f"--quantize {options.quantize} (QLoRA) is traced on one GPU only, not under plan's "
+        raise OptionError(f"`quantize` {options.quantize} (QLoRA) is traced on one GPU only, not under plan's "
                           "strategies yet: use `batchfit estimate` with the same options for one GPU's QLoRA step, "
-                          "or plan without --quantize")
+                          "or plan without `quantize`")
     if options.accumulation_steps != 1:
-        raise OptionError("plan chooses the accumulation steps itself (to reach --global-batch): "
-                          "drop --accumulation-steps")
+        raise OptionError("plan chooses the accumulation steps itself (to reach `global_batch`): "
+                          "drop `accumulation_steps`")
     if trace is None or parse is None:
         module = sharded()
         pp_options = {} if (pp_schedule, microbatches) == ("1f1b", 0) else dict(pp_schedule=pp_schedule,
@@ -354,7 +354,7 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     traces = sum(count for _, _, count in done)
     if params is None:
         raise OptionError(f"no strategy of '{strategies}' could be traced for {workload.name}: "
-                          "every one was skipped (see above); name strategies with --strategies ddp,fsdp")
+                          "every one was skipped (see above); name strategies with `strategies` ddp,fsdp")
     if tokens == "chinchilla":
         tokens = float(CHINCHILLA_TOKENS_PER_PARAM * params)
     for p in plans:
@@ -438,8 +438,8 @@ def _with_fsdp_only(by_world: list, *, auto: bool) -> list:
     other = sorted({f"{s.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}" for world, chosen in by_world
                     for s in chosen if s.shard not in FSDP_SHARDS})
     if other:
-        raise OptionError(f"--offload params is FSDP2's CPUOffloadPolicy, and {', '.join(other)} has no FSDP: "
-                          "plan it with --strategies fsdp (or hsdp<R>, fsdp+tp<N>), or use --offload activations")
+        raise OptionError(f"`offload` params is FSDP2's CPUOffloadPolicy, and {', '.join(other)} has no FSDP: "
+                          "plan it with `strategies` fsdp (or hsdp<R>, fsdp+tp<N>), or use `offload` activations")
     return by_world
 
 

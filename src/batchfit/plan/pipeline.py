@@ -62,10 +62,10 @@ class PipelineSession:
             # checkpointing caches each region's ops for one backward ("Trying to backward an extra time")
             raise OptionError(f"{strategy.name} with {self.schedule.name}: selective checkpointing lets a region "
                               "backward once, and a zero-bubble schedule runs each stage's backward twice (input, "
-                              "then weights): use --checkpointing full, or --pp-schedule interleaved-1f1b")
+                              "then weights): use `checkpointing` full, or `pp_schedule` interleaved-1f1b")
         if options.loss != "plain":
-            raise OptionError(f"{strategy.name}: --loss {options.loss} is not traced under pipeline parallelism yet "
-                              "(the last stage computes the plain loss from its logits): use --loss plain")
+            raise OptionError(f"{strategy.name}: `loss` {options.loss} is not traced under pipeline parallelism yet "
+                              "(the last stage computes the plain loss from its logits): use `loss` plain")
         with torch.device("meta"):
             probe = workload.build_model()
         check_pipeline(self.schedule, strategy.pp, n_layers_of(probe))
@@ -79,7 +79,7 @@ class PipelineSession:
         if sp and pp_parts(probe) is not None and self.schedule.splits_backward:
             raise OptionError(f"{strategy.name} with {self.schedule.name}: an HF stage under "
                               "sequence-parallel TP sends its sequence shard as a view of the residual stream's "
-                              "DTensor, which torch's stage_backward_input cannot detach in place: use --pp-schedule "
+                              "DTensor, which torch's stage_backward_input cannot detach in place: use `pp_schedule` "
                               "1f1b, gpipe or interleaved-1f1b, or drop tp")
         self.seq_len = workload.tokens_per_sample // (strategy.tp if sp else 1)
         del probe
@@ -121,7 +121,7 @@ class PipelineSession:
         m = self.strategy.microbatches
         if local_batch < 1 or local_batch % m:
             raise OptionError(f"{self.strategy.name}: the local batch ({local_batch}) must be a multiple of the "
-                              f"{m} micro-batches: --multiple-of {m}, or --microbatches that divides it")
+                              f"{m} micro-batches: `multiple_of` {m}, or `microbatches` that divides it")
         traced = [self._trace_rank(r, local_batch) for r in self.ranks]
         self.stage_points = [stage for stage, _ in traced]
         worst, stream = max(traced, key=lambda t: t[0].point.peak_bytes)

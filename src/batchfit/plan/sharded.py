@@ -44,7 +44,7 @@ def parse_strategies(text: str, world_size: int, *, pp_schedule: str = "1f1b", m
     strategies: list[Strategy] = []
     for name in names:
         if name.strip().lower() == "auto":
-            raise OptionError("'auto' stands alone: --strategies auto, or a list such as ddp,fsdp")
+            raise OptionError("'auto' stands alone: `strategies` auto, or a list such as ddp,fsdp")
         strategy = parse_strategy(name, world_size, pp_schedule=pp_schedule, microbatches=microbatches)
         if strategy not in strategies:
             strategies.append(strategy)

@@ -113,9 +113,9 @@ class TimeModel:
 
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
-            raise OptionError(f"--mfu must be in (0, 1], e.g. 0.4; got {self.mfu}")
-        for name, value in (("--intra-node-gb-per-s", self.intra_node_gb_per_s),
-                            ("--inter-node-gb-per-s", self.inter_node_gb_per_s)):
+            raise OptionError(f"`mfu` must be in (0, 1], e.g. 0.4; got {self.mfu}")
+        for name, value in (("`intra_node_gb_per_s`", self.intra_node_gb_per_s),
+                            ("`inter_node_gb_per_s`", self.inter_node_gb_per_s)):
             if value is not None and value <= 0:
                 raise OptionError(f"{name} must be more than 0 (GB/s per GPU and direction), e.g. 450; got {value}")
 
@@ -143,14 +143,14 @@ def calibrated(path: str | Path, precision: str) -> TimeModel:
     """A TimeModel whose MFU is the one ``batchfit bench --json`` measured on a GPU: the row
     with the most samples per step that has one (the plan's micro-batches are large ones)."""
     try:
-        data = json.loads(read_text(path, f"--calibrate {path}"))
+        data = json.loads(read_text(path, f"`calibrate` {path}"))
     except (OSError, json.JSONDecodeError) as error:
-        raise OptionError(f"--calibrate {path}: cannot read it ({error}): give the file "
+        raise OptionError(f"`calibrate` {path}: cannot read it ({error}): give the file "
                           "`batchfit bench --device cuda --json bench.json` wrote") from None
     rows = [r for r in data.get("rows", []) if isinstance(r, dict) and r.get("mfu")] if isinstance(data, dict) else []
     if not rows:
-        raise OptionError(f"--calibrate {path} holds no measured MFU: it must come from a GPU run, "
-                          "`batchfit bench MODEL --device cuda --json bench.json`; or give --mfu 0.4")
+        raise OptionError(f"`calibrate` {path} holds no measured MFU: it must come from a GPU run, "
+                          "`batchfit bench MODEL --device cuda --json bench.json`; or give `mfu` 0.4")
     row = max(rows, key=lambda r: r["batch_size"])
     bench_precision = (data.get("options") or {}).get("precision")
     note = "" if bench_precision in (None, precision) else f"; measured at {bench_precision}, planned at {precision}"

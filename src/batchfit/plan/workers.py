@@ -98,7 +98,7 @@ def run(one: Callable[[Any, Callable[[str], None]], Any], jobs: Sequence, say: C
                     from batchfit.errors import TraceError
 
                     raise TraceError("a tracing process died (out of host memory, or killed): run with "
-                                     "--processes 1 to trace one strategy at a time") from error
+                                     "`processes` 1 to trace one strategy at a time") from error
                 raise error
         return [future.result() for future in pending]
     finally:

@@ -37,37 +37,37 @@ class World:
 
 def _counts(text: str) -> list[int]:
     if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text):
-        raise OptionError(f"cannot read --gpus '{text}': give a GPU count or counts separated by commas, "
-                          "e.g. --gpus 8 or --gpus 1,2,4")
+        raise OptionError(f"cannot read `gpus` '{text}': give a GPU count or counts separated by commas, "
+                          "e.g. `gpus` 8 or `gpus` 1,2,4")
     counts = [int(c) for c in text.split(",")]
     if min(counts) < 1:
-        raise OptionError(f"--gpus {text}: every GPU count must be 1 or more, e.g. --gpus 8 or --gpus 1,2,4")
+        raise OptionError(f"`gpus` {text}: every GPU count must be 1 or more, e.g. `gpus` 8 or `gpus` 1,2,4")
     return sorted(set(counts))
 
 
 def parse_worlds(gpus: str | None, nodes: int | None = None, gpus_per_node: int | None = None) -> list[World]:
     """The worlds to plan for, from the CLI's three options (see the module docstring)."""
     if nodes is not None and nodes < 1:
-        raise OptionError(f"--nodes must be 1 or more, got {nodes}")
+        raise OptionError(f"`nodes` must be 1 or more, got {nodes}")
     if gpus_per_node is not None and gpus_per_node < 1:
-        raise OptionError(f"--gpus-per-node must be 1 or more, got {gpus_per_node}")
+        raise OptionError(f"`gpus_per_node` must be 1 or more, got {gpus_per_node}")
     counts = _counts(gpus) if gpus is not None else None
     if nodes is not None or gpus_per_node is not None:
         if counts is not None and len(counts) > 1:
-            raise OptionError("a list of GPU counts (--gpus 1,2,4) is for one node: drop --nodes/--gpus-per-node, "
+            raise OptionError("a list of GPU counts (`gpus` 1,2,4) is for one node: drop `nodes`/`gpus_per_node`, "
                               "or give one count")
         if gpus_per_node is None:
             if counts is None or counts[0] % nodes:
-                raise OptionError(f"--nodes {nodes} needs --gpus-per-node, e.g. --nodes {nodes} --gpus-per-node 8")
+                raise OptionError(f"`nodes` {nodes} needs `gpus_per_node`, e.g. `nodes` {nodes} `gpus_per_node` 8")
             gpus_per_node = counts[0] // nodes
         nodes = nodes or 1
         if counts is not None and counts[0] != nodes * gpus_per_node:
-            raise OptionError(f"--gpus {counts[0]} is not --nodes {nodes} x --gpus-per-node {gpus_per_node}: "
-                              f"drop --gpus (it is {nodes * gpus_per_node})")
+            raise OptionError(f"`gpus` {counts[0]} is not `nodes` {nodes} x `gpus_per_node` {gpus_per_node}: "
+                              f"drop `gpus` (it is {nodes * gpus_per_node})")
         return [World(nodes * gpus_per_node, nodes)]
     if counts is None:
-        raise OptionError("say how many GPUs: --gpus 8 (one node), --gpus 1,2,4 (a table by GPU count), "
-                          "or --nodes 2 --gpus-per-node 8")
+        raise OptionError("say how many GPUs: `gpus` 8 (one node), `gpus` 1,2,4 (a table by GPU count), "
+                          "or `nodes` 2 `gpus_per_node` 8")
     worlds = []
     for count in counts:
         if count <= DEFAULT_GPUS_PER_NODE:
@@ -75,8 +75,8 @@ def parse_worlds(gpus: str | None, nodes: int | None = None, gpus_per_node: int 
         elif count % DEFAULT_GPUS_PER_NODE == 0:
             worlds.append(World(count, count // DEFAULT_GPUS_PER_NODE))
         else:
-            raise OptionError(f"--gpus {count} does not fill nodes of {DEFAULT_GPUS_PER_NODE}: give the layout, "
-                              f"e.g. --nodes 2 --gpus-per-node {-(-count // 2)}")
+            raise OptionError(f"`gpus` {count} does not fill nodes of {DEFAULT_GPUS_PER_NODE}: give the layout, "
+                              f"e.g. `nodes` 2 `gpus_per_node` {-(-count // 2)}")
     return worlds
 
 
@@ -92,6 +92,6 @@ def parse_tokens(text: str | None) -> str | float | None:
     except ValueError:
         tokens = -1.0
     if not tokens > 0:
-        raise OptionError(f"cannot read --tokens '{text}': give a token count such as 2e11, or chinchilla "
+        raise OptionError(f"cannot read `tokens` '{text}': give a token count such as 2e11, or chinchilla "
                           f"({CHINCHILLA_TOKENS_PER_PARAM} x the parameters)")
     return tokens

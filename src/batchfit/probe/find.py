@@ -216,7 +216,7 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
                                steps=steps, target_util=target_util, global_batch=global_batch, limit=limit)
     multiple_of = workload.batch_multiple(multiple_of)
     if isolate and spec is None:
-        raise OptionError("--isolate rebuilds the workload in a fresh process from its MODEL spec: pass spec=")
+        raise OptionError("`isolate` rebuilds the workload in a fresh process from its MODEL spec: pass spec=")
     say = progress or (lambda message: None)
     target = ranks.local_target(target)
     strategy = parallel.choose_strategy(strategy, virtual=target.kind == "virtual",

@@ -44,8 +44,8 @@ def local_target(target: Target) -> Target:
         return target
     index = local_rank()
     if target.spec not in ("cuda", f"cuda:{index}"):
-        raise OptionError(f"--device {target.spec} under torchrun: each rank uses its own GPU, "
-                          f"cuda:LOCAL_RANK (here cuda:{index}): pass --device cuda")
+        raise OptionError(f"`device` {target.spec} under torchrun: each rank uses its own GPU, "
+                          f"cuda:LOCAL_RANK (here cuda:{index}): pass `device` cuda")
     visible = torch.cuda.device_count()
     if index >= visible:
         raise OptionError(f"LOCAL_RANK is {index} but this process sees {visible} CUDA device(s): "

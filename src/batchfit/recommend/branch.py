@@ -107,7 +107,7 @@ def _finite(loss: float, what: str, position: int, curve: Curve) -> float:
     """``loss``, or NonFiniteLoss: the runs store keeps a NaN as NULL, which its curve refuses."""
     if not math.isfinite(loss):
         raise NonFiniteLoss(f"the {what} loss is not finite ({loss}) at sample {position:,} (batch {curve.batch_size}, "
-                            f"lr {curve.lr:.3g}): the run diverged; lower --lrs, or keep --grad-clip")
+                            f"lr {curve.lr:.3g}): the run diverged; lower `lrs`, or keep `grad_clip`")
     return loss
 
 

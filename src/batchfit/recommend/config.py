@@ -44,25 +44,25 @@ class RecommendConfig:
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise OptionError("--batch-sizes must be positive integers, e.g. 1,2,4,8")
+            raise OptionError("`batch_sizes` must be positive integers, e.g. 1,2,4,8")
         self.batch_sizes = sorted(set(self.batch_sizes))
         if len(self.batch_sizes) < 2:
-            raise OptionError("give at least two --batch-sizes to compare, e.g. 1,2,4,8,16")
+            raise OptionError("give at least two `batch_sizes` to compare, e.g. 1,2,4,8,16")
         if (self.tokens is None) == (self.samples is None):
-            raise OptionError("give the budget once: --tokens (e.g. --tokens 50M) or --samples (e.g. --samples 200k)")
+            raise OptionError("give the budget once: `tokens` (e.g. `tokens` 50M) or `samples` (e.g. `samples` 200k)")
         if self.lr_scaling not in LR_SCALINGS:
-            raise OptionError(f"unknown --lr-scaling '{self.lr_scaling}': use sqrt, linear or none")
+            raise OptionError(f"unknown `lr_scaling` '{self.lr_scaling}': use sqrt, linear or none")
         if not self.branch_points or not all(0 < p < 1 for p in self.branch_points):
-            raise OptionError("--branch-at takes shares of the budget between 0 and 1, e.g. 10%,25%")
+            raise OptionError("`branch_at` takes shares of the budget between 0 and 1, e.g. 10%,25%")
         if not 0 < self.window < 1:
-            raise OptionError(f"--window must be a share of the budget between 0 and 1, e.g. 4%; got {self.window}")
+            raise OptionError(f"`window` must be a share of the budget between 0 and 1, e.g. 4%; got {self.window}")
         if self.epsilon <= 0:
-            raise OptionError(f"--epsilon must be above 0, e.g. 0.01; got {self.epsilon}")
+            raise OptionError(f"`epsilon` must be above 0, e.g. 0.01; got {self.epsilon}")
         if not 0 <= self.cooldown < 1:
-            raise OptionError("--cooldown must be a share of the window from 0 to below 1, e.g. 75%; got "
+            raise OptionError("`cooldown` must be a share of the window from 0 to below 1, e.g. 75%; got "
                               f"{self.cooldown}")
         if self.seeds < 1:
-            raise OptionError(f"--seeds must be 1 or more, got {self.seeds}")
+            raise OptionError(f"`seeds` must be 1 or more, got {self.seeds}")
         self.branch_points = tuple(sorted(set(self.branch_points)))
 
     def budget(self, tokens_per_sample: int | None) -> Budget:

@@ -79,23 +79,23 @@ def plan_recommend(config: RecommendConfig, workload: Workload, tokens: TokenDat
         need = math.ceil(2 * step_all / config.window) * per_sample
         raise UsageError(f"budget too small to branch: a window of {config.window:.0%} of {budget.total:,} "
                          f"{budget.unit} holds {window * per_sample:,}, fewer than 2 steps at batch {b_max}; "
-                         f"raise --{budget.unit} to at least {need:,}, widen --window, or drop the largest batch sizes")
+                         f"raise --{budget.unit} to at least {need:,}, widen `window`, or drop the largest batch sizes")
     points = sorted({max(b0, round(p * total / b0) * b0) for p in config.branch_points})
     last_end = points[-1] + config.seeds * window
     if last_end > total:
         raise UsageError(f"the last branch point ({config.branch_points[-1]:.0%}) plus {config.seeds} window(s) of "
-                         f"{config.window:.0%} runs past the budget: branch earlier or use a smaller --window")
+                         f"{config.window:.0%} runs past the budget: branch earlier or use a smaller `window`")
     if tokens is not None:
         fmt = lm_format(workload)
         budget.check_data((len(tokens.train) - 1) // fmt.seq_len, fmt.seq_len)
     fits = largest_fitting(b_max) if largest_fitting is not None else None
     if fits is not None and fits < 1:
         raise UsageError(f"batch sizes {', '.join(map(str, config.batch_sizes))} cannot fit {fit_device_name} even "
-                         "at micro-batch 1 (traced): use a larger GPU, --precision bf16-mixed, or checkpointing")
+                         "at micro-batch 1 (traced): use a larger GPU, `precision` bf16-mixed, or checkpointing")
     micro = {b: micro_batch_for(b, fits) for b in config.batch_sizes}
     base = config.lrs or [default_lr(workload)]
     lrs = {b: [scaled_lr(lr, b, config.lr_scaling, b0) for lr in base] for b in config.batch_sizes}
-    warmup = parse_amount(config.warmup, budget.total, "--warmup")
+    warmup = parse_amount(config.warmup, budget.total, "`warmup`")
     schedule = Schedule(total=budget.total, warmup=warmup, min_lr_ratio=config.min_lr_ratio)
     notes = [f"batch {b} runs as {b // m} accumulated micro-batches of {m} (largest that fits: {fits}, traced)"
              for b, m in micro.items() if m < b]

@@ -71,9 +71,9 @@ class Budget:
         if self.unit not in ("tokens", "samples"):
             raise OptionError(f"a budget is in tokens or samples, not {self.unit}")
         if self.total < 1:
-            raise OptionError(f"--{self.unit} must be 1 or more, e.g. --{self.unit} 50M")
+            raise OptionError(f"`{self.unit}` must be 1 or more, e.g. `{self.unit}` 50M")
         if self.unit == "tokens" and not self.tokens_per_sample:
-            raise OptionError("--tokens needs a model with a sequence length: give --samples instead")
+            raise OptionError("`tokens` needs a model with a sequence length: give `samples` instead")
 
     @property
     def per_sample(self) -> int:
@@ -100,7 +100,7 @@ class Budget:
         if per_step > self.total:
             raise OptionError(
                 f"batch size {batch_size} is above the budget: one step takes {per_step:,} {self.unit}, "
-                f"the budget is {self.total:,}; raise --{self.unit} to at least {per_step:,} or drop that batch size")
+                f"the budget is {self.total:,}; raise `{self.unit}` to at least {per_step:,} or drop that batch size")
         if self.total % per_step:
             return self.check([batch_size])[batch_size]  # raises, naming the nearest exact budgets
         return self.total // per_step
@@ -114,9 +114,9 @@ class Budget:
                 lower, upper = self.total // lcm * lcm, (self.total // lcm + 1) * lcm
                 nearest = f"{lower:,} or {upper:,}" if lower else f"{upper:,}"
                 raise OptionError(
-                    f"--{self.unit} {self.total:,} is not a whole number of steps at batch size {b} "
+                    f"`{self.unit}` {self.total:,} is not a whole number of steps at batch size {b} "
                     f"({per_step:,} {self.unit} per step): budgets exact at every batch size are multiples of "
-                    f"{lcm:,}, e.g. --{self.unit} {nearest.replace(',', '')}")
+                    f"{lcm:,}, e.g. `{self.unit}` {nearest.replace(',', '')}")
         return {b: self.steps(b) for b in batch_sizes}
 
     def to_json(self) -> dict:
@@ -134,9 +134,9 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if not 0 <= self.warmup <= self.total:
-            raise OptionError(f"--warmup must be within the budget (0 to {self.total:,}), got {self.warmup:,}")
+            raise OptionError(f"`warmup` must be within the budget (0 to {self.total:,}), got {self.warmup:,}")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise OptionError(f"--min-lr-ratio must be between 0 and 1, e.g. 0.1; got {self.min_lr_ratio}")
+            raise OptionError(f"`min_lr_ratio` must be between 0 and 1, e.g. 0.1; got {self.min_lr_ratio}")
 
     def factor(self, consumed: int) -> float:
         """The learning rate over its peak once ``consumed`` units have been trained on
@@ -168,7 +168,7 @@ def time_left(elapsed_s: float, done: float, total: float) -> str:
 def scaled_lr(base_lr: float, batch_size: int, scaling: str, ref_batch: int) -> float:
     """``base_lr`` is right at ``ref_batch``; linear: x (b/ref), sqrt: x sqrt(b/ref), none: as is."""
     if scaling not in LR_SCALINGS:
-        raise OptionError(f"unknown --lr-scaling '{scaling}': use none, linear or sqrt")
+        raise OptionError(f"unknown `lr_scaling` '{scaling}': use none, linear or sqrt")
     ratio = batch_size / ref_batch
     return base_lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[scaling]
 
@@ -180,10 +180,10 @@ def parse_lrs(text: str | None) -> list[float] | None:
     try:
         lrs = [float(s) for s in text.split(",")]
     except ValueError:
-        raise OptionError(f"cannot read --lrs '{text}': give learning rates separated by commas, "
+        raise OptionError(f"cannot read `lrs` '{text}': give learning rates separated by commas, "
                           "e.g. 1e-4,3e-4,1e-3") from None
     if not lrs or min(lrs) <= 0 or any(math.isnan(x) or math.isinf(x) for x in lrs):
-        raise OptionError(f"--lrs must all be positive, e.g. 1e-4,3e-4,1e-3; got '{text}'")
+        raise OptionError(f"`lrs` must all be positive, e.g. 1e-4,3e-4,1e-3; got '{text}'")
     return sorted(set(lrs))
 
 

@@ -44,14 +44,14 @@ def default_cache_dir() -> Path:
 def _files(path: Path) -> list[Path]:
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
     if not files:
-        raise UsageError(f"--data {path}: the folder has no .txt, .jsonl or .parquet files")
+        raise UsageError(f"`data` {path}: the folder has no .txt, .jsonl or .parquet files")
     return files
 
 
 def _jsonl_rows(path: Path) -> list[tuple[int, object]]:
     """(line number, parsed value) of each non-blank line of a .jsonl file."""
     rows = []
-    for number, line in enumerate(read_text(path, f"--data {path}", UsageError).splitlines(), 1):
+    for number, line in enumerate(read_text(path, f"`data` {path}", UsageError).splitlines(), 1):
         if line.strip():
             try:
                 rows.append((number, json.loads(line)))
@@ -93,13 +93,13 @@ def _check_is_text(path: Path, raw: bytes) -> None:
     UTF-16): it would tokenize into noise, silently. A few stray bytes are replaced."""
     sample = raw[: 1 << 20]
     if b"\x00" in sample:
-        raise UsageError(f"--data {path} is not text (it holds NUL bytes: binary, or UTF-16): give a UTF-8 "
-                         "text file, e.g. --data stories.txt")
+        raise UsageError(f"`data` {path} is not text (it holds NUL bytes: binary, or UTF-16): give a UTF-8 "
+                         "text file, e.g. `data` stories.txt")
     text = sample.decode("utf-8", errors="replace")
     bad = text.count("\ufffd") - sample.decode("utf-8", errors="ignore").count("\ufffd")  # not counting real U+FFFD
     if sample and bad > max(8, len(sample) // 100):
-        raise UsageError(f"--data {path} is not UTF-8 text ({bad:,} invalid UTF-8 sequences in its first "
-                         f"{len(sample):,} bytes): give a UTF-8 text file, e.g. --data stories.txt")
+        raise UsageError(f"`data` {path} is not UTF-8 text ({bad:,} invalid UTF-8 sequences in its first "
+                         f"{len(sample):,} bytes): give a UTF-8 text file, e.g. `data` stories.txt")
 
 
 def _fingerprint(paths: list[Path]) -> str:
@@ -116,7 +116,7 @@ def _dataset_texts(name: str) -> tuple[list[str], str]:
     try:
         import datasets
     except ImportError:
-        raise UsageError(f"--data {name} is no file or folder here; reading a datasets name needs "
+        raise UsageError(f"`data` {name} is no file or folder here; reading a datasets name needs "
                          "pip install 'batchfit[data]'") from None
     try:
         if Path(name).is_dir():
@@ -125,12 +125,12 @@ def _dataset_texts(name: str) -> tuple[list[str], str]:
             loaded = datasets.load_dataset(name)
     except Exception as error:  # network, unknown name, no cache: one line
         first = (str(error).strip().splitlines() or [""])[0]
-        raise UsageError(f"--data {name}: no such file or folder, and datasets cannot load it "
+        raise UsageError(f"`data` {name}: no such file or folder, and datasets cannot load it "
                          f"({type(error).__name__}: {first}); give a text file, a folder, or a "
                          "cached dataset") from None
     split = loaded["train"] if isinstance(loaded, dict) or hasattr(loaded, "keys") else loaded
     if "text" not in split.column_names:
-        raise UsageError(f"--data {name}: the train split has no 'text' column ({', '.join(split.column_names)})")
+        raise UsageError(f"`data` {name}: the train split has no 'text' column ({', '.join(split.column_names)})")
     return [t for t in split["text"] if t], getattr(split, "_fingerprint", name)
 
 
@@ -155,7 +155,7 @@ def read_texts(data: str) -> tuple[list[str], str]:
         # a file's path, not a dataset's name: a Hub lookup would only add a network error
         parent = path.parent if path.parent.is_dir() else None
         where = f"'{parent}' has no {path.name}" if parent else f"the folder '{path.parent}' does not exist"
-        raise UsageError(f"--data {data}: no such file ({where}); give a text file, a folder of "
+        raise UsageError(f"`data` {data}: no such file ({where}); give a text file, a folder of "
                          f"{'/'.join(TEXT_SUFFIXES)} files, or a datasets name (e.g. roneneldan/TinyStories)")
     return _dataset_texts(data)
 
@@ -164,7 +164,7 @@ def split_text(docs: list[str], val_fraction: float) -> tuple[str, str]:
     """The last ``val_fraction`` of the characters (cut at a line break when there is one
     near) is validation: fixed, whatever the seed."""
     if not 0 < val_fraction < 1:
-        raise OptionError(f"--val-fraction must be between 0 and 1, e.g. 0.01; got {val_fraction}")
+        raise OptionError(f"`val_fraction` must be between 0 and 1, e.g. 0.01; got {val_fraction}")
     text = f"\n{EOT}\n".join(docs)
     cut = int(len(text) * (1 - val_fraction))
     newline = text.find("\n", cut)
@@ -195,7 +195,7 @@ def train_bpe(text: str, vocab_size: int) -> tuple[Tokenizer, str]:
         from tokenizers import decoders, models, pre_tokenizers, trainers
     except ImportError:
         raise UsageError("the default BPE tokenizer needs pip install 'batchfit[data]', or give "
-                         "--tokenizer bytes") from None
+                         "`tokenizer` bytes") from None
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -231,11 +231,11 @@ def cached_tokenizer(name: str) -> Tokenizer:
         hf = AutoTokenizer.from_pretrained(name, local_files_only=True)
     except ImportError as error:  # what to install, not "not found"
         extra = "hf" if error.name == "transformers" else "data"
-        raise UsageError(f"--tokenizer {name} needs {error.name}: pip install 'batchfit[{extra}]'") from None
+        raise UsageError(f"`tokenizer` {name} needs {error.name}: pip install 'batchfit[{extra}]'") from None
     except Exception as error:
         first = (str(error).strip().splitlines() or [""])[0]
-        raise UsageError(f"--tokenizer {name}: not found in the local cache ({type(error).__name__}: {first}); "
-                         "use --tokenizer bpe (trained on your data) or bytes") from None
+        raise UsageError(f"`tokenizer` {name}: not found in the local cache ({type(error).__name__}: {first}); "
+                         "use `tokenizer` bpe (trained on your data) or bytes") from None
     return Tokenizer(name, len(hf), lambda text: hf(text, add_special_tokens=False)["input_ids"], name)
 
 
@@ -246,8 +246,8 @@ def tokenizer_named(name: str) -> Tokenizer:
         return bytes_tokenizer()
     try:
         return cached_tokenizer(name)
-    except UsageError as error:  # its hint names --tokenizer bpe, which trains on a sweep's text only
-        raise UsageError(str(error).split("; use --tokenizer bpe")[0] + "; give a tokenizer.json, a tokenizer in "
+    except UsageError as error:  # its hint names `tokenizer` bpe, which trains on a sweep's text only
+        raise UsageError(str(error).split("; use `tokenizer` bpe")[0] + "; give a tokenizer.json, a tokenizer in "
                          "the local Hugging Face cache, or bytes") from None
 
 
@@ -261,7 +261,7 @@ def _row_length(row: object, where: str, length_column: str | None,
     if length_column is not None:
         if length_column not in row:
             raise UsageError(f"{where}: no column '{length_column}' (columns: {', '.join(map(str, row))}): "
-                             "give --length-column one of them, or drop it")
+                             "give `length_column` one of them, or drop it")
         value = row[length_column]
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise UsageError(f"{where}: '{length_column}' is {value!r}, not a count of tokens (an integer >= 0)")
@@ -271,7 +271,7 @@ def _row_length(row: object, where: str, length_column: str | None,
     if "text" in row:
         return len(tokenizer().encode(row["text"] or ""))
     raise UsageError(f"{where}: a row has no 'input_ids' and no 'text' (columns: {', '.join(map(str, row))}): "
-                     "give --length-column NAME for a column of lengths")
+                     "give `length_column` NAME for a column of lengths")
 
 
 def _file_rows(path: Path) -> list[tuple[str, object]]:
@@ -292,16 +292,16 @@ def sample_lengths(data: str, *, length_column: str | None = None,
     called only where a row holds text; None there is a one-line error."""
     def need_tokenizer() -> Tokenizer:
         if tokenizer is None:
-            raise UsageError(f"--data {data} holds text and no tokenizer was given or found with the model: "
-                             "give --tokenizer (a tokenizer.json, a cached name, or bytes), rows with "
-                             "input_ids, or --length-column NAME")
+            raise UsageError(f"`data` {data} holds text and no tokenizer was given or found with the model: "
+                             "give `tokenizer` (a tokenizer.json, a cached name, or bytes), rows with "
+                             "input_ids, or `length_column` NAME")
         return tokenizer()
 
     files = _local_files(data)
     rows = ([row for f in files for row in _file_rows(f)] if files is not None
-            else [(f"--data {data}", text) for text in _dataset_texts(data)[0]])
+            else [(f"`data` {data}", text) for text in _dataset_texts(data)[0]])
     if not rows:
-        raise UsageError(f"--data {data} holds no samples: give a file with one sample per line (.txt, .jsonl) "
+        raise UsageError(f"`data` {data} holds no samples: give a file with one sample per line (.txt, .jsonl) "
                          "or per row (.parquet)")
     memo: list[Tokenizer] = []
 
@@ -338,7 +338,7 @@ def tokenize(data: str, *, tokenizer: str = "bpe", vocab_size: int, val_fraction
     say = progress or (lambda message: None)
     docs, fingerprint = read_texts(data)
     if not docs or not any(d.strip() for d in docs):
-        raise UsageError(f"--data {data} holds no text")
+        raise UsageError(f"`data` {data} holds no text")
     kind = "bpe" if tokenizer == "bpe" else tokenizer
     key = hashlib.sha256(json.dumps([fingerprint, kind, vocab_size if kind == "bpe" else None,
                                      val_fraction]).encode()).hexdigest()[:20]
@@ -357,16 +357,16 @@ def tokenize(data: str, *, tokenizer: str = "bpe", vocab_size: int, val_fraction
     else:
         tok, saved = cached_tokenizer(tokenizer), None
     if tok.vocab_size > vocab_size:
-        raise OptionError(f"--tokenizer {tok.name} has {tok.vocab_size:,} tokens but the model's vocabulary has "
-                          f"{vocab_size:,}: use --tokenizer bpe (trained at the model's size) or a smaller tokenizer")
+        raise OptionError(f"`tokenizer` {tok.name} has {tok.vocab_size:,} tokens but the model's vocabulary has "
+                          f"{vocab_size:,}: use `tokenizer` bpe (trained at the model's size) or a smaller tokenizer")
     say(f"tokenizing {len(train_text):,} + {len(val_text):,} characters ({tok.name})")
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
     train, val = (np.asarray(tok.encode(t), dtype=dtype) for t in (train_text, val_text))
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # a file where a folder goes, a read-only place
-        raise OptionError(f"cannot create the token cache {folder} ({error.strerror or error}): give --cache-dir "
-                          "a folder you can write, e.g. --cache-dir ~/.cache/batchfit/tokens") from None
+        raise OptionError(f"cannot create the token cache {folder} ({error.strerror or error}): give `cache_dir` "
+                          "a folder you can write, e.g. `cache_dir` ~/.cache/batchfit/tokens") from None
     tmp = folder / f".tmp-{os.getpid()}"
     tmp.mkdir(exist_ok=True)
     np.save(tmp / "train.npy", train)
@@ -443,7 +443,7 @@ class TokenSamples:
         self.count = (len(tokens) - 1) // seq_len
         if self.count < 1:
             raise UsageError(f"the data holds {len(tokens):,} tokens, fewer than one sample of {seq_len + 1}: "
-                             "give more text or a shorter --seq-len")
+                             "give more text or a shorter `seq_len`")
         self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
     def windows(self, start: int, n: int) -> torch.Tensor:
@@ -476,12 +476,12 @@ class BatchSource:
         if tokens is not None:
             self._format = lm_format(workload)
             if self._format is None:
-                raise UsageError(f"--data gives text, but {workload.name} is not a token language model "
-                                 "(its make_batch returns no token ids): drop --data, or give the workload "
+                raise UsageError(f"`data` gives text, but {workload.name} is not a token language model "
+                                 "(its make_batch returns no token ids): drop `data`, or give the workload "
                                  "train_batches")
             if tokens.vocab_size > self._format.vocab_size:
                 raise OptionError(f"the tokenizer has {tokens.vocab_size:,} tokens, the model's embedding "
-                                  f"{self._format.vocab_size:,}: use --tokenizer bpe or a model with a "
+                                  f"{self._format.vocab_size:,}: use `tokenizer` bpe or a model with a "
                                   "larger vocabulary")
             self._train = TokenSamples(tokens.train, self._format.seq_len, seed)
             self._val = TokenSamples(tokens.val, self._format.seq_len, seed)

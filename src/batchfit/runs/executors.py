@@ -94,14 +94,14 @@ class WorkerContext:
 
 def check_executor(executor: str, workers: int) -> None:
     if executor not in EXECUTORS:
-        raise OptionError(f"unknown --executor '{executor}': use local (worker processes here) or ray")
+        raise OptionError(f"unknown `executor` '{executor}': use local (worker processes here) or ray")
     if workers < 1:
-        raise OptionError(f"--workers must be 1 or more, got {workers}")
+        raise OptionError(f"`workers` must be 1 or more, got {workers}")
     if executor == "ray":
         try:
             import ray  # noqa: F401
         except ImportError:
-            raise OptionError("--executor ray needs Ray: pip install 'batchfit[ray]'") from None
+            raise OptionError("`executor` ray needs Ray: pip install 'batchfit[ray]'") from None
 
 
 def guarded_run(workload: Workload, source: BatchSource, spec: RunSpec, store: Store, checkpoints: Path,

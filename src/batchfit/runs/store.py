@@ -77,18 +77,18 @@ def check_store(path: Path, config: dict, *, resume: bool) -> None:
             row = db.execute("SELECT value FROM sweep WHERE key = 'config'").fetchone()
             runs = db.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
     except sqlite3.DatabaseError as error:
-        raise OptionError(f"--store {path} is not a batchfit sweep store ({error}): give a new --store") from None
+        raise OptionError(f"`store` {path} is not a batchfit sweep store ({error}): give a new `store`") from None
     if row is None:
         return
     old = json.loads(row[0])
     differ = _differences(old, config)
     if differ:
         raise OptionError(
-            f"--store {path} holds a different sweep (it differs in {', '.join(differ)}): give a new --store, "
-            "or the options it was made with" + ("" if resume else " and --resume"))
+            f"`store` {path} holds a different sweep (it differs in {', '.join(differ)}): give a new `store`, "
+            "or the options it was made with" + ("" if resume else " and `resume`"))
     if runs and not resume:
-        raise OptionError(f"--store {path} already holds this sweep: add --resume to finish it (runs that are "
-                          "done are kept), or give a new --store")
+        raise OptionError(f"`store` {path} already holds this sweep: add `resume` to finish it (runs that are "
+                          "done are kept), or give a new `store`")
 
 
 def owner_id() -> str:
@@ -112,15 +112,15 @@ def _alive(owner: str) -> bool:
 
 def _check_existing(path: Path) -> None:
     if not path.exists():
-        raise OptionError(f"--store {path} does not exist: give the file a sweep wrote (batchfit sweep ... "
-                          "--store sweep.db), e.g. --store sweep.db")
+        raise OptionError(f"`store` {path} does not exist: give the file a sweep wrote (batchfit sweep ... "
+                          "`store` sweep.db), e.g. `store` sweep.db")
     try:
         with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)) as db:
             db.execute("SELECT value FROM sweep WHERE key = 'config'").fetchone()
             db.execute("SELECT COUNT(*) FROM runs").fetchone()
     except sqlite3.DatabaseError as error:
-        raise OptionError(f"--store {path} is not a batchfit sweep store ({error}): give the file a sweep "
-                          "wrote, e.g. --store sweep.db") from None
+        raise OptionError(f"`store` {path} is not a batchfit sweep store ({error}): give the file a sweep "
+                          "wrote, e.g. `store` sweep.db") from None
 
 
 class Store:

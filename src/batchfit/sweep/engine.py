@@ -76,23 +76,23 @@ class SweepConfig:
     def __post_init__(self) -> None:
         self.store = Path(self.store)
         if self.resume and not self.store.exists():  # a typo'd store name started a new sweep
-            raise OptionError(f"--resume: --store {self.store} does not exist, so there is nothing to resume: give "
-                              "the store of the sweep to finish, or drop --resume to start a new one")
+            raise OptionError(f"`resume`: `store` {self.store} does not exist, so there is nothing to resume: give "
+                              "the store of the sweep to finish, or drop `resume` to start a new one")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise OptionError("--batch-sizes must be positive integers, e.g. 1,2,4,8")
+            raise OptionError("`batch_sizes` must be positive integers, e.g. 1,2,4,8")
         self.batch_sizes = sorted(set(self.batch_sizes))
         if (self.tokens is None) == (self.samples is None):
-            raise OptionError("give the budget once: --tokens (e.g. --tokens 50M) or --samples (e.g. --samples 200k)")
+            raise OptionError("give the budget once: `tokens` (e.g. `tokens` 50M) or `samples` (e.g. `samples` 200k)")
         if self.lr_scaling not in LR_SCALINGS:
-            raise OptionError(f"unknown --lr-scaling '{self.lr_scaling}': use none, linear or sqrt")
+            raise OptionError(f"unknown `lr_scaling` '{self.lr_scaling}': use none, linear or sqrt")
         if self.lr_ref_batch is not None and self.lr_ref_batch < 1:
-            raise OptionError(f"--lr-ref-batch must be 1 or more, got {self.lr_ref_batch}")
+            raise OptionError(f"`lr_ref_batch` must be 1 or more, got {self.lr_ref_batch}")
         if self.eval_samples < 1:
-            raise OptionError(f"--eval-samples must be 1 or more, got {self.eval_samples}")
+            raise OptionError(f"`eval_samples` must be 1 or more, got {self.eval_samples}")
         if self.precision not in PRECISIONS:
             raise OptionError(f"unknown precision '{self.precision}': use one of {', '.join(PRECISIONS)}")
         if self.grad_clip is not None and not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
-            raise OptionError("--grad-clip must be 0 (no clipping) or more, e.g. --grad-clip 1.0; got "
+            raise OptionError("`grad_clip` must be 0 (no clipping) or more, e.g. `grad_clip` 1.0; got "
                               f"{self.grad_clip}")
         if self.grad_clip == 0:
             self.grad_clip = None
@@ -157,17 +157,17 @@ def plan_sweep(config: SweepConfig, workload: Workload, *, largest_fitting: Call
     asked only once everything else has been checked."""
     say = progress or (lambda message: None)
     if config.data is None and config.require_data and lm_format(workload) is not None:
-        raise UsageError(f"{workload.name} is a language model: give --data (a text file, a folder of "
-                         ".txt/.jsonl/.parquet, or a datasets name), e.g. --data stories.txt; random tokens "
+        raise UsageError(f"{workload.name} is a language model: give `data` (a text file, a folder of "
+                         ".txt/.jsonl/.parquet, or a datasets name), e.g. `data` stories.txt; random tokens "
                          "teach it nothing")
     budget = config.budget(workload.tokens_per_sample)
     steps = budget.check(config.batch_sizes)
-    schedule = Schedule(total=budget.total, warmup=parse_amount(config.warmup, budget.total, "--warmup"),
+    schedule = Schedule(total=budget.total, warmup=parse_amount(config.warmup, budget.total, "`warmup`"),
                         min_lr_ratio=config.min_lr_ratio)
-    eval_every = parse_amount(config.eval_every, budget.total, "--eval-every")
-    checkpoint_every = parse_amount(config.checkpoint_every or config.eval_every, budget.total, "--checkpoint-every")
+    eval_every = parse_amount(config.eval_every, budget.total, "`eval_every`")
+    checkpoint_every = parse_amount(config.checkpoint_every or config.eval_every, budget.total, "`checkpoint_every`")
     if eval_every < 1 or checkpoint_every < 1:
-        raise OptionError("--eval-every and --checkpoint-every must be more than 0, e.g. 10%")
+        raise OptionError("`eval_every` and `checkpoint_every` must be more than 0, e.g. 10%")
     ref = config.lr_ref_batch or min(config.batch_sizes)
     base = config.lrs or [default_lr(workload)]
     lrs = {b: [scaled_lr(lr, b, config.lr_scaling, ref) for lr in base] for b in config.batch_sizes}
@@ -175,7 +175,7 @@ def plan_sweep(config: SweepConfig, workload: Workload, *, largest_fitting: Call
     if config.data is not None:
         fmt = lm_format(workload)
         if fmt is None:
-            raise UsageError(f"--data gives text, but {workload.name} is not a token language model: drop --data")
+            raise UsageError(f"`data` gives text, but {workload.name} is not a token language model: drop `data`")
         tokens = tokenize(config.data, tokenizer=config.tokenizer, vocab_size=fmt.vocab_size,
                           val_fraction=config.val_fraction, cache_dir=config.cache_dir, progress=say)
         budget.check_data((len(tokens.train) - 1) // fmt.seq_len, fmt.seq_len)  # as recommend: before the store

@@ -170,18 +170,18 @@ def check_noise_options(small: int, big: int, steps: int, repeats: int, ema_beta
                         lr: float | None = None) -> None:
     """Refuse, in one line each, what the measurement cannot take (the CLI calls it before reading any data)."""
     if not 1 <= small < big:
-        raise OptionError(f"--batch-sizes for noise are two sizes, small then big, e.g. 8,128; got {small},{big}")
+        raise OptionError(f"`batch_sizes` for noise are two sizes, small then big, e.g. 8,128; got {small},{big}")
     if big % small:
         raise OptionError(f"the big batch ({big}) must be a multiple of the small one ({small}): it is made of "
-                          f"micro-batches of {small}; e.g. --batch-sizes {small},{max(2, round(big / small)) * small}")
+                          f"micro-batches of {small}; e.g. `batch_sizes` {small},{max(2, round(big / small)) * small}")
     if steps < 0:
-        raise OptionError(f"--steps must be 0 (at the initial parameters) or more, got {steps}")
+        raise OptionError(f"`steps` must be 0 (at the initial parameters) or more, got {steps}")
     if steps == 0 and repeats < 2:
-        raise OptionError("--steps 0 averages --repeats measurements: give --repeats 2 or more, e.g. 100")
+        raise OptionError("`steps` 0 averages `repeats` measurements: give `repeats` 2 or more, e.g. 100")
     if not 0 <= ema_beta < 1:
-        raise OptionError(f"--ema must be in [0, 1), e.g. 0.95; got {ema_beta}")
+        raise OptionError(f"`ema` must be in [0, 1), e.g. 0.95; got {ema_beta}")
     if lr is not None and not (math.isfinite(lr) and lr > 0):  # nan trained on, every gradient nan
-        raise OptionError(f"--lr must be a positive number, e.g. --lr 3e-4; got {lr}")
+        raise OptionError(f"`lr` must be a positive number, e.g. `lr` 3e-4; got {lr}")
 
 
 def measure_once(trainer: TrainingStep, source: BatchSource, start: int, small: int, big: int

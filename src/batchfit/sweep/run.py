@@ -146,7 +146,7 @@ def train_run(workload: Workload, source: BatchSource, spec: RunSpec, store: Sto
             raise NonFiniteLoss(f"the {what} loss is not finite ({loss}) at step {step:,} of {steps:,}: the "
                                 "run diverged and stopped there (its curve up to step "
                                 f"{store.run(spec.run_id)['steps_done'] or 0:,} "
-                                "is kept); lower --lrs, or keep --grad-clip")
+                                "is kept); lower `lrs`, or keep `grad_clip`")
 
     if state["step"] == 0 and state["initial_val"] is None:
         state["initial_val"] = evaluate(model)

@@ -138,13 +138,13 @@ def _check_ring(query, attn_mask, fused: bool, *, efficient: bool) -> None:
     if not fused:
         raise OptionError("context parallelism: this attention (grouped-query K/V, or a head size or dtype no fused "
                           "CUDA kernel takes) runs SDPA's math kernel, which torch's ring attention does not take: "
-                          "use --precision bf16-mixed (flash takes grouped K/V), or drop cp<N>")
+                          "use `precision` bf16-mixed (flash takes grouped K/V), or drop cp<N>")
     local = query.to_local().shape[-2]
     if efficient and (local // 2) % 32:
         raise OptionError(f"context parallelism: the memory-efficient kernel (fp32, or a mask) pads its logsumexp to "
                           f"32 positions, and torch's ring merges half-chunks of {local // 2}, which it cannot: use "
-                          f"--seq-len a multiple of {64 * (query.shape[-2] // local)} (64 x cp), or "
-                          "--precision bf16-mixed (flash)")
+                          f"`seq_len` a multiple of {64 * (query.shape[-2] // local)} (64 x cp), or "
+                          "`precision` bf16-mixed (flash)")
 
 
 def _sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,

@@ -304,7 +304,7 @@ class TraceSession:
         self.packing = PackedSequences()
         """Answers transformers' packed-sequence check (``packing.assumed``: where the values decide)."""
         if (options.optimizer or "") in TORCHAO_OPTIMIZERS:
-            raise OptionError(f"--optimizer {options.optimizer} cannot be traced yet: torchao's low-bit optimizers "
+            raise OptionError(f"`optimizer` {options.optimizer} cannot be traced yet: torchao's low-bit optimizers "
                               "compile their step (torch.compile fullgraph=True), which does not run on fake tensors; "
                               "trace adamw-8bit (bitsandbytes, same state bytes as adamw-torchao-8bit) or measure "
                               "it with `batchfit probe --device cuda`")
@@ -316,8 +316,8 @@ class TraceSession:
         model or optimizer of the user's that holds bitsandbytes' classes)."""
         self._bnb_ready = self.uses_bnb or sys.modules.get("bitsandbytes") is not None  # None: blocked
         if self._bnb_ready:
-            load_bitsandbytes(f"--quantize {options.quantize}" if options.quantize != "none"
-                              else f"--optimizer {options.optimizer}" if options.optimizer
+            load_bitsandbytes(f"`quantize` {options.quantize}" if options.quantize != "none"
+                              else f"`optimizer` {options.optimizer}" if options.optimizer
                               else f"{workload.name} (it imports bitsandbytes)")
             bnb_fake.install()
         preload(options)

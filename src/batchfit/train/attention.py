@@ -42,7 +42,7 @@ def _hf_models(model: nn.Module) -> list[nn.Module]:
     try:
         from transformers import PreTrainedModel
     except ImportError:  # a broken install: say what to do
-        raise OptionError("--attention sets a transformers model's attention: pip install 'batchfit[hf]'") from None
+        raise OptionError("`attention` sets a transformers model's attention: pip install 'batchfit[hf]'") from None
     found: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and not any(module in set(f.modules()) for f in found):
@@ -71,14 +71,14 @@ def flash_attention_saved(module: nn.Module, query: torch.Tensor, key: torch.Ten
     try:
         from transformers.integrations.flash_attention import get_target_dtype
     except ImportError:
-        raise OptionError("--attention sets a transformers model's attention: pip install 'batchfit[hf]'") from None
+        raise OptionError("`attention` sets a transformers model's attention: pip install 'batchfit[hf]'") from None
 
     if not (is_fake(query) or query.device.type == "meta"):
         raise RuntimeError("batchfit's FlashAttention-2 stand-in runs on fake tensors only; a GPU step runs "
                            "flash_attention_2 itself")
     if attention_mask is not None:
-        raise OptionError("--attention flash is traced for batches without padding (no attention_mask): "
-                          "flash_attn's variable-length path is not traced; use --attention sdpa")
+        raise OptionError("`attention` flash is traced for batches without padding (no attention_mask): "
+                          "flash_attn's variable-length path is not traced; use `attention` sdpa")
     head_dim, v_head_dim = query.shape[-1], value.shape[-1]
     if v_head_dim != head_dim:  # MLA: flash_attention_forward pads V to Q's head size, crops the output
         value = nn.functional.pad(value, [0, head_dim - v_head_dim])
@@ -86,8 +86,8 @@ def flash_attention_saved(module: nn.Module, query: torch.Tensor, key: torch.Ten
     if target is not None:
         query, key, value = query.to(target), key.to(target), value.to(target)
     if query.dtype not in (torch.float16, torch.bfloat16):
-        raise OptionError("--attention flash runs in fp16 / bf16 only (flash_attn refuses fp32 inputs): use "
-                          "--precision bf16-mixed (or bf16, fp16-mixed)")
+        raise OptionError("`attention` flash runs in fp16 / bf16 only (flash_attn refuses fp32 inputs): use "
+                          "`precision` bf16-mixed (or bf16, fp16-mixed)")
     padded = head_dim % 8
     if padded:  # flash_attn pads the head size to a multiple of 8 itself (FlashAttnFunc.forward)
         query, key, value = (nn.functional.pad(t, [0, 8 - padded]) for t in (query, key, value))
@@ -102,7 +102,7 @@ def _register_flash_saved() -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
     except ImportError:
-        raise OptionError("--attention sets a transformers model's attention: pip install 'batchfit[hf]'") from None
+        raise OptionError("`attention` sets a transformers model's attention: pip install 'batchfit[hf]'") from None
 
     AttentionInterface.register(FLASH_SAVED, flash_attention_saved)
     AttentionMaskInterface.register(FLASH_SAVED, flash_attention_mask)  # no mask without padding, as flash's
@@ -112,16 +112,16 @@ def _flash_for(device: torch.device, fake: bool, hf: nn.Module, precision: str) 
     """The transformers implementation that --attention flash becomes here."""
     if fake or device.type == "meta":
         if precision == "fp32":
-            raise OptionError("--attention flash runs in fp16 / bf16 only (flash_attn refuses fp32 inputs): use "
-                              "--precision bf16-mixed (or bf16, fp16-mixed), or --attention sdpa")
+            raise OptionError("`attention` flash runs in fp16 / bf16 only (flash_attn refuses fp32 inputs): use "
+                              "`precision` bf16-mixed (or bf16, fp16-mixed), or `attention` sdpa")
         if not getattr(hf, "_supports_flash_attn", False):
-            raise OptionError(f"--attention flash: {type(hf).__name__} does not support flash attention in "
-                              "transformers: use --attention sdpa or eager")
+            raise OptionError(f"`attention` flash: {type(hf).__name__} does not support flash attention in "
+                              "transformers: use `attention` sdpa or eager")
         _register_flash_saved()
         return FLASH_SAVED
     if device.type != "cuda":
-        raise OptionError(f"--attention flash runs flash_attn's CUDA kernels; a {device.type} step cannot: trace it "
-                          "(batchfit estimate) or use --attention sdpa")
+        raise OptionError(f"`attention` flash runs flash_attn's CUDA kernels; a {device.type} step cannot: trace it "
+                          "(batchfit estimate) or use `attention` sdpa")
     return HF_ATTENTION["flash"]
 
 
@@ -133,8 +133,8 @@ def set_attention(model: nn.Module, attention: str | None, device: torch.device,
         return
     models = _hf_models(model)
     if not models:
-        raise OptionError(f"--attention {attention} sets a transformers model's attn_implementation; "
-                          f"{type(model).__name__} is not one (its attention is its own code): drop --attention")
+        raise OptionError(f"`attention` {attention} sets a transformers model's attn_implementation; "
+                          f"{type(model).__name__} is not one (its attention is its own code): drop `attention`")
     for hf in models:
         wanted = _flash_for(device, fake, hf, precision) if attention == "flash" else HF_ATTENTION[attention]
         try:
@@ -144,7 +144,7 @@ def set_attention(model: nn.Module, attention: str | None, device: torch.device,
                                                  ("flash", getattr(hf, "_supports_flash_attn", False))) if flag]
             why = (str(error).strip().splitlines() or [""])[0].split(". ")[0]
             if isinstance(error, ImportError):
-                raise OptionError(f"--attention {attention}: {why}: pip install flash-attn, or use --attention "
+                raise OptionError(f"`attention` {attention}: {why}: pip install flash-attn, or use `attention` "
                                   "sdpa") from None
-            raise OptionError(f"--attention {attention}: {why}: use --attention "
+            raise OptionError(f"`attention` {attention}: {why}: use `attention` "
                               f"{' or '.join(supported)} for {type(hf).__name__}") from None

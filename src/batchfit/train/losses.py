@@ -167,8 +167,8 @@ def lm_loss(loss: Loss, workload: Workload) -> Callable[[nn.Module, Any], torch.
         return workload.loss_fn
     parts = workload.lm_parts
     if parts is None:
-        raise OptionError(f"--loss {loss} needs the hidden states and the output head, and {workload.name} "
-                          "gives no lm_parts: set Workload.lm_parts, or use --loss plain")
+        raise OptionError(f"`loss` {loss} needs the hidden states and the output head, and {workload.name} "
+                          "gives no lm_parts: set Workload.lm_parts, or use `loss` plain")
     if loss.kind == "fused-linear":
         def fused(model: nn.Module, batch: Any) -> torch.Tensor:
             hidden, weight, targets = parts(model, batch)
@@ -178,7 +178,7 @@ def lm_loss(loss: Loss, workload: Workload) -> Callable[[nn.Module, Any], torch.
     chunks = loss.chunks or 1
     seq = workload.tokens_per_sample
     if seq is not None and chunks > seq:  # tensor_split would make empty chunks, one op each (100,000 of them)
-        raise OptionError(f"--loss {loss}: {chunks} chunks of a {seq}-token sequence; use chunked:N with N at most "
+        raise OptionError(f"`loss` {loss}: {chunks} chunks of a {seq}-token sequence; use chunked:N with N at most "
                           f"{seq} (torchtune uses 8, e.g. chunked:8)")
 
     def chunked(model: nn.Module, batch: Any) -> torch.Tensor:

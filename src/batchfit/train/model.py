@@ -34,7 +34,7 @@ def build_optimizer(name: str, params: list[nn.Parameter], model: nn.Module | No
 
         return build_low_bit_optimizer(name, params)
     if not hasattr(torch.optim, "Adafactor"):
-        raise OptionError("--optimizer adafactor needs torch>=2.5: upgrade torch or pick adamw")
+        raise OptionError("`optimizer` adafactor needs torch>=2.5: upgrade torch or pick adamw")
     return torch.optim.Adafactor(params, lr=1e-2)
 
 

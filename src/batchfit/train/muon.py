@@ -57,10 +57,10 @@ def hidden_matrices(model: nn.Module, params: list[nn.Parameter]) -> set[int]:
 def muon_optimizer(params: list[nn.Parameter], model: nn.Module | None) -> MuonWithAdamW:
     """Muon for the hidden matrices of ``model`` among ``params``, AdamW for the others."""
     if not hasattr(torch.optim, "Muon"):
-        raise OptionError(f"--optimizer muon needs torch.optim.Muon (torch 2.9 or later; this is torch "
+        raise OptionError(f"`optimizer` muon needs torch.optim.Muon (torch 2.9 or later; this is torch "
                           f"{torch.__version__}): upgrade torch or pick adamw")
     if model is None:
-        raise OptionError("--optimizer muon splits the model's parameters by module: it needs the model")
+        raise OptionError("`optimizer` muon splits the model's parameters by module: it needs the model")
     hidden = hidden_matrices(model, params)
     groups = [{"params": [p for p in params if id(p) in hidden], "use_muon": True, "lr": MUON_LR},
               {"params": [p for p in params if id(p) not in hidden], "use_muon": False, "lr": ADAMW_LR}]

@@ -106,14 +106,14 @@ def quantize_model(model: nn.Module, options: StepOptions, device: torch.device)
     (``Params4bit._quantize`` / ``Int8Params._quantize``)."""
     if options.quantize == "none":
         return
-    bnb = load_bitsandbytes(f"--quantize {options.quantize}")
+    bnb = load_bitsandbytes(f"`quantize` {options.quantize}")
     # transformers' bitsandbytes quantizer leaves a model's _keep_in_fp32_modules alone (T5's wo,
     # which T5 casts its input to the weight's dtype for: a uint8 packed weight would make it uint8)
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
     names = [name for name in linear_names(model) if not keep & set(name.split("."))]
     if not names:
-        raise OptionError(f"--quantize {options.quantize} found no nn.Linear layer (but the output head) "
-                          "to quantize in this model: drop --quantize")
+        raise OptionError(f"`quantize` {options.quantize} found no nn.Linear layer (but the output head) "
+                          "to quantize in this model: drop `quantize`")
     kind = options.quantize_spec.kind
     for name in names:
         old = model.get_submodule(name)
@@ -155,17 +155,17 @@ def apply_lora(model: nn.Module, options: StepOptions) -> nn.Module:
     spec = options.lora_spec
     if spec is None:
         return model
-    peft = _load_peft(f"--lora {options.lora}")
+    peft = _load_peft(f"`lora` {options.lora}")
     linears = [name for name, m in model.named_modules() if _is_linear(m)]
     targets = spec.targets
     if targets:
         missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in linears)]
         if missing:
             shown = sorted({n.rsplit(".", 1)[-1] for n in linears})[:8]
-            raise OptionError(f"--lora targets {'+'.join(missing)} match no linear layer of this model; "
+            raise OptionError(f"`lora` targets {'+'.join(missing)} match no linear layer of this model; "
                               f"its linear layers are named {', '.join(shown) or '(none)'}")
     elif not [n for n in linears if model.get_submodule(n) is not _output_head(model)]:
-        raise OptionError("--lora found no linear layer (but the output head) to adapt in this model; "
+        raise OptionError("`lora` found no linear layer (but the output head) to adapt in this model; "
                           f"its modules are named {', '.join(n for n, _ in list(model.named_modules())[1:6])}")
     config = peft.LoraConfig(r=spec.r, lora_alpha=spec.alpha or 2 * spec.r, lora_dropout=0.0,
                              use_dora=spec.dora, target_modules=list(targets) if targets else "all-linear")
@@ -181,9 +181,9 @@ def preload(options: StepOptions) -> None:
     a module that makes tensors at import (peft's LoHa: ``scale=torch.tensor(1)`` defaults) would
     otherwise make them inside the first traced build only, and depths 2, 3, 4 would differ."""
     if options.quantize != "none":
-        load_bitsandbytes(f"--quantize {options.quantize}")
+        load_bitsandbytes(f"`quantize` {options.quantize}")
     if options.lora != "none":
-        peft = _load_peft(f"--lora {options.lora}")
+        peft = _load_peft(f"`lora` {options.lora}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             peft.get_peft_model(nn.Sequential(nn.Linear(2, 2)), peft.LoraConfig(r=1, target_modules=["0"]))
@@ -198,10 +198,10 @@ def _is_linear(module: nn.Module) -> bool:
 def build_low_bit_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """bitsandbytes' 8-bit / paged optimizers, torchao's low-bit AdamW, with default hyper-parameters."""
     if name in BNB_OPTIMIZERS:
-        bnb = load_bitsandbytes(f"--optimizer {name}")
+        bnb = load_bitsandbytes(f"`optimizer` {name}")
         return getattr(bnb.optim, BNB_OPTIMIZERS[name])(params, lr=1e-4)
     try:
         import torchao.optim
     except ImportError as error:
-        raise OptionError(f"--optimizer {name} needs torchao: pip install 'batchfit[quant]'") from error
+        raise OptionError(f"`optimizer` {name} needs torchao: pip install 'batchfit[quant]'") from error
     return getattr(torchao.optim, TORCHAO_OPTIMIZERS[name])(params, lr=1e-4)

@@ -79,7 +79,7 @@ def _checkpoint_blocks(model: nn.Module, policy: Checkpointing, preserve_rng_sta
     blocks = block_list(model)
     if blocks is None:
         raise OptionError(
-            f"--checkpointing {policy} needs a model with an nn.ModuleList of blocks; "
+            f"`checkpointing` {policy} needs a model with an nn.ModuleList of blocks; "
             "this model has none: apply torch.utils.checkpoint in the model and drop the option"
         )
     stack = next(name for name, module in model.named_modules() if module is blocks)
@@ -102,8 +102,8 @@ def _compile(model: nn.Module, mode: str, *, apply: bool, memory_budget: float |
     but not ``apply``-ed on fake or meta models: the trace compiles them its own way (trace/compiled.py)."""
     blocks = block_list(model) if mode == "blocks" else None
     if mode == "blocks" and blocks is None:
-        raise OptionError("--compile blocks needs a model with an nn.ModuleList of blocks; "
-                          "this model has none: use --compile model")
+        raise OptionError("`compile` blocks needs a model with an nn.ModuleList of blocks; "
+                          "this model has none: use `compile` model")
     for module in (blocks or [model]) if apply else ():
         module.compile(**({} if memory_budget is None else {"backend": inductor_with_budget(memory_budget)}))
 
@@ -231,8 +231,8 @@ class TrainingStep:
         if options.loss != "plain" and tp_loss_of(self.model) is not None:
             # lm_parts multiplies by the head's weight itself: under TP a DTensor split by the
             # vocabulary, which the chunked and fused losses do not take.
-            raise OptionError(f"--loss {options.loss} does not run under tensor parallelism: use --loss plain "
-                              "(the TP plan's vocabulary-sharded loss, --tp-loss sharded, never gathers the "
+            raise OptionError(f"`loss` {options.loss} does not run under tensor parallelism: use `loss` plain "
+                              "(the TP plan's vocabulary-sharded loss, `tp_loss` sharded, never gathers the "
                               "logits either), or a ddp / fsdp strategy")
         if options.offload_spec.params:
             _require_fsdp(self.model)
@@ -241,7 +241,7 @@ class TrainingStep:
         """The saved-tensor hooks of ``--offload activations`` (``train/offload.py``), else None."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
-            raise OptionError("every parameter is frozen: loosen --freeze or --train-only")
+            raise OptionError("every parameter is frozen: loosen `frozen` or `trainable`")
         self.optimizer = (build_optimizer(options.optimizer, params, self.model) if options.optimizer
                           else workload.build_optimizer(params))
         if self.float8_layers:

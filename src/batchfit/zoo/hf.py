@@ -171,7 +171,7 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
     max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq = seq_len or min(max_len or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
     if max_len and seq > max_len:
-        raise ModelSpecError(f"--seq-len {seq} is longer than {name} allows ({max_len})")
+        raise ModelSpecError(f"`seq_len` {seq} is longer than {name} allows ({max_len})")
 
     def build_model() -> nn.Module:
         more = {"experts_implementation": experts} if experts else {}
@@ -195,8 +195,8 @@ def hf_workload(target: str, seq_len: int | None = None) -> Workload:
         plain = getattr(model, "module", model)  # DDP's wrapper runs; the head is the model's
         head = plain.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
-            raise OptionError(f"--loss chunked:N / fused-linear needs a bias-free lm_head; {name}'s has a bias: "
-                              "use --loss plain")
+            raise OptionError(f"`loss` chunked:N / fused-linear needs a bias-free lm_head; {name}'s has a bias: "
+                              "use `loss` plain")
         # The whole model runs with the head passing its input through (its matmul skipped): the
         # root's forward is what DDP and FSDP2 hook (FSDP2 gathers the embedding and head there).
         head.forward = lambda x: x

@@ -23,8 +23,8 @@ def head_input(model: nn.Module, head_name: str, *args, **kwargs) -> tuple[torch
     plain = getattr(model, "module", model)  # DDP's wrapper is called; the head is the model's
     head = getattr(plain, head_name, None)
     if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise OptionError(f"--loss chunked:N / fused-linear needs {type(plain).__name__}.{head_name} to be a "
-                          "bias-free nn.Linear output head: use --loss plain")
+        raise OptionError(f"`loss` chunked:N / fused-linear needs {type(plain).__name__}.{head_name} to be a "
+                          "bias-free nn.Linear output head: use `loss` plain")
     head.forward = lambda x: x
     try:
         hidden = model(*args, **kwargs)

@@ -80,7 +80,7 @@ _REFUSED = {
                                             "pp<N> strategies on hf:llama-3.1-8b-shaped models",
     "parallelism.context_parallel_degree": "torchtitan's context parallelism is not traced yet",
     "parallelism.expert_parallel_degree": "Llama 3 has no experts",
-    "training.enable_cpu_offload": "FSDP2's CPU offload under torchtitan is not traced yet: use --offload params "
+    "training.enable_cpu_offload": "FSDP2's CPU offload under torchtitan is not traced yet: use `offload` params "
                                    "on a zoo model",
 }
 """Keys whose non-default values batchfit cannot trace with torchtitan's code: a one-line error."""
@@ -124,7 +124,7 @@ class TitanJob:
             raise ModelSpecError(
                 f"{self.path}: [parallelism] data_parallel_replicate_degree {self.dp_replicate} x "
                 f"data_parallel_shard_degree {self.dp_shard} x tensor_parallel_degree {self.tp} does not make "
-                f"{gpus} GPUs: give --gpus {self.world_size() or 'N'} or set data_parallel_shard_degree = -1")
+                f"{gpus} GPUs: give `gpus` {self.world_size() or 'N'} or set data_parallel_shard_degree = -1")
         if self.dp_replicate > 1 and shard == 1:
             raise ModelSpecError(f"{self.path}: data_parallel_replicate_degree without sharding is torchtitan's "
                                  "DDP (replicate), not traced yet: set data_parallel_shard_degree > 1 (FSDP or HSDP)")

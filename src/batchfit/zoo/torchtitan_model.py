@@ -177,7 +177,7 @@ def torchtitan_workload(job: TitanJob, seq_len: int | None = None) -> Workload:
         if strategy.shard not in ("none", "fsdp", "fsdp-noreshard", "hsdp") or strategy.pp > 1 or \
                 getattr(strategy, "cp", 1) > 1 or getattr(strategy, "ep", 1) > 1:
             raise OptionError(f"{strategy.name} on a torchtitan job: batchfit runs torchtitan's parallelize_llama "
-                              "with FSDP2 / HSDP / TP only; use --strategies fsdp, hsdp<R>, fsdp+tp<N> or tp<N>")
+                              "with FSDP2 / HSDP / TP only; use `strategies` fsdp, hsdp<R>, fsdp+tp<N> or tp<N>")
         dims = _parallel_dims(strategy)
         model = spec.parallelize_fn(model, dims, job_config(job, strategy=strategy))
         for name, mesh in dims._meshes.items():
