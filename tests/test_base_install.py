@@ -33,7 +33,7 @@ UNGUARDED_BY_DESIGN = {
     ("runs/executors.py", "ray"): "run_ray runs only after check_executor said pip install 'batchfit[ray]'",
     ("trace/bnb_fake.py", "bitsandbytes"): "runs only after train/quantize.py's load_bitsandbytes said "
                                            "pip install 'batchfit[quant]'",
-    ("cli/trainer.py", "click"): "imported only where typer has no copy of click of its own (typer._click, 0.2x); "
+    ("config/trainer.py", "click"): "imported only where typer has no copy of click of its own (typer._click, 0.2x); "
                                  "an older typer depends on click, so it is installed with typer",
 }
 

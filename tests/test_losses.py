@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchfit.cli.common import step_options
+from batchfit.config.step import step_options
 from batchfit.errors import OptionError
 from batchfit.trace.memory import MemoryTracker
 from batchfit.trace.session import TraceSession

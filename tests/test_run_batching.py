@@ -189,7 +189,7 @@ def test_plan_and_probe_run_every_step_at_the_datas_longest_row(tmp_path):
         result = CliRunner().invoke(app, [command, "gpt-tinystories-22m", "--gpu-memory", "24GiB", "--batching",
                                           "pack:64"])
         assert result.exit_code != 0 and "give --data PATH too" in result.output
-    from batchfit.cli.trainer import data_rows
+    from batchfit.config.trainer import data_rows
 
     assert data_rows("gpt-tinystories-22m", 12, None, str(path), None, "n", None) == (row, section)
     assert data_rows("gpt-tinystories-22m", 12, None, None, None, None, None) == (12, None)

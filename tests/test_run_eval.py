@@ -112,7 +112,7 @@ def _args(tmp_path, **fields) -> str:
 
 
 def test_trainer_args_give_the_eval_batch_where_they_evaluate(tmp_path):
-    from batchfit.cli.trainer import merged_eval, read_trainer
+    from batchfit.config.trainer import merged_eval, read_trainer
 
     door = read_trainer(_args(tmp_path, eval_strategy="steps", per_device_eval_batch_size=16,
                               eval_accumulation_steps=2))
@@ -138,7 +138,7 @@ def test_the_answer_in_the_users_knobs_keeps_the_global_batch(tmp_path):
     over 120 samples of 20-40 tokens packed to rows of 64: the emitted args keep 16 rows per step, turn
     packing on at max_length 64 (both named in the notes) and lower the eval batch to the largest that
     fits; every other field is the user's, byte for byte."""
-    from batchfit.cli.trainer import emitted_text, merged_batching, read_trainer, run_answer
+    from batchfit.config.trainer import emitted_text, merged_batching, read_trainer, run_answer
 
     door = read_trainer(_args(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=2,
                               eval_strategy="steps", per_device_eval_batch_size=64))

@@ -36,17 +36,18 @@ from batchfit.cli.common import (
     flag,
     handle_errors,
     out_option,
-    parse_batch_sizes,
     progress_line,
     quiet_if_stdout,
     report_folder,
     say_attention,
+    say_dim,
     say_notices,
-    step_options,
     warn_about_precision,
     write_outputs,
 )
-from batchfit.cli.trainer import TrainerOpt, merged_options, merged_seq_len, print_mapping, read_trainer
+from batchfit.cli.trainer import TrainerOpt, print_mapping
+from batchfit.config.step import StepFlags, parse_batch_sizes
+from batchfit.config.trainer import merged_options, merged_seq_len, read_trainer
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
 
@@ -108,9 +109,7 @@ def bench_command(
     door = read_trainer(trainer)
     check_outputs(json_path, out)
     target = command_target(gpu, gpu_memory, device)
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps,
-                           compile_, loss, offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
-                           routing=routing, attention=attention)
+    options = StepFlags.pick(locals()).options(say_dim)  # the step's flags, by name
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)
     warn_about_precision(target, options.precision)  # after StepOptions refused an unknown precision

@@ -23,7 +23,6 @@ from batchfit.cli.flags import as_flags
 from batchfit.devices import precision_warning
 from batchfit.errors import BatchfitError, OptionError
 from batchfit.report.write import StagedFiles, staged_files, write_text_atomic
-from batchfit.search import MAX_BATCH_SIZE
 from batchfit.specs import SPEC_HELP
 from batchfit.targets import DEVICE_HELP, Target, resolve_target
 from batchfit.workload import StepOptions, attention_words
@@ -55,28 +54,15 @@ def handle_errors(command: Callable) -> Callable:
     return wrapper
 
 
-"""The largest batch size any option takes: 16.7M samples, far above any GPU's; beyond, the
-sizes of a batch's tensors overflow inside torch."""
-
-
-def parse_batch_sizes(text: str | None) -> list[int] | None:
-    """'8,16,32' -> [8, 16, 32]."""
-    if text is None:
-        return None
-    if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text):
-        raise OptionError(f"cannot read --batch-sizes '{text}': give positive integers separated by commas, "
-                          "e.g. 8,16,32")
-    sizes = [int(s) for s in text.split(",")]
-    if not 1 <= min(sizes) <= max(sizes) <= MAX_BATCH_SIZE:  # beyond: overflows inside torch
-        raise OptionError(f"--batch-sizes must all be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8,16,32")
-    return sizes
+def say_dim(message: str) -> None:
+    """A line for the user that is not the answer (which device was chosen, how two flags combine), on stderr."""
+    err.print(f"[dim]{escape(message)}[/]")
 
 
 def command_target(gpu: str | None, gpu_memory: str | None, device: str | None) -> Target:
     """The device options every command shares (``batchfit.targets``), saying which device
     was chosen when none was named."""
-    return resolve_target(gpu=gpu, gpu_memory=gpu_memory, device=device,
-                          say=lambda message: err.print(f"[dim]{escape(message)}[/]"))
+    return resolve_target(gpu=gpu, gpu_memory=gpu_memory, device=device, say=say_dim)
 
 
 def is_stdout(path: str | None) -> bool:
@@ -155,26 +141,27 @@ AttentionOpt = Annotated[str | None, typer.Option(
     show_default=False)]
 
 
-def parse_host_memory(text: str | None) -> int | None:
-    """--host-memory as bytes (devices.py's size grammar), or None: not checked."""
-    if text is None:
-        return None
-    from batchfit.devices import parse_size
-    from batchfit.errors import SizeError
-
-    try:
-        size = parse_size(text)
-    except SizeError:
-        raise OptionError(f"--host-memory: cannot read the size '{text}': write a number and a unit, e.g. "
-                          "--host-memory 512GiB (2**30 bytes) or 512GB (10**9 bytes)") from None
-    if size <= 0:
-        raise OptionError("--host-memory must be more than 0 bytes, e.g. --host-memory 512GiB")
-    return size
-
-
 MemoryBudgetOpt = Annotated[float | None, typer.Option(
     "--memory-budget", metavar="F", help="With --compile: torch.compile's activation memory budget (0 to 1, "
     "torch._functorch.config.activation_memory_budget); the partitioner recomputes the rest. Traced, not assumed.")]
+
+
+# --- options shared by the commands that train many runs (sweep, recommend, noise) --------
+TextDataOpt = Annotated[str | None, typer.Option(help="Text: a .txt file, a folder of .txt/.jsonl/.parquet, or a "
+                                                      "datasets name or path. Without it: the workload's batches "
+                                                      "(synthetic).")]
+TextTokenizerOpt = Annotated[str, typer.Option(help="bpe (byte-level BPE trained on the train split at the model's "
+                                                    "vocabulary size), bytes, or a tokenizer.json / cached name.")]
+ValFractionOpt = Annotated[float, typer.Option(help="Share of the text kept for validation (the end of it).")]
+CacheDirOpt = Annotated[Path | None, typer.Option(help="Where token ids are cached (default "
+                                                       "~/.cache/batchfit/tokens).")]
+SeedOpt = Annotated[int, typer.Option(help="Fixes the initial model and the data order.")]
+ExecutorOpt = Annotated[str, typer.Option(help="Where runs train: local (--workers processes here) or ray (pip install "
+                                               "'batchfit[ray]').")]
+WorkersOpt = Annotated[int, typer.Option(help="Runs at once (local: processes, one per GPU; ray: tasks).")]
+RayAddressOpt = Annotated[str | None, typer.Option(help="A Ray cluster's address (default: a local cluster).")]
+NoiseRepeatsOpt = Annotated[int, typer.Option(help="With --noise: measurements at the initial parameters.")]
+EvalSamplesOpt = Annotated[int, typer.Option(help="Validation samples (the same fixed set for every run).")]
 
 
 def out_option(files: str) -> object:
@@ -185,22 +172,6 @@ def out_option(files: str) -> object:
 def flag(name: str, help: str) -> object:
     """A plain on/off flag (no '<bool>' in --help)."""
     return typer.Option(name, help=help, metavar="")
-
-
-def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
-                 train_only: list[str] | None, accumulation_steps: int, compile: str = "none",
-                 loss: str = "plain", offload: str = "none", *, quantize: str = "none",
-                 lora: str = "none", memory_budget: float | None = None,
-                 routing: str = "balanced", attention: str | None = None) -> StepOptions:
-    if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
-        raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
-    if freeze and train_only:
-        err.print("[dim]--train-only picks the parameters that train; --freeze then freezes some of those[/]")
-    return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
-                       frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
-                       accumulation_steps=accumulation_steps, compile=compile, loss=loss,
-                       offload=offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
-                       routing=routing, attention=attention)
 
 
 def warn_about_approximations(result) -> None:

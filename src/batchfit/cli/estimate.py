@@ -40,41 +40,27 @@ from batchfit.cli.common import (
     TokenizerOpt,
     TrainOnlyOpt,
     check_outputs,
-    command_target,
     handle_errors,
     out_option,
-    parse_batch_sizes,
-    parse_host_memory,
     progress_line,
     quiet_if_stdout,
     report_folder,
     say_attention,
-    step_options,
+    say_dim,
     warn_about_approximations,
     warn_about_precision,
     write_outputs,
 )
-from batchfit.cli.trainer import (
-    EmitTrainerOpt,
-    TrainerOpt,
-    merged_batch_sizes,
-    merged_batching,
-    merged_eval,
-    merged_options,
-    merged_seq_len,
-    parse_trainer_emit,
-    print_answer,
-    print_mapping,
-    read_trainer,
+from batchfit.cli.trainer import EmitTrainerOpt, TrainerOpt, print_answer, print_mapping, trainer_outputs
+from batchfit.config.estimate import EstimateFlags, estimate_config, read_estimate_door
+from batchfit.config.step import StepFlags
+from batchfit.config.trainer import (
     run_answer,
-    trainer_outputs,
 )
 from batchfit.devices import GiB
-from batchfit.errors import OptionError
-from batchfit.estimator.batching import check_run_flags
 from batchfit.report.host import host_line
 from batchfit.report.run_markdown import eval_lines, run_lines
-from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
+from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.specs import load_workload
 
 EXAMPLES = """
@@ -156,35 +142,14 @@ def estimate_command(
     counting every byte as the CUDA caching allocator would, at a few batch sizes; fits the
     memory curve; and confirms the largest batch by tracing it and the next size up.
     """
-    door = read_trainer(trainer)
-    if door is not None and global_batch is not None:
-        raise OptionError("--trainer gives the global batch (per-device batch x accumulation x world size): "
-                          "drop --global-batch, or drop --trainer and give the options as flags")
-    emit_path = parse_trainer_emit(emit, door)
+    given = dict(locals())  # every flag, by name: config/estimate.py's EstimateFlags and StepFlags pick theirs
+    door, emit_path = read_estimate_door(trainer, emit, global_batch)
     check_outputs(json_path, out, *([("--emit", emit_path)] if emit_path else []))
-    target = command_target(gpu, gpu_memory, device)
-    if target.device is None:
-        raise OptionError("estimate sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb), "
-                          "--gpu-memory 24GiB or --device cuda")
-    device = target.device
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps,
-                           compile_, loss, offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
-                           routing=routing, attention=attention)
-    host_memory_bytes = parse_host_memory(host_memory)
-    options = merged_options(options, door)
-    seq_len = merged_seq_len(seq_len, door)
-    warn_about_precision(target, options.precision)  # after StepOptions refused an unknown precision
-    sizes = merged_batch_sizes(parse_batch_sizes(batch_sizes), door)
+    config = estimate_config(EstimateFlags.pick(given), StepFlags.pick(given), door, emit_path, say=say_dim)
+    options, seq_len = config.options, config.seq_len
+    warn_about_precision(config.target, options.precision)  # after StepOptions refused an unknown precision
     if door is not None:
         print_mapping(door, quiet_if_stdout(json_path))
-    check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=sizes,
-                           max_batch=max_batch, limit=limit)
-    run_batching = check_run_flags(data, merged_batching(batching, data, door), length_column, tokenizer,
-                                   replay_steps, replay_order)
-    if emit_path is not None and run_batching is not None and run_batching.kind == "tokens":
-        raise OptionError(f"--batching {run_batching} answers a token budget, which TrainingArguments has no field "
-                          "for: drop --emit (the budget is printed), or batch by pad-longest or pack:MAXLEN")
-    eval_batch, eval_held = merged_eval(eval_batch_size, eval_accumulation_steps, door)
     from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
     from batchfit.estimator.eval_phase import add_eval_phase
     from batchfit.estimator.run import data_lengths, estimate_run
@@ -192,20 +157,17 @@ def estimate_command(
 
     lengths = data_lengths(data, model=model, length_column=length_column, tokenizer=tokenizer) if data else None
     with progress_line() as say:
-        common = dict(device=device, options=options, batch_sizes=sizes, target_util=target_util,
-                      multiple_of=multiple_of, max_batch=max_batch, limit=limit,
-                      host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say,
-                      cache=not no_cache)
+        common = config.engine_keywords(say)
         if lengths is None:
             workload = load_workload(model, seq_len=seq_len)
             result = estimate(workload, **common)
-            if eval_batch:
-                add_eval_phase(result, workload, eval_batch, held_steps=eval_held, limit=limit, say=say)
+            if config.eval_batch:
+                add_eval_phase(result, workload, config.eval_batch, held_steps=config.eval_held, limit=limit, say=say)
         else:
-            result = estimate_run(lambda n: load_workload(model, seq_len=n), lengths, run_batching, data=data,
+            result = estimate_run(lambda n: load_workload(model, seq_len=n), lengths, config.run_batching, data=data,
                                   seq_len=seq_len, replay_steps=replay_steps, replay_order=replay_order,
-                                  eval_batch_size=eval_batch, eval_held_steps=eval_held, **common)
-    folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
+                                  eval_batch_size=config.eval_batch, eval_held_steps=config.eval_held, **common)
+    folder = report_folder(out, "estimate", result.workload, config.target, options, seq_len)
     fitted = run_answer(door, result) if door is not None else None
     data, write_all = trainer_outputs(result.to_json(), door, fitted, lambda files, trainer: write_estimate_report(
         result, folder, files, trainer=trainer), emit_path)

@@ -15,8 +15,9 @@ import re
 FIELDS = (
     "accumulation_steps", "attention", "batch_sizes", "batching", "branch_at", "cache_dir", "calibrate",
     "checkpoint_every", "checkpointing", "compile", "cooldown", "data", "device", "ema", "emit", "epsilon",
-    "eval_batch_size", "eval_every", "eval_samples", "executor", "global_batch", "gpu", "gpu_memory", "gpus",
-    "gpus_per_node", "grad_clip", "inter_node_gb_per_s", "intra_node_gb_per_s", "isolate", "json",
+    "eval_accumulation_steps", "eval_batch_size", "eval_every",
+    "eval_samples", "executor", "global_batch", "gpu", "gpu_memory", "gpus",
+    "gpus_per_node", "grad_clip", "host_memory", "inter_node_gb_per_s", "intra_node_gb_per_s", "isolate", "json",
     "length_column", "limit", "lora", "loss", "lr", "lr_ref_batch", "lr_scaling", "lrs", "max", "max_batch",
     "memory_budget", "mfu", "microbatches", "min", "min_lr_ratio", "multiple_of", "nodes", "offload",
     "optimizer", "policy", "pp_schedule", "precision", "processes", "quantize", "repeats", "replay_order",

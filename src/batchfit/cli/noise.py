@@ -10,22 +10,27 @@ import typer
 from rich.markup import escape
 
 from batchfit.cli.common import (
+    CacheDirOpt,
     DeviceOpt,
     GpuMemoryOpt,
     GpuOpt,
     JsonOpt,
     ModelArg,
+    SeedOpt,
     SeqLenOpt,
+    TextDataOpt,
+    TextTokenizerOpt,
+    ValFractionOpt,
     check_outputs,
     handle_errors,
     out_option,
-    parse_batch_sizes,
     progress_line,
     quiet_if_stdout,
     report_folder,
     write_outputs,
 )
-from batchfit.cli.sweep import CacheDirOpt, DataOpt, SeedOpt, TokenizerOpt, ValFractionOpt, needs_data, sweep_target
+from batchfit.cli.sweep import needs_data, sweep_target
+from batchfit.config.step import parse_batch_sizes
 from batchfit.errors import BatchfitError, OptionError, UsageError
 from batchfit.specs import load_workload
 from batchfit.targets import Target
@@ -52,8 +57,8 @@ def noise_command(
                                             "1/(1-ema) steps).")] = 0.95,
     lr: Annotated[float | None, typer.Option(help="Learning rate of the tracking run (default: the "
                                                   "optimizer's).")] = None,
-    data: DataOpt = None,
-    tokenizer: TokenizerOpt = "bpe",
+    data: TextDataOpt = None,
+    tokenizer: TextTokenizerOpt = "bpe",
     val_fraction: ValFractionOpt = 0.01,
     seq_len: SeqLenOpt = None,
     seed: SeedOpt = 0,

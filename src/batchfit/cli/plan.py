@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from pathlib import Path
 from typing import Annotated
 
@@ -39,50 +37,35 @@ from batchfit.cli.common import (
     TokenizerOpt,
     TrainOnlyOpt,
     check_outputs,
-    command_target,
     handle_errors,
     out_option,
-    parse_batch_sizes,
-    parse_host_memory,
     progress_line,
     quiet_if_stdout,
     report_folder,
     say_attention,
+    say_dim,
     say_notices,
-    step_options,
     warn_about_approximations,
     warn_about_precision,
     write_outputs,
 )
-from batchfit.cli.torchtitan import (
-    print_torchtitan,
-    read_torchtitan,
+from batchfit.cli.torchtitan import print_torchtitan
+from batchfit.cli.trainer import TrainerOpt, print_answer, print_data_rows, print_mapping
+from batchfit.config.plan import PlanFlags, plan_config, read_plan_doors, trainer_answer
+from batchfit.config.step import StepFlags
+from batchfit.config.torchtitan import (
     torchtitan_approximation,
-    torchtitan_defaults,
     torchtitan_section,
 )
-from batchfit.cli.trainer import (
-    TrainerOpt,
-    data_rows,
+from batchfit.config.trainer import (
     emitted_text,
-    merged_batch_sizes,
-    merged_options,
-    merged_seq_len,
-    print_answer,
-    print_data_rows,
-    print_mapping,
-    read_trainer,
 )
 from batchfit.devices import GiB
-from batchfit.errors import OptionError
-from batchfit.plan.emit import parse_emit, write_emit
-from batchfit.plan.engine import DEFAULT_MAX_BATCH, DEFAULT_STRATEGIES, plan
-from batchfit.plan.time_model import TimeModel, calibrated
-from batchfit.plan.world import parse_tokens, parse_worlds
+from batchfit.plan.emit import write_emit
+from batchfit.plan.engine import plan
+from batchfit.plan.request import DEFAULT_STRATEGIES
+from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.specs import load_workload
-
-MAX_GPUS = 1 << 20
-"""More GPUs than any cluster has: past it, counts are typos (and overflow the time model)."""
 
 EXAMPLES = """
 Examples:
@@ -186,124 +169,51 @@ def plan_command(
     and accumulation that reach --global-batch, and computes step time from the FLOPs and
     collective bytes the trace counted.
     """
+    given = dict(locals())  # every flag, by name: config/plan.py's PlanFlags and StepFlags pick theirs
     from batchfit.report.plan_markdown import write_plan_report  # matplotlib: not for --help
 
-    door = read_trainer(trainer)
-    titan = read_torchtitan(model)  # torchtitan:job.toml: its settings are the defaults below
-    if titan is not None and door is not None:
-        raise OptionError("give a torchtitan job or --trainer, not both: each says how the model trains")
-    trainer_emits = [Path(text.partition(":")[2]) for text in emit or [] if text.startswith("trainer:")]
-    if trainer_emits and door is None:
-        raise OptionError("--emit trainer:FILE writes your TrainingArguments back: give them with --trainer args.json")
-    emit = [text for text in emit or [] if not text.startswith("trainer:")]
-    check_outputs(json_path, out, *(("--emit", path) for path in map(_emit_path, emit) if path),
-                  *(("--emit", path) for path in trainer_emits))
-    emits = [parse_emit(text) for text in emit]
-    if mfu is not None and calibrate is not None:
-        raise OptionError("give --mfu or --calibrate, not both: --calibrate takes the MFU from a bench run")
-    if processes is not None and processes < 1:
-        raise OptionError(f"--processes must be 1 or more, got {processes}: e.g. --processes 2")
-    sizes = parse_batch_sizes(batch_sizes)
-    if titan is not None:
-        gpus, strategies, global_batch, precision, compile_, sizes = torchtitan_defaults(
-            titan, gpus=gpus, nodes=nodes, strategies=strategies, default_strategies=DEFAULT_STRATEGIES,
-            global_batch=global_batch, precision=precision, compile_=compile_, checkpointing=checkpointing,
-            batch_sizes=sizes)
-    options = merged_options(step_options(precision, optimizer, checkpointing, freeze, train_only, 1, compile_, loss,
-                                          offload, memory_budget=memory_budget, routing=routing, attention=attention),
-                             door, accumulation=False)  # the plan picks the accumulation
-    options = dataclasses.replace(options, tp_loss=tp_loss)
-    host_memory_bytes = parse_host_memory(host_memory)
-    seq_len = merged_seq_len(seq_len, door)
-    seq_len, data_section = data_rows(model, seq_len, door, data, batching, length_column, tokenizer)
-    time_model = (calibrated(calibrate, precision) if calibrate is not None
-                  else TimeModel(mfu=mfu, mfu_source="set by the user (--mfu)") if mfu is not None else TimeModel())
-    time_model = TimeModel(mfu=time_model.mfu, mfu_source=time_model.mfu_source,
-                           intra_node_gb_per_s=intra_node_gb_per_s, inter_node_gb_per_s=inter_node_gb_per_s)
-    worlds = parse_worlds(gpus, nodes, gpus_per_node)
-    if max(world.gpus for world in worlds) > MAX_GPUS:
-        raise OptionError(f"at most {MAX_GPUS:,} GPUs (2^20) in all, got {max(w.gpus for w in worlds):,}: "
-                          "e.g. --gpus 64 or --nodes 8 --gpus-per-node 8")
-    if parse_tokens(tokens) == math.inf:  # a bad --tokens is one line before any trace
-        raise OptionError(f"--tokens {tokens} is not a finite count: e.g. --tokens 2e11 or --tokens chinchilla")
-    sizes = merged_batch_sizes(sizes, door)
+    doors = read_plan_doors(model, trainer, emit)
+    check_outputs(json_path, out, *doors.output_files())
+    config = plan_config(PlanFlags.pick(given), StepFlags.pick(given), doors, say=say_dim)
+    door, titan, options = doors.door, doors.titan, config.options
+    warn_about_precision(config.target, options.precision)
+    console = quiet_if_stdout(json_path)
     if door is not None:
-        strategies, global_batch = _trainer_plan(door, strategies, global_batch, worlds)
-    target = command_target(gpu, gpu_memory, device)
-    if target.device is None:
-        raise OptionError("plan sizes a batch for a GPU: give --gpu (e.g. --gpu h100-80gb) or --gpu-memory 80GiB")
-    warn_about_precision(target, options.precision)
-    if door is not None:
-        print_mapping(door, quiet_if_stdout(json_path))
+        print_mapping(door, console)
     if titan is not None:
-        print_torchtitan(titan, quiet_if_stdout(json_path))
-    workload = load_workload(model, seq_len=seq_len, for_plan=True)
+        print_torchtitan(titan, console)
+    workload = load_workload(model, seq_len=config.seq_len, for_plan=True)
     from batchfit.trace.noops import no_op_notices
 
     notices = no_op_notices(workload, options)
     say_notices(notices)
     with progress_line() as say:
-        result = plan(workload, device=target.device, worlds=worlds, options=options, strategies=strategies,
-                      global_batch=global_batch, tokens=tokens, batch_sizes=sizes, target_util=target_util,
-                      multiple_of=multiple_of, max_batch=max_batch, time_model=time_model, progress=say,
-                      processes=processes, limit=limit, host_memory_bytes=host_memory_bytes,
-                      pp_schedule=pp_schedule, microbatches=microbatches)
+        result = plan(workload, config.request, device=config.target.device, options=options, progress=say)
     if titan is not None:
         result.approximations.append(torchtitan_approximation(titan))
-    folder = report_folder(out, "plan", result.workload, target, options, seq_len)
-    fitted = _trainer_answer(door, result) if door is not None else None
+    folder = report_folder(out, "plan", result.workload, config.target, options, config.seq_len)
+    fitted = trainer_answer(result) if door is not None else None
     section = door.section(fitted) if door is not None else None
     data = {**result.to_json(), "notices": notices, **({"trainer": section} if section is not None else {}),
-            **({"data": data_section} if data_section is not None else {})}
-    if titan is not None:
-        data = {**data, "torchtitan": torchtitan_section(titan, result)}
+            **({"data": config.data_section} if config.data_section is not None else {}),
+            **({"torchtitan": torchtitan_section(titan, result)} if titan is not None else {})}
 
     def write_all(files):  # the report, every --emit and --json: all or none, JSON last
         paths = write_plan_report(result, folder, files, trainer=section)
         source = titan.path if titan is not None else None
         written = [files.write(path, lambda temporary, kind=kind: write_emit(kind, temporary, result,
                                                                              torchtitan_source=source))
-                   for kind, path in emits]
+                   for kind, path in config.emits]
         if fitted is not None and fitted["per_device_train_batch_size"] is not None:
-            written += [files.text(path, emitted_text(door, fitted)) for path in trainer_emits]
+            written += [files.text(path, emitted_text(door, fitted)) for path in doors.trainer_emits]
         return paths, written
 
     paths, written = write_outputs(json_path, data, write_all)
-    console = quiet_if_stdout(json_path)
-    print_data_rows(data_section, console)
+    print_data_rows(config.data_section, console)
     _print_summary(result, console, paths["md"], written)
     if fitted is not None:
         print_answer(fitted, console)
     warn_about_approximations(result)
-
-
-def _trainer_plan(door, strategies: str, global_batch: int | None, worlds) -> tuple[str, int]:
-    """--trainer's strategy (fsdp, deepspeed) unless --strategies was given, and its global batch
-    (per-device batch x accumulation x its world size, else x the GPUs planned) unless --global-batch was."""
-    mapping = door.mapping
-    if mapping.strategy and strategies == DEFAULT_STRATEGIES:
-        strategies = mapping.strategy
-    if mapping.world_size == 1:  # a saved TrainingArguments does not record it: the GPUs planned
-        mapping.world_size = worlds[0].gpus
-    return strategies, global_batch or mapping.global_batch
-
-
-def _trainer_answer(door, result) -> dict:
-    """per_device_train_batch_size and gradient_accumulation_steps of the recommended plan."""
-    best = result.recommended[0] if result.recommended else None
-    return {"global_batch": result.global_batch, "world_size": best.gpus if best else None,
-            "max_micro_batch": best.max_local_batch if best else 0, "source": "traced",
-            "strategy": best.strategy if best else None,
-            "per_device_train_batch_size": best.micro_batch if best and best.fits else None,
-            "gradient_accumulation_steps": best.accumulation_steps if best and best.fits else None,
-            "notes": [] if best and best.fits else ["no strategy fits"]}
-
-
-def _emit_path(text: str) -> str:
-    """The file of an --emit value ('accelerate:FILE', 'torchtitan:FILE' or FILE), to check before any trace."""
-    kind, _, rest = text.partition(":")
-    path = rest if kind in ("accelerate", "torchtitan") else text
-    return "" if path in ("", ".") else path
 
 
 def _print_summary(result, console, report_path: Path, written: list[Path]) -> None:
@@ -313,13 +223,49 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
     console.print("memory: " + ("reserved (rank 0's fresh process replayed through the caching allocator model: "
                                 "what a GPU runs out of)" if result.limit == "reserved"
                                 else "allocated (tensors only; --limit reserved for what a GPU runs out of)"))
+    console.print(_ranking_table(result))
+    rows, several, unit = result.ranking, len(result.worlds) > 1, _speed_unit(result.ranking)
+    if any(row.rank for row in rows):
+        console.print(f"ranked by {unit} (computed, MFU {result.time_model.mfu:.2f}); memory at the micro-batch "
+                      "(traced, rank 0); comm: exposed communication per step"
+                      + ("; !: above --target-util" if any(r.status == "above target" for r in rows) else ""))
+    for row in rows:
+        if row.rank is None and row.why:
+            console.print(escape(f"{row.strategy}{f' on {row.gpus} GPUs' if several else ''}: {row.status}: {row.why}"),
+                          soft_wrap=True)
+    losses = dict.fromkeys(p.tp_loss for p in result.plans if p.tp_loss)
+    if losses:
+        console.print("tensor-parallel loss: " + ", ".join(losses)
+                      + (" (logits split by the vocabulary, loss_parallel)" if "sharded" in losses else ""))
+    if result.options.offload != "none":
+        from batchfit.report.host import plan_host_line
+
+        for best in result.recommended:
+            console.print(escape(plan_host_line(best, result.host_limit_bytes)))
+    for best in result.recommended:
+        console.print(f"[bold green]{best.gpus} GPU{'s' if best.gpus > 1 else ''}: {best.strategy}[/], micro-batch "
+                      f"{best.micro_batch} x {best.accumulation_steps} accumulation = global batch {best.global_batch}"
+                      + (f"; its reserved peak is in the {best.peak_step}"
+                         if best.peak_step not in (None, "steady step") else ""))
+    for path in written:
+        console.print(f"wrote {path}")
+    console.print(f"report: {report_path}", soft_wrap=True)
+
+
+def _speed_unit(rows) -> str:
+    """The ranking's speed: tokens/s where the workload has tokens, else samples/s."""
+    return "tokens/s" if any(row.tokens_per_s for row in rows) else "samples/s"
+
+
+def _ranking_table(result) -> Table:
+    """The ranking (plan/ranking.py): every combination by predicted tokens/s with its memory."""
     # The ranking (plan/ranking.py): every combination by predicted tokens/s with its memory. 80 columns
     # hold every column whole: light box, headers on two lines, nothing wrapped (a strategy name or a
     # tokens/s figure cut to 'fsdp-…' or '1,23…' was the one thing to read); GPUs and days only when there.
     rows = result.ranking
     several = len(result.worlds) > 1
     days = any(row.days is not None for row in rows)
-    unit = "tokens/s" if any(row.tokens_per_s for row in rows) else "samples/s"
+    unit = _speed_unit(rows)
     # one memory column, the limit's (report.md has both); the bubble only when a pipeline is ranked
     reserved = result.limit == "reserved"
     bubble = any(row.bubble_s for row in rows)
@@ -350,29 +296,4 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
                       f"{speed:,.0f}" if speed else "—",
                       *([("—" if row.days is None else f"{row.days:.0f}" if row.days >= 100 else f"{row.days:.1f}")]
                         if days else []))
-    console.print(table)
-    if any(row.rank for row in rows):
-        console.print(f"ranked by {unit} (computed, MFU {result.time_model.mfu:.2f}); memory at the micro-batch "
-                      "(traced, rank 0); comm: exposed communication per step"
-                      + ("; !: above --target-util" if any(r.status == "above target" for r in rows) else ""))
-    for row in rows:
-        if row.rank is None and row.why:
-            console.print(escape(f"{row.strategy}{f' on {row.gpus} GPUs' if several else ''}: {row.status}: {row.why}"),
-                          soft_wrap=True)
-    losses = dict.fromkeys(p.tp_loss for p in result.plans if p.tp_loss)
-    if losses:
-        console.print("tensor-parallel loss: " + ", ".join(losses)
-                      + (" (logits split by the vocabulary, loss_parallel)" if "sharded" in losses else ""))
-    if result.options.offload != "none":
-        from batchfit.report.host import plan_host_line
-
-        for best in result.recommended:
-            console.print(escape(plan_host_line(best, result.host_limit_bytes)))
-    for best in result.recommended:
-        console.print(f"[bold green]{best.gpus} GPU{'s' if best.gpus > 1 else ''}: {best.strategy}[/], micro-batch "
-                      f"{best.micro_batch} x {best.accumulation_steps} accumulation = global batch {best.global_batch}"
-                      + (f"; its reserved peak is in the {best.peak_step}"
-                         if best.peak_step not in (None, "steady step") else ""))
-    for path in written:
-        console.print(f"wrote {path}")
-    console.print(f"report: {report_path}", soft_wrap=True)
+    return table

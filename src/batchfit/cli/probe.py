@@ -46,25 +46,21 @@ from batchfit.cli.common import (
     quiet_if_stdout,
     report_folder,
     say_attention,
+    say_dim,
     say_notices,
-    step_options,
     warn_about_precision,
     write_outputs,
 )
 from batchfit.cli.trainer import (
     EmitTrainerOpt,
     TrainerOpt,
-    answer,
-    data_rows,
-    merged_options,
-    merged_seq_len,
-    parse_trainer_emit,
     print_answer,
     print_data_rows,
     print_mapping,
-    read_trainer,
     trainer_outputs,
 )
+from batchfit.config.step import StepFlags
+from batchfit.config.trainer import answer, data_rows, merged_options, merged_seq_len, parse_trainer_emit, read_trainer
 from batchfit.devices import GiB
 from batchfit.distributed.wrap import STRATEGIES
 from batchfit.errors import OptionError
@@ -152,9 +148,7 @@ def probe_command(
         raise OptionError(no_memory_limit("probe --device cpu", "--max N",
                                           "add --gpu t4-16gb or --gpu-memory 16GiB"))
     max_batch = DEFAULT_MAX if max_batch is None else max_batch
-    options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps,
-                           compile_, loss, offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
-                           routing=routing, attention=attention)
+    options = StepFlags.pick(locals()).options(say_dim)  # the step's flags, by name
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)
     seq_len, data_section = data_rows(model, seq_len, door, data, batching, length_column, tokenizer)

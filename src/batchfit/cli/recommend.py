@@ -10,23 +10,33 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchfit.cli.common import (
+    CacheDirOpt,
     DeviceOpt,
+    EvalSamplesOpt,
+    ExecutorOpt,
     GpuMemoryOpt,
     GpuOpt,
     JsonOpt,
     ModelArg,
+    NoiseRepeatsOpt,
+    RayAddressOpt,
+    SeedOpt,
     SeqLenOpt,
+    TextDataOpt,
+    TextTokenizerOpt,
+    ValFractionOpt,
+    WorkersOpt,
     check_outputs,
     flag,
     handle_errors,
     out_option,
-    parse_batch_sizes,
     progress_line,
     quiet_if_stdout,
     report_folder,
     write_outputs,
 )
-from batchfit.cli.sweep import CacheDirOpt, DataOpt, SeedOpt, TokenizerOpt, ValFractionOpt, needs_data, sweep_target
+from batchfit.cli.sweep import needs_data, sweep_target
+from batchfit.config.step import parse_batch_sizes
 from batchfit.errors import OptionError, UsageError
 from batchfit.runs.budget import parse_count, parse_lrs
 from batchfit.specs import load_workload
@@ -65,8 +75,8 @@ def recommend_command(
                                                  "(default: the optimizer's).")] = None,
     lr_scaling: Annotated[str, typer.Option(help="How a branch at k x the batch scales its rate: sqrt (Adam, the "
                                                  "paper's rule), linear or none (a fixed rate).")] = "sqrt",
-    data: DataOpt = None,
-    tokenizer: TokenizerOpt = "bpe",
+    data: TextDataOpt = None,
+    tokenizer: TextTokenizerOpt = "bpe",
     val_fraction: ValFractionOpt = 0.01,
     seq_len: SeqLenOpt = None,
     branch_at: Annotated[str, typer.Option(help="Where the parent run branches, as shares of the budget.")] = "10%,25%",
@@ -76,8 +86,8 @@ def recommend_command(
     epsilon: Annotated[float, typer.Option(help="Relative loss tolerance: within it, a batch loses nothing.")] = 0.01,
     seeds: Annotated[int, typer.Option(help="Data windows at the last branch point (the interval).")] = 2,
     noise: Annotated[bool, flag("--noise/--no-noise", "Also measure the gradient noise scale (shown, biased).")] = True,
-    noise_repeats: Annotated[int, typer.Option(help="With --noise: measurements at the initial parameters.")] = 8,
-    eval_samples: Annotated[int, typer.Option(help="Validation samples (the same fixed set for every branch).")] = 64,
+    noise_repeats: NoiseRepeatsOpt = 8,
+    eval_samples: EvalSamplesOpt = 64,
     seed: SeedOpt = 0,
     gpu: GpuOpt = None,
     gpu_memory: GpuMemoryOpt = None,
@@ -86,10 +96,9 @@ def recommend_command(
     store: Annotated[Path | None, typer.Option(help="The SQLite store of branches (the sweep's kind; branch points "
                                                    "beside it): run the same command again after a crash to "
                                                    "resume.")] = None,
-    executor: Annotated[str, typer.Option(help="Where branches train: local (--workers processes here) or ray "
-                                               "(pip install 'batchfit\\[ray]'), as batchfit sweep.")] = "local",
-    workers: Annotated[int, typer.Option(help="Branches at once (local: processes; ray: tasks).")] = 1,
-    ray_address: Annotated[str | None, typer.Option(help="A Ray cluster's address (default: a local cluster).")] = None,
+    executor: ExecutorOpt = "local",
+    workers: WorkersOpt = 1,
+    ray_address: RayAddressOpt = None,
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, branches.png, sources.png, recommend.json")] = None,
 ) -> None:

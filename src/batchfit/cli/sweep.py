@@ -11,25 +11,35 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchfit.cli.common import (
+    CacheDirOpt,
     DeviceOpt,
+    EvalSamplesOpt,
+    ExecutorOpt,
     GpuMemoryOpt,
     GpuOpt,
     JsonOpt,
     ModelArg,
+    NoiseRepeatsOpt,
     PrecisionOpt,
+    RayAddressOpt,
+    SeedOpt,
     SeqLenOpt,
+    TextDataOpt,
+    TextTokenizerOpt,
+    ValFractionOpt,
+    WorkersOpt,
     check_outputs,
     command_target,
     flag,
     handle_errors,
     out_option,
-    parse_batch_sizes,
     progress_line,
     quiet_if_stdout,
     report_folder,
     warn_about_precision,
     write_outputs,
 )
+from batchfit.config.step import parse_batch_sizes
 from batchfit.errors import BatchfitError, OptionError
 from batchfit.runs.budget import parse_count, parse_lrs
 from batchfit.specs import load_workload
@@ -46,14 +56,6 @@ Examples:
   batchfit sweep hf:gpt2-124m --data corpus/ --batch-sizes 8,32,128 --tokens 50M --executor ray --workers 4
 """  # noqa: E501 - each example is a command line to copy whole from --help
 
-DataOpt = Annotated[str | None, typer.Option(help="Text: a .txt file, a folder of .txt/.jsonl/.parquet, or a datasets "
-                                                  "name or path. Without it: the workload's batches (synthetic).")]
-TokenizerOpt = Annotated[str, typer.Option(help="bpe (byte-level BPE trained on the train split at the model's "
-                                                "vocabulary size), bytes, or a tokenizer.json / cached name.")]
-ValFractionOpt = Annotated[float, typer.Option(help="Share of the text kept for validation (the end of it).")]
-CacheDirOpt = Annotated[Path | None, typer.Option(help="Where token ids are cached (default "
-                                                       "~/.cache/batchfit/tokens).")]
-SeedOpt = Annotated[int, typer.Option(help="Fixes the initial model and the data order.")]
 
 
 def sweep_target(gpu: str | None, gpu_memory: str | None, device: str | None) -> tuple[Target, str]:
@@ -86,8 +88,8 @@ def sweep_command(
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes to train, e.g. 1,2,4,8,16,32.", show_default=False)],
     tokens: Annotated[str | None, typer.Option(help="Budget per run in tokens, exactly, e.g. 327.68M or 50M.")] = None,
     samples: Annotated[str | None, typer.Option(help="Budget per run in samples instead, e.g. 200k.")] = None,
-    data: DataOpt = None,
-    tokenizer: TokenizerOpt = "bpe",
+    data: TextDataOpt = None,
+    tokenizer: TextTokenizerOpt = "bpe",
     val_fraction: ValFractionOpt = 0.01,
     seq_len: SeqLenOpt = None,
     lrs: Annotated[str | None, typer.Option(help="Peak learning rates to try at each batch size, e.g. "
@@ -99,7 +101,7 @@ def sweep_command(
     min_lr_ratio: Annotated[float, typer.Option(help="The cosine decays to this x the peak learning rate.")] = 0.1,
     eval_every: Annotated[str, typer.Option(help="Validate every this many tokens (or samples), "
                                                  "or share: 10%.")] = "10%",
-    eval_samples: Annotated[int, typer.Option(help="Validation samples (the same fixed set for every run).")] = 64,
+    eval_samples: EvalSamplesOpt = 64,
     checkpoint_every: Annotated[str | None, typer.Option(help="Checkpoint every this many tokens or share "
                                                               "(default: at every validation).")] = None,
     seed: SeedOpt = 0,
@@ -107,15 +109,14 @@ def sweep_command(
     precision: PrecisionOpt = "fp32",
     store: Annotated[Path, typer.Option(help="The SQLite store of runs and curves.")] = Path("sweep.db"),
     resume: Annotated[bool, flag("--resume", "Finish the sweep in --store: runs that are done are kept.")] = False,
-    executor: Annotated[str, typer.Option(help="local (--workers processes here) or ray (pip install "
-                                               "'batchfit\\[ray]').")] = "local",
-    workers: Annotated[int, typer.Option(help="Runs at once (local: processes, one per GPU; ray: tasks).")] = 1,
-    ray_address: Annotated[str | None, typer.Option(help="A Ray cluster's address (default: a local cluster).")] = None,
+    executor: ExecutorOpt = "local",
+    workers: WorkersOpt = 1,
+    ray_address: RayAddressOpt = None,
     gpu: GpuOpt = None,
     gpu_memory: GpuMemoryOpt = None,
     device: DeviceOpt = None,
     noise: Annotated[bool, flag("--noise", "Also measure the gradient noise scale and show its prediction.")] = False,
-    noise_repeats: Annotated[int, typer.Option(help="With --noise: measurements at the initial parameters.")] = 32,
+    noise_repeats: NoiseRepeatsOpt = 32,
     target_loss: Annotated[float | None, typer.Option(help="The loss for 'fastest to target' (default: the worst "
                                                            "best-loss over batch sizes).")] = None,
     cache_dir: CacheDirOpt = None,

@@ -38,11 +38,11 @@ from batchfit.errors import OptionError
 from batchfit.plan import workers
 from batchfit.plan.derived import SharedTraces
 from batchfit.plan.derived import jobs as derived_jobs
+from batchfit.plan.request import DEFAULT_STRATEGIES, PlanRequest  # noqa: F401 - the API's names
 from batchfit.plan.result import PlanPoint, PlanResult, StrategyPlan, plan_point  # noqa: F401 - the API's names
 from batchfit.plan.time_model import TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
 from batchfit.search import (
-    DEFAULT_MAX_BATCH,
     SearchResult,
     Trial,
     _check_limit,
@@ -57,7 +57,6 @@ from batchfit.targets import bytes_at_target
 from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
 
-DEFAULT_STRATEGIES = "ddp,fsdp"
 SECONDS_PER_DAY = 86400
 
 def sharded() -> ModuleType:
@@ -235,16 +234,15 @@ def _fix(plan: StrategyPlan, point: PlanPoint, capacity_bytes: int, options: Ste
     return out
 
 
-def plan(workload: Workload, *, device: Device, worlds: list[World], options: StepOptions | None = None,
-         strategies: str = DEFAULT_STRATEGIES, global_batch: int | None = None, tokens: str | float | None = None,
-         batch_sizes: list[int] | None = None, target_util: float = 0.9, multiple_of: int = 1,
-         max_batch: int = DEFAULT_MAX_BATCH, time_model: TimeModel | None = None,
-         trace: Callable | None = None, parse: Callable | None = None,
-         progress: Callable[[str], None] | None = None, processes: int | None = None,
-         limit: str = "reserved", replay: Callable | None = None,
-         host_memory_bytes: int | None = None, pp_schedule: str = "1f1b", microbatches: int = 0,
-         facts=None) -> PlanResult:
-    """Plan ``workload`` on ``device`` for each of ``worlds`` and each of ``strategies``.
+def plan(workload: Workload, request: PlanRequest | None = None, *, device: Device,
+         options: StepOptions | None = None, progress: Callable[[str], None] | None = None,
+         trace: Callable | None = None, parse: Callable | None = None, replay: Callable | None = None,
+         facts=None, **fields) -> PlanResult:
+    """Plan ``workload`` on ``device`` for each of ``request.worlds`` and each of ``request.strategies``.
+
+    ``request`` (``plan/request.py``) says what is asked: the worlds, strategies, global batch, tokens,
+    batch sizes, limit, time model...; or give its fields as keywords
+    (``plan(workload, device=d, worlds=[World(8)], strategies="fsdp")``). Below, each field by its name.
 
     ``trace(workload, options, device, strategy, local_batch) -> ShardedPoint`` and
     ``parse(text, world_size) -> list[Strategy]`` default to ``batchfit.plan.sharded``'s.
@@ -264,11 +262,16 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     ``candidates.ModelFacts``, default read from the model built on the meta device); each pp<N>
     searches multiples of its own micro-batches; those that cannot apply are rows with ``skipped``.
     """
+    if request is None:
+        request = PlanRequest(**fields)
+    elif fields:
+        raise TypeError(f"plan: give a PlanRequest or its fields as keywords, not both ({', '.join(fields)})")
     options = (options or StepOptions()).with_attention_of(workload)  # named in every output
-    time_model = time_model or TimeModel()
-    _validate(target_util, multiple_of, max_batch, batch_sizes, global_batch, limit)
-    tokens_asked = tokens if isinstance(tokens, str) else None
-    tokens = parse_tokens(tokens) if isinstance(tokens, str) else tokens
+    time_model = request.time_model or TimeModel()
+    _validate(request.target_util, request.multiple_of, request.max_batch, request.batch_sizes, request.global_batch,
+              request.limit)
+    tokens_asked = request.tokens if isinstance(request.tokens, str) else None
+    tokens = parse_tokens(request.tokens) if isinstance(request.tokens, str) else request.tokens
     if tokens is not None and not workload.tokens_per_sample:
         raise OptionError(f"`tokens` needs a sequence model: {workload.name} has no tokens per sample; drop `tokens`")
     if options.quantize != "none":
@@ -283,8 +286,8 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
                           "drop `accumulation_steps`")
     if trace is None or parse is None:
         module = sharded()
-        pp_options = {} if (pp_schedule, microbatches) == ("1f1b", 0) else dict(pp_schedule=pp_schedule,
-                                                                                  microbatches=microbatches)
+        pipeline = dict(pp_schedule=request.pp_schedule, microbatches=request.microbatches)
+        pp_options = {} if (request.pp_schedule, request.microbatches) == ("1f1b", 0) else pipeline
         parse = parse or functools.partial(module.parse_strategies, **pp_options)  # a stand-in need not take them
     if trace is not None:
         open_session = functools.partial(PointSession, trace, replay=replay)
@@ -293,13 +296,15 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
         from batchfit.plan.pipeline import pipeline_or
 
         open_session = pipeline_or(functools.partial(DeepSession, session=module.ShardedSession))
-    multiple_of = workload.batch_multiple(multiple_of)
-    auto = strategies.strip().lower() == "auto"
+    multiple_of = workload.batch_multiple(request.multiple_of)
+    auto = request.strategies.strip().lower() == "auto"
     not_traced: list[StrategyPlan] = []
     if auto:  # every combination (plan/candidates.py); the ones that cannot apply listed, not traced
-        by_world, not_traced = _auto(workload, options, worlds, parse, facts, pp_schedule, microbatches)
+        by_world, not_traced = _auto(workload, options, request.worlds, parse, facts, request.pp_schedule,
+                                     request.microbatches)
     else:
-        by_world = [(world, parse(strategies, world.gpus)) for world in worlds]  # every bad name before any trace
+        # every bad name before any trace
+        by_world = [(world, parse(request.strategies, world.gpus)) for world in request.worlds]
     base_multiple = multiple_of
     for _, chosen in by_world:  # a pipeline's local batch is whole micro-batches
         multiple_of = math.lcm(multiple_of, *(s.microbatches for s in chosen if getattr(s, "pp", 1) > 1))
@@ -311,11 +316,11 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
                                    "--offload params is FSDP2's CPUOffloadPolicy: this has no FSDP", not_traced)
     elif options.offload_spec.params:
         by_world = _with_fsdp_only(by_world, auto=False)
-    if global_batch is not None:
+    if request.global_batch is not None:
         for world, chosen in by_world:
             if auto:
-                chosen[:] = _set_aside(world, chosen, _not_reaching(global_batch, multiple_of), not_traced)
-            _check_global_batch(global_batch, chosen, multiple_of)
+                chosen[:] = _set_aside(world, chosen, _not_reaching(request.global_batch, multiple_of), not_traced)
+            _check_global_batch(request.global_batch, chosen, multiple_of)
     _refuse_wide_shards(workload, by_world, auto, not_traced)
     say = progress or (lambda message: None)
     started = time.perf_counter()
@@ -337,23 +342,23 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
     approximations += attention_approximations(options.attention)
     approximations += packing_approximation(int(batch_passes_position_ids(workload)))
     approximations += parallelism_approximations(every, workload, options)  # each parallelism's own (registry)
-    target_bytes = bytes_at_target(device, target_util)
+    target_bytes = bytes_at_target(device, request.target_util)
 
     def one(job: tuple[World, object, list], say: Callable[[str], None]) -> tuple[list[StrategyPlan], int | None, int]:
         world, strategy, derived = job
         return _plan_one(open_session, workload, options, device, world, strategy, time_model, say, auto=auto,
-                         batch_sizes=batch_sizes, global_batch=global_batch,
+                         batch_sizes=request.batch_sizes, global_batch=request.global_batch,
                          multiple_of=_own_multiple(strategy, multiple_of) if auto else multiple_of,
-                         max_batch=max_batch, target_bytes=target_bytes, limit=limit,
-                         host_limit_bytes=host_memory_bytes, derived=derived)
+                         max_batch=request.max_batch, target_bytes=target_bytes, limit=request.limit,
+                         host_limit_bytes=request.host_memory_bytes, derived=derived)
 
-    done = workers.run(one, derived_jobs(by_world), say, processes=processes if trace is None else 1)
+    done = workers.run(one, derived_jobs(by_world), say, processes=request.processes if trace is None else 1)
     by_key = {(p.gpus, p.strategy): p for rows, _, _ in done for p in rows}
     plans = [by_key[(world.gpus, s.name)] for world, chosen in by_world for s in chosen] + not_traced
     params = next((n for _, n, _ in done if n is not None), None)
     traces = sum(count for _, _, count in done)
     if params is None:
-        raise OptionError(f"no strategy of '{strategies}' could be traced for {workload.name}: "
+        raise OptionError(f"no strategy of '{request.strategies}' could be traced for {workload.name}: "
                           "every one was skipped (see above); name strategies with `strategies` ddp,fsdp")
     if tokens == "chinchilla":
         tokens = float(CHINCHILLA_TOKENS_PER_PARAM * params)
@@ -362,11 +367,12 @@ def plan(workload: Workload, *, device: Device, worlds: list[World], options: St
             p.days = tokens / p.tokens_per_s / SECONDS_PER_DAY
     return PlanResult(
         workload=workload.name, description=workload.description, tokens_per_sample=workload.tokens_per_sample,
-        device=device, options=options, worlds=list(worlds), strategies_asked=strategies, plans=plans,
-        params=params, global_batch=global_batch, tokens=tokens, tokens_asked=tokens_asked,
-        target_util=target_util, multiple_of=multiple_of, time_model=time_model,
+        device=device, options=options, worlds=list(request.worlds), strategies_asked=request.strategies,
+        plans=plans,
+        params=params, global_batch=request.global_batch, tokens=tokens, tokens_asked=tokens_asked,
+        target_util=request.target_util, multiple_of=multiple_of, time_model=time_model,
         links=time_model.links(device), trace_seconds=time.perf_counter() - started, traces=traces,
-        approximations=approximations, limit=limit, host_limit_bytes=host_memory_bytes,
+        approximations=approximations, limit=request.limit, host_limit_bytes=request.host_memory_bytes,
     )
 
 

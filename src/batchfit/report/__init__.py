@@ -32,7 +32,7 @@ def write_report(out_dir: Path, json_name: str, data: dict, markdown: Callable[[
 
 def write_estimate_report(result, out_dir: Path, files: StagedFiles | None = None,
                           trainer: dict | None = None) -> dict[str, Path]:
-    """``trainer``: the ``--trainer`` section (``cli/trainer.py``), added to the JSON and the report."""
+    """``trainer``: the ``--trainer`` section (``config/trainer.py``), added to the JSON and the report."""
     from batchfit.report.plots import memory_plot  # matplotlib: not for --help (report.write is used there)
     from batchfit.report.run_markdown import eval_markdown, lengths_plot, run_markdown
     from batchfit.report.trainer_markdown import trainer_markdown

@@ -300,7 +300,7 @@ def _time_section(r) -> list[str]:
 
 def write_plan_report(result, out_dir: Path, files: StagedFiles | None = None,
                       trainer: dict | None = None) -> dict[str, Path]:
-    """``trainer``: the ``--trainer`` section (``cli/trainer.py``), added to the JSON and the report."""
+    """``trainer``: the ``--trainer`` section (``config/trainer.py``), added to the JSON and the report."""
     from batchfit.report.trainer_markdown import trainer_markdown
 
     data = result.to_json() if trainer is None else {**result.to_json(), "trainer": trainer}

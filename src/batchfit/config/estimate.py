@@ -1,0 +1,119 @@
+"""``batchfit estimate``'s flags and a ``--trainer`` file as one :class:`EstimateConfig`.
+
+As for plan (``config/plan.py``), two steps with the output paths checked between them
+(``cli/estimate.py``): :func:`read_estimate_door` reads the args and ``--emit trainer:FILE``;
+:func:`estimate_config` merges them with the flags and checks every value before torch loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from batchfit.config.step import StepFlags, TargetFlags, parse_batch_sizes, parse_host_memory, quiet
+from batchfit.config.trainer import (
+    FrontDoor,
+    merged_batch_sizes,
+    merged_batching,
+    merged_eval,
+    merged_options,
+    merged_seq_len,
+    parse_trainer_emit,
+    read_trainer,
+)
+from batchfit.errors import OptionError
+from batchfit.estimator.batching import check_run_flags
+from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
+from batchfit.targets import Target
+from batchfit.workload import StepOptions
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class EstimateFlags(TargetFlags):
+    """estimate's own flags, each field the flag of its name (the step's are :class:`StepFlags`)."""
+
+    seq_len: int | None = None
+    host_memory: str | None = None
+    batch_sizes: str | None = None
+    target_util: float = 0.9
+    multiple_of: int = 1
+    max_batch: int = DEFAULT_MAX_BATCH
+    global_batch: int | None = None
+    limit: str = "reserved"
+    data: str | None = None
+    batching: str | None = None
+    length_column: str | None = None
+    tokenizer: str | None = None
+    replay_steps: int = 0
+    replay_order: str = "data"
+    eval_batch_size: int | None = None
+    eval_accumulation_steps: int | None = None
+    no_cache: bool = False
+
+
+@dataclasses.dataclass(kw_only=True)
+class EstimateConfig:
+    """Everything an estimate runs with, typed, from the flags and the --trainer args."""
+
+    flags: EstimateFlags
+    """The flags as typed (the model, --data and its readers, --replay-*)."""
+    seq_len: int | None
+    """Tokens per sample (the flag's or the args' max_length); None: the model's."""
+    options: StepOptions
+    target: Target
+    """The GPU sized for (``target.device`` is set)."""
+    batch_sizes: list[int] | None
+    """The sizes traced besides the search's (the args' per_device_train_batch_size among them)."""
+    host_memory_bytes: int | None
+    run_batching: Any
+    """How --data is batched (``estimator/batching.py``: Batching), None without --data."""
+    eval_batch: int | None
+    """HF Trainer's eval batch (--eval-batch-size or the args'), None: no eval loop traced."""
+    eval_held: int
+    """Eval steps whose logits stay on the GPU together."""
+
+    def engine_keywords(self, progress: Callable[[str], None]) -> dict[str, Any]:
+        """The keywords ``estimate`` and ``estimate_run`` share (``estimator/engine.py``)."""
+        flags = self.flags
+        return dict(device=self.target.device, options=self.options, batch_sizes=self.batch_sizes,
+                    target_util=flags.target_util, multiple_of=flags.multiple_of, max_batch=flags.max_batch,
+                    limit=flags.limit, host_memory_bytes=self.host_memory_bytes, global_batch=flags.global_batch,
+                    progress=progress, cache=not flags.no_cache)
+
+
+def read_estimate_door(trainer: str | None, emit: list[str] | None,
+                       global_batch: int | None) -> tuple[FrontDoor | None, Path | None]:
+    """(the --trainer args, --emit trainer:FILE's file), read before the outputs are checked."""
+    door = read_trainer(trainer)
+    if door is not None and global_batch is not None:
+        raise OptionError("`trainer` gives the global batch (per-device batch x accumulation x world size): "
+                          "drop `global_batch`, or drop `trainer` and give the options as flags")
+    return door, parse_trainer_emit(emit, door)
+
+
+def estimate_config(flags: EstimateFlags, step: StepFlags, door: FrontDoor | None, emit_path: Path | None,
+                    say: Callable[[str], None] = quiet) -> EstimateConfig:
+    """The flags merged with the --trainer args (where they agree), every value checked before torch loads;
+    ``say``: a line for the user."""
+    target = flags.target(say)
+    if target.device is None:
+        raise OptionError("estimate sizes a batch for a GPU: give `gpu` (e.g. `gpu` h100-80gb), "
+                          "`gpu_memory` 24GiB or `device` cuda")
+    options = step.options(say)
+    host_memory_bytes = parse_host_memory(flags.host_memory)
+    options = merged_options(options, door)
+    seq_len = merged_seq_len(flags.seq_len, door)
+    sizes = merged_batch_sizes(parse_batch_sizes(flags.batch_sizes), door)
+    check_estimate_options(target_util=flags.target_util, multiple_of=flags.multiple_of, batch_sizes=sizes,
+                           max_batch=flags.max_batch, limit=flags.limit)
+    run_batching = check_run_flags(flags.data, merged_batching(flags.batching, flags.data, door), flags.length_column,
+                                   flags.tokenizer, flags.replay_steps, flags.replay_order)
+    if emit_path is not None and run_batching is not None and run_batching.kind == "tokens":
+        raise OptionError(f"`batching` {run_batching} answers a token budget, which TrainingArguments has no field "
+                          "for: drop `emit` (the budget is printed), or batch by pad-longest or pack:MAXLEN")
+    eval_batch, eval_held = merged_eval(flags.eval_batch_size, flags.eval_accumulation_steps, door)
+    return EstimateConfig(flags=flags, seq_len=seq_len, options=options, target=target, batch_sizes=sizes,
+                          host_memory_bytes=host_memory_bytes, run_batching=run_batching, eval_batch=eval_batch,
+                          eval_held=eval_held)
