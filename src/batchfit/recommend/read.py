@@ -39,9 +39,8 @@ def _shared_slope(plan: Plan, parent: Curve, branches: list[dict]) -> float:
     at_points = [(p, v) for p, v in parent.val if p > 0]
     if len(at_points) >= 2:
         return power_exponent(at_points)
-    config = plan.config
-    first = next(e["curve"] for e in branches if e["seed"] == 0 and e["curve"].batch_size == config.batch_sizes[0])
-    edge = cooldown_from(first.start_samples, plan.window_samples, config.cooldown)
+    first = next(e["curve"] for e in branches if e["seed"] == 0 and e["curve"].batch_size == plan.branched[0])
+    edge = cooldown_from(first.start_samples, plan.window_samples, plan.cooldown)
     return power_exponent([v for v in first.val if edge is None or v[0] <= edge])
 
 
@@ -69,17 +68,17 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
     critical: dict[int, int] = {}
     for point in plan.points:
         at = _best_per_batch([r for r in rows if r["point"] == point * per_sample and r["seed"] == 0], "window_val")
-        small = at[config.batch_sizes[0]]["window_val"]
+        small = at[plan.branched[0]]["window_val"]
         critical[point * per_sample] = max(b for b, r in at.items() if r["window_val"] <= small + eps * abs(small))
     last = plan.points[-1] * per_sample
     per_seed = []
     interval: set[int] = set()
-    for seed in range(config.seeds):
+    for seed in range(plan.seeds):
         best = _best_per_batch([r for r in rows if r["point"] == last and r["seed"] == seed], "extrapolated_val")
         low = min(r["extrapolated_val"] for r in best.values())
         per_seed.append(best)
         interval |= {b for b, r in best.items() if r["extrapolated_val"] <= low + eps * abs(low)}
-    mean = {b: float(np.mean([s[b]["extrapolated_val"] for s in per_seed])) for b in config.batch_sizes}
+    mean = {b: float(np.mean([s[b]["extrapolated_val"] for s in per_seed])) for b in plan.branched}
     choice = min(mean, key=mean.get)
     lrs = [s[choice]["lr"] for s in per_seed]
     lr = max(set(lrs), key=lrs.count)
@@ -89,7 +88,7 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
     notes.append("the interval covers the spread between data windows, not the bias of short windows from a shared "
                  "state (benchmarks/recommend_cpu.py: on a fixed-rate setup the sweep's best, 2, lay just outside "
                  "the interval 1-1, within 2x of the answer)")
-    if config.seeds < 2:
+    if plan.seeds < 2 and plan.mode == "branch":
         notes.append("one data window (--seeds 1): the interval is only the batches within epsilon of the best")
     notes.append(f"cost counts trained and validated {plan.budget.unit} alike (a validation pass is forward only): "
                  f"{plan.cost_samples * per_sample:,} trained + {plan.val_samples * per_sample:,} validated; the sweep "
@@ -109,8 +108,9 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
         priors=[p.to_json() for p in priors(params, plan.budget.total if plan.budget.unit == "tokens" else None,
                                              workload.tokens_per_sample, non_embedding_params=non_embedding,
                                              batch_size=choice, lr=lr)],
-        window=plan.window_samples * per_sample, cooldown=config.cooldown,
-        points=[p * per_sample for p in plan.points], seeds=config.seeds, notes=notes, seconds=seconds)
+        window=plan.window_samples * per_sample, cooldown=plan.cooldown,
+        points=[p * per_sample for p in plan.points], seeds=plan.seeds, mode=plan.mode, branched=plan.branched,
+        notes=notes, seconds=seconds)
 
 
 def _parameter_counts(workload: Workload) -> tuple[int, int]:

@@ -54,6 +54,10 @@ class RecommendResult:
     points: list[int]
     seeds: int
     notes: list[str] = field(default_factory=list)
+    mode: str = "branch"
+    """branch, or sweep: branching could not cost less than the sweep, so the sweep ran (``layout.py``)."""
+    branched: list[int] = field(default_factory=list)
+    """The batch sizes measured (all of them unless the plan left the largest out)."""
     noise: dict | None = None
     noise_cost: int = 0
     seconds: float = 0.0
@@ -96,7 +100,7 @@ class RecommendResult:
             ("cost_val_tokens" if tokens else "cost_val_samples"): self.cost_val,
             ("sweep_val_tokens" if tokens else "sweep_val_samples"): self.sweep_val,
             "params": self.params, "branch_points": self.points, "window": self.window,
-            "cooldown": self.cooldown, "seeds": self.seeds,
+            "cooldown": self.cooldown, "seeds": self.seeds, "mode": self.mode, "branched": self.branched,
             "sources": {"branched": {"recommended_batch_size": self.recommended_batch_size,
                                      "interval": list(self.interval), "lr": self.lr,
                                      "critical_batch_size": self.critical_batch_size,
