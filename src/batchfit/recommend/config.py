@@ -126,13 +126,20 @@ class Plan:
         return evals * config.eval_samples
 
     def sweep_val_samples(self, eval_every: float = SWEEP_EVAL_EVERY) -> int:
-        """What the sweep it replaces validates, by the sweep's rule (``sweep/run.py``): at step 0,
-        and after each step that crosses a multiple of ``eval_every`` of the budget or ends the run."""
-        every, u = max(1, round(eval_every * self.budget.total)), self.budget.per_sample
-        evals = 0
-        for b in self.config.batch_sizes:
-            steps = self.total_samples // b
-            crossed = sum(1 for s in range(1, steps + 1)
-                          if (s * b * u) // every > ((s - 1) * b * u) // every or s == steps)
-            evals += (1 + crossed) * len(self.lrs[b])
-        return evals * self.config.eval_samples
+        """What the sweep it replaces validates (``sweep_validated``)."""
+        rates = len(next(iter(self.lrs.values())))
+        return sweep_validated(self.budget, self.config.batch_sizes, rates, self.config.eval_samples, eval_every)
+
+
+def sweep_validated(budget: Budget, batch_sizes: list[int], rates: int, eval_samples: int,
+                    eval_every: float = SWEEP_EVAL_EVERY) -> int:
+    """Samples the sweep validates, by the sweep's rule (``sweep/run.py``): at step 0, and after
+    each step that crosses a multiple of ``eval_every`` of the budget or ends the run."""
+    every, u = max(1, round(eval_every * budget.total)), budget.per_sample
+    evals = 0
+    for b in batch_sizes:
+        steps = budget.total // u // b
+        crossed = sum(1 for s in range(1, steps + 1)
+                      if (s * b * u) // every > ((s - 1) * b * u) // every or s == steps)
+        evals += (1 + crossed) * rates
+    return evals * eval_samples

@@ -39,7 +39,7 @@ import torch
 
 from batchfit.errors import BatchfitError, UsageError
 from batchfit.recommend.branch import Curve, Trainer, evaluator  # noqa: F401 - evaluator: the tests' name
-from batchfit.recommend.config import Plan, RecommendConfig
+from batchfit.recommend.config import Plan, RecommendConfig, sweep_validated
 from batchfit.recommend.jobs import (
     BranchSpec,
     branch_name,
@@ -75,8 +75,10 @@ def plan_recommend(config: RecommendConfig, workload: Workload, tokens: TokenDat
     per_sample = budget.per_sample
     total = budget.total // per_sample
     b0 = config.batch_sizes[0]
+    rates = len(config.lrs or [None])
     layout = lay_out(total, config.batch_sizes, point_shares=config.branch_points, window_share=config.window,
-                     seeds=config.seeds, rates=len(config.lrs or [None]), max_share=config.max_share)
+                     seeds=config.seeds, rates=rates, max_share=config.max_share, eval_samples=config.eval_samples,
+                     sweep_validated=sweep_validated(budget, config.batch_sizes, rates, config.eval_samples))
     if tokens is not None:
         fmt = lm_format(workload)
         budget.check_data((len(tokens.train) - 1) // fmt.seq_len, fmt.seq_len)

@@ -49,11 +49,16 @@ class Layout:
     """Samples trained by the plan: the parent to its last point and every branch (x rates per batch)."""
     sweep_trained: int
     """Samples the sweep it replaces trains: the budget at every batch size and rate."""
+    validated: int = 0
+    """Samples validated: the parent at its start and each point, each branch at its end."""
+    sweep_validated: int = 0
+    """Samples the sweep validates (its own rule: ``config.sweep_validated``)."""
     notes: tuple[str, ...] = ()
 
     @property
     def share(self) -> float:
-        return self.trained / self.sweep_trained
+        """Trained and validated alike, as the result counts its cost."""
+        return (self.trained + self.validated) / (self.sweep_trained + self.sweep_validated)
 
 
 def branch_window(total: int, sizes: tuple[int, ...], window_share: float) -> int:
@@ -73,44 +78,47 @@ def branch_points(total: int, b0: int, shares: tuple[float, ...], window: int, s
 
 
 def branch_layout(total: int, sizes: tuple[int, ...], shares: tuple[float, ...], *, window_share: float,
-                  seeds: int, rates: int, sweep_trained: int) -> Layout | None:
+                  seeds: int, rates: int, eval_samples: int, sweep: Layout) -> Layout | None:
     window = branch_window(total, sizes, window_share)
     points = branch_points(total, sizes[0], shares, window, seeds)
     if points is None:
         return None
-    trained = points[-1] + (len(points) + seeds - 1) * len(sizes) * rates * window
-    return Layout(mode="branch", batch_sizes=sizes, points=points, window=window, seeds=seeds, trained=trained,
-                  sweep_trained=sweep_trained)
+    branches = (len(points) + seeds - 1) * len(sizes) * rates
+    return Layout(mode="branch", batch_sizes=sizes, points=points, window=window, seeds=seeds,
+                  trained=points[-1] + branches * window, validated=(1 + len(points) + branches) * eval_samples,
+                  sweep_trained=sweep.sweep_trained, sweep_validated=sweep.sweep_validated)
 
 
 def lay_out(total: int, batch_sizes: list[int], *, point_shares: tuple[float, ...], window_share: float, seeds: int,
-            rates: int, max_share: float) -> Layout:
+            rates: int, max_share: float, eval_samples: int = 0, sweep_validated: int = 0) -> Layout:
     """The first plan, in the module's order, that costs at most ``max_share`` of the sweep; else
-    the cheapest, when it costs less than the sweep; else the sweep itself."""
+    the cheapest, when it costs less than the sweep; else the sweep itself. ``eval_samples``: one
+    validation pass; ``sweep_validated``: what the sweep validates (both 0: trained samples alone)."""
     sizes = tuple(sorted(batch_sizes))
-    sweep_trained = total * len(sizes) * rates
+    runs = len(sizes) * rates
+    sweep = Layout(mode="sweep", batch_sizes=sizes, points=(0,), window=total, seeds=1, trained=total * runs,
+                   validated=(2 + runs) * eval_samples, sweep_trained=total * runs, sweep_validated=sweep_validated)
     candidates = []
     for keep in range(len(sizes), min(MIN_BRANCHED, len(sizes)) - 1, -1):
         for shares in (point_shares, point_shares[-1:]) if len(point_shares) > 1 else (point_shares,):
             plan = branch_layout(total, sizes[:keep], shares, window_share=window_share, seeds=seeds, rates=rates,
-                                 sweep_trained=sweep_trained)
+                                 eval_samples=eval_samples, sweep=sweep)
             if plan is not None:
                 candidates.append(plan)
     fits = [c for c in candidates if c.share <= max_share]
     if fits:
         return _explained(fits[0], sizes, point_shares, window_share, total)
-    cheapest = min(candidates, key=lambda c: c.trained, default=None)
-    if cheapest is not None and cheapest.trained < sweep_trained:
+    cheapest = min(candidates, key=lambda c: c.share, default=None)
+    if cheapest is not None and cheapest.share < sweep.share:
         plan = _explained(cheapest, sizes, point_shares, window_share, total)
         return Layout(**{**plan.__dict__, "notes": (*plan.notes, f"no branch plan costs {max_share:.0%} of the sweep "
                                                                f"or less at this budget; the cheapest costs "
                                                                f"{cheapest.share:.0%}")})
-    why = (f"the cheapest branch plan trains {cheapest.trained:,} samples, the sweep {sweep_trained:,}"
+    why = (f"the cheapest branch plan trains {cheapest.trained:,} samples, the sweep {sweep.trained:,}"
            if cheapest is not None else "no branch window of whole steps fits the budget")
-    return Layout(mode="sweep", batch_sizes=sizes, points=(0,), window=total, seeds=1, trained=sweep_trained,
-                  sweep_trained=sweep_trained,
-                  notes=(f"ran the sweep itself (every batch size on the whole budget, {sweep_trained:,} samples): "
-                         f"branching cannot cost less here ({why})",))
+    return Layout(**{**sweep.__dict__, "notes": (f"ran the sweep itself (every batch size on the whole budget, "
+                                                 f"{sweep.trained:,} samples): branching cannot cost less here "
+                                                 f"({why})",)})
 
 
 def _explained(plan: Layout, sizes: tuple[int, ...], point_shares: tuple[float, ...], window_share: float,
