@@ -66,13 +66,10 @@ def main() -> None:
     parser.add_argument("--setups", default=",".join(SETUPS), help="any of: " + ", ".join(SETUPS))
     parser.add_argument("--cooldown", type=float, default=None, help="recommend's --cooldown (default its own)")
     parser.add_argument("--window", type=float, default=None, help="recommend's --window (default its own)")
-    parser.add_argument("--method", default=None, help="recommend's method (default its own)")
-    parser.add_argument("--horizon", type=float, default=None, help="recommend's horizon, with --method short")
     parser.add_argument("--name", default="recommend_cpu", help="the result file's name")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    options = {k: v for k, v in (("cooldown", args.cooldown), ("window", args.window), ("method", args.method),
-                                 ("horizon", args.horizon)) if v is not None}
+    options = {k: v for k, v in (("cooldown", args.cooldown), ("window", args.window)) if v is not None}
     stored = stored_sweeps()
     setups = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -42,10 +42,6 @@ class RecommendConfig:
     eval_samples: int = 64
     seed: int = 0
     grad_clip: float | None = 1.0
-    method: str = "branch"
-    """branch (one parent at the smallest batch, branches from its state) or short (every batch
-    size from the start for ``horizon`` of the budget, its last quarter cooled)."""
-    horizon: float = 0.15
     max_share: float = 0.2
     """The plan's aim: train at most this share of the sweep's samples (``layout.py`` cuts branch
     points, then the largest batch sizes, to reach it; never more than the sweep)."""

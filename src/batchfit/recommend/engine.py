@@ -50,7 +50,7 @@ from batchfit.recommend.jobs import (
     read_branch,
     save_point,
 )
-from batchfit.recommend.layout import SHORT_COOLDOWN, lay_out
+from batchfit.recommend.layout import lay_out
 from batchfit.recommend.read import read_recommendation
 from batchfit.recommend.result import RecommendResult
 from batchfit.runs.budget import Schedule, micro_batch_for, parse_amount, scaled_lr
@@ -78,8 +78,7 @@ def plan_recommend(config: RecommendConfig, workload: Workload, tokens: TokenDat
     rates = len(config.lrs or [None])
     layout = lay_out(total, config.batch_sizes, point_shares=config.branch_points, window_share=config.window,
                      seeds=config.seeds, rates=rates, max_share=config.max_share, eval_samples=config.eval_samples,
-                     sweep_validated=sweep_validated(budget, config.batch_sizes, rates, config.eval_samples),
-                     method=config.method, horizon=config.horizon)
+                     sweep_validated=sweep_validated(budget, config.batch_sizes, rates, config.eval_samples))
     if tokens is not None:
         fmt = lm_format(workload)
         budget.check_data((len(tokens.train) - 1) // fmt.seq_len, fmt.seq_len)
@@ -97,7 +96,7 @@ def plan_recommend(config: RecommendConfig, workload: Workload, tokens: TokenDat
     return Plan(config=config, budget=budget, schedule=schedule, total_samples=total, points=list(layout.points),
                 window_samples=layout.window, lrs=lrs, micro_batches=micro, fits=fits,
                 branched=list(layout.batch_sizes), seeds=layout.seeds, mode=layout.mode,
-                cooldown={"branch": config.cooldown, "short": SHORT_COOLDOWN}.get(layout.mode, 0.0),
+                cooldown=config.cooldown if layout.mode == "branch" else 0.0,
                 notes=[*layout.notes, *notes])
 
 

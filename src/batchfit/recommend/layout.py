@@ -89,24 +89,8 @@ def branch_layout(total: int, sizes: tuple[int, ...], shares: tuple[float, ...],
                   sweep_trained=sweep.sweep_trained, sweep_validated=sweep.sweep_validated)
 
 
-SHORT_COOLDOWN = 0.25
-"""The last share of a short run in which its rate decays to the schedule's final one."""
-
-
-def short_layout(total: int, sizes: tuple[int, ...], horizon: float, *, rates: int, eval_samples: int,
-                 sweep: Layout) -> Layout:
-    """Every batch size from the initial state for ``horizon`` of the budget (whole steps of every
-    size, at least ``MIN_STEPS`` of the largest), each with its own history."""
-    window = min(branch_window(total, sizes, horizon), total // math.lcm(*sizes) * math.lcm(*sizes))
-    runs = len(sizes) * rates
-    return Layout(mode="short", batch_sizes=sizes, points=(0,), window=window, seeds=1, trained=runs * window,
-                  validated=(2 + runs) * eval_samples, sweep_trained=sweep.sweep_trained,
-                  sweep_validated=sweep.sweep_validated)
-
-
 def lay_out(total: int, batch_sizes: list[int], *, point_shares: tuple[float, ...], window_share: float, seeds: int,
-            rates: int, max_share: float, eval_samples: int = 0, sweep_validated: int = 0,
-            method: str = "branch", horizon: float = 0.15) -> Layout:
+            rates: int, max_share: float, eval_samples: int = 0, sweep_validated: int = 0) -> Layout:
     """The first plan, in the module's order, that costs at most ``max_share`` of the sweep; else
     the cheapest, when it costs less than the sweep; else the sweep itself. ``eval_samples``: one
     validation pass; ``sweep_validated``: what the sweep validates (both 0: trained samples alone)."""
@@ -114,9 +98,6 @@ def lay_out(total: int, batch_sizes: list[int], *, point_shares: tuple[float, ..
     runs = len(sizes) * rates
     sweep = Layout(mode="sweep", batch_sizes=sizes, points=(0,), window=total, seeds=1, trained=total * runs,
                    validated=(2 + runs) * eval_samples, sweep_trained=total * runs, sweep_validated=sweep_validated)
-    if method == "short":
-        short = short_layout(total, sizes, horizon, rates=rates, eval_samples=eval_samples, sweep=sweep)
-        return short if short.share < sweep.share else sweep
     candidates = []
     for keep in range(len(sizes), min(MIN_BRANCHED, len(sizes)) - 1, -1):
         for shares in (point_shares, point_shares[-1:]) if len(point_shares) > 1 else (point_shares,):
