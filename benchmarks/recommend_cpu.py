@@ -58,7 +58,8 @@ def setup(folder: Path, name: str, spec: Setup, sweep: dict, options: dict) -> d
             "within_20_percent": rec.cost_share <= 0.2,
             "met": ratio <= 2 and (rec.cost_share <= 0.2 or rec.mode == "sweep"), "options": options,
             "recommend_extrapolated_val": {str(b): v for b, v in rec.extrapolated.items()},
-            "branches": rec.branches, "notes": rec.notes, "recommend_seconds": rec_seconds}
+            "branches": rec.branches, "parent_val": rec.parent["val"], "notes": rec.notes,
+            "recommend_seconds": rec_seconds}
 
 
 def main() -> None:
@@ -70,12 +71,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     options = {k: v for k, v in (("cooldown", args.cooldown), ("window", args.window)) if v is not None}
-    stored = stored_sweeps()
     setups = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for name in args.setups.split(","):
-            sweep = stored.get(name) or {**run_setup_sweep(folder, name, SETUPS[name]), "file": "(this run)"}
+            sweep = stored_sweeps().get(name) or {**run_setup_sweep(folder, name, SETUPS[name]), "file": "(this run)"}
             setups.append(setup(folder, name, SETUPS[name], sweep, options))
     path = write_result(args.name, {"setups": setups,
                                     "goal": "within 2x of the sweep's best at <= 20% of the sweep's tokens, or the "
