@@ -208,6 +208,7 @@ def test_a_small_recommendation(small):
     assert data["recommended_batch_size"] in (1, 2, 4)
     low, high = data["recommended_interval"]
     assert low <= data["recommended_batch_size"] <= high
+    assert data["choice_rule"].startswith("the lowest extrapolated validation loss")
     # trained: the parent to 160 samples, 3 windows x 3 batch sizes x 40 samples; validated: the parent
     # at 0, 80 and 160, every branch at its window's end, 4 samples each: 12 x 4 samples; 16 tokens each.
     assert (plan.points, plan.window_samples) == ([80, 160], 40)
@@ -309,3 +310,4 @@ def test_where_branching_cannot_cost_less_the_sweep_runs(tiny):
     assert result.extrapolated == pytest.approx(final)  # read at the budget: nothing carried
     assert result.cost - result.cost_val == 2 * 32 * 16 and result.total_cost <= result.sweep_equivalent
     assert any("ran the sweep itself" in n for n in result.notes)
+    assert result.choice_rule.startswith("the lowest final validation loss")

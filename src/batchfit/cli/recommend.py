@@ -180,6 +180,8 @@ def _print(result, data: dict, console, report_path: Path) -> None:
     console.print(f"[bold green]recommended: batch size {result.recommended_batch_size}[/] (interval {low}-{high}), "
                   f"lr {result.lr:.3g}, for {result.budget:,} {result.unit}; critical batch size "
                   f"{result.critical_batch_size}")
+    if result.choice_rule:
+        console.print(f"chosen: {escape(result.choice_rule)}")
     table = Table()
     for column in ("source", "batch size", "lr", "kind"):
         table.add_column(column, justify="left" if column in ("source", "kind") else "right")

@@ -85,9 +85,18 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
     n_lrs = len(plan.lrs[config.batch_sizes[0]])
     params, non_embedding = _parameter_counts(workload)
     notes = list(plan.notes)
-    notes.append("the interval covers the spread between data windows, not the bias of short windows from a shared "
-                 "state (benchmarks/recommend_cpu.py: on a fixed-rate setup the sweep's best, 2, lay just outside "
-                 "the interval 1-1, within 2x of the answer)")
+    low_b, high_b = min(interval), max(interval)
+    if plan.mode == "sweep":
+        rule = "the lowest final validation loss of the runs (the sweep's own answer)"
+    else:
+        rule = ("the lowest extrapolated validation loss, averaged over the data windows; the interval is every batch "
+                "size within epsilon of the best in some data window: the branches cannot tell them apart")
+        notes.append("the interval covers the spread between data windows, not the bias of short windows from one "
+                     "parent's state (docs/training-runs.md: the full sweep's runs differ from the start; on a "
+                     "fixed-rate benchmark the sweep's best, 2, lay outside the interval 1-1)")
+    if high_b > 4 * low_b:
+        notes.append(f"the interval {low_b}-{high_b} spans more than 4x: the evidence cannot place the best batch "
+                     "within 2x of the answer")
     if plan.seeds < 2 and plan.mode == "branch":
         notes.append("one data window (--seeds 1): the interval is only the batches within epsilon of the best")
     notes.append(f"cost counts trained and validated {plan.budget.unit} alike (a validation pass is forward only): "
@@ -97,7 +106,7 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
     return RecommendResult(
         workload=workload.name, description=workload.description, unit=plan.budget.unit, budget=plan.budget.total,
         batch_sizes=config.batch_sizes, lr_scaling=config.lr_scaling, epsilon=config.epsilon,
-        recommended_batch_size=choice, interval=(min(interval), max(interval)), lr=lr,
+        recommended_batch_size=choice, interval=(low_b, high_b), choice_rule=rule, lr=lr,
         critical_batch_size=critical[last], critical_by_point=critical, extrapolated=mean,
         branches=rows, curves=[{**e["curve"].to_json(per_sample), "point": e["point"] * per_sample,
                                 "seed": e["seed"]} for e in branches],

@@ -28,6 +28,8 @@ class RecommendResult:
     """Measured (branched training, extrapolated): the lowest extrapolated validation loss."""
     interval: tuple[int, int]
     lr: float
+    choice_rule: str = ""
+    """How the answer was picked from the evidence, in words (its interval: what the evidence cannot separate)."""
     critical_batch_size: int
     """Measured: the largest batch within epsilon of the smallest at the last branch point."""
     critical_by_point: dict[int, int]
@@ -91,7 +93,8 @@ class RecommendResult:
         return {
             "workload": self.workload, "description": self.description, "unit": self.unit, "budget": self.budget,
             "batch_sizes": self.batch_sizes, "recommended_batch_size": self.recommended_batch_size,
-            "recommended_interval": list(self.interval), "critical_batch_size": self.critical_batch_size,
+            "recommended_interval": list(self.interval), "choice_rule": self.choice_rule,
+            "critical_batch_size": self.critical_batch_size,
             "critical_batch_size_by_point": {str(k): v for k, v in self.critical_by_point.items()},
             "lr": self.lr, "lr_scaling": self.lr_scaling, "epsilon": self.epsilon,
             "cost_tokens" if tokens else "cost_samples": self.total_cost,
