@@ -19,13 +19,16 @@ Writes benchmarks/results/recommend_cpu-<date>.json.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from _common import write_result
+from _common import RESULTS, write_result
 from batchfit import load_workload
 from batchfit.recommend import RecommendConfig, plan_recommend, run_recommend
 from batchfit.runs.data import tokenize
@@ -67,22 +70,37 @@ def main() -> None:
     parser.add_argument("--setups", default=",".join(SETUPS), help="any of: " + ", ".join(SETUPS))
     parser.add_argument("--cooldown", type=float, default=None, help="recommend's --cooldown (default its own)")
     parser.add_argument("--window", type=float, default=None, help="recommend's --window (default its own)")
+    parser.add_argument("--branch-at", default=None, help="recommend's --branch-at as shares, e.g. 0.03,0.1,0.25")
+    parser.add_argument("--max-share", type=float, default=None, help="recommend's --max-share (default its own)")
     parser.add_argument("--name", default="recommend_cpu", help="the result file's name")
+    parser.add_argument("--train-missing", action="store_true", help="train a setup's sweep here when none is stored")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    options = {k: v for k, v in (("cooldown", args.cooldown), ("window", args.window)) if v is not None}
-    setups = []
+    points = tuple(float(p) for p in args.branch_at.split(",")) if args.branch_at else None
+    options = {k: v for k, v in (("cooldown", args.cooldown), ("window", args.window), ("branch_points", points),
+                                 ("max_share", args.max_share)) if v is not None}
+    path = None
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for name in args.setups.split(","):
-            sweep = stored_sweeps().get(name) or {**run_setup_sweep(folder, name, SETUPS[name]), "file": "(this run)"}
-            setups.append(setup(folder, name, SETUPS[name], sweep, options))
-    path = write_result(args.name, {"setups": setups,
-                                    "goal": "within 2x of the sweep's best at <= 20% of the sweep's tokens, or the "
-                                            "sweep itself where branching cannot cost less",
-                                    "met": all(s["met"] for s in setups)})
+            sweep = stored_sweeps().get(name)
+            if sweep is None and not args.train_missing:
+                print(f"{name}: no stored sweep (python benchmarks/recommend_sweeps.py --setups {name}); skipped")
+                continue
+            sweep = sweep or {**run_setup_sweep(folder, name, SETUPS[name]), "file": "(this run)"}
+            row = setup(folder, name, SETUPS[name], sweep, options)
+            path = save(args.name, {**row, "command": " ".join(["python", *sys.argv])})
     print(f"wrote {path}")
 
+
+def save(name: str, row: dict) -> Path:
+    """Today's file with this setup's row replaced (the others kept): setups run one at a time add up."""
+    today = RESULTS / f"{name}-{datetime.date.today().isoformat()}.json"
+    rows = [r for r in json.loads(today.read_text())["setups"] if r["setup"] != row["setup"]] if today.exists() else []
+    rows = sorted([*rows, row], key=lambda r: list(SETUPS).index(r["setup"]))
+    return write_result(name, {"setups": rows, "goal": "within 2x of the sweep's best at <= 20% of the sweep's tokens, "
+                                                       "or the sweep itself where branching cannot cost less",
+                               "met": all(r["met"] for r in rows)})
 
 if __name__ == "__main__":
     main()
