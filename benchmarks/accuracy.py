@@ -144,6 +144,13 @@ def middle(interval: list[int], predicted: dict[str, float]) -> int:
     return min(inside, key=lambda b: (abs(math.log2(b) - centre), predicted[str(b)]))
 
 
+def _setup_name(row: dict) -> str:
+    """The setup, with the options that differ from recommend's defaults."""
+    options = row.get("options") or {}
+    extra = ", ".join(f"{k} {','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in options.items())
+    return f"{row.get('setup', '')} ({extra})" if extra else row.get("setup", "")
+
+
 def recommend_section(rows: list[dict]) -> list[str]:
     """recommend's answers against the full sweeps; where the file has each setup's role and the
     branches' predictions, the choice rules that could read the same branches, side by side."""
@@ -163,20 +170,20 @@ def recommend_section(rows: list[dict]) -> list[str]:
         if r.get("branched") and r["branched"] != r.get("batch_sizes"):
             plan += f" {r['branched'][0]}-{r['branched'][-1]}"
         done = {True: "yes", False: "**no**"}.get(r.get("met"), "")
-        lines.append(f"| `{r['file']}` | {r.get('setup', '')} | {r.get('role', '')} | {best} | {got} "
+        lines.append(f"| `{r['file']}` | {_setup_name(r)} | {r.get('role', '')} | {best} | {got} "
                      f"({'-'.join(map(str, interval))}) | {_ratio(best, got):g}x | "
                      f"{f'{share:.1%}' if isinstance(share, float) else 'not recorded'} | {plan} | {done} |")
     ruled = [r for r in rows if r.get("role") and r.get("recommend_extrapolated_val") and r.get("mode") == "branch"]
     if ruled:
         lines += ["", "The same branches read by other choice rules (batch size, and its ratio to the sweep's best): "
                   "recommend's rule is the lowest predicted loss.", "",
-                  "| setup | role | sweep's best | lowest predicted loss | largest in the interval | critical batch "
-                  "size | interval's geometric middle |", "|---|---|---|---|---|---|---|"]
+                  "| results file | setup | role | sweep's best | lowest predicted loss | largest in the interval | "
+                  "critical batch size | interval's geometric middle |", "|---|---|---|---|---|---|---|---|"]
         for r in ruled:
             best = r["sweep_best_batch_size"]
             picks = (r["recommended_batch_size"], r["recommended_interval"][1], r["critical_batch_size"],
                      middle(r["recommended_interval"], r["recommend_extrapolated_val"]))
-            lines.append(f"| {r['setup']} | {r['role']} | {best} | "
+            lines.append(f"| `{r['file']}` | {_setup_name(r)} | {r['role']} | {best} | "
                          + " | ".join(f"{b} ({_ratio(best, b):g}x)" for b in picks) + " |")
     return lines
 
