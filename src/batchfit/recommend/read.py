@@ -94,6 +94,9 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
         notes.append("the interval covers the spread between data windows, not the bias of short windows from one "
                      "parent's state (docs/training-runs.md: the full sweep's runs differ from the start; on a "
                      "fixed-rate benchmark the sweep's best, 2, lay outside the interval 1-1)")
+    if high_b == plan.branched[-1] and plan.branched != config.batch_sizes:
+        notes.append(f"the interval reaches {high_b}, the largest batch branched: the larger ones, not measured, may "
+                     "be as good")
     if high_b > 4 * low_b:
         notes.append(f"the interval {low_b}-{high_b} spans more than 4x: the evidence cannot place the best batch "
                      "within 2x of the answer")
