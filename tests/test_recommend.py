@@ -315,3 +315,29 @@ def test_where_branching_cannot_cost_less_the_sweep_runs(tiny):
     assert result.cost - result.cost_val == 2 * 32 * 16 and result.total_cost <= result.sweep_equivalent
     assert any("ran the sweep itself" in n for n in result.notes)
     assert result.choice_rule.startswith("the lowest final validation loss")
+
+
+def test_the_command_keeps_the_noise_scale_within_the_aim(tiny, tmp_path):
+    """Through the command, the noise scale on (its default), batch 1-8 at 128 samples: the plan
+    branches 1-4 at the last point (32 + 2 x 3 x 8 = 80 samples trained, 8 passes of 4 validated);
+    8 noise repeats at batch 8 (64 samples, 1,024 tokens) would take it past 20% of the sweep's; they
+    are left out, saying so."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+
+    _, tokens = tiny
+    folder = tokens.folder.parent.parent
+    spec = next(folder.glob("*.py"))
+    out = tmp_path / "r.json"
+    done = CliRunner().invoke(app, ["recommend", f"{spec}:workload", "--data", str(folder / "stories.txt"),
+                                    "--tokenizer", "bytes", "--cache-dir", str(folder / "cache"), "--tokens", "2048",
+                                    "--batch-sizes", "1,2,4,8", "--lrs", "3e-3", "--eval-samples", "4",
+                                    "--json", str(out), "--out", str(tmp_path / "report")])
+    assert done.exit_code == 0, done.output
+    data = json.loads(out.read_text())
+    assert data["noise_cost"] == 0 and data["sources"]["noise"] is None
+    assert any(n.startswith("noise scale not measured: its 1,024 tokens") for n in data["notes"])
+    assert data["cost_tokens"] == (80 + 8 * 4) * 16 and data["cost_share_of_sweep"] <= 0.2

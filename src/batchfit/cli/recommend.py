@@ -147,12 +147,16 @@ def recommend_command(
             from batchfit.sweep.noise import gradient_noise_scale
 
             small, big = config.batch_sizes[0], config.batch_sizes[-1]
-            if big % small == 0 and big > small:
+            noise_cost = noise_repeats * big * plan.budget.per_sample
+            if result.cost + noise_cost > max(config.max_share, result.cost_share) * result.sweep_equivalent:
+                result.notes.append(f"noise scale not measured: its {noise_cost:,} {plan.budget.unit} would take the "
+                                    f"cost past {max(config.max_share, result.cost_share):.0%} of the sweep's")
+            elif big % small == 0 and big > small:
                 say(f"noise scale from batch sizes {small} and {big}")
                 measured = gradient_noise_scale(workload, source, small=small, big=big, repeats=noise_repeats,
                                                 seed=seed, device=torch.device(train_on), progress=say)
                 result.noise = measured.to_json()
-                result.noise_cost = noise_repeats * big * plan.budget.per_sample
+                result.noise_cost = noise_cost
     folder = report_folder(out, "recommend", workload.name, target, StepOptions(), seq_len)
     data_json = result.to_json()
     paths = write_outputs(json_path, data_json, lambda files: write_recommend_report(data_json, folder, files))
