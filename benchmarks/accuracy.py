@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -130,6 +131,63 @@ def recommend_rows(files: list[Path]) -> list[dict]:
     return rows
 
 
+def _ratio(a: int, b: int) -> float:
+    return max(a, b) / min(a, b)
+
+
+def middle(interval: list[int], predicted: dict[str, float]) -> int:
+    """The batch of the interval nearest its geometric middle (the least worst-case ratio to any
+    batch in it); between two, the lower predicted loss."""
+    low, high = interval
+    inside = [int(b) for b in predicted if low <= int(b) <= high]
+    centre = math.log2(low * high) / 2
+    return min(inside, key=lambda b: (abs(math.log2(b) - centre), predicted[str(b)]))
+
+
+def _setup_name(row: dict) -> str:
+    """The setup, with the options that differ from recommend's defaults."""
+    options = row.get("options") or {}
+    extra = ", ".join(f"{k} {','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in options.items())
+    return f"{row.get('setup', '')} ({extra})" if extra else row.get("setup", "")
+
+
+def recommend_section(rows: list[dict]) -> list[str]:
+    """recommend's answers against the full sweeps; where the file has each setup's role and the
+    branches' predictions, the choice rules that could read the same branches, side by side."""
+    lines = ["", "## recommend against the full sweep it replaces", "",
+             "Done when: within 2x of the sweep's best batch size and at most 20% of the sweep's tokens (trained and "
+             "validated, counted alike), or the sweep itself ran because branching could not cost less. `tuning` "
+             "setups are those recommend's settings were chosen on; `held-out` setups were added after and chose "
+             "nothing.", "",
+             "| results file | setup | role | sweep's best batch | recommended (interval) | ratio | share of the "
+             "sweep's tokens | plan | done |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        best, got = r["sweep_best_batch_size"], r["recommended_batch_size"]
+        interval = r.get("recommended_interval") or []
+        share = r.get("cost_share_of_sweep")
+        plan = r.get("mode", "branch")
+        if r.get("branched") and r["branched"] != r.get("batch_sizes"):
+            plan += f" {r['branched'][0]}-{r['branched'][-1]}"
+        done = {True: "yes", False: "**no**"}.get(r.get("met"), "")
+        lines.append(f"| `{r['file']}` | {_setup_name(r)} | {r.get('role', '')} | {best} | {got} "
+                     f"({'-'.join(map(str, interval))}) | {_ratio(best, got):g}x | "
+                     f"{f'{share:.1%}' if isinstance(share, float) else 'not recorded'} | {plan} | {done} |")
+    ruled = [r for r in rows if r.get("role") and r.get("recommend_extrapolated_val") and r.get("mode") == "branch"]
+    if ruled:
+        lines += ["", "The same branches read by other choice rules (batch size, and its ratio to the sweep's best): "
+                  "recommend's rule is the lowest predicted loss.", "",
+                  "| results file | setup | role | sweep's best | lowest predicted loss | largest in the interval | "
+                  "critical batch size | interval's geometric middle |", "|---|---|---|---|---|---|---|---|"]
+        for r in ruled:
+            best = r["sweep_best_batch_size"]
+            picks = (r["recommended_batch_size"], r["recommended_interval"][1], r["critical_batch_size"],
+                     middle(r["recommended_interval"], r["recommend_extrapolated_val"]))
+            lines.append(f"| `{r['file']}` | {_setup_name(r)} | {r['role']} | {best} | "
+                         + " | ".join(f"{b} ({_ratio(best, b):g}x)" for b in picks) + " |")
+    return lines
+
+
 SKIPPED_FIGURES = ("user_s", "sys_s")
 """Parts of cpu_s, which is kept."""
 
@@ -198,17 +256,7 @@ def render(files: list[Path]) -> str:
     lines += [f"- `{r['file']}`: `{r['command']}`" for r in ledger if r["command"]]
     recommend = recommend_rows(files)
     if recommend:
-        lines += ["", "## recommend against the full sweep it replaces", "",
-                  "| results file | setup | sweep's best batch | recommended (interval) | ratio | share of the "
-                  "sweep's tokens |",
-                  "|---|---|---|---|---|---|"]
-        for r in recommend:
-            best, got = r["sweep_best_batch_size"], r["recommended_batch_size"]
-            interval = r.get("recommended_interval") or []
-            ratio = max(best, got) / min(best, got)
-            share = r.get("cost_share_of_sweep")
-            lines.append(f"| `{r['file']}` | {r.get('setup', '')} | {best} | {got} ({'-'.join(map(str, interval))}) | "
-                         f"{ratio:g}x | {f'{share:.1%}' if isinstance(share, float) else 'not recorded'} |")
+        lines += recommend_section(recommend)
     speed = speed_rows(files)
     if speed:
         lines += ["", "## Speed: whole commands timed with farm-bench", "",

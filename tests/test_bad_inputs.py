@@ -165,7 +165,7 @@ ROWS = {
         ([*TINY, "--batch-sizes", "4", "--tokens", "1M"], "at least two"),
         ([*TINY, "--batch-sizes", "1,2"], "--tokens"),
         ([*TINY, "--batch-sizes", "1,2", "--tokens", "1M", "--cache-dir", f"{README}/c"], "is a file, not a folder"),
-        ([*TINY, *TEXT, "--batch-sizes", "1,64", "--tokens", "16384"], "budget too small to branch"),
+        ([*TINY, "--batch-sizes", "1,64", "--tokens", "16384", "--max-share", "0"], "e.g. 20%"),
         ([*TINY, *TEXT, "--batch-sizes", "1,2", "--tokens", "16M"], "data too short for the budget"),
         ([*TINY, *TEXT, "--batch-sizes", "1,2", "--tokens", "16384", "--gpu-memory", "600MiB"],
          "even at micro-batch 1"),

@@ -60,8 +60,6 @@ def test_a_branch_at_k_1_repeats_the_parent_bit_for_bit(tiny):
 
 def test_checks_come_before_any_training(tiny):
     workload, tokens = tiny
-    with pytest.raises(UsageError, match="budget too small to branch"):
-        plan_recommend(RecommendConfig(batch_sizes=[1, 8], tokens=16 * 64), workload, tokens)
     with pytest.raises(UsageError, match="data too short for the budget"):
         plan_recommend(RecommendConfig(batch_sizes=[1, 2], tokens=16 * 2**16), workload, tokens)
     with pytest.raises(UsageError, match="even at micro-batch 1"):
@@ -115,7 +113,7 @@ def test_extrapolation_is_a_power_law():
 
 
 SMALL = dict(batch_sizes=[1, 2, 4], tokens=16 * 800, lrs=[3e-3], branch_points=(0.1, 0.2), window=0.05,
-             eval_samples=4)
+             eval_samples=4, max_share=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +208,7 @@ def test_a_small_recommendation(small):
     assert data["recommended_batch_size"] in (1, 2, 4)
     low, high = data["recommended_interval"]
     assert low <= data["recommended_batch_size"] <= high
+    assert data["choice_rule"].startswith("the lowest extrapolated validation loss")
     # trained: the parent to 160 samples, 3 windows x 3 batch sizes x 40 samples; validated: the parent
     # at 0, 80 and 160, every branch at its window's end, 4 samples each: 12 x 4 samples; 16 tokens each.
     assert (plan.points, plan.window_samples) == ([80, 160], 40)
@@ -261,3 +260,84 @@ def test_a_diverging_branch_says_its_loss_is_not_finite():
     with pytest.raises(NonFiniteLoss, match=r"the training loss is not finite \((inf|nan)\) at sample \d+ \(batch 2"):
         trainer.train(curve, start=0, samples=64, micro=2)
     assert curve.train and all(loss == loss and abs(loss) < float("inf") for _, loss in curve.train)  # kept, finite
+
+
+def test_the_plan_fits_the_budget_and_grid_by_hand():
+    """Issue 33's refused case, in samples: grid 1-64, a budget of 512 samples (65,536 tokens of
+    128), --window 4% (20 samples: no whole step at 64). The sweep trains 7 x 512 = 3,584."""
+    from batchfit.recommend.layout import lay_out
+
+    ask = dict(point_shares=(0.1, 0.25), window_share=0.04, seeds=2, rates=1)
+    layout = lay_out(512, [1, 2, 4, 8, 16, 32, 64], max_share=0.2, **ask)
+    # every size: window 2 x 64 = 128, parent to 128, 3 windows x 7 sizes: 128 + 2,688 = 2,816 (79%);
+    # the last point only: 128 + 2 x 7 x 128 = 1,920 (54%); without 64 (window 64): 128 + 3 x 6 x 64 =
+    # 1,280 (36%), last point only 896 (25%); without 32 and 64 (window 32): 128 + 3 x 5 x 32 = 608 (17%)
+    assert (layout.mode, layout.batch_sizes, layout.points, layout.window) == ("branch", (1, 2, 4, 8, 16), (51, 128),
+                                                                               32)
+    assert (layout.trained, layout.sweep_trained) == (608, 3584)
+    assert any("32, 64 not branched" in n for n in layout.notes)
+    # no aim reachable: the cheapest plan still beats the sweep, and runs: batch 1-4 (window 20, the 4%
+    # asked), the last point only: 128 + 2 x 3 x 20 = 248 (7%)
+    cheapest = lay_out(512, [1, 2, 4, 8, 16, 32, 64], max_share=0.01, **ask)
+    assert (cheapest.batch_sizes, cheapest.points, cheapest.window, cheapest.trained) == ((1, 2, 4), (128,), 20, 248)
+    # two sizes, 32 samples: 2 steps at 8 in each of 2 windows need 32 samples after the first step at 1:
+    # no branch plan fits, so the sweep itself runs (2 x 32 samples), never more
+    sweep = lay_out(32, [1, 8], max_share=0.2, **ask)
+    assert (sweep.mode, sweep.points, sweep.window, sweep.trained, sweep.sweep_trained) == ("sweep", (0,), 32, 64, 64)
+
+
+def test_the_budget_the_issue_refused_runs_for_less_than_the_sweep(tiny):
+    """Grid 1-64 at 512 samples (the issue's 65,536 tokens of 128; here 16 tokens a sample)."""
+    workload, tokens = tiny
+    # epsilon 20%: the five branched batch sizes end within 8% of one another here, so the interval
+    # reaches the largest one branched, and the result says the unbranched ones may be as good
+    plan = plan_recommend(RecommendConfig(batch_sizes=[1, 2, 4, 8, 16, 32, 64], tokens=512 * 16, lrs=[3e-3],
+                                          eval_samples=4, epsilon=0.2), workload, tokens)
+    result = run_recommend(plan, workload, tokens)
+    sweep_trained = 7 * 512 * 16  # tokens: every batch size on the whole budget
+    trained = result.cost - result.cost_val
+    assert trained == (128 + 3 * 5 * 32) * 16 <= sweep_trained / 5
+    assert result.total_cost <= result.sweep_equivalent
+    assert result.branched == [1, 2, 4, 8, 16] and result.recommended_batch_size in result.branched
+    assert result.interval == (1, 16) and any("reaches 16, the largest batch branched" in n for n in result.notes)
+    assert any("spans more than 4x" in n for n in result.notes)
+
+
+def test_where_branching_cannot_cost_less_the_sweep_runs(tiny):
+    workload, tokens = tiny
+    plan = plan_recommend(RecommendConfig(batch_sizes=[1, 8], tokens=32 * 16, lrs=[3e-3], eval_samples=4),
+                          workload, tokens)
+    assert (plan.mode, plan.points, plan.window_samples, plan.cost_samples) == ("sweep", [0], 32, 64)
+    result = run_recommend(plan, workload, tokens)
+    final = {c["batch_size"]: c["val"][-1][1] for c in result.curves}
+    assert result.recommended_batch_size == min(final, key=final.get)
+    assert result.extrapolated == pytest.approx(final)  # read at the budget: nothing carried
+    assert result.cost - result.cost_val == 2 * 32 * 16 and result.total_cost <= result.sweep_equivalent
+    assert any("ran the sweep itself" in n for n in result.notes)
+    assert result.choice_rule.startswith("the lowest final validation loss")
+
+
+def test_the_command_keeps_the_noise_scale_within_the_aim(tiny, tmp_path):
+    """Through the command, the noise scale on (its default), batch 1-8 at 128 samples: the plan
+    branches 1-4 at the last point (32 + 2 x 3 x 8 = 80 samples trained, 8 passes of 4 validated);
+    8 noise repeats at batch 8 (64 samples, 1,024 tokens) would take it past 20% of the sweep's; they
+    are left out, saying so."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+
+    _, tokens = tiny
+    folder = tokens.folder.parent.parent
+    spec = next(folder.glob("*.py"))
+    out = tmp_path / "r.json"
+    done = CliRunner().invoke(app, ["recommend", f"{spec}:workload", "--data", str(folder / "stories.txt"),
+                                    "--tokenizer", "bytes", "--cache-dir", str(folder / "cache"), "--tokens", "2048",
+                                    "--batch-sizes", "1,2,4,8", "--lrs", "3e-3", "--eval-samples", "4",
+                                    "--json", str(out), "--out", str(tmp_path / "report")])
+    assert done.exit_code == 0, done.output
+    data = json.loads(out.read_text())
+    assert data["noise_cost"] == 0 and data["sources"]["noise"] is None
+    assert any(n.startswith("noise scale not measured: its 1,024 tokens") for n in data["notes"])
+    assert data["cost_tokens"] == (80 + 8 * 4) * 16 and data["cost_share_of_sweep"] <= 0.2

@@ -15,14 +15,14 @@ import re
 FIELDS = (
     "accumulation_steps", "attention", "batch_sizes", "batching", "branch_at", "cache_dir", "calibrate",
     "checkpoint_every", "checkpointing", "compile", "cooldown", "data", "device", "ema", "emit", "epsilon",
-    "eval_accumulation_steps", "eval_batch_size", "eval_every",
-    "eval_samples", "executor", "global_batch", "gpu", "gpu_memory", "gpus",
-    "gpus_per_node", "grad_clip", "host_memory", "inter_node_gb_per_s", "intra_node_gb_per_s", "isolate", "json",
-    "length_column", "limit", "lora", "loss", "lr", "lr_ref_batch", "lr_scaling", "lrs", "max", "max_batch",
-    "memory_budget", "mfu", "microbatches", "min", "min_lr_ratio", "multiple_of", "nodes", "offload",
-    "optimizer", "policy", "pp_schedule", "precision", "processes", "quantize", "repeats", "replay_order",
-    "replay_steps", "resume", "samples", "seeds", "seq_len", "steps", "store", "strategies", "strategy",
-    "target_util", "tokenizer", "tokens", "tp_loss", "trainer", "val_fraction", "warmup", "window", "workers",
+    "eval_accumulation_steps", "eval_batch_size", "eval_every", "eval_samples", "executor", "global_batch", "gpu",
+    "gpu_memory", "gpus", "gpus_per_node", "grad_clip", "host_memory", "inter_node_gb_per_s", "intra_node_gb_per_s",
+    "isolate", "json", "length_column", "limit", "lora", "loss", "lr", "lr_ref_batch", "lr_scaling", "lrs", "max",
+    "max_batch", "max_share", "memory_budget", "mfu", "microbatches", "min", "min_lr_ratio", "multiple_of", "nodes",
+    "offload", "optimizer", "policy", "pp_schedule", "precision", "processes", "quantize", "repeats",
+    "replay_order", "replay_steps", "resume", "samples", "seeds", "seq_len", "steps", "store", "strategies",
+    "strategy", "target_util", "tokenizer", "tokens", "tp_loss", "trainer", "val_fraction", "warmup", "window",
+    "workers",
 )
 """Fields whose flag is the field's name with dashes: ``seq_len`` is ``--seq-len``."""
 

@@ -80,11 +80,15 @@ def recommend_command(
     val_fraction: ValFractionOpt = 0.01,
     seq_len: SeqLenOpt = None,
     branch_at: Annotated[str, typer.Option(help="Where the parent run branches, as shares of the budget.")] = "10%,25%",
-    window: Annotated[str, typer.Option(help="How long each branch trains, as a share of the budget.")] = "4%",
+    window: Annotated[str, typer.Option(help="How long each branch trains, as a share of the budget (longer where "
+                                             "that holds fewer than 2 steps of the largest batch).")] = "4%",
     cooldown: Annotated[str, typer.Option(help="The last share of each window in which the rate decays to the "
                                                "schedule's final rate (0: none).")] = "75%",
     epsilon: Annotated[float, typer.Option(help="Relative loss tolerance: within it, a batch loses nothing.")] = 0.01,
     seeds: Annotated[int, typer.Option(help="Data windows at the last branch point (the interval).")] = 2,
+    max_share: Annotated[str, typer.Option(help="Aim to train at most this share of the sweep's tokens: fewer branch "
+                                                "points, then fewer of the largest batch sizes; where no branch plan "
+                                                "costs less than the sweep, the sweep runs.")] = "20%",
     noise: Annotated[bool, flag("--noise/--no-noise", "Also measure the gradient noise scale (shown, biased).")] = True,
     noise_repeats: NoiseRepeatsOpt = 8,
     eval_samples: EvalSamplesOpt = 64,
@@ -126,7 +130,7 @@ def recommend_command(
         samples=parse_count(samples, "--samples") if samples else None, lrs=parse_lrs(lrs), lr_scaling=lr_scaling,
         branch_points=tuple(points), window=parse_shares(window, "--window")[0],
         cooldown=parse_shares(cooldown, "--cooldown")[0], epsilon=epsilon, seeds=seeds, eval_samples=eval_samples,
-        seed=seed)
+        seed=seed, max_share=parse_shares(max_share, "--max-share")[0])
     check_executor(executor, workers)
     target, train_on = sweep_target(gpu, gpu_memory, device)
     workload = load_workload(model, seq_len=seq_len)
@@ -143,6 +147,8 @@ def recommend_command(
                              "name), e.g. --data stories.txt")
         plan = plan_recommend(config, workload, token_data, largest_fitting=_largest_fitting(workload, target),
                               fit_device_name=target.device.display_name if target.device else "the GPU")
+        for note in plan.notes:
+            say(f"plan: {note}")
         source = BatchSource(workload, seed=seed, tokens=token_data, eval_samples=eval_samples)
         result = run_recommend(plan, workload, token_data, device=torch.device(train_on), progress=say, store=store,
                                executor=executor, workers=workers, ray_address=ray_address, model=model)
@@ -150,12 +156,16 @@ def recommend_command(
             from batchfit.sweep.noise import gradient_noise_scale
 
             small, big = config.batch_sizes[0], config.batch_sizes[-1]
-            if big % small == 0 and big > small:
+            noise_cost = noise_repeats * big * plan.budget.per_sample
+            if result.cost + noise_cost > max(config.max_share, result.cost_share) * result.sweep_equivalent:
+                result.notes.append(f"noise scale not measured: its {noise_cost:,} {plan.budget.unit} would take the "
+                                    f"cost past {max(config.max_share, result.cost_share):.0%} of the sweep's")
+            elif big % small == 0 and big > small:
                 say(f"noise scale from batch sizes {small} and {big}")
                 measured = gradient_noise_scale(workload, source, small=small, big=big, repeats=noise_repeats,
                                                 seed=seed, device=torch.device(train_on), progress=say)
                 result.noise = measured.to_json()
-                result.noise_cost = noise_repeats * big * plan.budget.per_sample
+                result.noise_cost = noise_cost
     folder = report_folder(out, "recommend", workload.name, target, StepOptions(), seq_len)
     data_json = result.to_json()
     paths = write_outputs(json_path, data_json, lambda files: write_recommend_report(data_json, folder, files))
@@ -177,9 +187,14 @@ def _largest_fitting(workload, target):
 
 def _print(result, data: dict, console, report_path: Path) -> None:
     low, high = result.interval
+    for note in result.notes:
+        if note.startswith(("ran the sweep itself", "batch sizes", "no branch plan")):
+            console.print(f"plan: {escape(note)}")
     console.print(f"[bold green]recommended: batch size {result.recommended_batch_size}[/] (interval {low}-{high}), "
                   f"lr {result.lr:.3g}, for {result.budget:,} {result.unit}; critical batch size "
                   f"{result.critical_batch_size}")
+    if result.choice_rule:
+        console.print(f"chosen: {escape(result.choice_rule)}")
     table = Table()
     for column in ("source", "batch size", "lr", "kind"):
         table.add_column(column, justify="left" if column in ("source", "kind") else "right")

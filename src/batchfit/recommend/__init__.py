@@ -5,6 +5,7 @@ on its own.
     priors.py   Step Law and Power Lines: formulas, never measurements
     branch.py   the parent run and its exact branches (model, optimizer, RNG, data position)
     jobs.py     a branch as a job of the executors (runs/executors.py), its row in the runs store
+    layout.py   the plan fitted to the budget and grid: window, branch points, which batch sizes, or the sweep
     engine.py   RecommendConfig -> Plan (every check before training) -> the parent, the branches
     read.py     the critical batch size, the extrapolation, the recommendation and its cost
     result.py   the answer, its interval, the evidence table, the cost (no torch)

@@ -25,7 +25,8 @@ class RecommendConfig:
     branch_points: tuple[float, ...] = (0.1, 0.25)
     """Where the parent branches, as shares of the budget."""
     window: float = 0.04
-    """Each branch trains this share of the budget."""
+    """Each branch trains this share of the budget, or more: at least 2 steps of the largest branched
+    batch (``layout.py``)."""
     epsilon: float = 0.01
     """Relative loss tolerance: a batch within it of the best (or the smallest batch) loses nothing."""
     seeds: int = 2
@@ -41,6 +42,9 @@ class RecommendConfig:
     eval_samples: int = 64
     seed: int = 0
     grad_clip: float | None = 1.0
+    max_share: float = 0.2
+    """The plan's aim: train at most this share of the sweep's samples (``layout.py`` cuts branch
+    points, then the largest batch sizes, to reach it; never more than the sweep)."""
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -61,6 +65,9 @@ class RecommendConfig:
         if not 0 <= self.cooldown < 1:
             raise OptionError("`cooldown` must be a share of the window from 0 to below 1, e.g. 75%; got "
                               f"{self.cooldown}")
+        if not 0 < self.max_share <= 1:
+            raise OptionError(f"`max_share` must be a share of the sweep above 0 and at most 1, e.g. 20%; got "
+                              f"{self.max_share}")
         if self.seeds < 1:
             raise OptionError(f"`seeds` must be 1 or more, got {self.seeds}")
         self.branch_points = tuple(sorted(set(self.branch_points)))
@@ -85,17 +92,25 @@ class Plan:
     lrs: dict[int, list[float]]
     micro_batches: dict[int, int]
     fits: int | None
+    branched: list[int]
+    """The batch sizes that get a branch (``layout.py``): the smallest ones, all of them in most plans."""
+    seeds: int
+    """Data windows at the last point (``config.seeds``; 1 in a sweep)."""
+    cooldown: float
+    """``config.cooldown``; 0 in a sweep (its runs end on the schedule's own decay)."""
+    mode: str = "branch"
+    """branch, or sweep: every batch size on the whole budget, where branching cannot cost less."""
     notes: list[str] = field(default_factory=list)
 
     @property
     def windows(self) -> int:
         """Data windows branched: one per point, ``seeds`` at the last."""
-        return len(self.points) + self.config.seeds - 1
+        return len(self.points) + self.seeds - 1
 
     @property
     def cost_samples(self) -> int:
         """Trained: the parent to its last point, and every branch's window."""
-        branches = sum(len(v) for v in self.lrs.values())
+        branches = sum(len(self.lrs[b]) for b in self.branched)
         return self.points[-1] + self.windows * branches * self.window_samples
 
     @property
@@ -105,19 +120,26 @@ class Plan:
         large batch's steps hold two)."""
         config, W = self.config, self.window_samples
         evals = 1 + len(self.points)
-        for b in config.batch_sizes:
+        for b in self.branched:
             aligned = {W * (i + 1) // config.evals_per_window // b * b for i in range(config.evals_per_window)}
             evals += self.windows * len(self.lrs[b]) * len([e for e in aligned if e > 0])
         return evals * config.eval_samples
 
     def sweep_val_samples(self, eval_every: float = SWEEP_EVAL_EVERY) -> int:
-        """What the sweep it replaces validates, by the sweep's rule (``sweep/run.py``): at step 0,
-        and after each step that crosses a multiple of ``eval_every`` of the budget or ends the run."""
-        every, u = max(1, round(eval_every * self.budget.total)), self.budget.per_sample
-        evals = 0
-        for b in self.config.batch_sizes:
-            steps = self.total_samples // b
-            crossed = sum(1 for s in range(1, steps + 1)
-                          if (s * b * u) // every > ((s - 1) * b * u) // every or s == steps)
-            evals += (1 + crossed) * len(self.lrs[b])
-        return evals * self.config.eval_samples
+        """What the sweep it replaces validates (``sweep_validated``)."""
+        rates = len(next(iter(self.lrs.values())))
+        return sweep_validated(self.budget, self.config.batch_sizes, rates, self.config.eval_samples, eval_every)
+
+
+def sweep_validated(budget: Budget, batch_sizes: list[int], rates: int, eval_samples: int,
+                    eval_every: float = SWEEP_EVAL_EVERY) -> int:
+    """Samples the sweep validates, by the sweep's rule (``sweep/run.py``): at step 0, and after
+    each step that crosses a multiple of ``eval_every`` of the budget or ends the run."""
+    every, u = max(1, round(eval_every * budget.total)), budget.per_sample
+    evals = 0
+    for b in batch_sizes:
+        steps = budget.total // u // b
+        crossed = sum(1 for s in range(1, steps + 1)
+                      if (s * b * u) // every > ((s - 1) * b * u) // every or s == steps)
+        evals += (1 + crossed) * rates
+    return evals * eval_samples

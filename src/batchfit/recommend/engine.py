@@ -1,8 +1,10 @@
 """``batchfit recommend``: which batch size trains best for a budget, without the whole sweep.
 
-1. Check everything before any training: the budget exact at every batch size, branch points
-   and a window that hold whole steps at every batch size, data long enough for the budget,
-   and (with a GPU to fit) a micro-batch of at least 1 at every batch size.
+1. Check everything before any training: the budget exact at every batch size, data long
+   enough for the budget, and (with a GPU to fit) a micro-batch of at least 1 at every batch
+   size. Fit the plan to the budget and grid (``layout.py``): a window of whole steps at every
+   branched batch size, branch points that leave room for it, the largest batch sizes left out
+   where their window costs too much, and the sweep itself where no branch plan costs less.
 2. Train one parent run at the smallest batch size, on the sweep's schedule (warmup and
    cosine in tokens over the whole budget), up to the last branch point, its exact state saved
    at each point (``jobs.py``).
@@ -29,7 +31,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +39,7 @@ import torch
 
 from batchfit.errors import BatchfitError, UsageError
 from batchfit.recommend.branch import Curve, Trainer, evaluator  # noqa: F401 - evaluator: the tests' name
-from batchfit.recommend.config import Plan, RecommendConfig
+from batchfit.recommend.config import Plan, RecommendConfig, sweep_validated
 from batchfit.recommend.jobs import (
     BranchSpec,
     branch_name,
@@ -49,6 +50,7 @@ from batchfit.recommend.jobs import (
     read_branch,
     save_point,
 )
+from batchfit.recommend.layout import lay_out
 from batchfit.recommend.read import read_recommendation
 from batchfit.recommend.result import RecommendResult
 from batchfit.runs.budget import Schedule, micro_batch_for, parse_amount, scaled_lr
@@ -72,23 +74,15 @@ def plan_recommend(config: RecommendConfig, workload: Workload, tokens: TokenDat
     budget.check(config.batch_sizes)
     per_sample = budget.per_sample
     total = budget.total // per_sample
-    b0, b_max = config.batch_sizes[0], config.batch_sizes[-1]
-    step_all = math.lcm(*config.batch_sizes)
-    window = int(config.window * total) // step_all * step_all
-    if window < 2 * b_max:
-        need = math.ceil(2 * step_all / config.window) * per_sample
-        raise UsageError(f"budget too small to branch: a window of {config.window:.0%} of {budget.total:,} "
-                         f"{budget.unit} holds {window * per_sample:,}, fewer than 2 steps at batch {b_max}; "
-                         f"raise --{budget.unit} to at least {need:,}, widen `window`, or drop the largest batch sizes")
-    points = sorted({max(b0, round(p * total / b0) * b0) for p in config.branch_points})
-    last_end = points[-1] + config.seeds * window
-    if last_end > total:
-        raise UsageError(f"the last branch point ({config.branch_points[-1]:.0%}) plus {config.seeds} window(s) of "
-                         f"{config.window:.0%} runs past the budget: branch earlier or use a smaller `window`")
+    b0 = config.batch_sizes[0]
+    rates = len(config.lrs or [None])
+    layout = lay_out(total, config.batch_sizes, point_shares=config.branch_points, window_share=config.window,
+                     seeds=config.seeds, rates=rates, max_share=config.max_share, eval_samples=config.eval_samples,
+                     sweep_validated=sweep_validated(budget, config.batch_sizes, rates, config.eval_samples))
     if tokens is not None:
         fmt = lm_format(workload)
         budget.check_data((len(tokens.train) - 1) // fmt.seq_len, fmt.seq_len)
-    fits = largest_fitting(b_max) if largest_fitting is not None else None
+    fits = largest_fitting(config.batch_sizes[-1]) if largest_fitting is not None else None
     if fits is not None and fits < 1:
         raise UsageError(f"batch sizes {', '.join(map(str, config.batch_sizes))} cannot fit {fit_device_name} even "
                          "at micro-batch 1 (traced): use a larger GPU, `precision` bf16-mixed, or checkpointing")
@@ -99,8 +93,11 @@ def plan_recommend(config: RecommendConfig, workload: Workload, tokens: TokenDat
     schedule = Schedule(total=budget.total, warmup=warmup, min_lr_ratio=config.min_lr_ratio)
     notes = [f"batch {b} runs as {b // m} accumulated micro-batches of {m} (largest that fits: {fits}, traced)"
              for b, m in micro.items() if m < b]
-    return Plan(config=config, budget=budget, schedule=schedule, total_samples=total, points=points,
-                window_samples=window, lrs=lrs, micro_batches=micro, fits=fits, notes=notes)
+    return Plan(config=config, budget=budget, schedule=schedule, total_samples=total, points=list(layout.points),
+                window_samples=layout.window, lrs=lrs, micro_batches=micro, fits=fits,
+                branched=list(layout.batch_sizes), seeds=layout.seeds, mode=layout.mode,
+                cooldown=config.cooldown if layout.mode == "branch" else 0.0,
+                notes=[*layout.notes, *notes])
 
 
 def identity(plan: Plan, workload: Workload, tokens: TokenData | None) -> dict:
@@ -148,10 +145,10 @@ def run_recommend(plan: Plan, workload: Workload, tokens: TokenData | None, *, d
             if stale:
                 say(f"{len(stale)} branch(es) left running by a recommendation that stopped are pending again")
             for n, point in enumerate(plan.points):
-                for seed in range(config.seeds if n == len(plan.points) - 1 else 1):
+                for seed in range(plan.seeds if n == len(plan.points) - 1 else 1):
                     start = point + seed * W
                     evals = {start + W * (i + 1) // config.evals_per_window for i in range(config.evals_per_window)}
-                    for b in config.batch_sizes:
+                    for b in plan.branched:
                         for lr in plan.lrs[b]:
                             run_id = db.add_run(b, lr, W // b, branch=branch_name(point, seed))
                             keys.append((point, seed, start, run_id))
@@ -161,7 +158,7 @@ def run_recommend(plan: Plan, workload: Workload, tokens: TokenData | None, *, d
                                 run_id=run_id, batch_size=b, lr=lr, micro_batch=plan.micro_batches[b], point=point,
                                 start=start, window=W, eval_at=tuple(sorted({start + (e - start) // b * b
                                                                              for e in evals})),
-                                cooldown_from=cooldown_from(start, W, config.cooldown),
+                                cooldown_from=cooldown_from(start, W, plan.cooldown),
                                 snapshot=str(point_path(checkpoints, n)), schedule=plan.schedule,
                                 per_sample=plan.budget.per_sample, tokens_per_sample=plan.budget.tokens_per_sample,
                                 seed=config.seed, eval_batch=eval_batch(plan), grad_clip=config.grad_clip))
@@ -219,7 +216,8 @@ def _train_parent(plan: Plan, workload: Workload, tokens: TokenData | None, devi
     for n, point in enumerate(plan.points):
         if saved is not None and n <= saved:
             continue
-        say(f"parent at batch {b0}: training to {point * per_sample:,} {plan.budget.unit}")
+        if point > 0:  # a sweep's runs start from the initial state: no parent to train
+            say(f"parent at batch {b0}: training to {point * per_sample:,} {plan.budget.unit}")
         try:
             position = trainer.train(parent, start=position, samples=point - position, micro=plan.micro_batches[b0],
                                      eval_at={point})

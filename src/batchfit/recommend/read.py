@@ -39,9 +39,8 @@ def _shared_slope(plan: Plan, parent: Curve, branches: list[dict]) -> float:
     at_points = [(p, v) for p, v in parent.val if p > 0]
     if len(at_points) >= 2:
         return power_exponent(at_points)
-    config = plan.config
-    first = next(e["curve"] for e in branches if e["seed"] == 0 and e["curve"].batch_size == config.batch_sizes[0])
-    edge = cooldown_from(first.start_samples, plan.window_samples, config.cooldown)
+    first = next(e["curve"] for e in branches if e["seed"] == 0 and e["curve"].batch_size == plan.branched[0])
+    edge = cooldown_from(first.start_samples, plan.window_samples, plan.cooldown)
     return power_exponent([v for v in first.val if edge is None or v[0] <= edge])
 
 
@@ -69,27 +68,39 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
     critical: dict[int, int] = {}
     for point in plan.points:
         at = _best_per_batch([r for r in rows if r["point"] == point * per_sample and r["seed"] == 0], "window_val")
-        small = at[config.batch_sizes[0]]["window_val"]
+        small = at[plan.branched[0]]["window_val"]
         critical[point * per_sample] = max(b for b, r in at.items() if r["window_val"] <= small + eps * abs(small))
     last = plan.points[-1] * per_sample
     per_seed = []
     interval: set[int] = set()
-    for seed in range(config.seeds):
+    for seed in range(plan.seeds):
         best = _best_per_batch([r for r in rows if r["point"] == last and r["seed"] == seed], "extrapolated_val")
         low = min(r["extrapolated_val"] for r in best.values())
         per_seed.append(best)
         interval |= {b for b, r in best.items() if r["extrapolated_val"] <= low + eps * abs(low)}
-    mean = {b: float(np.mean([s[b]["extrapolated_val"] for s in per_seed])) for b in config.batch_sizes}
+    mean = {b: float(np.mean([s[b]["extrapolated_val"] for s in per_seed])) for b in plan.branched}
     choice = min(mean, key=mean.get)
     lrs = [s[choice]["lr"] for s in per_seed]
     lr = max(set(lrs), key=lrs.count)
     n_lrs = len(plan.lrs[config.batch_sizes[0]])
     params, non_embedding = _parameter_counts(workload)
     notes = list(plan.notes)
-    notes.append("the interval covers the spread between data windows, not the bias of short windows from a shared "
-                 "state (benchmarks/recommend_cpu.py: on a fixed-rate setup the sweep's best, 2, lay just outside "
-                 "the interval 1-1, within 2x of the answer)")
-    if config.seeds < 2:
+    low_b, high_b = min(interval), max(interval)
+    if plan.mode == "sweep":
+        rule = "the lowest final validation loss of the runs (the sweep's own answer)"
+    else:
+        rule = ("the lowest extrapolated validation loss, averaged over the data windows; the interval is every batch "
+                "size within epsilon of the best in some data window: the branches cannot tell them apart")
+        notes.append("the interval covers the spread between data windows, not the bias of short windows from one "
+                     "parent's state (docs/training-runs.md: the full sweep's runs differ from the start; on a "
+                     "fixed-rate benchmark the sweep's best, 2, lay outside the interval 1-1)")
+    if high_b == plan.branched[-1] and plan.branched != config.batch_sizes:
+        notes.append(f"the interval reaches {high_b}, the largest batch branched: the larger ones, not measured, may "
+                     "be as good")
+    if high_b > 4 * low_b:
+        notes.append(f"the interval {low_b}-{high_b} spans more than 4x: the evidence cannot place the best batch "
+                     "within 2x of the answer")
+    if plan.seeds < 2 and plan.mode == "branch":
         notes.append("one data window (--seeds 1): the interval is only the batches within epsilon of the best")
     notes.append(f"cost counts trained and validated {plan.budget.unit} alike (a validation pass is forward only): "
                  f"{plan.cost_samples * per_sample:,} trained + {plan.val_samples * per_sample:,} validated; the sweep "
@@ -98,7 +109,7 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
     return RecommendResult(
         workload=workload.name, description=workload.description, unit=plan.budget.unit, budget=plan.budget.total,
         batch_sizes=config.batch_sizes, lr_scaling=config.lr_scaling, epsilon=config.epsilon,
-        recommended_batch_size=choice, interval=(min(interval), max(interval)), lr=lr,
+        recommended_batch_size=choice, interval=(low_b, high_b), choice_rule=rule, lr=lr,
         critical_batch_size=critical[last], critical_by_point=critical, extrapolated=mean,
         branches=rows, curves=[{**e["curve"].to_json(per_sample), "point": e["point"] * per_sample,
                                 "seed": e["seed"]} for e in branches],
@@ -109,8 +120,9 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
         priors=[p.to_json() for p in priors(params, plan.budget.total if plan.budget.unit == "tokens" else None,
                                              workload.tokens_per_sample, non_embedding_params=non_embedding,
                                              batch_size=choice, lr=lr)],
-        window=plan.window_samples * per_sample, cooldown=config.cooldown,
-        points=[p * per_sample for p in plan.points], seeds=config.seeds, notes=notes, seconds=seconds)
+        window=plan.window_samples * per_sample, cooldown=plan.cooldown,
+        points=[p * per_sample for p in plan.points], seeds=plan.seeds, mode=plan.mode, branched=plan.branched,
+        notes=notes, seconds=seconds)
 
 
 def _parameter_counts(workload: Workload) -> tuple[int, int]:

@@ -28,6 +28,8 @@ class RecommendResult:
     """Measured (branched training, extrapolated): the lowest extrapolated validation loss."""
     interval: tuple[int, int]
     lr: float
+    choice_rule: str = ""
+    """How the answer was picked from the evidence, in words (its interval: what the evidence cannot separate)."""
     critical_batch_size: int
     """Measured: the largest batch within epsilon of the smallest at the last branch point."""
     critical_by_point: dict[int, int]
@@ -54,6 +56,10 @@ class RecommendResult:
     points: list[int]
     seeds: int
     notes: list[str] = field(default_factory=list)
+    mode: str = "branch"
+    """branch, or sweep: branching could not cost less than the sweep, so the sweep ran (``layout.py``)."""
+    branched: list[int] = field(default_factory=list)
+    """The batch sizes measured (all of them unless the plan left the largest out)."""
     noise: dict | None = None
     noise_cost: int = 0
     seconds: float = 0.0
@@ -87,7 +93,8 @@ class RecommendResult:
         return {
             "workload": self.workload, "description": self.description, "unit": self.unit, "budget": self.budget,
             "batch_sizes": self.batch_sizes, "recommended_batch_size": self.recommended_batch_size,
-            "recommended_interval": list(self.interval), "critical_batch_size": self.critical_batch_size,
+            "recommended_interval": list(self.interval), "choice_rule": self.choice_rule,
+            "critical_batch_size": self.critical_batch_size,
             "critical_batch_size_by_point": {str(k): v for k, v in self.critical_by_point.items()},
             "lr": self.lr, "lr_scaling": self.lr_scaling, "epsilon": self.epsilon,
             "cost_tokens" if tokens else "cost_samples": self.total_cost,
@@ -96,7 +103,7 @@ class RecommendResult:
             ("cost_val_tokens" if tokens else "cost_val_samples"): self.cost_val,
             ("sweep_val_tokens" if tokens else "sweep_val_samples"): self.sweep_val,
             "params": self.params, "branch_points": self.points, "window": self.window,
-            "cooldown": self.cooldown, "seeds": self.seeds,
+            "cooldown": self.cooldown, "seeds": self.seeds, "mode": self.mode, "branched": self.branched,
             "sources": {"branched": {"recommended_batch_size": self.recommended_batch_size,
                                      "interval": list(self.interval), "lr": self.lr,
                                      "critical_batch_size": self.critical_batch_size,
