@@ -226,3 +226,35 @@ class LoRA:
         return ",".join([f"r={self.r}", *([f"alpha={self.alpha}"] if self.alpha is not None else []),
                          *(["dora"] if self.dora else []),
                          *([f"targets={'+'.join(self.targets)}"] if self.targets else [])])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rollout:
+    """An RL step's generation settings (``zoo/grpo.py``): from a TRL GRPOConfig / PPOConfig
+    (``integrations/trainer_mapper.py``), else the zoo's GRPO step's own."""
+
+    prompt_len: int = 32
+    """Tokens per prompt (TRL's max_prompt_length: prompts are left-padded to the longest, at most this)."""
+    new_tokens: int = 144
+    """Tokens generated per completion (max_completion_length; PPO's response_length)."""
+    group_size: int = 8
+    """Completions per prompt (num_generations): rewards are normalised within each group."""
+    steps_per_generation: int = 1
+    """Update steps each generation serves: the generation batch is this many update batches."""
+    reference: bool = True
+    """A frozen reference model scores every completion (TRL loads one where beta is not 0)."""
+    old_logprobs: bool = False
+    """The policy's own log-probs computed with no gradients before the update (TRL: when a
+    generation serves more than one optimizer step, or num_iterations > 1)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "new_tokens", "group_size", "steps_per_generation"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise OptionError(f"the rollout's {name} must be a positive integer, got {value!r}")
+
+    @property
+    def batch_multiple(self) -> int:
+        """The update batch's granularity: a generation batch (``steps_per_generation`` update batches)
+        must hold whole groups."""
+        return self.group_size // math.gcd(self.group_size, self.steps_per_generation)

@@ -62,6 +62,22 @@ def load_workload(spec: str, *, seq_len: int | None = None, for_plan: bool = Fal
     raise ModelSpecError(f"unknown model '{spec}': {hint}MODEL is {SPEC_HELP}")
 
 
+def rl_workload(spec: str, rollout) -> Workload:
+    """``spec``'s model as the policy of the GRPO step (``zoo/grpo.py``) under ``rollout`` (an
+    ``options.Rollout``: a TRL GRPOConfig's generation settings): an ``hf:`` causal LM, or the zoo's
+    ``grpo-gpt2-124m`` with these settings."""
+    from batchfit.zoo.grpo import grpo_workload
+
+    if spec == "grpo-gpt2-124m":
+        return _keyed(grpo_workload(rollout=rollout), f"{spec}:{rollout}", None, None)
+    if spec.startswith("hf:"):
+        from batchfit.zoo.hf_grpo import hf_grpo_workload
+
+        return _keyed(hf_grpo_workload(spec[3:], rollout), f"{spec}:{rollout}", None, Path(spec[3:]).expanduser())
+    raise ModelSpecError(f"'{spec}' with a GRPOConfig: the GRPO step generates with a causal LM, so give hf:<name>, "
+                         "hf:config.json or hf:folder (or grpo-gpt2-124m)")
+
+
 def _keyed(workload: Workload, spec: str, seq_len: int | None, path: Path | None) -> Workload:
     """``workload`` with its trace cache key: the spec, --seq-len, and the content of the file (or
     the .json files of the folder) the spec names, so an edited model is traced again. Only that

@@ -136,6 +136,10 @@ class Workload:
     generate: Callable[[nn.Module, Any], Any] | None = None
     """(model, batch) -> batch: a generation phase before the update (RL rollouts with a KV
     cache, as GRPO has); runs under torch.no_grad() and the step's autocast."""
+    reference: Callable[[nn.Module, Any], Any] | None = None
+    """(model, generated batch) -> batch: the no-gradient scoring pass between generation and the
+    update (GRPO's reference log-probs, TRL's ``_generate_and_score_completions``), announced as
+    its own phase ('reference'); runs under torch.no_grad() and the step's autocast."""
     group_size: int | None = None
     """The batch must be a multiple of this (GRPO's completions per prompt)."""
     train_batches: Callable[[int, str, int], Iterable[Any]] | None = None

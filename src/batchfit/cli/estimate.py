@@ -73,9 +73,9 @@ from batchfit.devices import GiB
 from batchfit.errors import OptionError
 from batchfit.estimator.batching import check_run_flags
 from batchfit.report.host import host_line
-from batchfit.report.run_markdown import eval_lines, run_lines
+from batchfit.report.run_markdown import eval_lines, rl_lines, run_lines
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
-from batchfit.specs import load_workload
+from batchfit.specs import load_workload, rl_workload
 
 EXAMPLES = """
 Examples:
@@ -185,6 +185,10 @@ def estimate_command(
         raise OptionError(f"--batching {run_batching} answers a token budget, which TrainingArguments has no field "
                           "for: drop --emit (the budget is printed), or batch by pad-longest or pack:MAXLEN")
     eval_batch, eval_held = merged_eval(eval_batch_size, eval_accumulation_steps, door)
+    rollout = door.mapping.rollout if door is not None else None
+    if rollout is not None and (data or seq_len or eval_batch):
+        raise OptionError(f"--trainer {door.args.path} is a GRPOConfig: its max_prompt_length and "
+                          "max_completion_length set the lengths, so drop --data, --seq-len and --eval-batch-size")
     from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
     from batchfit.estimator.eval_phase import add_eval_phase
     from batchfit.estimator.run import data_lengths, estimate_run
@@ -197,7 +201,7 @@ def estimate_command(
                       host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say,
                       cache=not no_cache)
         if lengths is None:
-            workload = load_workload(model, seq_len=seq_len)
+            workload = load_workload(model, seq_len=seq_len) if rollout is None else rl_workload(model, rollout)
             result = estimate(workload, **common)
             if eval_batch:
                 add_eval_phase(result, workload, eval_batch, held_steps=eval_held, limit=limit, say=say)
@@ -254,6 +258,8 @@ def _print_summary(result, console, report_path: Path) -> None:
     if paged:
         console.print(f"paged optimizer state {paged / GiB:.2f} GiB in CUDA unified memory, not in the peaks "
                       "above (it spills to the host when the GPU is full)")
+    for line in rl_lines(result):
+        console.print(escape(line), soft_wrap=True)
     for line in run_lines(result) if result.run is not None else []:
         console.print(escape(line), soft_wrap=True)
     for line in eval_lines(result.eval_phase) if result.eval_phase is not None else []:

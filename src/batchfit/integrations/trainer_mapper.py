@@ -14,6 +14,8 @@ from batchfit.integrations.trainer_fields import (
     NO_MEMORY,
     OPTIMIZERS_BY_OPTIM,
     OUTSIDE_THE_STEP,
+    PPO_FIELDS,
+    RL_MEMORY_FIELDS_NOT_MAPPED,
     FieldUse,
     TrainerMapping,
     _plain,
@@ -67,6 +69,7 @@ class Mapper:
     def run(self) -> TrainerMapping:
         data = self.data
         self.batch()
+        self.rollout()
         self.evaluation()
         self.precision()
         self.checkpointing()
@@ -83,8 +86,9 @@ class Mapper:
         for name, value in data.items():
             if name in self.seen or name == "world_size":
                 continue
-            if name in MEMORY_FIELDS_NOT_MAPPED or name in OUTSIDE_THE_STEP:
-                self.skip(name, MEMORY_FIELDS_NOT_MAPPED.get(name) or OUTSIDE_THE_STEP[name])
+            if name in MEMORY_FIELDS_NOT_MAPPED or name in OUTSIDE_THE_STEP or name in RL_MEMORY_FIELDS_NOT_MAPPED:
+                self.skip(name, MEMORY_FIELDS_NOT_MAPPED.get(name) or OUTSIDE_THE_STEP.get(name)
+                          or RL_MEMORY_FIELDS_NOT_MAPPED[name])
             elif self.fields is not None and name not in self.fields:
                 self.skip(name, "not a field of the TrainingArguments / SFTConfig batchfit knows")
             else:
@@ -107,6 +111,76 @@ class Mapper:
                 m.gradient_accumulation_steps = value
         if "gradient_accumulation_steps" in data and "accumulation_steps" not in m.step:
             m.gradient_accumulation_steps = data["gradient_accumulation_steps"]
+
+    def _count(self, name: str, default: int | None) -> int | None:
+        """A positive integer field (``default`` where the args do not set it)."""
+        value = self.data.get(name, default)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise OptionError(f"{name} must be a positive integer, got {value!r}")
+        return value
+
+    def rollout(self) -> None:
+        """A TRL GRPOConfig's generation settings -> the GRPO step (``options.Rollout``), with TRL's
+        defaults and checks (trl/trainer/grpo_config.py, grpo_trainer.py). A PPOConfig is refused:
+        its value model trains beside the policy, which no traced step has yet."""
+        from batchfit.options import Rollout
+
+        data, m = self.data, self.mapping
+        ppo = sorted(n for n in PPO_FIELDS if n in data)
+        if ppo and not any(n in data for n in ("num_generations", "max_completion_length")):
+            raise OptionError(f"these args are a TRL PPOConfig ({', '.join(ppo[:3])}, ...): PPO trains a value model "
+                              "beside the policy (its gradients and optimizer state) and scores with a reward model, "
+                              "which batchfit does not trace yet; a GRPOConfig's step it does (policy, reference, "
+                              "generation)")
+        if not any(n in data for n in ("num_generations", "max_completion_length", "max_prompt_length",
+                                       "steps_per_generation", "generation_batch_size")):
+            return
+        group = self._count("num_generations", 8)
+        prompt = self._count("max_prompt_length", 512)
+        if prompt is None:
+            raise OptionError("max_prompt_length is null (prompts not cut): give the longest prompt's tokens as "
+                              "max_prompt_length, the length every generation is traced at")
+        new_tokens = self._count("max_completion_length", 256)
+        per_step = self._count("steps_per_generation", None)
+        global_generation = self._count("generation_batch_size", None)
+        if per_step is not None and global_generation is not None:
+            raise OptionError("the args set both steps_per_generation and generation_batch_size, which TRL refuses "
+                              "too: keep one")
+        update = m.per_device_train_batch_size * m.world_size
+        if global_generation is not None:
+            if global_generation % update:
+                raise OptionError(f"generation_batch_size {global_generation} must be a multiple of "
+                                  f"per_device_train_batch_size x devices ({update}), as TRL requires")
+            per_step = global_generation // update
+        per_step = per_step or m.gradient_accumulation_steps
+        if (update * per_step) % group:
+            raise OptionError(f"the generation batch ({update * per_step} completions) must be a multiple of "
+                              f"num_generations ({group}), as TRL requires: change one of them")
+        beta, iterations = data.get("beta", 0.0), self._count("num_iterations", 1)
+        old = m.gradient_accumulation_steps % (per_step * iterations) != 0
+        m.rollout = Rollout(prompt_len=prompt, new_tokens=new_tokens, group_size=group, steps_per_generation=per_step,
+                            reference=bool(beta), old_logprobs=old)
+        rows = m.per_device_train_batch_size * per_step
+        self.use("num_generations", f"GRPO group {group}", "rewards normalised within each group", group)
+        self.use("max_prompt_length", f"{prompt}-token prompts", "every prompt traced at the longest", prompt)
+        self.use("max_completion_length", f"{new_tokens} new tokens", "every completion traced at the longest, its "
+                 "KV cache growing token by token", new_tokens)
+        for name in ("steps_per_generation", "generation_batch_size"):
+            if name in data:
+                self.use(name, f"{per_step} update steps per generation", f"each generation makes {rows} completions "
+                         "per device (per_device_train_batch_size x steps per generation)")
+        self.use("beta", "a frozen reference model" if beta else "no reference model",
+                 "its log-probs traced in their own phase, before the update" if beta else
+                 "TRL loads none where beta is 0", beta)
+        if "num_iterations" in data or old:
+            self.use("num_iterations", "the policy's old log-probs computed before the update" if old else
+                     "on-policy: no old log-probs", "TRL computes them when a generation serves more than one "
+                     "optimizer step", iterations)
+        for use in m.used:
+            if use.field == "gradient_accumulation_steps" and use.value > 1:
+                use.why = ("each micro-batch traced with its own generation: those after the first generate beside "
+                           "the accumulated gradients, which TRL's one generation per optimizer step does not (high "
+                           "by the gradients' bytes in the generation and reference phases, never low)")
 
     def evaluation(self) -> None:
         """per_device_eval_batch_size and eval_accumulation_steps, where the args evaluate at all."""

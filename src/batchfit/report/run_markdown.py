@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from batchfit.devices import GiB
+from batchfit.phases import RL_PHASES, deciding_rl_phase
 
 
 def _gib(n: int | None) -> str:
@@ -33,6 +34,29 @@ def _oom(run) -> str:
         return "does not fit"
     return (f"does not fit, first at step {run.first_oom_step} ({run.first_oom_shape.rows} x "
             f"{run.first_oom_shape.length:,} tokens)")
+
+
+def rl_lines(result) -> list[str]:
+    """An RL step's phases, each one's allocated peak, and the one that sets the step's (``phases.RL_PHASES``)."""
+    found = getattr(result, "rl_phases", None)
+    if found is None:
+        return []
+    batch_size, peaks = found
+    deciding = deciding_rl_phase(peaks)
+    shown = ", ".join(f"{RL_PHASES[name]} {_gib(nbytes)}" for name, nbytes in peaks.items())
+    return [f"RL step at batch {batch_size}, each phase's allocated peak: {shown}; the {RL_PHASES[deciding]} "
+            "sets the step's peak"]
+
+
+def rl_markdown(result) -> str:
+    lines = rl_lines(result)
+    if not lines:
+        return ""
+    return "\n".join(["", "## The phases of the RL step", "",
+                      ("Generation (the completions, greedy, with a KV cache), the reference log-probs (no gradients, "
+                       "before the update) and the train update (forward, backward, optimizer step) run one after "
+                       "another in each step; each one's allocated peak (traced), the largest decides."), "",
+                      *[f"- {line}" for line in lines]]) + "\n"
 
 
 def run_lines(result) -> list[str]:

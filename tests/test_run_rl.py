@@ -1,0 +1,110 @@
+"""RL steps over the run (issue 32, item 2): each phase of a GRPO step (generation with a KV cache,
+the reference log-probs, the train update) has its own peak, the largest decides and is named;
+``--trainer`` reads a TRL GRPOConfig's generation settings.
+
+Truth: the torch profiler's memory timeline of a REAL GRPO step of a transformers Llama (hidden 32,
+2 layers, vocabulary 256) on this CPU, cut at the phases the step announces
+(``cpu_truth.profiled_phase_peaks``), against the trace's peak of each phase.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+transformers = pytest.importorskip("transformers")
+
+from tests.cpu_truth import profiled_phase_peaks  # noqa: E402
+
+from batchfit.cli.app import app  # noqa: E402
+from batchfit.errors import OptionError  # noqa: E402
+from batchfit.integrations.trainer_args import from_training_arguments  # noqa: E402
+from batchfit.options import Rollout  # noqa: E402
+from batchfit.phases import rl_phase_peaks  # noqa: E402
+from batchfit.trace.session import TraceSession  # noqa: E402
+from batchfit.train.step import TrainingStep  # noqa: E402
+from batchfit.workload import StepOptions  # noqa: E402
+from batchfit.zoo.hf_grpo import hf_grpo_workload  # noqa: E402
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("llama")
+    transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_each_phase_peak_is_the_profilers(llama, tmp_path):
+    # 4 completions per update, 2 update steps per generation (8 generated, 6 new tokens each), a
+    # reference model and the policy's old log-probs, both in the 'reference' phase
+    rollout = Rollout(prompt_len=8, new_tokens=6, group_size=2, steps_per_generation=2, old_logprobs=True)
+    workload = hf_grpo_workload(llama, rollout)
+    torch.manual_seed(0)
+    real = profiled_phase_peaks(TrainingStep(workload, StepOptions(), torch.device("cpu")), 4, tmp_path)
+    with TraceSession(workload, StepOptions(), cuda_semantics=False) as session:
+        traced = session.trace(4).snapshot.peak_by_phase
+    for phase in ("generate", "reference", "forward", "backward", "optimizer"):
+        assert abs(traced[phase] - real[phase]) <= 128, (phase, traced[phase], real[phase])  # bytes
+    peaks = rl_phase_peaks(traced)
+    assert peaks["update"] == max(traced["forward"], traced["backward"], traced["optimizer"])
+
+
+def grpo_mapping(**fields):
+    return from_training_arguments({"per_device_train_batch_size": 4, **fields}).rollout
+
+
+def test_grpo_config_fields_and_trl_defaults():
+    # TRL's defaults: 8 generations, prompts of 512, completions of 256, beta 0 (no reference model),
+    # one generation per optimizer step (steps_per_generation = gradient_accumulation_steps)
+    assert grpo_mapping(num_generations=8, gradient_accumulation_steps=2) == Rollout(
+        prompt_len=512, new_tokens=256, group_size=8, steps_per_generation=2, reference=False)
+    # generation_batch_size is global: 32 completions / (4 per device x 2 devices) = 4 update steps
+    rollout = from_training_arguments({"per_device_train_batch_size": 4, "generation_batch_size": 32,
+                                       "num_generations": 4, "beta": 0.04}, world_size=2).rollout
+    assert (rollout.steps_per_generation, rollout.reference, rollout.old_logprobs) == (4, True, True)
+    assert not from_training_arguments({"per_device_train_batch_size": 4}).rollout  # an SFT config
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"steps_per_generation": 2, "generation_batch_size": 8, "num_generations": 2}, "keep one"),
+    ({"generation_batch_size": 6, "num_generations": 2}, "multiple of per_device_train_batch_size"),
+    ({"num_generations": 3}, "multiple of num_generations"),
+    ({"num_generations": 2, "max_prompt_length": None}, "max_prompt_length is null"),
+    ({"response_length": 53, "num_ppo_epochs": 4}, "value model"),
+])
+def test_bad_rl_args_are_one_line(fields, words):
+    with pytest.raises(OptionError, match=words):
+        grpo_mapping(**fields)
+
+
+@pytest.mark.slow
+def test_generation_sets_the_peak_and_is_named(llama, tmp_path):
+    # 16 update steps of 1 completion per generation: the KV cache of 16 rows outweighs one row's update
+    args = tmp_path / "grpo.json"
+    args.write_text(json.dumps({"per_device_train_batch_size": 1, "num_generations": 4, "steps_per_generation": 16,
+                                "max_prompt_length": 8, "max_completion_length": 24, "use_vllm": True}))
+    out = tmp_path / "out.json"
+    result = runner.invoke(app, ["estimate", f"hf:{llama}", "--gpu-memory", "1GiB", "--limit", "allocated",
+                                 "--max-batch", "1", "--trainer", str(args), "--json", str(out), "--no-cache",
+                                 "--out", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "not used: use_vllm=true (generation in vLLM" in text  # a field not modelled, named
+    assert "the generation sets the step's peak" in text
+    data = json.loads(out.read_text())
+    point = next(p for p in data["points"] if p["batch_size"] == 1)
+    phases = data["rl_phases"]
+    # beta 0: no reference model; the 'reference' phase holds the policy's old log-probs (a generation
+    # serving 16 optimizer steps: TRL computes them)
+    assert phases["deciding_phase"] == "generate"
+    assert data["trainer"]["rollout"]["reference"] is False and data["trainer"]["rollout"]["old_logprobs"] is True
+    assert phases["peak_bytes"]["generate"] == point["peak_by_phase"]["generate"] == point["peak_bytes"]
+    assert data["trainer"]["rollout"]["steps_per_generation"] == 16
+    assert "## The phases of the RL step" in (tmp_path / "report" / "report.md").read_text()
