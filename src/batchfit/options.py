@@ -148,6 +148,52 @@ class Routing:
         return f"capacity:{self.capacity_factor:g}" if self.kind == "capacity" else self.kind
 
 
+MAX_ROUTED_STEPS = 1 << 20
+"""The most steps a --routing schedule spells out (R*N counts N)."""
+
+
+@dataclass(frozen=True)
+class RoutingSchedule:
+    """--routing with a routing per step, for the run's replay (``estimate --data --replay-steps K``):
+    routings joined by commas, each R or R*N (N steps of R), e.g. ``balanced*20,capacity:1.5*10,worst``;
+    step i takes the i-th, and the last holds for every step after. One routing is a schedule of one."""
+
+    steps: tuple[Routing, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> RoutingSchedule:
+        steps: list[Routing] = []
+        for item in text.split(","):
+            routing, star, count = item.strip().partition("*")
+            times = _positive_int(count) if star else 1
+            if times is None:
+                raise OptionError(f"--routing {text}: '{item}' repeats a routing a positive number of times, e.g. "
+                                  "balanced*20 (a routing per step: R or R*N joined by commas, e.g. "
+                                  "balanced*20,capacity:1.5,worst)")
+            steps += [Routing.parse(routing)] * min(times, MAX_ROUTED_STEPS)
+            if len(steps) > MAX_ROUTED_STEPS:
+                raise OptionError(f"--routing {text} spells out more than {MAX_ROUTED_STEPS:,} steps: the last routing "
+                                  "holds for the steps after it, so end with it")
+        return cls(tuple(steps))
+
+    def at(self, step: int) -> Routing:
+        """The routing of step ``step`` (from 0): the last one beyond the schedule's end."""
+        return self.steps[min(step, len(self.steps) - 1)]
+
+    @property
+    def varies(self) -> bool:
+        return len(set(self.steps)) > 1
+
+    def __str__(self) -> str:
+        runs: list[list] = []
+        for routing in self.steps:
+            if runs and runs[-1][0] == routing:
+                runs[-1][1] += 1
+            else:
+                runs.append([routing, 1])
+        return ",".join(f"{r}*{n}" if n > 1 else str(r) for r, n in runs)
+
+
 @dataclass(frozen=True)
 class Offload:
     """--offload: what moves to pinned host memory."""

@@ -33,6 +33,7 @@ from batchfit.options import (  # noqa: F401  (the grammars, re-exported where t
     PrecisionSpec,
     Quantize,
     Routing,
+    RoutingSchedule,
 )
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp8-tensorwise", "fp8-rowwise"]
@@ -240,6 +241,9 @@ class StepOptions:
         lora_spec: LoRA | None
         """None for 'none'."""
         routing_spec: Routing
+        """Step 0's routing: the one every one-step trace runs."""
+        routing_schedule: RoutingSchedule
+        """A routing per step (``estimate --data --replay-steps K`` replays each step with its own)."""
 
     def __post_init__(self) -> None:
         # Each grammar parsed once, here (batchfit/options.py): downstream code reads these fields,
@@ -268,7 +272,8 @@ class StepOptions:
             raise OptionError(f"--quantize {self.quantize} freezes the whole base model (QLoRA: only the adapters "
                               "train), so nothing would train: add --lora, e.g. --lora r=16")
         check_memory_budget(self.memory_budget, self.compile)
-        self.routing_spec = Routing.parse(self.routing)
+        self.routing_schedule = RoutingSchedule.parse(self.routing)
+        self.routing_spec = self.routing_schedule.at(0)  # a one-step trace's: step 0's
         check_attention(self.attention)
         if self.accumulation_steps < 1:
             raise OptionError(

@@ -145,7 +145,9 @@ HostMemoryOpt = Annotated[str | None, typer.Option(help="Host memory the offload
 RoutingOpt = Annotated[str, typer.Option(help="MoE routing assumed on fake tensors: balanced (tokens x top_k / experts "
                                               "each), capacity:F (experts filled to ceil(F x tokens x top_k / experts) "
                                               "in turn, the rest dropped) or worst (every token to the same top_k "
-                                              "experts: the bound). Named in every output.")]
+                                              "experts: the bound). Named in every output. With estimate --data "
+                                              "--replay-steps K, one per step: R or R*N joined by commas "
+                                              "(balanced*20,worst; the last holds after).")]
 AttentionOpt = Annotated[str | None, typer.Option(
     help="A transformers model's attention: eager (holds the [B, H, T, T] scores), sdpa (torch's fused kernels) or "
          "flash (flash_attn's FlashAttention-2: fp16/bf16, traced as its kernel saves). Default: the config's "
@@ -189,16 +191,23 @@ def step_options(precision: str, optimizer: str | None, checkpointing: str, free
                  train_only: list[str] | None, accumulation_steps: int, compile: str = "none",
                  loss: str = "plain", offload: str = "none", *, quantize: str = "none",
                  lora: str = "none", memory_budget: float | None = None,
-                 routing: str = "balanced", attention: str | None = None) -> StepOptions:
+                 routing: str = "balanced", attention: str | None = None,
+                 routing_per_step: bool = False) -> StepOptions:
+    """The step's options from the flags; ``routing_per_step``: the command replays a run's steps, so
+    ``--routing`` may give one per step (``options.RoutingSchedule``)."""
     if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
         raise OptionError(f"--accumulation-steps must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
         err.print("[dim]--train-only picks the parameters that train; --freeze then freezes some of those[/]")
-    return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
-                       frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
-                       accumulation_steps=accumulation_steps, compile=compile, loss=loss,
-                       offload=offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
-                       routing=routing, attention=attention)
+    options = StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
+                          frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
+                          accumulation_steps=accumulation_steps, compile=compile, loss=loss,
+                          offload=offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
+                          routing=routing, attention=attention)
+    if options.routing_schedule.varies and not routing_per_step:
+        raise OptionError(f"--routing {routing} gives a routing per step, which only estimate --data FILE "
+                          "--replay-steps K replays: give one routing here (e.g. --routing worst, the bound)")
+    return options
 
 
 def warn_about_approximations(result) -> None:

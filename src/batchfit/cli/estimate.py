@@ -169,7 +169,10 @@ def estimate_command(
     device = target.device
     options = step_options(precision, optimizer, checkpointing, freeze, train_only, accumulation_steps,
                            compile_, loss, offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
-                           routing=routing, attention=attention)
+                           routing=routing, attention=attention, routing_per_step=True)
+    if options.routing_schedule.varies and not (data and replay_steps):
+        raise OptionError(f"--routing {routing} gives a routing per step: add --data FILE --replay-steps K (the run's "
+                          "first K steps replayed, each with its routing), or give one routing")
     host_memory_bytes = parse_host_memory(host_memory)
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)

@@ -158,7 +158,8 @@ def churn_markdown(churn, shown: int = 60) -> list[str]:
              "reserved after (expandable segments) |"), "|---:|---|---:|---:|---:|---:|---:|"]
     for s in default.steps[::every]:
         other = expandable.get(s.step)
-        lines.append(f"| {s.step} | {s.rows} x {s.length:,} | {_gib(s.peak_allocated_bytes)} | "
+        routing = f" (--routing {s.routing})" if s.routing else ""
+        lines.append(f"| {s.step} | {s.rows} x {s.length:,}{routing} | {_gib(s.peak_allocated_bytes)} | "
                      f"{_gib(s.peak_reserved_bytes)} | {_gib(s.reserved_bytes)} | {_gib(s.fragmentation_bytes)} | "
                      f"{_gib(other.reserved_bytes) if other else 'out of memory'} |")
     for replay in (churn.default, churn.expandable):
