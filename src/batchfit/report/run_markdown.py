@@ -43,7 +43,9 @@ def rl_lines(result) -> list[str]:
         return []
     batch_size, peaks = found
     deciding = deciding_rl_phase(peaks)
-    shown = ", ".join(f"{RL_PHASES[name]} {_gib(nbytes)}" for name, nbytes in peaks.items())
+    # MiB under a GiB: the phases of a small model differ in the third decimal of a GiB
+    shown = ", ".join(f"{RL_PHASES[name]} " + (_gib(nbytes) if nbytes >= GiB else f"{nbytes / 2**20:,.1f} MiB")
+                      for name, nbytes in peaks.items())
     return [f"RL step at batch {batch_size}, each phase's allocated peak: {shown}; the {RL_PHASES[deciding]} "
             "sets the step's peak"]
 
