@@ -108,3 +108,14 @@ def test_generation_sets_the_peak_and_is_named(llama, tmp_path):
     assert phases["peak_bytes"]["generate"] == point["peak_by_phase"]["generate"] == point["peak_bytes"]
     assert data["trainer"]["rollout"]["steps_per_generation"] == 16
     assert "## The phases of the RL step" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_what_a_grpo_estimate_cannot_take_is_one_line(llama, tmp_path):
+    args = tmp_path / "grpo.json"
+    args.write_text(json.dumps({"per_device_train_batch_size": 4, "num_generations": 4}))
+    for more, words in ((["--emit", f"trainer:{tmp_path / 'x.json'}"], "change the generation batch"),
+                        (["--seq-len", "64"], "drop --data, --seq-len")):
+        result = runner.invoke(app, ["estimate", f"hf:{llama}", "--gpu-memory", "1GiB", "--trainer", str(args), *more])
+        assert result.exit_code != 0 and words in " ".join(result.output.split()), result.output
+    result = runner.invoke(app, ["estimate", "gpt2-124m", "--gpu-memory", "1GiB", "--trainer", str(args)])
+    assert result.exit_code != 0 and "the GRPO step generates with a causal LM" in " ".join(result.output.split())

@@ -192,6 +192,10 @@ def estimate_command(
     if rollout is not None and (data or seq_len or eval_batch):
         raise OptionError(f"--trainer {door.args.path} is a GRPOConfig: its max_prompt_length and "
                           "max_completion_length set the lengths, so drop --data, --seq-len and --eval-batch-size")
+    if rollout is not None and emit_path is not None:  # TRL's steps_per_generation follows the accumulation
+        raise OptionError("--emit with a GRPOConfig: a new per_device_train_batch_size and gradient_accumulation_steps "
+                          f"change the generation batch, traced here at {rollout.steps_per_generation} update steps "
+                          "per generation; drop --emit and set the batch the estimate answers by hand")
     from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
     from batchfit.estimator.eval_phase import add_eval_phase
     from batchfit.estimator.run import data_lengths, estimate_run
@@ -213,7 +217,9 @@ def estimate_command(
                                   seq_len=seq_len, replay_steps=replay_steps, replay_order=replay_order,
                                   eval_batch_size=eval_batch, eval_held_steps=eval_held, **common)
     folder = report_folder(out, "estimate", result.workload, target, options, seq_len)
-    fitted = run_answer(door, result) if door is not None else None
+    # GRPO: the answer is the update's batch at the args' steps_per_generation; a split for the same global
+    # batch would change the generation batch (TRL's default follows gradient_accumulation_steps), never traced
+    fitted = run_answer(door, result) if door is not None and rollout is None else None
     data, write_all = trainer_outputs(result.to_json(), door, fitted, lambda files, trainer: write_estimate_report(
         result, folder, files, trainer=trainer), emit_path)
     paths = write_outputs(json_path, data, write_all)
