@@ -61,10 +61,19 @@ def grpo_mapping(**fields):
 
 
 def test_grpo_config_fields_and_trl_defaults():
-    # TRL's defaults: 8 generations, prompts of 512, completions of 256, beta 0 (no reference model),
-    # one generation per optimizer step (steps_per_generation = gradient_accumulation_steps)
-    assert grpo_mapping(num_generations=8, gradient_accumulation_steps=2) == Rollout(
-        prompt_len=512, new_tokens=256, group_size=8, steps_per_generation=2, reference=False)
+    # TRL's defaults: 8 generations, completions of 512, beta 0 (no reference model), one generation per
+    # optimizer step (steps_per_generation = gradient_accumulation_steps); prompts are not cut by TRL's current
+    # GRPOConfig, so without max_prompt_length they are traced at 512 tokens, and the mapping says so
+    mapping = from_training_arguments({"per_device_train_batch_size": 4, "num_generations": 8,
+                                       "gradient_accumulation_steps": 2})
+    assert mapping.rollout == Rollout(prompt_len=512, new_tokens=512, group_size=8, steps_per_generation=2,
+                                      reference=False)
+    assert "give max_prompt_length" in next(u.why for u in mapping.used if u.field == "max_prompt_length")
+    # a saved GRPOConfig holds both steps_per_generation and the global generation_batch_size (here from 8
+    # processes): the per-device one is read
+    assert grpo_mapping(steps_per_generation=2, generation_batch_size=64, num_generations=4).steps_per_generation == 2
+    # vLLM's importance-sampling correction (on by default) makes TRL compute the old log-probs
+    assert grpo_mapping(num_generations=4, use_vllm=True).old_logprobs
     # generation_batch_size is global: 32 completions / (4 per device x 2 devices) = 4 update steps
     rollout = from_training_arguments({"per_device_train_batch_size": 4, "generation_batch_size": 32,
                                        "num_generations": 4, "beta": 0.04}, world_size=2).rollout
@@ -73,7 +82,6 @@ def test_grpo_config_fields_and_trl_defaults():
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"steps_per_generation": 2, "generation_batch_size": 8, "num_generations": 2}, "keep one"),
     ({"generation_batch_size": 6, "num_generations": 2}, "multiple of per_device_train_batch_size"),
     ({"num_generations": 3}, "multiple of num_generations"),
     ({"num_generations": 2, "max_prompt_length": None}, "max_prompt_length is null"),
@@ -119,3 +127,19 @@ def test_what_a_grpo_estimate_cannot_take_is_one_line(llama, tmp_path):
         assert result.exit_code != 0 and words in " ".join(result.output.split()), result.output
     result = runner.invoke(app, ["estimate", "gpt2-124m", "--gpu-memory", "1GiB", "--trainer", str(args)])
     assert result.exit_code != 0 and "the GRPO step generates with a causal LM" in " ".join(result.output.split())
+
+
+def test_a_saved_grpo_config_reads_whole(tmp_path):
+    """What GRPOConfig(...).to_json_string() writes: TrainingArguments' fields (the real class) and GRPO's own,
+    steps_per_generation and generation_batch_size both filled in by its __post_init__: no field is taken for a
+    typo, every one is accounted for."""
+    pytest.importorskip("accelerate")
+    saved = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                           per_device_train_batch_size=4, gradient_accumulation_steps=2).to_dict()
+    saved.update(num_generations=8, num_generations_eval=None, max_completion_length=256, generation_batch_size=8,
+                 steps_per_generation=2, temperature=1.0, top_p=1.0, beta=0.04, num_iterations=1, use_vllm=False,
+                 vllm_importance_sampling_correction=True, entropy_coef=0.0, log_unique_prompts=False,
+                 use_transformers_continuous_batching=False, loss_type="dapo", max_prompt_length=128)
+    mapping = from_training_arguments(saved)
+    assert mapping.rollout == Rollout(prompt_len=128, new_tokens=256, group_size=8, steps_per_generation=2)
+    assert {u.field for u in mapping.used} | {u.field for u in mapping.unused} >= set(saved)

@@ -24,18 +24,26 @@ TRL_FIELDS = frozenset({
 })
 
 GRPO_FIELDS = frozenset({
-    # trl/trainer/grpo_config.py: GRPOConfig's own fields (TRL need not be installed to read them)
-    "num_generations", "max_prompt_length", "max_completion_length", "generation_batch_size", "steps_per_generation",
-    "beta", "num_iterations", "disable_dropout", "cast_lm_head_to_fp32", "ds3_gather_for_generation",
+    # trl/trainer/grpo_config.py: GRPOConfig's own fields, those of TRL's current version and the ones
+    # earlier versions had (max_prompt_length, wandb_log_unique_prompts, ...); TRL need not be installed
+    "num_generations", "num_generations_eval", "max_prompt_length", "max_completion_length", "generation_batch_size",
+    "steps_per_generation", "beta", "num_iterations", "disable_dropout", "cast_lm_head_to_fp32",
+    "ds3_gather_for_generation", "trust_remote_code", "router_aux_loss_coef", "pad_to_multiple_of",
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs", "chat_template_kwargs",
-    "use_transformers_paged", "cache_implementation", "use_vllm", "vllm_mode", "vllm_model_impl",
-    "vllm_enable_sleep_mode", "vllm_guided_decoding_regex", "vllm_server_base_url", "vllm_server_host",
-    "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
-    "epsilon", "epsilon_high", "delta", "importance_sampling_level", "reward_weights", "scale_rewards",
+    "use_transformers_paged", "use_transformers_continuous_batching", "transformers_continuous_batching_config",
+    "cache_implementation", "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
+    "vllm_guided_decoding_regex", "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host",
+    "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization",
+    "vllm_max_model_length", "vllm_tensor_parallel_size", "epsilon", "epsilon_high", "delta", "sapo_temperature_neg",
+    "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+    "importance_sampling_level", "reward_weights", "multi_objective_aggregation", "scale_rewards",
     "mask_truncated_completions", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
-    "top_entropy_quantile", "use_liger_loss", "vllm_importance_sampling_correction", "vllm_importance_sampling_cap",
-    "log_completions", "num_completions_to_print", "wandb_log_unique_prompts", "num_generations_eval",
-    "shuffle_dataset", "remove_unused_columns",
+    "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
+    "entropy_coef_delta", "entropy_target", "max_tool_calling_iterations", "use_liger_loss",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap", "off_policy_mask_threshold",
+    "use_bias_correction_kl", "log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts",
+    "log_completions_hub_repo", "wandb_log_unique_prompts", "shuffle_dataset", "remove_unused_columns",
 })
 
 PPO_FIELDS = frozenset({
@@ -60,6 +68,9 @@ RL_MEMORY_FIELDS_NOT_MAPPED: dict[str, str] = {
     "cast_lm_head_to_fp32": "an fp32 lm_head (its weight and logits in fp32) is not traced",
     "ds3_gather_for_generation": "ZeRO-3 gathering the weights for generation is plan's, not estimate's",
     "num_generations_eval": "the eval loop of an RL trainer is not traced",
+    "entropy_coef": "an entropy bonus keeps the full-vocabulary softmax for backward: not traced",
+    "use_transformers_continuous_batching": "continuous-batching generation is not traced: DynamicCache is",
+    "vllm_max_model_length": "vLLM is not traced",
 }
 
 OPTIMIZERS_BY_OPTIM: dict[str, tuple[tuple[str, ...], str]] = {

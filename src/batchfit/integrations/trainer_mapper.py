@@ -23,6 +23,10 @@ from batchfit.integrations.trainer_fields import (
 )
 from batchfit.workload import HF_ATTENTION
 
+PROMPT_TOKENS = 512
+"""Prompt tokens traced where a GRPOConfig has no max_prompt_length (TRL's former default; its current
+GRPOConfig does not cut prompts, so the args cannot say)."""
+
 
 class Mapper:
     """One pass over the fields; each handler marks what it read."""
@@ -136,18 +140,17 @@ class Mapper:
                                        "steps_per_generation", "generation_batch_size")):
             return
         group = self._count("num_generations", 8)
-        prompt = self._count("max_prompt_length", 512)
+        prompt = self._count("max_prompt_length", PROMPT_TOKENS)
         if prompt is None:
             raise OptionError("max_prompt_length is null (prompts not cut): give the longest prompt's tokens as "
                               "max_prompt_length, the length every generation is traced at")
-        new_tokens = self._count("max_completion_length", 256)
+        new_tokens = self._count("max_completion_length", 512)
         per_step = self._count("steps_per_generation", None)
         global_generation = self._count("generation_batch_size", None)
-        if per_step is not None and global_generation is not None:
-            raise OptionError("the args set both steps_per_generation and generation_batch_size, which TRL refuses "
-                              "too: keep one")
         update = m.per_device_train_batch_size * m.world_size
-        if global_generation is not None:
+        # A saved GRPOConfig holds both (its __post_init__ fills one from the other): steps_per_generation is
+        # per device, so it is the one read; generation_batch_size only where it is alone
+        if per_step is None and global_generation is not None:
             if global_generation % update:
                 raise OptionError(f"generation_batch_size {global_generation} must be a multiple of "
                                   f"per_device_train_batch_size x devices ({update}), as TRL requires")
@@ -157,18 +160,23 @@ class Mapper:
             raise OptionError(f"the generation batch ({update * per_step} completions) must be a multiple of "
                               f"num_generations ({group}), as TRL requires: change one of them")
         beta, iterations = data.get("beta", 0.0), self._count("num_iterations", 1)
-        old = m.gradient_accumulation_steps % (per_step * iterations) != 0
+        old = (m.gradient_accumulation_steps % (per_step * iterations) != 0
+               or bool(data.get("use_vllm") and data.get("vllm_importance_sampling_correction", True)))
         m.rollout = Rollout(prompt_len=prompt, new_tokens=new_tokens, group_size=group, steps_per_generation=per_step,
                             reference=bool(beta), old_logprobs=old)
         rows = m.per_device_train_batch_size * per_step
         self.use("num_generations", f"GRPO group {group}", "rewards normalised within each group", group)
-        self.use("max_prompt_length", f"{prompt}-token prompts", "every prompt traced at the longest", prompt)
+        self.use("max_prompt_length", f"{prompt}-token prompts", "every prompt traced at the longest" if
+                 "max_prompt_length" in data else "not in the args (TRL's current GRPOConfig does not cut prompts): "
+                 f"traced at {PROMPT_TOKENS} tokens; give max_prompt_length for your longest prompt", prompt)
         self.use("max_completion_length", f"{new_tokens} new tokens", "every completion traced at the longest, its "
                  "KV cache growing token by token", new_tokens)
         for name in ("steps_per_generation", "generation_batch_size"):
             if name in data:
                 self.use(name, f"{per_step} update steps per generation", f"each generation makes {rows} completions "
-                         "per device (per_device_train_batch_size x steps per generation)")
+                         "per device (per_device_train_batch_size x steps per generation)"
+                         + ("; steps_per_generation is the one read" if name == "generation_batch_size"
+                            and "steps_per_generation" in data else ""))
         self.use("beta", "a frozen reference model" if beta else "no reference model",
                  "its log-probs traced in their own phase, before the update" if beta else
                  "TRL loads none where beta is 0", beta)
@@ -176,6 +184,9 @@ class Mapper:
             self.use("num_iterations", "the policy's old log-probs computed before the update" if old else
                      "on-policy: no old log-probs", "TRL computes them when a generation serves more than one "
                      "optimizer step", iterations)
+        if "loss_type" in data:
+            self.skip("loss_type", "GRPO's loss normalisations (grpo, dapo, dr_grpo, bnpo, ...) hold no more memory "
+                      "than the traced one")
         for use in m.used:
             if use.field == "gradient_accumulation_steps" and use.value > 1:
                 use.why = ("each micro-batch traced with its own generation: those after the first generate beside "
