@@ -44,7 +44,8 @@ class Policy:
     """Builds one copy of the model (the policy; the reference is a second, frozen, copy)."""
     logits: Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
     """(model, sequences, completion length) -> the logits that predict the completion's tokens
-    ``[rows, completion length, vocab]``."""
+    ``[rows, completion length, vocab]``, as TRL asks for them (``logits_to_keep`` = completion + 1, the
+    last position dropped)."""
     decode: Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
     """(model, prompts, new tokens) -> prompts and completions ``[rows, prompt + new tokens]``."""
 
@@ -57,9 +58,17 @@ class PolicyAndReference(nn.Module):
 
 
 def _logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, completion: int) -> torch.Tensor:
+    """The completion's log-probs as TRL computes them (``selective_log_softmax``): the logits divided by the
+    temperature in place, then in fp32 the chosen logits less each row's logsumexp, one row at a time (the
+    row's exponentials only), and in half precision a log_softmax per row."""
     logits = policy.logits(model, sequences, completion)
-    targets = sequences[:, -completion:]
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logits.div_(1.0)  # the sampling temperature, in place as TRL divides (its value changes no memory)
+    targets = sequences[:, -completion:].unsqueeze(-1)
+    if logits.dtype in (torch.float32, torch.float64):
+        chosen = torch.gather(logits, dim=-1, index=targets).squeeze(-1)
+        return chosen - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+    rows = [torch.log_softmax(row, dim=-1).gather(-1, index).squeeze(-1) for row, index in zip(logits, targets)]
+    return torch.stack(rows)
 
 
 def _chunked_logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, completion: int,
@@ -119,7 +128,7 @@ def grpo_step(policy: Policy, rollout: Rollout, vocab_size: int, *, name: str, d
 
 def _zoo_policy(cfg: TransformerConfig) -> Policy:
     def logits(model: Transformer, sequences: torch.Tensor, completion: int) -> torch.Tensor:
-        return model(sequences[:, :-1])[:, -completion:]
+        return model(sequences)[:, -completion - 1:-1]  # every position's logits: this model keeps them all
 
     def decode(model: Transformer, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
         caches = [{} for _ in model.blocks]

@@ -4,8 +4,8 @@ GRPOConfig traces for an ``hf:`` model.
 The policy is the model built from its config (``zoo/hf.py``), the reference a frozen second
 copy. Generation is greedy decoding with the model's own KV cache (``DynamicCache``, as
 ``model.generate`` keeps it), the logits of the last position only at each call (generate's
-``logits_to_keep=1``); the log-probs are computed from the completion's logits only
-(TRL's ``logits_to_keep``).
+``logits_to_keep=1``); the log-probs are computed from the completion's logits only, as TRL's
+``_get_per_token_logps_and_entropies`` asks for them (``logits_to_keep`` = completion + 1).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def hf_grpo_workload(target: str, rollout: Rollout) -> Workload:
 
     def logits(model: nn.Module, sequences: torch.Tensor, completion: int) -> torch.Tensor:
         with _unpacked_sequences(transformers):
-            return model(input_ids=sequences[:, :-1], logits_to_keep=completion, use_cache=False).logits
+            return model(input_ids=sequences, logits_to_keep=completion + 1, use_cache=False).logits[:, :-1]
 
     def decode(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
         tokens, cache, step = [prompts], None, prompts
