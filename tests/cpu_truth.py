@@ -45,10 +45,12 @@ def profiled_peak(run: Callable[[], object], tmp_path: Path) -> int:
     return max(sum(row) for row in sizes)
 
 
-def profiled_phase_peaks(step: TrainingStep, batch_size: int, tmp_path: Path) -> dict[str, int]:
-    """Each phase's peak bytes in the profiler's memory timeline of one real step at ``batch_size`` (after
-    one unmeasured step): the step announces its phases (``hooks.phase``), each opens a profiler range,
-    and a phase's peak is the timeline's largest total from the one live as it begins to its end."""
+def profiled_phase_peaks(step: TrainingStep, batch_size: int, tmp_path: Path, *, steps: int = 1) -> dict[str, int]:
+    """Each phase's peak bytes in the profiler's memory timeline of the last of ``steps`` real steps at
+    ``batch_size`` (after one unmeasured step): the step announces its phases (``hooks.phase``), each opens a
+    profiler range, and a phase's peak is the timeline's largest total from the one live as it begins to its
+    end. ``steps=2`` where a step frees a tensor the step before made without reading it (see
+    :func:`profiled_step_peak`)."""
     from torch.profiler import record_function
 
     class Ranges:
@@ -68,7 +70,8 @@ def profiled_phase_peaks(step: TrainingStep, batch_size: int, tmp_path: Path) ->
     ranges = Ranges()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
-        step.run(batch_size, hooks=ranges)
+        for _ in range(steps):
+            step.run(batch_size, hooks=ranges)
         ranges.open.__exit__(None, None, None)
     path = tmp_path / "timeline.json"
     with warnings.catch_warnings():
@@ -77,8 +80,11 @@ def profiled_phase_peaks(step: TrainingStep, batch_size: int, tmp_path: Path) ->
     times, sizes = json.loads(path.read_text())
     totals = [sum(row) for row in sizes]
     start_us = prof.profiler.kineto_results.trace_start_ns() / 1000  # the timeline's clock, in us
-    peaks = {}
-    for event in prof.events():
+    peaks, last = {}, {}
+    for event in prof.events():  # each phase's range in the last step
+        if event.name.startswith("phase:") and event.time_range.start >= last.get(event.name, event).time_range.start:
+            last[event.name] = event
+    for event in last.values():
         if event.name.startswith("phase:"):
             begin, end = start_us + event.time_range.start, start_us + event.time_range.end
             before = [total for t, total in zip(times, totals) if t < begin][-1:]

@@ -28,6 +28,7 @@ from batchfit.trace.session import TraceSession  # noqa: E402
 from batchfit.train.step import TrainingStep  # noqa: E402
 from batchfit.workload import StepOptions  # noqa: E402
 from batchfit.zoo.hf_grpo import hf_grpo_workload  # noqa: E402
+from batchfit.zoo.hf_ppo import ppo_workload  # noqa: E402
 
 runner = CliRunner()
 
@@ -54,6 +55,25 @@ def test_each_phase_peak_is_the_profilers(llama, tmp_path):
         assert abs(traced[phase] - real[phase]) <= 128, (phase, traced[phase], real[phase])  # bytes
     peaks = rl_phase_peaks(traced)
     assert peaks["update"] == max(traced["forward"], traced["backward"], traced["optimizer"])
+
+
+@pytest.mark.slow
+def test_each_ppo_phase_peak_against_the_profiler(llama, tmp_path):
+    # TRL's PPO step: 4 queries per rollout (2 micro-batches of 2), generated and scored 3 at a time, 6 new
+    # tokens whose logits are all kept; two profiled steps: the last rollout's logits, alive until the next
+    # rollout replaces them, are freed without an op reading them, which the timeline sees only then
+    rollout = Rollout(prompt_len=8, new_tokens=6, group_size=1, steps_per_generation=2, algorithm="ppo", chunk_rows=3)
+    workload = ppo_workload(llama, rollout)
+    torch.manual_seed(0)
+    real = profiled_phase_peaks(TrainingStep(workload, StepOptions(), torch.device("cpu")), 2, tmp_path, steps=2)
+    with TraceSession(workload, StepOptions(), cuda_semantics=False) as session:
+        traced = session.trace(2).snapshot.peak_by_phase
+    for phase in ("generate", "backward", "optimizer"):
+        assert abs(traced[phase] - real[phase]) <= 128, (phase, traced[phase], real[phase])
+    # where the passes return their hidden states the trace is a few KB low (6,200 B and 5,648 B here): not
+    # explained yet, and every PPO output says so (estimator/rollout.py)
+    for phase in ("reference", "forward"):
+        assert 0 <= real[phase] - traced[phase] <= 8192, (phase, traced[phase], real[phase])
 
 
 def grpo_mapping(**fields):
@@ -85,7 +105,6 @@ def test_grpo_config_fields_and_trl_defaults():
     ({"generation_batch_size": 6, "num_generations": 2}, "multiple of per_device_train_batch_size"),
     ({"num_generations": 3}, "multiple of num_generations"),
     ({"num_generations": 2, "max_prompt_length": None}, "max_prompt_length is null"),
-    ({"response_length": 53, "num_ppo_epochs": 4}, "value model"),
 ])
 def test_bad_rl_args_are_one_line(fields, words):
     with pytest.raises(OptionError, match=words):
@@ -126,7 +145,17 @@ def test_what_a_grpo_estimate_cannot_take_is_one_line(llama, tmp_path):
         result = runner.invoke(app, ["estimate", f"hf:{llama}", "--gpu-memory", "1GiB", "--trainer", str(args), *more])
         assert result.exit_code != 0 and words in " ".join(result.output.split()), result.output
     result = runner.invoke(app, ["estimate", "gpt2-124m", "--gpu-memory", "1GiB", "--trainer", str(args)])
-    assert result.exit_code != 0 and "the GRPO step generates with a causal LM" in " ".join(result.output.split())
+    assert result.exit_code != 0 and "the step generates with a causal LM" in " ".join(result.output.split())
+
+
+def test_ppo_config_fields_and_trl_defaults():
+    # TRL's PPOConfig: a rollout of per-device 2 x accumulation 4 x 2 mini-batches = 16 queries, 53 new tokens,
+    # generated and scored 64 rows at a time (capped at the rollout's 16)
+    mapping = from_training_arguments({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
+                                       "num_mini_batches": 2, "num_ppo_epochs": 4, "reward_model_path": "rm"})
+    assert mapping.rollout == Rollout(prompt_len=512, new_tokens=53, group_size=1, steps_per_generation=8,
+                                      algorithm="ppo", chunk_rows=16)
+    assert "another size there is not traced" in next(u.why for u in mapping.unused if u.field == "reward_model_path")
 
 
 def test_a_saved_grpo_config_reads_whole(tmp_path):
@@ -143,3 +172,20 @@ def test_a_saved_grpo_config_reads_whole(tmp_path):
     mapping = from_training_arguments(saved)
     assert mapping.rollout == Rollout(prompt_len=128, new_tokens=256, group_size=8, steps_per_generation=2)
     assert {u.field for u in mapping.used} | {u.field for u in mapping.unused} >= set(saved)
+
+
+@pytest.mark.slow
+def test_a_ppo_config_traces_trls_ppo_step(llama, tmp_path):
+    args = tmp_path / "ppo.json"
+    args.write_text(json.dumps({"per_device_train_batch_size": 2, "num_mini_batches": 2, "response_length": 6,
+                                "local_rollout_forward_batch_size": 3, "num_ppo_epochs": 4, "max_prompt_length": 8}))
+    out = tmp_path / "out.json"
+    result = runner.invoke(app, ["estimate", f"hf:{llama}", "--gpu-memory", "1GiB", "--limit", "allocated",
+                                 "--max-batch", "2", "--trainer", str(args), "--json", str(out), "--no-cache"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["trainer"]["rollout"]["algorithm"] == "ppo" and data["trainer"]["rollout"]["chunk_rows"] == 3
+    assert set(data["rl_phases"]["peak_bytes"]) == {"generate", "reference", "update"}
+    # policy and value model trained (the same architecture here), reference and reward model frozen
+    assert data["trainable_params"] * 2 == data["params"]
+    assert any(a["what"].startswith("PPO: the passes that return hidden states") for a in data["approximations"])

@@ -292,8 +292,17 @@ class Rollout:
     old_logprobs: bool = False
     """The policy's own log-probs computed with no gradients before the update (TRL: when a
     generation serves more than one optimizer step, or num_iterations > 1)."""
+    algorithm: str = "grpo"
+    """grpo (``zoo/grpo.py``) or ppo (``zoo/hf_ppo.py``: a trained value model beside the policy, a reward
+    model, and generation that keeps every step's logits)."""
+    chunk_rows: int | None = None
+    """PPO's local_rollout_forward_batch_size: the rows generated and scored at once (None: all of them)."""
 
     def __post_init__(self) -> None:
+        if self.algorithm not in ("grpo", "ppo"):
+            raise OptionError(f"unknown RL algorithm '{self.algorithm}': grpo or ppo")
+        if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
+            raise OptionError(f"the rollout's chunk_rows must be a positive integer, got {self.chunk_rows!r}")
         for name in ("prompt_len", "new_tokens", "group_size", "steps_per_generation"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -198,6 +198,7 @@ def estimate_command(
                           "per generation; drop --emit and set the batch the estimate answers by hand")
     from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
     from batchfit.estimator.eval_phase import add_eval_phase
+    from batchfit.estimator.rollout import rollout_approximations
     from batchfit.estimator.run import data_lengths, estimate_run
     from batchfit.report import write_estimate_report
 
@@ -210,6 +211,9 @@ def estimate_command(
         if lengths is None:
             workload = load_workload(model, seq_len=seq_len) if rollout is None else rl_workload(model, rollout)
             result = estimate(workload, **common)
+            if rollout is not None:
+                result.approximations = [*result.approximations,
+                                         *rollout_approximations(rollout, result.options.accumulation_steps)]
             if eval_batch:
                 add_eval_phase(result, workload, eval_batch, held_steps=eval_held, limit=limit, say=say)
         else:

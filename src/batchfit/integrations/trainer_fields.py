@@ -51,7 +51,11 @@ PPO_FIELDS = frozenset({
     "response_length", "local_rollout_forward_batch_size", "num_mini_batches", "num_ppo_epochs", "whiten_rewards",
     "kl_coef", "kl_estimator", "cliprange", "vf_coef", "cliprange_value", "gamma", "lam", "reward_model_path",
     "sft_model_path", "stop_token", "stop_token_id", "missing_eos_penalty", "total_episodes", "local_mini_batch_size",
+    "num_sample_generations", "model_adapter_name", "ref_adapter_name", "micro_batch_size", "local_batch_size",
+    "batch_size", "mini_batch_size", "num_total_batches", "dataset_num_proc", "temperature",
 })
+PPO_MARKS = ("response_length", "local_rollout_forward_batch_size", "num_ppo_epochs", "vf_coef")
+"""Fields only a PPOConfig has: args holding one are read as PPO's."""
 
 RL_MEMORY_FIELDS_NOT_MAPPED: dict[str, str] = {
     # GRPOConfig fields that change memory, not traced

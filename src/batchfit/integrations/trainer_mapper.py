@@ -14,7 +14,7 @@ from batchfit.integrations.trainer_fields import (
     NO_MEMORY,
     OPTIMIZERS_BY_OPTIM,
     OUTSIDE_THE_STEP,
-    PPO_FIELDS,
+    PPO_MARKS,
     RL_MEMORY_FIELDS_NOT_MAPPED,
     FieldUse,
     TrainerMapping,
@@ -130,12 +130,10 @@ class Mapper:
         from batchfit.options import Rollout
 
         data, m = self.data, self.mapping
-        ppo = sorted(n for n in PPO_FIELDS if n in data)
-        if ppo and not any(n in data for n in ("num_generations", "max_completion_length")):
-            raise OptionError(f"these args are a TRL PPOConfig ({', '.join(ppo[:3])}, ...): PPO trains a value model "
-                              "beside the policy (its gradients and optimizer state) and scores with a reward model, "
-                              "which batchfit does not trace yet; a GRPOConfig's step it does (policy, reference, "
-                              "generation)")
+        if any(n in data for n in PPO_MARKS) and not any(n in data for n in ("num_generations",
+                                                                              "max_completion_length")):
+            self.ppo_rollout()
+            return
         if not any(n in data for n in ("num_generations", "max_completion_length", "max_prompt_length",
                                        "steps_per_generation", "generation_batch_size")):
             return
@@ -192,6 +190,38 @@ class Mapper:
                 use.why = ("each micro-batch traced with its own generation: those after the first generate beside "
                            "the accumulated gradients, which TRL's one generation per optimizer step does not (high "
                            "by the gradients' bytes in the generation and reference phases, never low)")
+
+    def ppo_rollout(self) -> None:
+        """A TRL PPOConfig (trl/experimental/ppo/ppo_config.py) -> TRL's PPO step (``zoo/hf_ppo.py``): a rollout
+        of per-device batch x gradient accumulation x mini-batches queries, generated and scored
+        local_rollout_forward_batch_size rows at a time."""
+        from batchfit.options import Rollout
+
+        data, m = self.data, self.mapping
+        new_tokens = self._count("response_length", 53)
+        chunk = self._count("local_rollout_forward_batch_size", 64)
+        minis = self._count("num_mini_batches", 1)
+        per_rollout = m.gradient_accumulation_steps * minis
+        prompt = self._count("max_prompt_length", PROMPT_TOKENS) or PROMPT_TOKENS
+        m.rollout = Rollout(prompt_len=prompt, new_tokens=new_tokens, group_size=1,
+                            steps_per_generation=per_rollout, algorithm="ppo",
+                            chunk_rows=min(chunk, m.per_device_train_batch_size * per_rollout))
+        self.use("response_length", f"{new_tokens} new tokens", "every response traced at the longest, every new "
+                 "token's logits kept (generate's output_scores)", new_tokens)
+        self.use("local_rollout_forward_batch_size", f"{chunk} rows generated and scored at once",
+                 "TRL's batch_generation and scoring chunks", chunk)
+        self.use("num_mini_batches", f"{per_rollout} micro-batches per rollout", "the rollout holds per-device batch "
+                 "x gradient_accumulation_steps x num_mini_batches queries", minis)
+        self.use("max_prompt_length", f"{prompt}-token queries", "not a PPOConfig field: batchfit reads it for the "
+                 "queries' length, which the dataset's tokenization sets" if "max_prompt_length" in data else
+                 f"a PPOConfig says nothing of the queries' length: traced at {PROMPT_TOKENS} tokens; add "
+                 "max_prompt_length to the args for your longest query", prompt)
+        for name in ("sft_model_path", "reward_model_path"):
+            if name in data:
+                self.skip(name, "the value and reward models are traced as the policy's architecture with one score "
+                          "head (TRL loads them from these paths: another size there is not traced)")
+        if "num_ppo_epochs" in data:
+            self.skip("num_ppo_epochs", "each epoch passes over the same rollout again: no more memory")
 
     def evaluation(self) -> None:
         """per_device_eval_batch_size and eval_accumulation_steps, where the args evaluate at all."""

@@ -57,18 +57,23 @@ class PolicyAndReference(nn.Module):
         self.reference = build().requires_grad_(False) if reference else None
 
 
-def _logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, completion: int) -> torch.Tensor:
-    """The completion's log-probs as TRL computes them (``selective_log_softmax``): the logits divided by the
-    temperature in place, then in fp32 the chosen logits less each row's logsumexp, one row at a time (the
-    row's exponentials only), and in half precision a log_softmax per row."""
-    logits = policy.logits(model, sequences, completion)
-    logits.div_(1.0)  # the sampling temperature, in place as TRL divides (its value changes no memory)
-    targets = sequences[:, -completion:].unsqueeze(-1)
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits).gather(index)`` as TRL computes it (``trl/trainer/utils.py``): in fp32 the chosen
+    logits less each row's logsumexp, one row at a time (the row's exponentials only); in half precision
+    a log_softmax per row."""
+    index = index.unsqueeze(-1)
     if logits.dtype in (torch.float32, torch.float64):
-        chosen = torch.gather(logits, dim=-1, index=targets).squeeze(-1)
+        chosen = torch.gather(logits, dim=-1, index=index).squeeze(-1)
         return chosen - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-    rows = [torch.log_softmax(row, dim=-1).gather(-1, index).squeeze(-1) for row, index in zip(logits, targets)]
-    return torch.stack(rows)
+    return torch.stack([torch.log_softmax(row, dim=-1).gather(-1, i).squeeze(-1) for row, i in zip(logits, index)])
+
+
+def _logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, completion: int) -> torch.Tensor:
+    """The completion's log-probs as TRL's GRPO computes them: the logits divided by the sampling temperature
+    in place (its value changes no memory), then :func:`selective_log_softmax`."""
+    logits = policy.logits(model, sequences, completion)
+    logits.div_(1.0)
+    return selective_log_softmax(logits, sequences[:, -completion:])
 
 
 def _chunked_logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, completion: int,
