@@ -156,6 +156,10 @@ def test_what_a_grpo_estimate_cannot_take_is_one_line(llama, tmp_path):
                         (["--seq-len", "64"], "drop --data, --seq-len")):
         result = runner.invoke(app, ["estimate", f"hf:{llama}", "--gpu-memory", "1GiB", "--trainer", str(args), *more])
         assert result.exit_code != 0 and words in " ".join(result.output.split()), result.output
+    for command in (["bench", f"hf:{llama}", "--device", "virtual:a100-40gb"],
+                    ["probe", f"hf:{llama}", "--gpu-memory", "1GiB"]):  # they would trace it as SFT: refused
+        result = runner.invoke(app, [*command, "--trainer", str(args)])
+        assert result.exit_code != 0 and "only estimate traces its RL step" in " ".join(result.output.split())
     result = runner.invoke(app, ["estimate", "gpt2-124m", "--gpu-memory", "1GiB", "--trainer", str(args)])
     assert result.exit_code != 0 and "the step generates with a causal LM" in " ".join(result.output.split())
 

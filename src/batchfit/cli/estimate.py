@@ -156,7 +156,7 @@ def estimate_command(
     counting every byte as the CUDA caching allocator would, at a few batch sizes; fits the
     memory curve; and confirms the largest batch by tracing it and the next size up.
     """
-    door = read_trainer(trainer)
+    door = read_trainer(trainer, rl=True)
     if door is not None and global_batch is not None:
         raise OptionError("--trainer gives the global batch (per-device batch x accumulation x world size): "
                           "drop --global-batch, or drop --trainer and give the options as flags")
