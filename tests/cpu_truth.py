@@ -45,6 +45,53 @@ def profiled_peak(run: Callable[[], object], tmp_path: Path) -> int:
     return max(sum(row) for row in sizes)
 
 
+def profiled_phase_peaks(step: TrainingStep, batch_size: int, tmp_path: Path, *, steps: int = 1) -> dict[str, int]:
+    """Each phase's peak bytes in the profiler's memory timeline of the last of ``steps`` real steps at
+    ``batch_size`` (after one unmeasured step): the step announces its phases (``hooks.phase``), each opens a
+    profiler range, and a phase's peak is the timeline's largest total from the one live as it begins to its
+    end. ``steps=2`` where a step frees a tensor the step before made without reading it (see
+    :func:`profiled_step_peak`)."""
+    from torch.profiler import record_function
+
+    class Ranges:
+        def __init__(self) -> None:
+            self.open = None
+
+        def phase(self, name: str) -> None:
+            if self.open is not None:
+                self.open.__exit__(None, None, None)
+            self.open = record_function(f"phase:{name}")
+            self.open.__enter__()
+
+        def before_zero_grad(self, model, optimizer) -> None:
+            pass
+
+    step.run(batch_size)
+    ranges = Ranges()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        for _ in range(steps):
+            step.run(batch_size, hooks=ranges)
+        ranges.open.__exit__(None, None, None)
+    path = tmp_path / "timeline.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # export_memory_timeline's FutureWarning
+        prof.export_memory_timeline(str(path), device="cpu")
+    times, sizes = json.loads(path.read_text())
+    totals = [sum(row) for row in sizes]
+    start_us = prof.profiler.kineto_results.trace_start_ns() / 1000  # the timeline's clock, in us
+    peaks, last = {}, {}
+    for event in prof.events():  # each phase's range in the last step
+        if event.name.startswith("phase:") and event.time_range.start >= last.get(event.name, event).time_range.start:
+            last[event.name] = event
+    for event in last.values():
+        if event.name.startswith("phase:"):
+            begin, end = start_us + event.time_range.start, start_us + event.time_range.end
+            before = [total for t, total in zip(times, totals) if t < begin][-1:]
+            peaks[event.name.removeprefix("phase:")] = max(
+                before + [total for t, total in zip(times, totals) if begin <= t <= end])
+    return peaks
+
 
 def profiled_workload_peak(workload: Workload, batch_size: int, tmp_path: Path) -> int:
     """``profiled_step_peak`` of ``workload``'s default step (fp32, AdamW) on this CPU."""

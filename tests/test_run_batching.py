@@ -193,3 +193,19 @@ def test_plan_and_probe_run_every_step_at_the_datas_longest_row(tmp_path):
 
     assert data_rows("gpt-tinystories-22m", 12, None, str(path), None, "n", None) == (row, section)
     assert data_rows("gpt-tinystories-22m", 12, None, None, None, None, None) == (12, None)
+
+
+def test_bench_runs_every_batch_at_the_datas_longest_row(tmp_path):
+    """bench --data (the options estimate, probe and plan declare): 19 samples of 12 tokens and one of 40,
+    pad-longest: the batch that holds the 40 is the run's worst step, so each batch size is benched there."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"n": 40 if i == 13 else 12}) + "\n" for i in range(20)))
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(app, ["bench", "tests/cpu_truth.py:one_block_tinystories", "--device",
+                                      "virtual:rtx4090-24gb", "--batch-sizes", "2", "--data", str(path),
+                                      "--length-column", "n", "--json", str(out), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["data"]["traced_length"] == 40 and data["tokens_per_sample"] == 40
+    assert data["data"]["lengths"]["median"] == 12
+    assert "every step at 40 tokens per row" in " ".join(result.output.split())

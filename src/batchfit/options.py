@@ -148,6 +148,52 @@ class Routing:
         return f"capacity:{self.capacity_factor:g}" if self.kind == "capacity" else self.kind
 
 
+MAX_ROUTED_STEPS = 1 << 20
+"""The most steps a --routing schedule spells out (R*N counts N)."""
+
+
+@dataclass(frozen=True)
+class RoutingSchedule:
+    """--routing with a routing per step, for the run's replay (``estimate --data --replay-steps K``):
+    routings joined by commas, each R or R*N (N steps of R), e.g. ``balanced*20,capacity:1.5*10,worst``;
+    step i takes the i-th, and the last holds for every step after. One routing is a schedule of one."""
+
+    steps: tuple[Routing, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> RoutingSchedule:
+        steps: list[Routing] = []
+        for item in text.split(","):
+            routing, star, count = item.strip().partition("*")
+            times = _positive_int(count) if star else 1
+            if times is None:
+                raise OptionError(f"`routing` {text}: '{item}' repeats a routing a positive number of times, e.g. "
+                                  "balanced*20 (a routing per step: R or R*N joined by commas, e.g. "
+                                  "balanced*20,capacity:1.5,worst)")
+            steps += [Routing.parse(routing)] * min(times, MAX_ROUTED_STEPS)
+            if len(steps) > MAX_ROUTED_STEPS:
+                raise OptionError(f"`routing` {text} spells out more than {MAX_ROUTED_STEPS:,} steps: the last routing "
+                                  "holds for the steps after it, so end with it")
+        return cls(tuple(steps))
+
+    def at(self, step: int) -> Routing:
+        """The routing of step ``step`` (from 0): the last one beyond the schedule's end."""
+        return self.steps[min(step, len(self.steps) - 1)]
+
+    @property
+    def varies(self) -> bool:
+        return len(set(self.steps)) > 1
+
+    def __str__(self) -> str:
+        runs: list[list] = []
+        for routing in self.steps:
+            if runs and runs[-1][0] == routing:
+                runs[-1][1] += 1
+            else:
+                runs.append([routing, 1])
+        return ",".join(f"{r}*{n}" if n > 1 else str(r) for r, n in runs)
+
+
 @dataclass(frozen=True)
 class Offload:
     """--offload: what moves to pinned host memory."""
@@ -226,3 +272,44 @@ class LoRA:
         return ",".join([f"r={self.r}", *([f"alpha={self.alpha}"] if self.alpha is not None else []),
                          *(["dora"] if self.dora else []),
                          *([f"targets={'+'.join(self.targets)}"] if self.targets else [])])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rollout:
+    """An RL step's generation settings (``zoo/grpo.py``): from a TRL GRPOConfig / PPOConfig
+    (``integrations/trainer_mapper.py``), else the zoo's GRPO step's own."""
+
+    prompt_len: int = 32
+    """Tokens per prompt (TRL's max_prompt_length: prompts are left-padded to the longest, at most this)."""
+    new_tokens: int = 144
+    """Tokens generated per completion (max_completion_length; PPO's response_length)."""
+    group_size: int = 8
+    """Completions per prompt (num_generations): rewards are normalised within each group."""
+    steps_per_generation: int = 1
+    """Update steps each generation serves: the generation batch is this many update batches."""
+    reference: bool = True
+    """A frozen reference model scores every completion (TRL loads one where beta is not 0)."""
+    old_logprobs: bool = False
+    """The policy's own log-probs computed with no gradients before the update (TRL: when a
+    generation serves more than one optimizer step, or num_iterations > 1)."""
+    algorithm: str = "grpo"
+    """grpo (``zoo/grpo.py``) or ppo (``zoo/hf_ppo.py``: a trained value model beside the policy, a reward
+    model, and generation that keeps every step's logits)."""
+    chunk_rows: int | None = None
+    """PPO's local_rollout_forward_batch_size: the rows generated and scored at once (None: all of them)."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ("grpo", "ppo"):
+            raise OptionError(f"unknown RL algorithm '{self.algorithm}': grpo or ppo")
+        if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
+            raise OptionError(f"the rollout's chunk_rows must be a positive integer, got {self.chunk_rows!r}")
+        for name in ("prompt_len", "new_tokens", "group_size", "steps_per_generation"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise OptionError(f"the rollout's {name} must be a positive integer, got {value!r}")
+
+    @property
+    def batch_multiple(self) -> int:
+        """The update batch's granularity: a generation batch (``steps_per_generation`` update batches)
+        must hold whole groups."""
+        return self.group_size // math.gcd(self.group_size, self.steps_per_generation)

@@ -62,6 +62,30 @@ def load_workload(spec: str, *, seq_len: int | None = None, for_plan: bool = Fal
     raise ModelSpecError(f"unknown model '{spec}': {hint}MODEL is {SPEC_HELP}")
 
 
+def rl_workload(spec: str, rollout) -> Workload:
+    """``spec``'s model as the policy of the GRPO step (``zoo/grpo.py``) under ``rollout`` (an
+    ``options.Rollout``: a TRL GRPOConfig's generation settings): an ``hf:`` causal LM, or the zoo's
+    ``grpo-gpt2-124m`` with these settings."""
+    from batchfit.zoo.grpo import grpo_workload
+
+    if spec == "grpo-gpt2-124m" and rollout.algorithm == "grpo":
+        return _keyed(grpo_workload(rollout=rollout), f"{spec}:{rollout}", None, None)
+    if spec.startswith("hf:"):
+        from batchfit.zoo.hf_grpo import hf_grpo_workload
+        from batchfit.zoo.hf_ppo import ppo_workload
+
+        build = ppo_workload if rollout.algorithm == "ppo" else hf_grpo_workload
+        try:
+            workload = build(spec[3:], rollout)
+        except ModelSpecError as error:  # its words are --seq-len's, which the user did not give
+            raise ModelSpecError(f"{rollout.prompt_len:,} prompt and {rollout.new_tokens:,} new tokens: {error}; set "
+                                 "max_prompt_length / the completion length in the args to fit") from None
+        return _keyed(workload, f"{spec}:{rollout}", None, Path(spec[3:]).expanduser())
+    raise ModelSpecError(f"'{spec}' with a {rollout.algorithm.upper()}Config: the step generates with a causal LM, so "
+                         "give hf:<name>, hf:config.json or hf:folder" + (" (or grpo-gpt2-124m)"
+                                                                          if rollout.algorithm == "grpo" else ""))
+
+
 def _keyed(workload: Workload, spec: str, seq_len: int | None, path: Path | None) -> Workload:
     """``workload`` with its trace cache key: the spec, --seq-len, and the content of the file (or
     the .json files of the folder) the spec names, so an edited model is traced again. Only that

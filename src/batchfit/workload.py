@@ -33,6 +33,7 @@ from batchfit.options import (  # noqa: F401  (the grammars, re-exported where t
     PrecisionSpec,
     Quantize,
     Routing,
+    RoutingSchedule,
 )
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp8-tensorwise", "fp8-rowwise"]
@@ -136,6 +137,10 @@ class Workload:
     generate: Callable[[nn.Module, Any], Any] | None = None
     """(model, batch) -> batch: a generation phase before the update (RL rollouts with a KV
     cache, as GRPO has); runs under torch.no_grad() and the step's autocast."""
+    reference: Callable[[nn.Module, Any], Any] | None = None
+    """(model, generated batch) -> batch: the no-gradient scoring pass between generation and the
+    update (GRPO's reference log-probs, TRL's ``_generate_and_score_completions``), announced as
+    its own phase ('reference'); runs under torch.no_grad() and the step's autocast."""
     group_size: int | None = None
     """The batch must be a multiple of this (GRPO's completions per prompt)."""
     train_batches: Callable[[int, str, int], Iterable[Any]] | None = None
@@ -236,6 +241,9 @@ class StepOptions:
         lora_spec: LoRA | None
         """None for 'none'."""
         routing_spec: Routing
+        """Step 0's routing: the one every one-step trace runs."""
+        routing_schedule: RoutingSchedule
+        """A routing per step (``estimate --data --replay-steps K`` replays each step with its own)."""
 
     def __post_init__(self) -> None:
         # Each grammar parsed once, here (batchfit/options.py): downstream code reads these fields,
@@ -264,7 +272,8 @@ class StepOptions:
             raise OptionError(f"`quantize` {self.quantize} freezes the whole base model (QLoRA: only the adapters "
                               "train), so nothing would train: add `lora`, e.g. `lora` r=16")
         check_memory_budget(self.memory_budget, self.compile)
-        self.routing_spec = Routing.parse(self.routing)
+        self.routing_schedule = RoutingSchedule.parse(self.routing)
+        self.routing_spec = self.routing_schedule.at(0)  # a one-step trace's: step 0's
         check_attention(self.attention)
         if self.accumulation_steps < 1:
             raise OptionError(

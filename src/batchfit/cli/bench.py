@@ -13,13 +13,16 @@ from rich.table import Table
 from batchfit.cli.common import (
     AccumulationOpt,
     AttentionOpt,
+    BatchingOpt,
     CheckpointingOpt,
     CompileOpt,
+    DataOpt,
     DeviceOpt,
     FreezeOpt,
     GpuMemoryOpt,
     GpuOpt,
     JsonOpt,
+    LengthColumnOpt,
     LoraOpt,
     LossOpt,
     MemoryBudgetOpt,
@@ -30,6 +33,7 @@ from batchfit.cli.common import (
     QuantizeOpt,
     RoutingOpt,
     SeqLenOpt,
+    TokenizerOpt,
     TrainOnlyOpt,
     check_outputs,
     command_target,
@@ -45,9 +49,9 @@ from batchfit.cli.common import (
     warn_about_precision,
     write_outputs,
 )
-from batchfit.cli.trainer import TrainerOpt, print_mapping
+from batchfit.cli.trainer import TrainerOpt, print_data_rows, print_mapping
 from batchfit.config.step import StepFlags, parse_batch_sizes
-from batchfit.config.trainer import merged_options, merged_seq_len, read_trainer
+from batchfit.config.trainer import data_rows, merged_options, merged_seq_len, read_trainer
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
 
@@ -59,6 +63,8 @@ Examples:
   batchfit bench grpo-gpt2-124m --device cuda --batch-sizes 8,16,32 --leak-check --steps 200
 
   batchfit bench gpt-tinystories-22m --device virtual:rtx4090-24gb     # predicted, no GPU
+
+  batchfit bench hf:llama-3.2-1b --device cuda --data train.jsonl --batching pack:4096
 """
 
 
@@ -95,6 +101,10 @@ def bench_command(
     json_path: JsonOpt = None,
     out: Annotated[Path | None, out_option("report.md, throughput.png, bench.json")] = None,
     trainer: TrainerOpt = None,
+    data: DataOpt = None,
+    batching: BatchingOpt = None,
+    length_column: LengthColumnOpt = None,
+    tokenizer: TokenizerOpt = None,
 ) -> None:
     """Measure throughput (tokens/s, samples/s, MFU), allocated and reserved memory per batch size.
 
@@ -112,6 +122,8 @@ def bench_command(
     options = StepFlags.pick(locals()).options(say_dim)  # the step's flags, by name
     options = merged_options(options, door)
     seq_len = merged_seq_len(seq_len, door)
+    # --data: every batch size benched at the longest row a step of the data makes (as probe and plan)
+    seq_len, data_section = data_rows(model, seq_len, door, data, batching, length_column, tokenizer)
     warn_about_precision(target, options.precision)  # after StepOptions refused an unknown precision
     if door is not None and batch_sizes == BENCH_SIZES:  # the args' batch, unless sizes were given
         batch_sizes = str(door.mapping.per_device_train_batch_size)
@@ -130,8 +142,10 @@ def bench_command(
                        leak_check_steps=steps if leak_check else None, progress=say)
     folder = report_folder(out, "bench", result.workload, target, options, seq_len)
     section = door.section(None) if door is not None else None
-    data = {**result.to_json(), "notices": notices, **({"trainer": section} if section is not None else {})}
+    data = {**result.to_json(), "notices": notices, **({"trainer": section} if section is not None else {}),
+            **({"data": data_section} if data_section else {})}
     paths = write_outputs(json_path, data, lambda files: write_bench_report(result, folder, files, trainer=section))
+    print_data_rows(data_section, quiet_if_stdout(json_path))
     _print_summary(result, quiet_if_stdout(json_path), paths["md"])
     if not any(r.status == "ok" for r in result.rows):  # nothing ran: a script must not read success
         raise typer.Exit(1)

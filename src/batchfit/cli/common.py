@@ -133,7 +133,9 @@ HostMemoryOpt = Annotated[str | None, typer.Option(help="Host memory the offload
 RoutingOpt = Annotated[str, typer.Option(help="MoE routing assumed on fake tensors: balanced (tokens x top_k / experts "
                                               "each), capacity:F (experts filled to ceil(F x tokens x top_k / experts) "
                                               "in turn, the rest dropped) or worst (every token to the same top_k "
-                                              "experts: the bound). Named in every output.")]
+                                              "experts: the bound). Named in every output. With estimate --data "
+                                              "--replay-steps K, one per step: R or R*N joined by commas "
+                                              "(balanced*20,worst; the last holds after).")]
 AttentionOpt = Annotated[str | None, typer.Option(
     help="A transformers model's attention: eager (holds the [B, H, T, T] scores), sdpa (torch's fused kernels) or "
          "flash (flash_attn's FlashAttention-2: fp16/bf16, traced as its kernel saves). Default: the config's "

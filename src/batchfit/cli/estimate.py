@@ -59,9 +59,9 @@ from batchfit.config.trainer import (
 )
 from batchfit.devices import GiB
 from batchfit.report.host import host_line
-from batchfit.report.run_markdown import eval_lines, run_lines
+from batchfit.report.run_markdown import eval_lines, rl_lines, run_lines
 from batchfit.search import DEFAULT_MAX_BATCH
-from batchfit.specs import load_workload
+from batchfit.specs import load_workload, rl_workload
 
 EXAMPLES = """
 Examples:
@@ -152,6 +152,7 @@ def estimate_command(
         print_mapping(door, quiet_if_stdout(json_path))
     from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
     from batchfit.estimator.eval_phase import add_eval_phase
+    from batchfit.estimator.rollout import rollout_approximations
     from batchfit.estimator.run import data_lengths, estimate_run
     from batchfit.report import write_estimate_report
 
@@ -159,8 +160,12 @@ def estimate_command(
     with progress_line() as say:
         common = config.engine_keywords(say)
         if lengths is None:
-            workload = load_workload(model, seq_len=seq_len)
+            rollout = config.rollout
+            workload = load_workload(model, seq_len=seq_len) if rollout is None else rl_workload(model, rollout)
             result = estimate(workload, **common)
+            if config.rollout is not None:
+                result.approximations = [*result.approximations,
+                                         *rollout_approximations(config.rollout, result.options.accumulation_steps)]
             if config.eval_batch:
                 add_eval_phase(result, workload, config.eval_batch, held_steps=config.eval_held, limit=limit, say=say)
         else:
@@ -168,7 +173,9 @@ def estimate_command(
                                   seq_len=seq_len, replay_steps=replay_steps, replay_order=replay_order,
                                   eval_batch_size=config.eval_batch, eval_held_steps=config.eval_held, **common)
     folder = report_folder(out, "estimate", result.workload, config.target, options, seq_len)
-    fitted = run_answer(door, result) if door is not None else None
+    # GRPO: the answer is the update's batch at the args' steps_per_generation; a split for the same global
+    # batch would change the generation batch (TRL's default follows gradient_accumulation_steps), never traced
+    fitted = run_answer(door, result) if door is not None and config.rollout is None else None
     data, write_all = trainer_outputs(result.to_json(), door, fitted, lambda files, trainer: write_estimate_report(
         result, folder, files, trainer=trainer), emit_path)
     paths = write_outputs(json_path, data, write_all)
@@ -216,6 +223,8 @@ def _print_summary(result, console, report_path: Path) -> None:
     if paged:
         console.print(f"paged optimizer state {paged / GiB:.2f} GiB in CUDA unified memory, not in the peaks "
                       "above (it spills to the host when the GPU is full)")
+    for line in rl_lines(result):
+        console.print(escape(line), soft_wrap=True)
     for line in run_lines(result) if result.run is not None else []:
         console.print(escape(line), soft_wrap=True)
     for line in eval_lines(result.eval_phase) if result.eval_phase is not None else []:

@@ -73,6 +73,8 @@ class EstimateConfig:
     """HF Trainer's eval batch (--eval-batch-size or the args'), None: no eval loop traced."""
     eval_held: int
     """Eval steps whose logits stay on the GPU together."""
+    rollout: Any = None
+    """A TRL GRPOConfig / PPOConfig's generation settings (``--trainer``): the step traced is the RL step."""
 
     def engine_keywords(self, progress: Callable[[str], None]) -> dict[str, Any]:
         """The keywords ``estimate`` and ``estimate_run`` share (``estimator/engine.py``)."""
@@ -86,7 +88,7 @@ class EstimateConfig:
 def read_estimate_door(trainer: str | None, emit: list[str] | None,
                        global_batch: int | None) -> tuple[FrontDoor | None, Path | None]:
     """(the --trainer args, --emit trainer:FILE's file), read before the outputs are checked."""
-    door = read_trainer(trainer)
+    door = read_trainer(trainer, rl=True)
     if door is not None and global_batch is not None:
         raise OptionError("`trainer` gives the global batch (per-device batch x accumulation x world size): "
                           "drop `global_batch`, or drop `trainer` and give the options as flags")
@@ -101,7 +103,10 @@ def estimate_config(flags: EstimateFlags, step: StepFlags, door: FrontDoor | Non
     if target.device is None:
         raise OptionError("estimate sizes a batch for a GPU: give `gpu` (e.g. `gpu` h100-80gb), "
                           "`gpu_memory` 24GiB or `device` cuda")
-    options = step.options(say)
+    options = step.options(say, routing_per_step=True)
+    if options.routing_schedule.varies and not (flags.data and flags.replay_steps):
+        raise OptionError(f"`routing` {step.routing} gives a routing per step: add `data` FILE `replay_steps` K (the "
+                          "run's first K steps replayed, each with its routing), or give one routing")
     host_memory_bytes = parse_host_memory(flags.host_memory)
     options = merged_options(options, door)
     seq_len = merged_seq_len(flags.seq_len, door)
@@ -114,6 +119,14 @@ def estimate_config(flags: EstimateFlags, step: StepFlags, door: FrontDoor | Non
         raise OptionError(f"`batching` {run_batching} answers a token budget, which TrainingArguments has no field "
                           "for: drop `emit` (the budget is printed), or batch by pad-longest or pack:MAXLEN")
     eval_batch, eval_held = merged_eval(flags.eval_batch_size, flags.eval_accumulation_steps, door)
+    rollout = door.mapping.rollout if door is not None else None
+    if rollout is not None and (flags.data or seq_len or eval_batch):
+        raise OptionError(f"`trainer` {door.args.path} is a GRPOConfig: its max_prompt_length and "
+                          "max_completion_length set the lengths, so drop `data`, `seq_len` and `eval_batch_size`")
+    if rollout is not None and emit_path is not None:  # TRL's steps_per_generation follows the accumulation
+        raise OptionError("`emit` with a GRPOConfig: a new per_device_train_batch_size and gradient_accumulation_steps "
+                          f"change the generation batch, traced here at {rollout.steps_per_generation} update steps "
+                          "per generation; drop `emit` and set the batch the estimate answers by hand")
     return EstimateConfig(flags=flags, seq_len=seq_len, options=options, target=target, batch_sizes=sizes,
                           host_memory_bytes=host_memory_bytes, run_batching=run_batching, eval_batch=eval_batch,
-                          eval_held=eval_held)
+                          eval_held=eval_held, rollout=rollout)

@@ -66,12 +66,13 @@ class StepFlags(Flags):
     routing: str = "balanced"
     attention: str | None = None
 
-    def options(self, say: Callable[[str], None] = quiet) -> StepOptions:
-        """The StepOptions these flags say (StepOptions checks each grammar); ``say``: a line for the user."""
+    def options(self, say: Callable[[str], None] = quiet, *, routing_per_step: bool = False) -> StepOptions:
+        """The StepOptions these flags say (StepOptions checks each grammar); ``say``: a line for the user;
+        ``routing_per_step``: as :func:`step_options`'."""
         return step_options(self.precision, self.optimizer, self.checkpointing, self.freeze, self.train_only,
                             self.accumulation_steps, self.compile_, self.loss, self.offload, quantize=self.quantize,
                             lora=self.lora, memory_budget=self.memory_budget, routing=self.routing,
-                            attention=self.attention, say=say)
+                            attention=self.attention, say=say, routing_per_step=routing_per_step)
 
 
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
@@ -79,16 +80,22 @@ def step_options(precision: str, optimizer: str | None, checkpointing: str, free
                  loss: str = "plain", offload: str = "none", *, quantize: str = "none",
                  lora: str = "none", memory_budget: float | None = None,
                  routing: str = "balanced", attention: str | None = None,
-                 say: Callable[[str], None] = quiet) -> StepOptions:
+                 say: Callable[[str], None] = quiet, routing_per_step: bool = False) -> StepOptions:
+    """The step's options from the flags; ``routing_per_step``: the command replays a run's steps, so
+    ``routing`` may give one per step (``options.RoutingSchedule``)."""
     if accumulation_steps > MAX_BATCH_SIZE:  # 0 and below: StepOptions says "1 or more"
         raise OptionError(f"`accumulation_steps` must be from 1 to {MAX_BATCH_SIZE:,} (2^24), e.g. 8")
     if freeze and train_only:
         say("--train-only picks the parameters that train; --freeze then freezes some of those")
-    return StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
-                       frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
-                       accumulation_steps=accumulation_steps, compile=compile, loss=loss,
-                       offload=offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
-                       routing=routing, attention=attention)
+    options = StepOptions(precision=precision, optimizer=optimizer, checkpointing=checkpointing,
+                          frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
+                          accumulation_steps=accumulation_steps, compile=compile, loss=loss,
+                          offload=offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
+                          routing=routing, attention=attention)
+    if options.routing_schedule.varies and not routing_per_step:
+        raise OptionError(f"`routing` {routing} gives a routing per step, which only estimate `data` FILE "
+                          "`replay_steps` K replays: give one routing here (e.g. `routing` worst, the bound)")
+    return options
 
 
 def parse_batch_sizes(text: str | None) -> list[int] | None:

@@ -30,14 +30,20 @@ class FrontDoor:
         return {"source": str(self.args.path), **self.mapping.to_json(), "answer": answer}
 
 
-def read_trainer(spec: str | None, *, world_size: int | None = None) -> FrontDoor | None:
-    """Read and map --trainer (None when not given); one-line errors for a bad file."""
+def read_trainer(spec: str | None, *, world_size: int | None = None, rl: bool = False) -> FrontDoor | None:
+    """Read and map --trainer (None when not given); one-line errors for a bad file. ``rl``: the command
+    traces an RL step (a TRL GRPOConfig / PPOConfig's); elsewhere such args are refused, not traced as SFT."""
     if spec is None:
         return None
     from batchfit.integrations.trainer_files import load_trainer_args, map_trainer_args
 
     args = load_trainer_args(spec)
-    return FrontDoor(args=args, mapping=map_trainer_args(args, world_size=world_size))
+    door = FrontDoor(args=args, mapping=map_trainer_args(args, world_size=world_size))
+    if door.mapping.rollout is not None and not rl:
+        command = f"batchfit estimate MODEL --gpu GPU --trainer {spec}"  # a whole command line, quoted
+        raise OptionError(f"`trainer` {spec} is a TRL {door.mapping.rollout.algorithm.upper()}Config: only estimate "
+                          f"traces its RL step (generation, scoring, update) yet: `{command}`")
+    return door
 
 
 def parse_trainer_emit(values: list[str] | None, door: FrontDoor | None) -> Path | None:

@@ -43,6 +43,8 @@ class StepMemory:
     """Reserved at the step's end."""
     fragmentation_bytes: int
     """Reserved but not allocated at the step's end (the cache)."""
+    routing: str | None = None
+    """The MoE routing this step ran with, where ``--routing`` varies by step (None: one routing for all)."""
 
 
 @dataclass
@@ -75,6 +77,11 @@ class Churn:
             return f"fits only with {EXPANDABLE}"
         return f"does not fit, first at step {self.default.first_oom_step}"
 
+    @property
+    def peak(self) -> StepMemory | None:
+        """The step with the largest allocated peak (the first of equals) of the replay with the user's settings."""
+        return max(self.default.steps, key=lambda s: s.peak_allocated_bytes, default=None)
+
     def line(self) -> str:
         replay = self.default
         steps = len(replay.steps) + (replay.first_oom_step is not None)
@@ -85,13 +92,19 @@ class Churn:
             text += (f"; reserved {replay.steps[0].reserved_bytes / 2**30:.2f} GiB after step 0, "
                      f"{replay.steps[-1].reserved_bytes / 2**30:.2f} GiB after step {replay.steps[-1].step}; "
                      f"most cached but unallocated {worst.fragmentation_bytes / 2**30:.2f} GiB (step {worst.step})")
+        peak = self.peak
+        if peak is not None and peak.routing is not None:
+            text += (f"; the run's peak is step {peak.step}'s, {peak.peak_allocated_bytes / 2**30:.2f} GiB allocated "
+                     f"(--routing {peak.routing} there)")
         if self.default.first_oom_step is not None and self.expandable.first_oom_step is None:
             text += f" (its cost: {EXPANDABLE_COST})"
         return text
 
     def to_json(self) -> dict:
+        peak = self.peak
         return {"batch_size": self.batch_size, "order": self.order, "verdict": self.verdict,
                 "first_oom_step": self.default.first_oom_step,
+                "peak_step": peak.step if peak else None, "peak_bytes": peak.peak_allocated_bytes if peak else None,
                 "default": self.default.to_json(), "expandable_segments": self.expandable.to_json()}
 
 
@@ -101,16 +114,19 @@ def step_streams(at, shapes: list[Shape], options: StepOptions) -> tuple[list[tu
     with TraceSession(at.varying([s.length for s in shapes]), options) as session:
         marks = [len(session.tracker.events)]
         with session.tracing(f"running {len(shapes)} steps of the run"):
-            for shape in shapes:
+            for step, shape in enumerate(shapes):
                 at.length = shape.length
+                if session.routed is not None:  # --routing per step: this step's
+                    session.routed.routing = options.routing_schedule.at(step)
                 session.step.run(shape.rows, hooks=session.tracker)
                 marks.append(len(session.tracker.events))
         return list(session.tracker.events), marks
 
 
 def replay(events: list[tuple[str, int, int]], marks: list[int], shapes: list[Shape], device: Device,
-           config: AllocatorConfig, name: str) -> Replay:
-    """Reserved memory step by step, and the first step whose block the allocator cannot place."""
+           config: AllocatorConfig, name: str, routings: list[str] | None = None) -> Replay:
+    """Reserved memory step by step, and the first step whose block the allocator cannot place
+    (``routings``: each step's MoE routing, where it varies)."""
     out = Replay(name)
     try:  # the cuBLAS workspaces and the build, before step 0: running out there is at step 0
         allocator = new_allocator(device, config)
@@ -120,7 +136,8 @@ def replay(events: list[tuple[str, int, int]], marks: list[int], shapes: list[Sh
             stats.peak_allocated_bytes, stats.peak_reserved_bytes = stats.allocated_bytes, stats.reserved_bytes
             allocator.apply(events[marks[step]:marks[step + 1]])
             out.steps.append(StepMemory(step, shape.rows, shape.length, stats.peak_allocated_bytes,
-                                        stats.peak_reserved_bytes, stats.reserved_bytes, stats.fragmentation_bytes))
+                                        stats.peak_reserved_bytes, stats.reserved_bytes, stats.fragmentation_bytes,
+                                        routings[step] if routings else None))
     except AllocatorOutOfMemory as error:
         out.first_oom_step, out.oom = len(out.steps), str(error)
     return out
@@ -169,6 +186,8 @@ def churn(at, shapes: list[Shape], batch_size: int, options: StepOptions, device
     settings and with expandable segments."""
     config = config if config is not None else AllocatorConfig.from_env()
     events, marks = step_streams(at, shapes, options)
-    return Churn(batch_size, replay(events, marks, shapes, device, config, "default"),
+    schedule = options.routing_schedule
+    routings = [str(schedule.at(step)) for step in range(len(shapes))] if schedule.varies else None
+    return Churn(batch_size, replay(events, marks, shapes, device, config, "default", routings),
                  replay(events, marks, shapes, device, dataclasses.replace(config, expandable_segments=True),
-                        "expandable_segments"))
+                        "expandable_segments", routings))

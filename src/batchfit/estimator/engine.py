@@ -25,6 +25,7 @@ from batchfit.estimator.global_batch import (
     check_global_batch,
     split_global_batch,
 )
+from batchfit.phases import deciding_rl_phase, rl_phase_peaks
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options, trace_first_sizes
 from batchfit.targets import SizedForTarget, bytes_at_target
 from batchfit.trace.approximation import Approximation
@@ -132,6 +133,22 @@ class EstimateResult(SizedForTarget):
         point = self.point(batch_size)
         return None if point is None else self.capacity_bytes - (point.peak_reserved_bytes or point.peak_bytes)
 
+    @property
+    def rl_phases(self) -> tuple[int, dict[str, int]] | None:
+        """An RL step's phases at the answer (else the smallest traced batch): (batch, each phase's
+        allocated peak, ``phases.RL_PHASES``); None for a step with no generation phase."""
+        point = self.point(self.max_batch_size) if self.max_batch_size else (self.points[0] if self.points else None)
+        peaks = rl_phase_peaks(point.peak_by_phase) if point is not None else None
+        return (point.batch_size, peaks) if peaks else None
+
+    def _rl_json(self) -> dict:
+        found = self.rl_phases
+        if found is None:
+            return {}
+        batch_size, peaks = found
+        return {"rl_phases": {"batch_size": batch_size, "peak_bytes": peaks,
+                              "deciding_phase": deciding_rl_phase(peaks)}}
+
     def _run_json(self, batch_size: int) -> dict:
         run = self.run.runs.get(batch_size) if self.run is not None else None
         return {"run": run.to_json()} if run is not None else {}
@@ -178,6 +195,7 @@ class EstimateResult(SizedForTarget):
                if self.split else {}),
             **({"run": self.run.to_json()} if self.run is not None else {}),
             **({"eval": self.eval_phase.to_json()} if self.eval_phase is not None else {}),
+            **self._rl_json(),
             "created": self.created,
             "torch_version": self.torch_version,
         }

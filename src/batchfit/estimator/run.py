@@ -268,6 +268,16 @@ def padding_mask_approximation(batching: Batching, shape: Shape, workload: Workl
         source="docs/run.md, Padding masks")]
 
 
+def routing_schedule_approximation(options: StepOptions, replay_steps: int) -> Approximation:
+    """--routing per step: which traces ran which routing."""
+    return Approximation(
+        what=f"--routing {options.routing_schedule}: the batch sizes searched and each one's run are traced with step "
+             f"0's routing ({options.routing_spec}); the allocator replay's {replay_steps} steps each with its own",
+        may_differ_by="where a later step's routing costs more than step 0's, the answer can be too large: the "
+                      "replay's verdict and the step it names as the run's peak say so",
+        source="docs/run.md, MoE routing per step")
+
+
 def step_peaks(at: Lengths, shapes: list[Shape], options: StepOptions, *, cuda_semantics: bool = True) -> list[int]:
     """Every step's traced peak (the step's tensors: no cuBLAS workspace), in the data's order: one
     model on fake tensors runs one step per distinct shape (steps of equal shape share it), each
@@ -381,6 +391,8 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                                               summary.max_batch_size, result.options, device)
         summary.churn = churn(at, shapes_at(summary.max_batch_size)[:replay_steps], summary.max_batch_size,
                               result.options, device)
+    if options.routing_schedule.varies:
+        result.approximations = [*result.approximations, routing_schedule_approximation(options, replay_steps)]
     summary.traced_shapes = [(s.rows, s.length) for s in tracer.traced]
     peak = summary.runs[summary.max_batch_size or min(summary.runs)].peak_shape
     result.approximations = [*result.approximations, *padding_mask_approximation(batching, peak, at.base)]

@@ -29,6 +29,8 @@ from typing import Any
 
 from batchfit.errors import OptionError
 from batchfit.integrations.trainer_fields import (
+    GRPO_FIELDS,
+    PPO_FIELDS,
     SECTIONS,
     TRL_FIELDS,
     TrainerMapping,
@@ -50,7 +52,7 @@ def known_fields() -> frozenset[str] | None:
                       "pip install 'batchfit[hf]'", stacklevel=3)
         return None
     names = {f.name for f in dataclasses.fields(TrainingArguments)}  # TRL's own: TRL_FIELDS, no TRL needed
-    return frozenset(names | TRL_FIELDS | set(SECTIONS))
+    return frozenset(names | TRL_FIELDS | GRPO_FIELDS | PPO_FIELDS | set(SECTIONS))
 
 
 def from_training_arguments(args: Any, *, world_size: int | None = None, source: str = "the args",

@@ -23,6 +23,60 @@ TRL_FIELDS = frozenset({
     "model_init_kwargs", "dataset_test_split", "dataset_train_split",
 })
 
+GRPO_FIELDS = frozenset({
+    # trl/trainer/grpo_config.py: GRPOConfig's own fields, those of TRL's current version and the ones
+    # earlier versions had (max_prompt_length, wandb_log_unique_prompts, ...); TRL need not be installed
+    "num_generations", "num_generations_eval", "max_prompt_length", "max_completion_length", "generation_batch_size",
+    "steps_per_generation", "beta", "num_iterations", "disable_dropout", "cast_lm_head_to_fp32",
+    "ds3_gather_for_generation", "trust_remote_code", "router_aux_loss_coef", "pad_to_multiple_of",
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs", "chat_template_kwargs",
+    "use_transformers_paged", "use_transformers_continuous_batching", "transformers_continuous_batching_config",
+    "cache_implementation", "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
+    "vllm_guided_decoding_regex", "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host",
+    "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization",
+    "vllm_max_model_length", "vllm_tensor_parallel_size", "epsilon", "epsilon_high", "delta", "sapo_temperature_neg",
+    "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+    "importance_sampling_level", "reward_weights", "multi_objective_aggregation", "scale_rewards",
+    "mask_truncated_completions", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+    "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
+    "entropy_coef_delta", "entropy_target", "max_tool_calling_iterations", "use_liger_loss",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap", "off_policy_mask_threshold",
+    "use_bias_correction_kl", "log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts",
+    "log_completions_hub_repo", "wandb_log_unique_prompts", "shuffle_dataset", "remove_unused_columns",
+})
+
+PPO_FIELDS = frozenset({
+    # trl/trainer/ppo_config.py (with OnPolicyConfig): the fields that tell a PPOConfig
+    "response_length", "local_rollout_forward_batch_size", "num_mini_batches", "num_ppo_epochs", "whiten_rewards",
+    "kl_coef", "kl_estimator", "cliprange", "vf_coef", "cliprange_value", "gamma", "lam", "reward_model_path",
+    "sft_model_path", "stop_token", "stop_token_id", "missing_eos_penalty", "total_episodes", "local_mini_batch_size",
+    "num_sample_generations", "model_adapter_name", "ref_adapter_name", "micro_batch_size", "local_batch_size",
+    "batch_size", "mini_batch_size", "num_total_batches", "dataset_num_proc", "temperature",
+})
+PPO_MARKS = ("response_length", "local_rollout_forward_batch_size", "num_ppo_epochs", "vf_coef")
+"""Fields only a PPOConfig has: args holding one are read as PPO's."""
+
+RL_MEMORY_FIELDS_NOT_MAPPED: dict[str, str] = {
+    # GRPOConfig fields that change memory, not traced
+    "use_vllm": "generation in vLLM (its own engine and KV cache, colocated or on a server) is not traced: the "
+                "generation phase is traced as transformers' greedy decoding on the policy",
+    "vllm_mode": "vLLM is not traced",
+    "vllm_gpu_memory_utilization": "vLLM is not traced (colocated, it reserves this fraction of the GPU)",
+    "vllm_enable_sleep_mode": "vLLM is not traced",
+    "use_liger_loss": "Liger's fused GRPO loss is not traced: the log-probs come from the whole completion logits",
+    "cache_implementation": "the KV cache is traced as transformers' DynamicCache, not this implementation",
+    "use_transformers_paged": "paged generation is not traced: DynamicCache is",
+    "generation_kwargs": "extra generation settings (beams, sampling) are not read: greedy decoding is traced",
+    "top_entropy_quantile": "the entropies this computes (one more pass over the logits) are not traced",
+    "cast_lm_head_to_fp32": "an fp32 lm_head (its weight and logits in fp32) is not traced",
+    "ds3_gather_for_generation": "ZeRO-3 gathering the weights for generation is plan's, not estimate's",
+    "num_generations_eval": "the eval loop of an RL trainer is not traced",
+    "entropy_coef": "an entropy bonus keeps the full-vocabulary softmax for backward: not traced",
+    "use_transformers_continuous_batching": "continuous-batching generation is not traced: DynamicCache is",
+    "vllm_max_model_length": "vLLM is not traced",
+}
+
 OPTIMIZERS_BY_OPTIM: dict[str, tuple[tuple[str, ...], str]] = {
     # transformers' OptimizerNames -> batchfit's --optimizer (first one this batchfit accepts), and what
     # differs (transformers/trainer_optimizer.py, _OPTIMIZER_HANDLERS)
@@ -129,6 +183,9 @@ class TrainerMapping:
     """Set when the args evaluate (eval_strategy not 'no'): ``estimate`` traces the eval loop at it."""
     eval_accumulation_steps: int | None = None
     """Eval steps whose logits the Trainer holds on the device together (None: not set)."""
+    rollout: Any = None
+    """A TRL GRPOConfig's generation settings (``options.Rollout``): the step traced is the GRPO step
+    (``zoo/grpo.py``); None for a supervised TrainingArguments / SFTConfig."""
     world_size: int = 1
     """Devices the args train on (1 unless given: a saved TrainingArguments does not record it)."""
     strategy: str | None = None
@@ -164,6 +221,7 @@ class TrainerMapping:
                 "gradient_accumulation_steps": self.gradient_accumulation_steps, "world_size": self.world_size,
                 "packing": self.packing, "per_device_eval_batch_size": self.per_device_eval_batch_size,
                 "eval_accumulation_steps": self.eval_accumulation_steps,
+                "rollout": dataclasses.asdict(self.rollout) if self.rollout is not None else None,
                 "global_batch": self.global_batch, "strategy": self.strategy,
                 "trainer_fields_used": [u.to_json() for u in self.used],
                 "trainer_fields_unused": [u.to_json() for u in self.unused]}

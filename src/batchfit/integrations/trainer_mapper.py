@@ -14,12 +14,18 @@ from batchfit.integrations.trainer_fields import (
     NO_MEMORY,
     OPTIMIZERS_BY_OPTIM,
     OUTSIDE_THE_STEP,
+    PPO_MARKS,
+    RL_MEMORY_FIELDS_NOT_MAPPED,
     FieldUse,
     TrainerMapping,
     _plain,
     args_to_dict,
 )
 from batchfit.workload import HF_ATTENTION
+
+PROMPT_TOKENS = 512
+"""Prompt tokens traced where a GRPOConfig has no max_prompt_length (TRL's former default; its current
+GRPOConfig does not cut prompts, so the args cannot say)."""
 
 
 class Mapper:
@@ -67,6 +73,7 @@ class Mapper:
     def run(self) -> TrainerMapping:
         data = self.data
         self.batch()
+        self.rollout()
         self.evaluation()
         self.precision()
         self.checkpointing()
@@ -83,8 +90,9 @@ class Mapper:
         for name, value in data.items():
             if name in self.seen or name == "world_size":
                 continue
-            if name in MEMORY_FIELDS_NOT_MAPPED or name in OUTSIDE_THE_STEP:
-                self.skip(name, MEMORY_FIELDS_NOT_MAPPED.get(name) or OUTSIDE_THE_STEP[name])
+            if name in MEMORY_FIELDS_NOT_MAPPED or name in OUTSIDE_THE_STEP or name in RL_MEMORY_FIELDS_NOT_MAPPED:
+                self.skip(name, MEMORY_FIELDS_NOT_MAPPED.get(name) or OUTSIDE_THE_STEP.get(name)
+                          or RL_MEMORY_FIELDS_NOT_MAPPED[name])
             elif self.fields is not None and name not in self.fields:
                 self.skip(name, "not a field of the TrainingArguments / SFTConfig batchfit knows")
             else:
@@ -107,6 +115,113 @@ class Mapper:
                 m.gradient_accumulation_steps = value
         if "gradient_accumulation_steps" in data and "accumulation_steps" not in m.step:
             m.gradient_accumulation_steps = data["gradient_accumulation_steps"]
+
+    def _count(self, name: str, default: int | None) -> int | None:
+        """A positive integer field (``default`` where the args do not set it)."""
+        value = self.data.get(name, default)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise OptionError(f"{name} must be a positive integer, got {value!r}")
+        return value
+
+    def rollout(self) -> None:
+        """A TRL GRPOConfig's generation settings -> the GRPO step (``options.Rollout``), with TRL's
+        defaults and checks (trl/trainer/grpo_config.py, grpo_trainer.py). A PPOConfig is refused:
+        its value model trains beside the policy, which no traced step has yet."""
+        from batchfit.options import Rollout
+
+        data, m = self.data, self.mapping
+        if any(n in data for n in PPO_MARKS) and not any(n in data for n in ("num_generations",
+                                                                              "max_completion_length")):
+            self.ppo_rollout()
+            return
+        if not any(n in data for n in ("num_generations", "max_completion_length", "max_prompt_length",
+                                       "steps_per_generation", "generation_batch_size")):
+            return
+        group = self._count("num_generations", 8)
+        prompt = self._count("max_prompt_length", PROMPT_TOKENS)
+        if prompt is None:
+            raise OptionError("max_prompt_length is null (prompts not cut): give the longest prompt's tokens as "
+                              "max_prompt_length, the length every generation is traced at")
+        new_tokens = self._count("max_completion_length", 512)
+        per_step = self._count("steps_per_generation", None)
+        global_generation = self._count("generation_batch_size", None)
+        update = m.per_device_train_batch_size * m.world_size
+        # A saved GRPOConfig holds both (its __post_init__ fills one from the other): steps_per_generation is
+        # per device, so it is the one read; generation_batch_size only where it is alone
+        if per_step is None and global_generation is not None:
+            if global_generation % update:
+                raise OptionError(f"generation_batch_size {global_generation} must be a multiple of "
+                                  f"per_device_train_batch_size x devices ({update}), as TRL requires")
+            per_step = global_generation // update
+        per_step = per_step or m.gradient_accumulation_steps
+        if (update * per_step) % group:
+            raise OptionError(f"the generation batch ({update * per_step} completions) must be a multiple of "
+                              f"num_generations ({group}), as TRL requires: change one of them")
+        beta, iterations = data.get("beta", 0.0), self._count("num_iterations", 1)
+        old = (m.gradient_accumulation_steps % (per_step * iterations) != 0
+               or bool(data.get("use_vllm") and data.get("vllm_importance_sampling_correction", True)))
+        m.rollout = Rollout(prompt_len=prompt, new_tokens=new_tokens, group_size=group, steps_per_generation=per_step,
+                            reference=bool(beta), old_logprobs=old)
+        rows = m.per_device_train_batch_size * per_step
+        self.use("num_generations", f"GRPO group {group}", "rewards normalised within each group", group)
+        self.use("max_prompt_length", f"{prompt}-token prompts", "every prompt traced at the longest" if
+                 "max_prompt_length" in data else "not in the args (TRL's current GRPOConfig does not cut prompts): "
+                 f"traced at {PROMPT_TOKENS} tokens; give max_prompt_length for your longest prompt", prompt)
+        self.use("max_completion_length", f"{new_tokens} new tokens", "every completion traced at the longest, its "
+                 "KV cache growing token by token", new_tokens)
+        for name in ("steps_per_generation", "generation_batch_size"):
+            if name in data:
+                self.use(name, f"{per_step} update steps per generation", f"each generation makes {rows} completions "
+                         "per device (per_device_train_batch_size x steps per generation)"
+                         + ("; steps_per_generation is the one read" if name == "generation_batch_size"
+                            and "steps_per_generation" in data else ""))
+        self.use("beta", "a frozen reference model" if beta else "no reference model",
+                 "its log-probs traced in their own phase, before the update" if beta else
+                 "TRL loads none where beta is 0", beta)
+        if "num_iterations" in data or old:
+            self.use("num_iterations", "the policy's old log-probs computed before the update" if old else
+                     "on-policy: no old log-probs", "TRL computes them when a generation serves more than one "
+                     "optimizer step", iterations)
+        if "loss_type" in data:
+            self.skip("loss_type", "GRPO's loss normalisations (grpo, dapo, dr_grpo, bnpo, ...) hold no more memory "
+                      "than the traced one")
+        for use in m.used:
+            if use.field == "gradient_accumulation_steps" and use.value > 1:
+                use.why = ("each micro-batch traced with its own generation: those after the first generate beside "
+                           "the accumulated gradients, which TRL's one generation per optimizer step does not (high "
+                           "by the gradients' bytes in the generation and reference phases, never low)")
+
+    def ppo_rollout(self) -> None:
+        """A TRL PPOConfig (trl/experimental/ppo/ppo_config.py) -> TRL's PPO step (``zoo/hf_ppo.py``): a rollout
+        of per-device batch x gradient accumulation x mini-batches queries, generated and scored
+        local_rollout_forward_batch_size rows at a time."""
+        from batchfit.options import Rollout
+
+        data, m = self.data, self.mapping
+        new_tokens = self._count("response_length", 53)
+        chunk = self._count("local_rollout_forward_batch_size", 64)
+        minis = self._count("num_mini_batches", 1)
+        per_rollout = m.gradient_accumulation_steps * minis
+        prompt = self._count("max_prompt_length", PROMPT_TOKENS) or PROMPT_TOKENS
+        m.rollout = Rollout(prompt_len=prompt, new_tokens=new_tokens, group_size=1,
+                            steps_per_generation=per_rollout, algorithm="ppo",
+                            chunk_rows=min(chunk, m.per_device_train_batch_size * per_rollout))
+        self.use("response_length", f"{new_tokens} new tokens", "every response traced at the longest, every new "
+                 "token's logits kept (generate's output_scores)", new_tokens)
+        self.use("local_rollout_forward_batch_size", f"{chunk} rows generated and scored at once",
+                 "TRL's batch_generation and scoring chunks", chunk)
+        self.use("num_mini_batches", f"{per_rollout} micro-batches per rollout", "the rollout holds per-device batch "
+                 "x gradient_accumulation_steps x num_mini_batches queries", minis)
+        self.use("max_prompt_length", f"{prompt}-token queries", "not a PPOConfig field: batchfit reads it for the "
+                 "queries' length, which the dataset's tokenization sets" if "max_prompt_length" in data else
+                 f"a PPOConfig says nothing of the queries' length: traced at {PROMPT_TOKENS} tokens; add "
+                 "max_prompt_length to the args for your longest query", prompt)
+        for name in ("sft_model_path", "reward_model_path"):
+            if name in data:
+                self.skip(name, "the value and reward models are traced as the policy's architecture with one score "
+                          "head (TRL loads them from these paths: another size there is not traced)")
+        if "num_ppo_epochs" in data:
+            self.skip("num_ppo_epochs", "each epoch passes over the same rollout again: no more memory")
 
     def evaluation(self) -> None:
         """per_device_eval_batch_size and eval_accumulation_steps, where the args evaluate at all."""

@@ -34,7 +34,7 @@ def write_estimate_report(result, out_dir: Path, files: StagedFiles | None = Non
                           trainer: dict | None = None) -> dict[str, Path]:
     """``trainer``: the ``--trainer`` section (``config/trainer.py``), added to the JSON and the report."""
     from batchfit.report.plots import memory_plot  # matplotlib: not for --help (report.write is used there)
-    from batchfit.report.run_markdown import eval_markdown, lengths_plot, run_markdown
+    from batchfit.report.run_markdown import eval_markdown, lengths_plot, rl_markdown, run_markdown
     from batchfit.report.trainer_markdown import trainer_markdown
 
     if files is None:  # one set: the length histogram joins the others
@@ -43,7 +43,8 @@ def write_estimate_report(result, out_dir: Path, files: StagedFiles | None = Non
     run = getattr(result, "run", None)  # --data --batching: the run's section and the length histogram
     data = result.to_json() if trainer is None else {**result.to_json(), "trainer": trainer}
     paths = write_report(out_dir, "estimate.json", data,
-                         lambda: estimate_markdown(result) + (run_markdown(result) if run is not None else "")
+                         lambda: estimate_markdown(result) + rl_markdown(result)
+                         + (run_markdown(result) if run is not None else "")
                          + (eval_markdown(result.eval_phase) if getattr(result, "eval_phase", None) else "")
                          + ("\n" + trainer_markdown(trainer) if trainer else ""),
                          lambda path: memory_plot(result, path), files=files)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from batchfit.devices import GiB
+from batchfit.phases import RL_PHASES, deciding_rl_phase
 
 
 def _gib(n: int | None) -> str:
@@ -33,6 +34,31 @@ def _oom(run) -> str:
         return "does not fit"
     return (f"does not fit, first at step {run.first_oom_step} ({run.first_oom_shape.rows} x "
             f"{run.first_oom_shape.length:,} tokens)")
+
+
+def rl_lines(result) -> list[str]:
+    """An RL step's phases, each one's allocated peak, and the one that sets the step's (``phases.RL_PHASES``)."""
+    found = getattr(result, "rl_phases", None)
+    if found is None:
+        return []
+    batch_size, peaks = found
+    deciding = deciding_rl_phase(peaks)
+    # MiB under a GiB: the phases of a small model differ in the third decimal of a GiB
+    shown = ", ".join(f"{RL_PHASES[name]} " + (_gib(nbytes) if nbytes >= GiB else f"{nbytes / 2**20:,.1f} MiB")
+                      for name, nbytes in peaks.items())
+    return [f"RL step at batch {batch_size}, each phase's allocated peak: {shown}; the {RL_PHASES[deciding]} "
+            "sets the step's peak"]
+
+
+def rl_markdown(result) -> str:
+    lines = rl_lines(result)
+    if not lines:
+        return ""
+    return "\n".join(["", "## The phases of the RL step", "",
+                      ("Generation (the completions, greedy, with a KV cache), the reference log-probs (no gradients, "
+                       "before the update) and the train update (forward, backward, optimizer step) run one after "
+                       "another in each step; each one's allocated peak (traced), the largest decides."), "",
+                      *[f"- {line}" for line in lines]]) + "\n"
 
 
 def run_lines(result) -> list[str]:
@@ -134,7 +160,8 @@ def churn_markdown(churn, shown: int = 60) -> list[str]:
              "reserved after (expandable segments) |"), "|---:|---|---:|---:|---:|---:|---:|"]
     for s in default.steps[::every]:
         other = expandable.get(s.step)
-        lines.append(f"| {s.step} | {s.rows} x {s.length:,} | {_gib(s.peak_allocated_bytes)} | "
+        routing = f" (--routing {s.routing})" if s.routing else ""
+        lines.append(f"| {s.step} | {s.rows} x {s.length:,}{routing} | {_gib(s.peak_allocated_bytes)} | "
                      f"{_gib(s.peak_reserved_bytes)} | {_gib(s.reserved_bytes)} | {_gib(s.fragmentation_bytes)} | "
                      f"{_gib(other.reserved_bytes) if other else 'out of memory'} |")
     for replay in (churn.default, churn.expandable):

@@ -32,6 +32,7 @@ from batchfit.phases import CATEGORY_OF_PHASE
 
 CUDA_BLOCK_BYTES = 512
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_LOGSUMEXP = torch.ops.aten.logsumexp.default
 _RNG_WRAPPERS = (run_and_save_rng_state, run_with_rng_state, graphsafe_run_with_rng_state)
 """The higher-order operators AOTAutograd's partitioner wraps a random op in when it recomputes it
 in backward (``functionalize_rng_ops`` in torch/_functorch/partitioners.py): activation checkpointing
@@ -434,12 +435,29 @@ class MemoryTracker(TorchDispatchMode):
             # tensors it holds, and those ops come back here: what it allocates inside (a float8
             # matmul's contiguous copies and output) is counted as it happens, not just its result.
             return NotImplemented
+        if func is _LOGSUMEXP:
+            self._logsumexp_scratch(args[0], args[1] if len(args) > 1 else kwargs.get("dim", ()))
         out = func(*args, **(kwargs or {}))
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self._maybe_track(tensor, func, inputs)
         return out
+
+    def _logsumexp_scratch(self, tensor: torch.Tensor, dim) -> None:
+        """What ``torch.logsumexp`` makes inside its kernel, on any device (ATen's ``logsumexp_out_impl``):
+        the input's max along ``dim`` kept, the result sized, then the input less the max, exponentiated
+        in place (a tensor the input's size), summed into the result. A dispatch-level trace sees only the
+        result, so the three are counted here, made and freed just before it (the op's output is the
+        result itself, counted as usual)."""
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            return
+        maxes = torch.amax(tensor, dim, keepdim=True)
+        result = torch.empty_like(maxes)  # sum_out sizes the result while the exponentials exist
+        shifted = torch.empty_like(tensor)
+        for made in (maxes, result, shifted):
+            self._maybe_track(made, _LOGSUMEXP, [tensor])
+        del made, shifted, result, maxes
 
     def _run_rng_wrapper(self, func, args: tuple, kwargs: dict) -> object:
         """Run one of :data:`_RNG_WRAPPERS` below this mode (the fake mode runs the op it wraps and

@@ -19,12 +19,12 @@ def no_op_notices(workload: Workload, options: StepOptions) -> list[str]:
     """One line per option in ``options`` that changes nothing for ``workload``'s model (built on the
     meta device: no memory; not built at all when no such option is set)."""
     every = options.checkpointing_spec.every
-    if options.routing_spec.kind == "balanced" and every is None:
+    if options.routing_spec.kind == "balanced" and not options.routing_schedule.varies and every is None:
         return []
     with torch.device("meta"):
         model = workload.build_model()
     notices = []
-    if options.routing_spec.kind != "balanced" and not moe_experts(model):
+    if (options.routing_spec.kind != "balanced" or options.routing_schedule.varies) and not moe_experts(model):
         notices.append(f"--routing {options.routing} changes nothing: {workload.name} has no mixture-of-experts "
                        "layers (the routing decides how many tokens each expert gets); drop it")
     blocks = block_list(model)

@@ -416,6 +416,10 @@ class TrainingStep:
                 hooks.phase("generate")
                 with torch.no_grad(), forward_autocast():
                     batch = self.workload.generate(self.model, batch)
+            if self.workload.reference is not None:
+                hooks.phase("reference")
+                with torch.no_grad(), forward_autocast():
+                    batch = self.workload.reference(self.model, batch)
             hooks.phase("forward")
             loss = self.forward(batch)
             del batch  # the graph keeps what backward needs; let the rest go

@@ -1,76 +1,159 @@
-"""A GRPO-like RL step (the job of seed 003): generate, then update the policy.
+"""A GRPO step (the job of seed 003): generate, score against a frozen reference, update the policy.
 
-The policy is GPT-2 small; a frozen copy is the reference model for the KL term. Each step
-generates ``max_new_tokens`` tokens greedily for every prompt with a KV cache (the cache
-grows with batch x length: the memory seed 003 saw jump), scores them (random rewards stand
-in for the reward function: memory and time do not depend on their values), normalises the
-rewards within each group of ``group_size`` completions, and takes a clipped policy-gradient
-step with a KL penalty, as GRPO does.
+The step is TRL's ``GRPOTrainer`` in its memory-deciding parts, one phase each (``phases.py``):
+
+1. ``generate``: every completion is generated greedily with a KV cache (the cache grows with
+   rows x length: the memory seed 003 saw jump). The rows are the whole generation batch:
+   ``steps_per_generation`` update steps' worth (TRL's ``generation_batch_size`` per device),
+   each prompt repeated ``group_size`` times (TRL's ``num_generations``).
+2. ``reference``: with no gradients, the reference model's log-probs of every completion, in
+   chunks of the update's batch (TRL's ``_get_per_token_logps_and_entropies``), and the
+   policy's own "old" log-probs where TRL computes them (``old_logprobs``); random rewards
+   stand in for the reward function (memory and time do not depend on their values), normalised
+   within each group.
+3. ``forward`` / ``backward`` / ``optimizer``: a clipped policy-gradient step with a KL penalty on
+   the first update batch of the generation batch (every one of them is the same size).
+
+Two model families share this step: the zoo's GPT-2 small (``grpo-gpt2-124m``) and any
+transformers causal LM built from its config (``hf_grpo_workload``, what ``--trainer`` with a
+TRL GRPOConfig traces); each gives the step its logits and its greedy decoding (:class:`Policy`).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchfit.options import Rollout
 from batchfit.workload import Workload
 from batchfit.zoo.transformer import Transformer, TransformerConfig
 
 GPT2 = dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072)
 
 
+@dataclass(frozen=True)
+class Policy:
+    """How one model family runs in the GRPO step."""
+
+    build: Callable[[], nn.Module]
+    """Builds one copy of the model (the policy; the reference is a second, frozen, copy)."""
+    logits: Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
+    """(model, sequences, completion length) -> the logits that predict the completion's tokens
+    ``[rows, completion length, vocab]``, as TRL asks for them (``logits_to_keep`` = completion + 1, the
+    last position dropped)."""
+    decode: Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
+    """(model, prompts, new tokens) -> prompts and completions ``[rows, prompt + new tokens]``."""
+
+
 class PolicyAndReference(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, build: Callable[[], nn.Module], reference: bool = True) -> None:
         super().__init__()
-        self.policy = Transformer(cfg)
-        self.reference = Transformer(cfg).requires_grad_(False)
+        self.policy = build()
+        self.reference = build().requires_grad_(False) if reference else None
 
 
-def _logprobs(model: Transformer, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    logits = model(sequences[:, :-1])[:, prompt_len - 1:]
-    targets = sequences[:, prompt_len:]
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits).gather(index)`` as TRL computes it (``trl/trainer/utils.py``): in fp32 the chosen
+    logits less each row's logsumexp, one row at a time (the row's exponentials only); in half precision
+    a log_softmax per row."""
+    index = index.unsqueeze(-1)
+    if logits.dtype in (torch.float32, torch.float64):
+        chosen = torch.gather(logits, dim=-1, index=index).squeeze(-1)
+        return chosen - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+    return torch.stack([torch.log_softmax(row, dim=-1).gather(-1, i).squeeze(-1) for row, i in zip(logits, index)])
 
 
-def grpo_workload(seq_len: int | None = None, *, prompt_len: int = 32, group_size: int = 8,
-                  kl_coef: float = 0.02, clip: float = 0.2) -> Workload:
-    """``seq_len`` is the number of new tokens generated per prompt (default 144)."""
-    max_new_tokens = seq_len or 144
-    cfg = TransformerConfig(seq_len=prompt_len + max_new_tokens, **GPT2)
+def _logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, completion: int) -> torch.Tensor:
+    """The completion's log-probs as TRL's GRPO computes them: the logits divided by the sampling temperature
+    in place (its value changes no memory), then :func:`selective_log_softmax`."""
+    logits = policy.logits(model, sequences, completion)
+    logits.div_(1.0)
+    return selective_log_softmax(logits, sequences[:, -completion:])
+
+
+def _chunked_logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, completion: int,
+                      chunk: int) -> torch.Tensor:
+    """Log-probs in chunks of ``chunk`` rows, concatenated at the end, as TRL scores the generation batch."""
+    parts = [_logprobs(policy, model, sequences[i:i + chunk], completion) for i in range(0, len(sequences), chunk)]
+    return torch.cat(parts)
+
+
+def grpo_step(policy: Policy, rollout: Rollout, vocab_size: int, *, name: str, description: str,
+              kl_coef: float = 0.02, clip: float = 0.2) -> Workload:
+    """The GRPO step of ``policy`` under ``rollout``'s settings; ``batch_size`` is the update's
+    completions per device (TRL's ``per_device_train_batch_size``)."""
+    prompt_len, new_tokens, group = rollout.prompt_len, rollout.new_tokens, rollout.group_size
+    per_generation = rollout.steps_per_generation
 
     def make_batch(batch_size: int, device: torch.device) -> torch.Tensor:
-        return torch.randint(0, cfg.vocab_size, (batch_size, prompt_len), device=device)
+        # each prompt already repeated once per completion (TRL's RepeatSampler): the rows of a generation
+        return torch.randint(0, vocab_size, (batch_size * per_generation, prompt_len), device=device)
 
     def generate(model: PolicyAndReference, prompts: torch.Tensor) -> dict:
-        caches = [{} for _ in model.policy.blocks]
-        logits = model.policy(prompts, caches, 0)
-        tokens = [prompts]
-        for t in range(max_new_tokens):
-            token = logits[:, -1].argmax(dim=-1, keepdim=True)
-            tokens.append(token)
-            if t + 1 < max_new_tokens:
-                logits = model.policy(token, caches, prompt_len + t)
-        sequences = torch.cat(tokens, dim=1)
+        sequences = policy.decode(model.policy, prompts, new_tokens)
         rewards = torch.randn(prompts.shape[0], device=prompts.device)
-        return {"sequences": sequences, "rewards": rewards}
+        groups = rewards.view(-1, group)
+        advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1, 1)
+        return {"sequences": sequences, "advantages": advantages}
+
+    def reference(model: PolicyAndReference, batch: dict) -> dict:
+        chunk = len(batch["sequences"]) // per_generation
+        if model.reference is not None:
+            batch["ref_logp"] = _chunked_logprobs(policy, model.reference, batch["sequences"], new_tokens, chunk)
+        if rollout.old_logprobs:
+            batch["old_logp"] = _chunked_logprobs(policy, model.policy, batch["sequences"], new_tokens, chunk)
+        return batch
 
     def loss_fn(model: PolicyAndReference, batch: dict) -> torch.Tensor:
-        sequences, rewards = batch["sequences"], batch["rewards"]
-        logp = _logprobs(model.policy, sequences, prompt_len)
-        with torch.no_grad():
-            ref_logp = _logprobs(model.reference, sequences, prompt_len)
-        groups = rewards.view(-1, group_size)
-        advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1, 1)
-        ratio = torch.exp(logp - logp.detach())  # on-policy: the old log-probs are these, detached
-        policy_loss = -torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages).mean()
-        kl = (torch.exp(ref_logp - logp) - (ref_logp - logp) - 1).mean()
-        return policy_loss + kl_coef * F.relu(kl)
+        rows = len(batch["sequences"]) // per_generation  # the first update batch; the others are alike
+        sequences, advantages = batch["sequences"][:rows], batch["advantages"][:rows]
+        logp = _logprobs(policy, model.policy, sequences, new_tokens)
+        old = batch["old_logp"][:rows] if "old_logp" in batch else logp.detach()  # on-policy: these, detached
+        ratio = torch.exp(logp - old)
+        loss = -torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages).mean()
+        if "ref_logp" in batch:
+            ref_logp = batch["ref_logp"][:rows]
+            kl = (torch.exp(ref_logp - logp) - (ref_logp - logp) - 1).mean()
+            loss = loss + kl_coef * F.relu(kl)
+        return loss
 
     return Workload(
-        name="grpo-gpt2-124m", build_model=lambda: PolicyAndReference(cfg), make_batch=make_batch,
-        loss_fn=loss_fn, generate=generate, group_size=group_size, tokens_per_sample=prompt_len + max_new_tokens,
-        description=f"GRPO RL step: generate, then update a GPT-2 small policy against a frozen reference; "
-                    f"group {group_size}, "
-                    f"{prompt_len}-token prompts, {max_new_tokens} new tokens with a KV cache",
-    )
+        name=name, build_model=lambda: PolicyAndReference(policy.build, rollout.reference), make_batch=make_batch,
+        loss_fn=loss_fn, generate=generate, reference=reference if rollout.reference or rollout.old_logprobs else None,
+        group_size=rollout.batch_multiple, tokens_per_sample=prompt_len + new_tokens,
+        description=f"{description}; GRPO: group {group}, {prompt_len}-token prompts, {new_tokens} new tokens with "
+                    f"a KV cache" + (f", {per_generation} update steps per generation" if per_generation > 1 else "")
+                    + ("" if rollout.reference else ", no reference model (beta 0)"))
+
+
+def _zoo_policy(cfg: TransformerConfig) -> Policy:
+    def logits(model: Transformer, sequences: torch.Tensor, completion: int) -> torch.Tensor:
+        return model(sequences)[:, -completion - 1:-1]  # every position's logits: this model keeps them all
+
+    def decode(model: Transformer, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        caches = [{} for _ in model.blocks]
+        out = model(prompts, caches, 0)
+        tokens = [prompts]
+        for t in range(new_tokens):
+            token = out[:, -1].argmax(dim=-1, keepdim=True)
+            tokens.append(token)
+            if t + 1 < new_tokens:
+                out = model(token, caches, prompts.shape[1] + t)
+        return torch.cat(tokens, dim=1)
+
+    return Policy(build=lambda: Transformer(cfg), logits=logits, decode=decode)
+
+
+def grpo_workload(seq_len: int | None = None, *, rollout: Rollout | None = None) -> Workload:
+    """GPT-2 small under GRPO; ``seq_len`` is the number of new tokens generated per prompt (default 144)."""
+    rollout = rollout or Rollout()
+    if seq_len is not None:
+        rollout = dataclasses.replace(rollout, new_tokens=seq_len)
+    cfg = TransformerConfig(seq_len=rollout.prompt_len + rollout.new_tokens, **GPT2)
+    return grpo_step(_zoo_policy(cfg), rollout, cfg.vocab_size, name="grpo-gpt2-124m",
+                     description="GRPO RL step: generate, then update a GPT-2 small policy against a frozen reference")
