@@ -16,13 +16,10 @@ pp<N>[+X] (N micro-batches, 1F1B) divides state, activations and FLOPs by N on t
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import re
-import types
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from batchfit.devices import Device, GiB
@@ -152,30 +149,13 @@ def fresh_stream(point: ShardedPoint) -> tuple[list[tuple[str, int, int]], tuple
     return events, tuple(starts)
 
 
-class ShardedSession:
-    """The stand-in as a session: the real one is built once and traced at many local batches."""
+def replay_sharded(workload, options, device, strategy: Strategy, local_batch: int):
+    """plan's ``replay=`` for the stand-in (``plan --limit reserved``): :func:`fresh_stream` through the
+    allocator model, as the real tracer's session replays its own."""
+    from batchfit.plan.reserved import replay_steps
 
-    def __init__(self, workload, options, device, strategy: Strategy) -> None:
-        self._point = lambda local_batch: trace_sharded(workload, options, device, strategy, local_batch)
-        self.fresh_stream = self.fresh_steps = None
-
-    def trace(self, local_batch: int) -> ShardedPoint:
-        point = self._point(local_batch)
-        if self.fresh_stream is None:
-            self.fresh_stream, self.fresh_steps = fresh_stream(point)
-        return point
-
-    def close(self) -> None:
-        pass
-
-
-def module() -> types.ModuleType:
-    """The stand-in as a module, to put in ``sys.modules['batchfit.plan.sharded']`` (the ``standin``
-    fixture in conftest.py does)."""
-    standin = types.ModuleType("batchfit.plan.sharded")
-    for name in ("Strategy", "Collective", "ShardedPoint", "parse_strategies", "trace_sharded", "ShardedSession"):
-        setattr(standin, name, globals()[name])
-    return standin
+    events, starts = fresh_stream(trace_sharded(workload, options, device, strategy, local_batch))
+    return replay_steps(events, starts, device)
 
 
 def workload(tokens: int | None = 1000) -> Workload:
@@ -201,16 +181,13 @@ def test_the_standin_is_what_its_docstring_says():
 
 
 def test_the_standin_keeps_to_the_real_contract():
-    """Where plan-trace's module is on this branch, its names and fields are the stand-in's."""
-    try:
-        real = importlib.import_module("batchfit.plan.sharded")
-    except ImportError:
-        pytest.skip("batchfit.plan.sharded is not on this branch yet")
+    """The real tracer's names and fields are the stand-in's: plan takes either as ``trace=`` / ``parse=``."""
+    from batchfit.plan import sharded as real
+
     for name in ("Strategy", "Collective", "ShardedPoint"):
         mine = [f.name for f in dataclasses.fields(globals()[name])]
         theirs = [f.name for f in dataclasses.fields(getattr(real, name))]
         assert set(mine) <= set(theirs), (name, mine, theirs)
     assert list(inspect.signature(real.trace_sharded).parameters)[:5] == \
         ["workload", "options", "device", "strategy", "local_batch"]
-    assert list(inspect.signature(real.ShardedSession).parameters)[:4] == ["workload", "options", "device", "strategy"]
     assert list(inspect.signature(real.parse_strategies).parameters)[:2] == ["text", "world_size"]

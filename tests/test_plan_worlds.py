@@ -94,7 +94,7 @@ def test_plan_png_draws_the_reserved_memory_the_decision_used(standin):
     from batchfit.report.plan_plots import plan_figure
 
     result = plan(workload(), device=gpu(), worlds=[World(4)], strategies="ddp", global_batch=64, time_model=HALF,
-                  options=StepOptions(precision="bf16-mixed"))
+                  options=StepOptions(precision="bf16-mixed"), **standin.tracer)
     row = result.plans[0]
     assert row.limit == "reserved"
     row.peak_reserved_bytes_at_micro += 7 * GiB  # the stand-in reserves what it allocates: tell them apart
@@ -107,7 +107,7 @@ def test_ranking_png_of_one_strategy_is_one_panel_by_gpu_count(standin):
     from batchfit.report.plan_plots import ranking_figure
 
     result = plan(workload(), device=gpu(), worlds=[World(g) for g in (1, 2, 4)], strategies="ddp",
-                  time_model=HALF, options=StepOptions(precision="bf16-mixed"), limit="allocated")
+                  time_model=HALF, options=StepOptions(precision="bf16-mixed"), limit="allocated", **standin.tracer)
     fig = ranking_figure(result)
     assert len(fig.axes) == 1 and fig.axes[0].get_xlabel() == "GPUs"
     assert list(fig.axes[0].lines[0].get_xdata()) == [1, 2, 4]

@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import math
 import time
 from collections.abc import Callable
-from types import ModuleType
 
 from batchfit.devices import Device, GiB
 from batchfit.distributed.parallelisms import approximations as parallelism_approximations
@@ -58,13 +56,6 @@ from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
 
 SECONDS_PER_DAY = 86400
-
-def sharded() -> ModuleType:
-    """The sharded tracer, imported when a plan runs (it pulls in torch.distributed).
-
-    Through ``importlib`` so that a stand-in put in ``sys.modules`` is the one used."""
-    return importlib.import_module("batchfit.plan.sharded")
-
 
 class PointSession:
     """A session over a tracer of one point at a time: ``trace(workload, options, device,
@@ -285,17 +276,18 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
         raise OptionError("plan chooses the accumulation steps itself (to reach `global_batch`): "
                           "drop `accumulation_steps`")
     if trace is None or parse is None:
-        module = sharded()
+        from batchfit.plan import sharded  # the tracer, imported when a plan runs (it pulls in torch.distributed)
+
         pipeline = dict(pp_schedule=request.pp_schedule, microbatches=request.microbatches)
         pp_options = {} if (request.pp_schedule, request.microbatches) == ("1f1b", 0) else pipeline
-        parse = parse or functools.partial(module.parse_strategies, **pp_options)  # a stand-in need not take them
+        parse = parse or functools.partial(sharded.parse_strategies, **pp_options)  # a stand-in need not take them
     if trace is not None:
         open_session = functools.partial(PointSession, trace, replay=replay)
     else:
         from batchfit.plan.deep import DeepSession  # the tracer: torch, when a plan runs
         from batchfit.plan.pipeline import pipeline_or
 
-        open_session = pipeline_or(functools.partial(DeepSession, session=module.ShardedSession))
+        open_session = pipeline_or(functools.partial(DeepSession, session=sharded.ShardedSession))
     multiple_of = workload.batch_multiple(request.multiple_of)
     auto = request.strategies.strip().lower() == "auto"
     not_traced: list[StrategyPlan] = []
