@@ -42,13 +42,11 @@ from batchfit.plan.time_model import TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
 from batchfit.search import (
     SearchResult,
-    Trial,
     _check_limit,
     check_search_options,
     choose_micro,
-    guided,
+    curve_search,
     micro_candidates,
-    reserved_search,
     trace_first_sizes,
 )
 from batchfit.targets import bytes_at_target
@@ -121,24 +119,12 @@ class ShardedCurve:
 
     def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
                   reserved: bool = False, host_limit_bytes: int | None = None) -> SearchResult:
-        """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak is under
-        ``limit_bytes`` (and whose offloaded host bytes are under ``host_limit_bytes``, when
-        given): predicted by the curve, confirmed by tracing it and the next size up.
-        With ``reserved``, the reserved peak, searched at or below the allocated answer, as
-        ``estimate`` does (``search.reserved_search``): only the sizes that decide are replayed."""
-
-        def probe(local_batch: int) -> Trial:
-            point = self.point(local_batch)
-            fits = point.peak_bytes <= limit_bytes and (host_limit_bytes is None
-                                                        or point.host_reserved_bytes <= host_limit_bytes)
-            return Trial(local_batch, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes)
-
-        known = [probe(b) for b in self.points]
-        found = guided(probe, lambda trials: self.curve().max_batch_size(limit_bytes, multiple_of),
-                       lo=lo, hi=hi, multiple_of=multiple_of, known=known)
-        if not reserved or not found.max_batch_size:
-            return found
-        return reserved_search(self, found, limit_bytes, lo=lo, multiple_of=multiple_of)
+        """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak (reserved with
+        ``reserved``, searched at or below the allocated answer) is under ``limit_bytes`` (and whose
+        offloaded host bytes are under ``host_limit_bytes``, when given): ``search.curve_search``,
+        estimate's search too."""
+        return curve_search(self, limit_bytes, lo=lo, hi=hi, multiple_of=multiple_of, reserved=reserved,
+                            host_limit_bytes=host_limit_bytes)
 
 
 def _validate(target_util: float, multiple_of: int, max_batch: int, batch_sizes: list[int] | None,
