@@ -69,13 +69,12 @@ def fewer_blocks(tmp_path):
 
 @pytest.fixture
 def standin(monkeypatch) -> types.SimpleNamespace:
-    """The stand-in tracer of test_plan_standin.py, whose numbers are known (here, not imported from there,
-    so that no test module imports a fixture): ``standin.tracer`` is plan's ``trace=``, ``replay=`` and
-    ``parse=`` for it, and the CLI's ``plan`` takes them for the test."""
+    """The stand-in tracer of tests/standin.py, whose numbers are known: ``standin.tracer`` is plan's
+    ``trace=``, ``replay=`` and ``parse=`` for it, and the CLI's ``plan`` takes them for the test."""
     import functools
 
     from batchfit.plan.engine import plan
-    from test_plan_standin import parse_strategies, replay_sharded, trace_sharded
+    from standin import parse_strategies, replay_sharded, trace_sharded
 
     tracer = dict(trace=trace_sharded, replay=replay_sharded, parse=parse_strategies)
     monkeypatch.setattr("batchfit.cli.plan.plan", functools.partial(plan, **tracer))

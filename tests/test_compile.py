@@ -30,7 +30,7 @@ from batchfit.trace.compiled import (
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from cpu_truth import profiled_step_peak, same_kernels_on_any_x86
-from test_plan_standin import gpu
+from standin import gpu
 
 ROOT = Path(__file__).parent.parent
 runner = CliRunner()

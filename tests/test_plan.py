@@ -1,4 +1,4 @@
-"""The plan engine on the stand-in tracer (``test_plan_standin.py``), numbers by hand.
+"""The plan engine on the stand-in tracer (``standin.py``), numbers by hand.
 
 On the test GPU (100 GiB usable, no workspace, 1000 TFLOP/s bf16, 100 GB/s NVLink, 10 GB/s
 between nodes) with MFU 0.5 (5e14 FLOP/s) and 1000 tokens per sample, 4 GPUs, global batch 512:
@@ -21,7 +21,7 @@ from batchfit.plan.engine import plan
 from batchfit.plan.time_model import TimeModel, bus_factor
 from batchfit.plan.world import World, parse_tokens, parse_worlds
 from batchfit.workload import StepOptions
-from test_plan_standin import GiB, gpu, trace_sharded, workload
+from standin import GiB, gpu, trace_sharded, workload
 
 BF16 = StepOptions(precision="bf16-mixed")
 HALF = TimeModel(mfu=0.5, mfu_source="test")

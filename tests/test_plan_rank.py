@@ -1,6 +1,6 @@
 """``plan --strategies auto``: the combinations of ``plan/candidates.py`` (each rule, the skipped ones
 with their reason, the count bounded, a new component added) and the ranking of
-``plan/ranking.py`` (order and figures by hand on the stand-in tracer of ``test_plan_standin.py``).
+``plan/ranking.py`` (order and figures by hand on the stand-in tracer of ``standin.py``).
 
 By hand, on 4 GPUs of the stand-in's test GPU (100 GiB usable, 1000 TFLOP/s bf16, 100 GB/s in a
 node), MFU 0.5, 1000 tokens per sample, global batch 64: every strategy's micro-batch is the
@@ -30,7 +30,7 @@ from batchfit.plan.engine import plan
 from batchfit.plan.time_model import TimeModel
 from batchfit.plan.world import World
 from batchfit.workload import StepOptions
-from test_plan_standin import gpu, parse_strategies, trace_sharded, workload
+from standin import gpu, parse_strategies, trace_sharded, workload
 
 LLAMA = ModelFacts(name="llama", n_layers=32, heads=32, kv_heads=8, tp_plan=True)
 ORDER = ["hsdp2", "fsdp", "fsdp-noreshard", "ddp", "zero2", "zero1", "fsdp+tp2", "pp2+fsdp", "tp4", "pp2+tp2"]

@@ -1,7 +1,7 @@
 """plan over many GPU counts (issue 35): what it refuses before any trace, what it derives instead
 of tracing again, its progress, and the pictures of what it decided.
 
-Numbers by hand: the stand-in (``test_plan_standin.py``) gives DDP's rank 0 16 GiB + 1 GiB per
+Numbers by hand: the stand-in (``standin.py``) gives DDP's rank 0 16 GiB + 1 GiB per
 sample on any world above 1, and two all-reduces of 2e9 bytes over the dp ranks; the tiny Llama's
 largest parameter is its 512-row embedding (and untied head).
 """
@@ -18,7 +18,7 @@ from batchfit.plan.world import World
 from batchfit.workload import StepOptions
 from batchfit.zoo.transformer import TransformerConfig
 from cpu_truth import tiny_llama_workload
-from test_plan_standin import gpu, trace_sharded, workload
+from standin import gpu, trace_sharded, workload
 
 HALF = TimeModel(mfu=0.5, mfu_source="test")
 TINY = TransformerConfig(vocab_size=512, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, llama=True,
