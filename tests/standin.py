@@ -1,6 +1,7 @@
 """A stand-in for ``batchfit.plan.sharded`` whose numbers are known, so that the plan engine,
 CLI and report are tested by hand (plan's ``trace=``, ``replay=`` and ``parse=``; the ``standin``
-fixture of conftest.py gives them); tests/test_plan_standin.py checks it keeps to the real contract.
+fixture of conftest.py gives them), in the real tracer's own types (Strategy, Collective, ShardedPoint);
+tests/test_plan_standin.py checks it keeps to the real functions' signatures.
 
 Rank 0 of the stand-in holds, for a model of ``PARAMS`` parameters:
     state (parameters, gradients, optimizer) = 16 GiB, sharded by dp under FSDP/HSDP and by tp
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
 
 import torch
 
 from batchfit.devices import Device, GiB
+from batchfit.distributed.strategy_name import Strategy
 from batchfit.errors import OptionError
+from batchfit.plan.sharded import Collective, ShardedPoint
 from batchfit.workload import Workload
 
 PARAMS = 10**9
@@ -32,40 +34,6 @@ ACT_BYTES_PER_SAMPLE = 1 * GiB
 PARAM_BYTES = 2 * 10**9
 GRAD_BYTES = 4 * 10**9
 TP_BYTES_PER_SAMPLE = 10**8
-
-
-@dataclass(frozen=True)
-class Strategy:
-    name: str
-    world_size: int
-    dp: int
-    tp: int
-    shard: str
-    replicas: int = 1
-    pp: int = 1
-    pp_schedule: str = ""
-    microbatches: int = 0
-
-
-@dataclass(frozen=True)
-class Collective:
-    op: str
-    group: str
-    group_size: int
-    bytes: int
-    phase: str
-
-
-@dataclass(frozen=True)
-class ShardedPoint:
-    strategy: Strategy
-    local_batch: int
-    peak_bytes: int
-    breakdown: dict
-    flops: int
-    collectives: tuple
-    params: int
-    params_per_rank: int
 
 
 def parse_strategies(text: str, world_size: int) -> list[Strategy]:
