@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import types
 
 import pytest
@@ -69,11 +68,14 @@ def fewer_blocks(tmp_path):
 
 
 @pytest.fixture
-def standin(monkeypatch) -> types.ModuleType:
-    """``batchfit.plan.sharded`` replaced, for the test, by the stand-in of test_plan_standin.py whose
-    numbers are known (here, not imported from there, so that no test module imports a fixture)."""
-    from test_plan_standin import module
+def standin(monkeypatch) -> types.SimpleNamespace:
+    """The stand-in tracer of tests/standin.py, whose numbers are known: ``standin.tracer`` is plan's
+    ``trace=``, ``replay=`` and ``parse=`` for it, and the CLI's ``plan`` takes them for the test."""
+    import functools
 
-    fake = module()
-    monkeypatch.setitem(sys.modules, "batchfit.plan.sharded", fake)
-    return fake
+    from batchfit.plan.engine import plan
+    from standin import parse_strategies, replay_sharded, trace_sharded
+
+    tracer = dict(trace=trace_sharded, replay=replay_sharded, parse=parse_strategies)
+    monkeypatch.setattr("batchfit.cli.plan.plan", functools.partial(plan, **tracer))
+    return types.SimpleNamespace(parse_strategies=parse_strategies, trace_sharded=trace_sharded, tracer=tracer)

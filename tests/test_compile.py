@@ -30,7 +30,7 @@ from batchfit.trace.compiled import (
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
 from cpu_truth import profiled_step_peak, same_kernels_on_any_x86
-from test_plan_standin import gpu
+from standin import gpu
 
 ROOT = Path(__file__).parent.parent
 runner = CliRunner()
@@ -327,10 +327,10 @@ def test_plan_carries_the_approximation(standin):
                                       COMPILED_AS_EAGER, detail="the workload calls torch.compile itself, on model"))):
         result = plan(workload, device=gpu(), worlds=[World(2)], options=StepOptions(precision="bf16-mixed",
                                                                                      compile=asked),
-                      strategies="ddp")
+                      strategies="ddp", **standin.tracer)
         assert result.to_json()["approximations"] == [said.to_json()]
         assert f"> **Warning: approximated.** {said.what} ({said.detail})" in plan_markdown(result)
-    plain = plan(eager, device=gpu(), worlds=[World(2)], options=options, strategies="ddp")
+    plain = plan(eager, device=gpu(), worlds=[World(2)], options=options, strategies="ddp", **standin.tracer)
     assert plain.to_json()["approximations"] == [] and "approximated" not in plan_markdown(plain)
     assert workload_approximations(eager, options) == []
 

@@ -24,7 +24,7 @@ from batchfit.plan.sharded import parse_strategy, trace_sharded
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
 from cpu_truth import join_gloo, spawn_profiled_gloo
-from tiny import CFG, LOCAL_BATCH, profiled_rank_peak, tiny_workload
+from tiny import CFG, LOCAL_BATCH, rank0_profiled_peaks, tiny_workload
 
 LOSSES = ("sharded", "gathered")
 STEPS = 2
@@ -54,17 +54,7 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str, cases: tuple
         # late keeps a buffer alive a little longer (see test_plan_trace; seen here once, gathered
         # logits); the timeline's data-flow check sometimes trips on the functional all-gather
         # ("version mismatch"): then one more step.
-        peaks: list[int] = []
-        for _ in range(10):
-            if rank == 0:
-                peak = profiled_rank_peak(step, os.path.join(out_dir, f"timeline-{case}.json"))
-                peaks += [peak] if peak is not None else []
-            else:
-                step.run(LOCAL_BATCH)
-            done = torch.tensor([int(len(peaks) >= 3)])
-            dist.broadcast(done, src=0)
-            if done.item():
-                break
+        peaks = rank0_profiled_peaks(step, os.path.join(out_dir, f"timeline-{case}.json"), wanted=3, tries=10)
         out[case] = {"losses": losses, "peak": min(peaks, default=None)}
         del step
         dist.barrier()

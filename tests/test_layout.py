@@ -158,11 +158,8 @@ def test_one_parser_of_strategy_names():
 
 
 TESTS = Path(__file__).parent
-STILL_SHARED = {  # (importer, imported): left while plan's strategy parsing and its stand-in change (issue 31 item 1)
-    ("test_compile", "test_plan_standin"), ("test_plan", "test_plan_standin"),
-    ("test_plan_rank", "test_plan_standin"), ("test_plan_reserved", "test_plan_standin"),
-    ("test_plan_worlds", "test_plan_standin"), ("test_plan_reserved", "test_plan_trace"),
-    ("test_plan_reserved", "test_plan_deep"),
+STILL_SHARED = {  # (importer, imported): left to move into tiny.py / cpu_truth.py (issue 31 item 4)
+    ("test_plan_reserved", "test_plan_trace"), ("test_plan_reserved", "test_plan_deep"),
     ("test_pipeline_hf", "test_pipeline"),
 }
 

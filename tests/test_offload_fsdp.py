@@ -23,7 +23,7 @@ from batchfit.plan.sharded import parse_strategy, trace_sharded
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
 from cpu_truth import join_gloo, spawn_profiled_gloo
-from tiny import LOCAL_BATCH, TOTAL, profiled_rank_peak, tiny_workload
+from tiny import LOCAL_BATCH, TOTAL, rank0_profiled_peaks, tiny_workload
 
 OFFLOAD = StepOptions(offload="params")
 
@@ -44,17 +44,7 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
                         wrap=lambda m: apply_strategy(m, strategy, meshes, precision="fp32", fake=False,
                                                       cpu_offload=True))
     step.run(LOCAL_BATCH)
-    peaks = []
-    for _ in range(3):  # rank 0 keeps the smaller of two profiled steps (test_plan_trace's reason)
-        if rank == 0:
-            peak = profiled_rank_peak(step, os.path.join(out_dir, "timeline.json"))
-            peaks += [peak] if peak is not None else []
-        else:
-            step.run(LOCAL_BATCH)
-        done = torch.tensor([int(rank != 0 or len(peaks) >= 2)])
-        dist.broadcast(done, src=0)
-        if done.item():
-            break
+    peaks = rank0_profiled_peaks(step, os.path.join(out_dir, "timeline.json"), tries=3)  # the smaller of two
     if rank == 0:
         with open(os.path.join(out_dir, "peak.json"), "w") as f:
             json.dump(min(peaks), f)

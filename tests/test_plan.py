@@ -1,4 +1,4 @@
-"""The plan engine on the stand-in tracer (``test_plan_standin.py``), numbers by hand.
+"""The plan engine on the stand-in tracer (``standin.py``), numbers by hand.
 
 On the test GPU (100 GiB usable, no workspace, 1000 TFLOP/s bf16, 100 GB/s NVLink, 10 GB/s
 between nodes) with MFU 0.5 (5e14 FLOP/s) and 1000 tokens per sample, 4 GPUs, global batch 512:
@@ -21,7 +21,7 @@ from batchfit.plan.engine import plan
 from batchfit.plan.time_model import TimeModel, bus_factor
 from batchfit.plan.world import World, parse_tokens, parse_worlds
 from batchfit.workload import StepOptions
-from test_plan_standin import GiB, gpu, trace_sharded, workload
+from standin import GiB, gpu, trace_sharded, workload
 
 BF16 = StepOptions(precision="bf16-mixed")
 HALF = TimeModel(mfu=0.5, mfu_source="test")
@@ -30,7 +30,7 @@ HALF = TimeModel(mfu=0.5, mfu_source="test")
 @pytest.fixture
 def four(standin):
     return plan(workload(), device=gpu(), worlds=[World(4)], options=BF16, strategies="ddp,fsdp,fsdp+tp2",
-                global_batch=512, tokens="chinchilla", time_model=HALF)
+                global_batch=512, tokens="chinchilla", time_model=HALF, **standin.tracer)
 
 
 def by_name(result, name, gpus=None):
@@ -75,7 +75,7 @@ def test_tokens_days_and_the_recommendation(four):
 
 def test_across_nodes_the_data_parallel_group_takes_the_network(standin):
     result = plan(workload(), device=gpu(), worlds=parse_worlds(None, 2, 4), options=BF16,
-                  strategies="fsdp,hsdp2", global_batch=512, time_model=HALF)
+                  strategies="fsdp,hsdp2", global_batch=512, time_model=HALF, **standin.tracer)
     fsdp, hsdp = by_name(result, "fsdp").time, by_name(result, "hsdp2").time
     # fsdp over 8 ranks on 2 nodes of 4: 7/8 x 2e9 bytes at 10 GB/s = 0.175 s exposed
     assert fsdp.links["dp"] == "inter-node" and fsdp.exposed_s == pytest.approx(0.175)
@@ -87,7 +87,7 @@ def test_across_nodes_the_data_parallel_group_takes_the_network(standin):
 
 def test_a_strategy_that_does_not_fit_says_what_would(standin):
     result = plan(workload(), device=gpu(10), worlds=[World(2)], options=BF16, strategies="ddp,fsdp",
-                  time_model=HALF)
+                  time_model=HALF, **standin.tracer)
     ddp, fsdp = by_name(result, "ddp"), by_name(result, "fsdp")
     assert ddp.max_local_batch == 0 and ddp.micro_batch == 0 and ddp.time is None
     assert "fsdp shards parameters, gradients and optimizer state (16.00 GiB here)" in ddp.fix[1]
@@ -98,7 +98,7 @@ def test_a_strategy_that_does_not_fit_says_what_would(standin):
 
 def test_without_a_global_batch_the_micro_batch_is_the_largest_under_the_target(standin):
     result = plan(workload(), device=gpu(), worlds=[World(1), World(3)], options=BF16, strategies="ddp",
-                  target_util=0.8, time_model=HALF)
+                  target_util=0.8, time_model=HALF, **standin.tracer)
     one, three = by_name(result, "ddp", 1), by_name(result, "ddp", 3)
     assert (one.shard, one.micro_batch, one.accumulation_steps, one.global_batch) == ("none", 64, 1, 64)  # 16+b <= 80
     assert (three.micro_batch, three.global_batch) == (64, 192)  # seed 001's 3 x H100 row
@@ -107,7 +107,8 @@ def test_without_a_global_batch_the_micro_batch_is_the_largest_under_the_target(
 def test_the_cublas_workspace_is_added_when_the_tracer_leaves_it_out(standin):
     device = gpu()
     device = type(device)(**{**device.__dict__, "workspace_bytes": 64 * 2**20})
-    result = plan(workload(), device=device, worlds=[World(4)], options=BF16, strategies="fsdp", time_model=HALF)
+    result = plan(workload(), device=device, worlds=[World(4)], options=BF16, strategies="fsdp", time_model=HALF,
+                  **standin.tracer)
     point = by_name(result, "fsdp").points[0]
     assert point.peak_bytes == 4 * GiB + 1 * GiB + 64 * 2**20 and point.breakdown["workspace"] == 64 * 2**20
 

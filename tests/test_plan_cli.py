@@ -8,7 +8,6 @@ fsdp 4096 + 1024 b + 64 -> max local 75, micro 64 x 2.
 
 from __future__ import annotations
 
-import importlib
 import json
 
 import pytest
@@ -95,11 +94,7 @@ def test_bad_input_is_one_line_and_exit_code_2(standin, args, message):
 
 @pytest.mark.parametrize("strategies,gpus", [("tp3", "4"), ("zero3", "4")])
 def test_strategies_the_tracer_refuses_are_one_line(strategies, gpus):
-    """With plan-trace's own parse_strategies (skipped until it is on this branch)."""
-    try:
-        importlib.import_module("batchfit.plan.sharded")
-    except ImportError:
-        pytest.skip("batchfit.plan.sharded is not on this branch yet")
+    """With the real tracer's own parse_strategies (no stand-in)."""
     result = run("plan", MODEL, "--gpu", "h100-80gb", "--gpus", gpus, "--strategies", strategies)
     assert result.exit_code == 2, result.output
     assert len([line for line in result.output.splitlines() if line.startswith("error:")]) == 1
@@ -123,11 +118,7 @@ def test_calibrate_takes_the_mfu_a_gpu_bench_measured(standin, tmp_path):
 
 
 def test_the_real_tracer_end_to_end(tmp_path):
-    """plan-trace's tracer through the engine, CLI and report (skipped until it is on this branch)."""
-    try:
-        importlib.import_module("batchfit.plan.sharded")
-    except ImportError:
-        pytest.skip("batchfit.plan.sharded is not on this branch yet")
+    """The real tracer through the engine, CLI and report."""
     result = run("plan", MODEL, "--seq-len", "16", "--gpu", "h100-80gb", "--gpus", "2", "--strategies", "ddp,fsdp",
                  "--max-batch", "8", "--global-batch", "8", "--out", str(tmp_path), "--json", "-")
     assert result.exit_code == 0, result.output

@@ -25,7 +25,7 @@ from batchfit.plan.sharded import ShardedSession, parse_strategy
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
 from cpu_truth import join_gloo, spawn_profiled_gloo
-from tiny import LOCAL_BATCH, profiled_rank_peak, tiny_workload
+from tiny import LOCAL_BATCH, rank0_profiled_peaks, tiny_workload
 
 OPTIONS = StepOptions(compile="blocks")  # fp32, AdamW; torchtitan compiles per block under FSDP2
 MEASURED = ("fsdp", "fsdp-noreshard", "hsdp2", "ddp", "zero1", "zero2")
@@ -48,20 +48,10 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
                             wrap=lambda m: apply_strategy(m, strategy, meshes, precision=OPTIONS.precision, fake=False))
         step.run(LOCAL_BATCH)  # inductor compiles here, and AdamW builds its state
         step.run(LOCAL_BATCH)  # DDP rebuilds its buckets here
-        peaks[name] = []
         # Two profiled steps, the least kept: one full run on a loaded 2-core machine read fsdp at 9,860,932 B
         # (+6%) where every other run reads 9,270,084 (not reproduced, cause not found); more steps only if
         # the profiler's timeline failed its own check (it does, now and then).
-        for _ in range(5):
-            if rank == 0:
-                peak = profiled_rank_peak(step, os.path.join(out_dir, "timeline.json"))
-                peaks[name] += [peak] if peak is not None else []
-            else:
-                step.run(LOCAL_BATCH)
-            done = torch.tensor([int(len(peaks[name]) >= 2 or rank != 0)])
-            dist.broadcast(done, src=0)
-            if done.item():
-                break
+        peaks[name] = rank0_profiled_peaks(step, os.path.join(out_dir, "timeline.json"), tries=5)
         del step
         gc.collect()  # the last strategy's model and optimizer (cycles): freed inside the next profile otherwise
         dist.barrier()

@@ -1,6 +1,6 @@
 """``plan --strategies auto``: the combinations of ``plan/candidates.py`` (each rule, the skipped ones
 with their reason, the count bounded, a new component added) and the ranking of
-``plan/ranking.py`` (order and figures by hand on the stand-in tracer of ``test_plan_standin.py``).
+``plan/ranking.py`` (order and figures by hand on the stand-in tracer of ``standin.py``).
 
 By hand, on 4 GPUs of the stand-in's test GPU (100 GiB usable, 1000 TFLOP/s bf16, 100 GB/s in a
 node), MFU 0.5, 1000 tokens per sample, global batch 64: every strategy's micro-batch is the
@@ -30,7 +30,7 @@ from batchfit.plan.engine import plan
 from batchfit.plan.time_model import TimeModel
 from batchfit.plan.world import World
 from batchfit.workload import StepOptions
-from test_plan_standin import gpu, parse_strategies, trace_sharded, workload
+from standin import gpu, parse_strategies, trace_sharded, workload
 
 LLAMA = ModelFacts(name="llama", n_layers=32, heads=32, kv_heads=8, tp_plan=True)
 ORDER = ["hsdp2", "fsdp", "fsdp-noreshard", "ddp", "zero2", "zero1", "fsdp+tp2", "pp2+fsdp", "tp4", "pp2+tp2"]
@@ -127,7 +127,7 @@ def ranked(usable_gib: int = 100, **kw):
                 parse=parse_strategies, **kw)
 
 
-def test_the_ranking_is_by_tokens_per_s_with_figures_by_hand(standin):
+def test_the_ranking_is_by_tokens_per_s_with_figures_by_hand():
     result = ranked(global_batch=64)
     rows = result.ranking
     assert [r.strategy for r in rows] == ORDER + ["pp4"]
@@ -148,7 +148,7 @@ def test_the_ranking_is_by_tokens_per_s_with_figures_by_hand(standin):
     assert data["auto_left_out"] == list(BOUNDS) and data["recommended"][0]["strategy"] == "hsdp2"
 
 
-def test_auto_lists_what_the_global_batch_rules_out(standin):
+def test_auto_lists_what_the_global_batch_rules_out():
     rows = ranked(global_batch=6).ranking  # 6 samples: not over 4 dp ranks, not over pp2's 2 x 2 micro-batches
     why = {r.strategy: r.why for r in rows if r.status == "skipped"}
     assert why["fsdp"] == "--global-batch 6 is not a multiple of its 4 data-parallel ranks x 1 samples"
@@ -156,7 +156,7 @@ def test_auto_lists_what_the_global_batch_rules_out(standin):
     assert {r.strategy for r in rows if r.rank} == {"fsdp+tp2", "tp4", "pp2+tp2"}  # dp 2 x 3; dp 1 x 6; 1 x 2 x 3
 
 
-def test_what_does_not_fit_comes_last_with_why(standin):
+def test_what_does_not_fit_comes_last_with_why():
     rows = ranked(usable_gib=16, global_batch=64).ranking  # 16 GiB of state unsharded: ddp cannot fit
     statuses = [(r.strategy, r.status) for r in rows if r.rank is None]
     assert statuses == [("ddp", "does not fit"), ("pp4", "skipped")]
@@ -164,7 +164,7 @@ def test_what_does_not_fit_comes_last_with_why(standin):
     assert all(r.rank is not None for r in rows[:-2])
 
 
-def test_the_report_shows_the_ranking(standin, tmp_path):
+def test_the_report_shows_the_ranking(tmp_path):
     from batchfit.report.plan_markdown import plan_markdown, write_plan_report
 
     result = ranked(global_batch=64)

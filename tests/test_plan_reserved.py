@@ -1,6 +1,6 @@
 """``plan --limit reserved``: rank 0's fresh process replayed through the caching allocator model.
 
-By hand on the stand-in (``test_plan_standin.py``, 100 GiB usable, no workspace): a stream whose
+By hand on the stand-in (``standin.py``, 100 GiB usable, no workspace): a stream whose
 first step holds an 8 GiB buffer once (freed before the second) reserves 8 GiB more than the
 steady step allocates, and the peak is named as the first step's. On the real tracer: the
 reserved peak plan replays on one GPU is estimate's, byte for byte, and DDP's bucket rebuild
@@ -19,7 +19,7 @@ from batchfit.plan.engine import plan
 from batchfit.plan.reserved import replay_steps
 from batchfit.plan.world import World
 from batchfit.workload import StepOptions
-from test_plan_standin import gpu, trace_sharded, workload
+from standin import gpu, trace_sharded, workload
 from test_plan_trace import tiny_workload
 
 ONCE_BYTES = 8 * GiB

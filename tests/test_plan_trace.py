@@ -30,11 +30,11 @@ from tiny import (
     OPTIONS,
     ROOT,
     TOTAL,
+    rank0_profiled_peaks,
     tiny_workload,  # noqa: F401 - test_plan_reserved.py imports it from here
     tiny_workload_named,
 )
 from tiny import collective_bytes as _bytes
-from tiny import profiled_rank_peak as _profiled_peak
 from tiny import traced_rank0 as _trace
 
 MEASURED = {2: ("ddp", "fsdp", "fsdp:t5"), 4: ("fsdp+tp2",)}
@@ -57,21 +57,8 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str, names: tuple
                                                           fake=False, parallelize=tp_plan(m)))
         step.run(LOCAL_BATCH)
         step.run(LOCAL_BATCH)  # DDP rebuilds its buckets here
-        # Rank 0 profiles two steps and keeps the smaller peak: on a loaded machine a collective
-        # that completes late keeps a buffer alive a little longer (seen: +128 KiB, one block's
-        # output, with 4 ranks on 2 cores). Every rank runs as many steps as rank 0 profiles.
-        profiled = []
-        for _ in range(4):
-            if rank == 0:
-                peak = _profiled_peak(step, os.path.join(out_dir, f"timeline-{name}.json"))
-                profiled += [peak] if peak is not None else []
-                peaks[name] = min(profiled, default=None)
-            else:
-                step.run(LOCAL_BATCH)
-            done = torch.tensor([int(rank != 0 or len(profiled) >= 2)])
-            dist.broadcast(done, src=0)
-            if done.item():
-                break
+        # rank 0 keeps the smaller peak of two profiled steps (tiny.rank0_profiled_peaks says why)
+        peaks[name] = min(rank0_profiled_peaks(step, os.path.join(out_dir, f"timeline-{name}.json")), default=None)
         del step
         dist.barrier()
     if rank == 0:

@@ -1,7 +1,7 @@
 """plan over many GPU counts (issue 35): what it refuses before any trace, what it derives instead
 of tracing again, its progress, and the pictures of what it decided.
 
-Numbers by hand: the stand-in (``test_plan_standin.py``) gives DDP's rank 0 16 GiB + 1 GiB per
+Numbers by hand: the stand-in (``standin.py``) gives DDP's rank 0 16 GiB + 1 GiB per
 sample on any world above 1, and two all-reduces of 2e9 bytes over the dp ranks; the tiny Llama's
 largest parameter is its 512-row embedding (and untied head).
 """
@@ -18,7 +18,7 @@ from batchfit.plan.world import World
 from batchfit.workload import StepOptions
 from batchfit.zoo.transformer import TransformerConfig
 from cpu_truth import tiny_llama_workload
-from test_plan_standin import gpu, trace_sharded, workload
+from standin import gpu, trace_sharded, workload
 
 HALF = TimeModel(mfu=0.5, mfu_source="test")
 TINY = TransformerConfig(vocab_size=512, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, llama=True,
@@ -94,7 +94,7 @@ def test_plan_png_draws_the_reserved_memory_the_decision_used(standin):
     from batchfit.report.plan_plots import plan_figure
 
     result = plan(workload(), device=gpu(), worlds=[World(4)], strategies="ddp", global_batch=64, time_model=HALF,
-                  options=StepOptions(precision="bf16-mixed"))
+                  options=StepOptions(precision="bf16-mixed"), **standin.tracer)
     row = result.plans[0]
     assert row.limit == "reserved"
     row.peak_reserved_bytes_at_micro += 7 * GiB  # the stand-in reserves what it allocates: tell them apart
@@ -107,7 +107,7 @@ def test_ranking_png_of_one_strategy_is_one_panel_by_gpu_count(standin):
     from batchfit.report.plan_plots import ranking_figure
 
     result = plan(workload(), device=gpu(), worlds=[World(g) for g in (1, 2, 4)], strategies="ddp",
-                  time_model=HALF, options=StepOptions(precision="bf16-mixed"), limit="allocated")
+                  time_model=HALF, options=StepOptions(precision="bf16-mixed"), limit="allocated", **standin.tracer)
     fig = ranking_figure(result)
     assert len(fig.axes) == 1 and fig.axes[0].get_xlabel() == "GPUs"
     assert list(fig.axes[0].lines[0].get_xdata()) == [1, 2, 4]

@@ -50,12 +50,12 @@ def test_every_degree_of_a_name_has_its_parallelism():
     field of StrategyName and of Strategy: a new degree without its entry fails here."""
     import dataclasses
 
-    from batchfit.distributed.parallelisms import DEGREES, PARALLELISMS
-    from batchfit.distributed.strategy_name import Strategy
+    from batchfit.distributed.parallelisms import degree_keys, registered
+    from batchfit.distributed.strategy_name import FIELDS, Strategy
 
-    named = {f.name for f in dataclasses.fields(StrategyName)} - {"shard", "replicas"}
-    assert set(DEGREES) == named and named <= {f.name for f in dataclasses.fields(Strategy)}
-    assert len({p.key for p in PARALLELISMS}) == len(PARALLELISMS)
+    named = {f.name for f in dataclasses.fields(StrategyName)} - {"shard", "replicas", "more"}
+    assert set(degree_keys()) == named == set(FIELDS) and named <= {f.name for f in dataclasses.fields(Strategy)}
+    assert len({p.key for p in registered()}) == len(registered())
     from batchfit.plan.emit_torchtitan import degrees
 
     assert degrees(parse_strategy("pp2+ep4+fsdp+tp2", 16)) == {
@@ -64,7 +64,7 @@ def test_every_degree_of_a_name_has_its_parallelism():
         "fsdp_reshard_after_forward": "always"}
 
 
-def test_the_time_model_and_config_yaml_read_each_parallelism_from_the_registry(monkeypatch):
+def test_the_time_model_and_config_yaml_read_each_parallelism_from_the_registry():
     """A collective's span (NVLink or the network) and whether it hides behind compute come from its
     parallelism's entry; a toy parallelism's collectives get its own rule from one entry."""
     from batchfit.distributed import parallelisms
@@ -75,8 +75,8 @@ def test_the_time_model_and_config_yaml_read_each_parallelism_from_the_registry(
     assert group_span(Collective("all_gather", "cp", 2, 1, "forward"), s) == 4  # the ring: cp x tp ranks
     assert group_span(Collective("all_reduce", "tp", 2, 1, "forward"), s) == 2
     toy = parallelisms.Parallelism(key="xp", token="xp<N>", module="a toy", group="xp", span=lambda c, s: 64)
-    monkeypatch.setitem(parallelisms.BY_GROUP, "xp", toy)
-    assert group_span(Collective("all_to_all", "xp", 2, 1, "forward"), s) == 64
+    with parallelisms.added(toy):
+        assert group_span(Collective("all_to_all", "xp", 2, 1, "forward"), s) == 64
     from types import SimpleNamespace
 
     from batchfit.devices import get_device

@@ -336,6 +336,38 @@ def linear(probe: Probe, *, lo: int = 1, hi: int = 1 << 16, multiple_of: int = 1
 POLICIES = ("guided", "power", "binsearch", "halving", "linear")
 
 
+def host_fits(point, host_limit_bytes: int | None) -> bool:
+    """Whether the pinned host memory ``point`` holds (``host_reserved_bytes``) fits ``host_memory``
+    (None: not checked)."""
+    return host_limit_bytes is None or point.host_reserved_bytes <= host_limit_bytes
+
+
+def curve_search(curve, limit_bytes: int, *, lo: int, hi: int, multiple_of: int, reserved: bool = False,
+                 host_limit_bytes: int | None = None) -> SearchResult:
+    """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak is under ``limit_bytes``:
+    the curve predicts it, tracing it and the next size up confirms it (:func:`guided`). Shared by
+    estimate's ``TracedCurve`` and plan's ``ShardedCurve``: ``curve.point(b)`` traces one size (its
+    ``peak_bytes``, ``host_reserved_bytes``), ``curve.points`` holds the sizes traced so far (each
+    a known trial), ``curve.curve()`` is the fit through them.
+
+    With ``reserved`` the peak is the reserved one (``max_memory_reserved``). Reserved is never less
+    than allocated, so the allocated answer comes first (cheap: by depth), then the reserved one at or
+    below it (:func:`reserved_search`), where each probe replays a fresh stream through the allocator
+    model. With ``host_limit_bytes`` a size whose offloaded host bytes pass it does not fit either."""
+
+    def allocated_probe(batch_size: int) -> Trial:
+        point = curve.point(batch_size)
+        fits = point.peak_bytes <= limit_bytes and host_fits(point, host_limit_bytes)
+        return Trial(batch_size, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes)
+
+    known = [allocated_probe(b) for b in curve.points]
+    found = guided(allocated_probe, lambda trials: curve.curve().max_batch_size(limit_bytes, multiple_of),
+                   lo=lo, hi=hi, multiple_of=multiple_of, known=known)
+    if not reserved or not found.max_batch_size:
+        return found
+    return reserved_search(curve, found, limit_bytes, lo=lo, multiple_of=multiple_of)
+
+
 def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, multiple_of: int) -> SearchResult:
     """The largest multiple of ``multiple_of`` in [lo, ``found``] whose *reserved* peak is under
     ``limit_bytes``, where ``found`` is the allocated answer under the same limit (reserved is

@@ -3,18 +3,21 @@
 A :class:`Parallelism` names its token in a strategy name (its degree is the ``StrategyName`` /
 ``Strategy`` field of the same key, read by ``distributed/strategy_name.py``, the one parser),
 the module that applies it on a mesh, what every plan with it says in its output (its
-approximations) and its torchtitan ``[parallelism]`` key. ``plan/engine.py`` collects the
-approximations of every entry, ``plan/emit_torchtitan.py`` writes each entry's degree, instead of
-naming each parallelism; ``tests/test_strategy_name.py`` checks that every degree of a name has its
-entry. The data-parallel wraps (ddp, fsdp, hsdp, zero1/2) are the name's ``shard``; ZeRO's entry
-carries only what its traces say.
+approximations), its candidate rule for ``plan --strategies auto``, and its torchtitan ``[parallelism]``
+and config.yaml keys. The parser (``strategy_name.py``), auto's candidates (``plan/candidates.py``), the
+time model, ``plan/engine.py``'s approximations and both emits iterate over :func:`registered`
+instead of naming each parallelism; ``tests/test_strategy_name.py`` checks that every degree of a name
+has its entry, ``tests/test_parallelism_registry.py`` that a toy parallelism added from one module is
+parsed, listed by auto and emitted. The data-parallel wraps (ddp, fsdp, hsdp, zero1/2) are the name's
+``shard``; ZeRO's entry carries only what its traces say.
 
 Importing this module does not import torch: each entry's module is imported when it is asked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -50,6 +53,19 @@ class Parallelism:
     which decides NVLink or the network (``plan/time_model.py``; the mesh puts tp innermost)."""
     critical_path: bool = False
     """Whether the next op waits for its collectives (never hidden behind compute): TP's, ep's all-to-alls."""
+    name_order: int = 5
+    """Where its token stands in a name written back (pp 0, ep 1, the wrap 2, cp 3, tp 4; a new one after)."""
+    takes_gpus: bool = True
+    """True: its degree is a factor of the world (cp: GPUs = pp x dp x cp x tp); False: it borrows its
+    ranks from dp x tp (ep, torchtitan's etp=1), leaving the data-parallel degree as it is."""
+    auto: Callable[[object, object, object], list[tuple[int, str | None]]] | None = None
+    """Its candidate rule for ``plan --strategies auto`` as a further component of a base combination (cp,
+    ep): ``(world, facts, base) -> [(degree, reason or None)]`` with ``world`` a ``plan.world.World``
+    (``gpus_per_node``), ``facts`` a ``plan.candidates.ModelFacts`` and ``base`` a ``plan.candidates.Candidate``
+    (``shard``, ``pp``, ``dp``, ``tp``); degree 1 need not be listed, a degree with a reason is listed as
+    skipped. None: auto builds it into the base combinations (tp, pp) or does not add it."""
+    auto_rule: str = ""
+    """One line: the rule, as ``plan/candidates.py``'s docstring writes the others (a candidate's ``rule``)."""
 
 
 def _pipeline(strategies, workload, options) -> list:
@@ -76,6 +92,37 @@ def _zero(strategies, workload, options) -> list:
     return zero_approximations(strategies)
 
 
+MIN_AUTO_CP_SEQ = 8192
+"""auto adds context parallelism from this sequence length on (shorter sequences fit without a ring)."""
+
+
+def divisors(n: int) -> list[int]:
+    """1 .. n's divisors, ascending (auto's degrees divide the ranks they split)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _cp_degrees(world, facts, base) -> list[tuple[int, str | None]]:
+    """cp<N> on FSDP2 without pp, for attention models from MIN_AUTO_CP_SEQ tokens: the smallest and largest
+    N within a node that divides the data-parallel ranks and leaves sequence / (2 N) whole (torch's
+    head-tail load balancing)."""
+    seq = facts.seq_len or 0
+    if base.shard != "fsdp" or base.pp > 1 or facts.heads is None or seq < MIN_AUTO_CP_SEQ:
+        return []
+    room = world.gpus_per_node // base.tp
+    fit = [d for d in divisors(base.dp) if 1 < d <= room and seq % (2 * d) == 0]
+    return [(d, None) for d in sorted({fit[0], fit[-1]})] if fit else []
+
+
+def _ep_degrees(world, facts, base) -> list[tuple[int, str | None]]:
+    """ep<N>+fsdp[+tp<M>] for a mixture of experts, without pp: the largest N within a node dividing both the
+    experts and the dp x tp ranks it borrows from (torchtitan's etp=1)."""
+    fsdp = base.shard == "fsdp" or (base.shard == "none" and base.tp > 1)  # tp<M> alone: FSDP2 over one rank
+    if not facts.experts or not fsdp or base.pp > 1:
+        return []
+    fit = [d for d in divisors(base.dp * base.tp) if 1 < d <= world.gpus_per_node and facts.experts % d == 0]
+    return [(fit[-1], None)] if fit else []
+
+
 def _own_group(collective, strategy) -> int:
     return collective.group_size
 
@@ -84,29 +131,70 @@ def _ring(collective, strategy) -> int:  # the cp ring over cp x tp consecutive 
     return collective.group_size * strategy.tp
 
 
-PARALLELISMS: tuple[Parallelism, ...] = (
+_REGISTRY: list[Parallelism] = [
     Parallelism(key="tp", token="tp<N>", module="distributed/tp_plans.py", torchtitan_key="tensor_parallel_degree",
-                config_key="tensor_parallel", config_at_1=True, group="tp", span=_own_group, critical_path=True),
+                config_key="tensor_parallel", config_at_1=True, group="tp", span=_own_group, critical_path=True,
+                name_order=4),
     Parallelism(key="zero", degree=False, token="zero1 / zero2", module="distributed/zero.py", approximations=_zero),
     Parallelism(key="pp", token="pp<N>", module="distributed/pipeline.py", approximations=_pipeline,
-                torchtitan_key="pipeline_parallel_degree", config_key="pipeline_parallel"),
+                torchtitan_key="pipeline_parallel_degree", config_key="pipeline_parallel", name_order=0),
     Parallelism(key="cp", token="cp<N>", module="distributed/context_parallel.py", approximations=_context_parallel,
-                torchtitan_key="context_parallel_degree", config_key="context_parallel", group="cp", span=_ring),
+                torchtitan_key="context_parallel_degree", config_key="context_parallel", group="cp", span=_ring,
+                name_order=3, auto=_cp_degrees,
+                auto_rule="cp<N>: ring attention over N ranks of each sample, FSDP2 over dp x cp"),
     # ep<N>: the sparse mesh's innermost dimension, N consecutive ranks (the tp ranks among them: etp=1)
     Parallelism(key="ep", token="ep<N>", module="distributed/expert_parallel.py", approximations=_expert_parallel,
                 torchtitan_key="expert_parallel_degree", torchtitan_at_1=False, config_key="expert_parallel",
-                group="ep", span=_own_group, critical_path=True),
-)
-"""Every parallelism, in the order a plan's outputs list their approximations."""
-
-DEGREES = tuple(p.key for p in PARALLELISMS if p.degree)
-"""The degree fields of a strategy: one per entry with a degree."""
+                group="ep", span=_own_group, critical_path=True, name_order=1, takes_gpus=False, auto=_ep_degrees,
+                auto_rule="ep<N>+fsdp[+tp<M>]: each rank keeps experts / N, all-to-all dispatch (etp=1 with tp)"),
+]
+"""Every parallelism, in the order a plan's outputs list their approximations (:func:`added` appends one)."""
 
 
-BY_GROUP = {p.group: p for p in PARALLELISMS if p.group}
-"""Each collective label's parallelism ('tp', 'cp', 'ep'); a label not here is data-parallel ('dp')."""
+def registered() -> tuple[Parallelism, ...]:
+    """Every parallelism now registered, in the registry's order."""
+    return tuple(_REGISTRY)
+
+
+def entry(key: str) -> Parallelism:
+    """The parallelism of ``key`` ('tp', 'cp', ...)."""
+    return next(p for p in _REGISTRY if p.key == key)
+
+
+def degree_keys() -> tuple[str, ...]:
+    """The degree keys of a strategy name: one per entry with a degree ('tp', 'pp', 'cp', 'ep', ...)."""
+    return tuple(p.key for p in _REGISTRY if p.degree)
+
+
+def by_group() -> dict[str, Parallelism]:
+    """Each collective label's parallelism ('tp', 'cp', 'ep'); a label not here is data-parallel ('dp')."""
+    return {p.group: p for p in _REGISTRY if p.group}
+
+
+@contextmanager
+def added(parallelism: Parallelism) -> Iterator[Parallelism]:
+    """``parallelism`` registered for the ``with`` block (a new one's tests; a plugin's run), then removed.
+
+    A new parallelism's whole code is one module that defines its :class:`Parallelism` (and the
+    functions it names) and registers it: the parser, auto, the time model and the emits read it."""
+    if parallelism.key in {p.key for p in _REGISTRY} | {"hsdp"}:
+        raise ValueError(f"a parallelism '{parallelism.key}' is already registered: give the new one its own key")
+    _REGISTRY.append(parallelism)
+    try:
+        yield parallelism
+    finally:
+        _REGISTRY.remove(parallelism)
+
+
+def degree_of(layout, key: str) -> int:
+    """``layout``'s degree of ``key``: its field (a ``Strategy``'s or a plan row's tp, cp, ...), else the
+    name's degree of a parallelism without a field of its own (``StrategyName.more``), else 1."""
+    if hasattr(layout, key):
+        return getattr(layout, key)
+    parts = getattr(layout, "parts", None)
+    return parts.degree(key) if parts is not None else 1
 
 
 def approximations(strategies: list, workload, options) -> list:
     """What every parallelism used by ``strategies`` says in a plan's outputs, entry by entry."""
-    return [a for p in PARALLELISMS for a in p.approximations(strategies, workload, options)]
+    return [a for p in registered() for a in p.approximations(strategies, workload, options)]

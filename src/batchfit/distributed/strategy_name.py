@@ -31,6 +31,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from batchfit.distributed import parallelisms
 from batchfit.errors import OptionError
 
 SHARDS = ("none", "ddp", "fsdp", "fsdp-noreshard", "hsdp", "zero1", "zero2")
@@ -38,7 +39,11 @@ SHARDS = ("none", "ddp", "fsdp", "fsdp-noreshard", "hsdp", "zero1", "zero2")
 FSDP_SHARDS = ("fsdp", "fsdp-noreshard", "hsdp")
 """The wraps that are FSDP2 (``fully_shard``)."""
 
-_TOKEN = re.compile(r"^(?:(pp|ep|cp|tp|hsdp)(\d+)|(ddp|fsdp|fsdp-noreshard|zero1|zero2))$")
+FIELDS = ("tp", "cp", "ep", "pp")
+"""The degrees with a field of their own on StrategyName and Strategy; a registered parallelism without
+one (a new one, a test's toy) keeps its degree in ``StrategyName.more``."""
+_WRAP_ORDER = 2
+"""Where the wrap stands in a name written back: after pp (0) and ep (1), before cp (3) and tp (4)."""
 NAMES_HELP = ("ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp[-noreshard]+tp<N>, fsdp+cp<N>[+tp<T>], "
               "ddp+cp<N>, pp<N>[+any of these], ep<N>+fsdp[+tp<M>] or auto")
 
@@ -59,6 +64,21 @@ class StrategyName:
     """Expert-parallel degree (ep<N>); 1 without."""
     pp: int = 1
     """Pipeline stages (pp<N>); 1 without."""
+    more: tuple[tuple[str, int], ...] = ()
+    """(key, degree) of each registered parallelism without a field above (``distributed/parallelisms.py``:
+    a new one before it gets its field, a test's toy), in the order its name writes them; () without."""
+
+    @classmethod
+    def of(cls, *, shard: str = "none", replicas: int = 1, degrees: dict[str, int] | None = None) -> StrategyName:
+        """A name's parts from its wrap and ``degrees`` ({key: degree}, each a registered parallelism's)."""
+        degrees = {k: d for k, d in (degrees or {}).items() if d > 1}
+        order = {p.key: p.name_order for p in parallelisms.registered()}
+        more = tuple(sorted(((k, d) for k, d in degrees.items() if k not in FIELDS), key=lambda kd: order[kd[0]]))
+        return cls(shard=shard, replicas=replicas, **{k: d for k, d in degrees.items() if k in FIELDS}, more=more)
+
+    def degree(self, key: str) -> int:
+        """The degree of parallelism ``key`` ('tp', 'cp', or one in :attr:`more`); 1 without."""
+        return getattr(self, key) if key in FIELDS else dict(self.more).get(key, 1)
 
     @property
     def reshard(self) -> bool:
@@ -70,9 +90,9 @@ class StrategyName:
         """The name, written back in the one order: ``[pp<N>+][ep<N>+]<wrap>[+cp<N>][+tp<N>]``
         (``parse_name(x.name) == x``); "none" for no wrap and no degree (a pipeline's one-GPU stage)."""
         wrap = f"hsdp{self.replicas}" if self.shard == "hsdp" else "" if self.shard == "none" else self.shard
-        parts = (f"pp{self.pp}" if self.pp > 1 else "", f"ep{self.ep}" if self.ep > 1 else "", wrap,
-                 f"cp{self.cp}" if self.cp > 1 else "", f"tp{self.tp}" if self.tp > 1 else "")
-        return "+".join(p for p in parts if p) or "none"
+        placed = [(p.name_order, f"{p.key}{self.degree(p.key)}") for p in parallelisms.registered()
+                  if p.degree and self.degree(p.key) > 1] + [(_WRAP_ORDER, wrap)]
+        return "+".join(part for _, part in sorted(placed, key=lambda op: op[0]) if part) or "none"
 
     def without_pp(self) -> StrategyName:
         """What each pipeline stage runs."""
@@ -132,18 +152,20 @@ def parse_name(text: str) -> StrategyName:
     name = text.strip().lower().replace(" ", "")
     found: dict[str, int] = {}
     shard, replicas = "none", 1
+    keys = "|".join(parallelisms.degree_keys())  # every registered degree's token (distributed/parallelisms.py)
+    token_pattern = re.compile(rf"^(?:({keys}|hsdp)(\d+)|(ddp|fsdp|fsdp-noreshard|zero1|zero2))$")
     for i, token in enumerate(name.split("+")):
-        match = _TOKEN.match(token)
+        match = token_pattern.match(token)
         if match is None:
             raise _unknown(text)
         key, degree, wrap = match.group(1), int(match.group(2) or 0), match.group(3)
         if key == "pp" and (i > 0 or "pp" in found):
             raise OptionError(f"{name}: pp<N> comes once, first: e.g. pp2+fsdp+tp2")
-        if key in ("cp", "ep") and key in found:
-            raise OptionError(f"{name}: {key}<N> comes once, e.g. {'fsdp+cp2+tp2' if key == 'cp' else 'ep8+fsdp'}")
-        if key in ("pp", "cp", "ep") and degree < 2:
-            raise OptionError(f"{name}: {key}<N> needs 2 or more ranks, e.g. "
-                              f"{dict(pp='pp2+fsdp', cp='fsdp+cp2', ep='ep8+fsdp')[key]} (or drop {key}{degree})")
+        example = dict(pp="pp2+fsdp", cp="fsdp+cp2", ep="ep8+fsdp").get(key, f"fsdp+{key}2")
+        if key not in ("pp", "tp", "hsdp", None) and key in found:
+            raise OptionError(f"{name}: {key}<N> comes once, e.g. {'fsdp+cp2+tp2' if key == 'cp' else example}")
+        if key not in ("tp", "hsdp", None) and degree < 2:
+            raise OptionError(f"{name}: {key}<N> needs 2 or more ranks, e.g. {example} (or drop {key}{degree})")
         if key in ("tp", "hsdp") and degree < 1:
             raise OptionError(f"{name}: {key}<N> needs 1 or more ranks, e.g. {'fsdp+tp2' if key == 'tp' else 'hsdp2'}")
         if ((wrap or key == "hsdp") and shard != "none") or (key == "tp" and "tp" in found):  # two wraps, two tp
@@ -154,8 +176,7 @@ def parse_name(text: str) -> StrategyName:
             shard = wrap
         else:
             found[key] = degree
-    parts = StrategyName(shard=shard, replicas=replicas, tp=found.get("tp", 1), cp=found.get("cp", 1),
-                         ep=found.get("ep", 1), pp=found.get("pp", 1))
+    parts = StrategyName.of(shard=shard, replicas=replicas, degrees=found)
     if parts.name == "none":  # tp1 alone: no wrap, no degree
         raise _unknown(text)
     return parts
@@ -190,6 +211,8 @@ def resolve(parts: StrategyName, world_size: int, *, pp_schedule: str = "1f1b", 
 def _resolve(parts: StrategyName, world_size: int, pp_schedule: str = "1f1b", microbatches: int = 0) -> Strategy:
     if parts.pp > 1:
         return _pipeline(parts, world_size, pp_schedule, microbatches)
+    if parts.more:
+        return _registered(parts, world_size)
     name = parts.name
     if parts.cp > 1 and parts.ep > 1:
         raise OptionError(f"'{name}': context and expert parallelism together are not traced; "
@@ -255,6 +278,19 @@ def _context_parallel(parts: StrategyName, world_size: int) -> Strategy:
     # On world_size // cp == 1 (or == tp) GPUs the rest resolves as one GPU's step; the wrap still
     # runs over the cp ranks.
     return dataclasses.replace(inner, name=name, world_size=world_size, shard=parts.shard, cp=cp)
+
+
+def _registered(parts: StrategyName, world_size: int) -> Strategy:
+    """A registered parallelism without a field of its own (``StrategyName.more``): it takes its degree's
+    share of the GPUs (or borrows from dp x tp: ``Parallelism.takes_gpus``) around the rest of the name."""
+    (key, degree), name = parts.more[0], parts.name
+    takes_gpus = parallelisms.entry(key).takes_gpus
+    if takes_gpus:
+        check_degree(name, key, degree, world_size, product=f"dp x {key}{degree} x the other degrees")
+    rest = dataclasses.replace(parts, more=parts.more[1:])
+    inner = _resolve(rest, world_size // degree if takes_gpus else world_size)
+    return dataclasses.replace(inner, name=name, world_size=world_size,
+                               shard=inner.shard if parts.shard == "none" else parts.shard)
 
 
 def _expert_parallel(parts: StrategyName, world_size: int) -> Strategy:

@@ -32,17 +32,23 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from batchfit.errors import OptionError
 
 if TYPE_CHECKING:
     import torch
 
-    from batchfit.distributed.strategy import Strategy
     from batchfit.workload import StepOptions, Workload
 
 ZERO_SHARDS = ("zero1", "zero2")
+
+
+class _Wrapped(Protocol):
+    """What :func:`with_sharded_optimizer` reads of a ``Strategy`` (not imported: strategy_name.py reads the
+    registry, ``parallelisms.py``, that imports this module)."""
+
+    shard: str
 
 
 def zero_optimizer(inner: torch.optim.Optimizer, *, shard_gradients: bool, model: torch.nn.Module | None = None):
@@ -130,7 +136,7 @@ def _reduce_to_owner(owner: int, me: int, world: int, group):
 
 
 def with_sharded_optimizer(workload: Workload, options: StepOptions,
-                           strategy: Strategy) -> tuple[Workload, StepOptions]:
+                           strategy: _Wrapped) -> tuple[Workload, StepOptions]:
     """``workload`` and ``options`` whose training step builds its optimizer (``--optimizer`` or
     the workload's own) wrapped as ``strategy`` needs it: a ZeroRedundancyOptimizer for zero1 /
     zero2, unchanged otherwise. The same for the traced rank (``plan``) and real gloo ranks."""

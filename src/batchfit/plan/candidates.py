@@ -7,8 +7,9 @@ rules that only keep the count bounded (each candidate is a tracing session: sec
 minutes on a CPU) are :data:`BOUNDS`, printed with every ranking.
 
 A combination is the degrees ``pp x dp x tp = world`` (``cp`` joins the product and ``ep``
-borrows from dp when those branches add them: see :data:`EXTRA_COMPONENTS`) and the
-data-parallel wrap of the dp ranks. Rules:
+borrows from dp x tp: each further parallelism's own rule, ``Parallelism.auto`` in
+``distributed/parallelisms.py``, read by :func:`registered_components`) and the data-parallel wrap
+of the dp ranks. Rules:
 
 - **pp<N>** (``plan/pipeline.py``): N in 2..MAX_AUTO_PP dividing the GPUs; only a model with
   embed / blocks / norm / head (batchfit's zoo transformers, HF causal LMs by their config's
@@ -38,6 +39,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from batchfit.distributed import parallelisms
+from batchfit.distributed.parallelisms import MIN_AUTO_CP_SEQ, divisors
 from batchfit.distributed.strategy_name import StrategyName
 from batchfit.errors import OptionError
 from batchfit.plan.world import World
@@ -46,8 +49,6 @@ MAX_AUTO_PP = 8
 """auto tries pipelines of up to 8 stages (published 405B runs use pp8; the 1F1B bubble grows with N)."""
 MAX_AUTO_TP = 8
 """auto tries TP degrees up to one node's GPUs, at most 8: TP beyond a node's NVLink is rarely worth it."""
-MIN_AUTO_CP_SEQ = 8192
-"""auto adds context parallelism from this sequence length on (shorter sequences fit without a ring)."""
 DP_WRAPS = ("ddp", "fsdp", "fsdp-noreshard", "zero1", "zero2")
 """The data-parallel wraps auto tries without pp or TP (hsdp<R> besides)."""
 
@@ -109,7 +110,7 @@ class Candidate:
     """Data-parallel ranks (samples split over them): GPUs / (pp x tp x cp)."""
     tp: int = 1
     degrees: dict[str, int] = field(default_factory=dict)
-    """Degrees of further components (``cp``, ``ep``): EXTRA_COMPONENTS."""
+    """Degrees of further components (``cp``, ``ep``): :func:`registered_components`."""
     shard: str = "none"
     """The data-parallel wrap: 'ddp', 'fsdp', 'fsdp-noreshard', 'hsdp', 'zero1', 'zero2' or 'none'."""
     replicas: int = 1
@@ -135,44 +136,11 @@ class Component:
     """One line: the rule, as the module docstring writes the others."""
 
 
-# ---- The place for further components -------------------------------------------------------------
-# The cp and ep branches add their Component here (one line each): e.g.
-#   Component(key="cp", takes_gpus=True, rule="cp<N> ...", degrees=_cp_degrees)
-# Candidates then carry degrees={"cp": N} and the composed name ("fsdp+cp2+tp2"); the engine traces
-# them like any other name (the strategy grammar must parse it). tests/test_plan_rank.py shows one added.
-def _cp_degrees(world: World, facts: ModelFacts, base: Candidate) -> list[tuple[int, str | None]]:
-    """cp<N> (distributed/strategy_name.py) on FSDP2 without pp, for attention models from MIN_AUTO_CP_SEQ tokens: the
-    smallest and largest N within a node that divides the data-parallel ranks and leaves sequence / (2 N) whole
-    (torch's head-tail load balancing)."""
-    seq = facts.seq_len or 0
-    if base.shard != "fsdp" or base.pp > 1 or facts.heads is None or seq < MIN_AUTO_CP_SEQ:
-        return []
-    room = world.gpus_per_node // base.tp
-    fit = [d for d in _divisors(base.dp) if 1 < d <= room and seq % (2 * d) == 0]
-    return [(d, None) for d in sorted({fit[0], fit[-1]})] if fit else []
-
-
-def _ep_degrees(world: World, facts: ModelFacts, base: Candidate) -> list[tuple[int, str | None]]:
-    """ep<N>+fsdp[+tp<M>] (distributed/strategy_name.py) for a mixture of experts, without pp: the largest N within a
-    node dividing both the experts and the dp x tp ranks it borrows from (torchtitan's etp=1)."""
-    fsdp = base.shard == "fsdp" or (base.shard == "none" and base.tp > 1)  # tp<M> alone: FSDP2 over one rank
-    if not facts.experts or not fsdp or base.pp > 1:
-        return []
-    fit = [d for d in _divisors(base.dp * base.tp) if 1 < d <= world.gpus_per_node and facts.experts % d == 0]
-    return [(fit[-1], None)] if fit else []
-
-
-EXTRA_COMPONENTS: tuple[Component, ...] = (
-    Component(key="cp", takes_gpus=True, degrees=_cp_degrees,
-              rule="cp<N>: ring attention over N ranks of each sample, FSDP2 over dp x cp"),
-    Component(key="ep", takes_gpus=False, degrees=_ep_degrees,
-              rule="ep<N>+fsdp[+tp<M>]: each rank keeps experts / N, all-to-all dispatch (etp=1 with tp)"),
-)
-# ----------------------------------------------------------------------------------------------------
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def registered_components() -> tuple[Component, ...]:
+    """The further components auto tries: every registered parallelism with a candidate rule (cp, ep, and a
+    new one's: ``Parallelism.auto`` in ``distributed/parallelisms.py``), in the registry's order."""
+    return tuple(Component(key=p.key, takes_gpus=p.takes_gpus, degrees=p.auto, rule=p.auto_rule)
+                 for p in parallelisms.registered() if p.auto is not None)
 
 
 def _hsdp_replicas(world: World) -> list[int]:
@@ -237,14 +205,14 @@ def _pp_wrap(schedule: str) -> str:
 def _name(pp: int, wrap: str, tp: int, degrees: dict[str, int] | None = None) -> str:
     """The grammar's name (``distributed/strategy_name.py`` writes it): [pp<N>+][ep<N>+]wrap[+cp<N>][+tp<N>]
     ('' wrap: none; 'tp4' alone)."""
-    return StrategyName(shard=wrap or "none", tp=tp, pp=pp, **(degrees or {})).name
+    return StrategyName.of(shard=wrap or "none", degrees={"tp": tp, "pp": pp, **(degrees or {})}).name
 
 
 def candidates(world: World, facts: ModelFacts, *, pp_schedule: str = "1f1b", microbatches: int = 0,
                components: tuple[Component, ...] | None = None) -> list[Candidate]:
     """Every combination of ``world`` for a model of ``facts``, skipped ones with their reason
     (the rules: the module docstring). The plain data-parallel ones first, then TP, then pp."""
-    components = EXTRA_COMPONENTS if components is None else components
+    components = registered_components() if components is None else components
     g = world.gpus
     base = dict(gpus=g, nodes=world.nodes)
     if g == 1:
@@ -263,18 +231,18 @@ def candidates(world: World, facts: ModelFacts, *, pp_schedule: str = "1f1b", mi
         add(Candidate(name=StrategyName(shard="hsdp", replicas=r).name, **base, dp=g, shard="hsdp", replicas=r,
                       rule="hsdp<R>: shard groups of whole nodes (or 2+ GPUs on one node), replicated R times"))
     # 2. tensor parallel (FSDP2 over the rest)
-    for tp in (d for d in _divisors(g) if 1 < d <= tp_cap):
+    for tp in (d for d in divisors(g) if 1 < d <= tp_cap):
         dp = g // tp
         add(Candidate(name=_name(1, "fsdp" if dp > 1 else "", tp), **base, dp=dp, tp=tp,
                       shard="fsdp" if dp > 1 else "none", rule="tp<N> within a node, FSDP2 over the rest",
                       skipped=_tp_reason(facts, tp)))
     # 3. pipelines
     wrap = _pp_wrap(pp_schedule)
-    for pp in (d for d in _divisors(g) if 1 < d <= MAX_AUTO_PP):
+    for pp in (d for d in divisors(g) if 1 < d <= MAX_AUTO_PP):
         inner = g // pp
         reason = _pp_reason(facts, pp, pp_schedule, microbatches)
         tp_inside = facts.pp_tp_split_backward or not _splits_backward(pp_schedule)
-        tps = [1] + [t for t in _divisors(inner) if 1 < t <= tp_cap and _tp_reason(facts, t) is None
+        tps = [1] + [t for t in divisors(inner) if 1 < t <= tp_cap and _tp_reason(facts, t) is None
                      and tp_inside][-1:]
         for tp in tps if reason is None else [1]:
             dp = inner // tp

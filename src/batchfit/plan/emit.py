@@ -18,7 +18,7 @@ import math
 import re
 from pathlib import Path
 
-from batchfit.distributed.parallelisms import PARALLELISMS
+from batchfit.distributed.parallelisms import degree_of, registered
 from batchfit.errors import OptionError
 
 EMIT_HELP = "FILE (YAML + torchrun line), accelerate:FILE or torchtitan:FILE"
@@ -128,8 +128,8 @@ def config_yaml(result) -> str:
             "nodes": p.nodes,
             "strategy": p.strategy,
             "data_parallel": p.dp,
-            **{k.config_key: getattr(p, k.key) for k in PARALLELISMS  # tensor_parallel always; the others above 1
-               if k.config_key and (getattr(p, k.key) > 1 or k.config_at_1)},
+            **{k.config_key: degree_of(p, k.key) for k in registered()  # tensor_parallel always; the others above 1
+               if k.config_key and (degree_of(p, k.key) > 1 or k.config_at_1)},
             "elastic_target_util": result.target_util,
             "peak_gib_per_gpu": round(p.peak_bytes_at_micro / 2**30, 2),
             "launch": torchrun_line(p),

@@ -22,7 +22,7 @@ import re
 
 import tomllib
 
-from batchfit.distributed.parallelisms import PARALLELISMS
+from batchfit.distributed.parallelisms import degree_of, registered
 from batchfit.errors import OptionError
 
 
@@ -37,8 +37,8 @@ def degrees(layout) -> dict[str, object]:
     replicate = layout.replicas if layout.shard == "hsdp" else layout.dp if layout.shard == "ddp" else 1
     out: dict[str, object] = {"data_parallel_replicate_degree": replicate,
                               "data_parallel_shard_degree": layout.dp // replicate}
-    for parallelism in (p for p in PARALLELISMS if p.torchtitan_key):  # each degree's key (distributed/parallelisms.py)
-        degree = getattr(layout, parallelism.key)
+    for parallelism in (p for p in registered() if p.torchtitan_key):  # each degree's key (distributed/parallelisms.py)
+        degree = degree_of(layout, parallelism.key)
         if degree > 1 or parallelism.torchtitan_at_1:
             out[parallelism.torchtitan_key] = degree
     if layout.shard == "fsdp-noreshard":

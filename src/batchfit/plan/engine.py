@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import math
 import time
 from collections.abc import Callable
-from types import ModuleType
 
 from batchfit.devices import Device, GiB
 from batchfit.distributed.parallelisms import approximations as parallelism_approximations
@@ -44,13 +42,11 @@ from batchfit.plan.time_model import TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
 from batchfit.search import (
     SearchResult,
-    Trial,
     _check_limit,
     check_search_options,
     choose_micro,
-    guided,
+    curve_search,
     micro_candidates,
-    reserved_search,
     trace_first_sizes,
 )
 from batchfit.targets import bytes_at_target
@@ -58,13 +54,6 @@ from batchfit.trace.curve import MemoryCurve, secant
 from batchfit.workload import StepOptions, Workload
 
 SECONDS_PER_DAY = 86400
-
-def sharded() -> ModuleType:
-    """The sharded tracer, imported when a plan runs (it pulls in torch.distributed).
-
-    Through ``importlib`` so that a stand-in put in ``sys.modules`` is the one used."""
-    return importlib.import_module("batchfit.plan.sharded")
-
 
 class PointSession:
     """A session over a tracer of one point at a time: ``trace(workload, options, device,
@@ -130,24 +119,12 @@ class ShardedCurve:
 
     def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
                   reserved: bool = False, host_limit_bytes: int | None = None) -> SearchResult:
-        """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak is under
-        ``limit_bytes`` (and whose offloaded host bytes are under ``host_limit_bytes``, when
-        given): predicted by the curve, confirmed by tracing it and the next size up.
-        With ``reserved``, the reserved peak, searched at or below the allocated answer, as
-        ``estimate`` does (``search.reserved_search``): only the sizes that decide are replayed."""
-
-        def probe(local_batch: int) -> Trial:
-            point = self.point(local_batch)
-            fits = point.peak_bytes <= limit_bytes and (host_limit_bytes is None
-                                                        or point.host_reserved_bytes <= host_limit_bytes)
-            return Trial(local_batch, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes)
-
-        known = [probe(b) for b in self.points]
-        found = guided(probe, lambda trials: self.curve().max_batch_size(limit_bytes, multiple_of),
-                       lo=lo, hi=hi, multiple_of=multiple_of, known=known)
-        if not reserved or not found.max_batch_size:
-            return found
-        return reserved_search(self, found, limit_bytes, lo=lo, multiple_of=multiple_of)
+        """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak (reserved with
+        ``reserved``, searched at or below the allocated answer) is under ``limit_bytes`` (and whose
+        offloaded host bytes are under ``host_limit_bytes``, when given): ``search.curve_search``,
+        estimate's search too."""
+        return curve_search(self, limit_bytes, lo=lo, hi=hi, multiple_of=multiple_of, reserved=reserved,
+                            host_limit_bytes=host_limit_bytes)
 
 
 def _validate(target_util: float, multiple_of: int, max_batch: int, batch_sizes: list[int] | None,
@@ -285,17 +262,18 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
         raise OptionError("plan chooses the accumulation steps itself (to reach `global_batch`): "
                           "drop `accumulation_steps`")
     if trace is None or parse is None:
-        module = sharded()
+        from batchfit.plan import sharded  # the tracer, imported when a plan runs (it pulls in torch.distributed)
+
         pipeline = dict(pp_schedule=request.pp_schedule, microbatches=request.microbatches)
         pp_options = {} if (request.pp_schedule, request.microbatches) == ("1f1b", 0) else pipeline
-        parse = parse or functools.partial(module.parse_strategies, **pp_options)  # a stand-in need not take them
+        parse = parse or functools.partial(sharded.parse_strategies, **pp_options)  # a stand-in need not take them
     if trace is not None:
         open_session = functools.partial(PointSession, trace, replay=replay)
     else:
         from batchfit.plan.deep import DeepSession  # the tracer: torch, when a plan runs
         from batchfit.plan.pipeline import pipeline_or
 
-        open_session = pipeline_or(functools.partial(DeepSession, session=module.ShardedSession))
+        open_session = pipeline_or(functools.partial(DeepSession, session=sharded.ShardedSession))
     multiple_of = workload.batch_multiple(request.multiple_of)
     auto = request.strategies.strip().lower() == "auto"
     not_traced: list[StrategyPlan] = []

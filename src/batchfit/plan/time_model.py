@@ -66,7 +66,7 @@ from pathlib import Path
 
 from batchfit.devices import Device
 from batchfit.devices import host_link_seconds as offload_seconds
-from batchfit.distributed.parallelisms import BY_GROUP
+from batchfit.distributed import parallelisms
 from batchfit.errors import OptionError, read_text
 from batchfit.plan.world import World
 
@@ -197,8 +197,9 @@ class StepTime:
 def group_span(collective, strategy) -> int:
     """How many consecutive ranks one group of ``collective`` spans (tp innermost, then the
     data-parallel shard group, then the replicas)."""
-    if collective.group in BY_GROUP:  # tp, cp's ring, ep: each parallelism's own rule (distributed/parallelisms.py)
-        return BY_GROUP[collective.group].span(collective, strategy)
+    own = parallelisms.by_group().get(collective.group)  # tp, cp's ring, ep: its own rule (distributed/parallelisms.py)
+    if own is not None:
+        return own.span(collective, strategy)
     if (strategy.shard == "hsdp" and strategy.replicas > 1 and collective.op != "all_reduce"
             and collective.group_size == strategy.dp // strategy.replicas):
         return collective.group_size * strategy.tp  # the shard group inside one replica
@@ -218,7 +219,7 @@ def step_time(point, strategy, world: World, device: Device, precision: str, mod
     sent: dict[str, int] = {}
     link_of: dict[str, str] = {}
     overlapped = exposed = 0.0
-    waited = {group for group, parallelism in BY_GROUP.items() if parallelism.critical_path}  # tp, ep
+    waited = {group for group, parallelism in parallelisms.by_group().items() if parallelism.critical_path}  # tp, ep
     dp_calls = [i for i, c in enumerate(point.collectives) if c.group not in waited]
     first_forward = next((i for i in dp_calls if point.collectives[i].phase == "forward"), None)
     last_backward = next((i for i in reversed(dp_calls) if point.collectives[i].phase == "backward"), None)

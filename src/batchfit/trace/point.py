@@ -21,7 +21,11 @@ import torch
 from torch import nn
 
 from batchfit.devices import Device
-from batchfit.search import SearchResult, Trial, guided, reserved_search
+from batchfit.search import (
+    SearchResult,
+    curve_search,
+    host_fits,  # noqa: F401 - estimator/ imports it from here
+)
 from batchfit.trace import cache as trace_cache
 from batchfit.trace import depth, forked, repeats, stream
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
@@ -159,11 +163,6 @@ def run_out_at_reserved(session: TraceSession, device: Device,
 
     session.tracker.on_event = on_event
     return allocator
-
-
-def host_fits(point: MemoryPoint, host_limit_bytes: int | None) -> bool:
-    """Whether the pinned host memory ``point`` holds fits ``--host-memory`` (None: not checked)."""
-    return host_limit_bytes is None or point.host_reserved_bytes <= host_limit_bytes
 
 
 class TracedCurve:
@@ -485,29 +484,10 @@ class TracedCurve:
 
     def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
                   reserved: bool = False, host_limit_bytes: int | None = None) -> SearchResult:
-        """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak is under
-        ``limit_bytes``: the curve predicts it, tracing it and the next size up confirms it.
-
-        With ``reserved`` the peak is the reserved one (``max_memory_reserved``). Reserved is
-        never less than allocated, so the search first finds the allocated answer (cheap: by
-        depth) and then looks for the reserved one at or below it, where each probe is a
-        whole-model trace replayed through the allocator model.
-
-        With ``host_limit_bytes`` a batch whose offloaded host bytes (the pinned allocator's hold)
-        pass it does not fit either.
-        """
-
-        def allocated_probe(batch_size: int) -> Trial:
-            point = self.point(batch_size)
-            fits = point.peak_bytes <= limit_bytes and host_fits(point, host_limit_bytes)
-            return Trial(batch_size, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes)
-
-        known = [allocated_probe(b) for b in self.points]
-        found = guided(allocated_probe, lambda trials: self.curve().max_batch_size(limit_bytes, multiple_of),
-                       lo=lo, hi=hi, multiple_of=multiple_of, known=known)
-        if not reserved or not found.max_batch_size:
-            return found
-        return reserved_search(self, found, limit_bytes, lo=lo, multiple_of=multiple_of)
+        """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak (reserved with
+        ``reserved``) is under ``limit_bytes``: ``search.curve_search``, plan's search too."""
+        return curve_search(self, limit_bytes, lo=lo, hi=hi, multiple_of=multiple_of, reserved=reserved,
+                            host_limit_bytes=host_limit_bytes)
 
     def close(self) -> None:
         if self._forked is not None:

@@ -1,0 +1,76 @@
+"""Adding a parallelism takes one module (issue 31): tests/toy_parallelism.py registers ``xp<N>``,
+and the strategy grammar, auto's candidates, the time model, the approximations and the torchtitan
+and config.yaml emits read it from the registry (``distributed/parallelisms.py``), no other file edited."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from batchfit.distributed import parallelisms
+from batchfit.distributed.strategy_name import StrategyName, parse_name, parse_strategy
+from batchfit.errors import OptionError
+from batchfit.plan.candidates import ModelFacts, candidates
+from batchfit.plan.world import World
+from toy_parallelism import TOY
+
+LLAMA = ModelFacts(name="llama", n_layers=32, heads=32, kv_heads=8, tp_plan=True)
+
+
+@pytest.fixture
+def toy():
+    with parallelisms.added(TOY):
+        yield TOY
+
+
+def test_the_toy_is_parsed_and_laid_on_a_world(toy):
+    parts = parse_name("xp2+fsdp+tp2")
+    assert parts == StrategyName(shard="fsdp", tp=2, more=(("xp", 2),)) and parts.name == "fsdp+tp2+xp2"
+    s = parse_strategy("fsdp+xp2", 8)  # xp takes its GPUs: dp = 8 / 2
+    assert (s.name, s.dp, s.tp, s.shard, s.parts.degree("xp")) == ("fsdp+xp2", 4, 1, "fsdp", 2)
+    assert parse_strategy("fsdp+xp2+tp2", 8).dp == 2
+    with pytest.raises(OptionError, match="xp<N> needs 2 or more ranks"):
+        parse_name("fsdp+xp1")
+    with pytest.raises(OptionError, match="must equal the GPU count"):
+        parse_strategy("fsdp+xp3", 8)
+
+
+def test_auto_lists_the_toy_by_its_own_rule(toy):
+    listed = {c.name: c for c in candidates(World(8), LLAMA)}
+    assert (listed["fsdp+xp2"].dp, listed["fsdp+xp2"].degrees, listed["fsdp+xp2"].skipped) == (4, {"xp": 2}, None)
+    assert listed["fsdp+xp2"].rule == TOY.auto_rule and "fsdp+tp2+xp2" not in listed  # its rule: no TP
+    assert candidates(World(8), ModelFacts(name="m"))[-1].skipped == "m has no layers for the toy to split"
+
+
+def test_the_toy_is_emitted_timed_and_approximated(toy):
+    from batchfit.plan.emit_torchtitan import degrees
+    from batchfit.plan.sharded import Collective
+    from batchfit.plan.time_model import group_span
+
+    s = parse_strategy("fsdp+xp2", 8)
+    assert degrees(s) == {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 4,
+                          "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1, "context_parallel_degree": 1,
+                          "toy_parallel_degree": 2}
+    assert "toy_parallel_degree" not in degrees(parse_strategy("fsdp", 8))  # torchtitan_at_1=False
+    assert group_span(Collective("all_to_all", "xp", 2, 1, "forward"), s) == 4
+    said = TOY.approximations([s, parse_strategy("fsdp", 8)], None, None)
+    assert [a.what for a in said] == ["fsdp+xp2: the toy's ranks are not traced"]
+    from batchfit.devices import get_device
+    from batchfit.plan.emit import config_yaml
+    from batchfit.workload import StepOptions
+
+    row = SimpleNamespace(strategy=s.name, parts=s.parts, gpus=8, nodes=1, dp=4, tp=1, pp=1, cp=1, ep=1,
+                          micro_batch=4, accumulation_steps=1, global_batch=16, peak_bytes_at_micro=2**30)
+    text = config_yaml(SimpleNamespace(recommended=[row], device=get_device("h100-80gb"), target_util=0.9,
+                                       workload="w", options=StepOptions()))
+    assert "toy_parallel: 2" in text
+
+
+def test_the_toy_is_gone_after_its_block():
+    with parallelisms.added(TOY), pytest.raises(ValueError, match="already registered"):
+        with parallelisms.added(TOY):
+            pass
+    with pytest.raises(OptionError, match="unknown strategy"):
+        parse_name("fsdp+xp2")
+    assert "xp" not in {c for c in candidates(World(8), LLAMA) for c in c.degrees}
