@@ -450,7 +450,7 @@ class TracedCurve:
     def _replay(self, batch_size: int, config: AllocatorConfig) -> tuple[int | None, str | None, float, bool]:
         """``replay_reserved``'s three figures, and whether the stream had to be traced whole (or
         was: a size traced whole, fresh, has its stream, and no depths' streams to extend)."""
-        extend = self.by_depth and self._whole_streams.get(batch_size) is None
+        extend = self.by_depth and batch_size in self._streams and self._whole_streams.get(batch_size) is None
         events = self._extended_stream(batch_size) if extend else None
         whole = events is None
         if whole:
