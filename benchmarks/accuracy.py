@@ -7,7 +7,7 @@ the torch profiler's peak of the same real CPU step, a real gloo run's rank, a r
 published figure). Per file: the rows, the error (predicted - measured) / measured as min /
 median / max, and the share of rows below parity (a prediction too low: the worse side, a batch
 said to fit that runs out). Then recommend's answers against full sweeps, and the speed figures
-that benchmarks timed with farm-bench (``min_s`` / ``median_s`` / ``max_s``, or ``min`` / ``median`` /
+that benchmarks timed as whole commands over several runs (``min_s`` / ``median_s`` / ``max_s``, or ``min`` / ``median`` /
 ``max`` under a key ending in ``_s``; each file's ``command`` says what was timed).
 
     python benchmarks/accuracy.py            # writes docs/accuracy.md
@@ -193,7 +193,7 @@ SKIPPED_FIGURES = ("user_s", "sys_s")
 
 
 def _timings(value, path: tuple[str, ...] = (), parent: dict | None = None):
-    """Every farm-bench figure below ``value``: a dict with ``min_s`` / ``median_s`` / ``max_s``, or
+    """Every whole-command timing figure below ``value``: a dict with ``min_s`` / ``median_s`` / ``max_s``, or
     ``min`` / ``median`` / ``max`` under a key ending in ``_s`` (``wall_s: {min, median, max}``), with
     the keys that lead to it and the row that holds it."""
     if isinstance(value, dict):
@@ -259,7 +259,7 @@ def render(files: list[Path]) -> str:
         lines += recommend_section(recommend)
     speed = speed_rows(files)
     if speed:
-        lines += ["", "## Speed: whole commands timed with farm-bench", "",
+        lines += ["", "## Speed: whole commands timed over several runs", "",
                   "| results file | what | runs | min | median | max | commit |", "|---|---|---|---|---|---|---|"]
         for r in speed:
             lines.append(f"| `{r['file']}` | {r['label']} | {r['runs']} | "

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from batchfit import StepOptions, get_device, load_workload
+from batchfit.devices import Device
+from batchfit.estimator.engine import estimate
 from batchfit.trace import depth
 from batchfit.trace.point import TracedCurve
 
@@ -89,3 +91,34 @@ def test_generation_is_not_extrapolated():
         assert traced.by_depth and traced.full_traces == [8]
         session = traced._first  # depth 2
         assert len(session.tracker._blocks) == 2  # the cut stack (the policy's), not the reference's 12
+
+
+@pytest.mark.slow
+def test_generation_traces_whole_only_after_its_first_size():
+    # Once a phase is seen to run the stack more than once, no size can extrapolate: the next sizes are
+    # traced whole only (no depths), and the reserved peaks replay the whole model's own stream. Every
+    # figure equals the whole model's curve, which never traced by depth.
+    workload = load_workload("grpo-gpt2-124m", seq_len=2)
+    device = get_device("rtx4090-24gb")
+    said: list[str] = []
+    with TracedCurve(workload, StepOptions(), device, said.append, keep_streams=True, parallel=False) as traced, \
+            TracedCurve(workload, StepOptions(), device, keep_streams=True, by_depth=False) as whole:
+        for b in (8, 16, 24):
+            assert traced.reserved(b) == whole.reserved(b)
+        assert traced.full_traces == traced.whole_reserved == [8, 16, 24]
+    assert sum("at depths" in message for message in said) == 1  # batch 8's, which found the repeats
+
+
+@pytest.mark.slow
+def test_generation_estimate_is_the_one_traced_before():
+    # GRPO with 4 new tokens on a 5 GiB GPU: the figures of e38f4c0 (which traced depths 2, 3, 4 and the
+    # whole model at each of these 8 sizes and replayed the streams extended from the depths'), now
+    # traced whole only after batch 8 and replayed from the whole model's streams, in half the time
+    gpu = Device(name="g5", display_name="a 5 GiB GPU", total_bytes=5 << 30, context_bytes=0, workspace_bytes=8 << 20)
+    result = estimate(load_workload("grpo-gpt2-124m", seq_len=4), device=gpu, cache=False, suggest=False).to_json()
+    assert (result["max_batch_size"], result["max_batch_size_at_target"]) == (96, 80)
+    assert {p["batch_size"]: (p["peak_bytes"], p["peak_reserved_bytes"]) for p in result["points"]} == {
+        8: (2976733696, None), 16: (2976733696, None), 80: (4385401856, 4640997376),
+        88: (4609795584, 5003804672), 96: (4834162688, 5289017344), 104: (5060218368, None),
+        112: (5296590848, None), 120: (5532963840, None)}
+    assert result["traced_by_depth"]["full_traces"] == [8, 16, 112, 120, 80, 88, 96, 104]

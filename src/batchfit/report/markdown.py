@@ -25,6 +25,26 @@ def gib(n: float | None) -> str:
     return "—" if n is None else f"{n / GiB:.2f}"
 
 
+def _by_depth_note(r) -> str:
+    """How a model traced by depth got its points: extrapolated from depths 2, 3, 4, or, where its
+    memory is not affine in depth (generation's growing cache), traced whole at every size."""
+    if not r.depth_blocks:
+        return ""
+    depths = ", ".join(map(str, r.depths))
+    if len(set(r.full_traces)) == r.traces:
+        return (f"; whole ({r.depth_blocks} blocks) at every batch size: depths {depths} did not lie on one "
+                "line (memory is not affine in depth here)"
+                + ("; reserved peaks replayed from the whole model's allocation streams" if r.limit == "reserved"
+                   else ""))
+    note = f"; at depths {depths} of {r.depth_blocks} blocks, extrapolated exactly (byte for byte affine)"
+    if r.limit == "reserved":
+        note += (f"; reserved peaks replayed from allocation streams written for {r.depth_blocks} blocks from the "
+                 "depths' streams (checked event for event at the smaller depths)"
+                 + (f", except batch sizes {', '.join(map(str, r.whole_reserved))} (traced whole)"
+                    if r.whole_reserved else ""))
+    return note
+
+
 def approximation_lines(result) -> list[str]:
     """A warning line per approximation the result carries (``trace/approximation.py``) and a notice line
     per option that changed nothing (``trace/noops.py``), then a gap."""
@@ -103,13 +123,7 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
         f"context (assumed), {gib(d.usable_bytes)} GiB usable |",
         f"| Batch sizes | multiples of {r.multiple_of} |",
         f"| Traced with | torch {r.torch_version}, {r.traces} traced batch sizes in {r.trace_seconds:.1f} s"
-        + (f"; at depths {', '.join(map(str, r.depths))} of {r.depth_blocks} blocks, extrapolated exactly "
-           "(byte for byte affine)" if r.depth_blocks else "")
-        + (f"; reserved peaks replayed from allocation streams written for {r.depth_blocks} blocks from the "
-           "depths' streams (checked event for event at the smaller depths)"
-           + (f", except batch sizes {', '.join(map(str, r.whole_reserved))} "
-              "(traced whole)" if r.whole_reserved else "")
-           if r.depth_blocks and r.limit == "reserved" else "") + " |",
+        + _by_depth_note(r) + " |",
         "",
         "## Peak memory by batch size (GiB)",
         "",

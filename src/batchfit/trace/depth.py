@@ -136,6 +136,12 @@ def _phase_lines(points: list[Point], phase: str, depth: int) -> tuple[int, dict
     return max(candidates, key=lambda candidate: candidate[0])
 
 
+def stack_repeats(points: list[Point]) -> bool:
+    """Whether a phase ran the stack more than once (``memory.PARTS``' "repeated": generation with
+    a growing cache): then no batch size extrapolates, whatever its size."""
+    return any(key.endswith(":repeated") for p in points for key in p.peak_by_part)
+
+
 def extrapolate(points: list[Point], depth: int) -> Point | None:
     """The point at ``depth`` from points traced at ``DEPTHS``, or None when memory is
     not exactly affine in depth (then trace the full model).

@@ -204,6 +204,9 @@ class TracedCurve:
         self._first: TraceSession | None = None
         self._seen = depth.Depth()
         self._by_depth, self._parallel = by_depth, parallel
+        self._stack_repeats = False
+        """A phase ran the stack of blocks more than once (generation, its cache growing): no size
+        extrapolates (``depth._phase_lines``), so after the first every size is traced whole only."""
         self._cache = (trace_cache.for_curve(workload.cache_key, options.to_json(), by_depth=by_depth)
                        if cache else None)
         facts = self._cache.get("model") if self._cache is not None else None
@@ -381,18 +384,21 @@ class TracedCurve:
         workspace = self.device.workspace_bytes
         found = None
         warmth = "fresh" if fresh else "warm"  # a warm trace's step follows others: cached apart
-        if self.by_depth:
+        if self.by_depth and not self._stack_repeats:
             traced = self._from_cache(f"depths-{batch_size}-{warmth}", lambda: self._trace_depths(batch_size, fresh))
             if fresh:
                 self._streams[batch_size] = {d: events for d, (_, events) in zip(depth.DEPTHS, traced)}
-            found = depth.extrapolate([allocated_point(point, workspace) for point, _ in traced], self.blocks)
+            points = [allocated_point(point, workspace) for point, _ in traced]
+            found = depth.extrapolate(points, self.blocks)
+            self._stack_repeats = found is None and depth.stack_repeats(points)
         if found is None:  # not traced by depth, or not affine in depth: the whole model
             traced, events = self._from_cache(f"whole-{batch_size}-{warmth}",
                                               lambda: self._trace_whole(batch_size, fresh))
             found = allocated_point(traced, workspace)
             if fresh:
                 self._whole_streams[batch_size] = events
-            self.full_traces.append(batch_size)
+            if batch_size not in self.full_traces:  # traced again, fresh, for its reserved peak
+                self.full_traces.append(batch_size)
         self.points[batch_size] = found
         return found
 
@@ -426,7 +432,8 @@ class TracedCurve:
         """
         point = self.point(batch_size)
         if point.peak_reserved_bytes is None and point.reserved_oom is None:
-            if self.by_depth and batch_size not in self._streams:  # traced before streams were kept: again, fresh
+            kept = self._whole_streams if self._stack_repeats else self._streams
+            if self.by_depth and batch_size not in kept:  # traced before streams were kept: again, fresh
                 self.points.pop(batch_size)
                 self.point(batch_size, fresh=True)
             point = self.points[batch_size]
@@ -440,8 +447,10 @@ class TracedCurve:
         return point
 
     def _replay(self, batch_size: int, config: AllocatorConfig) -> tuple[int | None, str | None, float, bool]:
-        """``replay_reserved``'s three figures, and whether the stream had to be traced whole."""
-        events = self._extended_stream(batch_size) if self.by_depth else None
+        """``replay_reserved``'s three figures, and whether the stream had to be traced whole (or
+        was: a size traced whole, fresh, has its stream, and no depths' streams to extend)."""
+        extend = self.by_depth and batch_size in self._streams and self._whole_streams.get(batch_size) is None
+        events = self._extended_stream(batch_size) if extend else None
         whole = events is None
         if whole:
             events = self._whole_stream(batch_size)
