@@ -200,7 +200,7 @@ def test_estimate_traces_compile_model_compiled_and_says_how_close_that_is(tmp_p
     assert {k: approximation[k] for k in ("what", "may_differ_by", "source")} == {
         k: getattr(COMPILED_TRACED, k) for k in ("what", "may_differ_by", "source")}
     assert re.fullmatch(r"--compile model: [1-9]\d* graphs compiled, 0 graph breaks", approximation["detail"])
-    assert "> **Warning: approximated.** compiled step traced with AOTAutograd" in report
+    assert "> **Warning: approximated.** compiled step traced as the wrapper code inductor generates" in report
     assert "warning: approximated: compiled step traced" in " ".join(terminal.split())
 
 
