@@ -200,7 +200,7 @@ def test_estimate_traces_compile_model_compiled_and_says_how_close_that_is(tmp_p
     assert {k: approximation[k] for k in ("what", "may_differ_by", "source")} == {
         k: getattr(COMPILED_TRACED, k) for k in ("what", "may_differ_by", "source")}
     assert re.fullmatch(r"--compile model: [1-9]\d* graphs compiled, 0 graph breaks", approximation["detail"])
-    assert "> **Warning: approximated.** compiled step traced with AOTAutograd" in report
+    assert "> **Warning: approximated.** compiled step traced as the wrapper code inductor generates" in report
     assert "warning: approximated: compiled step traced" in " ".join(terminal.split())
 
 
@@ -357,6 +357,7 @@ def _profiled_peaks(step: TrainingStep, batch_sizes: tuple[int, ...], tmp_path: 
     return [profiled_step_peak(step, batch_size, tmp_path, warmup=2) for batch_size in batch_sizes]
 
 
+@pytest.mark.slow  # inductor compiles a 4-layer Llama at two sizes, then three traces: 2-3 min on 2 cores
 def test_the_compiled_trace_matches_inductor_on_cpu(tmp_path):
     """The truth: the same step compiled with inductor on this CPU, measured by the profiler.
     The compiled trace is within 2% of it (0.01% when written); the eager trace is 4% high."""
@@ -438,11 +439,12 @@ def workload():
 
 
 @pytest.mark.slow
-def test_pointwise_heavy_blocks_are_traced_low_op_by_op_and_exact_as_inductors_code(tmp_path):
-    """Blocks of LayerNorm, silu(a) x tanh(b) and GELU (3 blocks, fp32, batch 4, static shapes): op by op the
-    fusion model is 2.4% below inductor on this CPU (22,357,096 B measured, 21,830,664 B traced when written;
-    1.8% at batch 8), the figure COMPILED_TRACED states; inductor's own code (--memory-budget 1, the default
-    partition) is within 100 B."""
+def test_pointwise_heavy_blocks_are_traced_as_inductors_code_within_200_bytes(tmp_path):
+    """Blocks of LayerNorm, silu(a) x tanh(b) and GELU (3 blocks, fp32, batch 4, static shapes): the trace runs
+    inductor's generated code for each graph, with and without a budget, and is within 200 B of inductor on this
+    CPU (22,357,000 B traced, 22,357,096 B measured). Op by op, with batchfit's model of inductor's fusion (the
+    rule before 2026-11-28), it was 2.4% low here (21,830,664 B): inductor holds both gates' gradients and two
+    weight gradients at once in the last block's backward."""
     from batchfit.specs import load_workload
     from batchfit.trace.session import TraceSession
 
@@ -456,7 +458,6 @@ def test_pointwise_heavy_blocks_are_traced_low_op_by_op_and_exact_as_inductors_c
     with same_kernels_on_any_x86():
         truth = profiled_step_peak(TrainingStep(workload, StepOptions(compile="model"), torch.device("cpu")), 4,
                                    tmp_path, warmup=2)
-    assert -0.03 < traced[None] / truth - 1 < -0.02, (traced, truth)
-    assert abs(traced[1.0] - truth) < 200, (traced, truth)
-    assert "pointwise ops (LayerNorm, silu(a) x tanh(b), GELU; 3 blocks, fp32): -2.4% (batch 4), -1.8% (batch 8)" \
-        in COMPILED_TRACED.may_differ_by
+    assert traced[None] == traced[1.0]  # the default partition is a budget of 1
+    assert abs(traced[None] - truth) < 200, (traced, truth)
+    assert "blocks of pointwise ops" in COMPILED_TRACED.may_differ_by

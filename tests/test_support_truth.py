@@ -49,29 +49,17 @@ RECIPES: dict[str, dict] = {
 FAST_RECIPES = ("fp32",)
 TOLERANCE = {"compile": 0.02}
 """Of the measured peak; 1% where not listed (inductor's buffer reuse is its own scheduler's: 2%)."""
-_FUSION = ("the same partition run as inductor's generated wrapper (--memory-budget 1.0: trace/compiled.py, "
-           "inductor_plan) traces {wrapper} B, so the gap is batchfit's model of inductor's pointwise fusion "
-           "(trace/compiled.py: unmaterialized), by one fp32 buffer of 131,072 B ({buffer})")
-KNOWN: dict[tuple[str, str], str] = {
-    ("gemma2", "compile"): (
-        "+4.3%: traced 3,262,928 B, inductor on this CPU 3,128,188 B (2026-11-28); " + _FUSION.format(
-            wrapper="3,128,160", buffer="135,280 B more activations in the forward: one of Gemma 2's softcapped "
-            "[2, 4, 64, 64] attention scores or [2, 64, 256] logits, which inductor never writes")),
-    ("granite", "compile"): (
-        "-5.1%: traced 2,471,372 B, inductor on this CPU 2,602,864 B (2026-11-28); " + _FUSION.format(
-            wrapper="2,602,844", buffer="131,584 B fewer temporaries at the backward's peak: most likely the "
-            "[2, 64, 256] logits' gradient before Granite's logits_scaling division, which inductor writes and "
-            "the model fuses into the division") + "; not strict: in 2 of 9 runs, traced after other cells in the same "
-            "process (one: qwen3_moe full trace, granite compile trace, qwen3_moe full real step), it read "
-            "2,603,472 B (+0.02%); not reproduced by any one earlier step alone, unexplained"),
-}
-"""(family, recipe) cells that miss the tolerance today, with the measured numbers and why (strict xfail)."""
-FLAKY = {("granite", "compile")}
+KNOWN: dict[tuple[str, str], str] = {}
+"""(family, recipe) cells that miss the tolerance today, with the measured numbers and why (strict xfail). Empty
+since 2026-11-28: gemma2 (+4.3%) and granite (-5.1%) under compile were batchfit's model of inductor's pointwise
+fusion; every compiled graph now runs inductor's generated code (trace/compiled.py), -0.002% on both."""
+FLAKY: set[tuple[str, str]] = set()
 """Known cells whose trace depends on what ran before it in the process: xfail, not strict."""
 IN_CI = {"compile": ("llama", "qwen3", "gemma2", "granite"), "gloo": ("llama", "gemma2", "mixtral", "gpt2", "t5")}
 """The families CI's slow tier runs for the two costliest truths (inductor compiles, two gloo ranks): each kind
 of model once (GQA decoder, softcapped eager attention, scaled logits, MoE, tied Conv1D GPT-2, encoder-decoder),
-the two compile outliers among them; the rest are marked ``extended`` (``pytest -m extended``: README, Tests)."""
+the two families batchfit's fusion model missed before 2026-11-28 among them; the rest are marked
+``extended`` (``pytest -m extended``: README, Tests)."""
 GLOO_WORLD = 2
 
 
@@ -139,7 +127,7 @@ def configs(tmp_path_factory) -> Path:
 def test_each_familys_traced_peak_matches_the_profiler_on_a_real_cpu_step(family, recipe, configs, tmp_path):
     """Most cells are byte-exact but for the 28 to 196 B of buffers no op of the step reads (the rotary
     tables' ``original_inv_freq``, unseen by the profiler's timeline) when written; the rest within 0.73%
-    but the two ``KNOWN``: docs/tracing/checking.md, "Per-family truths (support matrix)", has the table."""
+    (none ``KNOWN`` now): docs/tracing/checking.md, "Per-family truths (support matrix)", has the table."""
     work = workload(family, configs)
     try:
         options = StepOptions(**RECIPES[recipe])

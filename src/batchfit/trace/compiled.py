@@ -51,26 +51,27 @@ and ``compiled_vs_eager`` in :data:`VALIDATION`; ``tests/test_compile.py`` check
 
 
 COMPILED_TRACED = Approximation(
-    what="compiled step traced with AOTAutograd's partition and a model of inductor's pointwise fusion",
-    may_differ_by=("0.02% of inductor's peak on this CPU with --compile model, 0% with --compile blocks "
-                   "(4-layer Llama, batch 2 and 4); plan's rank 0 against 2-process gloo runs compiled with inductor "
-                   "(tiny Llama, fp32): fsdp -0.001% (blocks) to +0.02% (model), -0.001% bf16-mixed (blocks); "
-                   "fsdp-noreshard, hsdp, ddp, zero1, zero2 (blocks) and ddp cut at its buckets (model): "
-                   "within 60 B (-0.0006%; gpt-tinystories-22m: within 108 B); tp2 (model, DTensor in the "
-                   "graph): +0.13% (gpt-tinystories-22m: +0.011%); "
-                   "bf16-mixed: -0.9% to +0.01% (2-layer Llama, tinystories-22m); "
+    what=("compiled step traced as the wrapper code inductor generates for each graph on this machine's CPU "
+          "(AOTAutograd's partition, inductor's fusion, schedule and buffer reuse), its kernels skipped, on fake "
+          "tensors"),
+    may_differ_by=("for a GPU it is inductor's CPU schedule: Triton fuses and orders kernels by its own rules; "
                    "against inductor on an H100 (bf16-mixed, 3 models, dynamo's shapes as in the measured "
                    "process): -0.28% to 0%; shapes compiled static where the H100 run had dynamic ones: -7.4% "
-                   "to +1.3%; blocks of pointwise ops (LayerNorm, silu(a) x tanh(b), GELU; 3 blocks, fp32): -2.4% "
-                   "(batch 4), -1.8% (batch 8) op by op, where inductor holds both gates' gradients and two weight "
-                   "gradients at once; inductor's own code (--compile model --memory-budget 1) is exact there; "
-                   "the support matrix's families (fp32, batch 2, seq 64): -0.10% to +0.07%, but a tiny Granite "
-                   "-5.05% (its logits' gradient before the logits scaling, which inductor writes) and Gemma 2 "
-                   "+4.31% (its softcapped scores, which inductor never writes); --memory-budget 1 is exact on "
-                   "both"),
-    source=("tests/test_compile.py::test_the_compiled_trace_matches_inductor_on_cpu; docs/tracing/compile.md (blocks); "
-            "tests/test_support_truth.py (per family); "
-            "tests/test_compile.py::test_pointwise_heavy_blocks_are_traced_low_op_by_op_and_exact_as_inductors_code; "
+                   "to +1.3% (those H100 figures were traced op by op, before 2026-11-28; traced again as "
+                   "inductor's code, gpt-tinystories-22m b64 and gpt2-124m b8 give the same bytes, llama-1b was "
+                   "not traced again); on this CPU: the support matrix's 16 families (fp32, batch 2, seq 64) "
+                   "-0.004% to +0.07% (bert; gemma2 and granite -0.002%); blocks of pointwise ops (LayerNorm, "
+                   "silu(a) x tanh(b), GELU; 3 blocks, fp32, "
+                   "batch 4): -96 B; plan's rank 0 against 2-process gloo runs compiled with inductor (tiny Llama, "
+                   "fp32): fsdp -0.001% (blocks) to +0.02% (model), -0.001% bf16-mixed (blocks); fsdp-noreshard, "
+                   "hsdp, ddp, zero1, zero2 (blocks) and ddp cut at its buckets (model): within 60 B (-0.0006%; "
+                   "gpt-tinystories-22m: within 108 B); tp2 (model, DTensor in the graph): +0.13% "
+                   "(gpt-tinystories-22m: +0.011%) (plan's figures measured op by op, before 2026-11-28; "
+                   "tests/test_plan_compiled.py's 2% holds with inductor's code); a graph inductor cannot "
+                   "generate code for runs op by op with batchfit's model of inductor's fusion, named in every "
+                   "output (that model was -5.1% to +4.3% on the families)"),
+    source=("tests/test_support_truth.py (per family); tests/test_compile.py::test_the_compiled_trace_matches_inductor_"
+            "on_cpu; tests/test_compile.py::test_pointwise_heavy_blocks_are_traced_as_inductors_code_within_200_bytes; "
             "tests/test_plan_compiled.py; benchmarks/results/recipes-cddp-2026-11-25.json; "
             "benchmarks/results/compiled_vs_h100-2026-11-25.json"),
 )
@@ -328,33 +329,34 @@ def recomputes(module: fx.GraphModule) -> bool:
     return any(node.meta.get("recompute") is not None for node in module.graph.nodes)
 
 
-def trace_backend(tracker: Any, memory_budget: float | None = None, *, inductor_code: bool = False) -> Callable:
+def trace_backend(tracker: Any, memory_budget: float | None = None) -> Callable:
     """A torch.compile backend for the trace: AOTAutograd with inductor's decompositions and
-    min-cut partitioner (inductor's saved activations, under ``memory_budget`` when given: the
-    knapsack of ``_optimize_runtime_with_given_memory`` picks what to save, on the same joint
-    graph and flop estimates inductor's partition sees). Each graph runs op by op
-    (:class:`_FusedRun`, with batchfit's model of inductor's fusion), or, under a budget, with
-    ``inductor_code`` (:func:`inductor_everywhere`), or where the graph recomputes a checkpointed region
-    (:func:`recomputes`), as the wrapper code inductor generates for it (:func:`inductor_plan`)."""
+    partition_fn (inductor's joint-graph passes, then its min-cut: inductor's saved activations, under
+    ``memory_budget`` when given: the knapsack of ``_optimize_runtime_with_given_memory`` picks what to
+    save, on the same joint graph and flop estimates inductor's partition sees). Each graph runs as the
+    wrapper code inductor generates for it (:func:`inductor_plan`: its fusion, schedule and buffer
+    reuse, its kernels skipped); op by op (:class:`_FusedRun`, with batchfit's model of inductor's
+    fusion) only where inductor cannot generate code for a graph, said in every output
+    (:func:`inductor_fallbacks`). Op by op was the rule for graphs with no budget and no checkpointing
+    before 2026-11-28: -5.1% to +4.3% of inductor on this CPU for families whose pointwise tails the
+    fusion model did not know (Granite's scaled logits, Gemma 2's softcapping), -2.4% on blocks of
+    pointwise ops; inductor's code is within 100 B on each."""
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition  # functorch.compile's, in torch
 
     from batchfit.train.step import with_memory_budget
 
     def compiler(module: fx.GraphModule, example_inputs: list, *, is_backward: bool) -> Callable:
         if recomputes(module):
             _RECOMPUTING.append("backward" if is_backward else "forward")
-        if memory_budget is not None or inductor_code or recomputes(module):
-            # Under a budget the backward recomputes, and where inductor's scheduler puts the
-            # recomputation (fused with other kernels, reordered for its own peak estimate) is
-            # the peak: the op-by-op run below was -8% to 0% there; so is it for the regions that
-            # activation checkpointing recomputes (-25% to 0% on a 2-layer Llama).
-            # torchao's float8 casts fuse in ways the fusion model does not know (-3.2% op by op).
-            # So run inductor's own code.
-            try:
-                return inductor_plan(module, example_inputs, tracker, is_backward=is_backward)
-            except Exception as error:  # noqa: BLE001 - said in every output (inductor_fallbacks)
-                _FALLBACKS.append(f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}")
+        # Inductor's own code: op by op, the fusion model missed what inductor writes and holds
+        # (Granite's logits gradient before its scaling: -5.1%), what it never writes (Gemma 2's
+        # softcapped scores: +4.3%), where its scheduler puts a recomputation (under a budget -8%
+        # to 0%; checkpointed regions -25% to 0% on a 2-layer Llama) and how torchao's float8
+        # casts fuse (-3.2%).
+        try:
+            return inductor_plan(module, example_inputs, tracker, is_backward=is_backward)
+        except Exception as error:  # noqa: BLE001 - said in every output (inductor_fallbacks)
+            _FALLBACKS.append(f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}")
         fused = unmaterialized(module.graph)
 
         def run(args: list) -> Any:  # boxed: the graph frees its inputs as it goes, as inductor's code does
@@ -368,53 +370,32 @@ def trace_backend(tracker: Any, memory_budget: float | None = None, *, inductor_
 
         return select_decomp_table()
 
-    if memory_budget is not None or inductor_code:
-        # Inductor registers its extern kernels under the name of the function it finds when the
-        # module is imported (select_algorithm.ExternKernelChoice: kernel.__name__; kernel/mm.py
-        # takes torch._scaled_mm): import it now, before the CPU trace replaces torch._scaled_mm
-        # (cuda_float8.cpu_scaled_mm_scratch), or the generated code and a later real compile
-        # in this process would call extern_kernels._scaled_mm_as_on_cpu.
-        import torch._inductor.kernel.mm  # noqa: F401
-    min_cut = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    # Inductor registers its extern kernels under the name of the function it finds when the
+    # module is imported (select_algorithm.ExternKernelChoice: kernel.__name__; kernel/mm.py
+    # takes torch._scaled_mm): import it now, before the CPU trace replaces torch._scaled_mm
+    # (cuda_float8.cpu_scaled_mm_scratch), or the generated code and a later real compile
+    # in this process would call extern_kernels._scaled_mm_as_on_cpu.
+    import torch._inductor.kernel.mm  # noqa: F401
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-        # Inductor's own partition_fn (compile_fx.py): its joint-graph passes first, then the same
+        # Inductor's own partition_fn (compile_fx.py): its joint-graph passes first, then its
         # min-cut. They change the nodes the budget's knapsack weighs (budget 0.3 on a 2-layer
         # Llama: -11.6% without them, -1.9% with), what float8's graphs save (a 2-layer Llama,
         # tensorwise: +5.3% without them), and what a graph that checkpoints part of itself saves
         # (HF Llama, --compile model --checkpointing every:2: -8.1% without them, with inductor's
-        # wrapper code run); on plain graphs with no budget they change nothing measured.
-        if memory_budget is not None or inductor_code or recomputes(joint):
-            from torch._guards import detect_fake_mode
-            from torch._inductor.compile_fx import partition_fn
-            from torch._inductor.virtualized import V
+        # wrapper code run).
+        from torch._guards import detect_fake_mode
+        from torch._inductor.compile_fx import partition_fn
+        from torch._inductor.virtualized import V
 
-            # Its random-op passes read V.fake_mode, which compile_fx sets around it in a real compile
-            # (dropout in a checkpointed GPT-2 block: TypeError 'NullHandler' ... context manager).
-            with V.set_fake_mode(detect_fake_mode(joint_inputs)):
-                return partition_fn(joint, joint_inputs, **kwargs)
-        return min_cut(joint, joint_inputs, **kwargs)
+        # Its random-op passes read V.fake_mode, which compile_fx sets around it in a real compile
+        # (dropout in a checkpointed GPT-2 block: TypeError 'NullHandler' ... context manager).
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            return partition_fn(joint, joint_inputs, **kwargs)
     return with_memory_budget(
         aot_autograd(fw_compiler=functools.partial(compiler, is_backward=False),
                      bw_compiler=functools.partial(compiler, is_backward=True), decompositions=decompositions,
                      partition_fn=partition), memory_budget)
-
-
-def inductor_everywhere(model: nn.Module, checkpointing: str) -> bool:
-    """Whether every graph of the step runs inductor's generated code (:func:`inductor_plan`), not
-    only those that recompute: with float8 linears, and under ``--checkpointing``, where the graphs
-    that do not recompute (every:2's other blocks) meet those that do. Run op by op beside graphs
-    run as inductor's code, a step can be far from either (HF Llama, eager attention, --compile
-    blocks --checkpointing every:2: +6.3%, against 0.0% with both graphs as inductor's code and
-    -0.8% with both op by op)."""
-    return _has_float8(model) or checkpointing != "none"
-
-
-def _has_float8(model: nn.Module) -> bool:
-    """Whether torchao's float8 training converted linears of ``model`` (--precision fp8-*)."""
-    from batchfit.train.float8 import float8_linears
-
-    return bool(float8_linears(model))
 
 
 def _split_as_ddp(backend: Callable, split: bool) -> Callable:
@@ -459,11 +440,9 @@ def ddp_mode() -> str:
     return get_optimize_ddp_mode()
 
 
-def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budget: float | None = None,
-                      checkpointing: str = "none") -> None:
+def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budget: float | None = None) -> None:
     """Compile ``model`` (``mode``: model or blocks, as ``TrainingStep`` does on a real device)
-    with :func:`trace_backend`, and let compiled code run under ``tracker``. Under ``checkpointing``
-    every graph runs inductor's generated code (:func:`inductor_everywhere`)."""
+    with :func:`trace_backend`, and let compiled code run under ``tracker``."""
     import torch._dynamo.config as dynamo_config
 
     from batchfit.train.step import block_list
@@ -480,9 +459,7 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budge
     _FALLBACKS.clear()
     _RECOMPUTING.clear()
     tracker.run_compiled = True
-    backend = _split_as_ddp(trace_backend(tracker, memory_budget,
-                                          inductor_code=inductor_everywhere(model, checkpointing)),
-                            ddp_mode() == "ddp_optimizer")
+    backend = _split_as_ddp(trace_backend(tracker, memory_budget), ddp_mode() == "ddp_optimizer")
     # DDP (and zero1's DDP) wraps the model compiled before it, as TrainingStep does on a device:
     # its inner module is what a real run compiles with --compile model.
     inner = getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
@@ -490,10 +467,9 @@ def compile_for_trace(model: nn.Module, mode: str, tracker: Any, *, memory_budge
         module.compile(backend=backend)
 
 
-def retarget_for_trace(step: Any, tracker: Any, checkpointing: str = "none") -> list[str]:
+def retarget_for_trace(step: Any, tracker: Any) -> list[str]:
     """Swap the backend of what the workload compiled itself (inductor, which cannot run on fake
-    tensors) for :func:`trace_backend`, in ``step`` (a ``TrainingStep``); the parts swapped.
-    ``checkpointing``: as :func:`compile_for_trace`'s."""
+    tensors) for :func:`trace_backend`, in ``step`` (a ``TrainingStep``); the parts swapped."""
     model = step.model
     parts = compiled_parts(model, step.loss_fn)
     if not parts:
@@ -510,7 +486,7 @@ def retarget_for_trace(step: Any, tracker: Any, checkpointing: str = "none") -> 
     _RECOMPUTING.clear()
     tracker.run_compiled = True
     # a budget the workload set itself (functorch's config) holds here too
-    backend = trace_backend(tracker, inductor_code=inductor_everywhere(model, checkpointing))
+    backend = trace_backend(tracker)
     # Modules whose call was compiled: Module.compile() left _compiled_call_impl; an
     # OptimizedModule (torch.compile(module)) is replaced by the module it wraps.
     compiled = {id(m) for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}

@@ -357,10 +357,9 @@ class TraceSession:
         self.compiled_parts: list[str] = []
         """What the workload compiled itself, recompiled with the trace's backend."""
         if self.compiled:  # batchfit's module hooks stay out: dynamo would break the graph at each
-            compile_for_trace(self.step.model, options.compile, self.tracker, memory_budget=options.memory_budget,
-                              checkpointing=options.checkpointing)
+            compile_for_trace(self.step.model, options.compile, self.tracker, memory_budget=options.memory_budget)
         elif wrap is None and tracker is None:
-            self.compiled_parts = retarget_for_trace(self.step, self.tracker, options.checkpointing)
+            self.compiled_parts = retarget_for_trace(self.step, self.tracker)
             self.compiled = bool(self.compiled_parts)
         if not self.compiled:
             self.tracker.watch_modules(self.step.model, main_blocks(self.step.model))
