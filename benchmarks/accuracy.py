@@ -7,8 +7,8 @@ the torch profiler's peak of the same real CPU step, a real gloo run's rank, a r
 published figure). Per file: the rows, the error (predicted - measured) / measured as min /
 median / max, and the share of rows below parity (a prediction too low: the worse side, a batch
 said to fit that runs out). Then recommend's answers against full sweeps, and the speed figures
-that benchmarks timed as whole commands over several runs (``min_s`` / ``median_s`` / ``max_s``, or ``min`` / ``median`` /
-``max`` under a key ending in ``_s``; each file's ``command`` says what was timed).
+that benchmarks timed as whole commands over several runs (``min_s`` / ``median_s`` /
+``max_s``, or ``min`` / ``median`` / ``max`` under a key ending in ``_s``; each file's ``command`` says what was timed).
 
     python benchmarks/accuracy.py            # writes docs/accuracy.md
     python benchmarks/accuracy.py --check    # exit 1 if docs/accuracy.md differs from the results
