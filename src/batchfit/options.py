@@ -139,7 +139,7 @@ class Routing:
             except ValueError:
                 pass
         if factor is None or not math.isfinite(factor) or factor <= 0:
-            raise OptionError(f"unknown routing '{text}': use balanced (tokens x top_k / experts each), "
+            raise OptionError(f"`routing` {text}: unknown routing; use balanced (tokens x top_k / experts each), "
                               "capacity:F (e.g. capacity:1.25, F a positive number) or worst (every token to "
                               "the same top_k experts)")
         return cls("capacity", factor)

@@ -17,7 +17,8 @@ from rich.markup import escape
 from batchfit.config.trainer import FrontDoor, emitted_text
 
 TrainerOpt = Annotated[str | None, typer.Option(
-    "--trainer", help="Start from a Hugging Face TrainingArguments / TRL SFTConfig: the JSON to_json_string() wrote "
+    "--trainer", help="Start from a Hugging Face TrainingArguments / TRL SFTConfig (estimate also reads a TRL "
+                      "GRPOConfig / PPOConfig and traces its RL step): the JSON to_json_string() wrote "
                       "(with optional peft_config / quantization_config sections), or a .py file defining `args`. "
                       "Its batch, precision, checkpointing, optimizer, compile, Liger loss, sequence length, "
                       "sharding, LoRA and quantization become the options; every field it does not use is listed.")]

@@ -183,7 +183,8 @@ def parse_name(text: str) -> StrategyName:
 
 
 def _unknown(text: str) -> OptionError:
-    return OptionError(f"unknown strategy '{text.strip()}': use {NAMES_HELP}, e.g. `strategies` ddp,fsdp,fsdp+tp2")
+    return OptionError(f"`strategies` {text.strip()}: unknown strategy; use {NAMES_HELP}, "
+                       "e.g. `strategies` ddp,fsdp,fsdp+tp2")
 
 
 def _good(world_size: int) -> str:

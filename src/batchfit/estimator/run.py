@@ -262,9 +262,9 @@ def padding_mask_approximation(batching: Batching, shape: Shape, workload: Workl
     mask = shape.rows * shape.length ** 2
     return [Approximation(
         what=f"--batching {batching}: the batches are traced without their padding mask (attention_mask)",
-        may_differ_by=f"transformers turns a padding mask into a [batch, 1, T, T] mask for eager and SDPA attention: "
-                      f"{mask:,} B as bool at the peak batch ({shape.rows} x {shape.length:,} tokens), and SDPA "
-                      "then cannot use its flash kernel; not measured",
+        may_differ_by=f"about {mask:,} B at the peak batch ({shape.rows} x {shape.length:,} tokens): transformers "
+                      "turns a padding mask into a [batch, 1, T, T] bool mask for eager and SDPA attention, and SDPA "
+                      "then cannot use its flash kernel (that cost not measured)",
         source="docs/run.md, Padding masks")]
 
 
