@@ -166,7 +166,7 @@ def test_a_token_budget_answers_whether_it_fits_and_the_largest_that_does():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = estimate_run(tiny, lengths, Batching("tokens", MAX_LEN), data="tail.jsonl", device=device,
-                              limit="allocated")
+                              limit="allocated", replay_steps=2)
         run = result.run
         assert run.runs[1].verdict == "fits" and run.fits_up_to > MAX_LEN
         assert estimate(tiny(run.fits_up_to), device=device, limit="allocated", max_batch=1).max_batch_size == 1
@@ -174,6 +174,9 @@ def test_a_token_budget_answers_whether_it_fits_and_the_largest_that_does():
         assert estimate(tiny(over), device=device, limit="allocated", max_batch=1).max_batch_size == 0
     assert run.largest_budget >= run.fits_up_to
     assert max(token_rows(lengths, run.largest_budget)) <= run.fits_up_to
+    from batchfit.report.run_markdown import run_lines
+
+    assert any(line.startswith("allocator replay of ") for line in run_lines(result))  # the terminal says it too
 
 
 def test_the_worst_order_replay_is_reported_beside_the_datas():

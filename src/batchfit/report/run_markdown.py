@@ -77,7 +77,7 @@ def run_lines(result) -> list[str]:
         else:
             lines.append(f"no budget fits: a row of the longest sample ({summary.lengths['max']:,} tokens) alone "
                          "does not")
-        return lines
+        return lines + _churn_lines(summary)
     best = summary.max_batch_size
     if best:
         run = summary.runs[best]
@@ -88,10 +88,12 @@ def run_lines(result) -> list[str]:
     above = [b for b in sorted(summary.runs) if b > best and summary.runs[b].verdict != "fits"]
     if above:
         lines.append(f"the run at batch {above[0]}: {_oom(summary.runs[above[0]])}")
-    for churn in (summary.churn, getattr(summary, "churn_worst", None)):
-        if churn is not None:
-            lines.append(churn.line())
-    return lines
+    return lines + _churn_lines(summary)
+
+
+def _churn_lines(summary) -> list[str]:
+    """The allocator replays' verdicts (--replay-steps), under any batching."""
+    return [churn.line() for churn in (summary.churn, getattr(summary, "churn_worst", None)) if churn is not None]
 
 
 def _reserved(point) -> str:
