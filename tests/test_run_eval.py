@@ -168,7 +168,7 @@ def test_the_answer_in_the_users_knobs_keeps_the_global_batch(tmp_path):
     packed = read_trainer(_args(tmp_path, per_device_train_batch_size=2))
     packed.mapping.packing, packed.mapping.seq_len = True, 128
     assert merged_batching(None, "d.jsonl", packed) == "pack:128"
-    with pytest.raises(OptionError, match="--batching pad-longest contradicts"):
+    with pytest.raises(OptionError, match="`batching` pad-longest contradicts"):
         merged_batching("pad-longest", "d.jsonl", packed)
 
 
