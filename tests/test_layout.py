@@ -223,17 +223,26 @@ its flags are the command's own, what the user types into a shell, not a library
 NAMED_FIELD = re.compile(r"`([a-z][a-z0-9_]*)(?:=[^`]*)?`")
 
 
+def _message(part: ast.JoinedStr) -> str:
+    """An f-string as its message reads, each interpolated value ``{}``: a command line it quotes whole with a
+    value inside (`batchfit estimate MODEL --trainer {spec}`) is one text, not pieces cut at the value."""
+    return "".join(piece.value if isinstance(piece, ast.Constant) else "{}" for piece in part.values)
+
+
 def error_texts(source: str) -> list[tuple[int, str]]:
-    """(line, text) of every string a library error message is built from: the string parts of a
-    ``raise`` statement and of an ``...Error(...)`` made outside one."""
+    """(line, text) of every string a library error message is built from: the strings and f-strings of a
+    ``raise`` statement and of an ``...Error(...)`` made outside one (a string inside an f-string's
+    interpolated value is its own text)."""
     found = {}
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Raise) and node.exc is not None:
             node = node.exc
         elif not (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("Error")):
             continue
+        pieces = {id(piece) for part in ast.walk(node) if isinstance(part, ast.JoinedStr) for piece in part.values}
+        found |= {id(part): (part.lineno, _message(part)) for part in ast.walk(node) if isinstance(part, ast.JoinedStr)}
         found |= {id(part): (part.lineno, part.value) for part in ast.walk(node)
-                  if isinstance(part, ast.Constant) and isinstance(part.value, str)}
+                  if isinstance(part, ast.Constant) and isinstance(part.value, str) and id(part) not in pieces}
     return sorted(found.values())
 
 

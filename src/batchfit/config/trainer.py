@@ -40,9 +40,9 @@ def read_trainer(spec: str | None, *, world_size: int | None = None, rl: bool = 
     args = load_trainer_args(spec)
     door = FrontDoor(args=args, mapping=map_trainer_args(args, world_size=world_size))
     if door.mapping.rollout is not None and not rl:
-        command = f"batchfit estimate MODEL --gpu GPU --trainer {spec}"  # a whole command line, quoted
         raise OptionError(f"`trainer` {spec} is a TRL {door.mapping.rollout.algorithm.upper()}Config: only estimate "
-                          f"traces its RL step (generation, scoring, update) yet: `{command}`")
+                          f"traces its RL step (generation, scoring, update) yet: `batchfit estimate MODEL --gpu GPU "
+                          f"--trainer {spec}`")
     return door
 
 
