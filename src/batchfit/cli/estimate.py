@@ -146,7 +146,7 @@ def estimate_command(
     door, emit_path = read_estimate_door(trainer, emit, global_batch)
     check_outputs(json_path, out, *([("--emit", emit_path)] if emit_path else []))
     config = estimate_config(EstimateFlags.pick(given), StepFlags.pick(given), door, emit_path, say=say_dim)
-    options, seq_len = config.options, config.seq_len
+    options, seq_len, rollout = config.options, config.seq_len, config.rollout
     warn_about_precision(config.target, options.precision)  # after StepOptions refused an unknown precision
     if door is not None:
         print_mapping(door, quiet_if_stdout(json_path))
@@ -160,12 +160,11 @@ def estimate_command(
     with progress_line() as say:
         common = config.engine_keywords(say)
         if lengths is None:
-            rollout = config.rollout
             workload = load_workload(model, seq_len=seq_len) if rollout is None else rl_workload(model, rollout)
             result = estimate(workload, **common)
-            if config.rollout is not None:
+            if rollout is not None:
                 result.approximations = [*result.approximations,
-                                         *rollout_approximations(config.rollout, result.options.accumulation_steps)]
+                                         *rollout_approximations(rollout, result.options.accumulation_steps)]
             if config.eval_batch:
                 add_eval_phase(result, workload, config.eval_batch, held_steps=config.eval_held, limit=limit, say=say)
         else:
@@ -175,7 +174,7 @@ def estimate_command(
     folder = report_folder(out, "estimate", result.workload, config.target, options, seq_len)
     # GRPO: the answer is the update's batch at the args' steps_per_generation; a split for the same global
     # batch would change the generation batch (TRL's default follows gradient_accumulation_steps), never traced
-    fitted = run_answer(door, result) if door is not None and config.rollout is None else None
+    fitted = run_answer(door, result) if door is not None and rollout is None else None
     data, write_all = trainer_outputs(result.to_json(), door, fitted, lambda files, trainer: write_estimate_report(
         result, folder, files, trainer=trainer), emit_path)
     paths = write_outputs(json_path, data, write_all)
