@@ -188,6 +188,39 @@ def recommend_section(rows: list[dict]) -> list[str]:
     return lines
 
 
+def seed_mean_best(losses_by_seed: dict[str, dict[str, float]]) -> int:
+    """The batch size whose best validation loss, averaged over the seeds, is lowest."""
+    sizes = set.intersection(*(set(by_batch) for by_batch in losses_by_seed.values()))
+    return int(min(sizes, key=lambda b: sum(s[b] for s in losses_by_seed.values())))
+
+
+def seeds_section(files: list[Path], recommend: list[dict]) -> list[str]:
+    """The sweep's own answer at other seeds (``sweep_seeds.py``): the target recommend is held to
+    is one draw; its best batch across seeds, and recommend's answer against their mean."""
+    defaults = sorted((r for r in recommend if re.fullmatch(r"recommend_cpu-[0-9-]+\.json", r["file"])),
+                      key=lambda r: r["file"])
+    latest = {r["setup"]: r for r in defaults}  # the newest file's row of each setup
+    rows = [(path.name, s) for path in files if path.name.startswith("sweep_seeds-")
+            for s in json.loads(path.read_text())["setups"]]
+    if not rows:
+        return []
+    lines = ["", "### The sweep's own answer at other seeds", "",
+             "The same sweep trained again at other seeds (the seed draws the initial model and the data order; "
+             "`benchmarks/sweep_seeds.py`). `spread` is the largest best batch over the smallest; the seed mean's "
+             "best is the batch with the lowest best validation loss averaged over the seeds. recommend is the "
+             "newest `recommend_cpu-<date>.json` row above (recommend's defaults).", "",
+             "| results file | setup | role | best batch by seed | spread | seed mean's best | recommended | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, s in rows:
+        mean_best = seed_mean_best(s["best_val_loss_by_seed"])
+        got = latest.get(s["setup"], {}).get("recommended_batch_size")
+        by_seed = ", ".join(f"{seed}: {b}" for seed, b in s["best_batch_size_by_seed"].items())
+        lines.append(f"| `{name}` | {s['setup']} | {s.get('role', '')} | {by_seed} | {s['spread']:g}x | {mean_best} | "
+                     f"{got if got is not None else 'not run'} | "
+                     f"{f'{_ratio(mean_best, got):g}x' if got is not None else ''} |")
+    return lines
+
+
 SKIPPED_FIGURES = ("user_s", "sys_s")
 """Parts of cpu_s, which is kept."""
 
@@ -257,6 +290,7 @@ def render(files: list[Path]) -> str:
     recommend = recommend_rows(files)
     if recommend:
         lines += recommend_section(recommend)
+        lines += seeds_section(files, recommend)
     speed = speed_rows(files)
     if speed:
         lines += ["", "## Speed: whole commands timed over several runs", "",

@@ -112,20 +112,21 @@ def model_spec(folder: Path, model: str) -> str:
     return f"{path}:workload"
 
 
-def run_setup_sweep(folder: Path, name: str, setup: Setup) -> dict:
+def run_setup_sweep(folder: Path, name: str, setup: Setup, seed: int = 0) -> dict:
+    """The setup's full sweep; ``seed`` draws the initial model and the data order (0: the stored sweeps)."""
     spec = model_spec(folder, setup.model)
     workload = load_workload(spec)
-    store = folder / f"sweep-{name}.db"
+    store = folder / (f"sweep-{name}.db" if seed == 0 else f"sweep-{name}-seed{seed}.db")
     config = SweepConfig(model=spec, batch_sizes=list(setup.batch_sizes), tokens=setup.tokens,
                          data=str(corpus(folder, setup.data)), tokenizer="bytes", lrs=[setup.lr],
                          lr_scaling=setup.lr_scaling, store=store, resume=store.exists(), cache_dir=folder / "cache",
-                         device="cpu", **SWEEP_OPTIONS)
+                         device="cpu", seed=seed, **SWEEP_OPTIONS)
     started = time.perf_counter()
     result = run_sweep(plan_sweep(config, workload))
     best = result.best_runs()
     runs = {str(b): {"lr": r["lr"], "best_val_loss": r["best_val_loss"], "final_val_loss": r["final_val_loss"],
                      "steps": r["steps"], "seconds": r["seconds"]} for b, r in best.items()}
-    print(f"{name}: best batch {result.best_batch_size()} "
+    print(f"{name} (seed {seed}): best batch {result.best_batch_size()} "
           + ", ".join(f"{b}: {r['best_val_loss']:.4f}" for b, r in runs.items()), flush=True)
     return {**asdict(setup), "batch_sizes": list(setup.batch_sizes), "sweep_options": SWEEP_OPTIONS,
             "model_description": workload.description, "best_batch_size": result.best_batch_size(), "runs": runs,

@@ -94,6 +94,8 @@ def read_recommendation(plan: Plan, workload: Workload, parent: Curve, branches:
         notes.append("the interval covers the spread between data windows, not the bias of short windows from one "
                      "parent's state (docs/training-runs.md: the full sweep's runs differ from the start; on a "
                      "fixed-rate benchmark the sweep's best, 2, lay outside the interval 1-1)")
+        notes.append("a full sweep is one draw too: on batchfit's benchmarks its best batch moved 2-4x between seeds "
+                     "on 2 of 6 setups (docs/accuracy.md), so one sweep checks an answer only to about 2x")
     if high_b == plan.branched[-1] and plan.branched != config.batch_sizes:
         notes.append(f"the interval reaches {high_b}, the largest batch branched: the larger ones, not measured, may "
                      "be as good")
