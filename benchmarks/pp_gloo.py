@@ -26,17 +26,21 @@ from _common import write_result  # noqa: E402
 
 RUNS = {2: (4, 4), 4: (8, 8)}
 """ranks -> (blocks, micro-batches)."""
+SCHEDULES = (("gpipe", "none"), ("1f1b", "none"), ("interleaved-1f1b:2", "none"), ("interleaved-zb:2", "none"),
+             ("zbv", "none"), ("dualpipev", "none"), ("1f1b", "full"), ("interleaved-zb:2", "full"), ("zbv", "full"))
+"""(--pp-schedule, --checkpointing) of every run, as the module docstring lists them."""
 
 
 def main() -> None:
     import torch
 
-    import test_pipeline as t
+    import pipeline_truth as t
     from batchfit.devices import get_device
-    from batchfit.distributed.pp_schedules import rank_actions
+    from batchfit.distributed.pp_schedules import parse_schedule, rank_actions
     from batchfit.plan.pipeline import PipelineSession
     from batchfit.plan.sharded import parse_strategy
     from batchfit.workload import StepOptions
+    from cpu_truth import free_port
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", default="2,4", help="comma-separated pipeline sizes (2, 4)")
@@ -50,22 +54,22 @@ def main() -> None:
             path = Path(tmp)
             for rank in range(world):
                 (path / str(rank)).mkdir()
-            torch.multiprocessing.spawn(t._gloo_main, args=(t._free_port(), str(path), world, microbatches,
-                                                            t.RUNS, n_layers), nprocs=world, join=True)
+            torch.multiprocessing.spawn(t.pipeline_gloo_main, args=(free_port(), str(path), world, microbatches,
+                                                                    SCHEDULES, n_layers), nprocs=world, join=True)
             real = {rank: json.loads((path / f"peaks{rank}.json").read_text()) for rank in range(world)}
-        for name, checkpointing in t.RUNS:
+        for name, checkpointing in SCHEDULES:
             for rank in range(world):  # the order torch's runtime ran is ours
                 order = real[rank]["orders"].get(name)
                 assert order is None or [tuple(a) for a in order] == rank_actions(
-                    t.parse_schedule(name, microbatches), world, rank), (name, rank)
+                    parse_schedule(name, microbatches), world, rank), (name, rank)
             strategy = parse_strategy(f"pp{world}", world, pp_schedule=name,
                                          microbatches=microbatches)
-            session = PipelineSession(t.tiny_workload(n_layers), StepOptions(checkpointing=checkpointing),
+            session = PipelineSession(t.pipeline_workload(n_layers), StepOptions(checkpointing=checkpointing),
                                       get_device("h100-80gb"), strategy, cuda_semantics=False)
             session.trace(t.MICRO * microbatches)
             for stage in session.stage_points:
                 traced = stage.point.total_peak_bytes or stage.point.peak_bytes
-                measured = real[stage.rank]["peaks"][t._key(name, checkpointing)]
+                measured = real[stage.rank]["peaks"][t.run_key(name, checkpointing)]
                 rows.append({"ranks": world, "blocks": n_layers, "microbatches": microbatches, "schedule": name,
                              "checkpointing": checkpointing, "rank": stage.rank, "stages": list(stage.stages),
                              "in_flight": stage.in_flight,

@@ -107,11 +107,12 @@ def predict(load, at_of, lengths: list[int], shapes, options, device, batch: int
     """(every step through the allocator model, the run's answer at ``batch``): on fake tensors, no GPU."""
     from batchfit.estimator.batching import Batching
     from batchfit.estimator.churn import churn
+    from batchfit.estimator.request import EstimateRequest, RunRequest
     from batchfit.estimator.run import estimate_run
 
     replayed = churn(at_of(), shapes, batch, options, device)
-    run = estimate_run(load, lengths, Batching("pad-longest"), data="lognormal(5.0, 0.7)", device=device,
-                       options=options, batch_sizes=[batch], max_batch=batch).run
+    run = estimate_run(load, lengths, RunRequest(data="lognormal(5.0, 0.7)", batching=Batching("pad-longest")),
+                       EstimateRequest(batch_sizes=[batch], max_batch=batch), device=device, options=options).run
     return replayed, run.runs[batch]
 
 

@@ -234,3 +234,30 @@ def join_gloo(rank: int, world_size: int, port: int, timeout_s: int) -> None:
                       MASTER_PORT=str(port))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     torch.set_num_threads(1)
+
+
+def gloo_step(workload, options, strategy, *, tp_plan_of=None, **apply):
+    """A real ``TrainingStep`` of ``workload`` on this gloo rank, its model wrapped by batchfit's own
+    ``apply_strategy`` as plan wraps it on the fake process group (``fake=False`` here), the seed set
+    first so every rank builds the same weights. ``tp_plan_of(model)``: the tensor-parallel plan of the
+    model built (``distributed.tp_plans.tp_plan``); ``apply``: apply_strategy's other keywords."""
+    from batchfit.distributed import apply_strategy, build_meshes
+
+    meshes = build_meshes(strategy)
+    torch.manual_seed(0)
+    return TrainingStep(workload, options, torch.device("cpu"), wrap=lambda m: apply_strategy(
+        m, strategy, meshes, precision=options.precision, fake=False,
+        parallelize=tp_plan_of(m) if tp_plan_of is not None else None, **apply))
+
+
+def leave_gloo(rank: int, path: str, found) -> None:
+    """Rank 0 writes ``found`` to ``path`` as JSON; then every rank waits for the others and leaves the group."""
+    import json
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(found, f)
+    dist.barrier()
+    dist.destroy_process_group()

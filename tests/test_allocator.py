@@ -1,4 +1,7 @@
-"""The caching allocator model against hand-worked sequences and the rules of CUDACachingAllocator.cpp."""
+"""The caching allocator model against hand-worked sequences and the rules of CUDACachingAllocator.cpp.
+
+Checked against batchfit's own model of CUDACachingAllocator.cpp on hand-worked sequences (checks the model's rules,
+not its fidelity to a GPU: test_gpu_timelines.py checks that)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,10 @@ compile, full checkpointing): dynamo traces ``torch.utils.checkpoint`` into the 
 partitioner recomputes the region in backward and wraps each random op of it (every SDPA kernel
 counts as one: it takes a dropout) in ``run_and_save_rng_state`` / ``run_with_rng_state``. The trace
 counts those as the op they wrap, and runs each graph that recomputes as inductor's own wrapper code
-(``trace/compiled.py: recomputes``): the bytes against the same step compiled by inductor on this CPU."""
+(``trace/compiled.py: recomputes``): the bytes against the same step compiled by inductor on this CPU.
+
+Checked against torch's own code running for real (inductor's compiled step with checkpointing on this CPU, the
+profiler's timeline)."""
 
 from __future__ import annotations
 

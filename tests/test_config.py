@@ -9,14 +9,21 @@ import json
 
 import pytest
 
+from batchfit.bench.request import BenchRequest
+from batchfit.cli.bench import bench_command
 from batchfit.cli.estimate import estimate_command
 from batchfit.cli.plan import plan_command
-from batchfit.config.estimate import EstimateFlags
+from batchfit.cli.probe import probe_command
+from batchfit.config.bench import BenchFlags, bench_config
+from batchfit.config.estimate import EstimateFlags, estimate_config
 from batchfit.config.plan import PlanFlags, plan_config, read_plan_doors
+from batchfit.config.probe import ProbeFlags, probe_config
 from batchfit.config.step import StepFlags
 from batchfit.errors import OptionError
+from batchfit.estimator.request import EstimateRequest
 from batchfit.plan.request import PlanRequest
 from batchfit.plan.world import World
+from batchfit.probe.request import ProbeRequest
 
 OUTPUTS = {"json_path", "out", "emit", "trainer"}
 """Flags a command reads itself (where to write) or through its door (--trainer, --emit)."""
@@ -30,13 +37,34 @@ def fields(cls) -> set[str]:
     return {field.name for field in dataclasses.fields(cls)}
 
 
-@pytest.mark.parametrize(("command", "flags"), [(plan_command, PlanFlags), (estimate_command, EstimateFlags)])
+@pytest.mark.parametrize(("command", "flags"), [(plan_command, PlanFlags), (estimate_command, EstimateFlags),
+                                               (probe_command, ProbeFlags), (bench_command, BenchFlags)])
 def test_every_flag_of_a_command_is_a_field_and_every_field_a_flag(command, flags):
     """A field spelled unlike its flag would keep its default without a word (``pick`` takes names): each
     field of the command's flags is one of its parameters, and each parameter lands in a field."""
     declared = parameters(command)
     assert fields(flags) <= declared
     assert declared - fields(flags) - fields(StepFlags) <= OUTPUTS
+
+
+def test_estimate_probe_and_bench_get_their_engines_requests_from_python():
+    """Each config is the engine's request, built before torch loads: estimate's search and limits, probe's
+    default cap (4096, not the library's) and bench's default sizes; a bad value is refused by its field."""
+    flags = EstimateFlags(model="gpt-tinystories-22m", gpu="t4-16gb", max_batch=64, limit="allocated", global_batch=32,
+                          no_cache=True)
+    estimate = estimate_config(flags, StepFlags(), None, None)
+    assert estimate.request == EstimateRequest(max_batch=64, limit="allocated", global_batch=32, cache=False)
+    assert estimate.run is None and estimate.target.spec == "virtual:t4-16gb"
+    probe = probe_config(ProbeFlags(model="gpt-tinystories-22m", gpu="t4-16gb", min_batch=2), StepFlags(), None)
+    assert probe.request == ProbeRequest(smallest=2, largest=4096, spec="gpt-tinystories-22m")
+    with pytest.raises(OptionError, match="give `max` N"):
+        probe_config(ProbeFlags(model="gpt-tinystories-22m", device="cpu"), StepFlags(), None)
+    bench = bench_config(BenchFlags(model="gpt-tinystories-22m", gpu="t4-16gb", steps=5, leak_check=True),
+                         StepFlags(precision="bf16-mixed"), None)
+    assert bench.request == BenchRequest(batch_sizes=[8, 16, 32, 64], steps=5, leak_check_steps=5)
+    assert bench.options.precision == "bf16-mixed"
+    with pytest.raises(OptionError, match="`steps` must be 1 or more"):
+        bench_config(BenchFlags(model="gpt-tinystories-22m", gpu="t4-16gb", steps=0), StepFlags(), None)
 
 
 def test_pick_keeps_the_defaults_of_flags_a_command_lacks():

@@ -6,6 +6,9 @@ backward, reached by torch's CP dispatcher; the CPU flash kernel added to its ta
 ``distributed/context_parallel.py: ring_attention(cpu=True)``); each rank's peak over a steady step
 (the profiler's memory timeline) against the trace of rank 0 with CPU semantics. And the ring's
 buffers in bytes a person can work out: the K/V all-gather, the dK/dV passed on, the activations at S/2.
+
+Checked against torch's own ring attention running for real over gloo; batchfit's own are only the CPU flash kernel
+in the ring's table and the position tables' sharding (checks their counting, not their fidelity to a GPU run).
 """
 
 from __future__ import annotations

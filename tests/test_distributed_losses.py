@@ -7,6 +7,10 @@ tensors); rank 0's peak in a steady step is measured by the torch profiler's mem
 and compared with the trace on the fake process group (CPU semantics), and the sharded loss's
 values equal the gathered loss's, step after step (the same weights, the same batches: the
 gradients agree too, or the later steps would drift apart).
+
+Checked against torch's own code running for real over gloo (DTensor TP, loss_parallel, FSDP2); the chunked loss
+under FSDP2 is batchfit's own mirror of torchtune's CEWithChunkedOutputLoss (checks its counting, not its fidelity
+to torchtune's).
 """
 
 from __future__ import annotations
@@ -15,15 +19,13 @@ import json
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
-from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
-from cpu_truth import join_gloo, spawn_profiled_gloo
+from cpu_truth import gloo_step, join_gloo, leave_gloo, spawn_profiled_gloo
 from tiny import CFG, LOCAL_BATCH, rank0_profiled_peaks, tiny_workload
 
 LOSSES = ("sharded", "gathered")
@@ -36,19 +38,15 @@ CASES = {  # name -> (strategy, StepOptions)
 
 
 def _gloo_main(rank: int, world_size: int, port: int, out_dir: str, cases: tuple[str, ...] = LOSSES) -> None:
-    from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.tp_plans import tp_plan
 
     join_gloo(rank, world_size, port, timeout_s=60)
     out: dict = {}
     for case in cases:
         name, options = CASES[case]
-        strategy = parse_strategy(name, world_size)
-        meshes = build_meshes(strategy)
-        torch.manual_seed(0)  # the same weights and batches on both ranks and for both losses
-        step = TrainingStep(tiny_workload(), options, torch.device("cpu"),
-                            wrap=lambda m: apply_strategy(m, strategy, meshes, precision=options.precision, fake=False,
-                                                          parallelize=tp_plan(m, options.tp_loss)))
+        # seeded: the same weights and batches on both ranks and for both losses
+        step = gloo_step(tiny_workload(), options, parse_strategy(name, world_size),
+                         tp_plan_of=lambda m, loss=options.tp_loss: tp_plan(m, loss))
         losses = [step.run(LOCAL_BATCH).item() for _ in range(STEPS)]
         # The smallest of three profiled steps: on a loaded machine a collective that completes
         # late keeps a buffer alive a little longer (see test_plan_trace; seen here once, gathered
@@ -58,11 +56,7 @@ def _gloo_main(rank: int, world_size: int, port: int, out_dir: str, cases: tuple
         out[case] = {"losses": losses, "peak": min(peaks, default=None)}
         del step
         dist.barrier()
-    if rank == 0:
-        with open(os.path.join(out_dir, "out.json"), "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_gloo(rank, os.path.join(out_dir, "out.json"), out)
 
 
 def _measure(tmp_path_factory, cases: tuple[str, ...]) -> dict:

@@ -13,6 +13,9 @@ With tensor parallelism (ep2+fsdp+tp2 on 4 real gloo ranks: torch's DTensor TP p
 distributed/tp_plans_moe.py, and the experts under EP in torchtitan's etp=1 layout): every rank is
 profiled, and the hot rank and a cold one are each held to the trace of that rank (``trace_sharded(rank=r)``,
 gloo's reduce-scatter copy counted: ``gloo_scratch``), within 3%.
+
+Checked against batchfit's own EP module (distributed/expert_parallel.py) running for real over gloo's real
+all-to-all (checks the counting, not the fidelity to torchtitan's EP); with tp2, torch's own DTensor TP of the HF model.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ modules and tensor subclasses on fake tensors, against a real CPU step and bytes
 The model is the zoo's Llama-style Transformer, 2 blocks, d_model 64, MLP 256, vocab 128 (so the
 linears, not the logits, make the peak), batch 4 x 32 tokens, AdamW. The tensorwise recipe's CPU
 truth, and both on a larger model, are rows of benchmarks/recipes.py (slower: the profiler).
+
+Checked against torchao's own float8 modules and tensor subclasses running for real on a CPU step, and bytes by
+hand.
 """
 
 from __future__ import annotations

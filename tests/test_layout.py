@@ -158,23 +158,20 @@ def test_one_parser_of_strategy_names():
 
 
 TESTS = Path(__file__).parent
-STILL_SHARED = {  # (importer, imported): left to move into tiny.py / cpu_truth.py (issue 31 item 4)
-    ("test_plan_reserved", "test_plan_trace"), ("test_plan_reserved", "test_plan_deep"),
-    ("test_pipeline_hf", "test_pipeline"),
-}
 
 
 def test_no_test_module_imports_another():
-    """What two test modules share lives in tests/tiny.py, tests/cpu_truth.py or tests/conftest.py:
-    a test module imported by another runs its module-level code twice and hides where a helper is."""
+    """What two test modules share lives in tests/tiny.py, tests/cpu_truth.py (pipeline_truth.py for the
+    pipelines) or tests/conftest.py: a test module imported by another runs its module-level code twice and
+    hides where a helper is."""
     found = set()
     for path in TESTS.glob("test_*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                name = node.module.removeprefix("tests.")
-                if name.startswith("test_"):
-                    found.add((path.stem, name))
-    assert found <= STILL_SHARED, sorted(found - STILL_SHARED)
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found |= {(path.stem, name.removeprefix("tests.")) for name in names
+                      if name.removeprefix("tests.").startswith("test_")}
+    assert found == set(), sorted(found)
 
 
 OPTIONS_MODULE = PACKAGE / "options.py"
@@ -301,3 +298,29 @@ def test_cli_functions_are_thin():
     wrong = [f"cli/{path.name} {where}" for path in sorted(CLI.glob("*.py"))
              for where in long_functions(path.read_text())]
     assert wrong == []
+
+
+MEASURES = ("profiled_step_peak", "profiled_peak", "profiled_phase_peaks", "profiled_workload_peak",
+            "agreed_profiled_peak", "profiled_rank_peak", "rank0_profiled_peaks", "spawn_profiled_gloo",
+            "measure_pipeline")
+"""The measurements of tests/cpu_truth.py, tiny.py and pipeline_truth.py: a test module that calls one holds a truth."""
+WHOSE = re.compile(r"Checked against\s.*?\b\w+'s? own\b", re.DOTALL)
+"""'Checked against torch's own ...', '... batchfit's own ...', '... transformers' own ...'."""
+
+
+def test_every_truth_says_what_it_checks_against():
+    """A test module that measures a real step (the profiler, a gloo run) says in its docstring whose code the
+    measured step ran (issue 31): a library's own (torch's, torchtitan's: the trace's fidelity is checked) or
+    batchfit's own implementation of a library's behaviour (only the counting is)."""
+    measuring, unsaid = [], []
+    for path in sorted(TESTS.glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        called = {node.func.id for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+        if called & set(MEASURES):
+            measuring.append(path.name)
+            if not WHOSE.search(ast.get_docstring(tree) or ""):
+                unsaid.append(path.name)
+    assert len(measuring) > 20 and "test_plan_trace.py" in measuring  # the rule sees the truths
+    assert WHOSE.search("Checked against\ntorch's own DDP") and not WHOSE.search("Checked against the profiler")
+    assert unsaid == []

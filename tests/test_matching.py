@@ -1,4 +1,6 @@
-"""trace/matching.py: FastMatcher gives difflib's opcodes, event for event, on seeded streams."""
+"""trace/matching.py: FastMatcher gives difflib's opcodes, event for event, on seeded streams.
+
+Checked against difflib's own SequenceMatcher (the opcodes it gives)."""
 
 from __future__ import annotations
 

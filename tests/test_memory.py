@@ -1,4 +1,6 @@
-"""The tracer's bytes against bytes worked out by hand, and against a real CPU step."""
+"""The tracer's bytes against bytes worked out by hand, and against a real CPU step.
+
+Checked against bytes worked out by hand, and torch's own code running for real (the profiler on a CPU step)."""
 
 from __future__ import annotations
 

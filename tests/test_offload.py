@@ -14,6 +14,9 @@ gradient, so linear 0 does not): 7 more packs, views of parameters, which stay. 
 the tensors of the last 5 packs (of all 24, as torchtune counts) on the device until their copy is
 done: packs 20-24 are r6, r6, W7^T, r7, r7, two storages; the other seven of the nine saved
 storages (x, r0-r5) leave.
+
+Checked against batchfit's own mirror of torchtune's / TRL's offloading hooks running for real on a CPU step (checks
+the counting, not the fidelity to those libraries' streams on a GPU), and bytes by hand.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ allows it on CPU, without pinning), rank 0 measured by the profiler, against the
 host total (a CPU holds both). By hand: the device bytes fall by exactly rank 0's parameter shards
 and its optimizer state (the gradients are gone at the peak either way), and they reappear on the
 host (the tiny Llama of test_plan_trace, 2 ranks: shards exact, no padding).
+
+Checked against torch's own FSDP2 CPUOffloadPolicy running for real over gloo, and bytes by hand.
 """
 
 from __future__ import annotations
@@ -14,15 +16,12 @@ import json
 import os
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
-from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
-from cpu_truth import join_gloo, spawn_profiled_gloo
+from cpu_truth import gloo_step, join_gloo, leave_gloo, spawn_profiled_gloo
 from tiny import LOCAL_BATCH, TOTAL, rank0_profiled_peaks, tiny_workload
 
 OFFLOAD = StepOptions(offload="params")
@@ -34,22 +33,11 @@ def _trace(options: StepOptions, name: str = "fsdp"):
 
 
 def _gloo_main(rank: int, port: int, out_dir: str) -> None:
-    from batchfit.distributed import apply_strategy, build_meshes
-
     join_gloo(rank, 2, port, timeout_s=60)
-    strategy = parse_strategy("fsdp", 2)
-    meshes = build_meshes(strategy)
-    torch.manual_seed(0)
-    step = TrainingStep(tiny_workload(), OFFLOAD, torch.device("cpu"),
-                        wrap=lambda m: apply_strategy(m, strategy, meshes, precision="fp32", fake=False,
-                                                      cpu_offload=True))
+    step = gloo_step(tiny_workload(), OFFLOAD, parse_strategy("fsdp", 2), cpu_offload=True)
     step.run(LOCAL_BATCH)
     peaks = rank0_profiled_peaks(step, os.path.join(out_dir, "timeline.json"), tries=3)  # the smaller of two
-    if rank == 0:
-        with open(os.path.join(out_dir, "peak.json"), "w") as f:
-            json.dump(min(peaks), f)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_gloo(rank, os.path.join(out_dir, "peak.json"), min(peaks, default=None))
 
 
 @pytest.mark.skipif(not os.environ.get("BATCHFIT_GLOO_TRUTH"), reason="a 2-process gloo run (35 s here): "

@@ -9,36 +9,36 @@ memory timeline) is compared with the trace of that pipeline rank on the fake pr
 semantics). The action orders are checked against the list torch's runtime runs (the real
 schedule objects' ``pipeline_order_with_comms``, on a fake process group here and on gloo), and
 the bubble by hand.
+
+Checked against torch's own PipelineStage and schedule classes running for real over gloo, on stages batchfit's own
+split_stage cuts (the cut's counting is checked, its fidelity to torchtitan's cut is not).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from batchfit.devices import get_device
 from batchfit.distributed.pp_schedules import bubble_fraction, in_flight, parse_schedule, rank_actions
 from batchfit.errors import OptionError
-from batchfit.options import Checkpointing
 from batchfit.plan.pipeline import PipelineSession
 from batchfit.plan.sharded import parse_strategy
-from batchfit.train.step import TrainingStep
-from batchfit.workload import StepOptions, Workload
-from batchfit.zoo.transformer import TransformerConfig
-from cpu_truth import join_gloo, spawn_profiled_gloo, tiny_llama_workload
+from batchfit.workload import StepOptions
+from pipeline_truth import (
+    MICRO,
+    MICROBATCHES,
+    WORLD,
+    compute_order,
+    measure_pipeline,
+    pipeline_workload,
+    real_schedule,
+    run_key,
+)
 
-CFG = TransformerConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128,
-                        llama=True, tied_embeddings=False)
-MICRO = 2
-MICROBATCHES = 4
-WORLD = 2
 SCHEDULES = ("gpipe", "1f1b", "interleaved-zb:2", "zbv")
 """One of each kind: a single stage per rank, split backward (I then W) on interleaved stages, the V
 shape; benchmarks/pp_gloo.py runs every schedule (interleaved-1f1b, dualpipev too) on 2 and 4 ranks,
@@ -52,122 +52,14 @@ rank, I and W apart, each recomputing); the other runs are marked slow (``-m slo
 run of their own (1F1B's order is checked against torch's runtime without gloo, below)."""
 
 
-def tiny_workload(n_layers: int = CFG.n_layers) -> Workload:
-    import dataclasses
-
-    return tiny_llama_workload(dataclasses.replace(CFG, n_layers=n_layers))
-
-
-def _real_schedule(name: str, stages: list, microbatches: int, **kw):
-    """torch's schedule object for ``--pp-schedule name`` over this rank's ``PipelineStage``s."""
-    from torch.distributed.pipelining import schedules as S
-
-    from batchfit.distributed.pp_schedules import KINDS, parse_schedule
-
-    kind = KINDS[parse_schedule(name).kind]
-    cls = getattr(S, kind.torch_class)
-    return cls(stages[0] if kind.stages_per_rank == 1 else stages, microbatches, **kw)
-
-
-def _compute_order(schedule, rank: int) -> list[tuple[str, int, int]]:
-    """The compute actions torch's runtime runs on ``rank`` (its ``pipeline_order_with_comms``,
-    OVERLAP_F_B's forward then backward), as ``rank_actions`` writes them."""
-    from torch.distributed.pipelining import schedules as S
-
-    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W",
-             "REDUCE_GRAD": "R"}
-    out = []
-    for action in schedule.pipeline_order_with_comms[rank]:
-        for a in action.sub_actions if action.computation_type == S.OVERLAP_F_B else (action,):
-            kind = kinds.get(a.computation_type.name)
-            if kind is not None:
-                out.append((kind, a.stage_index, -1 if kind == "R" else a.microbatch_index))
-    return out
-
-
-def _key(name: str, checkpointing: str) -> str:
-    return name if checkpointing == "none" else f"{name} --checkpointing {checkpointing}"
-
-
-def _gloo_main(rank: int, port: int, out_dir: str, world: int = WORLD, microbatches: int = MICROBATCHES,
-               runs: tuple[tuple[str, str], ...] = RUNS, n_layers: int = CFG.n_layers,
-               hf_config: str | None = None) -> None:
-    """Rank ``rank`` of a real ``world``-rank pipeline: its peak per (schedule, checkpointing) in
-    peaks<rank>.json, and the compute order torch's runtime ran (multi-stage schedules). With
-    ``hf_config`` (a config.json path) the model is that HF causal LM (``tests/test_pipeline_hf.py``),
-    its loss the causal LM's own."""
-    import dataclasses
-
-    from torch.distributed.pipelining import PipelineStage
-
-    from batchfit.distributed.pipeline import build_rank
-    from batchfit.distributed.pipeline_hf import hf_stage_loss
-    from batchfit.distributed.pipeline_run import stage_batch
-    from batchfit.distributed.pp_schedules import parse_schedule, rank_stages
-    from batchfit.zoo.hf import hf_workload
-    from cpu_truth import agreed_profiled_peak
-
-    join_gloo(rank, world, port, timeout_s=120)
-    peaks, orders = {}, {}
-    for name, checkpointing in runs:
-        schedule = parse_schedule(name, microbatches)
-        n_stages = world * schedule.virtual
-        indices = rank_stages(schedule, world, rank)
-        base = tiny_workload(n_layers) if hf_config is None else hf_workload(hf_config, seq_len=CFG.seq_len)
-        workload = dataclasses.replace(base, build_model=lambda: build_rank(base.build_model, n_stages, indices,
-                                                                            Checkpointing.parse(checkpointing)))
-        torch.manual_seed(0)
-        step = TrainingStep(workload, StepOptions(), torch.device("cpu"))
-        stages = [PipelineStage(module, s, n_stages, torch.device("cpu"))
-                  for module, s in zip(step.model.stages, step.model.stage_indices)]
-
-        def loss_fn(logits, y, _stage=step.model.stages[0]):
-            if hf_config is not None:  # the causal LM's own loss (each stage module is the causal LM, cut)
-                return hf_stage_loss(_stage, logits, y)
-            return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-
-        runtime = _real_schedule(name, stages, microbatches, loss_fn=loss_fn)
-        x, y = stage_batch(workload.make_batch(MICRO * microbatches, torch.device("cpu")))
-        x = x if 0 in indices else None
-        y = y if n_stages - 1 in indices else None
-
-        def run(batch_size, hooks=None, _schedule=runtime, _step=step, _x=x, _y=y):
-            _schedule.step(*(() if _x is None else (_x,)), target=_y, return_outputs=False)
-            _step.optimizer.step()
-            _step.optimizer.zero_grad(set_to_none=True)
-
-        step.run = run
-        run(MICRO)  # builds the stage's buffers and the optimizer state
-        # two profiled steps: the V-shaped ranks' local buffers, made by one step and replaced in the next
-        peaks[_key(name, checkpointing)] = agreed_profiled_peak(step, MICRO, Path(out_dir) / str(rank), warmup=0,
-                                                                steps=2)
-        if hasattr(runtime, "pipeline_order_with_comms"):
-            orders[name] = _compute_order(runtime, rank)
-        dist.barrier()
-    with open(os.path.join(out_dir, f"peaks{rank}.json"), "w") as f:
-        json.dump({"peaks": peaks, "orders": orders}, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _measure(tmp_path_factory, runs: tuple[tuple[str, str], ...], *, n_layers: int = CFG.n_layers,
-             hf_config: str | None = None) -> dict:
-    path = tmp_path_factory.mktemp("pp-gloo")
-    for rank in range(WORLD):
-        (path / str(rank)).mkdir()
-    spawn_profiled_gloo(_gloo_main, lambda port: (port, str(path), WORLD, MICROBATCHES, runs, n_layers, hf_config),
-                        nprocs=WORLD)
-    return {rank: json.loads((path / f"peaks{rank}.json").read_text()) for rank in range(WORLD)}
-
-
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
-    return _measure(tmp_path_factory, FAST_RUNS)
+    return measure_pipeline(tmp_path_factory, FAST_RUNS)
 
 
 @pytest.fixture(scope="module")
 def measured_slow(tmp_path_factory) -> dict:
-    return _measure(tmp_path_factory, tuple(run for run in RUNS if run not in FAST_RUNS))
+    return measure_pipeline(tmp_path_factory, tuple(run for run in RUNS if run not in FAST_RUNS))
 
 
 @pytest.mark.parametrize("name, checkpointing", [
@@ -178,13 +70,13 @@ def test_each_stage_peak_matches_a_real_gloo_pipeline(request, name, checkpointi
     strategy = parse_strategy("pp2", WORLD, pp_schedule=name, microbatches=MICROBATCHES)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        session = PipelineSession(tiny_workload(), StepOptions(checkpointing=checkpointing), get_device("h100-80gb"),
-                                  strategy, cuda_semantics=False)
+        session = PipelineSession(pipeline_workload(), StepOptions(checkpointing=checkpointing),
+                                  get_device("h100-80gb"), strategy, cuda_semantics=False)
         session.trace(MICRO * MICROBATCHES)
     for stage in session.stage_points:
-        real = measured[stage.rank]["peaks"][_key(name, checkpointing)]
+        real = measured[stage.rank]["peaks"][run_key(name, checkpointing)]
         traced = stage.point.total_peak_bytes or stage.point.peak_bytes
-        print(f"{_key(name, checkpointing)} stage {stage.rank}: traced {traced} B, gloo {real} B, "
+        print(f"{run_key(name, checkpointing)} stage {stage.rank}: traced {traced} B, gloo {real} B, "
               f"{(traced - real) / real:+.2%}")
         assert abs(traced - real) / real < 0.03, (name, stage.rank, traced, real)
 
@@ -216,8 +108,8 @@ def test_orders_and_stages_are_what_torchs_runtime_runs(name, pp, m):
         try:
             stages = [PipelineStage(torch.nn.Linear(4, 4), s, n, torch.device("cpu"))
                       for s in rank_stages(schedule, pp, rank)]
-            runtime = _real_schedule(name, stages, m, loss_fn=lambda out, y: out.sum())
-            assert _compute_order(runtime, rank) == rank_actions(schedule, pp, rank)
+            runtime = real_schedule(name, stages, m, loss_fn=lambda out, y: out.sum())
+            assert compute_order(runtime, rank) == rank_actions(schedule, pp, rank)
             assert sorted(s for s, r in runtime.stage_index_to_group_rank.items() if r == rank) == \
                 rank_stages(schedule, pp, rank)
         finally:
@@ -277,7 +169,7 @@ def test_bad_pipeline_input_is_one_line(text, world, schedule, micro, says):
 def test_layers_not_divisible_by_stages_is_one_line():
     strategy = parse_strategy("pp3", 3, pp_schedule="1f1b", microbatches=3)
     with pytest.raises(OptionError, match="4 layers do not split into 3") as error:
-        PipelineSession(tiny_workload(), StepOptions(), get_device("h100-80gb"), strategy)
+        PipelineSession(pipeline_workload(), StepOptions(), get_device("h100-80gb"), strategy)
     assert "\n" not in str(error.value)
 
 
@@ -287,7 +179,7 @@ def test_plan_reports_every_stage_and_the_bubble():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = plan(tiny_workload(), device=get_device("h100-80gb"), worlds=[World(gpus=2, nodes=1)],
+        result = plan(pipeline_workload(), device=get_device("h100-80gb"), worlds=[World(gpus=2, nodes=1)],
                       strategies="pp2", pp_schedule="1f1b", microbatches=2, max_batch=8, processes=1,
                       limit="allocated")
     row = result.plans[0]

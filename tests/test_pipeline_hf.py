@@ -6,9 +6,12 @@ Truths: the stages run one after the other give the whole model's logits and los
 Granite's embedding multiplier each stage rebuilds are the whole model's); a real 2-process gloo
 pipeline of Qwen3 runs torch's own ``PipelineStage`` + ``Schedule1F1B`` (and ``ScheduleZBVZeroBubble`` with
 full activation checkpointing) on those stages, each rank's
-profiled peak against the trace of that pipeline rank (``tests/test_pipeline.py``'s gloo run, with
+profiled peak against the trace of that pipeline rank (``tests/pipeline_truth.py``'s gloo run, with
 the HF model and its own loss); under tp2 (2 gloo processes) the stages in a row, each parallelized alone,
 give the whole model's logits too; the rest is counted by hand (which parameters each pipeline rank holds).
+
+Checked against torch's own schedules running for real over gloo, on stages cut by transformers' own
+base_model_pp_plan.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from batchfit.errors import OptionError
 from batchfit.plan.pipeline import PipelineSession
 from batchfit.plan.sharded import parse_strategy
 from batchfit.workload import StepOptions
-from test_pipeline import MICRO, MICROBATCHES, WORLD, _measure
+from pipeline_truth import MICRO, MICROBATCHES, WORLD, measure_pipeline, real_schedule
 
 pytest.importorskip("transformers")
 
@@ -219,7 +222,7 @@ RUNS = (("1f1b", "none"), ("zbv", "full"))
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
     path = _config_path(MEASURED, tmp_path_factory.mktemp("hf-config"))
-    return _measure(tmp_path_factory, RUNS, hf_config=path)
+    return measure_pipeline(tmp_path_factory, RUNS, hf_config=path)
 
 
 @pytest.mark.slow  # two processes building, running and profiling the HF stages: ~1-3 min on a loaded machine
@@ -272,7 +275,6 @@ def _pp_tp_main(rank: int, port: int, out_dir: str, path: str, schedule_name: st
     from batchfit.train.step import TrainingStep
     from batchfit.zoo.hf import hf_workload
     from cpu_truth import join_gloo, profiled_step_peak
-    from test_pipeline import _real_schedule
 
     join_gloo(rank, 4, port, timeout_s=180)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
@@ -292,7 +294,7 @@ def _pp_tp_main(rank: int, port: int, out_dir: str, path: str, schedule_name: st
     step = TrainingStep(dataclasses.replace(base, build_model=build), StepOptions(), torch.device("cpu"))
     stages = [PipelineStage(module, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
               for module, s in zip(step.model.stages, step.model.stage_indices)]
-    runtime = _real_schedule(schedule_name, stages, MICROBATCHES,
+    runtime = real_schedule(schedule_name, stages, MICROBATCHES,
                              loss_fn=lambda logits, y, _stage=step.model.stages[0]: hf_stage_loss(_stage, logits, y))
     x, y = stage_batch(base.make_batch(MICRO * MICROBATCHES, torch.device("cpu")))
     x = x if 0 in indices else None

@@ -2,6 +2,8 @@
 
 The check is against the tracer itself run on the whole model (``trace_sharded``): the same
 peak, breakdown, FLOPs, parameter counts and every collective in order, byte for byte.
+
+Checked against batchfit's own whole-model trace (checks the extrapolation, not the fidelity to a GPU).
 """
 
 from __future__ import annotations
@@ -14,13 +16,9 @@ from batchfit.devices import get_device
 from batchfit.plan.deep import DeepSession, collectives_at, trace_deep
 from batchfit.plan.sharded import Collective, ShardedSession, parse_strategy, trace_sharded
 from batchfit.workload import StepOptions
-from batchfit.zoo import language_model_workload
-from batchfit.zoo.transformer import Transformer, TransformerConfig
+from tiny import deep_workload
 
-CFG = TransformerConfig(vocab_size=512, seq_len=32, d_model=64, n_layers=10, n_heads=4, n_kv_heads=2, d_ff=128,
-                        llama=True, tied_embeddings=False)
-WORKLOAD = language_model_workload(name="tiny-llama-12", build_model=lambda: Transformer(CFG),
-                                   vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, description="12 tiny blocks")
+WORKLOAD = deep_workload()
 H100 = get_device("h100-80gb")
 
 

@@ -6,6 +6,9 @@ steady step allocates, and the peak is named as the first step's. On the real tr
 reserved peak plan replays on one GPU is estimate's, byte for byte, and DDP's bucket rebuild
 is in the stream: one bucket of every gradient from the build, freed at the start of the
 second step before the new buckets are allocated (``Reducer::initialize_buckets``).
+
+Checked against the stand-in by hand, and batchfit's own estimate of the same step (checks plan's replay, not the
+fidelity to a GPU).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from batchfit.plan.reserved import replay_steps
 from batchfit.plan.world import World
 from batchfit.workload import StepOptions
 from standin import gpu, trace_sharded, workload
-from test_plan_trace import tiny_workload
+from tiny import deep_workload, tiny_workload
 
 ONCE_BYTES = 8 * GiB
 
@@ -138,14 +141,13 @@ def test_the_side_streams_survive_depth_extension():
     (``trace.stream.tag_streams``): its replay is the whole model's, byte for byte."""
     from batchfit.plan.deep import DeepSession
     from batchfit.plan.sharded import ShardedSession, parse_strategy
-    from test_plan_deep import WORKLOAD
-
     h100, options, strategy = get_device("h100-80gb"), StepOptions(precision="bf16-mixed"), parse_strategy("fsdp", 2)
-    with DeepSession(WORKLOAD, options, h100, strategy) as deep:
+    work = deep_workload()
+    with DeepSession(work, options, h100, strategy) as deep:
         deep.trace(1)
         extended = deep.reserved(1)
         assert deep.whole_reserved == []  # written from the depths, not traced whole
-    with ShardedSession(WORKLOAD, options, h100, strategy) as whole:
+    with ShardedSession(work, options, h100, strategy) as whole:
         whole.trace(1)
         traced = replay_steps(whole.fresh_stream, whole.fresh_steps, h100, whole.fresh_streams)
     assert extended.peak_reserved_bytes == traced.peak_reserved_bytes

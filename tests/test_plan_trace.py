@@ -6,6 +6,9 @@ DDP rebuilds its buckets in the second) is measured by the torch profiler's memo
 timeline, independently of the tracer, and compared with ``trace_sharded`` at the same
 world size and local batch, traced with CPU semantics (no CUDA rounding, CPU kernels).
 Collective bytes are checked against the closed form, computed from parameter shapes.
+
+Checked against torch's own DDP, FSDP2 and DTensor code running for real over gloo; the Llama TP plan is batchfit's
+own hand plan (checks its counting, not its fidelity to torchtitan's: test_torchtitan.py runs that).
 """
 
 from __future__ import annotations
@@ -20,9 +23,8 @@ from torch import nn
 
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import Strategy, parse_strategies, parse_strategy
-from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
-from cpu_truth import join_gloo, spawn_profiled_gloo
+from cpu_truth import gloo_step, join_gloo, leave_gloo, spawn_profiled_gloo
 from tiny import (
     BLOCK,
     CFG,
@@ -31,7 +33,6 @@ from tiny import (
     ROOT,
     TOTAL,
     rank0_profiled_peaks,
-    tiny_workload,  # noqa: F401 - test_plan_reserved.py imports it from here
     tiny_workload_named,
 )
 from tiny import collective_bytes as _bytes
@@ -43,29 +44,20 @@ MEASURED = {2: ("ddp", "fsdp", "fsdp:t5"), 4: ("fsdp+tp2",)}
 
 # --- the real runs -----------------------------------------------------------------------------
 def _gloo_main(rank: int, world_size: int, port: int, out_dir: str, names: tuple[str, ...]) -> None:
-    from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.tp_plans import tp_plan
 
     join_gloo(rank, world_size, port, timeout_s=60)
     peaks = {}
     for name in names:
-        strategy = parse_strategy(name.removesuffix(":t5"), world_size)
-        meshes = build_meshes(strategy)
-        torch.manual_seed(0)
-        step = TrainingStep(tiny_workload_named(name), OPTIONS, torch.device("cpu"),
-                            wrap=lambda m: apply_strategy(m, strategy, meshes, precision=OPTIONS.precision,
-                                                          fake=False, parallelize=tp_plan(m)))
+        step = gloo_step(tiny_workload_named(name), OPTIONS, parse_strategy(name.removesuffix(":t5"), world_size),
+                         tp_plan_of=tp_plan)
         step.run(LOCAL_BATCH)
         step.run(LOCAL_BATCH)  # DDP rebuilds its buckets here
         # rank 0 keeps the smaller peak of two profiled steps (tiny.rank0_profiled_peaks says why)
         peaks[name] = min(rank0_profiled_peaks(step, os.path.join(out_dir, f"timeline-{name}.json")), default=None)
         del step
         dist.barrier()
-    if rank == 0:
-        with open(os.path.join(out_dir, "peaks.json"), "w") as f:
-            json.dump(peaks, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_gloo(rank, os.path.join(out_dir, "peaks.json"), peaks)
 
 
 FAST = {(2, "ddp"), (2, "fsdp")}

@@ -5,6 +5,9 @@ model.eval(), no gradients, the whole output kept, the logits of ``held_steps`` 
 on this CPU, its allocated peak read by the torch profiler, against the eval window's traced peak
 with CPU semantics. The model: batchfit's zoo Llama, d 64, 2 layers, vocab 4,096 (its logits
 hold most of an eval step: 8 x 64 x 4,096 x 4 B = 8 MiB per step).
+
+Checked against batchfit's own eval loop (TrainingStep.evaluate, HF Trainer's evaluation loop as it keeps the
+logits) running for real under the profiler (checks the counting, not the fidelity to the Trainer's loop).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from batchfit.errors import OptionError
 from batchfit.estimator.batching import Batching, Shape, step_shapes
 from batchfit.estimator.engine import estimate
 from batchfit.estimator.eval_phase import EvalTracer, add_eval_phase
+from batchfit.estimator.request import EstimateRequest, RunRequest
 from batchfit.estimator.run import estimate_run
 from batchfit.report.run_markdown import eval_lines, eval_markdown
 from batchfit.train.step import TrainingStep
@@ -90,16 +94,18 @@ def test_with_data_the_eval_batches_are_the_datas_padded_the_same_way():
     device = custom_device(2**30)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = estimate_run(lambda n: tiny(n, vocab=512), lengths, Batching("pad-longest"), data="d.jsonl",
-                              device=device, limit="allocated", batch_sizes=[2], max_batch=2, eval_batch_size=3)
+        result = estimate_run(lambda n: tiny(n, vocab=512), lengths,
+                              RunRequest(data="d.jsonl", batching=Batching("pad-longest")),
+                              EstimateRequest(limit="allocated", batch_sizes=[2], max_batch=2, eval_batch_size=3),
+                              device=device)
     phase = result.eval_phase
     assert step_shapes(lengths, Batching("pad-longest"), 3, 60)[2] == Shape(3, 60)
     assert phase.asked.peak_shape == Shape(3, 60) and phase.fits
     assert not any("eval" in a.what for a in result.approximations)  # one held step: its own shape
     assert phase.train_shape == result.run.runs[2].peak_shape == Shape(2, 60)
     with pytest.raises(OptionError, match="drop `eval_batch_size`"):
-        estimate_run(lambda n: tiny(n, vocab=512), lengths, Batching("tokens", 64), data="d.jsonl", device=device,
-                     eval_batch_size=3)
+        estimate_run(lambda n: tiny(n, vocab=512), lengths, RunRequest(data="d.jsonl", batching=Batching("tokens", 64)),
+                     EstimateRequest(eval_batch_size=3), device=device)
 
 
 def _args(tmp_path, **fields) -> str:
@@ -146,8 +152,10 @@ def test_the_answer_in_the_users_knobs_keeps_the_global_batch(tmp_path):
     device = custom_device((512 + 64 + 40) * 2**20)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = estimate_run(tiny, lengths, Batching("pack", 64), data="d.jsonl", device=device, limit="allocated",
-                              max_batch=16, eval_batch_size=door.mapping.per_device_eval_batch_size)
+        result = estimate_run(tiny, lengths, RunRequest(data="d.jsonl", batching=Batching("pack", 64)),
+                              EstimateRequest(limit="allocated", max_batch=16,
+                                              eval_batch_size=door.mapping.per_device_eval_batch_size),
+                              device=device)
     fitted = run_answer(door, result)
     micro, steps = fitted["per_device_train_batch_size"], fitted["gradient_accumulation_steps"]
     assert micro * steps == 16 and micro <= result.run.max_batch_size

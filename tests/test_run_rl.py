@@ -5,6 +5,9 @@ the reference log-probs, the train update) has its own peak, the largest decides
 Truth: the torch profiler's memory timeline of a REAL GRPO step of a transformers Llama (hidden 32,
 2 layers, vocabulary 256) on this CPU, cut at the phases the step announces
 (``cpu_truth.profiled_phase_peaks``), against the trace's peak of each phase.
+
+Checked against batchfit's own GRPO step (zoo/grpo.py, TRL's GRPOTrainer in its memory-deciding parts) running for
+real under the profiler (checks the counting, not the fidelity to TRL's trainer).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ semantics (``estimator.run.step_peaks``) and the step the run logic names as the
 The data: 24 samples whose lengths are drawn from a lognormal (numpy's default_rng(32),
 mean 3.0, sigma 0.7 of the log: median e^3 = 20 tokens), clipped to 4..96 tokens, batch 4:
 6 steps of 4 rows, each padded to its longest sample.
+
+Checked against torch's own code running for real (a multi-step CPU loop under the profiler) over batchfit's own
+pad-longest batches (checks the run's counting, not a collator's fidelity).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from batchfit.estimator.batching import (
     token_rows,
 )
 from batchfit.estimator.engine import estimate
+from batchfit.estimator.request import EstimateRequest, RunRequest
 from batchfit.estimator.run import Lengths, estimate_run, step_peaks
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions
@@ -100,8 +104,8 @@ def test_the_one_shape_answer_fits_but_a_late_long_batch_does_not():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         answer = estimate(tiny(12), device=device, limit="allocated").max_batch_size
-        result = estimate_run(tiny, lengths, Batching("pad-longest"), data="late.jsonl", device=device,
-                              limit="allocated", batch_sizes=[answer])
+        result = estimate_run(tiny, lengths, RunRequest(data="late.jsonl", batching=Batching("pad-longest")),
+                              EstimateRequest(limit="allocated", batch_sizes=[answer]), device=device)
     assert result.run.max_batch_size < answer <= len(lengths)
     shapes = step_shapes(lengths, Batching("pad-longest"), answer, MAX_LEN)
     late = next(i for i, s in enumerate(shapes) if s.length == MAX_LEN)
@@ -165,8 +169,9 @@ def test_a_token_budget_answers_whether_it_fits_and_the_largest_that_does():
     device = custom_device((512 + 64 + 5) * 2**20)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = estimate_run(tiny, lengths, Batching("tokens", MAX_LEN), data="tail.jsonl", device=device,
-                              limit="allocated", replay_steps=2)
+        result = estimate_run(tiny, lengths, RunRequest(data="tail.jsonl", batching=Batching("tokens", MAX_LEN),
+                                                          replay_steps=2), EstimateRequest(limit="allocated"),
+                              device=device)
         run = result.run
         assert run.runs[1].verdict == "fits" and run.fits_up_to > MAX_LEN
         assert estimate(tiny(run.fits_up_to), device=device, limit="allocated", max_batch=1).max_batch_size == 1
@@ -187,9 +192,11 @@ def test_the_worst_order_replay_is_reported_beside_the_datas():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = estimate_run(tiny, long_tailed_lengths()[:12], Batching("pad-longest"), data="tail.jsonl",
-                              device=custom_device(2**30), limit="allocated", batch_sizes=[BATCH], max_batch=BATCH,
-                              replay_steps=3, replay_order="worst")
+        result = estimate_run(tiny, long_tailed_lengths()[:12],
+                              RunRequest(data="tail.jsonl", batching=Batching("pad-longest"), replay_steps=3,
+                                         replay_order="worst"),
+                              EstimateRequest(limit="allocated", batch_sizes=[BATCH], max_batch=BATCH),
+                              device=custom_device(2**30))
     worst = result.run.churn_worst
     assert worst.order in ORDERS and len(worst.default.steps) == 3 and worst.verdict == "fits"
     assert sorted(s.length for s in worst.default.steps) == [25, 37, 65]

@@ -16,6 +16,9 @@ forced to that routing (:func:`forced_balanced`), as tests/test_routing.py force
 
 ``python -m pytest -s tests/test_support_truth.py | grep traced`` prints each cell's figures (the table
 of docs/tracing/checking.md, "Per-family truths (support matrix)"); CI's fast tier runs the fp32 cells only.
+
+Checked against transformers' own models running for real (the profiler on a CPU step), and torch's own FSDP2 over
+gloo.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from batchfit.trace.routing import moe_experts
 from batchfit.trace.session import TraceSession
 from batchfit.train.step import TrainingStep
 from batchfit.workload import StepOptions, Workload
-from cpu_truth import join_gloo, profiled_step_peak, same_kernels_on_any_x86, spawn_profiled_gloo
+from cpu_truth import gloo_step, join_gloo, leave_gloo, profiled_step_peak, same_kernels_on_any_x86, spawn_profiled_gloo
 
 pytest.importorskip("transformers")
 
@@ -143,19 +146,15 @@ def test_each_familys_traced_peak_matches_the_profiler_on_a_real_cpu_step(family
 def _gloo_main(rank: int, port: int, out_dir: str, families: tuple[str, ...]) -> None:
     """Each family's real fsdp step on this rank; rank 0's steady-step peak (the least of two profiled
     steps: a collective that completes late on a loaded machine keeps a buffer alive longer in one)."""
-    from batchfit.distributed import apply_strategy, build_meshes
     from cpu_truth import agreed_profiled_peak
 
     join_gloo(rank, GLOO_WORLD, port, timeout_s=120)
     strategy = parse_strategy("fsdp", GLOO_WORLD)
-    meshes = build_meshes(strategy)
     peaks = {}
     for family in families:
-        torch.manual_seed(0)  # the same weights on both ranks
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            step = TrainingStep(forced_balanced(workload(family, Path(out_dir))), StepOptions(), torch.device("cpu"),
-                                wrap=lambda m: apply_strategy(m, strategy, meshes, precision="fp32", fake=False))
+            warnings.simplefilter("ignore")  # seeded: the same weights on both ranks
+            step = gloo_step(forced_balanced(workload(family, Path(out_dir))), StepOptions(), strategy)
             torch.manual_seed(1 + rank)  # each rank its own samples
             step.run(B)
             folder = Path(out_dir) / f"{family}-{rank}"
@@ -163,10 +162,7 @@ def _gloo_main(rank: int, port: int, out_dir: str, families: tuple[str, ...]) ->
             peaks[family] = agreed_profiled_peak(step, B, folder, best_of=2)
         del step
         torch.distributed.barrier()
-    if rank == 0:
-        (Path(out_dir) / "peaks.json").write_text(json.dumps(peaks))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave_gloo(rank, str(Path(out_dir) / "peaks.json"), peaks)
 
 
 @pytest.fixture(scope="module")

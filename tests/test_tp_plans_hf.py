@@ -7,6 +7,10 @@ by vocabulary rows, the head-by-head fused query_key_value split by columns) und
 ``batchfit.distributed`` on real tensors; rank 0's peak in a steady step (the profiler's memory
 timeline) is compared with the trace on the fake process group (CPU semantics). The rest is counted
 by hand: which parameters each rank holds half of.
+
+Checked against torch's own DTensor styles running for real over gloo, with the layouts batchfit reads from
+transformers' own base_model_tp_plan (checks the counting of that reading, not its fidelity to transformers' own
+TensorParallelLayer code).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from batchfit.devices import get_device
 from batchfit.errors import OptionError
 from batchfit.plan.sharded import parse_strategy, trace_sharded
 from batchfit.workload import StepOptions
-from cpu_truth import agreed_profiled_peak, join_gloo, spawn_profiled_gloo
+from cpu_truth import agreed_profiled_peak, gloo_step, join_gloo, leave_gloo, spawn_profiled_gloo
 
 pytest.importorskip("transformers")
 
@@ -72,29 +76,18 @@ def _trace(workload, strategy: str = "tp2", world: int = 2, options: StepOptions
 def _gloo_main(rank: int, port: int, out_dir: str, families: tuple[str, ...]) -> None:
     from pathlib import Path
 
-    from batchfit.distributed import apply_strategy, build_meshes
     from batchfit.distributed.tp_plans import tp_plan
-    from batchfit.train.step import TrainingStep
 
     join_gloo(rank, 2, port, timeout_s=120)
     out = {}
     for family in families:
-        strategy = parse_strategy("tp2", 2)
-        meshes = build_meshes(strategy)
-        torch.manual_seed(0)
         folder = Path(out_dir) / f"{family}-{rank}"
         folder.mkdir()
         workload = _workload(FAMILIES[family], folder)  # one file per rank: the ranks never read a half-written file
-        step = TrainingStep(workload, StepOptions(), torch.device("cpu"),
-                            wrap=lambda m: apply_strategy(m, strategy, meshes, precision="fp32", fake=False,
-                                                          parallelize=tp_plan(m)))
+        step = gloo_step(workload, StepOptions(), parse_strategy("tp2", 2), tp_plan_of=tp_plan)
         out[family] = agreed_profiled_peak(step, LOCAL_BATCH, folder, best_of=2)
         del step
-    if rank == 0:
-        with open(os.path.join(out_dir, "peaks.json"), "w") as f:
-            json.dump(out, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave_gloo(rank, os.path.join(out_dir, "peaks.json"), out)
 
 
 @pytest.fixture(scope="module")

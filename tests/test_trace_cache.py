@@ -1,6 +1,8 @@
 """trace/cache.py: a second question about the same model is answered from the trace cache,
 with the result a run that traces everything (--no-cache) gives; a corrupted entry is
-ignored and rewritten. Every test has its own $BATCHFIT_CACHE (conftest's ``_own_cache``)."""
+ignored and rewritten. Every test has its own $BATCHFIT_CACHE (conftest's ``_own_cache``).
+
+Checked against batchfit's own traces run again with --no-cache (checks the cache, not the fidelity to a GPU)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ Fake tensors have no values. nn.TransformerEncoder/Decoder read the attention ma
 to decide whether it is causal (when ``is_causal`` is not given): a mask made by PyTorch's
 causal-mask builder is known to be causal, so it is traced, and its peak is checked against
 the profiler on a real CPU step. Any other read stops with one line naming the user's line
-and what to write there instead."""
+and what to write there instead.
+
+Checked against torch's own nn.TransformerEncoder / Decoder running for real (the profiler on a CPU step)."""
 
 from __future__ import annotations
 

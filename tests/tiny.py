@@ -4,6 +4,7 @@ another test module.
 
 - the tiny Llama of the sharded truths (tests/test_plan_trace.py and the gloo runs beside it):
   its config, parameter counts by hand, its traced rank 0 and rank 0's profiled peak;
+- the ten-block Llama the depth extrapolation is checked on (tests/test_plan_deep.py, test_plan_reserved.py);
 - the tiny Qwen3-MoE with a forced router (tests/test_routing.py, tests/test_expert_parallel.py);
 - an example script loaded as a module (tests/test_elastic.py, test_hf_trainer.py, test_lightning.py);
 - the sweep's tiny GPT written as a model file, and a corpus written on the spot (the sweep,
@@ -54,6 +55,22 @@ def tiny_t5_workload() -> Workload:
     return Workload(name="tiny-t5", build_model=lambda: T5ForConditionalGeneration(config), make_batch=make_batch,
                     loss_fn=lambda model, batch: model(input_ids=batch[0], labels=batch[1]).loss,
                     tokens_per_sample=48, description="tiny T5: 2 encoder + 2 decoder blocks")
+
+
+# Ten Llama blocks (twelve with the embedding and the head), small enough to trace whole in a
+# second: the whole model's trace that the depth extrapolation (plan/deep.py) must equal.
+DEEP_CFG = TransformerConfig(vocab_size=512, seq_len=32, d_model=64, n_layers=10, n_heads=4, n_kv_heads=2, d_ff=128,
+                             llama=True, tied_embeddings=False)
+
+
+def deep_workload() -> Workload:
+    """The ten-block Llama of the depth truths (tests/test_plan_deep.py, test_plan_reserved.py)."""
+    from batchfit.zoo import language_model_workload
+    from batchfit.zoo.transformer import Transformer
+
+    return language_model_workload(name="tiny-llama-12", build_model=lambda: Transformer(DEEP_CFG),
+                                   vocab_size=DEEP_CFG.vocab_size, seq_len=DEEP_CFG.seq_len,
+                                   description="12 tiny blocks")
 
 
 def tiny_workload_named(name: str) -> Workload:

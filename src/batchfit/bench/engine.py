@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from batchfit.bench.request import BenchRequest
 from batchfit.devices import Device, host_link_seconds
 from batchfit.errors import OptionError
 from batchfit.targets import Target
@@ -315,9 +316,17 @@ def _hints(rows: list[BenchRow], leak: Leak | None, points: list[dict]) -> list[
     return hints
 
 
-def bench(workload: Workload, *, target: Target, options: StepOptions | None = None, batch_sizes: list[int],
-          steps: int = 10, warmup: int = 3, leak_check_steps: int | None = None,
-          progress: Callable[[str], None] | None = None) -> BenchResult:
+def bench(workload: Workload, request: BenchRequest | None = None, *, target: Target,
+          options: StepOptions | None = None, progress: Callable[[str], None] | None = None,
+          **fields) -> BenchResult:
+    """Bench ``workload`` on ``target`` at each of ``request.batch_sizes`` (``bench/request.py``; or give
+    its fields as keywords: ``bench(workload, target=t, batch_sizes=[8, 16])``)."""
+    if request is None:
+        request = BenchRequest(**fields)
+    elif fields:
+        raise TypeError(f"bench: give a BenchRequest or its fields as keywords, not both ({', '.join(fields)})")
+    request.check()
+    batch_sizes, steps, warmup = request.batch_sizes, request.steps, request.warmup
     options = (options or StepOptions()).with_attention_of(workload)  # named in every output
     say = progress or (lambda message: None)
     group = workload.batch_multiple()
@@ -331,7 +340,7 @@ def bench(workload: Workload, *, target: Target, options: StepOptions | None = N
         rows.append(bench_row(workload, options, target, b, steps=steps, warmup=warmup))
         if rows[-1].status == "error":
             break  # not out of memory: larger batches will not tell more
-    leak = None
+    leak, leak_check_steps = None, request.leak_check_steps
     if leak_check_steps:
         small = min((r.batch_size for r in rows if r.status == "ok"), default=min(batch_sizes))
         say(f"leak check: {leak_check_steps} steps at batch size {small}")

@@ -36,7 +36,6 @@ from batchfit.cli.common import (
     TokenizerOpt,
     TrainOnlyOpt,
     check_outputs,
-    command_target,
     flag,
     handle_errors,
     out_option,
@@ -50,8 +49,9 @@ from batchfit.cli.common import (
     write_outputs,
 )
 from batchfit.cli.trainer import TrainerOpt, print_data_rows, print_mapping
-from batchfit.config.step import StepFlags, parse_batch_sizes
-from batchfit.config.trainer import data_rows, merged_options, merged_seq_len, read_trainer
+from batchfit.config.bench import BENCH_SIZES, BenchFlags, bench_config
+from batchfit.config.step import StepFlags
+from batchfit.config.trainer import read_trainer
 from batchfit.devices import GiB
 from batchfit.specs import load_workload
 
@@ -68,9 +68,6 @@ Examples:
 """
 
 
-BENCH_SIZES = "8,16,32,64"
-
-
 @handle_errors
 def bench_command(
     model: ModelArg,
@@ -78,7 +75,7 @@ def bench_command(
     gpu: GpuOpt = None,
     gpu_memory: GpuMemoryOpt = None,
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes to bench, e.g. 8,16,32,64 (with --trainer: its "
-                                                  "per_device_train_batch_size).")] = "8,16,32,64",
+                                                  "per_device_train_batch_size).")] = BENCH_SIZES,
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = None,
@@ -112,22 +109,12 @@ def bench_command(
     predicted with a model of the CUDA caching allocator; nothing is timed. Phases (a
     generation phase before the update, as in GRPO) are reported separately.
     """
-    from batchfit.errors import OptionError
-
-    if steps < 1 or warmup < 0:
-        raise OptionError("--steps must be 1 or more and --warmup 0 or more, e.g. --steps 10 --warmup 3")
+    given = dict(locals())  # every flag, by name: config/bench.py's BenchFlags and StepFlags pick theirs
     door = read_trainer(trainer)
     check_outputs(json_path, out)
-    target = command_target(gpu, gpu_memory, device)
-    options = StepFlags.pick(locals()).options(say_dim)  # the step's flags, by name
-    options = merged_options(options, door)
-    seq_len = merged_seq_len(seq_len, door)
-    # --data: every batch size benched at the longest row a step of the data makes (as probe and plan)
-    seq_len, data_section = data_rows(model, seq_len, door, data, batching, length_column, tokenizer)
+    config = bench_config(BenchFlags.pick(given), StepFlags.pick(given), door, say=say_dim)
+    target, options, seq_len = config.target, config.options, config.seq_len
     warn_about_precision(target, options.precision)  # after StepOptions refused an unknown precision
-    if door is not None and batch_sizes == BENCH_SIZES:  # the args' batch, unless sizes were given
-        batch_sizes = str(door.mapping.per_device_train_batch_size)
-    sizes = parse_batch_sizes(batch_sizes)
     if door is not None:
         print_mapping(door, quiet_if_stdout(json_path))
     from batchfit.bench.engine import bench  # torch: after the options are checked
@@ -137,11 +124,12 @@ def bench_command(
     workload = load_workload(model, seq_len=seq_len)
     notices = no_op_notices(workload, options)
     say_notices(notices)
-    with progress_line(total=len(set(sizes)) + (1 if leak_check else 0)) as say:
-        result = bench(workload, target=target, options=options, batch_sizes=sizes, steps=steps, warmup=warmup,
-                       leak_check_steps=steps if leak_check else None, progress=say)
+    request = config.request
+    with progress_line(total=len(set(request.batch_sizes)) + (1 if request.leak_check_steps else 0)) as say:
+        result = bench(workload, request, target=target, options=options, progress=say)
     folder = report_folder(out, "bench", result.workload, target, options, seq_len)
     section = door.section(None) if door is not None else None
+    data_section = config.data_section
     data = {**result.to_json(), "notices": notices, **({"trainer": section} if section is not None else {}),
             **({"data": data_section} if data_section else {})}
     paths = write_outputs(json_path, data, lambda files: write_bench_report(result, folder, files, trainer=section))

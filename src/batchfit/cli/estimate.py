@@ -54,9 +54,7 @@ from batchfit.cli.common import (
 from batchfit.cli.trainer import EmitTrainerOpt, TrainerOpt, print_answer, print_mapping, trainer_outputs
 from batchfit.config.estimate import EstimateFlags, estimate_config, read_estimate_door
 from batchfit.config.step import StepFlags
-from batchfit.config.trainer import (
-    run_answer,
-)
+from batchfit.config.trainer import run_answer
 from batchfit.devices import GiB
 from batchfit.report.host import host_line
 from batchfit.report.run_markdown import eval_lines, rl_lines, run_lines
@@ -151,26 +149,22 @@ def estimate_command(
     if door is not None:
         print_mapping(door, quiet_if_stdout(json_path))
     from batchfit.estimator.engine import estimate  # torch and the tracer: after the options are checked
-    from batchfit.estimator.eval_phase import add_eval_phase
     from batchfit.estimator.rollout import rollout_approximations
     from batchfit.estimator.run import data_lengths, estimate_run
     from batchfit.report import write_estimate_report
 
     lengths = data_lengths(data, model=model, length_column=length_column, tokenizer=tokenizer) if data else None
+    engine = dict(device=config.target.device, options=options)
     with progress_line() as say:
-        common = config.engine_keywords(say)
-        if lengths is None:
+        if config.run is None:
             workload = load_workload(model, seq_len=seq_len) if rollout is None else rl_workload(model, rollout)
-            result = estimate(workload, **common)
+            result = estimate(workload, config.request, **engine, progress=say)
             if rollout is not None:
                 result.approximations = [*result.approximations,
                                          *rollout_approximations(rollout, result.options.accumulation_steps)]
-            if config.eval_batch:
-                add_eval_phase(result, workload, config.eval_batch, held_steps=config.eval_held, limit=limit, say=say)
         else:
-            result = estimate_run(lambda n: load_workload(model, seq_len=n), lengths, config.run_batching, data=data,
-                                  seq_len=seq_len, replay_steps=replay_steps, replay_order=replay_order,
-                                  eval_batch_size=config.eval_batch, eval_held_steps=config.eval_held, **common)
+            result = estimate_run(lambda n: load_workload(model, seq_len=n), lengths, config.run, config.request,
+                                  **engine, progress=say)
     folder = report_folder(out, "estimate", result.workload, config.target, options, seq_len)
     # GRPO: the answer is the update's batch at the args' steps_per_generation; a split for the same global
     # batch would change the generation batch (TRL's default follows gradient_accumulation_steps), never traced

@@ -38,7 +38,6 @@ from batchfit.cli.common import (
     TokenizerOpt,
     TrainOnlyOpt,
     check_outputs,
-    command_target,
     flag,
     handle_errors,
     out_option,
@@ -59,16 +58,12 @@ from batchfit.cli.trainer import (
     print_mapping,
     trainer_outputs,
 )
+from batchfit.config.probe import ProbeFlags, probe_answer, probe_config, read_probe_door
 from batchfit.config.step import StepFlags
-from batchfit.config.trainer import answer, data_rows, merged_options, merged_seq_len, parse_trainer_emit, read_trainer
 from batchfit.devices import GiB
 from batchfit.distributed.wrap import STRATEGIES
-from batchfit.errors import OptionError
-from batchfit.search import POLICIES, check_probe_options, no_memory_limit
+from batchfit.search import POLICIES
 from batchfit.specs import load_workload
-
-DEFAULT_MAX = 4096
-
 
 EXAMPLES = """
 Examples:
@@ -140,25 +135,15 @@ def probe_command(
     search and is reported as itself, with the probes before it kept. The answer is always a
     batch size that ran, with the next size up shown to fail (or the cap).
     """
-    door = read_trainer(trainer)
-    emit_path = parse_trainer_emit(emit, door)
+    given = dict(locals())  # every flag, by name: config/probe.py's ProbeFlags and StepFlags pick theirs
+    door, emit_path = read_probe_door(trainer, emit)
     check_outputs(json_path, out, *([("--emit", emit_path)] if emit_path else []))
-    target = command_target(gpu, gpu_memory, device)
-    if target.kind == "cpu" and target.device is None and max_batch is None:  # before torch loads
-        raise OptionError(no_memory_limit("probe --device cpu", "--max N",
-                                          "add --gpu t4-16gb or --gpu-memory 16GiB"))
-    max_batch = DEFAULT_MAX if max_batch is None else max_batch
-    options = StepFlags.pick(locals()).options(say_dim)  # the step's flags, by name
-    options = merged_options(options, door)
-    seq_len = merged_seq_len(seq_len, door)
-    seq_len, data_section = data_rows(model, seq_len, door, data, batching, length_column, tokenizer)
-    if door is not None and global_batch is None:  # the args' global batch, per device
-        global_batch = door.mapping.global_batch // door.mapping.world_size
+    config = probe_config(ProbeFlags.pick(given), StepFlags.pick(given), door, say=say_dim)
+    target, options, seq_len = config.target, config.options, config.seq_len
     warn_about_precision(target, options.precision)  # after StepOptions refused an unknown precision
+    console = quiet_if_stdout(json_path)
     if door is not None:
-        print_mapping(door, quiet_if_stdout(json_path))
-    check_probe_options(policy=policy, multiple_of=multiple_of, smallest=min_batch, largest=max_batch, steps=steps,
-                        target_util=target_util, global_batch=global_batch, limit=limit)
+        print_mapping(door, console)
     from batchfit.probe.find import find_max_batch  # torch: after the options are checked
     from batchfit.probe.ranks import rank
     from batchfit.report import write_probe_report
@@ -168,29 +153,22 @@ def probe_command(
     notices = no_op_notices(workload, options)
     say_notices(notices)
     with progress_line() as say:
-        result = find_max_batch(workload, target=target, options=options, policy=policy, multiple_of=multiple_of,
-                                smallest=min_batch, largest=max_batch, steps=steps, isolate=isolate, spec=model,
-                                seq_len=seq_len, stop_on_nan=stop_on_nan, target_util=target_util,
-                                global_batch=global_batch, verify_tiers=verify_tiers, limit=limit, strategy=strategy,
-                                progress=say)
+        result = find_max_batch(workload, config.request, target=target, options=options, progress=say)
     if rank() != 0:  # every rank probed; one writes
         return
     folder = report_folder(out, "probe", result.workload, target, options, seq_len)
-    fitted = None
-    if door is not None:
-        tier = next((r for r in result.recommendations if r.name == "production"), None)
-        fitted = answer(door, tier.batch_size if tier else result.max_batch_size, options.accumulation_steps,
-                        multiple_of=multiple_of, source="probed" if target.kind == "cuda" else "traced (virtual)")
-    found = {**result.to_json(), "notices": notices, **({"data": data_section} if data_section else {})}
+    fitted = probe_answer(door, result, config) if door is not None else None
+    section = config.data_section
+    found = {**result.to_json(), "notices": notices, **({"data": section} if section else {})}
     data, write_all = trainer_outputs(found, door, fitted, lambda files, trainer: write_probe_report(
         result, folder, files, trainer=trainer), emit_path)
     paths = write_outputs(json_path, data, write_all)
-    print_data_rows(data_section, quiet_if_stdout(json_path))
-    _print_summary(result, quiet_if_stdout(json_path), paths["md"])
+    print_data_rows(section, console)
+    _print_summary(result, console, paths["md"])
     if fitted is not None:
-        print_answer(fitted, quiet_if_stdout(json_path))
+        print_answer(fitted, console)
         if emit_path is not None and fitted["per_device_train_batch_size"] is not None:
-            quiet_if_stdout(json_path).print(f"wrote {emit_path}", soft_wrap=True)
+            console.print(f"wrote {emit_path}", soft_wrap=True)
     if result.stopped_by:
         raise typer.Exit(1)
 

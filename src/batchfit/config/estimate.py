@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchfit.config.step import StepFlags, TargetFlags, parse_batch_sizes, parse_host_memory, quiet
+from batchfit.config.step import DataFlags, StepFlags, parse_batch_sizes, parse_host_memory, quiet
 from batchfit.config.trainer import (
     FrontDoor,
     merged_batch_sizes,
@@ -25,16 +25,16 @@ from batchfit.config.trainer import (
 )
 from batchfit.errors import OptionError
 from batchfit.estimator.batching import check_run_flags
+from batchfit.estimator.request import EstimateRequest, RunRequest
 from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options
 from batchfit.targets import Target
 from batchfit.workload import StepOptions
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
-class EstimateFlags(TargetFlags):
+class EstimateFlags(DataFlags):
     """estimate's own flags, each field the flag of its name (the step's are :class:`StepFlags`)."""
 
-    seq_len: int | None = None
     host_memory: str | None = None
     batch_sizes: str | None = None
     target_util: float = 0.9
@@ -42,10 +42,6 @@ class EstimateFlags(TargetFlags):
     max_batch: int = DEFAULT_MAX_BATCH
     global_batch: int | None = None
     limit: str = "reserved"
-    data: str | None = None
-    batching: str | None = None
-    length_column: str | None = None
-    tokenizer: str | None = None
     replay_steps: int = 0
     replay_order: str = "data"
     eval_batch_size: int | None = None
@@ -58,31 +54,18 @@ class EstimateConfig:
     """Everything an estimate runs with, typed, from the flags and the --trainer args."""
 
     flags: EstimateFlags
-    """The flags as typed (the model, --data and its readers, --replay-*)."""
+    """The flags as typed (the model, --data's readers)."""
     seq_len: int | None
     """Tokens per sample (the flag's or the args' max_length); None: the model's."""
     options: StepOptions
     target: Target
     """The GPU sized for (``target.device`` is set)."""
-    batch_sizes: list[int] | None
-    """The sizes traced besides the search's (the args' per_device_train_batch_size among them)."""
-    host_memory_bytes: int | None
-    run_batching: Any
-    """How --data is batched (``estimator/batching.py``: Batching), None without --data."""
-    eval_batch: int | None
-    """HF Trainer's eval batch (--eval-batch-size or the args'), None: no eval loop traced."""
-    eval_held: int
-    """Eval steps whose logits stay on the GPU together."""
+    request: EstimateRequest
+    """The search, limits, global batch and eval loop (``estimator/request.py``), the engine's to read."""
+    run: RunRequest | None
+    """--data: the data the run steps through and how it is batched; None for one shape."""
     rollout: Any = None
     """A TRL GRPOConfig / PPOConfig's generation settings (``--trainer``): the step traced is the RL step."""
-
-    def engine_keywords(self, progress: Callable[[str], None]) -> dict[str, Any]:
-        """The keywords ``estimate`` and ``estimate_run`` share (``estimator/engine.py``)."""
-        flags = self.flags
-        return dict(device=self.target.device, options=self.options, batch_sizes=self.batch_sizes,
-                    target_util=flags.target_util, multiple_of=flags.multiple_of, max_batch=flags.max_batch,
-                    limit=flags.limit, host_memory_bytes=self.host_memory_bytes, global_batch=flags.global_batch,
-                    progress=progress, cache=not flags.no_cache)
 
 
 def read_estimate_door(trainer: str | None, emit: list[str] | None,
@@ -112,7 +95,7 @@ def estimate_config(flags: EstimateFlags, step: StepFlags, door: FrontDoor | Non
     seq_len = merged_seq_len(flags.seq_len, door)
     sizes = merged_batch_sizes(parse_batch_sizes(flags.batch_sizes), door)
     check_estimate_options(target_util=flags.target_util, multiple_of=flags.multiple_of, batch_sizes=sizes,
-                           max_batch=flags.max_batch, limit=flags.limit)
+                           max_batch=flags.max_batch, limit=flags.limit)  # before --data is read
     run_batching = check_run_flags(flags.data, merged_batching(flags.batching, flags.data, door), flags.length_column,
                                    flags.tokenizer, flags.replay_steps, flags.replay_order)
     if emit_path is not None and run_batching is not None and run_batching.kind == "tokens":
@@ -127,6 +110,11 @@ def estimate_config(flags: EstimateFlags, step: StepFlags, door: FrontDoor | Non
         raise OptionError("`emit` with a GRPOConfig: a new per_device_train_batch_size and gradient_accumulation_steps "
                           f"change the generation batch, traced here at {rollout.steps_per_generation} update steps "
                           "per generation; drop `emit` and set the batch the estimate answers by hand")
-    return EstimateConfig(flags=flags, seq_len=seq_len, options=options, target=target, batch_sizes=sizes,
-                          host_memory_bytes=host_memory_bytes, run_batching=run_batching, eval_batch=eval_batch,
-                          eval_held=eval_held, rollout=rollout)
+    request = EstimateRequest(batch_sizes=sizes, target_util=flags.target_util, multiple_of=flags.multiple_of,
+                              max_batch=flags.max_batch, limit=flags.limit, host_memory_bytes=host_memory_bytes,
+                              global_batch=flags.global_batch, eval_batch_size=eval_batch, eval_held_steps=eval_held,
+                              cache=not flags.no_cache)
+    run = (RunRequest(data=flags.data, batching=run_batching, seq_len=seq_len, replay_steps=flags.replay_steps,
+                      replay_order=flags.replay_order) if run_batching is not None else None)
+    return EstimateConfig(flags=flags, seq_len=seq_len, options=options, target=target, request=request, run=run,
+                          rollout=rollout)

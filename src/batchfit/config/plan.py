@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from batchfit.config.step import StepFlags, TargetFlags, parse_batch_sizes, parse_host_memory, quiet
+from batchfit.config.step import DataFlags, StepFlags, parse_batch_sizes, parse_host_memory, quiet
 from batchfit.config.torchtitan import read_torchtitan, torchtitan_defaults
 from batchfit.config.trainer import (
     FrontDoor,
@@ -43,7 +43,7 @@ MAX_GPUS = 1 << 20
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
-class PlanFlags(TargetFlags):
+class PlanFlags(DataFlags):
     """plan's own flags, each field the flag of its name (the step's are :class:`StepFlags`)."""
 
     gpus: str | None = None
@@ -52,11 +52,6 @@ class PlanFlags(TargetFlags):
     strategies: str = DEFAULT_STRATEGIES
     global_batch: int | None = None
     tokens: str | None = None
-    seq_len: int | None = None
-    data: str | None = None
-    batching: str | None = None
-    length_column: str | None = None
-    tokenizer: str | None = None
     host_memory: str | None = None
     tp_loss: str = "sharded"
     batch_sizes: str | None = None

@@ -48,6 +48,17 @@ class TargetFlags(Flags):
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
+class DataFlags(TargetFlags):
+    """The tokens per sample and the data of a run, as estimate, probe and bench take them."""
+
+    seq_len: int | None = None
+    data: str | None = None
+    batching: str | None = None
+    length_column: str | None = None
+    tokenizer: str | None = None
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class StepFlags(Flags):
     """The flags that become :class:`~batchfit.workload.StepOptions` (each field the flag of its name)."""
 

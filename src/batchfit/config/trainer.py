@@ -9,9 +9,11 @@ the answer in the Trainer's own terms. Printing it is ``cli/trainer.py``'s.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from batchfit.config.step import DataFlags, StepFlags, quiet
 from batchfit.errors import OptionError
 from batchfit.workload import StepOptions
 
@@ -153,6 +155,17 @@ def data_rows(model: str, seq_len: int | None, door: FrontDoor | None, data: str
 
     return data_row_length(data, run_batching, model=model, seq_len=seq_len, length_column=length_column,
                            tokenizer=tokenizer)
+
+
+def merged_step(flags: DataFlags, step: StepFlags, door: FrontDoor | None,
+                say: Callable[[str], None] = quiet) -> tuple[StepOptions, int | None, dict | None]:
+    """probe / bench: (the step's options, the tokens per row, the JSON's ``data`` section) from the flags
+    merged with the args; with ``data``, every row at the longest a step of the data makes (:func:`data_rows`)."""
+    options = merged_options(step.options(say), door)
+    seq_len = merged_seq_len(flags.seq_len, door)
+    seq_len, section = data_rows(flags.model, seq_len, door, flags.data, flags.batching, flags.length_column,
+                                 flags.tokenizer)
+    return options, seq_len, section
 
 
 def run_answer(door: FrontDoor, result, **kwargs) -> dict:

@@ -25,8 +25,9 @@ from batchfit.estimator.global_batch import (
     check_global_batch,
     split_global_batch,
 )
+from batchfit.estimator.request import EstimateRequest
 from batchfit.phases import deciding_rl_phase, rl_phase_peaks
-from batchfit.search import DEFAULT_MAX_BATCH, check_estimate_options, trace_first_sizes
+from batchfit.search import trace_first_sizes
 from batchfit.targets import SizedForTarget, bytes_at_target
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve
@@ -201,12 +202,14 @@ class EstimateResult(SizedForTarget):
         }
 
 
-def estimate(workload: Workload, *, device: Device, options: StepOptions | None = None,
-             batch_sizes: list[int] | None = None, target_util: float = 0.9, multiple_of: int = 1,
-             max_batch: int = DEFAULT_MAX_BATCH, suggest: bool = True, limit: str = "reserved",
-             host_memory_bytes: int | None = None, global_batch: int | None = None,
-             progress: Callable[[str], None] | None = None, cache: bool = True) -> EstimateResult:
+def estimate(workload: Workload, request: EstimateRequest | None = None, *, device: Device,
+             options: StepOptions | None = None, progress: Callable[[str], None] | None = None,
+             **fields) -> EstimateResult:
     """Trace ``workload`` and find the largest batch that fits ``device``.
+
+    ``request`` (``estimator/request.py``) says what is asked: the sizes traced, the limit, the
+    global batch, the eval loop...; or give its fields as keywords
+    (``estimate(workload, device=d, max_batch=64, limit="allocated")``). Below, each field by its name.
 
     ``limit`` is what must stay under the usable memory: ``reserved`` (default: what the
     CUDA caching allocator reserves, fragmentation included; a GPU runs out when it cannot
@@ -215,54 +218,73 @@ def estimate(workload: Workload, *, device: Device, options: StepOptions | None 
     pass it does not fit; None does not check them (they are reported all the same).
     ``global_batch`` (``--global-batch``): also the micro-batch and accumulation steps that make
     it on one device, by plan's rule, each candidate traced with its accumulation.
+    ``eval_batch_size`` (``--eval-batch-size``): also HF Trainer's eval loop after the answer's
+    training step (``estimator/eval_phase.py``).
     ``cache``: reuse the traces of an earlier call in the trace cache (``trace/cache.py``; only for
     a workload from ``load_workload``), and write this call's there.
     """
+    if request is None:
+        request = EstimateRequest(**fields)
+    elif fields:
+        raise TypeError(f"estimate: give an EstimateRequest or its fields as keywords, not both ({', '.join(fields)})")
     options = (options or StepOptions()).with_attention_of(workload)  # named in every output
     if options.offload_spec.params:  # before any trace: one device has no FSDP
         raise OptionError(PARAMS_OFFLOAD_NEEDS_FSDP)
-    check_estimate_options(target_util=target_util, multiple_of=multiple_of, batch_sizes=batch_sizes,
-                           max_batch=max_batch, limit=limit)
-    multiple_of = workload.batch_multiple(multiple_of)
-    check_global_batch(global_batch, multiple_of, options)
+    request.check()
+    limit, cache, host_limit_bytes = request.limit, request.cache, request.host_memory_bytes
+    multiple_of = workload.batch_multiple(request.multiple_of)
+    check_global_batch(request.global_batch, multiple_of, options)
     notices = no_op_notices(workload, options)
     say = progress or (lambda message: None)
     started = time.perf_counter()
     with TracedCurve(workload, options, device, say, keep_streams=limit == "reserved", cache=cache) as traced:
-        trace_first_sizes(traced, batch_sizes, multiple_of, device.usable_bytes)
-        answers = [traced.max_batch(limit_bytes, lo=multiple_of, hi=max_batch, multiple_of=multiple_of,
-                                    reserved=limit == "reserved", host_limit_bytes=host_memory_bytes)
-                   for limit_bytes in (device.usable_bytes, bytes_at_target(device, target_util))]
+        trace_first_sizes(traced, request.batch_sizes, multiple_of, device.usable_bytes)
+        answers = [traced.max_batch(limit_bytes, lo=multiple_of, hi=request.max_batch, multiple_of=multiple_of,
+                                    reserved=limit == "reserved", host_limit_bytes=host_limit_bytes)
+                   for limit_bytes in (device.usable_bytes, bytes_at_target(device, request.target_util))]
         points = traced.points
         known_limits = traced.known_limits
         approximations = traced.approximations
         suggestions = (_suggestions(workload, options, device, points[min(points)], say, cache)
-                       if suggest and answers[0].max_batch_size == 0 else [])
+                       if request.suggest and answers[0].max_batch_size == 0 else [])
         split = None
-        if global_batch is not None:
-            def open_curve(alt: StepOptions) -> TracedCurve:
-                say(f"tracing with {alt.accumulation_steps} accumulation steps for global batch {global_batch}")
-                return TracedCurve(workload, alt, device, say, keep_streams=limit == "reserved", cache=cache)
-
-            with accumulation_curves(open_curve, options) as at_accumulation:
-                split = split_global_batch(traced, at_accumulation, global_batch=global_batch,
-                                           max_local=answers[0].max_batch_size, multiple_of=multiple_of,
-                                           target_bytes=bytes_at_target(device, target_util),
-                                           capacity_bytes=device.usable_bytes, limit=limit,
-                                           host_limit_bytes=host_memory_bytes)
+        if request.global_batch is not None:
+            split = _split(traced, request, options, device, multiple_of, answers[0].max_batch_size, say)
             points = traced.points
-    return EstimateResult(
+    result = EstimateResult(
         workload=workload.name, description=workload.description,
         tokens_per_sample=workload.tokens_per_sample, device=device, options=options,
         params=traced.params, trainable_params=traced.trainable_params,
-        points=[points[b] for b in sorted(points)], curve=traced.curve(), target_util=target_util,
+        points=[points[b] for b in sorted(points)], curve=traced.curve(), target_util=request.target_util,
         multiple_of=multiple_of, max_batch_size=answers[0].max_batch_size,
         max_batch_size_at_target=answers[1].max_batch_size, capped=answers[0].capped,
         trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions, limit=limit,
         depth_blocks=traced.blocks, full_traces=traced.full_traces, whole_reserved=traced.whole_reserved,
-        known_limits=known_limits, approximations=approximations, host_limit_bytes=host_memory_bytes, split=split,
+        known_limits=known_limits, approximations=approximations, host_limit_bytes=host_limit_bytes, split=split,
         notices=notices,
     )
+    if request.eval_batch_size:
+        from batchfit.estimator.eval_phase import add_eval_phase  # the eval loop's tracer: only when asked
+
+        add_eval_phase(result, workload, request.eval_batch_size, held_steps=request.eval_held_steps, limit=limit,
+                       say=say)
+    return result
+
+
+def _split(traced: TracedCurve, request: EstimateRequest, options: StepOptions, device: Device, multiple_of: int,
+           max_local: int, say: Callable[[str], None]) -> GlobalBatchSplit:
+    """``global_batch``'s micro-batch and accumulation steps, each candidate traced with its accumulation."""
+    global_batch, limit = request.global_batch, request.limit
+
+    def open_curve(alt: StepOptions) -> TracedCurve:
+        say(f"tracing with {alt.accumulation_steps} accumulation steps for global batch {global_batch}")
+        return TracedCurve(traced.workload, alt, device, say, keep_streams=limit == "reserved", cache=request.cache)
+
+    with accumulation_curves(open_curve, options) as at_accumulation:
+        return split_global_batch(traced, at_accumulation, global_batch=global_batch, max_local=max_local,
+                                  multiple_of=multiple_of, target_bytes=bytes_at_target(device, request.target_util),
+                                  capacity_bytes=device.usable_bytes, limit=limit,
+                                  host_limit_bytes=request.host_memory_bytes)
 
 
 SHARDING_GPUS = (2, 4, 8, 16, 32, 64)

@@ -39,7 +39,7 @@ from batchfit.estimator.batching import (
     step_samples,
     step_shapes,
 )
-from batchfit.search import DEFAULT_MAX_BATCH
+from batchfit.estimator.request import EstimateRequest, RunRequest
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits
 from batchfit.trace.session import TraceSession
@@ -308,26 +308,27 @@ def run_point(batch_size: int, shapes: list[Shape], tracer: ShapeTracer) -> RunP
     return run
 
 
-def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: str, device: Device,
-                 options: StepOptions | None = None, seq_len: int | None = None, limit: str = "reserved",
-                 batch_sizes: list[int] | None = None, max_batch: int | None = None,
-                 host_memory_bytes: int | None = None, global_batch: int | None = None,
-                 replay_steps: int = 0, replay_order: str = "data", eval_batch_size: int | None = None,
-                 eval_held_steps: int = 1, progress: Callable[[str], None] | None = None, **estimate_options):
+def estimate_run(load: LoadAt, lengths: list[int], run_request: RunRequest, request: EstimateRequest | None = None,
+                 *, device: Device, options: StepOptions | None = None,
+                 progress: Callable[[str], None] | None = None):
     """The estimate at the run's deciding length, each traced batch size's run, and the answer in
-    the batching's terms; with ``replay_steps`` the answer's first K steps replayed through the
-    allocator model (``estimator/churn.py``). ``estimate_options`` go to :func:`estimator.engine.estimate`."""
+    the batching's terms; with ``run_request.replay_steps`` the answer's first K steps replayed through the
+    allocator model (``estimator/churn.py``). ``request`` (default ``EstimateRequest()``) goes to
+    :func:`estimator.engine.estimate`, its eval loop traced over the data's batches here."""
     from batchfit.estimator.engine import estimate  # the one-shape engine, run at the deciding length
 
     say = progress or (lambda message: None)
     options = options or StepOptions()
+    request = request or EstimateRequest()
+    batching, seq_len, limit = run_request.batching, run_request.seq_len, request.limit
+    host_memory_bytes, eval_batch_size = request.host_memory_bytes, request.eval_batch_size
     if seq_len is not None:  # the tokenizer's max_length: every sample cut to it before batching
         lengths = [min(n, seq_len) for n in lengths]
     check_lengths(lengths, batching)
     if batching.kind == "tokens" and eval_batch_size:
         raise OptionError(f"`batching` {batching} makes one row per step, so there is no eval batch size: drop "
                           "`eval_batch_size` (or batch `data` by pad-longest / pack:MAXLEN)")
-    if batching.kind == "tokens" and (global_batch is not None or batch_sizes):
+    if batching.kind == "tokens" and (request.global_batch is not None or request.batch_sizes):
         raise OptionError(f"`batching` {batching} makes one row per GPU per step, so drop `global_batch` and "
                           "`batch_sizes` (the answer is the token budget)")
     model_len = model_length(lengths, batching, seq_len, load)
@@ -343,18 +344,19 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
                              "(give `seq_len` to truncate the samples, or a smaller budget)") from None
     # A batch larger than the data is the whole data: the search stops at the rows the data makes.
     rows = sum(s.rows for s in shapes_at(1))
-    extra = {"max_batch": min(max_batch or DEFAULT_MAX_BATCH, rows)}
     if batching.kind == "tokens":
-        batch_sizes, extra = [1], {"max_batch": 1}
-    elif batch_sizes and max(batch_sizes) > rows:
-        raise OptionError(f"`batch_sizes` {max(batch_sizes)}: the data makes {rows:,} rows with `batching` "
+        sizes = {"batch_sizes": [1], "max_batch": 1}
+    elif request.batch_sizes and max(request.batch_sizes) > rows:
+        raise OptionError(f"`batch_sizes` {max(request.batch_sizes)}: the data makes {rows:,} rows with `batching` "
                           f"{batching}, so no batch can be larger")
-    result = estimate(at.at(worst), device=device, options=options, batch_sizes=batch_sizes, limit=limit,
-                      host_memory_bytes=host_memory_bytes, global_batch=global_batch, progress=say,
-                      **extra, **estimate_options)
-    summary = RunSummary(data=data, batching=str(batching), samples=len(lengths), lengths=length_stats(lengths),
-                         histogram=histogram(lengths), traced_length=worst, rows=rows, token_budget=batching.tokens
-                         if batching.kind == "tokens" else None)
+    else:
+        sizes = {"max_batch": min(request.max_batch, rows)}
+    # the eval loop is traced below, over the data's batches, not at the one shape
+    result = estimate(at.at(worst), dataclasses.replace(request, eval_batch_size=None, **sizes), device=device,
+                      options=options, progress=say)
+    summary = RunSummary(data=run_request.data, batching=str(batching), samples=len(lengths),
+                         lengths=length_stats(lengths), histogram=histogram(lengths), traced_length=worst, rows=rows,
+                         token_budget=batching.tokens if batching.kind == "tokens" else None)
     tracer = ShapeTracer(at, result.options, device, limit=limit, host_limit_bytes=host_memory_bytes, say=say,
                          known={Shape(p.batch_size, worst): p for p in result.points})  # the estimate's own
     try:
@@ -379,14 +381,15 @@ def estimate_run(load: LoadAt, lengths: list[int], batching: Batching, *, data: 
         best = summary.max_batch_size
         result.eval_phase = eval_phase(at.varying([]), at.select, shapes_at, eval_batch_size, best,
                                        summary.runs[best].peak_shape, result.options, device,
-                                       held_steps=eval_held_steps, limit=limit, say=say)
+                                       held_steps=request.eval_held_steps, limit=limit, say=say)
         result.approximations = [*result.approximations,
                                  *eval_approximations(result.eval_phase, result.options, True)]
+    replay_steps = run_request.replay_steps
     if replay_steps and summary.max_batch_size:
         from batchfit.estimator.churn import churn, worst_order
 
         say(f"replaying {replay_steps} steps at batch {summary.max_batch_size} through the allocator model")
-        if replay_order == "worst":
+        if run_request.replay_order == "worst":
             summary.churn_worst = worst_order(at, shapes_at(summary.max_batch_size)[:replay_steps],
                                               summary.max_batch_size, result.options, device)
         summary.churn = churn(at, shapes_at(summary.max_batch_size)[:replay_steps], summary.max_batch_size,

@@ -25,6 +25,7 @@ from batchfit.devices import format_bytes
 from batchfit.distributed import wrap as parallel
 from batchfit.errors import OptionError
 from batchfit.probe import ranks
+from batchfit.probe.request import ProbeRequest
 from batchfit.probe.runner import probe_isolated, probe_once
 from batchfit.search import SearchResult, Trial
 from batchfit.targets import Target
@@ -192,14 +193,13 @@ def measured_line(trials: list[Trial], traced_slope: float | None = None) -> Lin
     return None
 
 
-def find_max_batch(workload: Workload, *, target: Target, options: StepOptions | None = None,
-                   policy: str = "guided", multiple_of: int = 1, smallest: int = 1, largest: int | None = None,
-                   steps: int = 2, isolate: bool = False, spec: str | None = None, seq_len: int | None = None,
-                   stop_on_nan: bool = False, target_util: float = 0.9, global_batch: int | None = None,
-                   verify_tiers: bool = False, limit: str = "reserved", strategy: str | None = None,
-                   progress: Callable[[str], None] | None = None) -> ProbeResult:
+def find_max_batch(workload: Workload, request: ProbeRequest | None = None, *, target: Target,
+                   options: StepOptions | None = None, progress: Callable[[str], None] | None = None,
+                   **fields) -> ProbeResult:
     """Probe ``workload`` on ``target`` and return the largest batch that ran.
 
+    ``request`` (``probe/request.py``) says what is asked: the policy, the bounds, the steps per
+    probe...; or give its fields as keywords (``find_max_batch(workload, target=t, largest=64)``).
     ``verify_tiers`` probes every recommended tier; by default they are predicted from the
     measured line and at most one extra probe checks the production tier. ``strategy``
     ('ddp', 'fsdp'; under torchrun on a real device the default is 'ddp') wraps each rank's
@@ -207,20 +207,25 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
     (default 65536); a bare ``cpu`` target has no memory to run out of, so it needs the cap
     given, or a GPU to size for (``resolve_target(device='cpu', gpu=...)``).
     """
-    if target.kind == "cpu" and target.device is None and largest is None:
+    if request is None:
+        request = ProbeRequest(**fields)
+    elif fields:
+        raise TypeError(f"find_max_batch: give a ProbeRequest or its fields as keywords, not both "
+                        f"({', '.join(fields)})")
+    if target.kind == "cpu" and target.device is None and request.largest is None:
         raise OptionError(search.no_memory_limit("find_max_batch on a bare cpu target", "largest=N",
                                           "Target('cpu', get_device('t4-16gb'), 'cpu')"))
-    largest = search.DEFAULT_MAX_BATCH if largest is None else largest
     options = (options or StepOptions()).with_attention_of(workload)  # named in every output
-    search.check_probe_options(policy=policy, multiple_of=multiple_of, smallest=smallest, largest=largest,
-                               steps=steps, target_util=target_util, global_batch=global_batch, limit=limit)
-    multiple_of = workload.batch_multiple(multiple_of)
-    if isolate and spec is None:
+    request.check()
+    policy, smallest, largest, steps, limit = (request.policy, request.smallest, request.cap, request.steps,
+                                               request.limit)
+    multiple_of = workload.batch_multiple(request.multiple_of)
+    if request.isolate and request.spec is None:
         raise OptionError("`isolate` rebuilds the workload in a fresh process from its MODEL spec: pass spec=")
     say = progress or (lambda message: None)
     target = ranks.local_target(target)
-    strategy = parallel.choose_strategy(strategy, virtual=target.kind == "virtual",
-                                        world_size=ranks.world_size(), isolate=isolate)
+    strategy = parallel.choose_strategy(request.strategy, virtual=target.kind == "virtual",
+                                        world_size=ranks.world_size(), isolate=request.isolate)
     ranks.init_ranks(cuda=target.kind == "cuda")
     wrap = parallel.step_wrapper(strategy, target.torch_device, options.precision)
     started = time.perf_counter()
@@ -234,11 +239,11 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
 
     def probe(batch_size: int) -> Trial:
         say(f"probe {len(trials) + 1}: batch size {batch_size}")
-        if isolate:
-            trial = probe_isolated(spec, seq_len, options, target, batch_size, steps=steps, stop_on_nan=stop_on_nan,
-                                   limit=limit)
+        if request.isolate:
+            trial = probe_isolated(request.spec, request.seq_len, options, target, batch_size, steps=steps,
+                                   stop_on_nan=request.stop_on_nan, limit=limit)
         else:
-            trial = probe_once(workload, options, target, batch_size, steps=steps, stop_on_nan=stop_on_nan,
+            trial = probe_once(workload, options, target, batch_size, steps=steps, stop_on_nan=request.stop_on_nan,
                                limit=limit, wrap=wrap)
         trial = ranks.agree(trial)
         if predictor is not None:
@@ -261,13 +266,14 @@ def find_max_batch(workload: Workload, *, target: Target, options: StepOptions |
         stopped = stop.trial
     recommendations: list[Recommendation] = []
     if result is not None:  # the search finished: recommend from it, even if a tier probe then fails
-        recommendations, stopped = _recommend(result, probe, trials, capacity, target_util, global_batch, bounds,
-                                              predictor.slope if predictor else None, verify_tiers)
+        recommendations, stopped = _recommend(result, probe, trials, capacity, request.target_util,
+                                              request.global_batch, bounds, predictor.slope if predictor else None,
+                                              request.verify_tiers)
     return ProbeResult(
         workload=workload.name, description=workload.description, tokens_per_sample=workload.tokens_per_sample,
         target=target, options=options, policy=policy, multiple_of=multiple_of, smallest=smallest,
         largest=largest, search=result, trials=trials, recommendations=recommendations,
-        target_util=target_util, global_batch=global_batch, seconds=time.perf_counter() - started,
+        target_util=request.target_util, global_batch=request.global_batch, seconds=time.perf_counter() - started,
         world_size=ranks.world_size(), strategy=strategy, stopped_by=stopped, limit=limit,
         traced_bytes_per_sample=predictor.slope if predictor else None,
     )
