@@ -137,7 +137,8 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
               "| GPUs | " + ", ".join(f"{w.gpus} ({w.nodes} node{'s' if w.nodes > 1 else ''} of {w.gpus_per_node})"
                                       for w in r.worlds) + " |",
               f"| Strategies | {r.strategies_asked} |",
-              f"| Local batch sizes | multiples of {r.multiple_of} |",
+              f"| Local batch sizes | multiples of {r.multiple_of}"
+              f"{'; a pipeline (pp<N>) also whole micro-batches' if any(p.pp > 1 for p in r.plans) else ''} |",
               f"| Traced | {r.traces} sharded steps in {r.trace_seconds:.1f} s |",
               "", "## Max batch by strategy", "",
               "Max global batch = max local batch x data-parallel degree (the ranks of one tensor-parallel group "
