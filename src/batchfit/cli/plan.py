@@ -63,6 +63,7 @@ from batchfit.config.trainer import (
 from batchfit.devices import GiB
 from batchfit.plan.emit import write_emit
 from batchfit.plan.engine import plan
+from batchfit.plan.ranking import ranked_by
 from batchfit.plan.request import DEFAULT_STRATEGIES
 from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.specs import load_workload
@@ -224,9 +225,10 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
                                 "what a GPU runs out of)" if result.limit == "reserved"
                                 else "allocated (tensors only; --limit reserved for what a GPU runs out of)"))
     console.print(_ranking_table(result))
-    rows, several, unit = result.ranking, len(result.worlds) > 1, _speed_unit(result.ranking)
+    rows, several, unit = result.ranking, len(result.worlds) > 1, ranked_by(result.ranking)
     if any(row.rank for row in rows):
-        console.print(f"ranked by {unit} (computed, MFU {result.time_model.mfu:.2f}); memory at the micro-batch "
+        by = f"{unit} (computed, MFU {result.time_model.mfu:.2f})" if unit.endswith("/s") else unit
+        console.print(f"ranked by {by}; memory at the micro-batch "
                       "(traced, rank 0); comm: exposed communication per step"
                       + ("; !: above --target-util" if any(r.status == "above target" for r in rows) else ""))
     for row in rows:
