@@ -164,6 +164,9 @@ def _print_summary(result, console, report_path: Path) -> None:
                       f"{r.peak_allocated_bytes / GiB:.2f}" if r.peak_allocated_bytes else "—",
                       f"{r.peak_reserved_bytes / GiB:.2f}" if r.peak_reserved_bytes else "—", r.source)
     console.print(table)
+    if result.target.kind == "virtual":  # the columns a traced run cannot fill, and what fills them
+        console.print("step s, tokens/s, MFU: measured only, and nothing ran on a GPU here (--gpu traces memory); "
+                      "run on the GPU with --device cuda for them", soft_wrap=True)
     for r in result.rows:
         if r.status != "ok" and r.error:  # the table says 'error'; this says which
             console.print(f"[red]batch {r.batch_size} {r.status}:[/] {escape(r.error)}", soft_wrap=True)
