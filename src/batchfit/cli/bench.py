@@ -46,6 +46,7 @@ from batchfit.cli.common import (
     say_attention,
     say_dim,
     say_notices,
+    sequence_words,
     warn_about_precision,
     write_outputs,
 )
@@ -152,7 +153,8 @@ def bench_command(
 
 
 def _print_summary(result, console, report_path: Path) -> None:
-    console.print(f"[bold]{escape(result.workload)} on {escape(result.target.spec)}, {result.options.precision}[/]")
+    console.print(f"[bold]{escape(result.workload)} on {escape(result.target.spec)}, {result.options.precision}"
+                  f"{sequence_words(result.tokens_per_sample)}[/]")
     say_attention(result.options, console)
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)  # 80 columns hold the figures whole (see plan)
     for column in ("batch", "status", "step s", "tokens/s", "MFU", "alloc\nGiB", "reserved\nGiB", "source"):

@@ -36,6 +36,7 @@ from batchfit.cli.common import (
     TargetUtilOpt,
     TokenizerOpt,
     TrainOnlyOpt,
+    capped_words,
     check_outputs,
     handle_errors,
     out_option,
@@ -45,6 +46,7 @@ from batchfit.cli.common import (
     say_attention,
     say_dim,
     say_notices,
+    sequence_words,
     warn_about_approximations,
     warn_about_precision,
     write_outputs,
@@ -217,9 +219,14 @@ def plan_command(
     warn_about_approximations(result)
 
 
+def _named(p, several: bool) -> str:
+    return f"{p.strategy} on {p.gpus} GPUs" if several else p.strategy
+
+
 def _print_summary(result, console, report_path: Path, written: list[Path]) -> None:
     console.print(f"[bold]{escape(result.workload)} on {escape(result.device.display_name)}, "
-                  f"{result.options.precision} (memory traced, time computed)[/]")
+                  f"{result.options.precision}{sequence_words(result.tokens_per_sample)} "
+                  "(memory traced, time computed)[/]")
     say_attention(result.options, console)
     console.print("memory: " + ("reserved (rank 0's fresh process replayed through the caching allocator model: "
                                 "what a GPU runs out of)" if result.limit == "reserved"
@@ -231,6 +238,10 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
         console.print(f"ranked by {by}; memory at the micro-batch "
                       "(traced, rank 0); comm: exposed communication per step"
                       + ("; !: above --target-util" if any(r.status == "above target" for r in rows) else ""))
+    capped = [p for p in result.plans if p.capped and not p.skipped]
+    if capped:
+        console.print(f"[yellow]capped:[/] max local {', '.join(dict.fromkeys(_named(p, several) for p in capped))}: "
+                      f"{capped_words(capped[0].max_local_batch)}", soft_wrap=True)
     for row in rows:
         if row.rank is None and row.why:
             console.print(escape(f"{row.strategy}{f' on {row.gpus} GPUs' if several else ''}: {row.status}: {row.why}"),
