@@ -134,3 +134,6 @@ def test_bench_cli_writes_the_report(tmp_path):
     data = json.loads((tmp_path / "bench.json").read_text())
     assert set(data["leak"]) >= {"bytes_per_step", "leaking"} and data["tiers"]
     assert "## Tiers" in (tmp_path / "report.md").read_text()
+    # a traced bench leaves step s, tokens/s and MFU empty ('—'), and says why and what fills them
+    said = " ".join(result.output.split())
+    assert "step s, tokens/s, MFU: measured only, and nothing ran on a GPU here" in said and "--device cuda" in said

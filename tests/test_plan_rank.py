@@ -70,8 +70,8 @@ def test_the_count_stays_bounded(world):
 def test_what_cannot_apply_is_listed_with_its_reason():
     enoki = ModelFacts(name="enoki-28h", n_layers=21, heads=28, tp_plan=True)  # seed 004's smallest
     assert skipped(World(4), enoki) == {
-        "pp2+fsdp": "pp2 with 1f1b: 21 layers do not split into 2 equal stages: use a stage count in 3, 7, 21",
-        "pp4": "pp4 with 1f1b: 21 layers do not split into 4 equal stages: use a stage count in 3, 7, 21"}
+        "pp2+fsdp": "pp2 with 1f1b: 21 layers do not split into 2 equal stages: use pp3, pp7 or pp21",
+        "pp4": "pp4 with 1f1b: 21 layers do not split into 4 equal stages: use pp3, pp7 or pp21"}
     mlp = ModelFacts(name="mlp")  # no TP plan, no pipeline split
     reasons = skipped(World(4), mlp)
     assert set(reasons) == {"fsdp+tp2", "tp4", "pp2+fsdp", "pp4"}
@@ -209,12 +209,14 @@ def test_auto_end_to_end_on_the_real_tracer(tmp_path):
     ranking = data["ranking"]
     assert [r["rank"] for r in ranking] == [1, 2, 3, 4, 5, 6, None]
     assert {r["strategy"] for r in ranking} == {"ddp", "fsdp", "fsdp-noreshard", "zero1", "zero2", "tp2", "pp2"}
-    assert ranking[-1]["strategy"] == "pp2" and "1 layers do not split into 2 equal stages" in ranking[-1]["why"]
+    assert ranking[-1]["strategy"] == "pp2"
+    assert "1 layer does not split into 2 equal stages: one layer cannot be split into stages: drop pp" in \
+        ranking[-1]["why"]
     assert ranking[0]["strategy"] == data["recommended"][0]["strategy"]
     speeds = [r["tokens_per_s"] for r in ranking[:-1]]
     assert speeds == sorted(speeds, reverse=True) and all(r["allocated_bytes"] for r in ranking[:-1])
     names = [r["strategy"] for r in ranking]  # the terminal's rows in rank order, the strategy first
     rows = [line.split()[0] for line in result.output.splitlines() if line.split() and line.split()[0] in names]
     assert rows[:len(names)] == names
-    assert "pp2: skipped: pp2 with 1f1b: 1 layers" in result.output
+    assert "pp2: skipped: pp2 with 1f1b: 1 layer does not split" in result.output
     assert {p.name for p in out.iterdir()} == {"report.md", "plan.png", "plan-ranking.png", "plan.json"}

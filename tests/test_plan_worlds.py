@@ -111,3 +111,22 @@ def test_ranking_png_of_one_strategy_is_one_panel_by_gpu_count(standin):
     fig = ranking_figure(result)
     assert len(fig.axes) == 1 and fig.axes[0].get_xlabel() == "GPUs"
     assert list(fig.axes[0].lines[0].get_xdata()) == [1, 2, 4]
+
+
+def test_ranking_png_title_fits_its_figure(standin):
+    from batchfit.devices import get_device
+    from batchfit.report.plan_plots import ranking_figure
+
+    # seed 001's GPU: 'NVIDIA H100 80GB HBM3 (SXM)' made a one-line title end past the figure ('GPU coun')
+    result = plan(workload(), device=get_device("h100-80gb"), worlds=[World(g) for g in (1, 2, 4)],
+                  strategies="ddp", time_model=HALF, options=StepOptions(precision="bf16-mixed"), limit="allocated",
+                  **standin.tracer)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    result.workload = "frozen-pair-tiny"  # the seed's name: the stand-in's is shorter
+    fig = ranking_figure(result)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    title = fig.get_suptitle()  # the figure's, centred on it: an axes title moves right with wide tick labels
+    assert title.startswith("frozen-pair-tiny on NVIDIA H100 80GB HBM3 (SXM), bf16-mixed\ntokens/s at max global")
+    box = fig._suptitle.get_window_extent(renderer)
+    assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and not fig.axes[0].get_title()

@@ -45,6 +45,7 @@ from batchfit.cli.common import (
     say_attention,
     say_dim,
     say_notices,
+    sequence_words,
     warn_about_precision,
     write_outputs,
 )
@@ -140,7 +141,8 @@ def bench_command(
 
 
 def _print_summary(result, console, report_path: Path) -> None:
-    console.print(f"[bold]{escape(result.workload)} on {escape(result.target.spec)}, {result.options.precision}[/]")
+    console.print(f"[bold]{escape(result.workload)} on {escape(result.target.spec)}, {result.options.precision}"
+                  f"{sequence_words(result.tokens_per_sample)}[/]")
     say_attention(result.options, console)
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)  # 80 columns hold the figures whole (see plan)
     for column in ("batch", "status", "step s", "tokens/s", "MFU", "alloc\nGiB", "reserved\nGiB", "source"):
@@ -152,6 +154,9 @@ def _print_summary(result, console, report_path: Path) -> None:
                       f"{r.peak_allocated_bytes / GiB:.2f}" if r.peak_allocated_bytes else "—",
                       f"{r.peak_reserved_bytes / GiB:.2f}" if r.peak_reserved_bytes else "—", r.source)
     console.print(table)
+    if result.target.kind == "virtual":  # the columns a traced run cannot fill, and what fills them
+        console.print("step s, tokens/s, MFU: measured only, and nothing ran on a GPU here (--gpu traces memory); "
+                      "run on the GPU with --device cuda for them", soft_wrap=True)
     for r in result.rows:
         if r.status != "ok" and r.error:  # the table says 'error'; this says which
             console.print(f"[red]batch {r.batch_size} {r.status}:[/] {escape(r.error)}", soft_wrap=True)

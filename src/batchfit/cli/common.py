@@ -150,13 +150,14 @@ MemoryBudgetOpt = Annotated[float | None, typer.Option(
 
 # --- options shared by the commands that train many runs (sweep, recommend, noise) --------
 TextDataOpt = Annotated[str | None, typer.Option(help="Text: a .txt file, a folder of .txt/.jsonl/.parquet, or a "
-                                                      "datasets name or path. Without it: the workload's batches "
-                                                      "(synthetic).")]
+                                                      "datasets name or path. Needed by a language model (zoo, "
+                                                      "hf:); a file.py:function model without it trains on its "
+                                                      "workload's own batches.")]
 TextTokenizerOpt = Annotated[str, typer.Option(help="bpe (byte-level BPE trained on the train split at the model's "
                                                     "vocabulary size), bytes, or a tokenizer.json / cached name.")]
 ValFractionOpt = Annotated[float, typer.Option(help="Share of the text kept for validation (the end of it).")]
 CacheDirOpt = Annotated[Path | None, typer.Option(help="Where token ids are cached (default "
-                                                       "~/.cache/batchfit/tokens).")]
+                                                       "$BATCHFIT_CACHE/tokens, else ~/.cache/batchfit/tokens).")]
 SeedOpt = Annotated[int, typer.Option(help="Fixes the initial model and the data order.")]
 ExecutorOpt = Annotated[str, typer.Option(help="Where runs train: local (--workers processes here) or ray (pip install "
                                                "'batchfit[ray]').")]
@@ -187,6 +188,18 @@ def say_notices(notices: list[str]) -> None:
     """One line per option that changes nothing for the model (``trace/noops.py``)."""
     for notice in notices:
         err.print(f"[yellow]notice:[/] {escape(notice)}", soft_wrap=True)
+
+
+def sequence_words(tokens_per_sample: int | None) -> str:
+    """', sequence 2,048 tokens' for a command's header line: the length every figure below is at
+    (the model's own or --seq-len); nothing for a model without tokens."""
+    return f", sequence {tokens_per_sample:,} tokens" if tokens_per_sample else ""
+
+
+def capped_words(cap: int) -> str:
+    """Why an answer equal to --max-batch is not memory's limit, and what finds that limit."""
+    return (f"{cap:,} is --max-batch's cap, not where memory runs out: larger sizes were not traced "
+            "(raise --max-batch to find the limit)")
 
 
 def say_attention(options: StepOptions, console: Console) -> None:

@@ -39,6 +39,7 @@ from batchfit.cli.common import (
     TargetUtilOpt,
     TokenizerOpt,
     TrainOnlyOpt,
+    capped_words,
     check_outputs,
     handle_errors,
     out_option,
@@ -47,6 +48,7 @@ from batchfit.cli.common import (
     report_folder,
     say_attention,
     say_dim,
+    sequence_words,
     warn_about_approximations,
     warn_about_precision,
     write_outputs,
@@ -184,7 +186,7 @@ def estimate_command(
 
 def _print_summary(result, console, report_path: Path) -> None:
     console.print(f"[bold]{escape(result.workload)} on {escape(result.device.display_name)}, "
-                  f"{result.options.precision} (traced)[/]")
+                  f"{result.options.precision}{sequence_words(result.tokens_per_sample)} (traced)[/]")
     say_attention(result.options, console)
     table = Table()
     for column in ("batch", "peak GiB", "fits", "peak in"):
@@ -201,6 +203,8 @@ def _print_summary(result, console, report_path: Path) -> None:
                  else f"allocated {result.point(result.max_batch_size).peak_bytes / GiB:.2f} GiB")
         console.print(f"[bold green]max batch size {result.max_batch_size}[/] ({under}), "
                       f"{result.max_batch_size_at_target} at {result.target_util:.0%}")
+        if result.capped:
+            console.print(f"[yellow]capped:[/] {capped_words(result.max_batch_size)}", soft_wrap=True)
         if result.options.offload != "none":
             console.print(escape(host_line(result.point(result.max_batch_size), result.host_limit_bytes)))
     else:

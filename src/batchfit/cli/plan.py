@@ -36,6 +36,7 @@ from batchfit.cli.common import (
     TargetUtilOpt,
     TokenizerOpt,
     TrainOnlyOpt,
+    capped_words,
     check_outputs,
     handle_errors,
     out_option,
@@ -45,6 +46,7 @@ from batchfit.cli.common import (
     say_attention,
     say_dim,
     say_notices,
+    sequence_words,
     warn_about_approximations,
     warn_about_precision,
     write_outputs,
@@ -63,6 +65,7 @@ from batchfit.config.trainer import (
 from batchfit.devices import GiB
 from batchfit.plan.emit import write_emit
 from batchfit.plan.engine import plan
+from batchfit.plan.ranking import ranked_by
 from batchfit.plan.request import DEFAULT_STRATEGIES
 from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.specs import load_workload
@@ -216,19 +219,29 @@ def plan_command(
     warn_about_approximations(result)
 
 
+def _named(p, several: bool) -> str:
+    return f"{p.strategy} on {p.gpus} GPUs" if several else p.strategy
+
+
 def _print_summary(result, console, report_path: Path, written: list[Path]) -> None:
     console.print(f"[bold]{escape(result.workload)} on {escape(result.device.display_name)}, "
-                  f"{result.options.precision} (memory traced, time computed)[/]")
+                  f"{result.options.precision}{sequence_words(result.tokens_per_sample)} "
+                  "(memory traced, time computed)[/]")
     say_attention(result.options, console)
     console.print("memory: " + ("reserved (rank 0's fresh process replayed through the caching allocator model: "
                                 "what a GPU runs out of)" if result.limit == "reserved"
                                 else "allocated (tensors only; --limit reserved for what a GPU runs out of)"))
     console.print(_ranking_table(result))
-    rows, several, unit = result.ranking, len(result.worlds) > 1, _speed_unit(result.ranking)
+    rows, several, unit = result.ranking, len(result.worlds) > 1, ranked_by(result.ranking)
     if any(row.rank for row in rows):
-        console.print(f"ranked by {unit} (computed, MFU {result.time_model.mfu:.2f}); memory at the micro-batch "
+        by = f"{unit} (computed, MFU {result.time_model.mfu:.2f})" if unit.endswith("/s") else unit
+        console.print(f"ranked by {by}; memory at the micro-batch "
                       "(traced, rank 0); comm: exposed communication per step"
                       + ("; !: above --target-util" if any(r.status == "above target" for r in rows) else ""))
+    capped = [p for p in result.plans if p.capped and not p.skipped]
+    if capped:
+        console.print(f"[yellow]capped:[/] max local {', '.join(dict.fromkeys(_named(p, several) for p in capped))}: "
+                      f"{capped_words(capped[0].max_local_batch)}", soft_wrap=True)
     for row in rows:
         if row.rank is None and row.why:
             console.print(escape(f"{row.strategy}{f' on {row.gpus} GPUs' if several else ''}: {row.status}: {row.why}"),

@@ -47,6 +47,7 @@ from batchfit.cli.common import (
     say_attention,
     say_dim,
     say_notices,
+    sequence_words,
     warn_about_precision,
     write_outputs,
 )
@@ -175,7 +176,7 @@ def probe_command(
 
 def _print_summary(result, console, report_path: Path) -> None:
     console.print(f"[bold]{escape(result.workload)}: probes on {escape(result.target.spec)}, "
-                  f"{result.options.precision} ({result.policy})[/]")
+                  f"{result.options.precision}{sequence_words(result.tokens_per_sample)} ({result.policy})[/]")
     say_attention(result.options, console)
     table = Table()
     for column in ("#", "batch", "status", "peak alloc GiB", "error"):

@@ -117,6 +117,18 @@ def parse_schedule(text: str, microbatches: int = 0) -> PipelineSchedule:
     return PipelineSchedule(kind=kind, virtual=v, microbatches=microbatches)
 
 
+def _stage_advice(n_layers: int, virtual: int) -> str:
+    """What to use instead, as a sentence: the pp degrees whose ``virtual`` stages per rank split
+    the layers equally."""
+    if n_layers < 2:
+        return "one layer cannot be split into stages: drop pp"
+    pps = [d // virtual for d in range(2, n_layers + 1) if n_layers % d == 0 and d % virtual == 0 and d >= 2 * virtual]
+    names = [f"pp{p}" for p in pps]
+    listed = " or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}"
+    per = f" ({virtual} stages per rank)" if virtual > 1 else ""
+    return f"use {listed}{per}" if pps else f"use fewer stages per rank than {virtual}, e.g. `pp_schedule` 1f1b"
+
+
 def check_pipeline(schedule: PipelineSchedule, pp: int, n_layers: int | None) -> int:
     """The micro-batch count of ``schedule`` on ``pp`` ranks (checked); one-line errors for a
     layer count the stages do not divide and for the micro-batch counts torch refuses."""
@@ -124,10 +136,10 @@ def check_pipeline(schedule: PipelineSchedule, pp: int, n_layers: int | None) ->
     stages = pp * schedule.virtual
     name = schedule.name
     if n_layers is not None and n_layers % stages:
-        good = [d for d in range(2, n_layers + 1) if n_layers % d == 0]
         per = f" ({schedule.virtual} per rank)" if schedule.virtual > 1 else ""
-        raise OptionError(f"pp{pp} with {name}: {n_layers} layers do not split into {stages} equal stages{per}: "
-                          f"use a stage count in {', '.join(map(str, good)) or '(none: one layer cannot be split)'}")
+        layers = f"{n_layers} layers do" if n_layers != 1 else "1 layer does"
+        raise OptionError(f"pp{pp} with {name}: {layers} not split into {stages} equal stages{per}: "
+                          f"{_stage_advice(n_layers, schedule.virtual)}")
     if schedule.kind in ("1f1b", "interleaved-1f1b") and m < pp:
         # Schedule1F1B raises below the stage count; batchfit asks the same of interleaved-1f1b.
         raise OptionError(f"{name} on pp{pp} needs at least {pp} micro-batches (one per stage), got {m}: "

@@ -140,12 +140,13 @@ def _validate(target_util: float, multiple_of: int, max_batch: int, batch_sizes:
 def _check_global_batch(global_batch: int, strategies: list, multiple_of: int) -> None:
     """Every strategy must reach the global batch with whole micro-batches on every rank."""
     for s in strategies:
-        if global_batch % (s.dp * multiple_of):
-            step = math.lcm(*(x.dp * multiple_of for x in strategies))
+        own = _own_multiple(s, multiple_of)
+        if global_batch % (s.dp * own):
+            step = math.lcm(*(x.dp * _own_multiple(x, multiple_of) for x in strategies))
             near = max(step, round(global_batch / step) * step)
             raise OptionError(
                 f"`global_batch` {global_batch} cannot be split over {s.name}'s {s.dp} data-parallel ranks on "
-                f"{s.world_size} GPUs{f' in multiples of {multiple_of}' if multiple_of > 1 else ''}: "
+                f"{s.world_size} GPUs{f' in multiples of {own}' if own > 1 else ''}: "
                 f"use a multiple of {step}, e.g. `global_batch` {near}")
 
 
@@ -283,11 +284,6 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     else:
         # every bad name before any trace
         by_world = [(world, parse(request.strategies, world.gpus)) for world in request.worlds]
-    base_multiple = multiple_of
-    for _, chosen in by_world:  # a pipeline's local batch is whole micro-batches
-        multiple_of = math.lcm(multiple_of, *(s.microbatches for s in chosen if getattr(s, "pp", 1) > 1))
-    if auto:  # each its own: pipelines do not make fsdp's local batch a multiple of their micro-batches
-        multiple_of = base_multiple
     if options.offload_spec.params and auto:
         for world, chosen in by_world:
             chosen[:] = _set_aside(world, chosen, lambda s: None if s.shard in FSDP_SHARDS else
@@ -326,7 +322,7 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
         world, strategy, derived = job
         return _plan_one(open_session, workload, options, device, world, strategy, time_model, say, auto=auto,
                          batch_sizes=request.batch_sizes, global_batch=request.global_batch,
-                         multiple_of=_own_multiple(strategy, multiple_of) if auto else multiple_of,
+                         multiple_of=_own_multiple(strategy, multiple_of),
                          max_batch=request.max_batch, target_bytes=target_bytes, limit=request.limit,
                          host_limit_bytes=request.host_memory_bytes, derived=derived)
 
@@ -374,7 +370,9 @@ def _auto(workload: Workload, options: StepOptions, worlds: list[World], parse: 
 
 
 def _own_multiple(strategy, multiple_of: int) -> int:
-    """A strategy's local batch step under auto: whole pipeline micro-batches for pp<N>."""
+    """A strategy's local batch step: whole pipeline micro-batches for pp<N>, ``multiple_of`` for the
+    others, so the strategies asked together never change one's answer (a shared lcm made
+    fsdp+tp2 beside pp2+fsdp search even sizes only)."""
     return math.lcm(multiple_of, strategy.microbatches) if getattr(strategy, "pp", 1) > 1 else multiple_of
 
 

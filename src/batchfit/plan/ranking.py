@@ -95,6 +95,17 @@ def _speed(p) -> float:
     return p.tokens_per_s or p.samples_per_s or 0.0
 
 
+def ranked_by(rows) -> str:
+    """What the order rests on, in words: the predicted speed, or, when no row has a step time (a
+    capacity without a GPU's FLOP/s: --gpu-memory), the keys that order the rows instead."""
+    if any(row.tokens_per_s for row in rows):
+        return "tokens/s"
+    if any(row.samples_per_s for row in rows):
+        return "samples/s"
+    return ("the largest global batch, then fewer tensor-parallel ranks, then the least memory (no step time: "
+            "a memory size alone gives no FLOP/s; name a GPU with --gpu to rank by speed)")
+
+
 def ranking(plans, worlds, *, mfu: float, target_bytes: int) -> list[RankedRow]:
     """Every plan of every world, in rank order (the module docstring)."""
     order = {"fits": 0, "above target": 0, "does not fit": 1, "skipped": 2}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from batchfit.devices import GiB
+from batchfit.plan.ranking import ranked_by  # pure Python, no torch
 from batchfit.plan.time_model import OVERLAP_RULE  # pure Python, no torch
 from batchfit.report import write_report
 from batchfit.report.host import plan_host_line as host_line_for_plan
@@ -137,7 +138,8 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
               "| GPUs | " + ", ".join(f"{w.gpus} ({w.nodes} node{'s' if w.nodes > 1 else ''} of {w.gpus_per_node})"
                                       for w in r.worlds) + " |",
               f"| Strategies | {r.strategies_asked} |",
-              f"| Local batch sizes | multiples of {r.multiple_of} |",
+              f"| Local batch sizes | multiples of {r.multiple_of}"
+              f"{'; a pipeline (pp<N>) also whole micro-batches' if any(p.pp > 1 for p in r.plans) else ''} |",
               f"| Traced | {r.traces} sharded steps in {r.trace_seconds:.1f} s |",
               "", "## Max batch by strategy", "",
               "Max global batch = max local batch x data-parallel degree (the ranks of one tensor-parallel group "
@@ -200,7 +202,8 @@ def ranking_lines(r, plot_name: str = "plan.png") -> list[str]:
     gb = f"global batch {r.global_batch}" if r.global_batch else "global batch = micro-batch x dp (no --global-batch)"
     ranking_plot = plot_name.replace(".png", "-ranking.png")
     out = ["## Ranking: every combination by predicted throughput", "",
-           f"Per GPU count, each combination traced, by {unit} at {gb} (computed), with rank 0's memory at its "
+           f"Per GPU count, each combination traced, by {ranked_by(rows)} at {gb}"
+           f"{' (computed)' if ranked_by(rows) == unit else ''}, with rank 0's memory at its "
            f"micro-batch (traced; GiB = 2^30): allocated, and reserved (the caching allocator model) where replayed. "
            f"Step time per optimizer step = compute (FLOPs / (peak x MFU {r.time_model.mfu:.2f}, "
            f"{r.time_model.mfu_source})) + exposed communication (collectives not hidden behind compute) + pipeline "

@@ -168,7 +168,9 @@ def _scaling_figure(result, ranked: list, unit: str, what: str) -> Figure:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     gb = f"global batch {result.global_batch}" if result.global_batch else "max global batch"
-    ax.set_title(f"{result.workload} on {result.device.display_name}, {result.options.precision}: {unit} at {gb} "
+    # the figure's title, on three lines: centred on the axes, which wide tick labels ('1,200,000,000') push
+    # right, one line with an H100's display name ended past the figure ('GPU coun')
+    fig.suptitle(f"{result.workload} on {result.device.display_name}, {result.options.precision}\n{unit} at {gb} "
                  f"by GPU count\n(labels: strategy micro x accumulation, {what} GiB per GPU at the micro-batch, "
                  f"target {result.target_util:.0%} of {result.capacity_bytes / GiB:.1f} GiB)", fontsize=9)
     fig.tight_layout()
