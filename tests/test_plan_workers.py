@@ -95,3 +95,30 @@ def test_no_fork_where_cuda_is_initialized(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     done = workers.run(lambda job, say: os.getpid(), [1, 2], lambda m: None, processes=2)
     assert done == [os.getpid(), os.getpid()]  # a forked child could not use CUDA: run here
+
+
+def test_time_left_counts_traces_before_any_session_is_done(monkeypatch):
+    """Two sessions side by side, none done: 4 sizes started (2 finished, one in flight in each) of
+    the 5 + 5 a session is taken to trace; 10 s on 2 processes is 10 process-s per finished trace;
+    6 traces left (the two in flight among them), 2 at a time: 30 s."""
+    now = [0.0]
+    monkeypatch.setattr(workers.time, "perf_counter", lambda: now[0])
+    steps = workers.Steps(2, processes=2)
+    assert steps.tag("ddp on 1 GPU: local batch 8", 0).endswith("[0/2 sessions done]")  # nothing finished yet
+    steps.tag("ddp on 2 GPUs: local batch 8", 1)
+    now[0] = 10.0
+    steps.tag("ddp on 1 GPU: local batch 16", 0)
+    assert steps.tag("ddp on 2 GPUs: local batch 16", 1).endswith("[0/2 sessions done, about 30 s left]")
+
+
+def test_time_left_takes_a_sessions_trace_count_from_those_done(monkeypatch):
+    """One process: a session done after 3 traces, then the next starts its first: 3 finished in
+    30 s (10 s each); a session takes 3, so 2 left (the one in flight among them): 20 s."""
+    now = [0.0]
+    monkeypatch.setattr(workers.time, "perf_counter", lambda: now[0])
+    steps = workers.Steps(2, processes=1)
+    for size in (8, 16, 12):
+        steps.tag(f"fsdp on 2 GPUs: local batch {size}", 0)
+    steps.finished(0)
+    now[0] = 30.0
+    assert steps.tag("ddp on 2 GPUs: local batch 8", 1).endswith("[1/2 sessions done, about 20 s left]")

@@ -66,6 +66,10 @@ class SharedTraces:
             return point if strategy == self._source else at_world(point, strategy)
         return trace
 
+    def has(self, local_batch: int, reserved: bool = False) -> bool:
+        """Whether the size is traced (or replayed) already: a row reading it does no new work."""
+        return local_batch in (self._replays if reserved else self.points)
+
     def reserved(self, local_batch: int):
         if local_batch not in self._replays:
             self._replays[local_batch] = self._session.reserved(local_batch)

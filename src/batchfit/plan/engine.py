@@ -76,9 +76,12 @@ class ShardedCurve:
 
     def __init__(self, trace_point: Callable[[int], object], workspace_bytes: int,
                  say: Callable[[str], None], replay: Callable[[int], object] | None = None,
-                 replay_first: bool = False) -> None:
+                 replay_first: bool = False, known: Callable[[int, bool], bool] | None = None) -> None:
         self._trace, self._workspace, self._say, self._replay = trace_point, workspace_bytes, say, replay
         self._replay_first = replay_first
+        self._known = known or (lambda local_batch, reserved: False)
+        """Whether a size (its trace, or with ``reserved`` its replay) costs nothing here: a row
+        derived from another's traces reads them without a progress line."""
         """Replay a size not traced yet before tracing it: the replay's fresh trace gives its
         point too (``DeepSession.replay_gives_point``), one trace of the size instead of two."""
         self.points: dict[int, PlanPoint] = {}
@@ -87,7 +90,8 @@ class ShardedCurve:
 
     def point(self, local_batch: int) -> PlanPoint:
         if local_batch not in self.points:
-            self._say(f"local batch {local_batch}")
+            if not self._known(local_batch, False):
+                self._say(f"local batch {local_batch}")
             traced = self._trace(local_batch)
             self.first = self.first or traced
             self.points[local_batch] = plan_point(traced, self._workspace)
@@ -107,7 +111,8 @@ class ShardedCurve:
         point = self.point(local_batch)
         if point.reserved is None:
             if replayed is None:
-                self._say(f"local batch {local_batch}: reserved memory (allocator model)")
+                if not self._known(local_batch, True):
+                    self._say(f"local batch {local_batch}: reserved memory (allocator model)")
                 replayed = self._replay(local_batch)
             point.reserved = replayed
         return point
@@ -438,12 +443,16 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
         with contextlib.closing(open_session(workload, options, device, strategy)) as session:
             shared = SharedTraces(session, strategy)
             for row_world, row_strategy in [(world, strategy), *derived]:
+                is_derived = row_strategy is not strategy
                 label = f"{row_strategy.name} on {row_world.gpus} GPU{'s' if row_world.gpus > 1 else ''}" + (
-                    f" (from the {world.gpus}-GPU trace)" if row_strategy is not strategy else "")
+                    f" (from the {world.gpus}-GPU trace)" if is_derived else "")
+                if is_derived:
+                    say(f"{label}: read from that trace's sizes")
                 curve = ShardedCurve(shared.trace_for(row_strategy), device.workspace_bytes,
                                      lambda message, label=label: say(f"{label}: {message}"),
                                      replay=shared.reserved if shared.can_replay else None,
-                                     replay_first=getattr(session, "replay_gives_point", False))
+                                     replay_first=getattr(session, "replay_gives_point", False),
+                                     known=shared.has if is_derived else None)
                 trace_first_sizes(curve, batch_sizes, multiple_of, device.usable_bytes)
                 plan_row = _plan_strategy(_row_base(row_world, row_strategy), curve, row_strategy, row_world,
                                           workload, device, options, time_model, global_batch=global_batch,
@@ -451,7 +460,7 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
                                           limit=limit, host_limit_bytes=host_limit_bytes)
                 plan_row.whole_reserved = list(getattr(session, "whole_reserved", []))
                 plan_row.pp_layers_per_stage = getattr(session, "layers_per_stage", 0)
-                plan_row.derived_from_gpus = world.gpus if row_strategy is not strategy else 0
+                plan_row.derived_from_gpus = world.gpus if is_derived else 0
                 plan_row.points = [curve.points[b] for b in sorted(curve.points)]
                 plan_row.curve = curve.curve()
                 rows.append(plan_row)

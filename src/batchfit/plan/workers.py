@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -31,27 +32,61 @@ def default_processes(jobs: int) -> int:
     return max(1, min(cores, jobs))
 
 
+TRACES_PER_SESSION = 5
+"""What a session is taken to trace before any session has finished: the guided search's usual
+predicted size, its neighbour and a correction, and a reserved replay or two (``search.guided``)."""
+
+_TRACE = re.compile(r": local batch \d+")
+"""A session's progress line when it starts tracing (or replaying) one size."""
+
+
 class Steps:
-    """How many of the strategy sessions are done and a rough time left, added to each progress line."""
+    """How many of the strategy sessions are done and a rough time left, added to each progress line.
 
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self._started = total, 0, time.perf_counter()
+    The time left counts traces: each session's sizes started so far (its ``... local batch N`` lines),
+    the sessions done give how many a session takes (``TRACES_PER_SESSION`` before any is done),
+    and the wall time per finished trace and the sessions running at once turn the traces left
+    into seconds. Sessions that run side by side finish together, so counting sessions alone
+    gave no figure until the end."""
 
-    def tag(self, message: str) -> str:
-        """``message [2/5 sessions done, about 90 s left]``: the time left assumes each session left
-        takes the mean of those done (strategies differ: a rough figure, and none before the first)."""
+    def __init__(self, total: int, processes: int = 1) -> None:
+        self.total, self.done, self.processes, self._started = total, 0, processes, time.perf_counter()
+        self._traces: dict[int, int] = {}
+        """Sizes started by each running session (by job index)."""
+        self._done_traces: list[int] = []
+
+    def finished(self, job: int) -> None:
+        """Session ``job`` is done: its trace count tells how many a session takes."""
+        self.done += 1
+        self._done_traces.append(self._traces.pop(job, 0))
+
+    def _seconds_left(self) -> float | None:
+        running = len(self._traces)
+        finished = sum(self._done_traces) + sum(self._traces.values()) - running  # one in flight per session
+        if finished < 1:
+            return None
+        per_session = (sum(self._done_traces) / len(self._done_traces)) if self._done_traces else TRACES_PER_SESSION
+        waiting = self.total - self.done - running
+        left = sum(max(per_session - n, 1) for n in self._traces.values()) + waiting * per_session
+        per_trace = (time.perf_counter() - self._started) * min(self.processes, self.total) / finished  # process-s
+        return per_trace * left / max(1, min(self.processes, self.total - self.done))
+
+    def tag(self, message: str, job: int = 0) -> str:
+        """``message [2/5 sessions done, about 90 s left]`` for a line of session ``job``: a rough
+        figure (strategies differ), and none before the first trace has finished."""
+        if _TRACE.search(message):
+            self._traces[job] = self._traces.get(job, 0) + 1
         if self.total < 2:
             return message
-        left = ""
-        if self.done:
-            left = f", about {(time.perf_counter() - self._started) / self.done * (self.total - self.done):.0f} s left"
+        seconds = self._seconds_left()
+        left = f", about {seconds:.0f} s left" if seconds is not None else ""
         return f"{message} [{self.done}/{self.total} sessions done{left}]"
 
 
 def _run_index(index: int):
     one, jobs, progress = _JOB
     try:
-        return one(jobs[index], progress.put)
+        return one(jobs[index], lambda message: progress.put((index, message)))
     except BaseException as error:  # noqa: BLE001 - sent back whole, or as a TraceError saying what it was
         portable = sendable(error, f"tracing {jobs[index]}")
         if portable is error:
@@ -66,12 +101,12 @@ def run(one: Callable[[Any, Callable[[str], None]], Any], jobs: Sequence, say: C
     and the other jobs are stopped; a worker that dies (killed for memory, say) is an error too."""
     global _JOB
     processes = default_processes(len(jobs)) if processes is None else max(1, min(processes, len(jobs)))
-    steps = Steps(len(jobs))
+    steps = Steps(len(jobs), processes)
     if processes == 1 or not can_fork():  # not Linux, one core, BATCHFIT_PROCESSES=1, or CUDA initialized
         out = []
-        for job in jobs:
-            out.append(one(job, lambda message: say(steps.tag(message))))
-            steps.done = len(out)
+        for index, job in enumerate(jobs):
+            out.append(one(job, lambda message, index=index: say(steps.tag(message, index))))
+            steps.finished(index)
         return out
     context = multiprocessing.get_context("fork")
     progress = context.SimpleQueue()  # put() writes before the job goes on: no line arrives after its result
@@ -80,17 +115,20 @@ def run(one: Callable[[Any, Callable[[str], None]], Any], jobs: Sequence, say: C
     pool = ProcessPoolExecutor(processes, mp_context=context)
     try:
         pending = [pool.submit(_run_index, i) for i in range(len(jobs))]
+        counted: set[int] = set()
         while not all(future.done() for future in pending):
-            steps.done = sum(future.done() for future in pending)
             if progress.empty():
                 time.sleep(0.05)
             else:
-                say(steps.tag(progress.get()))
+                say(steps.tag(*reversed(progress.get())))
+            for index in [i for i, future in enumerate(pending) if future.done() and i not in counted]:
+                counted.add(index)
+                steps.finished(index)
             failed = next((f for f in pending if f.done() and f.exception() is not None), None)
             if failed is not None:
                 break
         while not progress.empty():
-            say(steps.tag(progress.get()))
+            say(steps.tag(*reversed(progress.get())))
         for future in pending:
             if future.done() and future.exception() is not None:
                 error = future.exception()
