@@ -33,7 +33,7 @@ def test_fsdp_wider_than_the_largest_parameter_stops_before_any_trace():
     """FSDP2 on 1024 ranks of a model whose largest first dimension is 512: one line, no trace
     (before, FSDP2's setup alone grew with the ranks: 40 s at 100,000, past 5 minutes at 1,000,000)."""
     with pytest.raises(OptionError, match="FSDP2 can use at most 512 ranks per shard group") as error:
-        plan(tiny_llama_workload(TINY), device=gpu(), worlds=[World(1024, 128)], strategies="ddp,fsdp", trace=never)
+        plan(tiny_llama_workload(TINY), device=gpu(), worlds=[World(1024, 128)], strategies="fsdp", trace=never)
     assert "hsdp<R> with R of 2 or more" in str(error.value)
     with pytest.raises(OptionError, match="hsdp2 on 2,048 GPUs shards each parameter's first dimension over 1,024"):
         plan(tiny_llama_workload(TINY), device=gpu(), worlds=[World(2048, 256)], strategies="hsdp2", trace=never)
@@ -49,12 +49,29 @@ def test_fsdp_within_the_largest_parameter_is_not_refused():
     assert all(why(s) is None for s in parse_strategies("fsdp", 512))
 
 
+def test_the_default_strategies_keep_ddp_and_skip_a_too_wide_fsdp(standin):
+    """The user chose no strategy (ddp,fsdp by default): ddp answers, fsdp is a skipped row saying why
+    (it refused the whole plan, ddp's answer too)."""
+    traced = []
+
+    def counting(*args):
+        traced.append(args[3].name)
+        return trace_sharded(*args)
+
+    result = plan(tiny_llama_workload(TINY), device=gpu(), worlds=[World(1024, 128)], time_model=HALF,
+                  trace=counting, parse=standin.parse_strategies, limit="allocated")
+    rows = {p.strategy: p for p in result.plans}
+    assert set(traced) == {"ddp"} and rows["ddp"].max_local_batch > 0
+    assert "FSDP2 can use at most 512 ranks per shard group" in rows["fsdp"].skipped
+
+
 def test_the_cli_refuses_a_million_gpus_in_one_line():
     from typer.testing import CliRunner
 
     from batchfit.cli.app import app
 
-    result = CliRunner().invoke(app, ["plan", "gpt-tinystories-22m", "--gpu", "h100", "--gpus", "1000000"])
+    result = CliRunner().invoke(app, ["plan", "gpt-tinystories-22m", "--gpu", "h100", "--gpus", "1000000",
+                                      "--strategies", "fsdp"])
     assert result.exit_code == 2, result.output
     assert "largest has 10,000 rows" in result.output and "Traceback" not in result.output
 

@@ -300,7 +300,8 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
             if auto:
                 chosen[:] = _set_aside(world, chosen, _not_reaching(request.global_batch, multiple_of), not_traced)
             _check_global_batch(request.global_batch, chosen, multiple_of)
-    _refuse_wide_shards(workload, by_world, auto, not_traced)
+    # the default strategies were not chosen by the user: a too-wide fsdp is a skipped row beside ddp's answer
+    _refuse_wide_shards(workload, by_world, auto or request.strategies == DEFAULT_STRATEGIES, not_traced)
     say = progress or (lambda message: None)
     started = time.perf_counter()
     from batchfit.trace.approximation import attention_approximations, offload_approximations
@@ -395,14 +396,15 @@ def _set_aside(world: World, chosen: list, why: Callable[[object], str | None], 
     return kept
 
 
-def _refuse_wide_shards(workload: Workload, by_world: list, auto: bool, not_traced: list[StrategyPlan]) -> None:
+def _refuse_wide_shards(workload: Workload, by_world: list, skip: bool, not_traced: list[StrategyPlan]) -> None:
     """Before any trace: an FSDP2 shard group wider than the model's largest parameter
-    (``plan/shard_limit.py``) stops a named strategy with one line, and is a skipped row under auto."""
+    (``plan/shard_limit.py``) stops a named strategy with one line, and is a skipped row with
+    ``skip`` (auto, or the default strategies)."""
     from batchfit.plan.shard_limit import too_wide
 
     why = too_wide(workload, [s for _, chosen in by_world for s in chosen])
     for world, chosen in by_world:
-        if auto:
+        if skip:
             chosen[:] = _set_aside(world, chosen, why, not_traced)
         elif (reason := next(filter(None, map(why, chosen)), None)) is not None:
             raise OptionError(reason)
