@@ -61,3 +61,4 @@ def test_the_console_footer_says_it_too(standin, tmp_path):
     said = " ".join(result.output.split())
     assert "ranked by the largest global batch, then fewer tensor-parallel ranks" in said
     assert "ranked by samples/s" not in said and "ranked by tokens/s" not in said
+    assert "(memory traced; no time: no FLOP/s for this GPU)" in said and "time computed" not in said

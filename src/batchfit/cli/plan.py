@@ -223,10 +223,15 @@ def _named(p, several: bool) -> str:
     return f"{p.strategy} on {p.gpus} GPUs" if several else p.strategy
 
 
+def _timed(result) -> bool:
+    """Whether any row has a computed step time (a named GPU's FLOP/s; not with --gpu-memory alone)."""
+    return any(row.tokens_per_s or row.samples_per_s for row in result.ranking)
+
+
 def _print_summary(result, console, report_path: Path, written: list[Path]) -> None:
     console.print(f"[bold]{escape(result.workload)} on {escape(result.device.display_name)}, "
                   f"{result.options.precision}{sequence_words(result.tokens_per_sample)} "
-                  "(memory traced, time computed)[/]")
+                  f"(memory traced{', time computed' if _timed(result) else '; no time: no FLOP/s for this GPU'})[/]")
     say_attention(result.options, console)
     console.print("memory: " + ("reserved (rank 0's fresh process replayed through the caching allocator model: "
                                 "what a GPU runs out of)" if result.limit == "reserved"
