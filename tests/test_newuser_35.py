@@ -319,3 +319,15 @@ def test_the_readmes_seed_table_holds_five_commands_the_cli_takes():
     for command in commands:
         name, *args = shlex.split(command)[1:]
         group.commands[name].make_context(name, args)  # raises on an unknown option or a bad value
+
+
+def test_bad_input_is_one_line_without_the_traceback_hint():
+    """A bad GPU name is the user's to fix from the line itself: no 'set BATCHFIT_DEBUG=1 for a
+    traceback' under it (a failure inside a trace, exit 1, keeps the hint: test_sweep_cli)."""
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+
+    result = CliRunner().invoke(app, ["estimate", "gpt2-124m", "--gpu", "no-such-gpu"])
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output and "BATCHFIT_DEBUG" not in result.output

@@ -45,7 +45,8 @@ def handle_errors(command: Callable) -> Callable:
                 raise
             # library errors name fields (`seq_len`); a command line types flags (--seq-len)
             err.print(f"[bold red]error:[/] {escape(as_flags(str(error)))}", highlight=False, soft_wrap=True)
-            err.print("[dim]set BATCHFIT_DEBUG=1 for a traceback[/]")
+            if error.exit_code != 2:  # bad input is the line above; a failure inside may need its traceback
+                err.print("[dim]set BATCHFIT_DEBUG=1 for a traceback[/]")
             raise typer.Exit(error.exit_code) from None
         except KeyboardInterrupt:
             err.print("[bold yellow]interrupted[/] (Ctrl-C)")
