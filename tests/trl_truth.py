@@ -44,6 +44,13 @@ class Case:
     beta: float = 0.04
 
 
+CASES = (
+    Case("reference model (beta 0.04)"),
+    Case("2 update steps per generation (old log-probs), group 4", group=4, steps_per_generation=2),
+    Case("no reference model (beta 0), group 4", group=4, beta=0.0),
+)
+
+
 def tiny_llama(folder: Path) -> Path:
     """A 2-layer Llama (hidden 32, vocabulary 256) saved with random weights and a tokenizer whose 256 tokens are
     one CJK character each (so a prompt of 8 characters is 8 tokens, no special tokens added)."""

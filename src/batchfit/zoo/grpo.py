@@ -16,7 +16,7 @@ The step is TRL's ``GRPOTrainer`` in its memory-deciding parts, one phase each (
 
 Two model families share this step: the zoo's GPT-2 small (``grpo-gpt2-124m``) and any
 transformers causal LM built from its config (``hf_grpo_workload``, what ``--trainer`` with a
-TRL GRPOConfig traces); each gives the step its logits and its greedy decoding (:class:`Policy`).
+TRL GRPOConfig traces); each gives the step its backbone, its LM head and its decoding (:class:`Policy`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 GRPOConfig traces for an ``hf:`` model.
 
 The policy is the model built from its config (``zoo/hf.py``), the reference a frozen second
-copy. Generation is greedy decoding with the model's own KV cache (``DynamicCache``, as
+copy. Generation samples (``zoo/grpo.py`` ``sample_token``) with the model's own KV cache (``DynamicCache``, as
 ``model.generate`` keeps it), the logits of the last position only at each call (generate's
 ``logits_to_keep=1``); the log-probs come from the base model's hidden states through TRL's fused LM head
 (``zoo/fused_logprobs.py``), as TRL's ``_get_per_token_logps_and_entropies`` computes them since TRL 1.15.
