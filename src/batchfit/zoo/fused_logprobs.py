@@ -101,9 +101,13 @@ class ChunkedLogProb(torch.autograd.Function):
                 w_chunk = weight[start:end].to(ctx.compute)
                 tile = buffer[:token_end - token_start, :end - start]
                 torch.mm(hidden_chunk, w_chunk.t(), out=tile)
-                if not ctx.triton:  # on a GPU the tile becomes the logits' gradient in place
-                    _fold_backward(tile, targets[rows], log_z[rows], grad_logprobs[rows], start, 1 / ctx.temperature)
-                if grad_hidden is not None:
+                if ctx.triton:
+                    # on a GPU the tile becomes the logits' gradient in place, and TRL's _addmm_fp32 accumulates a
+                    # half-precision tile with torch.addmm(out_dtype=float32, out=acc): nothing allocated either
+                    # way (an fp32 tile's .float() is itself), so a fake step skips both
+                    continue
+                _fold_backward(tile, targets[rows], log_z[rows], grad_logprobs[rows], start, 1 / ctx.temperature)
+                if grad_hidden is not None:  # TRL's _addmm_fp32 off CUDA: fp32 copies of half-precision operands
                     grad_hidden[rows].addmm_(tile.float(), w_chunk.float())
                 if grad_weight is not None:
                     grad_weight[start:end].addmm_(tile.t().float(), hidden_chunk.float())
