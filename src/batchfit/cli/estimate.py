@@ -206,7 +206,9 @@ def _print_summary(result, console, report_path: Path) -> None:
         under = (f"reserved {reserved / GiB:.2f} GiB (allocator model)" if reserved
                  else f"allocated {result.point(result.max_batch_size).peak_bytes / GiB:.2f} GiB")
         console.print(f"[bold green]max batch size {result.max_batch_size}[/] ({under}), "
-                      f"{result.max_batch_size_at_target} at {result.target_util:.0%}")
+                      f"{result.max_batch_size_at_target} at {result.target_util:.0%}"
+                      + ("; the search's cap: larger sizes were not tried (--max-batch raises it)" if result.capped
+                         else ""))
         if result.options.offload != "none":
             console.print(escape(host_line(result.point(result.max_batch_size), result.host_limit_bytes)))
     else:
