@@ -58,3 +58,20 @@ def test_each_phase_against_a_real_trl_grpo_step(tmp_path):
     for phase, within in (("generate", 0.015), ("reference", 0.001), ("forward", 0.001), ("backward", 0.001),
                           ("optimizer", 0.015)):
         assert abs(traced[phase] - real[phase]) <= within * real[phase], (phase, traced[phase], real[phase])
+
+
+def test_seed_003s_loop_scores_from_the_whole_logits_and_trl_from_the_fused_head():
+    """grpo-gpt2-124m is seed 003's own loop (its report: 21.78 GB allocated at batch 96, which the whole
+    [rows, 144, 50257] logits explain and the fused head's half would not); an hf: model under a GRPOConfig is
+    TRL's (>= 1.15: the fused head). The numbers of the first are pinned in test_depth (72, 64 on 5 GiB)."""
+    import torch
+
+    from batchfit.zoo.grpo import GPT2, _logprobs, _zoo_policy
+    from batchfit.zoo.transformer import TransformerConfig
+
+    tiny = {**GPT2, "vocab_size": 64, "d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32}
+    policy = _zoo_policy(TransformerConfig(seq_len=12, **tiny))
+    model, sequences = policy.build(), torch.randint(0, 64, (3, 12))
+    logprobs = _logprobs(policy, model, sequences, 4, entropy=False, triton=False)
+    expected = torch.log_softmax(model(sequences)[:, -5:-1], -1).gather(-1, sequences[:, -4:, None]).squeeze(-1)
+    assert policy.logits is not None and torch.allclose(logprobs, expected, atol=1e-5)

@@ -29,6 +29,7 @@ from torch import nn
 
 from batchfit.options import Rollout
 from batchfit.workload import Workload
+from batchfit.zoo.grpo import selective_log_softmax
 from batchfit.zoo.hf import _transformers, _unpacked_sequences, hf_workload
 
 
@@ -40,17 +41,6 @@ class PPOModels(nn.Module):
         self.reward_model = build_scorer().requires_grad_(False)
         self.rollout_logits: torch.Tensor | None = None
         """TRL's ``logitss``: the last rollout's generation logits, alive until the next rollout replaces them."""
-
-
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits).gather(index)`` as TRL computes it (``trl/trainer/utils.py``; its PPOTrainer's, and
-    its GRPOTrainer's before 1.15): in fp32 the chosen logits less each row's logsumexp, one row at a time (the
-    row's exponentials only); in half precision a log_softmax per row."""
-    index = index.unsqueeze(-1)
-    if logits.dtype in (torch.float32, torch.float64):
-        chosen = torch.gather(logits, dim=-1, index=index).squeeze(-1)
-        return chosen - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-    return torch.stack([torch.log_softmax(row, dim=-1).gather(-1, i).squeeze(-1) for row, i in zip(logits, index)])
 
 
 def _scores(scorer: nn.Module, sequences: torch.Tensor) -> torch.Tensor:
