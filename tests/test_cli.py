@@ -46,6 +46,8 @@ def test_user_workload_from_a_file(tmp_path):
                  "--out", str(tmp_path / "r"))
     assert result.exit_code == 0, result.output
     assert "max batch size 4096" in result.output
+    # 4096 is --max-batch, not a size shown to fail: the terminal says the search stopped at its cap
+    assert "4,096 is --max-batch's cap, not where memory runs out" in " ".join(result.output.split())
 
 
 BAD_INPUT = [

@@ -114,7 +114,8 @@ def test_generation_estimate_is_the_one_traced_before():
     # GRPO with 4 new tokens on a 5 GiB GPU, traced whole only after batch 8 and replayed from the whole model's
     # streams. When written (speed2), the answer and every size's bytes equalled e38f4c0's, which traced depths
     # 2, 3, 4 and the whole model at each size (96 and 80 at target then). The figures pinned here are the
-    # step after the reference log-probs became their own phase (the phases merge): 72, 64 at target.
+    # step after the reference log-probs became their own phase (the phases merge): 72, 64 at target
+    # (the same once generation sampled as `generate` does: the update decides here, from its whole logits).
     gpu = Device(name="g5", display_name="a 5 GiB GPU", total_bytes=5 << 30, context_bytes=0, workspace_bytes=8 << 20)
     result = estimate(load_workload("grpo-gpt2-124m", seq_len=4), device=gpu, cache=False, suggest=False).to_json()
     assert (result["max_batch_size"], result["max_batch_size_at_target"]) == (72, 64)

@@ -91,6 +91,18 @@ def test_a_token_budget_below_the_longest_sample_and_the_largest_budget():
     assert largest_budget([1000] * 100_000, 16_500) == 16_999  # rows of 16 samples up to 16,999: one pass
 
 
+def test_building_the_model_is_said_once_over_the_lengths():
+    from batchfit.estimator.run import said_once
+
+    lines = []
+    say = said_once(lines.append, "building ")
+    for length in (512, 1024, 512):
+        say(f"tracing {length:,} tokens per row")
+        say("building gpt on fake tensors")
+    assert lines == ["tracing 512 tokens per row", "building gpt on fake tensors", "tracing 1,024 tokens per row",
+                     "tracing 512 tokens per row"]
+
+
 def test_histogram_bins_cover_every_sample():
     bins = histogram(LENGTHS, bins=4)  # 2..20: width 5
     assert bins == [(2, 6, 3), (7, 11, 3), (12, 16, 0), (17, 21, 1)]

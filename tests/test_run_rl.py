@@ -128,10 +128,11 @@ def test_bad_rl_args_are_one_line(fields, words):
 
 @pytest.mark.slow
 def test_generation_sets_the_peak_and_is_named(llama, tmp_path):
-    # 16 update steps of 1 completion per generation: the KV cache of 16 rows outweighs one row's update
+    # 64 update steps of 1 completion of 2 tokens per generation: the KV cache and sampling of 64 rows outweigh one
+    # row's update, whose fused LM head holds a 32,768-wide fp32 tile buffer (2 tokens: 256 KiB)
     args = tmp_path / "grpo.json"
-    args.write_text(json.dumps({"per_device_train_batch_size": 1, "num_generations": 4, "steps_per_generation": 16,
-                                "max_prompt_length": 8, "max_completion_length": 24, "use_vllm": True}))
+    args.write_text(json.dumps({"per_device_train_batch_size": 1, "num_generations": 4, "steps_per_generation": 64,
+                                "max_prompt_length": 8, "max_completion_length": 2, "use_vllm": True}))
     out = tmp_path / "out.json"
     result = runner.invoke(app, ["estimate", f"hf:{llama}", "--gpu-memory", "1GiB", "--limit", "allocated",
                                  "--max-batch", "1", "--trainer", str(args), "--json", str(out), "--no-cache",
@@ -144,11 +145,11 @@ def test_generation_sets_the_peak_and_is_named(llama, tmp_path):
     point = next(p for p in data["points"] if p["batch_size"] == 1)
     phases = data["rl_phases"]
     # beta 0: no reference model; the 'reference' phase holds the policy's old log-probs (a generation
-    # serving 16 optimizer steps: TRL computes them)
+    # serving 64 optimizer steps: TRL computes them)
     assert phases["deciding_phase"] == "generate"
     assert data["trainer"]["rollout"]["reference"] is False and data["trainer"]["rollout"]["old_logprobs"] is True
     assert phases["peak_bytes"]["generate"] == point["peak_by_phase"]["generate"] == point["peak_bytes"]
-    assert data["trainer"]["rollout"]["steps_per_generation"] == 16
+    assert data["trainer"]["rollout"]["steps_per_generation"] == 64
     assert "## The phases of the RL step" in (tmp_path / "report" / "report.md").read_text()
 
 

@@ -17,6 +17,14 @@ def rollout_approximations(rollout: Rollout, accumulation_steps: int) -> list[Ap
             may_differ_by="high by the gradients' bytes in the generation and scoring phases of the micro-batches "
                           "after the first (TRL generates once per rollout, before any gradient exists)",
             source=SOURCE))
+    if rollout.algorithm == "grpo":
+        out.append(Approximation(
+            what="GRPO: the log-probs through TRL's fused LM head (TRL 1.15 and later; checked against trl 1.16.0)",
+            may_differ_by="low under TRL 1.14 and earlier, which held the completion's logits: by about rows x "
+                          "completion x vocabulary x 4 B in the reference and update phases; under 1.15 and later "
+                          "low by a few KB (TRL's prompt ids and attention masks beside the sequences, 0.4-0.9% of "
+                          "the generation phase of a 2-layer Llama)",
+            source=SOURCE))
     if rollout.algorithm == "ppo":
         out.append(Approximation(
             what="PPO: one update micro-batch traced",

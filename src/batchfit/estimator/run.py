@@ -99,6 +99,21 @@ OPEN_CURVES = 2
 a closed length builds the model again)."""
 
 
+def said_once(say: Callable[[str], None], prefix: str) -> Callable[[str], None]:
+    """``say``, each message that starts with ``prefix`` said only once: the model is built again at every row
+    length ("tracing N tokens per row" says which), and "building X on fake tensors" once is enough."""
+    said: set[str] = set()
+
+    def once(message: str) -> None:
+        if message.startswith(prefix):
+            if message in said:
+                return
+            said.add(message)
+        say(message)
+
+    return once
+
+
 class ShapeTracer:
     """Traced points by (rows, length), one :class:`TracedCurve` per length, each shape traced once.
 
@@ -317,7 +332,7 @@ def estimate_run(load: LoadAt, lengths: list[int], run_request: RunRequest, requ
     :func:`estimator.engine.estimate`, its eval loop traced over the data's batches here."""
     from batchfit.estimator.engine import estimate  # the one-shape engine, run at the deciding length
 
-    say = progress or (lambda message: None)
+    say = said_once(progress or (lambda message: None), "building ")  # the model is built again at each length
     options = options or StepOptions()
     request = request or EstimateRequest()
     batching, seq_len, limit = run_request.batching, run_request.seq_len, request.limit

@@ -60,19 +60,19 @@ PPO_MARKS = ("response_length", "local_rollout_forward_batch_size", "num_ppo_epo
 RL_MEMORY_FIELDS_NOT_MAPPED: dict[str, str] = {
     # GRPOConfig fields that change memory, not traced
     "use_vllm": "generation in vLLM (its own engine and KV cache, colocated or on a server) is not traced: the "
-                "generation phase is traced as transformers' greedy decoding on the policy",
+                "generation phase is traced as transformers' sampling on the policy",
     "vllm_mode": "vLLM is not traced",
     "vllm_gpu_memory_utilization": "vLLM is not traced (colocated, it reserves this fraction of the GPU)",
     "vllm_enable_sleep_mode": "vLLM is not traced",
-    "use_liger_loss": "Liger's fused GRPO loss is not traced: the log-probs come from the whole completion logits",
+    "use_liger_loss": "Liger's fused GRPO loss is not traced: the log-probs come from TRL's own fused LM head",
     "cache_implementation": "the KV cache is traced as transformers' DynamicCache, not this implementation",
     "use_transformers_paged": "paged generation is not traced: DynamicCache is",
-    "generation_kwargs": "extra generation settings (beams, sampling) are not read: greedy decoding is traced",
+    "generation_kwargs": "extra generation settings (beams, top-k) are not read: plain sampling is traced",
     "top_entropy_quantile": "the entropies this computes (one more pass over the logits) are not traced",
     "cast_lm_head_to_fp32": "an fp32 lm_head (its weight and logits in fp32) is not traced",
     "ds3_gather_for_generation": "ZeRO-3 gathering the weights for generation is plan's, not estimate's",
     "num_generations_eval": "the eval loop of an RL trainer is not traced",
-    "entropy_coef": "an entropy bonus keeps the full-vocabulary softmax for backward: not traced",
+    "entropy_coef": "an entropy bonus's gradient (folded into TRL's fused head's tiles) is not traced",
     "use_transformers_continuous_batching": "continuous-batching generation is not traced: DynamicCache is",
     "vllm_max_model_length": "vLLM is not traced",
 }

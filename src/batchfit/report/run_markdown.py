@@ -55,7 +55,7 @@ def rl_markdown(result) -> str:
     if not lines:
         return ""
     return "\n".join(["", "## The phases of the RL step", "",
-                      ("Generation (the completions, greedy, with a KV cache), the reference log-probs (no gradients, "
+                      ("Generation (the completions, sampled, with a KV cache), the reference log-probs (no gradients, "
                        "before the update) and the train update (forward, backward, optimizer step) run one after "
                        "another in each step; each one's allocated peak (traced), the largest decides."), "",
                       *[f"- {line}" for line in lines]]) + "\n"

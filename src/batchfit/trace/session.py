@@ -261,6 +261,9 @@ def install_cuda_mirrors(step: TrainingStep) -> None:
         mirror = CudaAutocast(getattr(torch, step.options.autocast_dtype))
         step.step_context, step.forward_autocast = (lambda: mirror), mirror.forward
     mirror_float8_autocast(step.model)  # torchao's float8 linears read CUDA's autocast flag
+    for module in step.model.modules():  # a step that runs a kernel of its own differently on a GPU (zoo/grpo.py)
+        if hasattr(module, "mirror_cuda"):
+            module.mirror_cuda()
 
 
 def _require_fake_parameters(step: TrainingStep, name: str) -> None:

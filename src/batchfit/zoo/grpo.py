@@ -2,7 +2,7 @@
 
 The step is TRL's ``GRPOTrainer`` in its memory-deciding parts, one phase each (``phases.py``):
 
-1. ``generate``: every completion is generated greedily with a KV cache (the cache grows with
+1. ``generate``: every completion is sampled with a KV cache (:func:`sample_token`) (the cache grows with
    rows x length: the memory seed 003 saw jump). The rows are the whole generation batch:
    ``steps_per_generation`` update steps' worth (TRL's ``generation_batch_size`` per device),
    each prompt repeated ``group_size`` times (TRL's ``num_generations``).
@@ -16,7 +16,7 @@ The step is TRL's ``GRPOTrainer`` in its memory-deciding parts, one phase each (
 
 Two model families share this step: the zoo's GPT-2 small (``grpo-gpt2-124m``) and any
 transformers causal LM built from its config (``hf_grpo_workload``, what ``--trainer`` with a
-TRL GRPOConfig traces); each gives the step its logits and its greedy decoding (:class:`Policy`).
+TRL GRPOConfig traces); each gives the step its backbone, its LM head and its decoding (:class:`Policy`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch import nn
 
 from batchfit.options import Rollout
 from batchfit.workload import Workload
+from batchfit.zoo.fused_logprobs import fused_completion_logprobs
 from batchfit.zoo.transformer import Transformer, TransformerConfig
 
 GPT2 = dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072)
@@ -42,12 +43,17 @@ class Policy:
 
     build: Callable[[], nn.Module]
     """Builds one copy of the model (the policy; the reference is a second, frozen, copy)."""
-    logits: Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
-    """(model, sequences, completion length) -> the logits that predict the completion's tokens
-    ``[rows, completion length, vocab]``, as TRL asks for them (``logits_to_keep`` = completion + 1, the
-    last position dropped)."""
+    hidden: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    """(model, sequences) -> the backbone's last hidden states ``[rows, seq, hidden]``, no logits (TRL's fused
+    LM head runs the backbone alone)."""
+    head: Callable[[nn.Module], torch.Tensor]
+    """model -> the LM head's weight ``[vocab, hidden]``."""
     decode: Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
     """(model, prompts, new tokens) -> prompts and completions ``[rows, prompt + new tokens]``."""
+    logits: Callable[[nn.Module, torch.Tensor, int], torch.Tensor] | None = None
+    """(model, sequences, completion length) -> the logits that predict the completion ``[rows, completion,
+    vocab]``: given, the completion is scored from them by :func:`selective_log_softmax` (TRL <= 1.14, and seed
+    003's own GRPO loop) instead of TRL >= 1.15's fused LM head, which never holds them."""
 
 
 class PolicyAndReference(nn.Module):
@@ -55,12 +61,33 @@ class PolicyAndReference(nn.Module):
         super().__init__()
         self.policy = build()
         self.reference = build().requires_grad_(False) if reference else None
+        self.triton = False
+        """Whether the log-probs fold their tiles as TRL's Triton kernel does on a GPU (``zoo/fused_logprobs.py``)."""
+
+    def mirror_cuda(self) -> None:
+        """Called by the trace's CUDA mirror: on a GPU, TRL scores the completion with its Triton kernel."""
+        self.triton = True
+
+
+def _logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, completion: int, *, entropy: bool,
+              triton: bool) -> torch.Tensor:
+    """The completion's log-probs as TRL's GRPO computes them (its fused LM head: ``zoo/fused_logprobs.py``); the
+    policy's entropies too, as TRL asks its policy's head for them (the reference's head only for log-probs).
+    A policy with ``logits`` scores from its whole logits instead (the temperature's in-place division kept:
+    its value changes no memory)."""
+    if policy.logits is not None:
+        logits = policy.logits(model, sequences, completion)
+        logits.div_(1.0)
+        return selective_log_softmax(logits, sequences[:, -completion:])
+    logprobs, entropies = fused_completion_logprobs(policy.hidden(model, sequences), policy.head(model), sequences,
+                                                    completion, entropy=entropy, triton=triton)
+    return logprobs
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits).gather(index)`` as TRL computes it (``trl/trainer/utils.py``): in fp32 the chosen
-    logits less each row's logsumexp, one row at a time (the row's exponentials only); in half precision
-    a log_softmax per row."""
+    """``log_softmax(logits).gather(index)`` as TRL computes it (``trl/trainer/utils.py``; its PPOTrainer's, and
+    its GRPOTrainer's before 1.15): in fp32 the chosen logits less each row's logsumexp, one row at a time (the
+    row's exponentials only); in half precision a log_softmax per row."""
     index = index.unsqueeze(-1)
     if logits.dtype in (torch.float32, torch.float64):
         chosen = torch.gather(logits, dim=-1, index=index).squeeze(-1)
@@ -68,18 +95,11 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
     return torch.stack([torch.log_softmax(row, dim=-1).gather(-1, i).squeeze(-1) for row, i in zip(logits, index)])
 
 
-def _logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, completion: int) -> torch.Tensor:
-    """The completion's log-probs as TRL's GRPO computes them: the logits divided by the sampling temperature
-    in place (its value changes no memory), then :func:`selective_log_softmax`."""
-    logits = policy.logits(model, sequences, completion)
-    logits.div_(1.0)
-    return selective_log_softmax(logits, sequences[:, -completion:])
-
-
 def _chunked_logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, completion: int,
-                      chunk: int) -> torch.Tensor:
+                      chunk: int, *, entropy: bool, triton: bool) -> torch.Tensor:
     """Log-probs in chunks of ``chunk`` rows, concatenated at the end, as TRL scores the generation batch."""
-    parts = [_logprobs(policy, model, sequences[i:i + chunk], completion) for i in range(0, len(sequences), chunk)]
+    parts = [_logprobs(policy, model, sequences[i:i + chunk], completion, entropy=entropy, triton=triton)
+             for i in range(0, len(sequences), chunk)]
     return torch.cat(parts)
 
 
@@ -104,15 +124,17 @@ def grpo_step(policy: Policy, rollout: Rollout, vocab_size: int, *, name: str, d
     def reference(model: PolicyAndReference, batch: dict) -> dict:
         chunk = len(batch["sequences"]) // per_generation
         if model.reference is not None:
-            batch["ref_logp"] = _chunked_logprobs(policy, model.reference, batch["sequences"], new_tokens, chunk)
+            batch["ref_logp"] = _chunked_logprobs(policy, model.reference, batch["sequences"], new_tokens, chunk,
+                                                  entropy=False, triton=model.triton)
         if rollout.old_logprobs:
-            batch["old_logp"] = _chunked_logprobs(policy, model.policy, batch["sequences"], new_tokens, chunk)
+            batch["old_logp"] = _chunked_logprobs(policy, model.policy, batch["sequences"], new_tokens, chunk,
+                                                  entropy=True, triton=model.triton)
         return batch
 
     def loss_fn(model: PolicyAndReference, batch: dict) -> torch.Tensor:
         rows = len(batch["sequences"]) // per_generation  # the first update batch; the others are alike
         sequences, advantages = batch["sequences"][:rows], batch["advantages"][:rows]
-        logp = _logprobs(policy, model.policy, sequences, new_tokens)
+        logp = _logprobs(policy, model.policy, sequences, new_tokens, entropy=True, triton=model.triton)
         old = batch["old_logp"][:rows] if "old_logp" in batch else logp.detach()  # on-policy: these, detached
         ratio = torch.exp(logp - old)
         loss = -torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages).mean()
@@ -131,22 +153,35 @@ def grpo_step(policy: Policy, rollout: Rollout, vocab_size: int, *, name: str, d
                     + ("" if rollout.reference else ", no reference model (beta 0)"))
 
 
-def _zoo_policy(cfg: TransformerConfig) -> Policy:
-    def logits(model: Transformer, sequences: torch.Tensor, completion: int) -> torch.Tensor:
-        return model(sequences)[:, -completion - 1:-1]  # every position's logits: this model keeps them all
+def sample_token(last_logits: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One draw as transformers' ``generate`` samples under TRL's defaults (``do_sample``, temperature 1, no top-k
+    or top-p: no logits processor): the last position's logits copied to fp32, their softmax, a multinomial draw.
+    Returns the tokens ``[rows, 1]`` and the two ``[rows, vocab]`` fp32 tensors, which ``generate`` keeps alive
+    through the next forward (until the next draw replaces them)."""
+    scores = last_logits.to(copy=True, dtype=torch.float32)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, num_samples=1), (scores, probs)
 
+
+def _zoo_policy(cfg: TransformerConfig) -> Policy:
     def decode(model: Transformer, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
         caches = [{} for _ in model.blocks]
-        out = model(prompts, caches, 0)
-        tokens = [prompts]
+        tokens, token, kept = [prompts], prompts, None
         for t in range(new_tokens):
-            token = out[:, -1].argmax(dim=-1, keepdim=True)
+            out = model(token, caches, 0 if t == 0 else prompts.shape[1] + t - 1)
+            token, kept = sample_token(out[:, -1])
+            del out
             tokens.append(token)
-            if t + 1 < new_tokens:
-                out = model(token, caches, prompts.shape[1] + t)
+        del kept
         return torch.cat(tokens, dim=1)
 
-    return Policy(build=lambda: Transformer(cfg), logits=logits, decode=decode)
+    def logits(model: Transformer, sequences: torch.Tensor, completion: int) -> torch.Tensor:
+        return model(sequences)[:, -completion - 1:-1]  # every position's logits: this loop keeps them all
+
+    # Seed 003's lean GRPO loop is not TRL: it scores from the model's whole logits. Measured there at batch 96
+    # (144 new tokens, RTX 4090): 21.78 GB allocated; TRL's fused head would hold far less.
+    return Policy(build=lambda: Transformer(cfg), hidden=lambda model, sequences: model.hidden(sequences),
+                  head=lambda model: model.head.weight, decode=decode, logits=logits)
 
 
 def grpo_workload(seq_len: int | None = None, *, rollout: Rollout | None = None) -> Workload:

@@ -2,10 +2,10 @@
 GRPOConfig traces for an ``hf:`` model.
 
 The policy is the model built from its config (``zoo/hf.py``), the reference a frozen second
-copy. Generation is greedy decoding with the model's own KV cache (``DynamicCache``, as
+copy. Generation samples (``zoo/grpo.py`` ``sample_token``) with the model's own KV cache (``DynamicCache``, as
 ``model.generate`` keeps it), the logits of the last position only at each call (generate's
-``logits_to_keep=1``); the log-probs are computed from the completion's logits only, as TRL's
-``_get_per_token_logps_and_entropies`` asks for them (``logits_to_keep`` = completion + 1).
+``logits_to_keep=1``); the log-probs come from the base model's hidden states through TRL's fused LM head
+(``zoo/fused_logprobs.py``), as TRL's ``_get_per_token_logps_and_entropies`` computes them since TRL 1.15.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from batchfit.errors import ModelSpecError
 from batchfit.options import Rollout
 from batchfit.workload import Workload
-from batchfit.zoo.grpo import Policy, grpo_step
+from batchfit.zoo.grpo import Policy, grpo_step, sample_token
 from batchfit.zoo.hf import _transformers, _unpacked_sequences, hf_workload
 
 
@@ -29,19 +29,25 @@ def hf_grpo_workload(target: str, rollout: Rollout) -> Workload:
     with torch.device("meta"):
         vocab_size = base.build_model().config.vocab_size
 
-    def logits(model: nn.Module, sequences: torch.Tensor, completion: int) -> torch.Tensor:
+    def hidden(model: nn.Module, sequences: torch.Tensor) -> torch.Tensor:
+        # TRL's fused head runs the base model alone; TRL passes the batch's attention mask, all ones here (no
+        # padding), which transformers reads as no mask at all: passing none keeps fake tensors from building one
         with _unpacked_sequences(transformers):
-            return model(input_ids=sequences, logits_to_keep=completion + 1, use_cache=False).logits[:, :-1]
+            return model.base_model(input_ids=sequences, use_cache=False).last_hidden_state
 
     def decode(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        tokens, cache, step = [prompts], None, prompts
+        tokens, cache, step, kept = [prompts], None, prompts, None
         with _unpacked_sequences(transformers):
             for t in range(new_tokens):
                 out = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
-                cache, step = out.cache, out.logits[:, -1].argmax(dim=-1, keepdim=True)
+                cache = out.cache
+                step, kept = sample_token(out.logits[:, -1])
                 del out
                 tokens.append(step)
+        del kept
         return torch.cat(tokens, dim=1)
 
-    return grpo_step(Policy(build=base.build_model, logits=logits, decode=decode), rollout, vocab_size,
+    policy = Policy(build=base.build_model, hidden=hidden, head=lambda model: model.get_output_embeddings().weight,
+                    decode=decode)
+    return grpo_step(policy, rollout, vocab_size,
                      name=f"grpo {base.name}", description=base.description.split(", seq ")[0])

@@ -121,6 +121,10 @@ class Transformer(nn.Module):
 
     def forward(self, idx: torch.Tensor, caches: list[dict] | None = None, start: int = 0) -> torch.Tensor:
         """Logits for ``idx``; with ``caches`` (one dict per block), positions start at ``start``."""
+        return self.head(self.hidden(idx, caches, start))
+
+    def hidden(self, idx: torch.Tensor, caches: list[dict] | None = None, start: int = 0) -> torch.Tensor:
+        """The final norm's output, what the head projects (TRL's fused LM head takes it without the logits)."""
         x = self.embed(idx)
         t = idx.shape[1]
         rope = None
@@ -130,4 +134,4 @@ class Transformer(nn.Module):
             rope = (self.rope_cos[start:start + t], self.rope_sin[start:start + t])
         for i, block in enumerate(self.blocks):
             x = block(x, rope, caches[i] if caches is not None else None)
-        return self.head(self.norm(x))
+        return self.norm(x)
