@@ -278,15 +278,15 @@ def _ring(collective, strategy) -> int:  # the cp ring over cp x tp consecutive 
 
 
 def _cp_mesh() -> FakeMesh:
-    from batchfit.distributed.context_parallel import FAKE_MESH
+    from batchfit.distributed.context_parallel import check_ring, on_fake_mesh, ring_label
 
-    return FAKE_MESH
+    return FakeMesh(workload=on_fake_mesh, label=ring_label, check=check_ring)
 
 
 def _ep_mesh() -> FakeMesh:
-    from batchfit.distributed.expert_parallel import FAKE_MESH
+    from batchfit.distributed.expert_parallel import dispatch_label, experts_elsewhere
 
-    return FAKE_MESH
+    return FakeMesh(params_elsewhere=experts_elsewhere, label=dispatch_label)
 
 
 _REGISTRY: list[Parallelism] = [
