@@ -2,14 +2,15 @@
 
 A :class:`Parallelism` names its token in a strategy name (its degree is the ``StrategyName`` /
 ``Strategy`` field of the same key, read by ``distributed/strategy_name.py``, the one parser),
-the module that applies it on a mesh, what every plan with it says in its output (its
-approximations), its candidate rule for ``plan --strategies auto``, and its torchtitan ``[parallelism]``
-and config.yaml keys. The parser (``strategy_name.py``), auto's candidates (``plan/candidates.py``), the
-time model, ``plan/engine.py``'s approximations and both emits iterate over :func:`registered`
-instead of naming each parallelism; ``tests/test_strategy_name.py`` checks that every degree of a name
-has its entry, ``tests/test_parallelism_registry.py`` that a toy parallelism added from one module is
-parsed, listed by auto and emitted. The data-parallel wraps (ddp, fsdp, hsdp, zero1/2) are the name's
-``shard``; ZeRO's entry carries only what its traces say.
+the module that applies it on a mesh and its code around rank 0's step there (:class:`FakeMesh`), what
+every plan with it says in its output (its approximations), its candidate rules for ``plan --strategies
+auto`` (over ``distributed/auto.py``'s ``ModelFacts``), and its torchtitan ``[parallelism]`` and
+config.yaml keys. The parser (``strategy_name.py``), auto's candidates (``plan/candidates.py``), the traced
+rank (``plan/sharded.py``), the time model, ``plan/engine.py``'s approximations and both emits iterate over
+:func:`registered` instead of naming each parallelism; ``tests/test_strategy_name.py`` checks that every
+degree of a name has its entry, ``tests/test_parallelism_registry.py`` that a toy parallelism added from one
+module is parsed, listed by auto and emitted. The data-parallel wraps (ddp, fsdp, hsdp, zero1/2) are the name's
+``shard``: their entry ('dp') carries auto's first combinations, ZeRO's only what its traces say.
 
 Importing this module does not import torch: each entry's module is imported when it is asked.
 """
