@@ -157,6 +157,32 @@ def test_one_parser_of_strategy_names():
     assert wrong == []
 
 
+PLAN_STILL_IMPORTS = {  # a parallelism's module that plan/ still imports by name, and why (issue 31 item 1)
+    "distributed/strategy.py": "the typed Strategy and apply_strategy: every strategy's, not one parallelism's",
+    "distributed/tp_plans.py": "plan/sharded.py's default plan (tp_plan), plan/pipeline.py's sequence_parallel",
+    "distributed/zero.py": "plan/sharded.py's with_sharded_optimizer",
+    "distributed/pipeline.py": "plan/pipeline.py builds and traces each pipeline rank (build_rank)",
+}
+
+
+def test_plan_reaches_each_parallelism_through_the_registry():
+    """Each parallelism's code lives in its one distributed/ module, which its registry entry names
+    (``Parallelism.module``, distributed/parallelisms.py): plan/ imports none of those modules by name, so
+    auto's rules (plan/candidates.py), the code around rank 0's step on the fake mesh (plan/sharded.py: cp's
+    sharded sequence and ring, ep's experts and all-to-alls) and the approximations reach them through the
+    entry, and a new parallelism's module joins plan without an edit there."""
+    from batchfit.distributed.parallelisms import registered
+
+    files = {".".join(("batchfit", *path.relative_to(PACKAGE).with_suffix("").parts)) for path in PACKAGE.rglob("*.py")}
+    own = {"batchfit." + p.module.removesuffix(".py").replace("/", "."): p.key for p in registered()
+           if p.module not in PLAN_STILL_IMPORTS}
+    assert {"batchfit.distributed.context_parallel", "batchfit.distributed.expert_parallel"} <= set(own)
+    wrong = [f"{path.relative_to(PACKAGE)} imports {module} ({own[module]}'s)"
+             for path in (PACKAGE / "plan").glob("*.py") for module in sorted(file_imports(path, files))
+             if module in own]
+    assert wrong == []
+
+
 TESTS = Path(__file__).parent
 
 

@@ -18,7 +18,7 @@ def _approximations(strategies, workload, options) -> list:
                           source="tests/toy_parallelism.py")] if names else []
 
 
-def _auto(world, facts, base) -> list[tuple[int, str | None]]:
+def _auto(context, facts, base) -> list[tuple[int, str | None]]:
     """xp2 on FSDP2 bases without pp or TP; skipped, with its reason, on a model without layers."""
     if base.shard != "fsdp" or base.pp > 1 or base.tp > 1:
         return []

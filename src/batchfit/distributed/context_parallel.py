@@ -39,6 +39,7 @@ dispatcher table, running the same ``_templated_ring_attention`` with the CPU op
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -199,6 +200,41 @@ def ring_attention(mesh, *, cpu: bool = False) -> Iterator[None]:
         _entered.pop()
         cp._disable_context_parallel_dispatcher_impl()
         cp._cp_options.enable_load_balance = before
+
+
+def on_fake_mesh(workload, strategy, meshes, *, cpu: bool, enter: Callable):
+    """``workload`` as a cp rank runs it on the fake mesh (``plan/sharded.py``): its batch and position
+    tables cut to this rank's sequence/N (head-tail), torch's ring attention entered for the session
+    (``enter``: the session's ``ExitStack.enter_context``)."""
+    seq_len, mesh, build = workload.tokens_per_sample, meshes.cp, workload.build_model
+    check_sequence(seq_len, strategy.cp)
+    enter(ring_attention(mesh, cpu=cpu))
+
+    def build_sharded():
+        model = build()
+        shard_position_tables(model, mesh, seq_len)
+        return model
+
+    return dataclasses.replace(workload, build_model=build_sharded,
+                               make_batch=sharded_make_batch(workload.make_batch, mesh, seq_len))
+
+
+def _through_ring(call, meshes) -> bool:
+    """Whether a traced collective ``call`` is the ring's (its K/V all-gather, its dK/dV passed on)."""
+    return call.functional and call.group_name in meshes.ring_groups
+
+
+def ring_label(call, strategy, meshes) -> tuple[str, int] | None:
+    """The ring's collectives are cp's (``Collective.group`` "cp", cp ranks); None for any other."""
+    return ("cp", strategy.cp) if _through_ring(call, meshes) else None
+
+
+def check_ring(strategy, meshes, calls) -> None:
+    """cp<N> with no attention through the ring: the model calls no F.scaled_dot_product_attention."""
+    if not any(_through_ring(call, meshes) for call in calls):
+        raise OptionError(f"{strategy.name}: the model runs no attention through "
+                          "F.scaled_dot_product_attention, which context parallelism's ring replaces "
+                          "(torch's context_parallel): use a model with SDPA attention, or drop cp<N>")
 
 
 def context_parallel_approximations(strategies) -> list:

@@ -103,6 +103,12 @@ def experts_elsewhere(model: nn.Module) -> int:
                for m in model.modules() if isinstance(m, ExpertParallelExperts))
 
 
+def dispatch_label(call, strategy, meshes) -> tuple[str, int] | None:
+    """Under ep<N> every all-to-all is expert parallelism's dispatch or combine (no other parallelism calls
+    one): ``Collective.group`` "ep", ep ranks; None for any other collective."""
+    return ("ep", strategy.ep) if call.op == "all_to_all" else None
+
+
 def ep_approximations(strategies, routing: str) -> list:
     """What an ep<N> trace runs differently from a GPU, for every output (empty without ep)."""
     from batchfit.trace.approximation import Approximation

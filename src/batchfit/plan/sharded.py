@@ -21,6 +21,7 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 
+from batchfit.distributed import parallelisms
 from batchfit.distributed.strategy import Strategy
 from batchfit.distributed.strategy_name import NAMES_HELP, SHARDS, parse_strategy  # noqa: F401 - plan's names
 from batchfit.errors import OptionError
@@ -56,7 +57,8 @@ class Collective:
     op: str
     """"all_gather", "reduce_scatter", "all_reduce", "reduce", "broadcast", "all_to_all"."""
     group: str
-    """"dp", "tp" or "cp" (context parallelism's ring: K/V all-gathered, dK/dV passed on)."""
+    """"dp", or a parallelism's own label (``Parallelism.group``: "tp", "cp" for the ring's K/V all-gathered and
+    dK/dV passed on, "ep" for the experts' all-to-alls)."""
     group_size: int
     """Ranks in the group."""
     bytes: int
@@ -186,6 +188,9 @@ class ShardedSession:
         from batchfit.train.step import TrainingStep
 
         self.strategy = strategy
+        self.fake_meshes = [p.fake_mesh() for p in parallelisms.registered()
+                            if p.fake_mesh is not None and parallelisms.degree_of(strategy, p.key) > 1]
+        """The code of each parallelism ``strategy`` uses that runs around its step (``Parallelism.fake_mesh``)."""
         self.workspace = device.workspace_bytes if cuda_semantics else 0
         own_plan = workload.parallelize
         self._exit = contextlib.ExitStack()
@@ -216,14 +221,12 @@ class ShardedSession:
             # that has memory, so it comes after, inside the trace.
             ddp = strategy.shard in ("ddp", "zero1")
             prepared = TrainingStep(workload, options, torch.device("meta"), wrap=None if ddp else shard).model
-            self.params = sum(p.numel() for p in prepared.parameters())  # DTensors count their global size
-            if strategy.ep > 1:  # ep<N>: this rank's experts are 1/ep of the model's
-                from batchfit.distributed.expert_parallel import experts_elsewhere
-
-                self.params += experts_elsewhere(prepared)
+            # DTensors count their global size; a parallelism's parameters on no rank-0 tensor (ep's experts) added
+            self.params = sum(p.numel() for p in prepared.parameters()) + sum(
+                own.params_elsewhere(prepared) for own in self.fake_meshes)
             built = dataclasses.replace(workload, build_model=lambda: _to_empty_keeping_ties(prepared))
-            if strategy.cp > 1:  # the sequence sharded, attention by torch's ring (distributed/context_parallel.py)
-                built = self._context_parallel(built, meshes, cuda_semantics)
+            for own in self.fake_meshes:  # cp: the sequence sharded, attention by torch's ring
+                built = own.workload(built, strategy, meshes, cpu=not cuda_semantics, enter=self._exit.enter_context)
             prepared_options = dataclasses.replace(options, checkpointing="none")  # done on meta already
             # zero1 / zero2: the step's optimizer becomes a ZeroRedundancyOptimizer (built inside the trace)
             built, prepared_options = with_sharded_optimizer(built, prepared_options, strategy)
@@ -245,36 +248,6 @@ class ShardedSession:
             self._exit.close()
             raise
 
-    def _context_parallel(self, workload, meshes, cuda_semantics: bool):
-        """``workload`` as a cp rank runs it: its batch and position tables cut to this rank's
-        sequence/N (head-tail), torch's ring attention entered for the session."""
-        from batchfit.distributed.context_parallel import (
-            check_sequence,
-            ring_attention,
-            shard_position_tables,
-            sharded_make_batch,
-        )
-
-        seq_len, mesh, build = workload.tokens_per_sample, meshes.cp, workload.build_model
-        check_sequence(seq_len, self.strategy.cp)
-        self._exit.enter_context(ring_attention(mesh, cpu=not cuda_semantics))
-
-        def build_sharded():
-            model = build()
-            shard_position_tables(model, mesh, seq_len)
-            return model
-
-        return dataclasses.replace(workload, build_model=build_sharded,
-                                   make_batch=sharded_make_batch(workload.make_batch, mesh, seq_len))
-
-    def _check_ring(self) -> None:
-        """cp<N> with no attention through the ring: the model calls no F.scaled_dot_product_attention."""
-        if self.strategy.cp > 1 and not any(c.functional and c.group_name in self.meshes.ring_groups
-                                            for c in self.tracker.calls):
-            raise OptionError(f"{self.strategy.name}: the model runs no attention through "
-                              "F.scaled_dot_product_attention, which context parallelism's ring replaces "
-                              "(torch's context_parallel): use a model with SDPA attention, or drop cp<N>")
-
     def trace(self, local_batch: int) -> ShardedPoint:
         """One steady-state step at ``local_batch`` (the first also runs the warm-up step).
 
@@ -284,26 +257,24 @@ class ShardedSession:
         rebuilt its buckets once, and FSDP2 initialised itself, in the first one.)"""
         if local_batch < 1:
             raise OptionError(f"the local batch must be 1 or more, got {local_batch}")
-        session, tracker = self.session, self.tracker
+        session, tracker, strategy = self.session, self.tracker, self.strategy
         first = not session._warm
         with warnings.catch_warnings():
             # FSDP2 warns that a module returned a view; the step never writes into the output.
             warnings.filterwarnings("ignore", message=".*returned a view tensor")
             snapshot = session.trace(local_batch).snapshot
         if first:
-            self._check_ring()
+            for own in self.fake_meshes:  # cp: no attention through the ring
+                own.check(strategy, self.meshes, tracker.calls)
             self.fresh_stream = list(tracker.events)
             self.fresh_streams = dict(tracker.streams)
             rebuilt = getattr(getattr(session.step.model, "reducer", None), "rebuilt_at", None)
             self.fresh_steps = (session.build_events, tracker.window_event) + ((rebuilt[1],) if rebuilt else ())
-        workspace, strategy = self.workspace, self.strategy
+        workspace = self.workspace
         collectives = []
-        for call in self.tracker.calls:
-            group, size = self.meshes.groups.get(call.group_name, ("dp", strategy.dp))
-            if call.functional and call.group_name in self.meshes.ring_groups:  # the ring's K/V, dK/dV
-                group, size = "cp", strategy.cp
-            elif strategy.ep > 1 and call.op == "all_to_all":  # only expert parallelism all-to-alls
-                group, size = "ep", strategy.ep
+        for call in self.tracker.calls:  # a parallelism's own label (cp's ring, ep's all-to-alls), else the mesh's
+            group, size = next((label for own in self.fake_meshes if (label := own.label(call, strategy, self.meshes))),
+                               self.meshes.groups.get(call.group_name, ("dp", strategy.dp)))
             collectives.append(Collective(call.op, group, size, call.bytes, call.phase))
         return ShardedPoint(
             strategy=strategy, local_batch=local_batch, peak_bytes=snapshot.peak_bytes + workspace,
