@@ -74,3 +74,24 @@ def test_the_toy_is_gone_after_its_block():
     with pytest.raises(OptionError, match="unknown strategy"):
         parse_name("fsdp+xp2")
     assert "xp" not in {c for c in candidates(World(8), LLAMA) for c in c.degrees}
+
+
+def test_a_built_models_facts_carry_its_sequence_so_auto_lists_cp_at_8192_tokens():
+    """model_facts set the sequence only when the model could not be built, so auto never listed cp for a
+    real model however long its sequence; a tiny Llama at 8,192 tokens on 8 GPUs lists fsdp+cp2 and
+    fsdp+cp8 (the smallest and largest cp within the node dividing dp), with tp2 cp2 and cp4 (dp 4, room
+    8 / 2), with tp4 cp2 (dp 2), and none at 4,096."""
+    from batchfit.distributed.auto import model_facts
+    from batchfit.zoo import language_model_workload
+    from batchfit.zoo.transformer import Transformer, TransformerConfig
+
+    def tiny(seq_len: int):
+        cfg = TransformerConfig(vocab_size=64, seq_len=seq_len, d_model=32, n_layers=2, n_heads=4, d_ff=64, llama=True)
+        return language_model_workload(name="tiny", build_model=lambda: Transformer(cfg), vocab_size=64,
+                                       seq_len=seq_len, description="tiny")
+
+    long, short = model_facts(tiny(8192)), model_facts(tiny(4096))
+    assert long.seq_len == 8192
+    listed = {c.name for c in candidates(World(8), long) if c.degrees.get("cp", 1) > 1 and not c.skipped}
+    assert listed == {"fsdp+cp2", "fsdp+cp8", "fsdp+cp2+tp2", "fsdp+cp4+tp2", "fsdp+cp2+tp4"}
+    assert not [c for c in candidates(World(8), short) if c.degrees.get("cp", 1) > 1]

@@ -104,4 +104,5 @@ def model_facts(workload, options=None) -> ModelFacts:
     return ModelFacts(name=workload.name, n_layers=n_layers, pp_tp_split_backward=pp_tp_split_backward,
                       heads=heads if isinstance(heads, int) else None,
                       kv_heads=kv if isinstance(kv, int) else None, tp_plan=has_plan, tp_missing=tp_missing,
-                      experts=experts, loss=getattr(options, "loss", "plain") or "plain")
+                      experts=experts, loss=getattr(options, "loss", "plain") or "plain",
+                      seq_len=workload.tokens_per_sample)
