@@ -8,6 +8,8 @@ import dataclasses
 import json
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 
@@ -145,3 +147,42 @@ def test_a_value_that_does_not_pickle_is_not_kept(tmp_path):
     cache = trace_cache.TraceCache({"workload": "w"}, folder=tmp_path)
     cache.put("f", lambda: 0)  # a lambda does not pickle: skipped, no temporary file left
     assert cache.get("f") is None and list(cache.folder.iterdir()) == []
+
+
+ASKED_AGAIN = """
+import json, sys
+from typer.testing import CliRunner
+from batchfit.cli.app import app
+result = CliRunner().invoke(app, sys.argv[1:])
+assert result.exit_code == 0, result.output
+print(json.dumps({"heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules),
+                  "traced": "tracing" in result.output or "building" in result.output}))
+"""
+
+
+def test_the_cli_asked_again_loads_no_torch_and_answers_as_no_cache(tmp_path):
+    # a 2-block llama (traced whole): the command asked again reads its traces and the workload's
+    # figures from the cache (trace/deferred.py), and imports neither torch nor transformers
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+
+    config = tmp_path / "tiny2.json"
+    config.write_text(json.dumps({**TINY, "num_hidden_layers": 2}))
+    args = ["estimate", f"hf:{config}", "--gpu-memory", "610MiB", "--seq-len", "32", "--max-batch", "3"]
+
+    def answer(name: str) -> dict:
+        data = json.loads((tmp_path / name).read_text())
+        del data["created"], data["trace_seconds"]
+        return data
+
+    for name, flags in (("cold.json", []), ("no-cache.json", ["--no-cache"])):
+        out = CliRunner().invoke(app, [*args, *flags, "--json", str(tmp_path / name),
+                                       "--out", str(tmp_path / name.removesuffix(".json"))])
+        assert out.exit_code == 0, out.output
+    again = subprocess.run([sys.executable, "-c", ASKED_AGAIN, *args, "--json", str(tmp_path / "again.json"),
+                            "--out", str(tmp_path / "again")], capture_output=True, text=True, check=True)
+    assert json.loads(again.stdout.splitlines()[-1]) == {"heavy": [], "traced": False}, again.stdout + again.stderr
+    assert answer("again.json") == answer("no-cache.json") == answer("cold.json")
+    assert answer("again.json")["max_batch_size"] > 0
+    assert (tmp_path / "again" / "memory.png").read_bytes() == (tmp_path / "no-cache" / "memory.png").read_bytes()
