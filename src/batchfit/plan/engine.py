@@ -300,6 +300,8 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
                 chosen[:] = _set_aside(world, chosen, _not_reaching(request.global_batch, multiple_of), not_traced)
             _check_global_batch(request.global_batch, chosen, multiple_of)
     _refuse_wide_shards(workload, by_world, auto, not_traced)
+    if auto:
+        _set_aside_too_large(workload, options, device, by_world, not_traced)
     say = progress or (lambda message: None)
     started = time.perf_counter()
     from batchfit.trace.approximation import attention_approximations, offload_approximations
@@ -403,6 +405,20 @@ def _refuse_wide_shards(workload: Workload, by_world: list, auto: bool, not_trac
             chosen[:] = _set_aside(world, chosen, why, not_traced)
         elif (reason := next(filter(None, map(why, chosen)), None)) is not None:
             raise OptionError(reason)
+
+
+def _set_aside_too_large(workload: Workload, options: StepOptions, device: Device, by_world: list,
+                         not_traced: list[StrategyPlan]) -> None:
+    """Under auto, before any trace: each candidate whose parameters, gradients and optimizer state
+    alone pass the usable memory (``plan/bound.py``) is a skipped row saying so, unless every one
+    is (then they are traced, so that the rows say what would make local batch 1 fit)."""
+    from batchfit.plan.bound import too_large
+
+    why = too_large(workload, options, device)
+    if all(why(s) is not None for _, chosen in by_world for s in chosen):
+        return
+    for world, chosen in by_world:
+        chosen[:] = _set_aside(world, chosen, why, not_traced)
 
 
 def _not_reaching(global_batch: int, multiple_of: int) -> Callable[[object], str | None]:
