@@ -186,3 +186,23 @@ def test_the_cli_asked_again_loads_no_torch_and_answers_as_no_cache(tmp_path):
     assert answer("again.json") == answer("no-cache.json") == answer("cold.json")
     assert answer("again.json")["max_batch_size"] > 0
     assert (tmp_path / "again" / "memory.png").read_bytes() == (tmp_path / "no-cache" / "memory.png").read_bytes()
+
+
+def test_a_deferred_workload_resolves_to_the_loaded_one(spec):
+    # known from the cache: its figures without loading; its functions load it; resolved() is the loaded
+    # workload with what was set on the deferred one (or on a copy of it) since
+    import dataclasses
+
+    from batchfit.trace.deferred import load_deferred, resolved
+
+    loaded = load_deferred(spec, seq_len=32)  # the first load writes the figures
+    deferred = load_deferred(spec, seq_len=32)
+    assert deferred.name == loaded.name and deferred.tokens_per_sample == loaded.tokens_per_sample == 32
+    assert deferred.cache_key == loaded.cache_key and deferred.attention == loaded.attention
+    assert resolved(loaded) is loaded and type(resolved(deferred).build_model) is type(loaded.build_model)
+    copy = dataclasses.replace(deferred, description="cut")
+    assert resolved(copy).description == "cut" and callable(resolved(copy).loss_fn)
+    assert sum(p.numel() for p in deferred.build_model().parameters()) == sum(
+        p.numel() for p in loaded.build_model().parameters())
+    assert type(deferred.build_model).__name__ == "_Deferred"  # --no-cache loads it, whatever is kept:
+    assert type(load_deferred(spec, seq_len=32, cache=False).build_model).__name__ == "function"

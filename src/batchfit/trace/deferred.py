@@ -66,9 +66,7 @@ def load_deferred(spec: str, *, seq_len: int | None = None, cache: bool = True) 
         return loaded[0]
 
     plain, functions = facts
-    deferred = Workload(**plain, **{name: _Deferred(load, name) for name in functions})
-    deferred._load = load  # what ``resolved`` loads
-    return deferred
+    return Workload(**plain, **{name: _Deferred(load, name) for name in functions})
 
 
 def _facts(workload: Workload) -> tuple[dict[str, Any], list[str]] | None:
@@ -87,10 +85,11 @@ def _facts(workload: Workload) -> tuple[dict[str, Any], list[str]] | None:
 
 
 def resolved(workload: Workload) -> Workload:
-    """The loaded workload behind a deferred one (with any field set on it since), else ``workload``."""
-    load = getattr(workload, "_load", None)
-    if load is None:
+    """The loaded workload behind a deferred one, with every field set on it since (a copy made by
+    ``dataclasses.replace`` too: ``trace.depth.at_depth``'s), else ``workload`` itself."""
+    values = {field.name: getattr(workload, field.name) for field in dataclasses.fields(workload)}
+    deferred = [value for value in values.values() if isinstance(value, _Deferred)]
+    if not deferred:
         return workload
-    changed = {field.name: getattr(workload, field.name) for field in dataclasses.fields(workload)
-               if not isinstance(getattr(workload, field.name), _Deferred)}
-    return dataclasses.replace(load(), **changed)
+    kept = {name: value for name, value in values.items() if not isinstance(value, _Deferred)}
+    return dataclasses.replace(deferred[0].load(), **kept)
