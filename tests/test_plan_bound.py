@@ -45,3 +45,47 @@ def test_auto_sets_aside_what_cannot_fit_and_traces_the_rest(standin):
                   trace=standin.tracer["trace"], parse=standin.parse_strategies)
     # every candidate over its floor: all traced, so each row says what would make local batch 1 fit
     assert not any(p.skipped and "not traced" in p.skipped for p in result.plans)
+
+
+TINY_FILE = """
+from batchfit.zoo import language_model_workload
+from batchfit.zoo.transformer import Transformer, TransformerConfig
+
+CFG = TransformerConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128,
+                        llama=True, tied_embeddings=False)
+
+
+def workload():
+    return language_model_workload(name="tiny-llama", build_model=lambda: Transformer(CFG), vocab_size=256,
+                                   seq_len=32, description="tiny llama, 1 layer")
+"""
+
+
+def test_plan_asked_again_reads_its_rows_as_no_cache_traces_them(tmp_path):
+    # plan/row_cache.py: the same sessions asked again (here with one GPU count more) are read, not traced
+    # (not ddp: with 4 GPUs more its session would also answer their rows, world_independent),
+    # and the rows are those a run without the cache writes
+    import json
+
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+
+    (tmp_path / "tiny.py").write_text(TINY_FILE)
+
+    def run(name: str, gpus: str, *flags: str) -> tuple[dict, str]:
+        spec, folder = f"{tmp_path / 'tiny.py'}:workload", str(tmp_path / name.removesuffix(".json"))
+        out = CliRunner().invoke(app, ["plan", spec, "--gpu", "h100-80gb", "--gpus", gpus, "--strategies", "fsdp,zero1",
+                                       "--batch-sizes", "1,2", "--max-batch", "2", "--processes", "1",
+                                       "--limit", "allocated", *flags, "--json", str(tmp_path / name), "--out", folder])
+        assert out.exit_code == 0, out.output
+        data = json.loads((tmp_path / name).read_text())
+        del data["created"], data["trace_seconds"]
+        return data, out.output
+
+    first, _ = run("first.json", "2")
+    again, said = run("again.json", "2,4")
+    assert said.count("read from the trace cache") == 2 and "on 4 GPUs: local batch" in said  # 4 GPUs: traced
+    without, _ = run("without.json", "2,4", "--no-cache")
+    assert again == without
+    assert [p for p in again["strategies"] if p["gpus"] == 2] == first["strategies"]

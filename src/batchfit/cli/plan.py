@@ -28,6 +28,7 @@ from batchfit.cli.common import (
     MemoryBudgetOpt,
     ModelArg,
     MultipleOfOpt,
+    NoCacheOpt,
     OffloadOpt,
     OptimizerOpt,
     PrecisionOpt,
@@ -160,6 +161,7 @@ def plan_command(
                  ] = "1f1b",
     microbatches: Annotated[int, typer.Option(help="Pipeline micro-batches per step of pp<N> strategies (default: "
                                                    "as many as the stages); the local batch is split into them.")] = 0,
+    no_cache: NoCacheOpt = False,
 ) -> None:
     """Plan a multi-GPU run: memory per GPU, max global batch, step time and a launch config.
 
@@ -188,7 +190,8 @@ def plan_command(
     notices = no_op_notices(workload, options)
     say_notices(notices)
     with progress_line() as say:
-        result = plan(workload, config.request, device=config.target.device, options=options, progress=say)
+        result = plan(workload, config.request, device=config.target.device, options=options, progress=say,
+                      cache=not no_cache)
     if titan is not None:
         result.approximations.append(torchtitan_approximation(titan))
     folder = report_folder(out, "plan", result.workload, config.target, options, config.seq_len)
