@@ -9,7 +9,7 @@ from batchfit.plan.engine import plan
 from batchfit.plan.sharded import parse_strategy
 from batchfit.plan.world import World
 from batchfit.workload import StepOptions
-from tiny import OPTIONS, tiny_workload, traced_rank0
+from tiny import OPTIONS, TINY_LLAMA_FILE, tiny_workload, traced_rank0
 
 MiB = 1 << 20
 
@@ -47,20 +47,6 @@ def test_auto_sets_aside_what_cannot_fit_and_traces_the_rest(standin):
     assert not any(p.skipped and "not traced" in p.skipped for p in result.plans)
 
 
-TINY_FILE = """
-from batchfit.zoo import language_model_workload
-from batchfit.zoo.transformer import Transformer, TransformerConfig
-
-CFG = TransformerConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128,
-                        llama=True, tied_embeddings=False)
-
-
-def workload():
-    return language_model_workload(name="tiny-llama", build_model=lambda: Transformer(CFG), vocab_size=256,
-                                   seq_len=32, description="tiny llama, 1 layer")
-"""
-
-
 def test_plan_asked_again_reads_its_rows_as_no_cache_traces_them(tmp_path):
     # plan/row_cache.py: the same sessions asked again (here with one GPU count more) are read, not traced
     # (not ddp: with 4 GPUs more its session would also answer their rows, world_independent),
@@ -71,7 +57,7 @@ def test_plan_asked_again_reads_its_rows_as_no_cache_traces_them(tmp_path):
 
     from batchfit.cli.app import app
 
-    (tmp_path / "tiny.py").write_text(TINY_FILE)
+    (tmp_path / "tiny.py").write_text(TINY_LLAMA_FILE)
 
     def run(name: str, gpus: str, *flags: str) -> tuple[dict, str]:
         spec, folder = f"{tmp_path / 'tiny.py'}:workload", str(tmp_path / name.removesuffix(".json"))
