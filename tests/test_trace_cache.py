@@ -206,3 +206,24 @@ def test_a_deferred_workload_resolves_to_the_loaded_one(spec):
         p.numel() for p in loaded.build_model().parameters())
     assert type(deferred.build_model).__name__ == "_Deferred"  # --no-cache loads it, whatever is kept:
     assert type(load_deferred(spec, seq_len=32, cache=False).build_model).__name__ == "function"
+
+
+@pytest.mark.slow
+def test_a_repeating_stack_read_from_the_cache_builds_the_whole_model_only():
+    # grpo-gpt2-124m with 2 new tokens: its first size shows generation running the stack once per token
+    # (no size extrapolates in depth); asked again for another size, the depth sessions are not built
+    from batchfit.devices import get_device
+    from batchfit.trace.point import TracedCurve
+    from batchfit.workload import StepOptions
+
+    workload, device = load_workload("grpo-gpt2-124m", seq_len=2), get_device("rtx4090-24gb")
+    with TracedCurve(workload, StepOptions(), device, cache=True, parallel=False) as first:
+        first.point(8)
+    said: list[str] = []
+    with TracedCurve(workload, StepOptions(), device, said.append, cache=True) as again, \
+            TracedCurve(workload, StepOptions(), device, by_depth=False) as whole:
+        assert again.point(8) == first.point(8) and again._first is None  # read, nothing built
+        assert again.point(16) == (whole.point(8), whole.point(16))[1]
+        assert again._shallow == [] and again._forked is None and again._full is again._first
+    assert [m for m in said if m.startswith(("building", "tracing"))] == [
+        "building the whole grpo-gpt2-124m on fake tensors (no size extrapolates in depth)", "tracing batch size 16"]

@@ -428,14 +428,26 @@ class TracedCurve:
 
     def _trace_whole(self, batch_size: int, fresh: bool) -> tuple[TracePoint, list | None]:
         """(the whole model's traced point, its fresh stream when ``fresh``)."""
-        if not self._opened:
-            self._open()
+        self._open_for_whole()
         if self._full is None:
             self.say(f"memory is not affine in depth here: building the whole {self.workload.name}")
             self._full = _new_session(self.workload, self.options)
         self.say(f"tracing batch size {batch_size}")
         traced = self._full.trace(batch_size, fresh=fresh)
         return traced, self._full.fresh_stream if fresh else None
+
+    def _open_for_whole(self) -> None:
+        """Open what a whole-model trace needs: where the traces read from the cache showed the stack
+        repeating (generation: no size extrapolates in depth), the whole model alone, not the depth
+        sessions that would never trace; otherwise the model as :meth:`_open` builds it."""
+        if self._opened:
+            return
+        if not self._stack_repeats:
+            self._open()
+            return
+        self.workload = resolved(self.workload)
+        self.say(f"building the whole {self.workload.name} on fake tensors (no size extrapolates in depth)")
+        self._first = self._full = _new_session(self.workload, self.options)
 
     def reserved(self, batch_size: int) -> MemoryPoint:
         """The point with its reserved peak: the allocation stream of a fresh process, from the
@@ -477,8 +489,7 @@ class TracedCurve:
         holds something from an earlier step, in a new one."""
         events = self._whole_streams.get(batch_size)
         if events is None:
-            if not self._opened:
-                self._open()
+            self._open_for_whole()
             self.say(f"tracing batch size {batch_size} whole for reserved memory")
             if self._full is None:
                 self._full = _new_session(self.workload, self.options)
