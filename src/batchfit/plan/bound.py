@@ -3,7 +3,7 @@
 Every rank holds, at its optimizer step, its share of the parameters, their gradients and the
 optimizer state, whatever else the step keeps. That share has a floor computed from the parameter
 count alone (the model built on the meta device): DDP keeps everything on each rank, ZeRO-1/2
-shard only the optimizer state (ZeRO-2 the gradients too, but not the parameters), and any other
+keep the parameters whole on each rank (they shard the optimizer state, ZeRO-2 the gradients too), and any other
 strategy spreads them over at most every GPU, so the rank that holds the most holds at least the
 whole divided by the world. When that floor plus the cuBLAS workspace passes the GPU's usable
 memory, not even local batch 1 fits (reserved memory is never below allocated): the candidate is
@@ -69,8 +69,10 @@ def floor_bytes(strategy, model: ModelBytes) -> int:
         return spread
     if strategy.shard == "ddp":
         return whole
-    if strategy.shard in ("zero1", "zero2"):  # the parameters stay whole on every rank
-        return p + state // strategy.dp
+    if strategy.shard in ("zero1", "zero2"):
+        # the parameters stay whole on every rank; the state is split by whole parameters, largest first
+        # (ZeroRedundancyOptimizer), so rank 0's share may be less than 1/dp: none of it is counted
+        return p
     return spread
 
 
