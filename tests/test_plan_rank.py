@@ -31,6 +31,7 @@ from batchfit.plan.time_model import TimeModel
 from batchfit.plan.world import World
 from batchfit.workload import StepOptions
 from standin import gpu, parse_strategies, trace_sharded, workload
+from tiny import TINY_LLAMA_FILE
 
 LLAMA = ModelFacts(name="llama", n_layers=32, heads=32, kv_heads=8, tp_plan=True)
 ORDER = ["hsdp2", "fsdp", "fsdp-noreshard", "ddp", "zero2", "zero1", "fsdp+tp2", "pp2+fsdp", "tp4", "pp2+tp2"]
@@ -177,20 +178,6 @@ def test_the_report_shows_the_ranking(tmp_path):
     assert paths["ranking_png"].read_bytes()[:4] == b"\x89PNG"
 
 
-TINY = """
-from batchfit.zoo import language_model_workload
-from batchfit.zoo.transformer import Transformer, TransformerConfig
-
-CFG = TransformerConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128,
-                        llama=True, tied_embeddings=False)
-
-
-def workload():
-    return language_model_workload(name="tiny-llama", build_model=lambda: Transformer(CFG), vocab_size=256,
-                                   seq_len=32, description="tiny llama, 1 layer")
-"""
-
-
 def test_auto_end_to_end_on_the_real_tracer(tmp_path):
     """The real tracer, a 1-layer Llama (d 64) on 2 GPUs: its facts read from the model (4 query / 2 kv
     heads: tp2 applies; 1 layer: pp2 cannot), every other combination traced and ranked."""
@@ -198,7 +185,7 @@ def test_auto_end_to_end_on_the_real_tracer(tmp_path):
 
     from batchfit.cli.app import app
 
-    (tmp_path / "tiny.py").write_text(TINY)
+    (tmp_path / "tiny.py").write_text(TINY_LLAMA_FILE)
     out = tmp_path / "report"
     result = CliRunner().invoke(app, ["plan", f"{tmp_path / 'tiny.py'}:workload", "--gpu", "h100-80gb", "--gpus", "2",
                                       "--strategies", "auto", "--precision", "bf16-mixed", "--global-batch", "4",

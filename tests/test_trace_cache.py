@@ -10,6 +10,8 @@ import dataclasses
 import json
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 
@@ -147,3 +149,83 @@ def test_a_value_that_does_not_pickle_is_not_kept(tmp_path):
     cache = trace_cache.TraceCache({"workload": "w"}, folder=tmp_path)
     cache.put("f", lambda: 0)  # a lambda does not pickle: skipped, no temporary file left
     assert cache.get("f") is None and list(cache.folder.iterdir()) == []
+
+
+ASKED_AGAIN = """
+import json, sys
+from typer.testing import CliRunner
+from batchfit.cli.app import app
+result = CliRunner().invoke(app, sys.argv[1:])
+assert result.exit_code == 0, result.output
+print(json.dumps({"heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules),
+                  "traced": "tracing" in result.output or "building" in result.output}))
+"""
+
+
+def test_the_cli_asked_again_loads_no_torch_and_answers_as_no_cache(tmp_path):
+    # a 2-block llama (traced whole): the command asked again reads its traces and the workload's
+    # figures from the cache (trace/deferred.py), and imports neither torch nor transformers
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+
+    config = tmp_path / "tiny2.json"
+    config.write_text(json.dumps({**TINY, "num_hidden_layers": 2}))
+    args = ["estimate", f"hf:{config}", "--gpu-memory", "610MiB", "--seq-len", "32", "--max-batch", "3"]
+
+    def answer(name: str) -> dict:
+        data = json.loads((tmp_path / name).read_text())
+        del data["created"], data["trace_seconds"]
+        return data
+
+    for name, flags in (("cold.json", []), ("no-cache.json", ["--no-cache"])):
+        out = CliRunner().invoke(app, [*args, *flags, "--json", str(tmp_path / name),
+                                       "--out", str(tmp_path / name.removesuffix(".json"))])
+        assert out.exit_code == 0, out.output
+    again = subprocess.run([sys.executable, "-c", ASKED_AGAIN, *args, "--json", str(tmp_path / "again.json"),
+                            "--out", str(tmp_path / "again")], capture_output=True, text=True, check=True)
+    assert json.loads(again.stdout.splitlines()[-1]) == {"heavy": [], "traced": False}, again.stdout + again.stderr
+    assert answer("again.json") == answer("no-cache.json") == answer("cold.json")
+    assert answer("again.json")["max_batch_size"] > 0
+    assert (tmp_path / "again" / "memory.png").read_bytes() == (tmp_path / "no-cache" / "memory.png").read_bytes()
+
+
+def test_a_deferred_workload_resolves_to_the_loaded_one(spec):
+    # known from the cache: its figures without loading; its functions load it; resolved() is the loaded
+    # workload with what was set on the deferred one (or on a copy of it) since
+    import dataclasses
+
+    from batchfit.trace.deferred import load_deferred, resolved
+
+    loaded = load_deferred(spec, seq_len=32)  # the first load writes the figures
+    deferred = load_deferred(spec, seq_len=32)
+    assert deferred.name == loaded.name and deferred.tokens_per_sample == loaded.tokens_per_sample == 32
+    assert deferred.cache_key == loaded.cache_key and deferred.attention == loaded.attention
+    assert resolved(loaded) is loaded and type(resolved(deferred).build_model) is type(loaded.build_model)
+    copy = dataclasses.replace(deferred, description="cut")
+    assert resolved(copy).description == "cut" and callable(resolved(copy).loss_fn)
+    assert sum(p.numel() for p in deferred.build_model().parameters()) == sum(
+        p.numel() for p in loaded.build_model().parameters())
+    assert type(deferred.build_model).__name__ == "_Deferred"  # --no-cache loads it, whatever is kept:
+    assert type(load_deferred(spec, seq_len=32, cache=False).build_model).__name__ == "function"
+
+
+@pytest.mark.slow
+def test_a_repeating_stack_read_from_the_cache_builds_the_whole_model_only():
+    # grpo-gpt2-124m with 2 new tokens: its first size shows generation running the stack once per token
+    # (no size extrapolates in depth); asked again for another size, the depth sessions are not built
+    from batchfit.devices import get_device
+    from batchfit.trace.point import TracedCurve
+    from batchfit.workload import StepOptions
+
+    workload, device = load_workload("grpo-gpt2-124m", seq_len=2), get_device("rtx4090-24gb")
+    with TracedCurve(workload, StepOptions(), device, cache=True, parallel=False) as first:
+        first.point(8)
+    said: list[str] = []
+    with TracedCurve(workload, StepOptions(), device, said.append, cache=True) as again, \
+            TracedCurve(workload, StepOptions(), device, by_depth=False) as whole:
+        assert again.point(8) == first.point(8) and again._first is None  # read, nothing built
+        assert again.point(16) == (whole.point(8), whole.point(16))[1]
+        assert again._shallow == [] and again._forked is None and again._full is again._first
+    assert [m for m in said if m.startswith(("building", "tracing"))] == [
+        "building the whole grpo-gpt2-124m on fake tensors (no size extrapolates in depth)", "tracing batch size 16"]

@@ -34,6 +34,20 @@ from cpu_truth import tiny_llama_workload
 CFG = TransformerConfig(vocab_size=512, seq_len=64, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256,
                         llama=True, tied_embeddings=False)
 LOCAL_BATCH = 4
+
+TINY_LLAMA_FILE = """
+from batchfit.zoo import language_model_workload
+from batchfit.zoo.transformer import Transformer, TransformerConfig
+
+CFG = TransformerConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128,
+                        llama=True, tied_embeddings=False)
+
+
+def workload():
+    return language_model_workload(name="tiny-llama", build_model=lambda: Transformer(CFG), vocab_size=256,
+                                   seq_len=32, description="tiny llama, 1 layer")
+"""
+"""A model file for the CLI (``file.py:workload``): a 1-layer Llama, d 64 (its plans trace in seconds)."""
 OPTIONS = StepOptions()  # fp32, AdamW
 
 

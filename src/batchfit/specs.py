@@ -87,15 +87,20 @@ def rl_workload(spec: str, rollout) -> Workload:
 
 
 def _keyed(workload: Workload, spec: str, seq_len: int | None, path: Path | None) -> Workload:
-    """``workload`` with its trace cache key: the spec, --seq-len, and the content of the file (or
-    the .json files of the folder) the spec names, so an edited model is traced again. Only that
-    file: a model file that imports another of the user's files is keyed by its own text alone."""
+    """``workload`` with its trace cache key (``spec_key``)."""
+    workload.cache_key = spec_key(spec, seq_len, path)
+    return workload
+
+
+def spec_key(spec: str, seq_len: int | None, path: Path | None) -> str:
+    """What names a spec's workload in the trace cache: the spec, --seq-len, and the content of the
+    file (or the .json files of the folder) the spec names, so an edited model is traced again. Only
+    that file: a model file that imports another of the user's files is keyed by its own text alone."""
     digest = hashlib.sha256()
     if path is not None and path.exists():
         for file in sorted(path.glob("*.json")) if path.is_dir() else [path]:
             digest.update(file.name.encode() + b"\0" + file.read_bytes())
-    workload.cache_key = json.dumps({"spec": spec, "seq_len": seq_len, "content": digest.hexdigest()})
-    return workload
+    return json.dumps({"spec": spec, "seq_len": seq_len, "content": digest.hexdigest()})
 
 
 def _user_workload(spec: str, seq_len: int | None) -> tuple[Workload, str]:

@@ -154,12 +154,14 @@ def estimate_command(
     from batchfit.estimator.rollout import rollout_approximations
     from batchfit.estimator.run import data_lengths, estimate_run
     from batchfit.report import write_estimate_report
+    from batchfit.trace.deferred import load_deferred
 
     lengths = data_lengths(data, model=model, length_column=length_column, tokenizer=tokenizer) if data else None
     engine = dict(device=config.target.device, options=options)
     with progress_line() as say:
         if config.run is None:
-            workload = load_workload(model, seq_len=seq_len) if rollout is None else rl_workload(model, rollout)
+            workload = (load_deferred(model, seq_len=seq_len, cache=config.request.cache) if rollout is None
+                        else rl_workload(model, rollout))
             result = estimate(workload, config.request, **engine, progress=say)
             if rollout is not None:
                 result.approximations = [*result.approximations,

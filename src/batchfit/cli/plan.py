@@ -28,6 +28,7 @@ from batchfit.cli.common import (
     MemoryBudgetOpt,
     ModelArg,
     MultipleOfOpt,
+    NoCacheOpt,
     OffloadOpt,
     OptimizerOpt,
     PrecisionOpt,
@@ -163,6 +164,7 @@ def plan_command(
                  ] = "1f1b",
     microbatches: Annotated[int, typer.Option(help="Pipeline micro-batches per step of pp<N> strategies (default: "
                                                    "as many as the stages); the local batch is split into them.")] = 0,
+    no_cache: NoCacheOpt = False,
 ) -> None:
     """Plan a multi-GPU run: memory per GPU, max global batch, step time and a launch config.
 

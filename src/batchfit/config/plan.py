@@ -46,6 +46,7 @@ MAX_GPUS = 1 << 20
 class PlanFlags(DataFlags):
     """plan's own flags, each field the flag of its name (the step's are :class:`StepFlags`)."""
 
+    no_cache: bool = False
     gpus: str | None = None
     nodes: int | None = None
     gpus_per_node: int | None = None
@@ -162,7 +163,7 @@ def plan_config(flags: PlanFlags, step: StepFlags, doors: PlanDoors, say: Callab
                           batch_sizes=sizes, target_util=flags.target_util, multiple_of=flags.multiple_of,
                           max_batch=flags.max_batch, time_model=time_model, processes=flags.processes,
                           limit=flags.limit, host_memory_bytes=host_memory_bytes, pp_schedule=flags.pp_schedule,
-                          microbatches=flags.microbatches)
+                          microbatches=flags.microbatches, cache=not flags.no_cache)
     return PlanConfig(model=flags.model, seq_len=seq_len, options=options, target=target, request=request,
                       emits=emits, doors=doors, data_section=data_section)
 

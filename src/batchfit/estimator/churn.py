@@ -22,7 +22,6 @@ from batchfit.devices import Device
 from batchfit.estimator.batching import Shape
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory
 from batchfit.trace.point import new_allocator
-from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions
 
 EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
@@ -111,6 +110,8 @@ class Churn:
 def step_streams(at, shapes: list[Shape], options: StepOptions) -> tuple[list[tuple[str, int, int]], list[int]]:
     """The allocation stream of a fresh process that builds the model and runs ``shapes`` in
     order (``at``: ``estimator.run.Lengths``), and where each step's events begin (and the last ends)."""
+    from batchfit.trace.session import TraceSession  # the tracer (torch): only here
+
     with TraceSession(at.varying([s.length for s in shapes]), options) as session:
         marks = [len(session.tracker.events)]
         with session.tracing(f"running {len(shapes)} steps of the run"):

@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from batchfit.devices import Device, GiB
 from batchfit.errors import OptionError
 from batchfit.estimator.global_batch import (
@@ -29,6 +27,7 @@ from batchfit.estimator.request import EstimateRequest
 from batchfit.phases import deciding_rl_phase, rl_phase_peaks
 from batchfit.search import trace_first_sizes
 from batchfit.targets import SizedForTarget, bytes_at_target
+from batchfit.trace import cache as trace_cache
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve
 from batchfit.trace.depth import DEPTHS
@@ -98,7 +97,7 @@ class EstimateResult(SizedForTarget):
     """--eval-batch-size: the eval loop after the answer's training step (``estimator/eval_phase.py``: EvalPhase)."""
     created: str = field(
         default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    torch_version: str = torch.__version__
+    torch_version: str = field(default_factory=trace_cache.torch_version)
 
     def point(self, batch_size: int) -> MemoryPoint | None:
         return next((p for p in self.points if p.batch_size == batch_size), None)
@@ -293,6 +292,8 @@ LORA = "*lora*"
 
 def _has_parameters(workload: Workload, pattern: str) -> bool:
     """Whether any parameter name matches ``pattern`` (built on the meta device: no memory)."""
+    import torch
+
     try:
         with torch.device("meta"):
             names = [name for name, _ in workload.build_model().named_parameters()]

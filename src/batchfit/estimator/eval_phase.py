@@ -26,7 +26,6 @@ from batchfit.estimator.batching import Shape, deciding_steps
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.point import new_allocator
-from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 
 ShapesAt = Callable[[int], list[Shape]]
@@ -111,6 +110,8 @@ class EvalTracer:
         """``cuda_semantics=False``: what a CPU step does (the truth test's profiler compares it)."""
         self.set_length, self.device, self.held_steps = set_length, device, held_steps
         self.config = config if config is not None else AllocatorConfig.from_env()
+        from batchfit.trace.session import TraceSession  # the tracer (torch): only here
+
         self.session = TraceSession(workload, options, cuda_semantics=cuda_semantics)
         set_length(train_shape.length)
         with self.session.tracing(f"running a training step at {train_shape.rows} x {train_shape.length} tokens"):

@@ -42,7 +42,6 @@ from batchfit.estimator.batching import (
 from batchfit.estimator.request import EstimateRequest, RunRequest
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.point import MemoryPoint, TracedCurve, host_fits
-from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 
 LoadAt = Callable[[int | None], Workload]
@@ -298,6 +297,8 @@ def step_peaks(at: Lengths, shapes: list[Shape], options: StepOptions, *, cuda_s
     model on fake tensors runs one step per distinct shape (steps of equal shape share it), each
     from the state a run has there (parameters, optimizer state, no gradients). ``cuda_semantics=False``
     traces what a CPU step does (the truth tests' profiler compares it)."""
+    from batchfit.trace.session import TraceSession  # the tracer (torch): only here
+
     peaks: dict[Shape, int] = {}
     with TraceSession(at.varying([s.length for s in shapes]), options, cuda_semantics=cuda_semantics) as session:
         for shape in dict.fromkeys(shapes):

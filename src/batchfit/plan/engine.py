@@ -38,6 +38,7 @@ from batchfit.plan.derived import SharedTraces
 from batchfit.plan.derived import jobs as derived_jobs
 from batchfit.plan.request import DEFAULT_STRATEGIES, PlanRequest  # noqa: F401 - the API's names
 from batchfit.plan.result import PlanPoint, PlanResult, StrategyPlan, plan_point  # noqa: F401 - the API's names
+from batchfit.plan.row_cache import row_cache
 from batchfit.plan.time_model import TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
 from batchfit.search import (
@@ -244,6 +245,9 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     ``strategies='auto'``: every combination ``plan/candidates.py`` lists for the model (``facts``, a
     ``candidates.ModelFacts``, default read from the model built on the meta device); each pp<N>
     searches multiples of its own micro-batches; those that cannot apply are rows with ``skipped``.
+    ``cache``: read each strategy session's rows from the trace cache where an earlier plan asked the
+    same of it, and write them there (``plan/row_cache.py``; the real tracer and a workload from
+    ``load_workload`` only).
     """
     if request is None:
         request = PlanRequest(**fields)
@@ -302,6 +306,8 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
             _check_global_batch(request.global_batch, chosen, multiple_of)
     # the default strategies were not chosen by the user: a too-wide fsdp is a skipped row beside ddp's answer
     _refuse_wide_shards(workload, by_world, auto or request.strategies == DEFAULT_STRATEGIES, not_traced)
+    if auto:
+        _set_aside_too_large(workload, options, device, by_world, not_traced)
     say = progress or (lambda message: None)
     started = time.perf_counter()
     from batchfit.trace.approximation import attention_approximations, offload_approximations
@@ -323,14 +329,25 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     approximations += packing_approximation(int(batch_passes_position_ids(workload)))
     approximations += parallelism_approximations(every, workload, options)  # each parallelism's own (registry)
     target_bytes = bytes_at_target(device, request.target_util)
+    cached = request.cache and trace is None
 
     def one(job: tuple[World, object, list], say: Callable[[str], None]) -> tuple[list[StrategyPlan], int | None, int]:
         world, strategy, derived = job
-        return _plan_one(open_session, workload, options, device, world, strategy, time_model, say, auto=auto,
-                         batch_sizes=request.batch_sizes, global_batch=request.global_batch,
-                         multiple_of=_own_multiple(strategy, multiple_of),
-                         max_batch=request.max_batch, target_bytes=target_bytes, limit=request.limit,
-                         host_limit_bytes=request.host_memory_bytes, derived=derived)
+        search = dict(auto=auto, batch_sizes=request.batch_sizes, global_batch=request.global_batch,
+                      multiple_of=_own_multiple(strategy, multiple_of),
+                      max_batch=request.max_batch, target_bytes=target_bytes, limit=request.limit,
+                      host_limit_bytes=request.host_memory_bytes)
+        kept = row_cache(workload, options, device, job, {**search, "time_model": time_model}) if cached else None
+        found = kept.get("rows") if kept is not None else None
+        if found is not None:
+            say(f"{strategy.name} on {world.gpus} GPU{'s' if world.gpus > 1 else ''}: read from the trace cache "
+                "(--no-cache traces it again)")
+            return found
+        rows = _plan_one(open_session, workload, options, device, world, strategy, time_model, say, derived=derived,
+                         **search)
+        if kept is not None:
+            kept.put("rows", rows)
+        return rows
 
     done = workers.run(one, derived_jobs(by_world), say, processes=request.processes if trace is None else 1)
     by_key = {(p.gpus, p.strategy): p for rows, _, _ in done for p in rows}
@@ -408,6 +425,20 @@ def _refuse_wide_shards(workload: Workload, by_world: list, skip: bool, not_trac
             chosen[:] = _set_aside(world, chosen, why, not_traced)
         elif (reason := next(filter(None, map(why, chosen)), None)) is not None:
             raise OptionError(reason)
+
+
+def _set_aside_too_large(workload: Workload, options: StepOptions, device: Device, by_world: list,
+                         not_traced: list[StrategyPlan]) -> None:
+    """Under auto, before any trace: each candidate whose parameters, gradients and optimizer state
+    alone pass the usable memory (``plan/bound.py``) is a skipped row saying so, unless every one
+    is (then they are traced, so that the rows say what would make local batch 1 fit)."""
+    from batchfit.plan.bound import too_large
+
+    why = too_large(workload, options, device)
+    if all(why(s) is not None for _, chosen in by_world for s in chosen):
+        return
+    for world, chosen in by_world:
+        chosen[:] = _set_aside(world, chosen, why, not_traced)
 
 
 def _not_reaching(global_batch: int, multiple_of: int) -> Callable[[object], str | None]:

@@ -40,6 +40,9 @@ class PlanRequest:
     """The MFU and links behind every computed time; None: the defaults (``TimeModel()``)."""
     processes: int | None = None
     """Strategies traced at once, one process each (None: one per CPU core); 1: one after another."""
+    cache: bool = True
+    """Read each strategy session's rows from the trace cache where an earlier plan asked the same of it, and
+    write them there (``plan/row_cache.py``)."""
     limit: str = "reserved"
     """What must fit: ``reserved`` (the caching allocator model) or ``allocated``."""
     host_memory_bytes: int | None = None

@@ -22,9 +22,11 @@ content to key. ``batchfit cache clear`` empties it; ``--no-cache`` neither read
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import tempfile
@@ -70,10 +72,30 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def versions() -> dict[str, str | None]:
-    import torch  # already imported by whoever traces
+@lru_cache(maxsize=1)
+def torch_version() -> str:
+    """``torch.__version__``, read without importing torch where it is not imported yet (1-2 s):
+    from torch/version.py, the file that sets it, else the installed package's metadata."""
+    if "torch" in sys.modules:
+        return str(sys.modules["torch"].__version__)
+    spec = importlib.util.find_spec("torch")  # finds the package without running it
+    folders = (spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", _read(Path(folder) / "version.py"), re.MULTILINE)
+        if found:
+            return found.group(1)
+    return _version("torch") or "unknown"
 
-    return {"python": sys.version.split()[0], "batchfit": _version("batchfit"), "torch": torch.__version__,
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def versions() -> dict[str, str | None]:
+    return {"python": sys.version.split()[0], "batchfit": _version("batchfit"), "torch": torch_version(),
             "transformers": _version("transformers"), "source": source_digest()}
 
 

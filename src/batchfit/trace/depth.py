@@ -19,13 +19,12 @@ because the allocation streams of the same three traces also give the full model
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from torch import nn
-
-from batchfit.trace.memory import active_tracker
-from batchfit.train.model import block_list
 from batchfit.workload import Workload
+
+if TYPE_CHECKING:  # extrapolating cached points needs no torch: only cutting a model does
+    from torch import nn
 
 Point = TypeVar("Point")  # a trace.point.MemoryPoint
 
@@ -47,6 +46,8 @@ class Depth:
 
 def identical_blocks(model: nn.Module) -> nn.ModuleList | None:
     """The main stack when its blocks are one class with parameters of the same shapes."""
+    from batchfit.train.model import block_list
+
     blocks = block_list(model)
     if blocks is None:
         return None
@@ -62,6 +63,8 @@ def at_depth(workload: Workload, depth: int, seen: Depth) -> Workload:
     """
 
     def build_model() -> nn.Module:
+        from batchfit.trace.memory import active_tracker
+
         model = workload.build_model()
         blocks = identical_blocks(model)
         seen.blocks = len(blocks) if blocks is not None else None

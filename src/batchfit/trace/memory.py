@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_leaves
 
 from batchfit.phases import CATEGORY_OF_PHASE
+from batchfit.trace.snapshot import Snapshot
 
 CUDA_BLOCK_BYTES = 512
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -64,32 +65,6 @@ class Allocation:
     @property
     def category(self) -> str:
         return self.role or CATEGORY_OF_PHASE.get(self.phase, "other")
-
-
-@dataclass
-class Snapshot:
-    """The peak of one traced step."""
-
-    peak_bytes: int
-    phase: str
-    breakdown: dict[str, int]
-    top: list[dict] = field(default_factory=list)
-    peak_by_phase: dict[str, int] = field(default_factory=dict)
-    breakdown_by_phase: dict[str, dict[str, int]] = field(default_factory=dict)
-    """The breakdown at each phase's own peak."""
-    peak_by_part: dict[str, int] = field(default_factory=dict)
-    """Each phase's peak in the parts that its run over the main stack of blocks cuts it into,
-    keyed 'phase:part' (:data:`PARTS`): what a deep model's extrapolation needs (trace/depth.py)."""
-    breakdown_by_part: dict[str, dict[str, int]] = field(default_factory=dict)
-    host_peak_bytes: int = 0
-    """The most host bytes the step held at once for offloading (pinned, rounded as PyTorch's
-    host allocator rounds on CUDA); 0 without --offload."""
-    host_reserved_bytes: int = 0
-    """What the pinned host allocator holds after the step: it caches every block it made."""
-    total_peak_bytes: int = 0
-    """The most device + host bytes alive at once (what one CPU's memory holds: the CPU truth)."""
-    offloaded_bytes: int = 0
-    """Bytes the step made on the host (unrounded): the device-to-host copies of --offload."""
 
 
 PARTS: tuple[str, ...] = ("head", "first", "second", "middle", "penultimate", "last", "tail", "repeated")

@@ -8,10 +8,6 @@ is one notice line, printed and kept in the result's JSON (``notices``) and repo
 
 from __future__ import annotations
 
-import torch
-
-from batchfit.trace.routing import moe_experts
-from batchfit.train.model import block_list
 from batchfit.workload import StepOptions, Workload
 
 
@@ -21,6 +17,11 @@ def no_op_notices(workload: Workload, options: StepOptions) -> list[str]:
     every = options.checkpointing_spec.every
     if options.routing_spec.kind == "balanced" and not options.routing_schedule.varies and every is None:
         return []
+    import torch  # only here: an answer read from the trace cache loads no torch
+
+    from batchfit.trace.routing import moe_experts
+    from batchfit.train.model import block_list
+
     with torch.device("meta"):
         model = workload.build_model()
     notices = []

@@ -16,9 +16,7 @@ import dataclasses
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from batchfit.devices import Device
 from batchfit.search import (
@@ -29,26 +27,13 @@ from batchfit.search import (
 from batchfit.trace import cache as trace_cache
 from batchfit.trace import depth, forked, repeats, stream
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
-from batchfit.trace.approximation import (
-    Approximation,
-    attention_approximations,
-    fast_path_approximations,
-    offload_approximations,
-    quantize_approximations,
-)
-from batchfit.trace.compiled import (
-    COMPILED_TRACED,
-    MEMORY_BUDGET_TRACED,
-    checkpointed_approximations,
-    compile_approximations,
-    graph_breaks,
-    inductor_fallbacks,
-)
-from batchfit.trace.cuda_float8 import float8_approximations
+from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve, fit_curve
-from batchfit.trace.hf_packing import packing_approximation
-from batchfit.trace.routing import routing_approximation
-from batchfit.trace.session import TracePoint, TraceSession
+from batchfit.trace.deferred import resolved
+from batchfit.trace.snapshot import TracePoint
+
+if TYPE_CHECKING:  # the tracer (torch) is imported where something is traced: a cached answer needs none
+    from batchfit.trace.session import TraceSession
 from batchfit.workload import StepOptions, Workload
 
 
@@ -114,6 +99,13 @@ def allocated_point(traced: TracePoint, workspace_bytes: int) -> MemoryPoint:
     )
 
 
+def _new_session(workload: Workload, options: StepOptions) -> TraceSession:
+    """A trace session (the tracer, and torch with it, imported on the first)."""
+    from batchfit.trace.session import TraceSession
+
+    return TraceSession(workload, options)
+
+
 def config_digest(config: AllocatorConfig) -> str:
     """A short name for an allocator configuration (its fields), for the trace cache's replays."""
     return hashlib.sha256(repr(config).encode()).hexdigest()[:12]
@@ -149,6 +141,8 @@ def run_out_at_reserved(session: TraceSession, device: Device,
     """Make ``session`` a virtual ``device`` that runs out where the caching allocator would:
     the allocator model is fed every allocation as it happens, and raises
     ``torch.OutOfMemoryError`` when it cannot reserve a segment after freeing its cache."""
+    import torch
+
     allocator = new_allocator(device, config)
     allocator.apply(session.tracker.events)  # what building the model allocated
 
@@ -218,16 +212,17 @@ class TracedCurve:
 
     def _open(self) -> None:
         """Build the model on fake tensors: at depths 2, 3 and 4 where its blocks are alike, else whole."""
+        self.workload = resolved(self.workload)  # loaded, where it was known from the cache (``trace/deferred.py``)
         workload, options, seen = self.workload, self.options, self._seen
         self.say(f"building {workload.name} on fake tensors")
         self._params_by_depth = []
         # every:N: blocks differ by position; a compiled trace has no per-block parts
         by_depth = self._by_depth and options.blocks_alike and options.compile == "none"
-        self._first = first = TraceSession(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
+        self._first = first = _new_session(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
                                            options)
         if by_depth and first.compiled:  # the workload compiles itself: traced whole, as --compile is
             first.close()
-            by_depth, self._first = False, (first := TraceSession(workload, options))
+            by_depth, self._first = False, (first := _new_session(workload, options))
         if first.compiled:  # what a compiled trace reports depends on dynamo's state too: not cached
             self._cache = None
         if by_depth and seen.blocks and seen.blocks >= depth.MIN_BLOCKS:
@@ -235,7 +230,7 @@ class TracedCurve:
             if self._parallel and forked.can_fork():
                 self._fork_shallow(first)
             else:
-                self._shallow = [first] + [TraceSession(depth.at_depth(workload, d, seen), options)
+                self._shallow = [first] + [_new_session(depth.at_depth(workload, d, seen), options)
                                            for d in depth.DEPTHS[1:]]
             self._params_by_depth += [(s.params, s.trainable_params) for s in self._shallow]
         else:  # nothing was cut: the first session is the whole model
@@ -267,11 +262,11 @@ class TracedCurve:
         middle = depth.DEPTHS[1]
 
         def build() -> tuple[list[TraceSession], tuple[int, int] | None]:
-            return [first, TraceSession(depth.at_depth(workload, middle, seen), options)], seen.cuts.get(middle)
+            return [first, _new_session(depth.at_depth(workload, middle, seen), options)], seen.cuts.get(middle)
 
         self._forked = forked.ForkedSessions(build)
         try:
-            self._shallow = [TraceSession(depth.at_depth(workload, d, seen), options) for d in depth.DEPTHS[2:]]
+            self._shallow = [_new_session(depth.at_depth(workload, d, seen), options) for d in depth.DEPTHS[2:]]
             cut = self._forked.built()
         except BaseException:
             self._forked.close()
@@ -296,6 +291,8 @@ class TracedCurve:
         return self._cached("known_limits", self._known_limits)
 
     def _known_limits(self) -> list[str]:
+        from torch import nn
+
         session = self._full or self._first
         recurrent = sorted({type(m).__name__ for m in session.step.model.modules() if isinstance(m, nn.RNNBase)})
         if not recurrent:
@@ -310,6 +307,24 @@ class TracedCurve:
         return self._cached("approximations", self._approximations)
 
     def _approximations(self) -> list[Approximation]:
+        from batchfit.trace.approximation import (
+            attention_approximations,
+            fast_path_approximations,
+            offload_approximations,
+            quantize_approximations,
+        )
+        from batchfit.trace.compiled import (
+            COMPILED_TRACED,
+            MEMORY_BUDGET_TRACED,
+            checkpointed_approximations,
+            compile_approximations,
+            graph_breaks,
+            inductor_fallbacks,
+        )
+        from batchfit.trace.cuda_float8 import float8_approximations
+        from batchfit.trace.hf_packing import packing_approximation
+        from batchfit.trace.routing import routing_approximation
+
         session = self._full or self._first
         fast_path = (fast_path_approximations(session.step.model)
                      + float8_approximations(self.options, traced_compiled=session.compiled)
@@ -413,14 +428,26 @@ class TracedCurve:
 
     def _trace_whole(self, batch_size: int, fresh: bool) -> tuple[TracePoint, list | None]:
         """(the whole model's traced point, its fresh stream when ``fresh``)."""
-        if not self._opened:
-            self._open()
+        self._open_for_whole()
         if self._full is None:
             self.say(f"memory is not affine in depth here: building the whole {self.workload.name}")
-            self._full = TraceSession(self.workload, self.options)
+            self._full = _new_session(self.workload, self.options)
         self.say(f"tracing batch size {batch_size}")
         traced = self._full.trace(batch_size, fresh=fresh)
         return traced, self._full.fresh_stream if fresh else None
+
+    def _open_for_whole(self) -> None:
+        """Open what a whole-model trace needs: where the traces read from the cache showed the stack
+        repeating (generation: no size extrapolates in depth), the whole model alone, not the depth
+        sessions that would never trace; otherwise the model as :meth:`_open` builds it."""
+        if self._opened:
+            return
+        if not self._stack_repeats:
+            self._open()
+            return
+        self.workload = resolved(self.workload)
+        self.say(f"building the whole {self.workload.name} on fake tensors (no size extrapolates in depth)")
+        self._first = self._full = _new_session(self.workload, self.options)
 
     def reserved(self, batch_size: int) -> MemoryPoint:
         """The point with its reserved peak: the allocation stream of a fresh process, from the
@@ -462,15 +489,14 @@ class TracedCurve:
         holds something from an earlier step, in a new one."""
         events = self._whole_streams.get(batch_size)
         if events is None:
-            if not self._opened:
-                self._open()
+            self._open_for_whole()
             self.say(f"tracing batch size {batch_size} whole for reserved memory")
             if self._full is None:
-                self._full = TraceSession(self.workload, self.options)
+                self._full = _new_session(self.workload, self.options)
             self._full.trace(batch_size, fresh=True)
             events = self._full.fresh_stream
         if events is None:
-            with TraceSession(self.workload, self.options) as session:
+            with _new_session(self.workload, self.options) as session:
                 session.trace(batch_size)
                 events = session.tracker.events
         return events

@@ -15,7 +15,6 @@ import threading
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,9 +30,11 @@ from batchfit.trace.cuda_attention import CudaAttention
 from batchfit.trace.cuda_autocast import CudaAutocast
 from batchfit.trace.cuda_float8 import cpu_scaled_mm_scratch, mirror_float8_autocast
 from batchfit.trace.cuda_norm import CudaRmsNorm
+from batchfit.trace.deferred import resolved
 from batchfit.trace.hf_packing import PackedSequences
-from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, Snapshot, held_tensor
+from batchfit.trace.memory import CUDA_BLOCK_BYTES, MemoryTracker, held_tensor
 from batchfit.trace.routing import RoutedExperts, moe_experts
+from batchfit.trace.snapshot import TracePoint
 from batchfit.train.model import main_blocks
 from batchfit.train.quantize import BNB_OPTIMIZERS, TORCHAO_OPTIMIZERS, load_bitsandbytes, preload
 from batchfit.train.step import TrainingStep
@@ -91,14 +92,6 @@ def _detect_causal(mask, is_causal=None, size=None):
 # PyTorch's own answers for real tensors; only fake masks from the causal builder differ.
 _transformer._generate_square_subsequent_mask = _causal_mask
 _transformer._detect_is_causal_mask = _detect_causal
-
-
-@dataclass
-class TracePoint:
-    batch_size: int
-    snapshot: Snapshot
-    paged_bytes: int = 0
-    """Paged optimizer state (bitsandbytes' paged optimizers: CUDA unified memory), not in the peak."""
 
 
 @contextlib.contextmanager
@@ -294,7 +287,7 @@ class TraceSession:
         session: its rounding is the caller's) that sees what the wrap does; ``warmup_steps``
         are run before the first measured step (DDP rebuilds its gradient buckets in the
         second step's forward)."""
-        self.workload = workload
+        self.workload = resolved(workload)  # a workload known from the trace cache: its own functions
         self.options = options
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.cuda_semantics = cuda_semantics
