@@ -36,7 +36,8 @@ def test_plan_strategies_and_tokens_per_s_are_whole_at_80_columns():
     result = NS(workload="llama-1b", device=NS(display_name="NVIDIA H100 80GB HBM3"),
                 options=NS(precision="bf16-mixed", offload="none", attention="sdpa"), plans=[], recommended=[],
                 limit="reserved",
-                host_limit_bytes=None, ranking=ranking, worlds=[NS(gpus=16), NS(gpus=64)], time_model=NS(mfu=0.4))
+                host_limit_bytes=None, ranking=ranking, worlds=[NS(gpus=16), NS(gpus=64)], time_model=NS(mfu=0.4),
+                tokens_per_sample=8192)
     text = printed(plan_summary, result)
     for whole in ("fsdp-noreshard+tp4", "pp8+fsdp+cp2+tp4", "hsdp2", "12,345,678", "512 x 128", "12,345,678  123",
                   "12.3", "1.23"):
@@ -47,8 +48,9 @@ def test_bench_tokens_per_s_is_whole_at_80_columns():
     row = NS(batch_size=65536, status="ok", step_time_s=12.345, tokens_per_s=123456789.0, mfu=0.453,
              peak_allocated_bytes=79.5 * GiB, peak_reserved_bytes=79.9 * GiB, source="cpu time, traced memory",
              error=None)
-    result = NS(workload="gpt2-124m", target=NS(spec="cuda"),
-                options=NS(precision="bf16-mixed", attention="sdpa"), rows=[row], tiers=[], leak=None, hints=[])
+    result = NS(workload="gpt2-124m", target=NS(spec="cuda", kind="cuda"),
+                options=NS(precision="bf16-mixed", attention="sdpa"), rows=[row], tiers=[], leak=None, hints=[],
+                tokens_per_sample=1024)
     text = printed(bench_summary, result)
     for whole in ("65536", "12.345", "123,456,789", "45.3%", "79.50", "79.90"):
         assert whole in text, text
