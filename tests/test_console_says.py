@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from batchfit.cli.app import app
+from tiny import TINY_LLAMA_FILE
 
 runner = CliRunner()
 
@@ -17,23 +18,11 @@ def said(*args: str) -> str:
     return " ".join(result.output.replace("│", " ").split())  # help panels wrap inside box lines
 
 
-TINY = """
-from batchfit.zoo import language_model_workload
-from batchfit.zoo.transformer import Transformer, TransformerConfig
-
-CFG = TransformerConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128,
-                        llama=True, tied_embeddings=False)
-
-
-def workload():
-    return language_model_workload(name="tiny-llama", build_model=lambda: Transformer(CFG), vocab_size=256,
-                                   seq_len=32, description="tiny llama, 1 layer")
-"""
 
 
 def test_estimate_says_the_sequence_and_the_cap(tmp_path):
     # a 1-layer d-64 model at 32 tokens: a T4 holds thousands of samples, so --max-batch 4 stops the search
-    (tmp_path / "tiny.py").write_text(TINY)
+    (tmp_path / "tiny.py").write_text(TINY_LLAMA_FILE)
     out = said("estimate", f"{tmp_path / 'tiny.py'}:workload", "--gpu", "t4", "--max-batch", "4",
                "--limit", "allocated", "--out", str(tmp_path / "report"))
     assert "tiny-llama on NVIDIA Tesla T4, fp32, sequence 32 tokens (traced)" in out
