@@ -18,8 +18,6 @@ def said(*args: str) -> str:
     return " ".join(result.output.replace("│", " ").split())  # help panels wrap inside box lines
 
 
-
-
 def test_estimate_says_the_sequence_and_the_cap(tmp_path):
     # a 1-layer d-64 model at 32 tokens: a T4 holds thousands of samples, so --max-batch 4 stops the search
     (tmp_path / "tiny.py").write_text(TINY_LLAMA_FILE)
