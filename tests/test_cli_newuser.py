@@ -48,7 +48,7 @@ def test_markup_in_messages_is_printed_as_written(monkeypatch):
     def refuse(*args, **kwargs):
         raise ModelSpecError("hf: models need the transformers package: pip install 'batchfit[hf]'")
 
-    monkeypatch.setattr("batchfit.cli.estimate.load_workload", refuse)
+    monkeypatch.setattr("batchfit.trace.deferred.load_deferred", refuse)  # estimate loads its model through it
     result = runner.invoke(app, ["estimate", "hf:gpt2-124m", "--gpu", "t4"])
     assert result.exit_code == 2 and "pip install 'batchfit[hf]'" in result.output
 
