@@ -80,11 +80,11 @@ class ShardedCurve:
                  replay_first: bool = False, known: Callable[[int, bool], bool] | None = None) -> None:
         self._trace, self._workspace, self._say, self._replay = trace_point, workspace_bytes, say, replay
         self._replay_first = replay_first
+        """Replay a size not traced yet before tracing it: the replay's fresh trace gives its
+        point too (``DeepSession.replay_gives_point``), one trace of the size instead of two."""
         self._known = known or (lambda local_batch, reserved: False)
         """Whether a size (its trace, or with ``reserved`` its replay) costs nothing here: a row
         derived from another's traces reads them without a progress line."""
-        """Replay a size not traced yet before tracing it: the replay's fresh trace gives its
-        point too (``DeepSession.replay_gives_point``), one trace of the size instead of two."""
         self.points: dict[int, PlanPoint] = {}
         self.first = None
         """The first ShardedPoint traced (its parameter counts)."""
