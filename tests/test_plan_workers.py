@@ -122,3 +122,18 @@ def test_time_left_takes_a_sessions_trace_count_from_those_done(monkeypatch):
     steps.finished(0)
     now[0] = 30.0
     assert steps.tag("ddp on 2 GPUs: local batch 8", 1).endswith("[1/2 sessions done, about 20 s left]")
+
+
+def test_time_left_is_a_floor_once_a_session_passes_the_traces_taken_for_one(monkeypatch):
+    """Two sessions side by side, none done, each 6 sizes in (past the 5 a session is taken to trace):
+    10 finished traces in 50 s on 2 processes (10 process-s each), one in flight each, 2 at a time: at
+    least 10 s, said as a floor (a plan of many sizes said 'about 48 s left' for minutes)."""
+    now = [0.0]
+    monkeypatch.setattr(workers.time, "perf_counter", lambda: now[0])
+    steps = workers.Steps(2, processes=2)
+    for size in range(1, 6):
+        steps.tag(f"fsdp on 1 GPU: local batch {size}", 0)
+        steps.tag(f"ddp on 1 GPU: local batch {size}", 1)
+    steps.tag("ddp on 1 GPU: local batch 6", 1)
+    now[0] = 50.0
+    assert steps.tag("fsdp on 1 GPU: local batch 6", 0).endswith("[0/2 sessions done, at least 10 s left]")

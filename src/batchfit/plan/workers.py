@@ -60,7 +60,9 @@ class Steps:
         self.done += 1
         self._done_traces.append(self._traces.pop(job, 0))
 
-    def _seconds_left(self) -> float | None:
+    def _seconds_left(self) -> tuple[float, bool] | None:
+        """(seconds, whether only a floor): a session already past the traces a session is taken to
+        need is counted with its one in flight only, so the figure is then the least left, not a guess."""
         running = len(self._traces)
         finished = sum(self._done_traces) + sum(self._traces.values()) - running  # one in flight per session
         if finished < 1:
@@ -69,7 +71,8 @@ class Steps:
         waiting = self.total - self.done - running
         left = sum(max(per_session - n, 1) for n in self._traces.values()) + waiting * per_session
         per_trace = (time.perf_counter() - self._started) * min(self.processes, self.total) / finished  # process-s
-        return per_trace * left / max(1, min(self.processes, self.total - self.done))
+        floor = any(n >= per_session for n in self._traces.values())
+        return per_trace * left / max(1, min(self.processes, self.total - self.done)), floor
 
     def tag(self, message: str, job: int = 0) -> str:
         """``message [2/5 sessions done, about 90 s left]`` for a line of session ``job``: a rough
@@ -78,8 +81,8 @@ class Steps:
             self._traces[job] = self._traces.get(job, 0) + 1
         if self.total < 2:
             return message
-        seconds = self._seconds_left()
-        left = f", about {seconds:.0f} s left" if seconds is not None else ""
+        estimate = self._seconds_left()
+        left = "" if estimate is None else f", {'at least' if estimate[1] else 'about'} {estimate[0]:.0f} s left"
         return f"{message} [{self.done}/{self.total} sessions done{left}]"
 
 
