@@ -48,7 +48,7 @@ def _gloo_main(rank: int, port: int, out_dir: str) -> None:
         # Two profiled steps, the least kept: one full run on a loaded 2-core machine read fsdp at 9,860,932 B
         # (+6%) where every other run reads 9,270,084 (not reproduced, cause not found); more steps only if
         # the profiler's timeline failed its own check (it does, now and then).
-        peaks[name] = rank0_profiled_peaks(step, os.path.join(out_dir, "timeline.json"), tries=5)
+        peaks[name] = rank0_profiled_peaks(step, os.path.join(out_dir, "timeline.json"))
         del step
         gc.collect()  # the last strategy's model and optimizer (cycles): freed inside the next profile otherwise
         dist.barrier()

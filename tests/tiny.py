@@ -119,10 +119,12 @@ def profiled_rank_peak(step: TrainingStep, path: str) -> int | None:
     return max(sum(row) for row in sizes)
 
 
-def rank0_profiled_peaks(step: TrainingStep, path: str, *, wanted: int = 2, tries: int = 4) -> list[int]:
+def rank0_profiled_peaks(step: TrainingStep, path: str, *, wanted: int = 2, tries: int = 30) -> list[int]:
     """Rank 0's peaks over steady steps (:func:`profiled_rank_peak`) until ``wanted`` were read, at most
-    ``tries`` steps (a step whose timeline fails its check is profiled again); every other rank runs
-    as many real steps, told by rank 0 when to stop. The caller keeps the least: on a loaded machine
+    ``tries`` steps (a step whose timeline fails its check is profiled again: with gloo's collectives in
+    the step the check fails on 0-2 of 5 steps here, and failed 10 in a row once in CI, so the tries are
+    many and cost only when they fail); every other rank runs as many real steps, told by rank 0 when
+    to stop. The caller keeps the least: on a loaded machine
     a collective that completes late keeps a buffer alive a little longer (seen: +128 KiB, one
     block's output, with 4 ranks on 2 cores). [] on the other ranks."""
     import torch.distributed as dist
