@@ -30,6 +30,7 @@ from batchfit.options import (  # noqa: F401  (the grammars, re-exported where t
     LoRA,
     Loss,
     Offload,
+    ParamGroups,
     PrecisionSpec,
     Quantize,
     Routing,
@@ -183,6 +184,10 @@ class StepOptions:
     optimizer: str | None = None
     """Override the Workload's optimizer: one of adamw, adam, sgd, sgd-momentum, adafactor, muon (Muon
     for the hidden 2-D matrices, AdamW for embeddings, head, norms and biases: train/muon.py)."""
+    param_groups: str = "one"
+    """The optimizer's parameter groups: one (every trainable parameter, as ``Optimizer(model.parameters())``)
+    or decay:WD (the HF Trainer's two: weight decay WD on the weights, none on biases and norm weights;
+    ``--trainer`` sets it). Muon keeps its own split. A Workload's own optimizer gets the two group dicts."""
     checkpointing: str = "none"
     """Activation checkpointing of the model's main stack of blocks: none; full (recompute every
     block); selective (torchtitan's per-op policy: keep matmuls and attention, recompute the rest
@@ -238,6 +243,7 @@ class StepOptions:
         loss_spec: Loss
         offload_spec: Offload
         quantize_spec: Quantize
+        param_groups_spec: ParamGroups
         lora_spec: LoRA | None
         """None for 'none'."""
         routing_spec: Routing
@@ -256,6 +262,7 @@ class StepOptions:
             raise OptionError(
                 f"unknown optimizer '{self.optimizer}': use one of {', '.join(OPTIMIZERS)}"
             )
+        self.param_groups_spec = ParamGroups.parse(self.param_groups)
         self.checkpointing_spec = Checkpointing.parse(self.checkpointing)
         if self.compile not in COMPILE:
             raise OptionError(f"unknown compile '{self.compile}': use one of {', '.join(COMPILE)}")

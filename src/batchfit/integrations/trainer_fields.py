@@ -229,8 +229,9 @@ class TrainerMapping:
 
 def traced_in_a_trainer(mapping: TrainerMapping, say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The StepOptions of a step traced from inside a Trainer (the HF and Lightning
-    integrations): the mapping's, less the optimizer (the integration traces the Trainer's own
-    optimizer object) and the accumulation (the integration picks it for the global batch).
+    integrations): the mapping's, less the optimizer and its parameter groups (the integration
+    traces the Trainer's own optimizer object, or the HF Trainer's groups where it builds it) and the
+    accumulation (the integration picks it for the global batch).
     ``say`` gets a line for each unused field that can change memory, and for a sharded
     strategy (the integrations trace one device's whole step)."""
     for use in mapping.unused:
@@ -239,7 +240,7 @@ def traced_in_a_trainer(mapping: TrainerMapping, say: Callable[[str], None] | No
     if mapping.strategy and mapping.strategy != "ddp" and say is not None:
         say(f"not traced: the {mapping.strategy} strategy (one device's whole step is traced, an upper bound); "
             f"batchfit plan --strategies {mapping.strategy} traces it sharded")
-    return {k: v for k, v in mapping.step.items() if k not in ("optimizer", "accumulation_steps")}
+    return {k: v for k, v in mapping.step.items() if k not in ("optimizer", "param_groups", "accumulation_steps")}
 
 
 def args_to_dict(args: Any) -> dict[str, Any]:

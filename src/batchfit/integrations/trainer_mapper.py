@@ -304,6 +304,7 @@ class Mapper:
     def optimizer(self) -> None:
         from batchfit.workload import OPTIMIZERS
 
+        self.param_groups()
         optim = self.data.get("optim")
         if optim is None:
             return
@@ -322,6 +323,17 @@ class Mapper:
                       "optimizer instead")
             return
         self.set_step("optimizer", name, "optim", why)
+
+    def param_groups(self) -> None:
+        """weight_decay -> the Trainer's two optimizer groups, which ``Trainer.create_optimizer`` builds
+        whatever the optim and the decay (0 included): its order and its per-group temporaries are traced."""
+        decay = self.data.get("weight_decay", 0.0)
+        if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not decay >= 0:
+            raise OptionError(f"weight_decay must be a number >= 0, got {decay!r}")
+        self.set_step("param_groups", f"decay:{decay:g}", "weight_decay", "the Trainer's two optimizer groups: "
+                      "the weights (this decay), then biases and norm weights (none)"
+                      + ("" if "weight_decay" in self.data else "; not in the args: the Trainer's default 0"),
+                      shown=decay)
 
     def sequence(self) -> None:
         data = self.data

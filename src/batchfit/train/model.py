@@ -5,6 +5,8 @@ parameters by name. Used by the training step and by the tracer's depth cuts."""
 from __future__ import annotations
 
 import fnmatch
+import re
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +38,36 @@ def build_optimizer(name: str, params: list[nn.Parameter], model: nn.Module | No
     if not hasattr(torch.optim, "Adafactor"):
         raise OptionError("`optimizer` adafactor needs torch>=2.5: upgrade torch or pick adamw")
     return torch.optim.Adafactor(params, lr=1e-2)
+
+
+NO_DECAY_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+"""The HF Trainer's names of parameters without weight decay, searched in the lower-cased name
+(``Trainer.get_decay_parameter_names``' forbidden_name_patterns, transformers 5)."""
+
+
+def decay_parameter_names(model: nn.Module) -> set[str]:
+    """The parameters the HF Trainer decays: every one but those inside an ``nn.LayerNorm`` and those
+    whose name :data:`NO_DECAY_NAMES` finds (``transformers.trainer_pt_utils.get_parameter_names`` checks
+    each ancestor's suffix of the name; a suffix that matches makes the whole name match, so the whole
+    name is enough)."""
+    layer_norms = {name for name, module in model.named_modules() if isinstance(module, nn.LayerNorm) and name}
+    return {name for name, _ in model.named_parameters()
+            if not NO_DECAY_NAMES.search(name.lower())
+            and not any(name.startswith(f"{norm}.") for norm in layer_norms)}
+
+
+def optimizer_params(model: nn.Module, params: list[nn.Parameter], options: StepOptions) -> list[Any]:
+    """What the optimizer is built over: ``params`` as one group, or the HF Trainer's two group dicts
+    (``Trainer.create_optimizer``: the decayed weights in the model's order with ``weight_decay``, then
+    the rest with none). Both keep their dict even when empty, as the Trainer's (a LoRA step has no
+    bias or norm to train)."""
+    spec = options.param_groups_spec
+    if not spec.decay_split or options.optimizer == "muon":  # Muon splits by module itself (train/muon.py)
+        return params
+    decay, trained = decay_parameter_names(model), {id(p) for p in params}
+    named = [(name, p) for name, p in model.named_parameters() if id(p) in trained]
+    return [{"params": [p for name, p in named if name in decay], "weight_decay": spec.weight_decay},
+            {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0}]
 
 
 def move_module(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
