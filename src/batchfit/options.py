@@ -332,6 +332,10 @@ class Rollout:
     model, and generation that keeps every step's logits)."""
     chunk_rows: int | None = None
     """PPO's local_rollout_forward_batch_size: the rows generated and scored at once (None: all of them)."""
+    fp32_head: bool = False
+    """TRL's cast_lm_head_to_fp32 (GRPO): the policy's and the reference's LM head kept in fp32 whatever the
+    precision (its weight, gradient and optimizer state), run outside autocast on an fp32 copy of the hidden
+    states (``zoo/fused_logprobs.py``: fp32 tiles)."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("grpo", "ppo"):

@@ -110,6 +110,12 @@ def check_memory_budget(value: float | None, compile: str) -> None:
                           "(or blocks)")
 
 
+KEEP_FP32 = "batchfit_keep_fp32"
+"""A module of a Workload's model with this attribute set keeps its parameters in fp32 when the step casts
+the model to the precision's dtype (``train/model.py`` move_module; TRL's ``cast_lm_head_to_fp32``:
+``zoo/grpo.py``); a parameter it shares (a tied embedding) is fp32 too, as ``Module.float()`` leaves it."""
+
+
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with PyTorch's defaults: on CUDA it takes the foreach path."""
     import torch

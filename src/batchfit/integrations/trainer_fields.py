@@ -69,7 +69,6 @@ RL_MEMORY_FIELDS_NOT_MAPPED: dict[str, str] = {
     "use_transformers_paged": "paged generation is not traced: DynamicCache is",
     "generation_kwargs": "extra generation settings (beams, top-k) are not read: plain sampling is traced",
     "top_entropy_quantile": "the entropies this computes (one more pass over the logits) are not traced",
-    "cast_lm_head_to_fp32": "an fp32 lm_head (its weight and logits in fp32) is not traced",
     "ds3_gather_for_generation": "ZeRO-3 gathering the weights for generation is plan's, not estimate's",
     "num_generations_eval": "the eval loop of an RL trainer is not traced",
     "entropy_coef": "an entropy bonus's gradient (folded into TRL's fused head's tiles) is not traced",

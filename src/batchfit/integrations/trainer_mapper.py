@@ -160,8 +160,9 @@ class Mapper:
         beta, iterations = data.get("beta", 0.0), self._count("num_iterations", 1)
         old = (m.gradient_accumulation_steps % (per_step * iterations) != 0
                or bool(data.get("use_vllm") and data.get("vllm_importance_sampling_correction", True)))
+        fp32_head = bool(data.get("cast_lm_head_to_fp32"))
         m.rollout = Rollout(prompt_len=prompt, new_tokens=new_tokens, group_size=group, steps_per_generation=per_step,
-                            reference=bool(beta), old_logprobs=old)
+                            reference=bool(beta), old_logprobs=old, fp32_head=fp32_head)
         rows = m.per_device_train_batch_size * per_step
         self.use("num_generations", f"GRPO group {group}", "rewards normalised within each group", group)
         self.use("max_prompt_length", f"{prompt}-token prompts", "every prompt traced at the longest" if
@@ -182,6 +183,12 @@ class Mapper:
             self.use("num_iterations", "the policy's old log-probs computed before the update" if old else
                      "on-policy: no old log-probs", "TRL computes them when a generation serves more than one "
                      "optimizer step", iterations)
+        if fp32_head:
+            self.use("cast_lm_head_to_fp32", "the LM head in fp32", "the policy's and the reference's head weight (its "
+                     "gradient and optimizer state) in fp32 whatever the precision, run outside autocast on fp32 "
+                     "hidden states: fp32 tiles in TRL's fused head")
+        elif "cast_lm_head_to_fp32" in data:
+            self.skip("cast_lm_head_to_fp32", "off")
         if "loss_type" in data:
             self.skip("loss_type", "GRPO's loss normalisations (grpo, dapo, dr_grpo, bnpo, ...) hold no more memory "
                       "than the traced one")

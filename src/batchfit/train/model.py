@@ -13,7 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from batchfit.errors import OptionError
-from batchfit.workload import StepOptions
+from batchfit.workload import KEEP_FP32, StepOptions
 
 
 def build_optimizer(name: str, params: list[nn.Parameter], model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -71,29 +71,36 @@ def optimizer_params(model: nn.Module, params: list[nn.Parameter], options: Step
 
 
 def move_module(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
-    """``model.to(device, dtype)``, also for fake models (Module.to cannot swap fake params)."""
+    """``model.to(device, dtype)``, also for fake models (Module.to cannot swap fake params); the
+    modules marked :data:`KEEP_FP32` stay in fp32."""
+    kept = [m for m in model.modules() if getattr(m, KEEP_FP32, False)]
     if not any(isinstance(t, FakeTensor) for t in (*model.parameters(), *model.buffers())):
-        return model.to(device=device, dtype=dtype) if dtype else model.to(device)
+        model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
+        for module in kept:
+            module.float()
+        return model
 
-    def convert(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype if dtype and t.is_floating_point() else None)
+    def convert(t: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+        to = torch.float32 if fp32 else dtype
+        return t.to(device=device, dtype=to if to and t.is_floating_point() else None)
 
-    def convert_parameter(p: nn.Parameter) -> nn.Parameter:
+    def convert_parameter(p: nn.Parameter, fp32: bool = False) -> nn.Parameter:
         # a parameter class with its own ``to`` (bitsandbytes' Params4bit quantizes there, as
         # ``model.to("cuda")`` does for a QLoRA model built by hand) is kept as that returns it
-        moved = convert(p)
+        moved = convert(p, fp32)
         own = type(p).to is not torch.Tensor.to and isinstance(moved, nn.Parameter)
         return moved if own else nn.Parameter(moved, p.requires_grad)
 
     moved: dict[int, torch.Tensor] = {}  # shared (tied) tensors stay shared
     with torch.no_grad():
-        for module in model.modules():
+        for module in [*kept, *model.modules()]:  # the fp32 ones first: a tensor they share is theirs
+            fp32 = module in kept
             for slots, make in ((module._parameters, convert_parameter),
                                 (module._buffers, convert)):
                 for name, tensor in slots.items():
                     if tensor is not None:
                         if id(tensor) not in moved:
-                            moved[id(tensor)] = make(tensor)
+                            moved[id(tensor)] = make(tensor, fp32)
                         slots[name] = moved[id(tensor)]
     return model
 
