@@ -123,6 +123,15 @@ MEMORY_FIELDS_NOT_MAPPED: dict[str, str] = {
     "optim_target_modules": "GaLore / APOLLO target modules: those optimizers are not traced",
     "half_precision_backend": "apex is not traced",
     "parallelism_config": "accelerate's ParallelismConfig is not read (give plan --strategies)",
+    "full_determinism": "enable_full_determinism sets CUBLAS_WORKSPACE_CONFIG=:16:8 (128 KiB a cuBLAS handle, traced "
+                        "at torch's default, 32 MiB on sm90+: high by up to 64 MiB) and deterministic algorithms, "
+                        "whose kernels' own scratch is not traced",
+    "prediction_loss_only": "the eval loop then keeps no logits; it is traced keeping them (high)",
+    "batch_eval_metrics": "compute_metrics then runs per eval batch, keeping no logits across eval steps; traced as "
+                          "eval_accumulation_steps says (high where that is above 1)",
+    "include_for_metrics": "the eval inputs kept beside the logits for compute_metrics are not traced (token ids: "
+                           "small beside the logits)",
+    "debug": "underflow_overflow's forward hooks (an abs-max of every module's output) are not traced",
 }
 
 OUTSIDE_THE_STEP: dict[str, str] = {
