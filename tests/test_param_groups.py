@@ -19,6 +19,7 @@ The model: a transformers Llama, hidden 32, MLP 64, 2 layers, vocabulary 512, 16
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -120,3 +121,29 @@ def test_bad_param_groups_are_one_line_errors(text):
     with pytest.raises(OptionError, match="use one or decay:WD") as error:
         StepOptions(param_groups=text)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("given, groups", [(None, "decay:0.1"), ("sgd", "one")])
+def test_fit_training_traces_the_trainers_groups_unless_given_an_optimizer(monkeypatch, given, groups):
+    """The Trainer builds its optimizer over its two groups; an optimizer passed to Trainer(optimizers=...) is the
+    user's, traced as given."""
+    import batchfit.integrations.transformers as hf
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def plan(workload, *, options, **kwargs):
+        seen["groups"] = options.param_groups
+        raise Stop
+
+    monkeypatch.setattr(hf, "plan_global_batch", plan)
+    model = tiny_llama()
+    args = {"optim": "adamw_torch", "weight_decay": 0.1, "learning_rate": 1e-3, "adam_beta1": 0.9, "adam_beta2": 0.999,
+            "adam_epsilon": 1e-8, "optim_args": None}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if given else None
+    with pytest.raises(Stop):
+        hf.fit_training(model, types.SimpleNamespace(**args), global_batch=8, seq_len=SEQ, gpu_memory="1GiB",
+                        optimizer=optimizer)
+    assert seen["groups"] == groups
