@@ -141,7 +141,7 @@ def test_the_trainer_args_name_the_attention_and_a_flag_may_not_contradict_them(
     from batchfit.integrations.trainer_args import from_training_arguments
 
     args = {"per_device_train_batch_size": 2, "model_init_kwargs": {"attn_implementation": "eager"}}
-    assert from_training_arguments(args, check_fields=False).step == {"attention": "eager"}
+    assert from_training_arguments(args, check_fields=False).step == {"attention": "eager", "param_groups": "decay:0"}
     path = tmp_path / "args.json"
     path.write_text(json.dumps(args))
     result = CliRunner().invoke(app, ["estimate", _config(tmp_path, "llama"), "--gpu", "t4-16gb", "--seq-len", "16",

@@ -45,21 +45,23 @@ def training_args(tmp_path, **fields) -> str:
     return str(path)
 
 
-CASES = [  # (TrainingArguments fields, the batchfit flags that mean the same step)
+CASES = [  # (TrainingArguments fields, the batchfit flags that mean the same step; weight_decay 0 by default)
     (dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, bf16=True, gradient_checkpointing=True),
-     ["--precision", "bf16-mixed", "--checkpointing", "full", "--optimizer", "adamw", "--accumulation-steps", "2",
-      "--batch-sizes", "4", "--seq-len", "16"]),
+     ["--precision", "bf16-mixed", "--checkpointing", "full", "--optimizer", "adamw", "--param-groups", "decay:0",
+      "--accumulation-steps", "2", "--batch-sizes", "4", "--seq-len", "16"]),
     (dict(per_device_train_batch_size=2, fp16=True, optim="adafactor"),
-     ["--precision", "fp16-mixed", "--optimizer", "adafactor", "--batch-sizes", "2", "--seq-len", "16"]),
-    (dict(per_device_train_batch_size=3, optim="sgd", use_liger_kernel=True),
-     ["--optimizer", "sgd", "--loss", "fused-linear", "--batch-sizes", "3", "--seq-len", "16"]),
+     ["--precision", "fp16-mixed", "--optimizer", "adafactor", "--param-groups", "decay:0", "--batch-sizes", "2",
+      "--seq-len", "16"]),
+    (dict(per_device_train_batch_size=3, optim="sgd", weight_decay=0.01, use_liger_kernel=True),
+     ["--optimizer", "sgd", "--param-groups", "decay:0.01", "--loss", "fused-linear", "--batch-sizes", "3",
+      "--seq-len", "16"]),
     (dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, optim="adamw_torch",
           gradient_checkpointing=True, gradient_checkpointing_kwargs={"every_n_layers": 2, "use_reentrant": False}),
-     ["--optimizer", "adamw", "--checkpointing", "every:2", "--accumulation-steps", "2", "--batch-sizes", "2",
-      "--seq-len", "16"]),
+     ["--optimizer", "adamw", "--param-groups", "decay:0", "--checkpointing", "every:2", "--accumulation-steps", "2",
+      "--batch-sizes", "2", "--seq-len", "16"]),
     (dict(per_device_train_batch_size=1, gradient_accumulation_steps=3, bf16=True, max_length=24, packing=True),
-     ["--precision", "bf16-mixed", "--optimizer", "adamw", "--accumulation-steps", "3", "--batch-sizes", "1",
-      "--seq-len", "24"]),
+     ["--precision", "bf16-mixed", "--optimizer", "adamw", "--param-groups", "decay:0", "--accumulation-steps", "3",
+      "--batch-sizes", "1", "--seq-len", "24"]),
 ]
 
 
@@ -227,7 +229,8 @@ def test_sft_model_init_kwargs_and_checkpointing_aliases():
          "gradient_checkpointing_kwargs": {"every_n_layers": 2},
          "model_init_kwargs": {"torch_dtype": "bfloat16", "attn_implementation": "sdpa"}, "max_length": 512},
         check_fields=False)
-    assert mapping.step == {"precision": "bf16", "checkpointing": "every:2", "attention": "sdpa"}
+    assert mapping.step == {"precision": "bf16", "checkpointing": "every:2", "attention": "sdpa",
+                            "param_groups": "decay:0"}
     assert mapping.seq_len == 512
     used = {u.field: u for u in mapping.used}
     assert "replaces --precision bf16-mixed" in used["model_init_kwargs.torch_dtype"].why

@@ -34,6 +34,9 @@ on fake tensors, where a router's values decide it; F is a positive number."""
 QUANTIZE: tuple[str, ...] = ("none", "nf4", "nf4-dq", "fp4", "fp4-dq", "int8")
 """The --quantize grammar: the frozen base's linear layers in bitsandbytes 4-bit (nf4/fp4; -dq:
 double quantization of the absmax) or 8-bit (LLM.int8), ``train/quantize.py``."""
+PARAM_GROUPS: tuple[str, ...] = ("one", "decay:WD")
+"""The --param-groups grammar (``train/model.py``): one group of every trainable parameter, or the HF
+Trainer's two (weight decay WD on the weights, none on biases and norm weights); WD a number >= 0."""
 LORA = "r=N[,alpha=A][,dora][,targets=a+b]"
 """The --lora grammar: PEFT LoRA adapters of rank N (DoRA with ``dora``) on the linear layers whose
 names end in one of the targets (default: every linear layer but the output head, PEFT's all-linear)."""
@@ -274,6 +277,38 @@ class LoRA:
                          *([f"targets={'+'.join(self.targets)}"] if self.targets else [])])
 
 
+@dataclass(frozen=True)
+class ParamGroups:
+    """--param-groups: how the optimizer's parameter groups split the trainable parameters. A foreach
+    optimizer (torch's default on CUDA) makes its temporaries per group and frees them before the next
+    group, and a for-loop one holds each parameter's last temporary into the next: the split and its order
+    move the optimizer's peak (``tests/test_param_groups.py``)."""
+
+    decay_split: bool = False
+    """The HF Trainer's two groups (``Trainer.create_optimizer``): the weights first, then the biases and
+    norm weights (``Trainer.get_decay_parameter_names``); False: one group in the model's order."""
+    weight_decay: float = 0.0
+    """The first group's weight decay (the second has none): AdamW decays in place, SGD and Adam add it to
+    a copy of the gradients (a temporary the size of the group's gradients)."""
+
+    @classmethod
+    def parse(cls, text: str) -> ParamGroups:
+        if text == "one":
+            return cls()
+        kind, _, value = text.partition(":")
+        try:
+            decay = float(value)
+        except ValueError:
+            decay = -1.0
+        if kind != "decay" or not math.isfinite(decay) or decay < 0:
+            raise OptionError(f"unknown param groups '{text}': use one or decay:WD (the HF Trainer's two groups, "
+                              "weight decay WD >= 0 on the weights, e.g. decay:0.01)")
+        return cls(True, decay)
+
+    def __str__(self) -> str:
+        return f"decay:{self.weight_decay:g}" if self.decay_split else "one"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Rollout:
     """An RL step's generation settings (``zoo/grpo.py``): from a TRL GRPOConfig / PPOConfig
@@ -297,6 +332,10 @@ class Rollout:
     model, and generation that keeps every step's logits)."""
     chunk_rows: int | None = None
     """PPO's local_rollout_forward_batch_size: the rows generated and scored at once (None: all of them)."""
+    fp32_head: bool = False
+    """TRL's cast_lm_head_to_fp32 (GRPO): the policy's and the reference's LM head kept in fp32 whatever the
+    precision (its weight, gradient and optimizer state), run outside autocast on an fp32 copy of the hidden
+    states (``zoo/fused_logprobs.py``: fp32 tiles)."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("grpo", "ppo"):

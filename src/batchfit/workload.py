@@ -30,6 +30,7 @@ from batchfit.options import (  # noqa: F401  (the grammars, re-exported where t
     LoRA,
     Loss,
     Offload,
+    ParamGroups,
     PrecisionSpec,
     Quantize,
     Routing,
@@ -109,6 +110,12 @@ def check_memory_budget(value: float | None, compile: str) -> None:
                           "(or blocks)")
 
 
+KEEP_FP32 = "batchfit_keep_fp32"
+"""A module of a Workload's model with this attribute set keeps its parameters in fp32 when the step casts
+the model to the precision's dtype (``train/model.py`` move_module; TRL's ``cast_lm_head_to_fp32``:
+``zoo/grpo.py``); a parameter it shares (a tied embedding) is fp32 too, as ``Module.float()`` leaves it."""
+
+
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with PyTorch's defaults: on CUDA it takes the foreach path."""
     import torch
@@ -183,6 +190,10 @@ class StepOptions:
     optimizer: str | None = None
     """Override the Workload's optimizer: one of adamw, adam, sgd, sgd-momentum, adafactor, muon (Muon
     for the hidden 2-D matrices, AdamW for embeddings, head, norms and biases: train/muon.py)."""
+    param_groups: str = "one"
+    """The optimizer's parameter groups: one (every trainable parameter, as ``Optimizer(model.parameters())``)
+    or decay:WD (the HF Trainer's two: weight decay WD on the weights, none on biases and norm weights;
+    ``--trainer`` sets it). Muon keeps its own split. A Workload's own optimizer gets the two group dicts."""
     checkpointing: str = "none"
     """Activation checkpointing of the model's main stack of blocks: none; full (recompute every
     block); selective (torchtitan's per-op policy: keep matmuls and attention, recompute the rest
@@ -238,6 +249,7 @@ class StepOptions:
         loss_spec: Loss
         offload_spec: Offload
         quantize_spec: Quantize
+        param_groups_spec: ParamGroups
         lora_spec: LoRA | None
         """None for 'none'."""
         routing_spec: Routing
@@ -256,6 +268,7 @@ class StepOptions:
             raise OptionError(
                 f"unknown optimizer '{self.optimizer}': use one of {', '.join(OPTIMIZERS)}"
             )
+        self.param_groups_spec = ParamGroups.parse(self.param_groups)
         self.checkpointing_spec = Checkpointing.parse(self.checkpointing)
         if self.compile not in COMPILE:
             raise OptionError(f"unknown compile '{self.compile}': use one of {', '.join(COMPILE)}")

@@ -98,6 +98,10 @@ OptimizerOpt = Annotated[str | None, typer.Option(help="Override the optimizer: 
                                                  "for the rest); adamw-8bit, paged-adamw-8bit, lion-8bit, "
                                                  "paged-lion-8bit (bitsandbytes), adamw-torchao-8bit, "
                                                  "adamw-torchao-4bit (torchao).")]
+ParamGroupsOpt = Annotated[str, typer.Option(help="The optimizer's parameter groups: one (every trainable "
+                                                   "parameter) or decay:WD (the HF Trainer's two: weight decay WD "
+                                                   "on the weights, none on biases and norms; --trainer sets it). "
+                                                   "Each group's foreach temporaries are freed before the next.")]
 CheckpointingOpt = Annotated[str, typer.Option(help="Activation checkpointing: none, full (every block), selective "
                                                     "(torchtitan's per-op policy) or every:N (every N-th block).")]
 LossOpt = Annotated[str, typer.Option(help="Language-model loss: plain (the model's), chunked:N (cross-entropy over N "
@@ -320,6 +324,8 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
             parts.append({"checkpointing": f"ckpt-{value}", "compile": f"compile-{value}",
                           "loss": f"loss-{value}", "tp_loss": f"tp-loss-{value}", "offload": f"offload-{value}",
                           "routing": f"routing-{value}", "attention": f"attn-{value}"}.get(name, str(value)))
+    if options.param_groups != default.param_groups:
+        parts.append(f"groups-{options.param_groups}")
     if options.memory_budget is not None:
         parts.append(f"budget{options.memory_budget:g}")
     if options.accumulation_steps != 1:

@@ -19,7 +19,7 @@ FIELDS = (
     "gpu_memory", "gpus", "gpus_per_node", "grad_clip", "host_memory", "inter_node_gb_per_s", "intra_node_gb_per_s",
     "isolate", "json", "length_column", "limit", "lora", "loss", "lr", "lr_ref_batch", "lr_scaling", "lrs", "max",
     "max_batch", "max_share", "memory_budget", "mfu", "microbatches", "min", "min_lr_ratio", "multiple_of", "nodes",
-    "offload", "optimizer", "policy", "pp_schedule", "precision", "processes", "quantize", "repeats",
+    "offload", "optimizer", "param_groups", "policy", "pp_schedule", "precision", "processes", "quantize", "repeats",
     "replay_order", "replay_steps", "resume", "routing", "samples", "seeds", "seq_len", "steps", "store", "strategies",
     "strategy", "target_util", "tokenizer", "tokens", "tp_loss", "trainer", "val_fraction", "warmup", "window",
     "workers",

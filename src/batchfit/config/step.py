@@ -64,6 +64,7 @@ class StepFlags(Flags):
 
     precision: str = "fp32"
     optimizer: str | None = None
+    param_groups: str = "one"
     checkpointing: str = "none"
     freeze: list[str] | None = None
     train_only: list[str] | None = None
@@ -83,14 +84,15 @@ class StepFlags(Flags):
         return step_options(self.precision, self.optimizer, self.checkpointing, self.freeze, self.train_only,
                             self.accumulation_steps, self.compile_, self.loss, self.offload, quantize=self.quantize,
                             lora=self.lora, memory_budget=self.memory_budget, routing=self.routing,
-                            attention=self.attention, say=say, routing_per_step=routing_per_step)
+                            attention=self.attention, param_groups=self.param_groups, say=say,
+                            routing_per_step=routing_per_step)
 
 
 def step_options(precision: str, optimizer: str | None, checkpointing: str, freeze: list[str] | None,
                  train_only: list[str] | None, accumulation_steps: int, compile: str = "none",
                  loss: str = "plain", offload: str = "none", *, quantize: str = "none",
                  lora: str = "none", memory_budget: float | None = None,
-                 routing: str = "balanced", attention: str | None = None,
+                 routing: str = "balanced", attention: str | None = None, param_groups: str = "one",
                  say: Callable[[str], None] = quiet, routing_per_step: bool = False) -> StepOptions:
     """The step's options from the flags; ``routing_per_step``: the command replays a run's steps, so
     ``routing`` may give one per step (``options.RoutingSchedule``)."""
@@ -102,7 +104,7 @@ def step_options(precision: str, optimizer: str | None, checkpointing: str, free
                           frozen=tuple(freeze or ()), trainable=tuple(train_only or ()),
                           accumulation_steps=accumulation_steps, compile=compile, loss=loss,
                           offload=offload, quantize=quantize, lora=lora, memory_budget=memory_budget,
-                          routing=routing, attention=attention)
+                          routing=routing, attention=attention, param_groups=param_groups)
     if options.routing_schedule.varies and not routing_per_step:
         raise OptionError(f"`routing` {routing} gives a routing per step, which only estimate `data` FILE "
                           "`replay_steps` K replays: give one routing here (e.g. `routing` worst, the bound)")

@@ -69,7 +69,6 @@ RL_MEMORY_FIELDS_NOT_MAPPED: dict[str, str] = {
     "use_transformers_paged": "paged generation is not traced: DynamicCache is",
     "generation_kwargs": "extra generation settings (beams, top-k) are not read: plain sampling is traced",
     "top_entropy_quantile": "the entropies this computes (one more pass over the logits) are not traced",
-    "cast_lm_head_to_fp32": "an fp32 lm_head (its weight and logits in fp32) is not traced",
     "ds3_gather_for_generation": "ZeRO-3 gathering the weights for generation is plan's, not estimate's",
     "num_generations_eval": "the eval loop of an RL trainer is not traced",
     "entropy_coef": "an entropy bonus's gradient (folded into TRL's fused head's tiles) is not traced",
@@ -124,6 +123,15 @@ MEMORY_FIELDS_NOT_MAPPED: dict[str, str] = {
     "optim_target_modules": "GaLore / APOLLO target modules: those optimizers are not traced",
     "half_precision_backend": "apex is not traced",
     "parallelism_config": "accelerate's ParallelismConfig is not read (give plan --strategies)",
+    "full_determinism": "enable_full_determinism sets CUBLAS_WORKSPACE_CONFIG=:16:8 (128 KiB a cuBLAS handle, traced "
+                        "at torch's default, 32 MiB on sm90+: high by up to 64 MiB) and deterministic algorithms, "
+                        "whose kernels' own scratch is not traced",
+    "prediction_loss_only": "the eval loop then keeps no logits; it is traced keeping them (high)",
+    "batch_eval_metrics": "compute_metrics then runs per eval batch, keeping no logits across eval steps; traced as "
+                          "eval_accumulation_steps says (high where that is above 1)",
+    "include_for_metrics": "the eval inputs kept beside the logits for compute_metrics are not traced (token ids: "
+                           "small beside the logits)",
+    "debug": "underflow_overflow's forward hooks (an abs-max of every module's output) are not traced",
 }
 
 OUTSIDE_THE_STEP: dict[str, str] = {
@@ -229,8 +237,9 @@ class TrainerMapping:
 
 def traced_in_a_trainer(mapping: TrainerMapping, say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The StepOptions of a step traced from inside a Trainer (the HF and Lightning
-    integrations): the mapping's, less the optimizer (the integration traces the Trainer's own
-    optimizer object) and the accumulation (the integration picks it for the global batch).
+    integrations): the mapping's, less the optimizer and its parameter groups (the integration
+    traces the Trainer's own optimizer object, or the HF Trainer's groups where it builds it) and the
+    accumulation (the integration picks it for the global batch).
     ``say`` gets a line for each unused field that can change memory, and for a sharded
     strategy (the integrations trace one device's whole step)."""
     for use in mapping.unused:
@@ -239,7 +248,7 @@ def traced_in_a_trainer(mapping: TrainerMapping, say: Callable[[str], None] | No
     if mapping.strategy and mapping.strategy != "ddp" and say is not None:
         say(f"not traced: the {mapping.strategy} strategy (one device's whole step is traced, an upper bound); "
             f"batchfit plan --strategies {mapping.strategy} traces it sharded")
-    return {k: v for k, v in mapping.step.items() if k not in ("optimizer", "accumulation_steps")}
+    return {k: v for k, v in mapping.step.items() if k not in ("optimizer", "param_groups", "accumulation_steps")}
 
 
 def args_to_dict(args: Any) -> dict[str, Any]:

@@ -160,8 +160,9 @@ class Mapper:
         beta, iterations = data.get("beta", 0.0), self._count("num_iterations", 1)
         old = (m.gradient_accumulation_steps % (per_step * iterations) != 0
                or bool(data.get("use_vllm") and data.get("vllm_importance_sampling_correction", True)))
+        fp32_head = bool(data.get("cast_lm_head_to_fp32"))
         m.rollout = Rollout(prompt_len=prompt, new_tokens=new_tokens, group_size=group, steps_per_generation=per_step,
-                            reference=bool(beta), old_logprobs=old)
+                            reference=bool(beta), old_logprobs=old, fp32_head=fp32_head)
         rows = m.per_device_train_batch_size * per_step
         self.use("num_generations", f"GRPO group {group}", "rewards normalised within each group", group)
         self.use("max_prompt_length", f"{prompt}-token prompts", "every prompt traced at the longest" if
@@ -182,6 +183,12 @@ class Mapper:
             self.use("num_iterations", "the policy's old log-probs computed before the update" if old else
                      "on-policy: no old log-probs", "TRL computes them when a generation serves more than one "
                      "optimizer step", iterations)
+        if fp32_head:
+            self.use("cast_lm_head_to_fp32", "the LM head in fp32", "the policy's and the reference's head weight (its "
+                     "gradient and optimizer state) in fp32 whatever the precision, run outside autocast on fp32 "
+                     "hidden states: fp32 tiles in TRL's fused head")
+        elif "cast_lm_head_to_fp32" in data:
+            self.skip("cast_lm_head_to_fp32", "off")
         if "loss_type" in data:
             self.skip("loss_type", "GRPO's loss normalisations (grpo, dapo, dr_grpo, bnpo, ...) hold no more memory "
                       "than the traced one")
@@ -304,6 +311,7 @@ class Mapper:
     def optimizer(self) -> None:
         from batchfit.workload import OPTIMIZERS
 
+        self.param_groups()
         optim = self.data.get("optim")
         if optim is None:
             return
@@ -322,6 +330,17 @@ class Mapper:
                       "optimizer instead")
             return
         self.set_step("optimizer", name, "optim", why)
+
+    def param_groups(self) -> None:
+        """weight_decay -> the Trainer's two optimizer groups, which ``Trainer.create_optimizer`` builds
+        whatever the optim and the decay (0 included): its order and its per-group temporaries are traced."""
+        decay = self.data.get("weight_decay", 0.0)
+        if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not decay >= 0:
+            raise OptionError(f"weight_decay must be a number >= 0, got {decay!r}")
+        self.set_step("param_groups", f"decay:{decay:g}", "weight_decay", "the Trainer's two optimizer groups: "
+                      "the weights (this decay), then biases and norm weights (none)"
+                      + ("" if "weight_decay" in self.data else "; not in the args: the Trainer's default 0"),
+                      shown=decay)
 
     def sequence(self) -> None:
         data = self.data

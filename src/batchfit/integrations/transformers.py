@@ -7,7 +7,8 @@ The model is traced as the Trainer will run it: a copy on fake tensors (no GPU, 
 with the options ``args`` map onto (``integrations/trainer_args.py``, the mapping ``batchfit
 estimate --trainer args.json`` uses: precision, activation checkpointing, torch_compile, Liger,
 LoRA / quantization sections where given; what is not used is logged), and with the optimizer class and
-settings the Trainer builds from ``args.optim`` (``Trainer.get_optimizer_cls_and_kwargs``), or
+settings the Trainer builds from ``args.optim`` (``Trainer.get_optimizer_cls_and_kwargs``) over its
+two parameter groups (``Trainer.create_optimizer``: ``param_groups`` decay:WD), or
 the one given as ``optimizer=``; an optimizer it cannot build is an error, never AdamW instead.
 Unlike ``auto_find_batch_size``, the global batch stays what was asked for: a smaller
 micro-batch means more accumulation steps, never a different effective batch.
@@ -129,6 +130,8 @@ def fit_training(model: nn.Module, args: Any, *, global_batch: int, seq_len: int
     """
     mapping = from_training_arguments(args)  # the one mapping --trainer args.json takes too
     options = StepOptions(**traced_in_a_trainer(mapping, say=lambda line: logger.info("batchfit: %s", line)))
+    if optimizer is None:  # the Trainer builds it (create_optimizer): over its two parameter groups
+        options = dataclasses.replace(options, param_groups=mapping.step["param_groups"])
     seq_len = seq_len or mapping.seq_len
     if seq_len is None:
         raise OptionError("fit_training needs the tokens per sample: pass seq_len=2048 (or max_length in an SFTConfig)")

@@ -5,13 +5,15 @@ parameters by name. Used by the training step and by the tracer's depth cuts."""
 from __future__ import annotations
 
 import fnmatch
+import re
+from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from batchfit.errors import OptionError
-from batchfit.workload import StepOptions
+from batchfit.workload import KEEP_FP32, StepOptions
 
 
 def build_optimizer(name: str, params: list[nn.Parameter], model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -38,30 +40,67 @@ def build_optimizer(name: str, params: list[nn.Parameter], model: nn.Module | No
     return torch.optim.Adafactor(params, lr=1e-2)
 
 
+NO_DECAY_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+"""The HF Trainer's names of parameters without weight decay, searched in the lower-cased name
+(``Trainer.get_decay_parameter_names``' forbidden_name_patterns, transformers 5)."""
+
+
+def decay_parameter_names(model: nn.Module) -> set[str]:
+    """The parameters the HF Trainer decays: every one but those inside an ``nn.LayerNorm`` and those
+    whose name :data:`NO_DECAY_NAMES` finds (``transformers.trainer_pt_utils.get_parameter_names`` checks
+    each ancestor's suffix of the name; a suffix that matches makes the whole name match, so the whole
+    name is enough)."""
+    layer_norms = {name for name, module in model.named_modules() if isinstance(module, nn.LayerNorm) and name}
+    return {name for name, _ in model.named_parameters()
+            if not NO_DECAY_NAMES.search(name.lower())
+            and not any(name.startswith(f"{norm}.") for norm in layer_norms)}
+
+
+def optimizer_params(model: nn.Module, params: list[nn.Parameter], options: StepOptions) -> list[Any]:
+    """What the optimizer is built over: ``params`` as one group, or the HF Trainer's two group dicts
+    (``Trainer.create_optimizer``: the decayed weights in the model's order with ``weight_decay``, then
+    the rest with none). Both keep their dict even when empty, as the Trainer's (a LoRA step has no
+    bias or norm to train)."""
+    spec = options.param_groups_spec
+    if not spec.decay_split or options.optimizer == "muon":  # Muon splits by module itself (train/muon.py)
+        return params
+    decay, trained = decay_parameter_names(model), {id(p) for p in params}
+    named = [(name, p) for name, p in model.named_parameters() if id(p) in trained]
+    return [{"params": [p for name, p in named if name in decay], "weight_decay": spec.weight_decay},
+            {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0}]
+
+
 def move_module(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
-    """``model.to(device, dtype)``, also for fake models (Module.to cannot swap fake params)."""
+    """``model.to(device, dtype)``, also for fake models (Module.to cannot swap fake params); the
+    modules marked :data:`KEEP_FP32` stay in fp32."""
+    kept = [m for m in model.modules() if getattr(m, KEEP_FP32, False)]
     if not any(isinstance(t, FakeTensor) for t in (*model.parameters(), *model.buffers())):
-        return model.to(device=device, dtype=dtype) if dtype else model.to(device)
+        model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
+        for module in kept:
+            module.float()
+        return model
 
-    def convert(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype if dtype and t.is_floating_point() else None)
+    def convert(t: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+        to = torch.float32 if fp32 else dtype
+        return t.to(device=device, dtype=to if to and t.is_floating_point() else None)
 
-    def convert_parameter(p: nn.Parameter) -> nn.Parameter:
+    def convert_parameter(p: nn.Parameter, fp32: bool = False) -> nn.Parameter:
         # a parameter class with its own ``to`` (bitsandbytes' Params4bit quantizes there, as
         # ``model.to("cuda")`` does for a QLoRA model built by hand) is kept as that returns it
-        moved = convert(p)
+        moved = convert(p, fp32)
         own = type(p).to is not torch.Tensor.to and isinstance(moved, nn.Parameter)
         return moved if own else nn.Parameter(moved, p.requires_grad)
 
     moved: dict[int, torch.Tensor] = {}  # shared (tied) tensors stay shared
     with torch.no_grad():
-        for module in model.modules():
+        for module in [*kept, *model.modules()]:  # the fp32 ones first: a tensor they share is theirs
+            fp32 = module in kept
             for slots, make in ((module._parameters, convert_parameter),
                                 (module._buffers, convert)):
                 for name, tensor in slots.items():
                     if tensor is not None:
                         if id(tensor) not in moved:
-                            moved[id(tensor)] = make(tensor)
+                            moved[id(tensor)] = make(tensor, fp32)
                         slots[name] = moved[id(tensor)]
     return model
 

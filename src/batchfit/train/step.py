@@ -52,7 +52,7 @@ from batchfit.train.attention import set_attention
 from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
 from batchfit.train.float8 import convert_to_float8, precompute_scales_after_step
 from batchfit.train.losses import lm_loss, loss_context, tp_loss_of
-from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module
+from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module, optimizer_params
 from batchfit.train.offload import OffloadActivations
 from batchfit.workload import PARAMS_OFFLOAD_NEEDS_FSDP, StepOptions, Workload
 
@@ -242,8 +242,9 @@ class TrainingStep:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise OptionError("every parameter is frozen: loosen `frozen` or `trainable`")
-        self.optimizer = (build_optimizer(options.optimizer, params, self.model) if options.optimizer
-                          else workload.build_optimizer(params))
+        groups = optimizer_params(self.model, params, options)  # one group, or the HF Trainer's two
+        self.optimizer = (build_optimizer(options.optimizer, groups, self.model) if options.optimizer
+                          else workload.build_optimizer(groups))
         if self.float8_layers:
             precompute_scales_after_step(self.model, self.optimizer)  # FSDP2 float8 all-gather only
         self.loss_fn: LossFn = lm_loss(options.loss_spec, workload)  # plain: workload.loss_fn itself

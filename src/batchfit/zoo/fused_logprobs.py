@@ -14,6 +14,8 @@ picks the CPU path; the trace's CUDA mirror (``mirror_cuda``) switches it to the
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 TOKEN_CHUNK = 4096
@@ -116,15 +118,27 @@ class ChunkedLogProb(torch.autograd.Function):
 
 
 def fused_completion_logprobs(hidden_states: torch.Tensor, weight: torch.Tensor, sequences: torch.Tensor,
-                              completion: int, *, entropy: bool, triton: bool,
-                              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                              completion: int, *, entropy: bool, triton: bool, temperature: float = 1.0,
+                              fp32_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """TRL's ``_fused_forward`` after the backbone: ``hidden_states`` ``[rows, seq, hidden]`` -> the log-probs
     (and entropies) of the last ``completion`` tokens, ``[rows, completion]`` each, as ``views`` of the
-    ``[rows, seq - 1]`` per-position outputs (TRL's ``_get_per_token_logps_and_entropies`` slices them)."""
+    ``[rows, seq - 1]`` per-position outputs (TRL's ``_get_per_token_logps_and_entropies`` slices them).
+    ``fp32_head`` (cast_lm_head_to_fp32): TRL casts the hidden states to fp32 (a copy, saved for the
+    backward) and runs the head outside autocast, so its tiles are fp32."""
     labels = sequences.clone()  # TRL: input_ids.masked_fill(attention_mask == 0, -100); no padding here
     labels[:, :-completion] = -100
     hidden_states, labels = hidden_states[:, :-1], labels[:, 1:]
     mask = labels != -100
+    if fp32_head:
+        hidden_states = hidden_states.float()
+    with torch.autocast(hidden_states.device.type, enabled=False) if fp32_head else contextlib.nullcontext():
+        return _scored(hidden_states, weight, labels, mask, completion, entropy, triton, temperature)
+
+
+def _scored(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
+            completion: int, entropy: bool, triton: bool,
+            temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tiles run over the positions TRL scores, then its per-position outputs cut to the completion."""
     if triton:  # only the completion's tokens are scored on a GPU
         # hidden_states[mask] and labels[mask], as TRL indexes them: the mask is the last `completion` positions of
         # every row (no padding), so a slice copied out is the same tensor, with a shape fake tensors can know

@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchfit.errors import OptionError
 from batchfit.options import Rollout
-from batchfit.workload import Workload
+from batchfit.workload import KEEP_FP32, Workload
 from batchfit.zoo.fused_logprobs import fused_completion_logprobs
 from batchfit.zoo.transformer import Transformer, TransformerConfig
 
@@ -57,10 +58,15 @@ class Policy:
 
 
 class PolicyAndReference(nn.Module):
-    def __init__(self, build: Callable[[], nn.Module], reference: bool = True) -> None:
+    def __init__(self, build: Callable[[], nn.Module], reference: bool = True,
+                 fp32_head: Callable[[nn.Module], torch.Tensor] | None = None) -> None:
+        """``fp32_head``: the head's weight of a copy, kept in fp32 in both copies (TRL's cast_lm_head_to_fp32)."""
         super().__init__()
         self.policy = build()
         self.reference = build().requires_grad_(False) if reference else None
+        for copy in (self.policy, self.reference):
+            if fp32_head is not None and copy is not None:
+                cast_head_to_fp32(copy, fp32_head(copy))
         self.triton = False
         """Whether the log-probs fold their tiles as TRL's Triton kernel does on a GPU (``zoo/fused_logprobs.py``)."""
 
@@ -69,8 +75,32 @@ class PolicyAndReference(nn.Module):
         self.triton = True
 
 
+def cast_head_to_fp32(model: nn.Module, weight: torch.Tensor) -> None:
+    """TRL's ``_cast_lm_head_to_fp32`` (grpo_trainer.py): the head that holds ``weight`` stays fp32 when the step
+    casts the model (``workload.KEEP_FP32``) and its forward (generation's logits) runs in fp32 on an fp32
+    copy of the hidden states; a module that shares the weight (a tied embedding) gets it in fp32 too, its output
+    cast back to the model's dtype, as TRL's hook does."""
+    owners = [m for m in model.modules() if getattr(m, "weight", None) is weight]
+    head = owners[-1]  # the output head comes after the embedding it may share its weight with
+    setattr(head, KEEP_FP32, True)
+
+    def fp32_forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        bias = getattr(head, "bias", None)
+        return F.linear(hidden_states.to(torch.float32), head.weight.to(torch.float32),
+                        None if bias is None else bias.to(torch.float32))
+
+    head.forward = fp32_forward
+    for tied in owners[:-1]:
+        def back_to_model_dtype(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+            dtype = next((p.dtype for p in model.parameters() if p is not head.weight and p.is_floating_point()),
+                         output.dtype)
+            return output.to(dtype)
+
+        tied.register_forward_hook(back_to_model_dtype)
+
+
 def _logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, completion: int, *, entropy: bool,
-              triton: bool) -> torch.Tensor:
+              triton: bool, fp32_head: bool = False) -> torch.Tensor:
     """The completion's log-probs as TRL's GRPO computes them (its fused LM head: ``zoo/fused_logprobs.py``); the
     policy's entropies too, as TRL asks its policy's head for them (the reference's head only for log-probs).
     A policy with ``logits`` scores from its whole logits instead (the temperature's in-place division kept:
@@ -80,7 +110,7 @@ def _logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, complet
         logits.div_(1.0)
         return selective_log_softmax(logits, sequences[:, -completion:])
     logprobs, entropies = fused_completion_logprobs(policy.hidden(model, sequences), policy.head(model), sequences,
-                                                    completion, entropy=entropy, triton=triton)
+                                                    completion, entropy=entropy, triton=triton, fp32_head=fp32_head)
     return logprobs
 
 
@@ -96,10 +126,10 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
 
 
 def _chunked_logprobs(policy: Policy, model: nn.Module, sequences: torch.Tensor, completion: int,
-                      chunk: int, *, entropy: bool, triton: bool) -> torch.Tensor:
+                      chunk: int, *, entropy: bool, triton: bool, fp32_head: bool = False) -> torch.Tensor:
     """Log-probs in chunks of ``chunk`` rows, concatenated at the end, as TRL scores the generation batch."""
-    parts = [_logprobs(policy, model, sequences[i:i + chunk], completion, entropy=entropy, triton=triton)
-             for i in range(0, len(sequences), chunk)]
+    parts = [_logprobs(policy, model, sequences[i:i + chunk], completion, entropy=entropy, triton=triton,
+                       fp32_head=fp32_head) for i in range(0, len(sequences), chunk)]
     return torch.cat(parts)
 
 
@@ -108,7 +138,10 @@ def grpo_step(policy: Policy, rollout: Rollout, vocab_size: int, *, name: str, d
     """The GRPO step of ``policy`` under ``rollout``'s settings; ``batch_size`` is the update's
     completions per device (TRL's ``per_device_train_batch_size``)."""
     prompt_len, new_tokens, group = rollout.prompt_len, rollout.new_tokens, rollout.group_size
-    per_generation = rollout.steps_per_generation
+    per_generation, fp32 = rollout.steps_per_generation, rollout.fp32_head
+    if fp32 and policy.logits is not None:
+        raise OptionError(f"cast_lm_head_to_fp32 is traced on TRL's fused LM head (an hf: causal LM); {name} scores "
+                          "from its own logits, not TRL's: drop cast_lm_head_to_fp32, or give hf:<model>")
 
     def make_batch(batch_size: int, device: torch.device) -> torch.Tensor:
         # each prompt already repeated once per completion (TRL's RepeatSampler): the rows of a generation
@@ -125,16 +158,17 @@ def grpo_step(policy: Policy, rollout: Rollout, vocab_size: int, *, name: str, d
         chunk = len(batch["sequences"]) // per_generation
         if model.reference is not None:
             batch["ref_logp"] = _chunked_logprobs(policy, model.reference, batch["sequences"], new_tokens, chunk,
-                                                  entropy=False, triton=model.triton)
+                                                  entropy=False, triton=model.triton, fp32_head=fp32)
         if rollout.old_logprobs:
             batch["old_logp"] = _chunked_logprobs(policy, model.policy, batch["sequences"], new_tokens, chunk,
-                                                  entropy=True, triton=model.triton)
+                                                  entropy=True, triton=model.triton, fp32_head=fp32)
         return batch
 
     def loss_fn(model: PolicyAndReference, batch: dict) -> torch.Tensor:
         rows = len(batch["sequences"]) // per_generation  # the first update batch; the others are alike
         sequences, advantages = batch["sequences"][:rows], batch["advantages"][:rows]
-        logp = _logprobs(policy, model.policy, sequences, new_tokens, entropy=True, triton=model.triton)
+        logp = _logprobs(policy, model.policy, sequences, new_tokens, entropy=True, triton=model.triton,
+                         fp32_head=fp32)
         old = batch["old_logp"][:rows] if "old_logp" in batch else logp.detach()  # on-policy: these, detached
         ratio = torch.exp(logp - old)
         loss = -torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages).mean()
@@ -145,12 +179,14 @@ def grpo_step(policy: Policy, rollout: Rollout, vocab_size: int, *, name: str, d
         return loss
 
     return Workload(
-        name=name, build_model=lambda: PolicyAndReference(policy.build, rollout.reference), make_batch=make_batch,
+        name=name, make_batch=make_batch,
+        build_model=lambda: PolicyAndReference(policy.build, rollout.reference, policy.head if fp32 else None),
         loss_fn=loss_fn, generate=generate, reference=reference if rollout.reference or rollout.old_logprobs else None,
         group_size=rollout.batch_multiple, tokens_per_sample=prompt_len + new_tokens,
         description=f"{description}; GRPO: group {group}, {prompt_len}-token prompts, {new_tokens} new tokens with "
                     f"a KV cache" + (f", {per_generation} update steps per generation" if per_generation > 1 else "")
-                    + ("" if rollout.reference else ", no reference model (beta 0)"))
+                    + ("" if rollout.reference else ", no reference model (beta 0)")
+                    + (", LM head in fp32" if fp32 else ""))
 
 
 def sample_token(last_logits: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
