@@ -159,9 +159,10 @@ def test_one_parser_of_strategy_names():
 
 PLAN_STILL_IMPORTS = {  # a parallelism's module that plan/ still imports by name, and why (issue 31 item 1)
     "distributed/strategy.py": "the typed Strategy and apply_strategy: every strategy's, not one parallelism's",
-    "distributed/tp_plans.py": "plan/sharded.py's default plan (tp_plan), plan/pipeline.py's sequence_parallel",
-    "distributed/zero.py": "plan/sharded.py's with_sharded_optimizer",
-    "distributed/pipeline.py": "plan/pipeline.py builds and traces each pipeline rank (build_rank)",
+    "distributed/pipeline.py": "plan/pipeline.py is the pipeline's own session: it traces each pipeline rank "
+                               "(build_rank's stages) through plan/sharded.py's ShardedSession, a layer above "
+                               "distributed/; reaching build_rank through the entry would hide that one caller's "
+                               "dependency, not remove it",
 }
 
 
@@ -176,10 +177,41 @@ def test_plan_reaches_each_parallelism_through_the_registry():
     files = {".".join(("batchfit", *path.relative_to(PACKAGE).with_suffix("").parts)) for path in PACKAGE.rglob("*.py")}
     own = {"batchfit." + p.module.removesuffix(".py").replace("/", "."): p.key for p in registered()
            if p.module not in PLAN_STILL_IMPORTS}
-    assert {"batchfit.distributed.context_parallel", "batchfit.distributed.expert_parallel"} <= set(own)
+    assert {"batchfit.distributed.context_parallel", "batchfit.distributed.expert_parallel",
+            "batchfit.distributed.tp_plans", "batchfit.distributed.zero"} <= set(own)
     wrong = [f"{path.relative_to(PACKAGE)} imports {module} ({own[module]}'s)"
              for path in (PACKAGE / "plan").glob("*.py") for module in sorted(file_imports(path, files))
              if module in own]
+    assert wrong == []
+
+
+REGISTRY_ONLY = ("cp", "ep")
+"""Parallelisms plan/ reaches through their registry entries alone (tp and pp still have plan code of their
+own: plan/pipeline.py, the TP loss of plan/sharded.py)."""
+READS_THEM_STILL = {
+    "result.py": "StrategyPlan's own cp / ep fields, as its JSON names them",
+    "bound.py": "floor_bytes's rule that pp, tp and ep spread the state (helper planspeed's file this round)",
+}
+
+
+def degree_reads(source: str, keys: tuple[str, ...] = REGISTRY_ONLY) -> list[str]:
+    """Where ``source`` reads a degree of ``keys`` by name: ``x.cp``, ``getattr(x, "ep", 1)``,
+    ``degrees.get("cp")``, ``c.group == "cp"`` (any string literal that is the key)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and node.attr in keys) or (
+                isinstance(node, ast.Constant) and node.value in keys):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_plan_reads_cp_and_ep_through_the_registry():
+    """plan/ reads cp's and ep's degrees through their entries (``Parallelism.used_by``, ``degree_of``,
+    ``strategy_name.field_degrees``) and their rules through its hooks (emit keys, the shard group, the
+    pipeline's refusal, the ring's bytes, auto's bounds), never by name."""
+    assert len(degree_reads('a = s.cp\nb = getattr(s, "ep", 1)\nc = d.get("cp", 1)\nok = s.tp\n')) == 3
+    wrong = [f"plan/{path.name} {where}" for path in sorted((PACKAGE / "plan").glob("*.py"))
+             if path.name not in READS_THEM_STILL for where in degree_reads(path.read_text())]
     assert wrong == []
 
 

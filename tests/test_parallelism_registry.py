@@ -8,12 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from batchfit.devices import get_device
 from batchfit.distributed import parallelisms
 from batchfit.distributed.strategy_name import StrategyName, parse_name, parse_strategy
 from batchfit.errors import OptionError
 from batchfit.plan.candidates import ModelFacts, candidates
 from batchfit.plan.world import World
-from toy_parallelism import TOY
+from toy_parallelism import ELSEWHERE, SEEN, TOY
 
 LLAMA = ModelFacts(name="llama", n_layers=32, heads=32, kv_heads=8, tp_plan=True)
 
@@ -56,15 +57,45 @@ def test_the_toy_is_emitted_timed_and_approximated(toy):
     assert group_span(Collective("all_to_all", "xp", 2, 1, "forward"), s) == 4
     said = TOY.approximations([s, parse_strategy("fsdp", 8)], None, None)
     assert [a.what for a in said] == ["fsdp+xp2: the toy's ranks are not traced"]
-    from batchfit.devices import get_device
     from batchfit.plan.emit import config_yaml
     from batchfit.workload import StepOptions
 
     row = SimpleNamespace(strategy=s.name, parts=s.parts, gpus=8, nodes=1, dp=4, tp=1, pp=1, cp=1, ep=1,
                           micro_batch=4, accumulation_steps=1, global_batch=16, peak_bytes_at_micro=2**30)
-    text = config_yaml(SimpleNamespace(recommended=[row], device=get_device("h100-80gb"), target_util=0.9,
-                                       workload="w", options=StepOptions()))
-    assert "toy_parallel: 2" in text
+    result = SimpleNamespace(recommended=[row], device=get_device("h100-80gb"), target_util=0.9, workload="w",
+                             options=StepOptions())
+    assert "toy_parallel: 2" in config_yaml(result)
+    from batchfit.plan.emit import accelerate_yaml
+
+    with pytest.raises(OptionError, match="fsdp\\+xp2 is toy-parallel, which Accelerate's config cannot say"):
+        accelerate_yaml(result)  # no `accelerate` hook: refused, not written without its degree
+
+
+def test_the_toy_bounds_auto_and_shards_with_fsdp(toy):
+    from batchfit.plan.candidates import bounds
+    from batchfit.plan.shard_limit import shard_group
+
+    assert bounds()[-1] == "xp only at degree 2"
+    assert (shard_group(parse_strategy("fsdp+xp2", 8)), shard_group(parse_strategy("fsdp", 8))) == (8, 8)  # dp 4 x 2
+    assert shard_group(parse_strategy("hsdp2+xp2", 8)) == 4  # (dp 4 x xp 2) / 2 replicas
+
+
+def test_the_toys_code_runs_around_rank_0s_step_on_the_fake_mesh(toy):
+    """plan/sharded.py runs the toy's FakeMesh as it runs cp's ring and ep's experts: its workload hook sees
+    the workload rank 0 runs (as a CPU step here), its parameters elsewhere join the count (the tiny
+    Llama's, counted by hand in tests/tiny.py, + ELSEWHERE), its label takes FSDP2's all-gathers (the rest
+    keep the mesh's), and its check refuses ddp+xp2, whose step all-reduces and never all-gathers."""
+    from batchfit.plan.sharded import trace_sharded
+    from tiny import OPTIONS, TOTAL, tiny_workload
+
+    SEEN.clear()
+    device = get_device("h100-80gb")
+    point = trace_sharded(tiny_workload(), OPTIONS, device, parse_strategy("fsdp+xp2", 4), 2, cuda_semantics=False)
+    assert SEEN == [("fsdp+xp2", True)] and point.params == TOTAL + ELSEWHERE
+    assert {(c.op, c.group, c.group_size) for c in point.collectives} == {("all_gather", "xp", 2),
+                                                                          ("reduce_scatter", "dp", 4)}
+    with pytest.raises(OptionError, match="ddp\\+xp2: the toy's ranks never all-gathered"):
+        trace_sharded(tiny_workload(), OPTIONS, device, parse_strategy("ddp+xp2", 4), 1, cuda_semantics=False)
 
 
 def test_the_toy_is_gone_after_its_block():

@@ -25,7 +25,7 @@ import json
 import pytest
 
 from batchfit.devices import GiB
-from batchfit.plan.candidates import BOUNDS, Candidate, Component, ModelFacts, candidates
+from batchfit.plan.candidates import Candidate, Component, ModelFacts, bounds, candidates
 from batchfit.plan.engine import plan
 from batchfit.plan.time_model import TimeModel
 from batchfit.plan.world import World
@@ -83,7 +83,7 @@ def test_what_cannot_apply_is_listed_with_its_reason():
     assert "micro-batches" in skipped(World(4), LLAMA, microbatches=2)["pp4"]  # 1F1B needs one per stage
     assert "--loss chunked" in skipped(World(2), ModelFacts(name="m", n_layers=4, loss="chunked"))["pp2"]
     assert "could not be built on the meta device" in skipped(World(2), ModelFacts(name="m", unread="x"))["pp2"]
-    assert all("\n" not in reason for reason in reasons.values()) and len(BOUNDS) == 5
+    assert all("\n" not in reason for reason in reasons.values()) and len(bounds()) == 6
 
 
 def test_a_new_component_is_added():
@@ -146,7 +146,7 @@ def test_the_ranking_is_by_tokens_per_s_with_figures_by_hand():
     assert by["pp4"].status == "skipped" and "6 layers do not split into 4" in by["pp4"].why
     data = json.loads(json.dumps(result.to_json()))
     assert [r["strategy"] for r in data["ranking"]] == ORDER + ["pp4"] and data["ranking"][0]["mfu"] == 0.5
-    assert data["auto_left_out"] == list(BOUNDS) and data["recommended"][0]["strategy"] == "hsdp2"
+    assert data["auto_left_out"] == list(bounds()) and data["recommended"][0]["strategy"] == "hsdp2"
 
 
 def test_auto_lists_what_the_global_batch_rules_out():
@@ -173,7 +173,7 @@ def test_the_report_shows_the_ranking(tmp_path):
     section = text[text.index("## Ranking"):text.index("## Configuration")]
     lines = [line for line in section.splitlines() if line.startswith("| 1 ") or line.startswith("| 10 ")]
     assert lines[0].startswith("| 1 | 4 | hsdp2 | 1 | 4 | 1 |") and "| 1.00x |" in lines[0]
-    assert "| 4 | pp4 | 4 | 1 | 1 | skipped | pp4 with 1f1b: 6 layers" in section and BOUNDS[0] in section
+    assert "| 4 | pp4 | 4 | 1 | 1 | skipped | pp4 with 1f1b: 6 layers" in section and bounds()[0] in section
     paths = write_plan_report(result, tmp_path)
     assert paths["ranking_png"].read_bytes()[:4] == b"\x89PNG"
 

@@ -4,10 +4,13 @@ A :class:`Parallelism` names its token in a strategy name (its degree is the ``S
 ``Strategy`` field of the same key, read by ``distributed/strategy_name.py``, the one parser),
 the module that applies it on a mesh and its code around rank 0's step there (:class:`FakeMesh`), what
 every plan with it says in its output (its approximations), its candidate rules for ``plan --strategies
-auto`` (over ``distributed/auto.py``'s ``ModelFacts``), and its torchtitan ``[parallelism]`` and
-config.yaml keys. The parser (``strategy_name.py``), auto's candidates (``plan/candidates.py``), the traced
-rank (``plan/sharded.py``), the time model, ``plan/engine.py``'s approximations and both emits iterate over
-:func:`registered` instead of naming each parallelism; ``tests/test_strategy_name.py`` checks that every
+auto`` (over ``distributed/auto.py``'s ``ModelFacts``) and what it leaves out to bound them, its torchtitan
+``[parallelism]``, config.yaml and Accelerate keys, and the rules plan reads of it (whether FSDP2 shards over
+its ranks, whether a pipeline runs it, its collectives' bytes on a link). The parser (``strategy_name.py``),
+auto's candidates and bounds (``plan/candidates.py``), the traced rank (``plan/sharded.py``: TP's shipped plan
+and ZeRO's optimizer too), the time model, the shard limit, the derived DDP rows, the pipeline's refusals,
+``plan/engine.py``'s approximations and the three emits iterate over :func:`registered` instead of naming each
+parallelism; ``tests/test_strategy_name.py`` checks that every
 degree of a name has its entry, ``tests/test_parallelism_registry.py`` that a toy parallelism added from one
 module is parsed, listed by auto and emitted. The data-parallel wraps (ddp, fsdp, hsdp, zero1/2) are the name's
 ``shard``: their entry ('dp') carries auto's first combinations, ZeRO's only what its traces say.
@@ -42,6 +45,12 @@ class FakeMesh:
     check: Callable[[object, object, list], None] = lambda strategy, meshes, calls: None
     """``(strategy, meshes, calls)`` after the first trace: raises OptionError when the step never ran it (cp:
     no attention through the ring)."""
+    parallelize: Callable[[object, object], Callable | None] = lambda model, options: None
+    """``(model, options) -> plan`` applying it to a model whose workload has no plan of its own (tp: the shipped
+    plan, ``distributed/tp_plans.py``), None: no plan (the first entry's non-None plan is ``apply_strategy``'s)."""
+    optimizer: Callable[[object, object, object], tuple] = lambda workload, options, strategy: (workload, options)
+    """``(workload, options, strategy) -> (workload, options)`` whose step builds its optimizer as it needs it
+    (zero1 / zero2: a ZeroRedundancyOptimizer, built inside the trace)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +83,10 @@ class Parallelism:
     span: Callable[[object, object], int] | None = None
     """``(collective, strategy) -> ranks``: how many consecutive ranks one group of its collectives spans,
     which decides NVLink or the network (``plan/time_model.py``; the mesh puts tp innermost)."""
+    bus: Callable[[object], float | None] = lambda collective: None
+    """``collective -> bytes on a link per byte of its buffer`` for its own collectives that are not a ring's
+    (cp's dK/dV pass: torch's _AllToAllRotater sends a rank's whole buffer to the next, 1.0); None: a ring's
+    (``plan/time_model.py``'s bus_factor)."""
     critical_path: bool = False
     """Whether the next op waits for its collectives (never hidden behind compute): TP's, ep's all-to-alls."""
     name_order: int = 5
@@ -97,7 +110,33 @@ class Parallelism:
     it), read last; None: it has no such rule."""
     fake_mesh: Callable[[], FakeMesh] | None = None
     """Its code that ``plan/sharded.py`` runs around rank 0's step on the fake mesh beyond
-    ``apply_strategy``'s wrap (loaded when a traced strategy has its degree above 1); None: none."""
+    ``apply_strategy``'s wrap (loaded when a traced strategy uses it: :meth:`used_by`); None: none."""
+    uses: Callable[[object], bool] = lambda layout: False
+    """For an entry without a degree (a data-parallel wrap): whether ``layout`` (a ``Strategy``, a plan row)
+    uses it (zero: its shard is zero1 or zero2). An entry with a degree is used from degree 2 on."""
+    auto_bounds: tuple[str, ...] = ()
+    """What auto leaves out of its rule only to bound the tracing (not because it cannot apply), one line
+    each: ``plan/candidates.py``'s :func:`bounds` prints them with every ranking, in the registry's order."""
+    fsdp_shards_over: bool = False
+    """Whether FSDP2 shards the parameters over its ranks too (cp: torchtitan's dp_shard_cp mesh, FSDP2 over
+    dp x cp), so ``plan/shard_limit.py`` counts them in the shard group it bounds by the model's rows."""
+    in_pipeline: str | None = None
+    """Why a pipeline's stages do not run it (yet): ``plan/pipeline.py`` refuses pp<N> with it, saying this
+    after the strategy's name; None: they do."""
+    words: str = ""
+    """What a row using it is, in a sentence ('expert-parallel'): the emits' refusals say it."""
+    accelerate: Callable[[object, int], dict[str, object]] | None = None
+    """``(row, degree) -> its keys in Accelerate's parallelism_config`` for a recommended row using it (cp: its
+    size and the ring's rotation; ``{}`` for one written with the wraps' sizes, tp); raises OptionError for a
+    row Accelerate cannot run it in. None: Accelerate's config cannot say it, and ``plan --emit accelerate``
+    refuses such a row (its :attr:`words`)."""
+    runs_experts: bool = False
+    """Whether it runs a mixture's experts itself (ep: one grouped GEMM, not the model's loop), so the plan's
+    routing line says so when every strategy uses it."""
+
+    def used_by(self, layout) -> bool:
+        """Whether ``layout`` (a ``Strategy``, a plan row) uses this parallelism."""
+        return degree_of(layout, self.key) > 1 if self.degree else self.uses(layout)
 
 
 def _pipeline(strategies, workload, options) -> list:
@@ -278,6 +317,34 @@ def _ring(collective, strategy) -> int:  # the cp ring over cp x tp consecutive 
     return collective.group_size * strategy.tp
 
 
+def _ring_pass(collective) -> float | None:  # the ring's dK/dV pass (permute_tensor): a whole buffer to the next
+    return 1.0 if collective.op == "all_to_all" else None
+
+
+def _cp_accelerate(row, degree: int) -> dict[str, object]:
+    """torch's ring with its default all-gather rotation (what the trace ran), under FSDP2 (Accelerate's only)."""
+    if row.shard not in ("fsdp", "fsdp-noreshard"):
+        raise OptionError(f"the recommended {row.strategy}: Accelerate runs context parallelism with FSDP2 only: "
+                          "emit the YAML (`emit` config.yaml), or plan fsdp+cp<N> strategies")
+    return {"parallelism_config_cp_size": degree, "parallelism_config_cp_comm_strategy": "allgather"}
+
+
+def _with_the_wraps(row, degree: int) -> dict[str, object]:
+    return {}  # parallelism_config_tp_size: written beside the data-parallel sizes (plan/emit.py), tp1 too
+
+
+def _tp_mesh() -> FakeMesh:
+    from batchfit.distributed.tp_plans import tp_plan
+
+    return FakeMesh(parallelize=lambda model, options: tp_plan(model, options.tp_loss))
+
+
+def _zero_mesh() -> FakeMesh:
+    from batchfit.distributed.zero import with_sharded_optimizer
+
+    return FakeMesh(optimizer=with_sharded_optimizer)
+
+
 def _cp_mesh() -> FakeMesh:
     from batchfit.distributed.context_parallel import check_ring, on_fake_mesh, ring_label
 
@@ -293,24 +360,43 @@ def _ep_mesh() -> FakeMesh:
 _REGISTRY: list[Parallelism] = [
     # the data-parallel wraps: the name's shard, no degree of their own; auto's first combinations
     Parallelism(key="dp", degree=False, token="ddp / fsdp / fsdp-noreshard / hsdp<R> / zero1 / zero2",
-                module="distributed/strategy.py", auto_combinations=_data_parallel),
+                module="distributed/strategy.py", auto_combinations=_data_parallel,
+                auto_bounds=("zero1/zero2 and hsdp only without pp and TP (batchfit's strategy grammar does not "
+                             "compose them)",
+                             "hsdp<R>: R = the nodes and up to two halvings (not below 2) on several nodes; R = 2 or "
+                             "4 (2+ GPUs per shard group) on one")),
     Parallelism(key="tp", token="tp<N>", module="distributed/tp_plans.py", torchtitan_key="tensor_parallel_degree",
                 config_key="tensor_parallel", config_at_1=True, group="tp", span=_own_group, critical_path=True,
-                name_order=4, auto_combinations=_tp_combinations, auto_skip=_moe_tp),
-    Parallelism(key="zero", degree=False, token="zero1 / zero2", module="distributed/zero.py", approximations=_zero),
+                name_order=4, auto_combinations=_tp_combinations, auto_skip=_moe_tp, fake_mesh=_tp_mesh,
+                words="tensor-parallel", accelerate=_with_the_wraps,
+                auto_bounds=(f"tp at most one node's GPUs (and {MAX_AUTO_TP}): TP's collectives never overlap "
+                             "compute, across nodes they run at network speed",)),
+    Parallelism(key="zero", degree=False, token="zero1 / zero2", module="distributed/zero.py", approximations=_zero,
+                uses=lambda layout: getattr(layout, "shard", None) in ("zero1", "zero2"), fake_mesh=_zero_mesh),
     Parallelism(key="pp", token="pp<N>", module="distributed/pipeline.py", approximations=_pipeline,
                 torchtitan_key="pipeline_parallel_degree", config_key="pipeline_parallel", name_order=0,
-                auto_combinations=_pp_combinations),
+                auto_combinations=_pp_combinations, words="pipeline-parallel",
+                auto_bounds=(f"pp at most {MAX_AUTO_PP} stages; inside a pipeline only FSDP2 (fsdp-noreshard only "
+                             "under a zero-bubble schedule, which needs it: torch's PipelineStage keeps a stage's "
+                             "parameters gathered through the backwards anyway; no ddp, zero1/2, hsdp) and TP none "
+                             "or the largest allowed",)),
     Parallelism(key="cp", token="cp<N>", module="distributed/context_parallel.py", approximations=_context_parallel,
                 torchtitan_key="context_parallel_degree", config_key="context_parallel", group="cp", span=_ring,
-                name_order=3, auto=_cp_degrees, fake_mesh=_cp_mesh,
-                auto_rule="cp<N>: ring attention over N ranks of each sample, FSDP2 over dp x cp"),
+                name_order=3, auto=_cp_degrees, fake_mesh=_cp_mesh, fsdp_shards_over=True, bus=_ring_pass,
+                auto_rule="cp<N>: ring attention over N ranks of each sample, FSDP2 over dp x cp",
+                auto_bounds=(f"cp only from a sequence of {MIN_AUTO_CP_SEQ:,} tokens, over FSDP2 without pp, at "
+                             "the smallest and largest degree that fit one node",),
+                in_pipeline=("context parallelism inside a pipeline is not traced yet: use fsdp+cp<N>[+tp<T>] "
+                             "without pp, or pp<N>+fsdp without cp"),
+                words="context-parallel", accelerate=_cp_accelerate),
     # ep<N>: the sparse mesh's innermost dimension, N consecutive ranks (the tp ranks among them: etp=1)
     Parallelism(key="ep", token="ep<N>", module="distributed/expert_parallel.py", approximations=_expert_parallel,
                 torchtitan_key="expert_parallel_degree", torchtitan_at_1=False, config_key="expert_parallel",
                 group="ep", span=_own_group, critical_path=True, name_order=1, takes_gpus=False, auto=_ep_degrees,
-                fake_mesh=_ep_mesh,
-                auto_rule="ep<N>+fsdp[+tp<M>]: each rank keeps experts / N, all-to-all dispatch (etp=1 with tp)"),
+                fake_mesh=_ep_mesh, runs_experts=True, words="expert-parallel",
+                auto_rule="ep<N>+fsdp[+tp<M>]: each rank keeps experts / N, all-to-all dispatch (etp=1 with tp)",
+                auto_bounds=("ep only on a mixture of experts, ep<N>+fsdp[+tp<M>] without pp, at the largest degree "
+                             "within a node",)),
 ]
 """Every parallelism, in the order a plan's outputs list their approximations (:func:`added` appends one)."""
 
@@ -351,12 +437,20 @@ def added(parallelism: Parallelism) -> Iterator[Parallelism]:
 
 
 def degree_of(layout, key: str) -> int:
-    """``layout``'s degree of ``key``: its field (a ``Strategy``'s or a plan row's tp, cp, ...), else the
-    name's degree of a parallelism without a field of its own (``StrategyName.more``), else 1."""
+    """``layout``'s degree of ``key``: its field (a ``Strategy``'s or a plan row's tp, cp, ...), else its
+    ``degrees`` (an auto ``Candidate``'s cp, ep), else the name's degree of a parallelism without a field of
+    its own (``StrategyName.more``), else 1."""
     if hasattr(layout, key):
         return getattr(layout, key)
+    if isinstance(degrees := getattr(layout, "degrees", None), dict):
+        return degrees.get(key, 1)
     parts = getattr(layout, "parts", None)
     return parts.degree(key) if parts is not None else 1
+
+
+def runs_experts(layout) -> bool:
+    """Whether a parallelism ``layout`` uses runs a mixture's experts itself (ep<N>: ``Parallelism.runs_experts``)."""
+    return any(p.runs_experts and p.used_by(layout) for p in _REGISTRY)
 
 
 def approximations(strategies: list, workload, options) -> list:

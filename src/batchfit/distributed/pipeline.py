@@ -61,6 +61,16 @@ def hidden_size_of(model: nn.Module) -> int:
     return model.embed.embedding_dim if _zoo_blocks(model) is not None else hidden_size(model)
 
 
+def sends_sequence_shard(model: nn.Module, tp: int) -> bool:
+    """Whether a stage of ``model`` under tp<``tp``> sends 1/tp of the sequence: with sequence parallelism (the
+    zoo's Llama plan, the Llama-shaped HF families') the residual stream a stage sends holds 1/tp of it (the
+    embedding's Rowwise output is Shard(1), local); an HF model's own plan leaves it whole."""
+    from batchfit.distributed.pipeline_hf import pp_parts
+    from batchfit.distributed.tp_plans import sequence_parallel
+
+    return tp > 1 and (getattr(model, "pos", None) is None if pp_parts(model) is None else sequence_parallel(model))
+
+
 def _stage_forward(self, x):
     """A stage's forward (torchtitan's Transformer.forward, which skips what the stage lacks)."""
     import torch

@@ -48,6 +48,12 @@ NAMES_HELP = ("ddp, fsdp, fsdp-noreshard, zero1, zero2, hsdp<R>, tp<N>, fsdp[-no
               "ddp+cp<N>, pp<N>[+any of these], ep<N>+fsdp[+tp<M>] or auto")
 
 
+def field_degrees(layout) -> dict[str, int]:
+    """``layout``'s degree of each parallelism with a field of its own (:data:`FIELDS`), as a plan row's
+    fields take them: from a ``Strategy``, a plan row or an auto ``Candidate`` (``parallelisms.degree_of``)."""
+    return {key: parallelisms.degree_of(layout, key) for key in FIELDS}
+
+
 @dataclass(frozen=True, kw_only=True)
 class StrategyName:
     """A strategy name's parts, world-independent: the data-parallel wrap and the degrees."""

@@ -4,7 +4,7 @@ One function, :func:`candidates`, lists them; each combination comes from a writ
 and a combination a rule cannot apply to this model (no tensor-parallel plan, heads or layers
 that do not divide) is listed as **skipped, with the reason**, never dropped in silence. The
 rules that only keep the count bounded (each candidate is a tracing session: seconds to
-minutes on a CPU) are :data:`BOUNDS`, printed with every ranking.
+minutes on a CPU) are :func:`bounds`, printed with every ranking.
 
 A combination is the degrees ``pp x dp x tp = world`` (``cp`` joins the product and ``ep``
 borrows from dp x tp) and the data-parallel wrap of the dp ranks. Each rule below is its
@@ -47,20 +47,11 @@ from batchfit.distributed.parallelisms import DP_WRAPS, MAX_AUTO_PP, MAX_AUTO_TP
 from batchfit.distributed.strategy_name import StrategyName
 from batchfit.plan.world import World
 
-BOUNDS = (
-    f"pp at most {MAX_AUTO_PP} stages; inside a pipeline only FSDP2 (fsdp-noreshard only under a zero-bubble "
-    "schedule, which needs it: torch's PipelineStage keeps a stage's parameters gathered through the backwards "
-    "anyway; no ddp, zero1/2, hsdp) and TP none or the largest allowed",
-    f"tp at most one node's GPUs (and {MAX_AUTO_TP}): TP's collectives never overlap compute, across nodes "
-    "they run at network speed",
-    "zero1/zero2 and hsdp only without pp and TP (batchfit's strategy grammar does not compose them)",
-    "hsdp<R>: R = the nodes and up to two halvings (not below 2) on several nodes; R = 2 or 4 (2+ GPUs per shard "
-    "group) on one",
-    f"cp only from a sequence of {MIN_AUTO_CP_SEQ:,} tokens, over FSDP2 without pp, at the smallest and largest "
-    "degree that fit one node; ep only on a mixture of experts, ep<N>+fsdp[+tp<M>] without pp, at the largest "
-    "degree within a node",
-)
-"""What auto leaves out only to bound the tracing (not because it cannot apply): printed with the ranking."""
+
+def bounds() -> tuple[str, ...]:
+    """What auto leaves out only to bound the tracing (not because it cannot apply), printed with the ranking:
+    each registered parallelism's ``auto_bounds``, in the registry's order."""
+    return tuple(line for p in parallelisms.registered() for line in p.auto_bounds)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,11 +17,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from batchfit.distributed import parallelisms
+
 
 def world_independent(strategy) -> bool:
-    """Whether rank 0's traced bytes of ``strategy`` are the same on any world size above 1."""
-    return (strategy.shard == "ddp" and strategy.tp == 1 and getattr(strategy, "pp", 1) == 1
-            and getattr(strategy, "cp", 1) == 1 and getattr(strategy, "ep", 1) == 1)
+    """Whether rank 0's traced bytes of ``strategy`` are the same on any world size above 1: plain DDP, no
+    parallelism with a degree (each registered one, ``distributed/parallelisms.py``) above 1."""
+    return strategy.shard == "ddp" and not any(p.used_by(strategy) for p in parallelisms.registered() if p.degree)
 
 
 def jobs(by_world: list) -> list[tuple]:

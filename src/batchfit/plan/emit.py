@@ -152,16 +152,12 @@ def accelerate_yaml(result) -> str:
     if not result.recommended:
         raise OptionError("no strategy fits, so there is nothing to emit: see the report's 'what would make it fit'")
     p = result.recommended[-1]
-    if p.pp > 1:
-        raise OptionError(f"the recommended {p.strategy} is pipeline-parallel, which Accelerate's config cannot say: "
-                          "emit the YAML (`emit` config.yaml), or plan without pp<N> strategies")
-    cp = p.cp
-    if cp > 1 and p.shard not in ("fsdp", "fsdp-noreshard"):
-        raise OptionError(f"the recommended {p.strategy}: Accelerate runs context parallelism with FSDP2 only: "
-                          "emit the YAML (`emit` config.yaml), or plan fsdp+cp<N> strategies")
-    if p.ep > 1:
-        raise OptionError(f"the recommended {p.strategy} is expert-parallel, which Accelerate's config cannot say: "
-                          "emit the YAML (`emit` config.yaml), or plan without ep<N> strategies")
+    parallel: dict[str, object] = {}  # each parallelism's own parallelism_config keys (cp's size and ring)
+    for own in (k for k in registered() if k.degree and k.used_by(p)):  # pp and ep: the config cannot say them
+        if own.accelerate is None:
+            raise OptionError(f"the recommended {p.strategy} is {own.words}, which Accelerate's config cannot say: "
+                              f"emit the YAML (`emit` config.yaml), or plan without {own.token} strategies")
+        parallel.update(own.accelerate(p, degree_of(p, own.key)))
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": ("NO" if p.gpus == 1 else "MULTI_GPU" if p.shard in ("ddp", "none") and p.tp == 1
@@ -202,14 +198,11 @@ def accelerate_yaml(result) -> str:
         # No fsdp_transformer_layer_cls_to_wrap: Accelerate then wraps a transformers model's
         # _no_split_modules (its decoder layers), one FSDP group per block as the trace did.
         config["fsdp_config"] = fsdp
-        if p.shard == "hsdp" or p.tp > 1 or cp > 1:
+        if p.shard == "hsdp" or p.tp > 1 or parallel:
             replicas = p.replicas if p.shard == "hsdp" else 1
             config["parallelism_config"] = {"parallelism_config_dp_replicate_size": replicas,
                                             "parallelism_config_dp_shard_size": p.dp // replicas,
-                                            "parallelism_config_tp_size": p.tp}
-            if cp > 1:  # torch's ring, its default all-gather rotation: what the trace ran
-                config["parallelism_config"].update(parallelism_config_cp_size=cp,
-                                                    parallelism_config_cp_comm_strategy="allgather")
+                                            "parallelism_config_tp_size": p.tp, **parallel}
     head = (f"# batchfit plan: {result.workload}, {p.strategy} on {p.gpus} GPUs; per-GPU batch size "
             f"{p.micro_batch}, {p.accumulation_steps} accumulation steps, global batch {p.global_batch}.\n"
             "# accelerate launch --config_file THIS_FILE your_script.py\n" + fp8_note)

@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 from batchfit.devices import Device, GiB
 from batchfit.distributed.parallelisms import approximations as parallelism_approximations
-from batchfit.distributed.strategy_name import FSDP_SHARDS
+from batchfit.distributed.parallelisms import runs_experts
+from batchfit.distributed.strategy_name import FSDP_SHARDS, field_degrees
 from batchfit.errors import OptionError
 from batchfit.plan import workers
 from batchfit.plan.derived import SharedTraces
@@ -323,7 +324,7 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     approximations += float8_approximations(options)
     every = [s for _, chosen in by_world for s in chosen]
     approximations += workload_routing_approximation(
-        workload, options, expert_parallel=bool(every) and all(getattr(s, "ep", 1) > 1 for s in every))
+        workload, options, expert_parallel=bool(every) and all(runs_experts(s) for s in every))
     approximations += offload_approximations(options.offload_spec, options.compile)
     approximations += attention_approximations(options.attention)
     approximations += packing_approximation(int(batch_passes_position_ids(workload)))
@@ -385,8 +386,8 @@ def _auto(workload: Workload, options: StepOptions, worlds: list[World], parse: 
         listed = candidates(world, facts, pp_schedule=pp_schedule, microbatches=microbatches)
         names = [c.name for c in listed if c.skipped is None]
         by_world.append((world, parse(",".join(names), world.gpus) if names else []))
-        not_traced += [StrategyPlan(strategy=c.name, gpus=c.gpus, nodes=c.nodes, dp=c.dp, tp=c.tp, shard=c.shard,
-                                    replicas=c.replicas, pp=c.pp, cp=c.degrees.get("cp", 1), ep=c.degrees.get("ep", 1),
+        not_traced += [StrategyPlan(strategy=c.name, gpus=c.gpus, nodes=c.nodes, dp=c.dp, shard=c.shard,
+                                    replicas=c.replicas, **field_degrees(c),
                                     points=[], curve=None, max_local_batch=0,
                                     capped=False, skipped=c.skipped) for c in listed if c.skipped]
     return by_world, not_traced
@@ -511,8 +512,7 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
 def _row_base(world: World, strategy) -> dict:
     """A row's fields that come from its strategy and world."""
     return dict(strategy=strategy.name, gpus=world.gpus, nodes=world.nodes, dp=strategy.dp,
-                tp=strategy.tp, shard=strategy.shard, replicas=getattr(strategy, "replicas", 1),
-                ep=getattr(strategy, "ep", 1), pp=getattr(strategy, "pp", 1), cp=getattr(strategy, "cp", 1),
+                shard=strategy.shard, replicas=getattr(strategy, "replicas", 1), **field_degrees(strategy),
                 pp_schedule=getattr(strategy, "pp_schedule", ""), microbatches=getattr(strategy, "microbatches", 0))
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from batchfit.distributed import parallelisms
 from batchfit.distributed.pp_schedules import check_pipeline, parse_schedule
 from batchfit.distributed.strategy import Strategy
 from batchfit.distributed.strategy_name import stage_strategy
@@ -44,19 +45,18 @@ class PipelineSession:
                  ranks: list[int] | None = None) -> None:
         import torch
 
-        from batchfit.distributed.pipeline import build_rank, hidden_size_of, n_layers_of
+        from batchfit.distributed.pipeline import build_rank, hidden_size_of, n_layers_of, sends_sequence_shard
         from batchfit.distributed.pipeline_hf import pp_parts
         from batchfit.distributed.pp_schedules import rank_actions, rank_stages
-        from batchfit.distributed.tp_plans import sequence_parallel
         from batchfit.plan.sharded import ShardedSession
 
         self.strategy = strategy
         self.workload, self.options, self.device = workload, options, device
         self.cuda_semantics = cuda_semantics
         self.schedule = parse_schedule(strategy.pp_schedule or "1f1b", strategy.microbatches)
-        if getattr(strategy, "cp", 1) > 1:
-            raise OptionError(f"{strategy.name}: context parallelism inside a pipeline is not traced yet: use "
-                              "fsdp+cp<N>[+tp<T>] without pp, or pp<N>+fsdp without cp")
+        for own in parallelisms.registered():  # cp: its ring is not traced inside a pipeline's stages yet
+            if own.in_pipeline and own.used_by(strategy):
+                raise OptionError(f"{strategy.name}: {own.in_pipeline}")
         if options.checkpointing == "selective" and self.schedule.splits_backward:
             # torch's split backward runs autograd through a stage twice (I, then W), and selective
             # checkpointing caches each region's ops for one backward ("Trying to backward an extra time")
@@ -71,11 +71,7 @@ class PipelineSession:
         check_pipeline(self.schedule, strategy.pp, n_layers_of(probe))
         self.layers_per_stage = n_layers_of(probe) // (strategy.pp * self.schedule.virtual)
         self.d_model = hidden_size_of(probe)
-        # Under TP with sequence parallelism (the zoo's Llama plan, the Llama-shaped HF families')
-        # the residual stream a stage sends holds 1/tp of the sequence (the embedding's Rowwise
-        # output is Shard(1), local); an HF model's own plan leaves it whole.
-        sp = strategy.tp > 1 and (getattr(probe, "pos", None) is None if pp_parts(probe) is None
-                                  else sequence_parallel(probe))
+        sp = sends_sequence_shard(probe, strategy.tp)  # TP's sequence parallelism: 1/tp of the sequence sent
         if sp and pp_parts(probe) is not None and self.schedule.splits_backward:
             raise OptionError(f"{strategy.name} with {self.schedule.name}: an HF stage under "
                               "sequence-parallel TP sends its sequence shard as a view of the residual stream's "

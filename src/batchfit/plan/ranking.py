@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from batchfit.distributed.strategy_name import field_degrees
+
 
 @dataclass(frozen=True, kw_only=True)
 class RankedRow:
@@ -120,7 +122,7 @@ def ranking(plans, worlds, *, mfu: float, target_bytes: int) -> list[RankedRow]:
             compute, comm, bubble = _split(p)
             rows.append(RankedRow(
                 rank=i + 1 if fitting else None, gpus=p.gpus, nodes=p.nodes, strategy=p.strategy,
-                pp=getattr(p, "pp", 1), dp=p.dp, tp=p.tp, cp=getattr(p, "cp", 1), ep=getattr(p, "ep", 1),
+                dp=p.dp, **field_degrees(p),
                 shard=p.shard, status=_status(p), why=_why(p, target_bytes),
                 max_local_batch=p.max_local_batch, max_global_batch=p.max_global_batch if not p.skipped else 0,
                 micro_batch=p.micro_batch, accumulation_steps=p.accumulation_steps, global_batch=p.global_batch,

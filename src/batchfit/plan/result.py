@@ -20,10 +20,10 @@ SOURCE = ("memory traced on a fake process group (rank 0, PyTorch's own sharding
 
 
 def _auto_bounds() -> tuple[str, ...]:
-    """What --strategies auto leaves out only to bound the tracing (``candidates.BOUNDS``)."""
-    from batchfit.plan.candidates import BOUNDS
+    """What --strategies auto leaves out only to bound the tracing (``candidates.bounds``)."""
+    from batchfit.plan.candidates import bounds
 
-    return BOUNDS
+    return bounds()
 
 
 @dataclass

@@ -14,8 +14,10 @@ layers, experts, the sequence).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
+from batchfit.distributed import parallelisms
 from batchfit.distributed.strategy_name import FSDP_SHARDS
 
 SMALL_GROUP = 256
@@ -24,11 +26,13 @@ model batchfit plans has a parameter with more rows (a vocabulary, a hidden size
 
 
 def shard_group(strategy) -> int:
-    """The ranks FSDP2 splits one parameter over under ``strategy``: dp x cp (torchtitan's
-    dp_shard_cp), or an HSDP shard group; 1 without FSDP2."""
+    """The ranks FSDP2 splits one parameter over under ``strategy``: dp x the degree of each parallelism it
+    shards over too (cp: torchtitan's dp_shard_cp; ``Parallelism.fsdp_shards_over``), or an HSDP shard
+    group; 1 without FSDP2."""
     if strategy.shard not in FSDP_SHARDS:
         return 1
-    ranks = strategy.dp * getattr(strategy, "cp", 1)
+    ranks = strategy.dp * math.prod(parallelisms.degree_of(strategy, p.key) for p in parallelisms.registered()
+                                    if p.fsdp_shards_over)
     return ranks // strategy.replicas if strategy.shard == "hsdp" else ranks
 
 

@@ -178,9 +178,7 @@ class ShardedSession:
 
         from batchfit.distributed import apply_strategy
         from batchfit.distributed.strategy import check_step_options
-        from batchfit.distributed.tp_plans import tp_plan
         from batchfit.distributed.tracker import ShardedTracker
-        from batchfit.distributed.zero import with_sharded_optimizer
         from batchfit.trace.compiled import sharded_traces_compiled
         from batchfit.trace.memory import CUDA_BLOCK_BYTES
         from batchfit.trace.session import TraceSession
@@ -189,7 +187,7 @@ class ShardedSession:
 
         self.strategy = strategy
         self.fake_meshes = [p.fake_mesh() for p in parallelisms.registered()
-                            if p.fake_mesh is not None and parallelisms.degree_of(strategy, p.key) > 1]
+                            if p.fake_mesh is not None and p.used_by(strategy)]
         """The code of each parallelism ``strategy`` uses that runs around its step (``Parallelism.fake_mesh``)."""
         self.workspace = device.workspace_bytes if cuda_semantics else 0
         own_plan = workload.parallelize
@@ -201,6 +199,9 @@ class ShardedSession:
             tracker.gloo_scratch = gloo_scratch and not cuda_semantics
             tracker.trace_compiled = sharded_traces_compiled(strategy, options)  # read by TraceSession
 
+            def shipped_plan(model, options):  # tp's (distributed/tp_plans.py), through its registry entry
+                return next((plan for own in self.fake_meshes if (plan := own.parallelize(model, options))), None)
+
             def shard(model):
                 if hasattr(model, "stage_indices"):  # a pipeline rank's stages: each wrapped as its own root
                     for i, stage in enumerate(model.stages):
@@ -211,7 +212,7 @@ class ShardedSession:
                     return workload.parallelize_all(model, strategy, meshes.groups)
                 return _unpinned(apply_strategy(model, strategy, meshes, precision=options.precision, fake=True,
                                                 cpu_offload=options.offload_spec.params, routing=options.routing_spec,
-                                                parallelize=own_plan or tp_plan(model, options.tp_loss),
+                                                parallelize=own_plan or shipped_plan(model, options),
                                                 on_bucket=tracker.mark_collective))
 
             # TP and FSDP2 are applied to the model built on the meta device, outside FakeTensorMode
@@ -228,8 +229,8 @@ class ShardedSession:
             for own in self.fake_meshes:  # cp: the sequence sharded, attention by torch's ring
                 built = own.workload(built, strategy, meshes, cpu=not cuda_semantics, enter=self._exit.enter_context)
             prepared_options = dataclasses.replace(options, checkpointing="none")  # done on meta already
-            # zero1 / zero2: the step's optimizer becomes a ZeroRedundancyOptimizer (built inside the trace)
-            built, prepared_options = with_sharded_optimizer(built, prepared_options, strategy)
+            for own in self.fake_meshes:  # zero1 / zero2: a ZeroRedundancyOptimizer (built inside the trace)
+                built, prepared_options = own.optimizer(built, prepared_options, strategy)
             self.session = self._exit.enter_context(TraceSession(
                 built, prepared_options, cuda_semantics=cuda_semantics, wrap=shard if ddp else None, tracker=tracker))
             self.params_per_rank = sum(_local_elements(p) for p in self.session.step.model.parameters())

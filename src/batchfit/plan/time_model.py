@@ -206,6 +206,14 @@ def group_span(collective, strategy) -> int:
     return strategy.world_size  # dp, and HSDP's all-reduce across the replicas
 
 
+def wire_bytes(collective) -> float:
+    """The bytes ``collective`` puts on a link: its parallelism's own rule (``Parallelism.bus``: cp's dK/dV pass
+    sends a rank's whole buffer to the next), else a ring's (:func:`bus_factor`)."""
+    own = parallelisms.by_group().get(collective.group)
+    factor = own.bus(collective) if own is not None else None
+    return (bus_factor(collective.op, collective.group_size) if factor is None else factor) * collective.bytes
+
+
 def step_time(point, strategy, world: World, device: Device, precision: str, model: TimeModel,
               accumulation_steps: int = 1, param_offload: bool = False) -> StepTime | None:
     """The computed time of one optimizer step of ``accumulation_steps`` micro-batches, each
@@ -226,8 +234,7 @@ def step_time(point, strategy, world: World, device: Device, precision: str, mod
     for i, c in enumerate(point.collectives):
         inter = group_span(c, strategy) > world.gpus_per_node
         gb_per_s = links["inter_node_gb_per_s"] if inter else links["intra_node_gb_per_s"]
-        # the ring's dK/dV pass (torch's _AllToAllRotater: permute_tensor) sends a rank's whole buffer to its next
-        nbytes = (1.0 if c.group == "cp" and c.op == "all_to_all" else bus_factor(c.op, c.group_size)) * c.bytes
+        nbytes = wire_bytes(c)
         seconds = nbytes / (gb_per_s * 1e9)
         by_group[c.group] = by_group.get(c.group, 0.0) + seconds
         sent[c.group] = sent.get(c.group, 0) + int(nbytes)

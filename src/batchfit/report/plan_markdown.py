@@ -233,11 +233,11 @@ def ranking_lines(r, plot_name: str = "plan.png") -> list[str]:
         out += [f"| {row.gpus} | {row.strategy} | {row.pp} | {row.dp} | {row.tp} | {row.status} | "
                 f"{(row.why or '').replace('|', '/')} |" for row in others]
     if r.strategies_asked.strip().lower() == "auto":
-        from batchfit.plan.candidates import BOUNDS  # pure Python
+        from batchfit.plan.candidates import bounds  # pure Python
 
         out += ["", "`--strategies auto` traced every combination of `plan/candidates.py`'s rules; to bound the "
                 "tracing it leaves out (name any of them with --strategies to trace it):", "",
-                *[f"- {line}" for line in BOUNDS]]
+                *[f"- {line}" for line in bounds()]]
     return out + [""]
 
 
