@@ -171,7 +171,7 @@ def plan_command(
     collective bytes the trace counted.
     """
     given = dict(locals())  # every flag, by name: config/plan.py's PlanFlags and StepFlags pick theirs
-    # the planner, its config and emitters (about 0.15 s of imports): here, not for --help or another command
+    # the planner, its config and emitters (about 0.1 CPU-s of imports): here, not for --help or another command
     from batchfit.config.plan import PlanFlags, plan_config, read_plan_doors, trainer_answer
     from batchfit.plan.emit import write_emit
     from batchfit.plan.engine import plan
