@@ -77,5 +77,5 @@ def standin(monkeypatch) -> types.SimpleNamespace:
     from standin import parse_strategies, replay_sharded, trace_sharded
 
     tracer = dict(trace=trace_sharded, replay=replay_sharded, parse=parse_strategies)
-    monkeypatch.setattr("batchfit.cli.plan.plan", functools.partial(plan, **tracer))
+    monkeypatch.setattr("batchfit.plan.engine.plan", functools.partial(plan, **tracer))
     return types.SimpleNamespace(parse_strategies=parse_strategies, trace_sharded=trace_sharded, tracer=tracer)

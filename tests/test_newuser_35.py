@@ -103,7 +103,7 @@ def test_plan_says_the_options_that_change_nothing_before_it_plans(tmp_path, mon
     def stop(*args, **kwargs):  # the notices come first: the plan itself is not needed (minutes here)
         raise OptionError("stopped after the notices")
 
-    monkeypatch.setattr("batchfit.cli.plan.plan", stop)
+    monkeypatch.setattr("batchfit.plan.engine.plan", stop)
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, ["plan", *TINY, "--gpu", "h100", "--gpus", "2", "--strategies", "ddp", "--routing",
                                  "worst", "--checkpointing", "every:1000"])

@@ -22,8 +22,8 @@ DEVICE = {"estimate": ["--gpu", "t4-16gb"], "probe": ["--device", "virtual:t4-16
           "bench": ["--device", "virtual:t4-16gb"], "plan": ["--gpu", "t4-16gb", "--gpus", "2"],
           "sweep": ["--batch-sizes", "2,4", "--samples", "8"]}
 ENGINES = [("batchfit.estimator.engine", "estimate"), ("batchfit.probe.find", "find_max_batch"),
-           ("batchfit.bench.engine", "bench"), ("batchfit.cli.plan", "plan"), ("batchfit.sweep.engine", "plan_sweep"),
-           ("batchfit.sweep.engine", "run_sweep")]
+           ("batchfit.bench.engine", "bench"), ("batchfit.plan.engine", "plan"),
+           ("batchfit.sweep.engine", "plan_sweep"), ("batchfit.sweep.engine", "run_sweep")]
 
 
 @pytest.fixture

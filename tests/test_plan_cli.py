@@ -140,7 +140,7 @@ def test_an_emit_failure_writes_no_output(standin, tmp_path, monkeypatch):
         path.write_text("training:\n  batch_con")  # cut off mid-way, as by a full disk
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("batchfit.cli.plan.write_emit", half_written)
+    monkeypatch.setattr("batchfit.plan.emit.write_emit", half_written)
     result = run("plan", MODEL, "--gpu", "h100-80gb", "--gpus", "4", "--strategies", "fsdp", "--out",
                  str(tmp_path / "report"), "--json", str(tmp_path / "plan.json"), "--emit",
                  str(tmp_path / "config.yaml"))

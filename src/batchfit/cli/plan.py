@@ -55,7 +55,6 @@ from batchfit.cli.common import (
 )
 from batchfit.cli.torchtitan import print_torchtitan
 from batchfit.cli.trainer import TrainerOpt, print_answer, print_data_rows, print_mapping
-from batchfit.config.plan import PlanFlags, plan_config, read_plan_doors, trainer_answer
 from batchfit.config.step import StepFlags
 from batchfit.config.torchtitan import (
     torchtitan_approximation,
@@ -65,9 +64,6 @@ from batchfit.config.trainer import (
     emitted_text,
 )
 from batchfit.devices import GiB
-from batchfit.plan.emit import write_emit
-from batchfit.plan.engine import plan
-from batchfit.plan.ranking import ranked_by
 from batchfit.plan.request import DEFAULT_STRATEGIES
 from batchfit.search import DEFAULT_MAX_BATCH
 from batchfit.specs import load_workload
@@ -177,6 +173,10 @@ def plan_command(
     collective bytes the trace counted.
     """
     given = dict(locals())  # every flag, by name: config/plan.py's PlanFlags and StepFlags pick theirs
+    # the planner, its config and emitters (about 0.1 CPU-s of imports): here, not for --help or another command
+    from batchfit.config.plan import PlanFlags, plan_config, read_plan_doors, trainer_answer
+    from batchfit.plan.emit import write_emit
+    from batchfit.plan.engine import plan
     from batchfit.report.plan_markdown import write_plan_report  # matplotlib: not for --help
 
     doors = read_plan_doors(model, trainer, emit)
@@ -233,6 +233,8 @@ def _timed(result) -> bool:
 
 
 def _print_summary(result, console, report_path: Path, written: list[Path]) -> None:
+    from batchfit.plan.ranking import ranked_by  # loaded by the planner already
+
     console.print(f"[bold]{escape(result.workload)} on {escape(result.device.display_name)}, "
                   f"{result.options.precision}{sequence_words(result.tokens_per_sample)} "
                   f"(memory traced{', time computed' if _timed(result) else '; no time: no FLOP/s for this GPU'})[/]")

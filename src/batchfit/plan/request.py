@@ -8,10 +8,13 @@ Python caller builds it directly (or passes its fields to ``plan`` as keywords).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from batchfit.plan.time_model import TimeModel
-from batchfit.plan.world import World
 from batchfit.search import DEFAULT_MAX_BATCH
+
+if TYPE_CHECKING:  # annotations only: the CLI reads DEFAULT_STRATEGIES without the time model's imports
+    from batchfit.plan.time_model import TimeModel
+    from batchfit.plan.world import World
 
 DEFAULT_STRATEGIES = "ddp,fsdp"
 
