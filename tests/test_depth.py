@@ -30,6 +30,8 @@ def test_by_depth_equals_the_full_trace(spec, options, fewer_blocks):
                             traced.params, traced.trainable_params, traced.by_depth))
     (shallow, *counts_d, by_depth), (full, *counts_f, _) = results
     assert by_depth and shallow == full and counts_d == counts_f
+    # and in the same order (estimate.json's peak_by_phase: a set's order, run to run, before)
+    assert [list(p[3]) for p in shallow] == [list(p[3]) for p in full]
 
 
 def test_a_line_that_bends_is_not_extrapolated():

@@ -153,8 +153,8 @@ def extrapolate(points: list[Point], depth: int) -> Point | None:
     (:func:`_phase_lines`); the step's peak is the largest phase at ``depth``, which need not
     be the largest at depth 3 (a deep model's optimizer step outgrows the backward's logits).
     """
-    phases = set(points[0].peak_by_phase)
-    if any(set(p.peak_by_phase) != phases or set(p.breakdown_by_phase) != phases for p in points):
+    phases = list(points[0].peak_by_phase)  # in the traced order: a set's order changes from run to run
+    if any(set(p.peak_by_phase) != set(phases) or set(p.breakdown_by_phase) != set(phases) for p in points):
         return None
     by_phase, breakdown_by_phase = {}, {}
     for phase in phases:
