@@ -128,7 +128,8 @@ class Parallelism:
     """Why a pipeline's stages do not run it (yet): ``plan/pipeline.py`` refuses pp<N> with it, saying this
     after the strategy's name; None: they do."""
     words: str = ""
-    """What a row using it is, in a sentence ('expert-parallel'): the emits' refusals say it."""
+    """What a row using it is, in a sentence ('expert-parallel'): the emits' refusals say it. Left out: its
+    key's ('xp-parallel'), so a refusal never reads 'is , which ...'."""
     accelerate: Callable[[object, int], dict[str, object]] | None = None
     """``(row, degree) -> its keys in Accelerate's parallelism_config`` for a recommended row using it (cp: its
     size and the ring's rotation; ``{}`` for one written with the wraps' sizes, tp); raises OptionError for a
@@ -137,6 +138,10 @@ class Parallelism:
     runs_experts: bool = False
     """Whether it runs a mixture's experts itself (ep: one grouped GEMM, not the model's loop), so the plan's
     routing line says so when every strategy uses it."""
+
+    def __post_init__(self) -> None:
+        if not self.words:
+            object.__setattr__(self, "words", f"{self.key}-parallel")
 
     def used_by(self, layout) -> bool:
         """Whether ``layout`` (a ``Strategy``, a plan row) uses this parallelism."""
