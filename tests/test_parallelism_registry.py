@@ -71,6 +71,22 @@ def test_the_toy_is_emitted_timed_and_approximated(toy):
         accelerate_yaml(result)  # no `accelerate` hook: refused, not written without its degree
 
 
+def test_a_parallelism_without_words_is_refused_by_its_key():
+    """A new entry that leaves out ``words`` is named by its key in the emits' refusals ('xp-parallel'), not by
+    nothing ('is , which ...')."""
+    from dataclasses import replace
+
+    from batchfit.plan.emit import accelerate_yaml
+
+    plain = replace(TOY, words="")
+    assert plain.words == "xp-parallel"
+    with parallelisms.added(plain):
+        s = parse_strategy("fsdp+xp2", 8)
+        row = SimpleNamespace(strategy=s.name, parts=s.parts, gpus=8, nodes=1, dp=4, tp=1, pp=1, cp=1, ep=1)
+        with pytest.raises(OptionError, match="^the recommended fsdp\\+xp2 is xp-parallel, which Accelerate"):
+            accelerate_yaml(SimpleNamespace(recommended=[row]))
+
+
 def test_the_toy_bounds_auto_and_shards_with_fsdp(toy):
     from batchfit.plan.candidates import bounds
     from batchfit.plan.shard_limit import shard_group

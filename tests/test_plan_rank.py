@@ -108,7 +108,7 @@ def test_cp_and_ep_join_auto_where_they_apply():
     """cp from MIN_AUTO_CP_SEQ tokens on FSDP2 bases (smallest and largest degree within a node); ep on a
     mixture of experts only, at the largest degree within a node dividing the experts; neither on a short
     dense model (none of their rows, not even skipped ones)."""
-    from batchfit.plan.candidates import MIN_AUTO_CP_SEQ
+    from batchfit.distributed.auto import MIN_AUTO_CP_SEQ
 
     short = {c.name for c in candidates(World(8), LLAMA)}
     assert not any("cp" in n or "ep" in n for n in short)

@@ -256,3 +256,29 @@ def context_parallel_approximations(strategies) -> list:
                       "context_parallel(buffers=...) also keeps a clone of each table it restores for the step (seq x "
                       "head_dim x 4 B for a RoPE cos + sin pair: 64 MiB at seq 131072, head 128), not counted",
         source="tests/test_context_parallel.py; docs/tracing/context-parallel.md")]
+
+
+# Its registry entry's rules (``distributed/parallelisms.py``): the ring's span and bytes on a link for the time
+# model, Accelerate's keys, and why a pipeline does not run it yet.
+
+NOT_IN_PIPELINE = ("context parallelism inside a pipeline is not traced yet: use fsdp+cp<N>[+tp<T>] without pp, or "
+                   "pp<N>+fsdp without cp")
+
+
+def ring_span(collective, strategy) -> int:
+    """Consecutive ranks one ring's collective spans: cp x tp (the mesh puts tp innermost)."""
+    return collective.group_size * strategy.tp
+
+
+def ring_pass(collective) -> float | None:
+    """Bytes on a link per byte of the ring's dK/dV pass (permute_tensor sends a whole buffer to the next rank:
+    1.0); None for the all-gathers, a ring's."""
+    return 1.0 if collective.op == "all_to_all" else None
+
+
+def accelerate_keys(row, degree: int) -> dict[str, object]:
+    """torch's ring with its default all-gather rotation (what the trace ran), under FSDP2 (Accelerate's only)."""
+    if row.shard not in ("fsdp", "fsdp-noreshard"):
+        raise OptionError(f"the recommended {row.strategy}: Accelerate runs context parallelism with FSDP2 only: "
+                          "emit the YAML (`emit` config.yaml), or plan fsdp+cp<N> strategies")
+    return {"parallelism_config_cp_size": degree, "parallelism_config_cp_comm_strategy": "allgather"}

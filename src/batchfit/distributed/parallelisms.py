@@ -15,7 +15,10 @@ degree of a name has its entry, ``tests/test_parallelism_registry.py`` that a to
 module is parsed, listed by auto and emitted. The data-parallel wraps (ddp, fsdp, hsdp, zero1/2) are the name's
 ``shard``: their entry ('dp') carries auto's first combinations, ZeRO's only what its traces say.
 
-Importing this module does not import torch: each entry's module is imported when it is asked.
+This file is the interface and the list; each entry's hooks live with its parallelism: auto's rules and
+bounds in ``distributed/auto.py``, cp's ring rules in ``context_parallel.py``, ZeRO's optimizer and the pipeline's
+approximations in ``zero.py`` and ``pipeline.py``. Importing it does not import torch: ``tp_plans.py`` and
+``expert_parallel.py`` do, so their hooks here import them when called.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from batchfit.distributed import auto, pipeline, zero
+from batchfit.distributed import context_parallel as cp
 from batchfit.distributed.auto import AutoContext, Candidate, ModelFacts
-from batchfit.errors import OptionError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +128,8 @@ class Parallelism:
     """Why a pipeline's stages do not run it (yet): ``plan/pipeline.py`` refuses pp<N> with it, saying this
     after the strategy's name; None: they do."""
     words: str = ""
-    """What a row using it is, in a sentence ('expert-parallel'): the emits' refusals say it."""
+    """What a row using it is, in a sentence ('expert-parallel'): the emits' refusals say it. Left out: its
+    key's ('xp-parallel'), so a refusal never reads 'is , which ...'."""
     accelerate: Callable[[object, int], dict[str, object]] | None = None
     """``(row, degree) -> its keys in Accelerate's parallelism_config`` for a recommended row using it (cp: its
     size and the ring's rotation; ``{}`` for one written with the wraps' sizes, tp); raises OptionError for a
@@ -134,221 +139,28 @@ class Parallelism:
     """Whether it runs a mixture's experts itself (ep: one grouped GEMM, not the model's loop), so the plan's
     routing line says so when every strategy uses it."""
 
+    def __post_init__(self) -> None:
+        if not self.words:
+            object.__setattr__(self, "words", f"{self.key}-parallel")
+
     def used_by(self, layout) -> bool:
         """Whether ``layout`` (a ``Strategy``, a plan row) uses this parallelism."""
         return degree_of(layout, self.key) > 1 if self.degree else self.uses(layout)
-
-
-def _pipeline(strategies, workload, options) -> list:
-    from batchfit.distributed.pipeline import pipeline_approximations
-
-    return pipeline_approximations(strategies, workload)
-
-
-def _context_parallel(strategies, workload, options) -> list:
-    from batchfit.distributed.context_parallel import context_parallel_approximations
-
-    return context_parallel_approximations(strategies)
-
-
-def _expert_parallel(strategies, workload, options) -> list:
-    from batchfit.distributed.expert_parallel import ep_approximations
-
-    return ep_approximations(strategies, options.routing)
-
-
-def _zero(strategies, workload, options) -> list:
-    from batchfit.distributed.zero import zero_approximations
-
-    return zero_approximations(strategies)
-
-
-MIN_AUTO_CP_SEQ = 8192
-"""auto adds context parallelism from this sequence length on (shorter sequences fit without a ring)."""
-
-
-def divisors(n: int) -> list[int]:
-    """1 .. n's divisors, ascending (auto's degrees divide the ranks they split)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _cp_degrees(context: AutoContext, facts: ModelFacts, base: Candidate) -> list[tuple[int, str | None]]:
-    """cp<N> on FSDP2 without pp, for attention models from MIN_AUTO_CP_SEQ tokens: the smallest and largest
-    N within a node that divides the data-parallel ranks and leaves sequence / (2 N) whole (torch's
-    head-tail load balancing)."""
-    seq = facts.seq_len or 0
-    if base.shard != "fsdp" or base.pp > 1 or facts.heads is None or seq < MIN_AUTO_CP_SEQ:
-        return []
-    room = context.gpus_per_node // base.tp
-    fit = [d for d in divisors(base.dp) if 1 < d <= room and seq % (2 * d) == 0]
-    return [(d, None) for d in sorted({fit[0], fit[-1]})] if fit else []
-
-
-def _ep_degrees(context: AutoContext, facts: ModelFacts, base: Candidate) -> list[tuple[int, str | None]]:
-    """ep<N>+fsdp[+tp<M>] for a mixture of experts, without pp: the largest N within a node dividing both the
-    experts and the dp x tp ranks it borrows from (torchtitan's etp=1)."""
-    fsdp = base.shard == "fsdp" or (base.shard == "none" and base.tp > 1)  # tp<M> alone: FSDP2 over one rank
-    if not facts.experts or not fsdp or base.pp > 1:
-        return []
-    fit = [d for d in divisors(base.dp * base.tp) if 1 < d <= context.gpus_per_node and facts.experts % d == 0]
-    return [(fit[-1], None)] if fit else []
-
-
-MAX_AUTO_PP = 8
-"""auto tries pipelines of up to 8 stages (published 405B runs use pp8; the 1F1B bubble grows with N)."""
-MAX_AUTO_TP = 8
-"""auto tries TP degrees up to one node's GPUs, at most 8: TP beyond a node's NVLink is rarely worth it."""
-DP_WRAPS = ("ddp", "fsdp", "fsdp-noreshard", "zero1", "zero2")
-"""The data-parallel wraps auto tries without pp or TP (hsdp<R> besides)."""
-
-
-def _hsdp_replicas(context: AutoContext) -> list[int]:
-    if context.nodes > 1:
-        out, r = [], context.nodes
-        while r >= 2 and context.nodes % r == 0 and len(out) < 3:
-            out.append(r)
-            r //= 2
-        return sorted(out)
-    return [r for r in (2, 4) if context.gpus % r == 0 and context.gpus // r >= 2]
-
-
-def _data_parallel(context: AutoContext, facts: ModelFacts) -> list[Candidate]:
-    """Every wrap of DP_WRAPS over every GPU, then hsdp<R>: R = the nodes and up to two halvings (not below 2)
-    on several nodes, R = 2 or 4 with 2+ GPUs per shard group on one."""
-    g = context.gpus
-    return ([Candidate(gpus=g, nodes=context.nodes, dp=g, shard=wrap, rule="data parallel over every GPU")
-             for wrap in DP_WRAPS]
-            + [Candidate(gpus=g, nodes=context.nodes, dp=g, shard="hsdp", replicas=r,
-                         rule="hsdp<R>: shard groups of whole nodes (or 2+ GPUs on one node), replicated R times")
-               for r in _hsdp_replicas(context)])
-
-
-def _tp_cap(context: AutoContext) -> int:
-    return min(context.gpus_per_node, MAX_AUTO_TP)
-
-
-def tp_reason(facts: ModelFacts, tp: int) -> str | None:
-    """Why tp<``tp``> cannot apply to the model of ``facts`` (no tensor-parallel plan, heads that do not
-    divide), or None."""
-    if not facts.tp_plan:
-        why = f": {facts.tp_missing}" if facts.tp_missing else ""
-        return (f"{facts.name} has no tensor-parallel plan{why} (batchfit ships plans for its zoo transformers, "
-                "GPT-2, BERT and HF models whose config has a base_model_tp_plan; a Workload can give its own "
-                "parallelize)")
-    kv = facts.kv_heads or facts.heads
-    if facts.heads is not None and (facts.heads % tp or kv % tp):
-        return f"{facts.heads} query / {kv} key-value heads do not divide by {tp}"
-    return None
-
-
-def _tp_combinations(context: AutoContext, facts: ModelFacts) -> list[Candidate]:
-    """tp<N> for N in 2..(one node's GPUs, at most MAX_AUTO_TP) dividing the GPUs, FSDP2 over the rest."""
-    rows = []
-    for tp in (d for d in divisors(context.gpus) if 1 < d <= _tp_cap(context)):
-        dp = context.gpus // tp
-        rows.append(Candidate(gpus=context.gpus, nodes=context.nodes, dp=dp, tp=tp,
-                              shard="fsdp" if dp > 1 else "none", rule="tp<N> within a node, FSDP2 over the rest",
-                              skipped=tp_reason(facts, tp)))
-    return rows
-
-
-_MOE_TP = ("TP of a mixture of experts is traced with ep<N> beside it (torchtitan's etp=1: the experts "
-           "sharded by ep, not by tp): see ep<N>+fsdp+tp<M>")
-
-
-def _moe_tp(context: AutoContext, facts: ModelFacts, row: Candidate) -> str | None:
-    """An MoE's experts are tensor-parallel only beside ep (``distributed/tp_plans_moe.py``)."""
-    return _MOE_TP if facts.experts and row.tp > 1 and "ep" not in row.degrees else None
-
-
-def _pp_reason(facts: ModelFacts, pp: int, schedule: str, microbatches: int) -> str | None:
-    from batchfit.distributed.pp_schedules import check_pipeline, parse_schedule  # no torch at import
-
-    if facts.unread:
-        return f"{facts.name} could not be built on the meta device to count its layers ({facts.unread})"
-    if facts.n_layers is None:
-        return (f"{facts.name} has no embed / blocks / norm / head split (pipeline parallelism covers "
-                "batchfit's zoo transformers and HF causal LMs with a base_model_pp_plan)")
-    if facts.loss != "plain":
-        return f"--loss {facts.loss} is not traced under pipeline parallelism (the last stage's plain loss only)"
-    try:
-        check_pipeline(parse_schedule(schedule, microbatches), pp, facts.n_layers)
-    except OptionError as error:
-        return str(error)
-    return None
-
-
-def _splits_backward(schedule: str) -> bool:
-    """Whether ``schedule`` is a zero-bubble one (a split backward); False for a bad name, whose pp
-    candidates are each skipped with the parser's reason."""
-    from batchfit.distributed.pp_schedules import parse_schedule
-
-    try:
-        return parse_schedule(schedule).splits_backward
-    except OptionError:
-        return False
-
-
-def _pp_combinations(context: AutoContext, facts: ModelFacts) -> list[Candidate]:
-    """pp<N> for N in 2..MAX_AUTO_PP dividing the GPUs, FSDP2 inside (kept gathered from forward to backward
-    under a zero-bubble schedule, whose split backward needs it: ``pp_schedules.check_inner``), TP none or
-    the largest degree tp's rule allows there."""
-    splits = _splits_backward(context.pp_schedule)
-    wrap, tp_inside = "fsdp-noreshard" if splits else "fsdp", facts.pp_tp_split_backward or not splits
-    rows = []
-    for pp in (d for d in divisors(context.gpus) if 1 < d <= MAX_AUTO_PP):
-        inner = context.gpus // pp
-        reason = _pp_reason(facts, pp, context.pp_schedule, context.microbatches)
-        tps = [1] + [t for t in divisors(inner) if 1 < t <= _tp_cap(context) and tp_reason(facts, t) is None
-                     and tp_inside][-1:]
-        for tp in tps if reason is None else [1]:
-            dp = inner // tp
-            rows.append(Candidate(gpus=context.gpus, nodes=context.nodes, pp=pp, dp=dp, tp=tp,
-                                  shard=wrap if dp > 1 else "none", skipped=reason,
-                                  rule="pp<N> stages, FSDP2 inside, TP none or the largest allowed"))
-    return rows
 
 
 def _own_group(collective, strategy) -> int:
     return collective.group_size
 
 
-def _ring(collective, strategy) -> int:  # the cp ring over cp x tp consecutive ranks (tp innermost)
-    return collective.group_size * strategy.tp
-
-
-def _ring_pass(collective) -> float | None:  # the ring's dK/dV pass (permute_tensor): a whole buffer to the next
-    return 1.0 if collective.op == "all_to_all" else None
-
-
-def _cp_accelerate(row, degree: int) -> dict[str, object]:
-    """torch's ring with its default all-gather rotation (what the trace ran), under FSDP2 (Accelerate's only)."""
-    if row.shard not in ("fsdp", "fsdp-noreshard"):
-        raise OptionError(f"the recommended {row.strategy}: Accelerate runs context parallelism with FSDP2 only: "
-                          "emit the YAML (`emit` config.yaml), or plan fsdp+cp<N> strategies")
-    return {"parallelism_config_cp_size": degree, "parallelism_config_cp_comm_strategy": "allgather"}
-
-
 def _with_the_wraps(row, degree: int) -> dict[str, object]:
     return {}  # parallelism_config_tp_size: written beside the data-parallel sizes (plan/emit.py), tp1 too
 
 
+# tp_plans.py and expert_parallel.py import torch: their hooks import them when called.
 def _tp_mesh() -> FakeMesh:
     from batchfit.distributed.tp_plans import tp_plan
 
     return FakeMesh(parallelize=lambda model, options: tp_plan(model, options.tp_loss))
-
-
-def _zero_mesh() -> FakeMesh:
-    from batchfit.distributed.zero import with_sharded_optimizer
-
-    return FakeMesh(optimizer=with_sharded_optimizer)
-
-
-def _cp_mesh() -> FakeMesh:
-    from batchfit.distributed.context_parallel import check_ring, on_fake_mesh, ring_label
-
-    return FakeMesh(workload=on_fake_mesh, label=ring_label, check=check_ring)
 
 
 def _ep_mesh() -> FakeMesh:
@@ -357,46 +169,43 @@ def _ep_mesh() -> FakeMesh:
     return FakeMesh(params_elsewhere=experts_elsewhere, label=dispatch_label)
 
 
+def _ep_approximations(strategies, workload, options) -> list:
+    from batchfit.distributed.expert_parallel import ep_approximations
+
+    return ep_approximations(strategies, options.routing)
+
+
 _REGISTRY: list[Parallelism] = [
     # the data-parallel wraps: the name's shard, no degree of their own; auto's first combinations
     Parallelism(key="dp", degree=False, token="ddp / fsdp / fsdp-noreshard / hsdp<R> / zero1 / zero2",
-                module="distributed/strategy.py", auto_combinations=_data_parallel,
-                auto_bounds=("zero1/zero2 and hsdp only without pp and TP (batchfit's strategy grammar does not "
-                             "compose them)",
-                             "hsdp<R>: R = the nodes and up to two halvings (not below 2) on several nodes; R = 2 or "
-                             "4 (2+ GPUs per shard group) on one")),
+                module="distributed/strategy.py", auto_combinations=auto.data_parallel_combinations,
+                auto_bounds=auto.DP_BOUNDS),
     Parallelism(key="tp", token="tp<N>", module="distributed/tp_plans.py", torchtitan_key="tensor_parallel_degree",
                 config_key="tensor_parallel", config_at_1=True, group="tp", span=_own_group, critical_path=True,
-                name_order=4, auto_combinations=_tp_combinations, auto_skip=_moe_tp, fake_mesh=_tp_mesh,
-                words="tensor-parallel", accelerate=_with_the_wraps,
-                auto_bounds=(f"tp at most one node's GPUs (and {MAX_AUTO_TP}): TP's collectives never overlap "
-                             "compute, across nodes they run at network speed",)),
-    Parallelism(key="zero", degree=False, token="zero1 / zero2", module="distributed/zero.py", approximations=_zero,
-                uses=lambda layout: getattr(layout, "shard", None) in ("zero1", "zero2"), fake_mesh=_zero_mesh),
-    Parallelism(key="pp", token="pp<N>", module="distributed/pipeline.py", approximations=_pipeline,
+                name_order=4, auto_combinations=auto.tp_combinations, auto_skip=auto.moe_tp_skip,
+                auto_bounds=auto.TP_BOUNDS, fake_mesh=_tp_mesh, words="tensor-parallel", accelerate=_with_the_wraps),
+    Parallelism(key="zero", degree=False, token="zero1 / zero2", module="distributed/zero.py",
+                approximations=lambda strategies, workload, options: zero.zero_approximations(strategies),
+                uses=lambda layout: getattr(layout, "shard", None) in ("zero1", "zero2"),
+                fake_mesh=lambda: FakeMesh(optimizer=zero.with_sharded_optimizer)),
+    Parallelism(key="pp", token="pp<N>", module="distributed/pipeline.py",
+                approximations=lambda strategies, workload, options: pipeline.pipeline_approximations(strategies,
+                                                                                                      workload),
                 torchtitan_key="pipeline_parallel_degree", config_key="pipeline_parallel", name_order=0,
-                auto_combinations=_pp_combinations, words="pipeline-parallel",
-                auto_bounds=(f"pp at most {MAX_AUTO_PP} stages; inside a pipeline only FSDP2 (fsdp-noreshard only "
-                             "under a zero-bubble schedule, which needs it: torch's PipelineStage keeps a stage's "
-                             "parameters gathered through the backwards anyway; no ddp, zero1/2, hsdp) and TP none "
-                             "or the largest allowed",)),
-    Parallelism(key="cp", token="cp<N>", module="distributed/context_parallel.py", approximations=_context_parallel,
-                torchtitan_key="context_parallel_degree", config_key="context_parallel", group="cp", span=_ring,
-                name_order=3, auto=_cp_degrees, fake_mesh=_cp_mesh, fsdp_shards_over=True, bus=_ring_pass,
-                auto_rule="cp<N>: ring attention over N ranks of each sample, FSDP2 over dp x cp",
-                auto_bounds=(f"cp only from a sequence of {MIN_AUTO_CP_SEQ:,} tokens, over FSDP2 without pp, at "
-                             "the smallest and largest degree that fit one node",),
-                in_pipeline=("context parallelism inside a pipeline is not traced yet: use fsdp+cp<N>[+tp<T>] "
-                             "without pp, or pp<N>+fsdp without cp"),
-                words="context-parallel", accelerate=_cp_accelerate),
+                auto_combinations=auto.pp_combinations, auto_bounds=auto.PP_BOUNDS, words="pipeline-parallel"),
+    Parallelism(key="cp", token="cp<N>", module="distributed/context_parallel.py",
+                approximations=lambda strategies, workload, options: cp.context_parallel_approximations(strategies),
+                torchtitan_key="context_parallel_degree", config_key="context_parallel", group="cp",
+                span=cp.ring_span, bus=cp.ring_pass, name_order=3, auto=auto.cp_degrees, auto_rule=auto.CP_RULE,
+                auto_bounds=auto.CP_BOUNDS, fsdp_shards_over=True, in_pipeline=cp.NOT_IN_PIPELINE,
+                fake_mesh=lambda: FakeMesh(workload=cp.on_fake_mesh, label=cp.ring_label, check=cp.check_ring),
+                words="context-parallel", accelerate=cp.accelerate_keys),
     # ep<N>: the sparse mesh's innermost dimension, N consecutive ranks (the tp ranks among them: etp=1)
-    Parallelism(key="ep", token="ep<N>", module="distributed/expert_parallel.py", approximations=_expert_parallel,
+    Parallelism(key="ep", token="ep<N>", module="distributed/expert_parallel.py", approximations=_ep_approximations,
                 torchtitan_key="expert_parallel_degree", torchtitan_at_1=False, config_key="expert_parallel",
-                group="ep", span=_own_group, critical_path=True, name_order=1, takes_gpus=False, auto=_ep_degrees,
-                fake_mesh=_ep_mesh, runs_experts=True, words="expert-parallel",
-                auto_rule="ep<N>+fsdp[+tp<M>]: each rank keeps experts / N, all-to-all dispatch (etp=1 with tp)",
-                auto_bounds=("ep only on a mixture of experts, ep<N>+fsdp[+tp<M>] without pp, at the largest degree "
-                             "within a node",)),
+                group="ep", span=_own_group, critical_path=True, name_order=1, takes_gpus=False, auto=auto.ep_degrees,
+                auto_rule=auto.EP_RULE, auto_bounds=auto.EP_BOUNDS, fake_mesh=_ep_mesh, runs_experts=True,
+                words="expert-parallel"),
 ]
 """Every parallelism, in the order a plan's outputs list their approximations (:func:`added` appends one)."""
 

@@ -1,35 +1,23 @@
 """``plan --strategies auto``: every parallelism combination worth tracing for a world and a model.
 
-One function, :func:`candidates`, lists them; each combination comes from a written rule below,
+One function, :func:`candidates`, lists them; each combination comes from a written rule (below),
 and a combination a rule cannot apply to this model (no tensor-parallel plan, heads or layers
 that do not divide) is listed as **skipped, with the reason**, never dropped in silence. The
 rules that only keep the count bounded (each candidate is a tracing session: seconds to
 minutes on a CPU) are :func:`bounds`, printed with every ranking.
 
 A combination is the degrees ``pp x dp x tp = world`` (``cp`` joins the product and ``ep``
-borrows from dp x tp) and the data-parallel wrap of the dp ranks. Each rule below is its
-parallelism's entry in ``distributed/parallelisms.py`` (``Parallelism.auto_combinations``: the
-wraps, tp, pp; ``auto``: a further component on those, cp, ep, read by :func:`registered_components`;
-``auto_skip``: tp on a mixture of experts), over the model's ``ModelFacts`` (``distributed/auto.py``).
-Rules:
+borrows from dp x tp) and the data-parallel wrap of the dp ranks. The rules are the registered
+parallelisms' (``distributed/parallelisms.py``), each written once in ``distributed/auto.py`` over
+the model's ``ModelFacts``, and iterated here in the registry's order:
 
-- **pp<N>** (``plan/pipeline.py``): N in 2..MAX_AUTO_PP dividing the GPUs; only a model with
-  embed / blocks / norm / head (batchfit's zoo transformers, HF causal LMs by their config's
-  ``base_model_pp_plan``; an HF one on a sequence-parallel TP plan without TP inside under a
-  zero-bubble schedule) whose layers split into N equal
-  stages (x V under interleaved 1F1B), with ``--microbatches`` the schedule accepts and the
-  plain loss; inside a pipeline the data-parallel wrap is FSDP2 (torchtitan composes pp with
-  FSDP2 and TP; ``fsdp-noreshard`` under a zero-bubble schedule, which needs it), and TP is none
-  or the largest degree the TP rule allows there.
-- **tp<N>** (``distributed/tp_plans.py``): N in 2..(GPUs of one node, at most MAX_AUTO_TP)
-  dividing the GPUs left by pp; only a model with a tensor-parallel plan whose query and
-  key/value heads divide by N. ``tp<N>`` when it spans every GPU left, else ``fsdp+tp<N>``.
-  On a mixture of experts only with ep<N> beside it (the ep component below: ``ep8+fsdp+tp2``).
-- **data parallel over dp ranks** without pp or TP: ``ddp``, ``fsdp`` (ZeRO-3),
-  ``fsdp-noreshard``, ``zero1``, ``zero2`` and ``hsdp<R>``: on several nodes R = the node count
-  and up to two halvings of it, not below 2 (shard groups of whole nodes); on one node R in 2, 4
-  with at least 2 GPUs per shard group.
-- One GPU: the plain single-GPU step, once.
+- ``Parallelism.auto_combinations``: combinations of its own, listed first (the data-parallel wraps,
+  tp, pp: ``data_parallel_combinations``, ``tp_combinations``, ``pp_combinations``);
+- ``Parallelism.auto``: a further component on each combination that applies, its ``auto_rule`` as
+  the row's rule (cp, ep: ``cp_degrees``, ``ep_degrees``; read by :func:`registered_components`);
+- ``Parallelism.auto_skip``: a row every rule listed that cannot apply after all (tp on a mixture
+  of experts without ep beside it: ``moe_tp_skip``), read last;
+- one GPU: the plain single-GPU step, once (this module's own).
 
 Counts (a model every rule applies to; the plan's --help and docs/tracing/auto.md say them): 2 GPUs 7,
 4 GPUs 11, 8 GPUs 15, 16 (2 nodes) 15, 64 (8 nodes) 17. Narrow with ``--strategies`` (a list).
@@ -43,7 +31,6 @@ from dataclasses import dataclass, replace
 
 from batchfit.distributed import parallelisms
 from batchfit.distributed.auto import AutoContext, Candidate, ModelFacts, model_facts  # noqa: F401 - plan's names
-from batchfit.distributed.parallelisms import DP_WRAPS, MAX_AUTO_PP, MAX_AUTO_TP, MIN_AUTO_CP_SEQ  # noqa: F401
 from batchfit.distributed.strategy_name import StrategyName
 from batchfit.plan.world import World
 

@@ -146,9 +146,11 @@ ACCELERATE_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16"
 
 
 def accelerate_yaml(result) -> str:
-    """An Accelerate config for the recommended run on the largest GPU count: FSDP2 for the
-    fsdp strategies, HSDP and TP (the last two through Accelerate's ``parallelism_config``, its
-    replicate / shard / tp sizes), MULTI_GPU for DDP, DeepSpeed ZeRO stage 1 / 2 for zero1 / zero2."""
+    """An Accelerate config for the recommended run on the largest GPU count: its data-parallel wrap as
+    Accelerate's ``distributed_type`` (MULTI_GPU, FSDP2, DeepSpeed ZeRO stage 1 / 2) with the replicate / shard /
+    tp sizes of ``parallelism_config``, and each parallelism the row uses as its registry entry writes it
+    (``Parallelism.accelerate``, ``distributed/parallelisms.py``); one the config cannot say is refused by its
+    ``words``."""
     if not result.recommended:
         raise OptionError("no strategy fits, so there is nothing to emit: see the report's 'what would make it fit'")
     p = result.recommended[-1]
