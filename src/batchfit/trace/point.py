@@ -492,6 +492,7 @@ class TracedCurve:
         whole = events is None
         if whole:
             events = self._whole_stream(batch_size)
+        self.say(f"replaying batch size {batch_size}'s {len(events):,} allocation events through the allocator model")
         return (*replay_reserved(events, self.device, config), whole)
 
     def _whole_stream(self, batch_size: int) -> list[tuple[str, int, int]]:
