@@ -11,6 +11,7 @@ from batchfit.devices import Device
 from batchfit.estimator.engine import estimate
 from batchfit.trace import depth
 from batchfit.trace.point import TracedCurve
+from batchfit.trace.session import TraceSession
 
 
 @pytest.mark.parametrize("spec,options", [
@@ -82,24 +83,36 @@ def test_a_phase_whose_peak_moves_to_another_part_with_depth():
     assert deep.breakdown_by_phase == {k: {**v, "workspace": workspace} for k, v in whole.breakdown_by_phase.items()}
 
 
-@pytest.mark.slow
-def test_generation_is_not_extrapolated():
-    # GRPO's generate phase runs the policy's stack once per new token with a growing cache: no
-    # line through depths 2, 3, 4 says where it peaks at 12 (it said 2.129 GB for 2.161), so
-    # the point is traced whole; and the stack cut is the policy's, not the longer reference's
-    workload = load_workload("grpo-gpt2-124m", seq_len=4)  # 4 new tokens: the same loop, quick
-    with TracedCurve(workload, StepOptions(), get_device("h100-80gb")) as traced:
-        traced.point(8)  # a multiple of its group size
-        assert traced.by_depth and traced.full_traces == [8]
-        session = traced._first  # depth 2
-        assert len(session.tracker._blocks) == 2  # the cut stack (the policy's), not the reference's 12
+def test_generation_is_traced_whole_with_the_bytes_depths_then_whole_gave():
+    # GRPO's generate phase runs the policy's stack once per new token with a growing cache: no line
+    # through depths 2, 3, 4 says where it peaks at 12 (it said 2.129 GB for 2.161), so a step that
+    # generates is traced whole from its first size, its depths never traced. The figures are those of
+    # de1c1c9, which traced batch 8 at depths 2, 3, 4 first, found the stack repeating, then traced it whole.
+    workload = load_workload("grpo-gpt2-124m", seq_len=2)  # 2 new tokens: the same loop, quick
+    said: list[str] = []
+    with TracedCurve(workload, StepOptions(), get_device("rtx4090-24gb"), said.append, keep_streams=True) as traced:
+        point = traced.reserved(8)  # a multiple of its group size
+        assert not traced.by_depth and traced._shallow == [] and traced._forked is None
+        assert traced.full_traces == traced.whole_reserved == [8]
+    assert not any("at depths" in message for message in said)
+    assert (point.peak_bytes, point.peak_reserved_bytes) == (2985347584, 3458203648)
+    assert point.peak_by_phase == {"inputs": 1995913216, "generate": 2078905856, "reference": 2051429888,
+                                   "forward": 2213477888, "backward": 2799409152, "optimizer": 2985347584,
+                                   "idle": 1995911680}
+
+
+def test_a_generating_step_cut_in_depth_cuts_the_policy():
+    # The stack cut is the policy's, not the longer reference's (for whoever traces GRPO by depth)
+    seen = depth.Depth()
+    workload = depth.at_depth(load_workload("grpo-gpt2-124m", seq_len=2), 2, seen)
+    with TraceSession(workload, StepOptions()) as session:
+        assert seen.blocks == 12 and len(session.tracker._blocks) == 2
 
 
 @pytest.mark.slow
-def test_generation_traces_whole_only_after_its_first_size():
-    # Once a phase is seen to run the stack more than once, no size can extrapolate: the next sizes are
-    # traced whole only (no depths), and the reserved peaks replay the whole model's own stream. Every
-    # figure equals the whole model's curve, which never traced by depth.
+def test_generation_traces_whole_at_every_size():
+    # No size of a generating step extrapolates: every size is traced whole (no depths), and the
+    # reserved peaks replay the whole model's own stream. Every figure equals the whole model's curve.
     workload = load_workload("grpo-gpt2-124m", seq_len=2)
     device = get_device("rtx4090-24gb")
     said: list[str] = []
@@ -108,7 +121,7 @@ def test_generation_traces_whole_only_after_its_first_size():
         for b in (8, 16, 24):
             assert traced.reserved(b) == whole.reserved(b)
         assert traced.full_traces == traced.whole_reserved == [8, 16, 24]
-    assert sum("at depths" in message for message in said) == 1  # batch 8's, which found the repeats
+    assert not any("at depths" in message for message in said)
 
 
 @pytest.mark.slow
@@ -118,11 +131,13 @@ def test_generation_estimate_is_the_one_traced_before():
     # 2, 3, 4 and the whole model at each size (96 and 80 at target then). The figures pinned here are the
     # step after the reference log-probs became their own phase (the phases merge): 72, 64 at target
     # (the same once generation sampled as `generate` does: the update decides here, from its whole logits).
+    # Since sizes whose replay needs no trace are replayed as probed (search.curve_search), 96 (88 cannot
+    # reserve) is no longer traced to confirm the allocated answer; every other figure is unchanged.
     gpu = Device(name="g5", display_name="a 5 GiB GPU", total_bytes=5 << 30, context_bytes=0, workspace_bytes=8 << 20)
     result = estimate(load_workload("grpo-gpt2-124m", seq_len=4), device=gpu, cache=False, suggest=False).to_json()
     assert (result["max_batch_size"], result["max_batch_size_at_target"]) == (72, 64)
     assert {p["batch_size"]: (p["peak_bytes"], p["peak_reserved_bytes"]) for p in result["points"]} == {
         8: (2976733696, None), 16: (2976733696, None), 56: (4091854336, 4372561920),
         64: (4392498688, 4714397696), 72: (4693171200, 5062524928), 80: (4993815552, None),
-        88: (5294460416, None), 96: (5595104768, None), 112: (6196421632, None)}
-    assert result["traced_by_depth"]["full_traces"] == [8, 16, 112, 88, 96, 72, 80, 56, 64]
+        88: (5294460416, None), 112: (6196421632, None)}
+    assert result["traced_by_depth"] is None  # whole at every size: a step that generates is not cut in depth

@@ -202,3 +202,61 @@ def test_estimate_with_batch_sizes_off_the_multiple_ends():
         result = estimate(workload, device=device, batch_sizes=[8, 21], multiple_of=8, target_util=1.0,
                           suggest=False, limit="allocated")  # the search is under test, not the allocator
     assert result.max_batch_size == 16 and result.point(16).peak_bytes == peak[16]
+
+
+class _StandInCurve:
+    """A curve whose every size is traced whole with its stream kept (as a generating step's is):
+    allocated ``fixed + per_sample * b`` bytes, reserved ``ratio`` times that (exact lines, so the
+    answers are known by hand), recording which sizes were traced and which replayed."""
+
+    def __init__(self, fixed: int, per_sample: int, ratio: float) -> None:
+        self.fixed, self.per_sample, self.ratio = fixed, per_sample, ratio
+        self.points: dict[int, object] = {}
+        self.traced: list[int] = []
+        self.replayed: list[int] = []
+
+    def point(self, b: int):
+        from batchfit.trace.point import MemoryPoint
+
+        if b not in self.points:
+            self.traced.append(b)
+            peak = self.fixed + self.per_sample * b
+            self.points[b] = MemoryPoint(b, peak, {}, "backward", {"backward": peak}, [])
+        return self.points[b]
+
+    def reserved(self, b: int):
+        point = self.point(b)
+        if point.reserved_ratio is None:
+            self.replayed.append(b)
+            point.peak_reserved_bytes, point.reserved_ratio = int(point.peak_bytes * self.ratio), self.ratio
+        return point
+
+    def curve(self):
+        return fit_curve({b: p.peak_by_phase for b, p in self.points.items()})
+
+
+class _FreeReplays(_StandInCurve):
+    def replay_is_free(self, b: int) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("limit", [5_000, 9_999, 10_000, 17_600, 23_000])
+def test_a_free_replay_spares_the_allocated_bound_above_the_reserved_answer(limit):
+    # allocated 1000 + 100 b, reserved 1.1 x that: the largest multiple of 8 whose 1100 + 110 b fits the limit.
+    # Where a size's replay needs no more tracing it is replayed as probed, so a size that fits allocated
+    # but not reserved ends the allocated search: the answer is the same, and no size above the reserved
+    # answer's failure is traced to confirm the allocated one.
+    answer = max((limit - 1100) // 110 // 8 * 8, 0)
+    answers, traced = [], []
+    for curve in (_StandInCurve(1000, 100, 1.1), _FreeReplays(1000, 100, 1.1)):
+        for b in (8, 16):
+            curve.point(b)
+        found = search.curve_search(curve, limit, lo=8, hi=1 << 16, multiple_of=8, reserved=True)
+        assert found.exact
+        answers.append(found.max_batch_size)
+        traced.append(curve.traced)
+    assert answers == [answer, answer]
+    allocated_failure = (limit - 1000) // 100 // 8 * 8 + 8  # what confirms the allocated answer
+    assert set(traced[1]) <= set(traced[0])
+    if allocated_failure > answer + 8:  # reserved decides: that size is traced only without free replays
+        assert allocated_failure in traced[0] and allocated_failure not in traced[1]

@@ -212,8 +212,8 @@ def test_a_deferred_workload_resolves_to_the_loaded_one(spec):
 
 @pytest.mark.slow
 def test_a_repeating_stack_read_from_the_cache_builds_the_whole_model_only():
-    # grpo-gpt2-124m with 2 new tokens: its first size shows generation running the stack once per token
-    # (no size extrapolates in depth); asked again for another size, the depth sessions are not built
+    # grpo-gpt2-124m with 2 new tokens: generation runs the stack once per token (no size extrapolates in
+    # depth), so it is traced whole from its first size; asked again for another size, no depth session is built
     from batchfit.devices import get_device
     from batchfit.trace.point import TracedCurve
     from batchfit.workload import StepOptions
@@ -228,4 +228,4 @@ def test_a_repeating_stack_read_from_the_cache_builds_the_whole_model_only():
         assert again.point(16) == (whole.point(8), whole.point(16))[1]
         assert again._shallow == [] and again._forked is None and again._full is again._first
     assert [m for m in said if m.startswith(("building", "tracing"))] == [
-        "building the whole grpo-gpt2-124m on fake tensors (no size extrapolates in depth)", "tracing batch size 16"]
+        "building grpo-gpt2-124m on fake tensors", "tracing batch size 16"]

@@ -353,19 +353,63 @@ def curve_search(curve, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
     With ``reserved`` the peak is the reserved one (``max_memory_reserved``). Reserved is never less
     than allocated, so the allocated answer comes first (cheap: by depth), then the reserved one at or
     below it (:func:`reserved_search`), where each probe replays a fresh stream through the allocator
-    model. With ``host_limit_bytes`` a size whose offloaded host bytes pass it does not fit either."""
+    model. With ``host_limit_bytes`` a size whose offloaded host bytes pass it does not fit either.
 
-    def allocated_probe(batch_size: int) -> Trial:
+    A size that fits as allocated and whose replay needs no more tracing (``curve.replay_is_free(b)``,
+    where the curve has it: its fresh stream is kept whole) is replayed as it is probed, and counts as
+    a failure when it cannot reserve: nothing above it fits, so the allocated search does not trace
+    the next size up only to confirm a bound the reserved search never uses (seed 003's GRPO step:
+    batch 104, a whole step of 144 generated tokens)."""
+    replay_is_free = getattr(curve, "replay_is_free", None) if reserved else None  # plan's curves: none
+
+    def allocated_probe(batch_size: int, *, replay: bool = True) -> Trial:
         point = curve.point(batch_size)
         fits = point.peak_bytes <= limit_bytes and host_fits(point, host_limit_bytes)
+        if fits and replay_is_free is not None and (point.reserved_ratio is not None
+                                                    or (replay and replay_is_free(batch_size))):
+            point = curve.reserved(batch_size)
+            fits = point.reserved_oom is None and point.peak_reserved_bytes <= limit_bytes
         return Trial(batch_size, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes)
 
-    known = [allocated_probe(b) for b in curve.points]
-    found = guided(allocated_probe, lambda trials: curve.curve().max_batch_size(limit_bytes, multiple_of),
-                   lo=lo, hi=hi, multiple_of=multiple_of, known=known)
+    known = [allocated_probe(b, replay=False) for b in curve.points]  # replayed where it already was
+
+    def predict(trials: list[Trial]) -> int:
+        guess = reserved_guess(curve, trials, limit_bytes, multiple_of) if replay_is_free is not None else None
+        return curve.curve().max_batch_size(limit_bytes, multiple_of) if guess is None else guess
+
+    found = guided(allocated_probe, predict, lo=lo, hi=hi, multiple_of=multiple_of, known=known)
     if not reserved or not found.max_batch_size:
         return found
     return reserved_search(curve, found, limit_bytes, lo=lo, multiple_of=multiple_of)
+
+
+def reserved_guess(curve, trials: list[Trial], limit_bytes: int, multiple_of: int) -> int | None:
+    """The largest batch whose reserved peak the replays among ``trials`` put under ``limit_bytes``;
+    None when none of them was replayed. Between the largest size that fits and the smallest that
+    does not, reserved bytes grow about linearly (segments are sized by the requests): the limit is
+    interpolated there. With no failure yet, the reserved/allocated ratio of the largest size
+    replayed solves the allocated curve for limit / ratio."""
+
+    def demand(batch_size: int) -> float | None:
+        """What the step at ``batch_size`` reserves, or would have to (its reserved peak; when
+        the allocator model ran out, what it held and asked for, scaled to the step's peak)."""
+        point = curve.points.get(batch_size)
+        if point is None or point.reserved_ratio is None:
+            return None
+        return point.peak_reserved_bytes if point.reserved_oom is None else point.reserved_ratio * point.peak_bytes
+
+    known = sorted((t.batch_size, t.fits, demand(t.batch_size)) for t in trials)
+    known = [(b, fits, need) for b, fits, need in known if need is not None]
+    fits = [(b, need) for b, ok, need in known if ok]
+    fails = [(b, need) for b, ok, need in known if not ok and (not fits or b > max(fits)[0])]
+    if fits and fails:
+        (b_fit, r_fit), (b_fail, r_fail) = max(fits), min(fails)
+        if r_fail > r_fit:
+            return int(b_fit + (limit_bytes - r_fit) * (b_fail - b_fit) / (r_fail - r_fit))
+    ratios = [(b, curve.points[b].reserved_ratio) for b, _, _ in known]
+    if not ratios:
+        return None
+    return curve.curve().max_batch_size(limit_bytes / max(ratios)[1], multiple_of)
 
 
 def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, multiple_of: int) -> SearchResult:
@@ -384,31 +428,9 @@ def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, mu
     def reserved_probe(batch_size: int) -> Trial:
         return reserved_trial(batch_size, curve.reserved(batch_size))
 
-    def demand(batch_size: int) -> float | None:
-        """What the step at ``batch_size`` reserves, or would have to (its reserved peak; when
-        the allocator model ran out, what it held and asked for, scaled to the step's peak)."""
-        point = curve.points.get(batch_size)
-        if point is None or point.reserved_ratio is None:
-            return None
-        return point.peak_reserved_bytes if point.reserved_oom is None else point.reserved_ratio * point.peak_bytes
-
     def predict(trials: list[Trial]) -> int:
-        # Between the largest size that fits and the smallest that does not, reserved bytes
-        # grow about linearly (segments are sized by the requests): interpolate the limit
-        # there. With no failure yet, take the reserved/allocated ratio of the largest size
-        # replayed and solve the allocated curve for limit / ratio.
-        known = sorted((t.batch_size, t.fits, demand(t.batch_size)) for t in trials)
-        known = [(b, fits, need) for b, fits, need in known if need is not None]
-        fits = [(b, need) for b, ok, need in known if ok]
-        fails = [(b, need) for b, ok, need in known if not ok and (not fits or b > max(fits)[0])]
-        if fits and fails:
-            (b_fit, r_fit), (b_fail, r_fail) = max(fits), min(fails)
-            if r_fail > r_fit:
-                return int(b_fit + (limit_bytes - r_fit) * (b_fail - b_fit) / (r_fail - r_fit))
-        ratios = [(b, curve.points[b].reserved_ratio) for b, _, _ in known]
-        if not ratios:
-            return found.max_batch_size
-        return curve.curve().max_batch_size(limit_bytes / max(ratios)[1], multiple_of)
+        guess = reserved_guess(curve, trials, limit_bytes, multiple_of)
+        return found.max_batch_size if guess is None else guess
 
     above = [Trial(found.next_size, "oom")] if found.next_size else []  # fails allocated: fails reserved
     replayed = [reserved_trial(b, p) for b, p in curve.points.items()  # from the search of another limit
@@ -416,6 +438,8 @@ def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, mu
     result = guided(reserved_probe, predict, lo=lo, hi=found.max_batch_size, multiple_of=multiple_of,
                     known=above + replayed)
     result.capped = found.capped and result.max_batch_size == found.max_batch_size  # capped by hi, not by us
+    if result.max_batch_size == found.max_batch_size and result.next_size is None:
+        result.next_size = found.next_size  # above hi, so the book dropped it; it failed all the same
     return result
 
 

@@ -216,8 +216,13 @@ class TracedCurve:
         workload, options, seen = self.workload, self.options, self._seen
         self.say(f"building {workload.name} on fake tensors")
         self._params_by_depth = []
-        # every:N: blocks differ by position; a compiled trace has no per-block parts
-        by_depth = self._by_depth and options.blocks_alike and options.compile == "none"
+        # every:N: blocks differ by position; a compiled trace has no per-block parts. A step that
+        # generates runs the stack once per new token, its cache growing: no size of it extrapolates
+        # in depth (depth.stack_repeats), so its depths would be traced only to be thrown away (the
+        # first size of seed 003's GRPO step: a fifth of its cold estimate). Traced whole, the bytes
+        # are the same whatever the depths would have shown.
+        by_depth = (self._by_depth and options.blocks_alike and options.compile == "none"
+                    and workload.generate is None)
         self._first = first = _new_session(depth.at_depth(workload, depth.DEPTHS[0], seen) if by_depth else workload,
                                            options)
         if by_depth and first.compiled:  # the workload compiles itself: traced whole, as --compile is
@@ -473,6 +478,12 @@ class TracedCurve:
             point.peak_reserved_bytes, point.reserved_oom, point.reserved_ratio = peak, oom, ratio
         return point
 
+    def replay_is_free(self, batch_size: int) -> bool:
+        """Whether the reserved peak at ``batch_size`` (traced) needs no more tracing and no depth
+        extension: its whole model's fresh stream is kept. ``search.curve_search`` replays such a size
+        as it probes it."""
+        return self._whole_streams.get(batch_size) is not None
+
     def _replay(self, batch_size: int, config: AllocatorConfig) -> tuple[int | None, str | None, float, bool]:
         """``replay_reserved``'s three figures, and whether the stream had to be traced whole (or
         was: a size traced whole, fresh, has its stream, and no depths' streams to extend)."""
@@ -481,6 +492,7 @@ class TracedCurve:
         whole = events is None
         if whole:
             events = self._whole_stream(batch_size)
+        self.say(f"replaying batch size {batch_size}'s {len(events):,} allocation events through the allocator model")
         return (*replay_reserved(events, self.device, config), whole)
 
     def _whole_stream(self, batch_size: int) -> list[tuple[str, int, int]]:
