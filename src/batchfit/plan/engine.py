@@ -51,7 +51,7 @@ from batchfit.search import (
     trace_first_sizes,
 )
 from batchfit.targets import bytes_at_target
-from batchfit.trace.curve import MemoryCurve, secant
+from batchfit.trace.curve import MemoryCurve, envelope
 from batchfit.workload import StepOptions, Workload
 
 SECONDS_PER_DAY = 86400
@@ -119,9 +119,10 @@ class ShardedCurve:
         return point
 
     def curve(self) -> MemoryCurve:
-        """The line through the two largest traced sizes (``trace.curve.secant``): the rank's
-        step peak, fixed (its shards of parameters, gradients, optimizer state) plus per sample."""
-        return MemoryCurve((secant("step", [(b, p.peak_bytes) for b, p in self.points.items()]),))
+        """``estimate``'s fit: the upper envelope of one line per phase (under pp<N>, per pipeline
+        rank too) through the two largest sizes traced (``trace.curve.envelope``), each fixed (the
+        rank's shards of parameters, gradients, optimizer state) plus per sample."""
+        return envelope({b: p.curve_peaks for b, p in self.points.items()})
 
     def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
                   reserved: bool = False, host_limit_bytes: int | None = None) -> SearchResult:
