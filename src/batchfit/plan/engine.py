@@ -350,7 +350,9 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
             kept.put("rows", rows)
         return rows
 
-    done = workers.run(one, derived_jobs(by_world), say, processes=request.processes if trace is None else 1)
+    # a pipeline's session traces every rank's stages whole, not the model cut to 2-4 blocks: the longest
+    done = workers.run(one, derived_jobs(by_world), say, processes=request.processes if trace is None else 1,
+                       costly=lambda job: getattr(job[1], "pp", 1) > 1)
     by_key = {(p.gpus, p.strategy): p for rows, _, _ in done for p in rows}
     plans = [by_key[(world.gpus, s.name)] for world, chosen in by_world for s in chosen] + not_traced
     params = next((n for _, n, _ in done if n is not None), None)
