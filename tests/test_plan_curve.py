@@ -80,3 +80,35 @@ def test_a_tracer_without_phases_gets_one_line_through_its_peaks():
     assert plain.points[8].curve_peaks == {"step": 12 * GiB}
     (line,) = plain.curve().lines
     assert (line.phase, line.fixed_bytes, line.bytes_per_sample) == ("step", 4 * GiB, GiB)
+
+
+class _Replay:
+    """The allocator model's answer for a size whose reserved peak is 1.25 x its allocated one."""
+
+    def __init__(self, allocated_bytes: int) -> None:
+        self.peak_reserved_bytes, self.reserved_oom, self.reserved_ratio = allocated_bytes * 5 // 4, None, 1.25
+
+
+def test_the_target_search_starts_from_the_ratio_the_capacity_search_replayed():
+    """Allocated 10 + b GiB, reserved 1.25 x that. Capacity 70 GiB: allocated says 60, reserved
+    (12.5 + 1.25 b <= 70) says 46. Target 50 GiB: allocated says 40, reserved (12.5 + 1.25 b <= 50)
+    says 30. The ratio the capacity's search replayed predicts 30 at once: 30 and 31 are the target's only
+    replays (its first was at the allocated answer, 40, when it took ratios from its own replays only)."""
+    traced, replayed = [], []
+
+    def trace(b: int) -> ShardedPoint:
+        traced.append(b)
+        return _point(b, {"backward": (10 + b) * GiB, "optimizer": 10 * GiB})
+
+    def replay(b: int) -> _Replay:
+        replayed.append(b)
+        return _Replay((10 + b) * GiB)
+
+    curve = ShardedCurve(trace, 0, lambda message: None, replay=replay)
+    for b in (1, 2):
+        curve.point(b)
+    found = curve.max_batch(70 * GiB, lo=1, hi=1 << 16, multiple_of=1, reserved=True)
+    assert (found.max_batch_size, found.next_size) == (46, 47)
+    at_target = curve.max_batch(50 * GiB, lo=1, hi=1 << 16, multiple_of=1, reserved=True)
+    assert (at_target.max_batch_size, at_target.next_size) == (30, 31)
+    assert replayed[replayed.index(47) + 1:] == [30, 31]

@@ -396,7 +396,8 @@ def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, mu
         # Between the largest size that fits and the smallest that does not, reserved bytes
         # grow about linearly (segments are sized by the requests): interpolate the limit
         # there. With no failure yet, take the reserved/allocated ratio of the largest size
-        # replayed and solve the allocated curve for limit / ratio.
+        # replayed (by this search, else by another over the same curve: the capacity's, before
+        # the target's) and solve the allocated curve for limit / ratio.
         known = sorted((t.batch_size, t.fits, demand(t.batch_size)) for t in trials)
         known = [(b, fits, need) for b, fits, need in known if need is not None]
         fits = [(b, need) for b, ok, need in known if ok]
@@ -405,7 +406,8 @@ def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, mu
             (b_fit, r_fit), (b_fail, r_fail) = max(fits), min(fails)
             if r_fail > r_fit:
                 return int(b_fit + (limit_bytes - r_fit) * (b_fail - b_fit) / (r_fail - r_fit))
-        ratios = [(b, curve.points[b].reserved_ratio) for b, _, _ in known]
+        ratios = [(b, curve.points[b].reserved_ratio) for b, _, _ in known] or [
+            (b, p.reserved_ratio) for b, p in curve.points.items() if p.reserved_ratio is not None]
         if not ratios:
             return found.max_batch_size
         return curve.curve().max_batch_size(limit_bytes / max(ratios)[1], multiple_of)
