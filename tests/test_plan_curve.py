@@ -83,32 +83,44 @@ def test_a_tracer_without_phases_gets_one_line_through_its_peaks():
 
 
 class _Replay:
-    """The allocator model's answer for a size whose reserved peak is 1.25 x its allocated one."""
+    """The allocator model's answer for a size: its reserved peak, and reserved over allocated."""
 
-    def __init__(self, allocated_bytes: int) -> None:
-        self.peak_reserved_bytes, self.reserved_oom, self.reserved_ratio = allocated_bytes * 5 // 4, None, 1.25
+    def __init__(self, reserved_bytes: float, allocated_bytes: int) -> None:
+        self.peak_reserved_bytes, self.reserved_oom = int(reserved_bytes), None
+        self.reserved_ratio = reserved_bytes / allocated_bytes
 
 
-def test_the_target_search_starts_from_the_ratio_the_capacity_search_replayed():
-    """Allocated 10 + b GiB, reserved 1.25 x that. Capacity 70 GiB: allocated says 60, reserved
-    (12.5 + 1.25 b <= 70) says 46. Target 50 GiB: allocated says 40, reserved (12.5 + 1.25 b <= 50)
-    says 30. The ratio the capacity's search replayed predicts 30 at once: 30 and 31 are the target's only
-    replays (its first was at the allocated answer, 40, when it took ratios from its own replays only)."""
-    traced, replayed = [], []
-
-    def trace(b: int) -> ShardedPoint:
-        traced.append(b)
-        return _point(b, {"backward": (10 + b) * GiB, "optimizer": 10 * GiB})
+def _searches(reserved_gib, capacity_gib: int, target_gib: int) -> tuple[int, int, list[int]]:
+    """plan's two searches on a rank whose allocated peak is 10 + b GiB (a flat optimizer step of 10):
+    the max local batch under the capacity, then the micro-batch under the target (at most that max);
+    their answers and the sizes replayed, in order."""
+    replayed = []
 
     def replay(b: int) -> _Replay:
         replayed.append(b)
-        return _Replay((10 + b) * GiB)
+        return _Replay(reserved_gib(b) * GiB, (10 + b) * GiB)
 
-    curve = ShardedCurve(trace, 0, lambda message: None, replay=replay)
+    curve = ShardedCurve(lambda b: _point(b, {"backward": (10 + b) * GiB, "optimizer": 10 * GiB}), 0,
+                         lambda message: None, replay=replay)
     for b in (1, 2):
         curve.point(b)
-    found = curve.max_batch(70 * GiB, lo=1, hi=1 << 16, multiple_of=1, reserved=True)
-    assert (found.max_batch_size, found.next_size) == (46, 47)
-    at_target = curve.max_batch(50 * GiB, lo=1, hi=1 << 16, multiple_of=1, reserved=True)
-    assert (at_target.max_batch_size, at_target.next_size) == (30, 31)
-    assert replayed[replayed.index(47) + 1:] == [30, 31]
+    found = curve.max_batch(capacity_gib * GiB, lo=1, hi=1 << 16, multiple_of=1, reserved=True)
+    at_target = curve.max_batch(target_gib * GiB, lo=1, hi=found.max_batch_size, multiple_of=1, reserved=True)
+    return found.max_batch_size, at_target.max_batch_size, replayed
+
+
+def test_the_target_search_starts_from_the_ratio_the_capacity_search_replayed():
+    """Reserved 1.25 x allocated. Capacity 70 GiB: allocated says 60, reserved (12.5 + 1.25 b <= 70) 46.
+    Target 50 GiB: allocated says 40, reserved (12.5 + 1.25 b <= 50) 30. The ratio the capacity's search
+    replayed predicts 30 at once: 30 and 31 are the target's only replays (its first was at the
+    allocated answer, 40, when it took ratios from its own replays only)."""
+    assert _searches(lambda b: 1.25 * (10 + b), 70, 50) == (46, 30, [60, 46, 47, 30, 31])
+
+
+def test_the_ratio_is_the_one_of_the_failure_nearest_the_answer():
+    """Reserved 20 + 1.1 b GiB: the ratio to allocated grows as the size falls (1.19 at 90, 1.207 at 74).
+    Capacity 100 GiB: 90 fails (119 GiB); its ratio puts the answer at 74 (100 / 1.19 = 84.0 GiB
+    allocated), which fails (101.4); 74's own ratio puts it at 72 (99.2, fits), and 73 fails (100.3).
+    With 90's ratio again the next guess was 74 once more, clamped to 73, and after three guesses the
+    search bisected up from 36: 11 replays, not 6. Target 90 GiB: 20 + 1.1 b <= 90 at 63."""
+    assert _searches(lambda b: 20 + 1.1 * b, 100, 90) == (72, 63, [90, 74, 72, 73, 64, 63])

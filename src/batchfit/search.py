@@ -395,9 +395,12 @@ def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, mu
     def predict(trials: list[Trial]) -> int:
         # Between the largest size that fits and the smallest that does not, reserved bytes
         # grow about linearly (segments are sized by the requests): interpolate the limit
-        # there. With no failure yet, take the reserved/allocated ratio of the largest size
-        # replayed (by this search, else by another over the same curve: the capacity's, before
-        # the target's) and solve the allocated curve for limit / ratio.
+        # there. Otherwise take the reserved/allocated ratio of the replayed size nearest the
+        # answer (the smallest that failed, else the largest that fit; replayed by this search, else
+        # by another over the same curve: the capacity's, before the target's) and solve the
+        # allocated curve for limit / ratio. The ratio changes with the size (tinystories pp2+fsdp:
+        # 1.146 at 2290, 1.1625 at 2060): the largest size's, once a nearer one had failed, put the
+        # answer at 2060 again and again, each time clamped one micro-batch lower (2058, 2056).
         known = sorted((t.batch_size, t.fits, demand(t.batch_size)) for t in trials)
         known = [(b, fits, need) for b, fits, need in known if need is not None]
         fits = [(b, need) for b, ok, need in known if ok]
@@ -406,11 +409,15 @@ def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, mu
             (b_fit, r_fit), (b_fail, r_fail) = max(fits), min(fails)
             if r_fail > r_fit:
                 return int(b_fit + (limit_bytes - r_fit) * (b_fail - b_fit) / (r_fail - r_fit))
-        ratios = [(b, curve.points[b].reserved_ratio) for b, _, _ in known] or [
-            (b, p.reserved_ratio) for b, p in curve.points.items() if p.reserved_ratio is not None]
-        if not ratios:
+        replayed = [(b, ok) for b, ok, _ in known] or [
+            (b, demand(b) <= limit_bytes and curve.points[b].reserved_oom is None)
+            for b in curve.points if demand(b) is not None]
+        if not replayed:
             return found.max_batch_size
-        return curve.curve().max_batch_size(limit_bytes / max(ratios)[1], multiple_of)
+        nearest = min((b for b, ok in replayed if not ok), default=max(b for b, _ in replayed))
+        # reserved over the curve's own peak there: the curve is what limit / ratio is solved on
+        return curve.curve().max_batch_size(limit_bytes * curve.points[nearest].peak_bytes / demand(nearest),
+                                            multiple_of)
 
     above = [Trial(found.next_size, "oom")] if found.next_size else []  # fails allocated: fails reserved
     replayed = [reserved_trial(b, p) for b, p in curve.points.items()  # from the search of another limit
