@@ -202,3 +202,20 @@ def test_estimate_with_batch_sizes_off_the_multiple_ends():
         result = estimate(workload, device=device, batch_sizes=[8, 21], multiple_of=8, target_util=1.0,
                           suggest=False, limit="allocated")  # the search is under test, not the allocator
     assert result.max_batch_size == 16 and result.point(16).peak_bytes == peak[16]
+
+
+def test_after_its_trusted_guesses_a_prediction_at_the_fit_probes_the_size_above_once():
+    """The curve says 32 once 28 and 32 fit and 74 did not (a 70B pipeline's): the next size, 34, is
+    probed and fails, where bisecting would have run 52, 42, 36 and 34. A prediction that keeps saying
+    the fit gets that one probe only, then bisection (limit 41: 34 fits, then 54, 44, 38, 40, 42)."""
+    guesses = iter([74, 28, 32])
+    seen: list[int] = []
+    result = guided(threshold_probe(33, seen), lambda trials: next(guesses, 32), lo=2, multiple_of=2)
+    assert (result.max_batch_size, result.next_size, seen) == (32, 34, [74, 28, 32, 34])
+    guesses, seen = iter([74, 28, 32]), []
+
+    def the_fit_again(trials: list[Trial]) -> int:
+        return next(guesses, None) or max(t.batch_size for t in trials if t.fits)
+
+    result = guided(threshold_probe(41, seen), the_fit_again, lo=2, multiple_of=2)
+    assert (result.max_batch_size, seen) == (40, [74, 28, 32, 34, 54, 44, 38, 40, 42])
