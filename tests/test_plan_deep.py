@@ -102,3 +102,26 @@ def test_reserved_replays_reuse_the_fresh_traces_they_have():
     assert replayed.peak_allocated_by_step[-1] > reused.peak_allocated_by_step[-1]  # the steady step at 2, at 1
     fields = ("peak_bytes", "breakdown", "phase", "flops", "params_per_rank", "collectives")
     assert {f: getattr(point, f) for f in fields} == {f: getattr(steady, f) for f in fields}
+
+
+@pytest.mark.slow
+def test_a_whole_models_replay_gives_its_point_too():
+    """A model too shallow to cut (1 block) replays a size not traced yet in a fresh session: that
+    session's point is the size's steady step, so trace() takes it and opens nothing more (one
+    trace of the size, not two), byte for byte what the long-lived session traces."""
+    from tiny import tiny_workload
+
+    options, s = StepOptions(precision="bf16-mixed"), parse_strategy("fsdp", 2)
+    opened = []
+    counting = lambda *a, **k: opened.append(1) or ShardedSession(*a, **k)  # noqa: E731
+    with DeepSession(tiny_workload(), options, H100, s, session=counting) as deep, \
+            DeepSession(tiny_workload(), options, H100, s) as other:
+        deep.trace(1)
+        deep.reserved(3)
+        assert len(opened) == 2  # the whole model's session, and the replay's fresh one
+        point = deep.trace(3)
+        assert len(opened) == 2 and deep.whole_reserved == [3]
+        other.trace(1)
+        steady = other.trace(3)
+    fields = ("peak_bytes", "breakdown", "phase", "flops", "params_per_rank", "collectives")
+    assert {f: getattr(point, f) for f in fields} == {f: getattr(steady, f) for f in fields}

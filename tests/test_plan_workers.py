@@ -137,3 +137,14 @@ def test_time_left_is_a_floor_once_a_session_passes_the_traces_taken_for_one(mon
     steps.tag("ddp on 1 GPU: local batch 6", 1)
     now[0] = 50.0
     assert steps.tag("fsdp on 1 GPU: local batch 6", 0).endswith("[0/2 sessions done, at least 10 s left]")
+
+
+def test_costly_jobs_start_first_and_come_back_in_order():
+    started = []
+
+    def one(job, say):
+        started.append(job)
+        return job * 10
+
+    assert workers.run(one, [1, 2, 3, 4], print, processes=1, costly=lambda job: job % 2 == 0) == [10, 20, 30, 40]
+    assert started == [2, 4, 1, 3]

@@ -260,3 +260,20 @@ def test_a_free_replay_spares_the_allocated_bound_above_the_reserved_answer(limi
     assert set(traced[1]) <= set(traced[0])
     if allocated_failure > answer + 8:  # reserved decides: that size is traced only without free replays
         assert allocated_failure in traced[0] and allocated_failure not in traced[1]
+
+
+def test_after_its_trusted_guesses_a_prediction_at_the_fit_probes_the_size_above_once():
+    """The curve says 32 once 28 and 32 fit and 74 did not (a 70B pipeline's): the next size, 34, is
+    probed and fails, where bisecting would have run 52, 42, 36 and 34. A prediction that keeps saying
+    the fit gets that one probe only, then bisection (limit 41: 34 fits, then 54, 44, 38, 40, 42)."""
+    guesses = iter([74, 28, 32])
+    seen: list[int] = []
+    result = guided(threshold_probe(33, seen), lambda trials: next(guesses, 32), lo=2, multiple_of=2)
+    assert (result.max_batch_size, result.next_size, seen) == (32, 34, [74, 28, 32, 34])
+    guesses, seen = iter([74, 28, 32]), []
+
+    def the_fit_again(trials: list[Trial]) -> int:
+        return next(guesses, None) or max(t.batch_size for t in trials if t.fits)
+
+    result = guided(threshold_probe(41, seen), the_fit_again, lo=2, multiple_of=2)
+    assert (result.max_batch_size, seen) == (40, [74, 28, 32, 34, 54, 44, 38, 40, 42])

@@ -259,15 +259,21 @@ def guided(probe: Probe, predict: Callable[[list[Trial]], int], *, lo: int = 1, 
 
     ``predict(trials)`` gives the predicted largest fitting batch from all trials so far (the
     tracer's curve, corrected by measured peaks). After ``trusted_predictions`` probes the
-    search bisects, so it ends in O(log(hi)) probes however wrong the predictions are.
+    search bisects, so it ends in O(log(hi)) probes however wrong the predictions are; but
+    once, where the prediction is the largest size known to fit, it first probes the size above
+    it: that either ends the search or is a fit bisection would have found (a 70B pipeline's
+    curve said 32 after 28 and 32 fit, 74 did not; bisecting traced 52, 42, 36, 34).
     """
     book = _Book(probe, lo, hi, multiple_of, known)
     m = book.m
+    confirmed = False
     while not book.closed():  # open means fail - fit > m, so the size below lies between them
-        if len(book.trials) >= trusted_predictions:
-            book.bisect()
-            break
         guess = predict(book.all) // m * m
+        if len(book.trials) >= trusted_predictions:
+            if confirmed or not book.fit or guess > book.fit:
+                book.bisect()
+                break
+            confirmed = True  # the one probe of the size above the fit the prediction stops at
         upper = book.fail - m if book.fail is not None else book.hi
         book.run(min(max(guess, book.fit + m, book.lo), upper))
     return book.result()
@@ -385,10 +391,14 @@ def curve_search(curve, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
 
 def reserved_guess(curve, trials: list[Trial], limit_bytes: int, multiple_of: int) -> int | None:
     """The largest batch whose reserved peak the replays among ``trials`` put under ``limit_bytes``;
-    None when none of them was replayed. Between the largest size that fits and the smallest that
-    does not, reserved bytes grow about linearly (segments are sized by the requests): the limit is
-    interpolated there. With no failure yet, the reserved/allocated ratio of the largest size
-    replayed solves the allocated curve for limit / ratio."""
+    None when no size was replayed. Between the largest size that fits and the smallest that does
+    not, reserved bytes grow about linearly (segments are sized by the requests): the limit is
+    interpolated there. Otherwise the reserved/allocated ratio of the replayed size nearest the
+    answer (the smallest that failed, else the largest that fit; replayed among ``trials``, else by
+    another search over the same curve: the capacity's, before the target's) solves the allocated
+    curve for limit / ratio. The ratio changes with the size (tinystories pp2+fsdp: 1.146 at 2290,
+    1.1625 at 2060): the largest size's, once a nearer one had failed, put the answer at 2060 again
+    and again, each time clamped one micro-batch lower (2058, 2056)."""
 
     def demand(batch_size: int) -> float | None:
         """What the step at ``batch_size`` reserves, or would have to (its reserved peak; when
@@ -406,10 +416,15 @@ def reserved_guess(curve, trials: list[Trial], limit_bytes: int, multiple_of: in
         (b_fit, r_fit), (b_fail, r_fail) = max(fits), min(fails)
         if r_fail > r_fit:
             return int(b_fit + (limit_bytes - r_fit) * (b_fail - b_fit) / (r_fail - r_fit))
-    ratios = [(b, curve.points[b].reserved_ratio) for b, _, _ in known]
-    if not ratios:
+    replayed = [(b, ok) for b, ok, _ in known] or [
+        (b, demand(b) <= limit_bytes and curve.points[b].reserved_oom is None)
+        for b in curve.points if demand(b) is not None]
+    if not replayed:
         return None
-    return curve.curve().max_batch_size(limit_bytes / max(ratios)[1], multiple_of)
+    nearest = min((b for b, ok in replayed if not ok), default=max(b for b, _ in replayed))
+    # reserved over the curve's own peak there: the curve is what limit / ratio is solved on
+    return curve.curve().max_batch_size(limit_bytes * curve.points[nearest].peak_bytes / demand(nearest),
+                                        multiple_of)
 
 
 def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, multiple_of: int) -> SearchResult:

@@ -149,9 +149,17 @@ class DeepSession:
         found = self._extended(local_batch) if self._depths and not self.whole_reserved else None
         if found is None:
             self.whole_reserved.append(local_batch)
-            found = self._fresh(self.workload, local_batch)
+            points = []
+            found = self._fresh(self.workload, local_batch, points)
+            self._keep_fresh(local_batch, points[0], found[1])
         events, starts, streams = found
         return replay_steps(events, starts, self.device, streams)
+
+    def _keep_fresh(self, local_batch: int, point: ShardedPoint, steps: tuple[int, ...]) -> None:
+        """A fresh process's second step is the steady one but under DDP (its bucket rebuild, a third
+        step start): the size's point, for :meth:`trace`, unless it was traced already."""
+        if len(steps) == 2:
+            self._fresh_points[local_batch] = point
 
     def _fresh(self, workload, local_batch: int, points: list | None = None) -> tuple[list, tuple[int, ...], dict]:
         with contextlib.closing(self._open(workload)) as session:
@@ -166,12 +174,8 @@ class DeepSession:
         else:
             seen, points = depth.Depth(), []
             traced = [self._fresh(depth.at_depth(self.workload, d, seen), local_batch, points) for d in depth.DEPTHS]
-            # a fresh process's second step is the steady one but under DDP (its bucket rebuild):
-            # the size's point, for trace(), unless it was traced already
-            if all(len(steps) == 2 for _, steps, _ in traced):
-                found = extrapolate(points, self.blocks)
-                if found is not None:
-                    self._fresh_points[local_batch] = found
+            if all(len(steps) == 2 for _, steps, _ in traced) and (found := extrapolate(points, self.blocks)):
+                self._keep_fresh(local_batch, found, traced[0][1])
         if len({len(steps) for _, steps, _ in traced}) != 1:
             return None
         starts = tuple(depth.line_at([steps[i] for _, steps, _ in traced], self.blocks)

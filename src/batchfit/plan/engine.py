@@ -52,7 +52,7 @@ from batchfit.search import (
     trace_first_sizes,
 )
 from batchfit.targets import bytes_at_target
-from batchfit.trace.curve import MemoryCurve, secant
+from batchfit.trace.curve import MemoryCurve, envelope
 from batchfit.workload import StepOptions, Workload
 
 SECONDS_PER_DAY = 86400
@@ -120,9 +120,10 @@ class ShardedCurve:
         return point
 
     def curve(self) -> MemoryCurve:
-        """The line through the two largest traced sizes (``trace.curve.secant``): the rank's
-        step peak, fixed (its shards of parameters, gradients, optimizer state) plus per sample."""
-        return MemoryCurve((secant("step", [(b, p.peak_bytes) for b, p in self.points.items()]),))
+        """``estimate``'s fit: the upper envelope of one line per phase (under pp<N>, per pipeline
+        rank too) through the two largest sizes traced (``trace.curve.envelope``), each fixed (the
+        rank's shards of parameters, gradients, optimizer state) plus per sample."""
+        return envelope({b: p.curve_peaks for b, p in self.points.items()})
 
     def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
                   reserved: bool = False, host_limit_bytes: int | None = None) -> SearchResult:
@@ -350,7 +351,9 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
             kept.put("rows", rows)
         return rows
 
-    done = workers.run(one, derived_jobs(by_world), say, processes=request.processes if trace is None else 1)
+    # a pipeline's session traces every rank's stages whole, not the model cut to 2-4 blocks: the longest
+    done = workers.run(one, derived_jobs(by_world), say, processes=request.processes if trace is None else 1,
+                       costly=lambda job: getattr(job[1], "pp", 1) > 1)
     by_key = {(p.gpus, p.strategy): p for rows, _, _ in done for p in rows}
     plans = [by_key[(world.gpus, s.name)] for world, chosen in by_world for s in chosen] + not_traced
     params = next((n for _, n, _ in done if n is not None), None)

@@ -45,6 +45,9 @@ class PlanPoint:
     stage_peak_bytes: tuple[int, ...] = ()
     """Under pp<N>: each pipeline rank's traced peak (allocated, workspace included), rank 0 first;
     ``peak_bytes`` is the largest."""
+    curve_peaks: dict[str, int] = field(default_factory=dict)
+    """The peaks the plan's curve fits a line to each (``trace.curve.envelope``): each phase's peak
+    (the largest pipeline rank's) and under pp<N> each pipeline rank's, workspace included."""
 
     reserved: object | None = None
     """Rank 0's fresh process replayed through the caching allocator model (a
@@ -82,14 +85,15 @@ def plan_point(traced, workspace_bytes: int) -> PlanPoint:
     """A ShardedPoint as a GPU would report it: the cuBLAS workspace (allocated through the
     caching allocator before the step) added, unless the tracer counted it already."""
     breakdown = dict(traced.breakdown)
-    peak = traced.peak_bytes
-    if "workspace" not in breakdown:
-        breakdown["workspace"] = workspace_bytes
-        peak += workspace_bytes
-    return PlanPoint(traced.local_batch, peak, breakdown, traced.flops, tuple(traced.collectives),
+    added = 0 if "workspace" in breakdown else workspace_bytes
+    breakdown["workspace"] = breakdown.get("workspace", workspace_bytes)
+    stages = tuple(getattr(traced, "stage_peak_bytes", ()))
+    peaks = {phase: peak + added for phase, peak in getattr(traced, "peak_by_phase", {}).items()}
+    peaks |= {f"pipeline rank {rank}": peak + added for rank, peak in enumerate(stages)}
+    return PlanPoint(traced.local_batch, traced.peak_bytes + added, breakdown, traced.flops, tuple(traced.collectives),
                      getattr(traced, "host_reserved_bytes", 0), getattr(traced, "offloaded_bytes", 0),
-                     getattr(traced, "host_peak_bytes", 0),
-                     stage_peak_bytes=tuple(getattr(traced, "stage_peak_bytes", ())))
+                     getattr(traced, "host_peak_bytes", 0), stage_peak_bytes=stages,
+                     curve_peaks=peaks or {"step": traced.peak_bytes + added})
 
 
 @dataclass
@@ -175,6 +179,18 @@ class StrategyPlan:
     def point(self, local_batch: int) -> PlanPoint | None:
         return next((p for p in self.points if p.local_batch == local_batch), None)
 
+    def _fit_json(self) -> dict | None:
+        """The curve's line that is the peak at the max local batch (or the largest traced size), and every line."""
+        if self.curve is None:
+            return None
+        at = self.max_local_batch or max((p.local_batch for p in self.points), default=1)
+        line = self.curve.dominant(at)
+        return {"model": "peak(local_batch) = the largest of the lines' fixed_bytes + bytes_per_sample * local_batch",
+                "line": line.phase, "fixed_bytes": round(line.fixed_bytes),
+                "bytes_per_sample": round(line.bytes_per_sample),
+                "lines": [{"line": x.phase, "fixed_bytes": round(x.fixed_bytes),
+                           "bytes_per_sample": round(x.bytes_per_sample)} for x in self.curve.lines]}
+
     def to_json(self) -> dict:
         return {
             "strategy": self.strategy, "gpus": self.gpus, "nodes": self.nodes, "dp": self.dp, "tp": self.tp,
@@ -182,9 +198,7 @@ class StrategyPlan:
             **({"pp_schedule": self.pp_schedule, "microbatches": self.microbatches,
                 "pp_layers_per_stage": self.pp_layers_per_stage} if self.pp > 1 else {}),
             "points": [p.to_json() for p in self.points],
-            "fit": ({"model": "peak(local_batch) = fixed_bytes + bytes_per_sample * local_batch",
-                     "fixed_bytes": round(self.curve.lines[0].fixed_bytes),
-                     "bytes_per_sample": round(self.curve.lines[0].bytes_per_sample)} if self.curve else None),
+            "fit": self._fit_json(),
             "max_local_batch": self.max_local_batch, "max_global_batch": self.max_global_batch,
             "capped": self.capped, "micro_batch": self.micro_batch,
             "accumulation_steps": self.accumulation_steps, "global_batch": self.global_batch,

@@ -98,26 +98,30 @@ def _run_index(index: int):
 
 
 def run(one: Callable[[Any, Callable[[str], None]], Any], jobs: Sequence, say: Callable[[str], None], *,
-        processes: int | None = None) -> list:
+        processes: int | None = None, costly: Callable[[Any], bool] | None = None) -> list:
     """``[one(job, say) for job in jobs]``, in that order, ``processes`` at a time (default:
     :func:`default_processes`). The first error raised by a job (in job order) is raised here,
-    and the other jobs are stopped; a worker that dies (killed for memory, say) is an error too."""
+    and the other jobs are stopped; a worker that dies (killed for memory, say) is an error too.
+    The jobs ``costly`` says are start first (their results still come back in job order): a long
+    job started last would leave the other cores idle while it runs alone."""
     global _JOB
     processes = default_processes(len(jobs)) if processes is None else max(1, min(processes, len(jobs)))
     steps = Steps(len(jobs), processes)
+    order = sorted(range(len(jobs)), key=lambda i: not costly(jobs[i])) if costly else list(range(len(jobs)))
     if processes == 1 or not can_fork():  # not Linux, one core, BATCHFIT_PROCESSES=1, or CUDA initialized
-        out = []
-        for index, job in enumerate(jobs):
-            out.append(one(job, lambda message, index=index: say(steps.tag(message, index))))
+        out = {}
+        for index in order:
+            out[index] = one(jobs[index], lambda message, index=index: say(steps.tag(message, index)))
             steps.finished(index)
-        return out
+        return [out[index] for index in range(len(jobs))]
     context = multiprocessing.get_context("fork")
     progress = context.SimpleQueue()  # put() writes before the job goes on: no line arrives after its result
     _JOB = (one, jobs, progress)
     say(f"tracing {len(jobs)} strategy sessions, {processes} at a time (one process each)")
     pool = ProcessPoolExecutor(processes, mp_context=context)
     try:
-        pending = [pool.submit(_run_index, i) for i in range(len(jobs))]
+        submitted = {i: pool.submit(_run_index, i) for i in order}  # the pool starts them in this order
+        pending = [submitted[i] for i in range(len(jobs))]
         counted: set[int] = set()
         while not all(future.done() for future in pending):
             if progress.empty():

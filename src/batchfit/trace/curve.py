@@ -101,9 +101,20 @@ class MemoryCurve:
 
 def fit_curve(points: dict[int, dict[str, int]]) -> MemoryCurve:
     """One line per phase through its two largest traced batch sizes (:func:`secant`)."""
-    lines = []
-    for phase in PHASES:
-        series = [(b, peaks[phase]) for b, peaks in sorted(points.items()) if phase in peaks]
-        if series:
-            lines.append(secant(phase, series))
-    return MemoryCurve(tuple(lines))
+    return envelope({b: {phase: peak for phase, peak in peaks.items() if phase in PHASES}
+                     for b, peaks in points.items()})
+
+
+def envelope(points: dict[int, dict[str, int]]) -> MemoryCurve:
+    """The upper envelope of one line per name (a phase; under a pipeline, also a pipeline rank)
+    through the two largest batch sizes where that name was traced (:func:`secant`), phases in
+    the step's order first.
+
+    The step's peak is the largest of these peaks, each about linear in the batch, so the envelope
+    predicts where a line through the step's own peaks cannot: at small batches a flat phase (the
+    optimizer step's) is the peak, and the line through two such sizes is flat too (a pipeline's
+    predicted 106 samples from sizes 2 and 4 where 32 fit)."""
+    names = sorted({name for peaks in points.values() for name in peaks},
+                   key=lambda name: (PHASES.index(name) if name in PHASES else len(PHASES), name))
+    return MemoryCurve(tuple(secant(name, [(b, peaks[name]) for b, peaks in sorted(points.items()) if name in peaks])
+                             for name in names))
