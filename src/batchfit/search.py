@@ -348,6 +348,11 @@ def host_fits(point, host_limit_bytes: int | None) -> bool:
     return host_limit_bytes is None or point.host_reserved_bytes <= host_limit_bytes
 
 
+def reserved_fits(point, limit_bytes: int) -> bool:
+    """Whether a replayed ``point`` reserves no more than ``limit_bytes`` (the allocator model never ran out)."""
+    return point.reserved_oom is None and point.peak_reserved_bytes <= limit_bytes
+
+
 def curve_search(curve, limit_bytes: int, *, lo: int, hi: int, multiple_of: int, reserved: bool = False,
                  host_limit_bytes: int | None = None) -> SearchResult:
     """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak is under ``limit_bytes``:
@@ -374,7 +379,7 @@ def curve_search(curve, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
         if fits and replay_is_free is not None and (point.reserved_ratio is not None
                                                     or (replay and replay_is_free(batch_size))):
             point = curve.reserved(batch_size)
-            fits = point.reserved_oom is None and point.peak_reserved_bytes <= limit_bytes
+            fits = reserved_fits(point, limit_bytes)
         return Trial(batch_size, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes)
 
     known = [allocated_probe(b, replay=False) for b in curve.points]  # replayed where it already was
@@ -417,8 +422,7 @@ def reserved_guess(curve, trials: list[Trial], limit_bytes: int, multiple_of: in
         if r_fail > r_fit:
             return int(b_fit + (limit_bytes - r_fit) * (b_fail - b_fit) / (r_fail - r_fit))
     replayed = [(b, ok) for b, ok, _ in known] or [
-        (b, demand(b) <= limit_bytes and curve.points[b].reserved_oom is None)
-        for b in curve.points if demand(b) is not None]
+        (b, reserved_fits(curve.points[b], limit_bytes)) for b in curve.points if demand(b) is not None]
     if not replayed:
         return None
     nearest = min((b for b, ok in replayed if not ok), default=max(b for b, _ in replayed))
@@ -436,9 +440,8 @@ def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, mu
     allocator model (the costly probe), ``curve.curve()`` is the allocated fit."""
 
     def reserved_trial(batch_size: int, point) -> Trial:
-        fits = point.reserved_oom is None and point.peak_reserved_bytes <= limit_bytes
-        return Trial(batch_size, "ok" if fits else "oom", peak_allocated_bytes=point.peak_bytes,
-                     peak_reserved_bytes=point.peak_reserved_bytes)
+        return Trial(batch_size, "ok" if reserved_fits(point, limit_bytes) else "oom",
+                     peak_allocated_bytes=point.peak_bytes, peak_reserved_bytes=point.peak_reserved_bytes)
 
     def reserved_probe(batch_size: int) -> Trial:
         return reserved_trial(batch_size, curve.reserved(batch_size))
