@@ -110,6 +110,20 @@ def check_memory_budget(value: float | None, compile: str) -> None:
                           "(or blocks)")
 
 
+def shape_only_call(key: object, rows: int, device: torch.device, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``run()``: a call that returns one tensor on ``device`` and whose allocations depend only on ``key``
+    (the shapes it is given but their rows, dtypes, modes) and ``rows`` (a generation loop: fake tensors
+    have no values). A tracer on the dispatch-mode stack that writes such calls (``write_call``:
+    ``trace/written.py``) may write its allocations into the trace instead of running it again."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        write = getattr(mode, "write_call", None)
+        if write is not None:
+            return write(key, rows, device, run)
+    return run()
+
+
 KEEP_FP32 = "batchfit_keep_fp32"
 """A module of a Workload's model with this attribute set keeps its parameters in fp32 when the step casts
 the model to the precision's dtype (``train/model.py`` move_module; TRL's ``cast_lm_head_to_fp32``:

@@ -77,6 +77,10 @@ class EstimateResult(SizedForTarget):
     whole_reserved: list[int] = field(default_factory=list)
     """Batch sizes whose reserved peak came from a whole-model trace; the others' allocation
     streams were written from the depths' streams (``trace/stream.py``)."""
+    written_generation: dict | None = None
+    """Where an RL step's generation loop was written instead of run (``trace/written.py``): the batch
+    sizes it was traced at, written again at (the warm-up step's, repeated) and written from the line
+    through two traced sizes at, and where that line was checked; None where it ran at every size."""
     known_limits: list[str] = field(default_factory=list)
     """What this model runs that the trace does not mirror (beyond docs/tracing/known-limits.md's list)."""
     approximations: list[Approximation] = field(default_factory=list)
@@ -190,6 +194,7 @@ class EstimateResult(SizedForTarget):
             "traced_by_depth": ({"blocks": self.depth_blocks, "depths": list(self.depths),
                                  "full_traces": self.full_traces, "whole_reserved": self.whole_reserved}
                                 if self.depth_blocks else None),
+            "written_generation": self.written_generation,
             **({"global_batch": self.split.global_batch, "micro_batch": self.split.micro_batch,
                 "accumulation_steps": self.split.accumulation_steps, "split": self.split.to_json()}
                if self.split else {}),
@@ -259,6 +264,7 @@ def estimate(workload: Workload, request: EstimateRequest | None = None, *, devi
         max_batch_size_at_target=answers[1].max_batch_size, capped=answers[0].capped,
         trace_seconds=time.perf_counter() - started, traces=len(points), suggestions=suggestions, limit=limit,
         depth_blocks=traced.blocks, full_traces=traced.full_traces, whole_reserved=traced.whole_reserved,
+        written_generation=traced.written_generation,
         known_limits=known_limits, approximations=approximations, host_limit_bytes=host_limit_bytes, split=split,
         notices=notices,
     )

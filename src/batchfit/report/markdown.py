@@ -45,6 +45,22 @@ def _by_depth_note(r) -> str:
     return note
 
 
+def _written_note(r) -> str:
+    """Where the generation loop of an RL step was written instead of run (``trace/written.py``): exact, and
+    checked, so the report says how, as it says how depths were extrapolated."""
+    w = getattr(r, "written_generation", None)
+    if not w:
+        return ""
+    sizes = lambda kind: ", ".join(map(str, w[kind]))  # noqa: E731
+    note = f"; the generation loop traced at batch sizes {sizes('traced')}"
+    if w["repeated"]:
+        note += ", its allocations written again for the warm-up step before each measured one"
+    if w["line"]:
+        note += (f"; at {sizes('line')} written from the line through the first two traced sizes (each allocation's "
+                 f"size is affine in the rows; checked event for event at {sizes('checked_at')})")
+    return note
+
+
 def approximation_lines(result) -> list[str]:
     """A warning line per approximation the result carries (``trace/approximation.py``) and a notice line
     per option that changed nothing (``trace/noops.py``), then a gap."""
@@ -123,7 +139,7 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
         f"context (assumed), {gib(d.usable_bytes)} GiB usable |",
         f"| Batch sizes | multiples of {r.multiple_of} |",
         f"| Traced with | torch {r.torch_version}, {r.traces} traced batch sizes in {r.trace_seconds:.1f} s"
-        + _by_depth_note(r) + " |",
+        + _by_depth_note(r) + _written_note(r) + " |",
         "",
         "## Peak memory by batch size (GiB)",
         "",

@@ -142,6 +142,10 @@ class MemoryTracker(TorchDispatchMode):
         self._segment = 0
         """Where the current phase is in its run over the blocks: 0 before the first block,
         2k - 1 inside the k-th block it runs, 2k after it (until the next one starts)."""
+        self.segment_marks: list[tuple[int, int]] | None = None
+        """(index in ``events``, segment) each time the segment moves, while a call is recorded."""
+        self.written = None
+        """The calls ``trace/written.py`` writes instead of running again (its ``WrittenCalls``)."""
         self._peak_by_segment: dict[tuple[str, int], tuple[int, int]] = {}
         """(phase, segment) -> (peak bytes, seq at the peak), in the current window."""
         self._live: dict[int, Allocation] = {}
@@ -231,6 +235,12 @@ class MemoryTracker(TorchDispatchMode):
     def ignore_compile_internals(self) -> bool:  # torch asks the mode on the stack, an instance
         return self.run_compiled
 
+    def write_call(self, key: object, rows: int, device: torch.device, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``workload.shape_only_call``'s call, run or written into this trace (``trace/written.py``)."""
+        from batchfit.trace.written import written_call
+
+        return written_call(self, key, rows, device, run)
+
     def live_seqs(self) -> list[int]:
         """The sequence numbers of the allocations alive now."""
         return [record.seq for record in self._live.values()]
@@ -252,13 +262,19 @@ class MemoryTracker(TorchDispatchMode):
             self._peak_by_segment[key] = (self.live_bytes, self._seq)
 
     def _block_starts(self, *_) -> None:
-        self._segment += 1 + (self._segment % 2 == 1)  # a block that starts inside one: the one before ended
-        self._note_phase_peak()
+        self.set_segment(self._segment + 1 + (self._segment % 2 == 1))  # one that starts inside one: it ended
 
     def _block_ends(self, *_) -> None:
         if self._segment % 2 == 1:
-            self._segment += 1
-            self._note_phase_peak()
+            self.set_segment(self._segment + 1)
+
+    def set_segment(self, segment: int) -> None:
+        """Move the current phase's run over the blocks to ``segment`` (``_segment``), noted in
+        ``segment_marks`` while it is a list (``trace/written.py`` records a call's)."""
+        self._segment = segment
+        if self.segment_marks is not None:
+            self.segment_marks.append((len(self.events), segment))
+        self._note_phase_peak()
 
     def micro_batches(self, accumulation: int) -> int:
         """How many of a step's ``accumulation`` micro-batches to run (the rest are repeated)."""
@@ -547,23 +563,32 @@ class MemoryTracker(TorchDispatchMode):
                role: str | None = None) -> Allocation | None:
         """Count ``storage`` (keyed ``key``) as allocated now, at its current size; freed when it dies.
         Also for storages given memory by ``resize_`` (FSDP2's gathered parameters)."""
-        nbytes = rounded(storage.nbytes(), self.round_bytes)
+        stream = torch.cpu.current_stream()
+        record = self.count(key, storage.nbytes(), op=op, shape=shape, dtype=dtype, role=role,
+                            module=self._module_stack[-1] if self._module_stack else None,
+                            stream=None if stream is self._default_stream else id(stream))
+        if record is not None:
+            weakref.finalize(storage, self._free, key).atexit = False
+        return record
+
+    def count(self, key: int, requested_bytes: int, *, op: str, shape: tuple[int, ...], dtype: str,
+              module: str | None, role: str | None = None, stream: int | None = None) -> Allocation | None:
+        """Count an allocation of ``requested_bytes`` keyed ``key`` (freed by ``_free(key)``): what
+        :meth:`record` does for a storage, and ``trace/written.py`` for an allocation it writes
+        instead of running the op. ``stream``: the side stream's id, None for the default stream."""
+        nbytes = rounded(requested_bytes, self.round_bytes)
         if nbytes == 0:
             return None
         self._seq += 1
         if self.on_event is not None:  # first: it may raise out of memory, and then nothing was allocated
-            self.on_event("malloc", self._seq, storage.nbytes())
-        record = Allocation(
-            seq=self._seq, nbytes=nbytes, phase=self.current_phase, op=op, shape=shape, dtype=dtype,
-            module=self._module_stack[-1] if self._module_stack else None, role=role,
-        )
+            self.on_event("malloc", self._seq, requested_bytes)
+        record = Allocation(seq=self._seq, nbytes=nbytes, phase=self.current_phase, op=op, shape=shape, dtype=dtype,
+                            module=module, role=role)
         self._live[key] = record
         self._window.append(record)
-        self.events.append(("malloc", self._seq, storage.nbytes()))
-        stream = torch.cpu.current_stream()
-        if stream is not self._default_stream:
-            self.streams[self._seq] = self._stream_numbers.setdefault(id(stream), len(self._stream_numbers) + 1)
-        weakref.finalize(storage, self._free, key).atexit = False
+        self.events.append(("malloc", self._seq, requested_bytes))
+        if stream is not None:
+            self.streams[self._seq] = self._stream_numbers.setdefault(stream, len(self._stream_numbers) + 1)
         self.live_bytes += nbytes
         self.total_peak_bytes = max(self.total_peak_bytes, self.live_bytes + self.host_live_bytes)
         self._note_phase_peak()

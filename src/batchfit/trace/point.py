@@ -439,7 +439,19 @@ class TracedCurve:
             self._full = _new_session(self.workload, self.options)
         self.say(f"tracing batch size {batch_size}")
         traced = self._full.trace(batch_size, fresh=fresh)
+        written = self._full.tracker.written
+        if written is not None and "line" in written.how.get(batch_size, ()):
+            self.say(f"batch size {batch_size}: its generation written from the traced sizes' line "
+                     f"(checked event for event at {', '.join(map(str, written.checked_at))})")
         return traced, self._full.fresh_stream if fresh else None
+
+    @property
+    def written_generation(self) -> dict | None:
+        """How each size's generation loop was had, where one was written instead of run
+        (``trace/written.py``): ``WrittenCalls.summary``; None where nothing was."""
+        written = self._full.tracker.written if self._full is not None else None
+        summary = written.summary() if written is not None else None
+        return summary if summary and (summary["repeated"] or summary["line"]) else None
 
     def _open_for_whole(self) -> None:
         """Open what a whole-model trace needs: where the traces read from the cache showed the stack

@@ -31,7 +31,7 @@ from torch import nn
 
 from batchfit.errors import OptionError
 from batchfit.options import Rollout
-from batchfit.workload import KEEP_FP32, Workload
+from batchfit.workload import KEEP_FP32, Workload, shape_only_call
 from batchfit.zoo.fused_logprobs import fused_completion_logprobs
 from batchfit.zoo.transformer import Transformer, TransformerConfig
 
@@ -148,7 +148,9 @@ def grpo_step(policy: Policy, rollout: Rollout, vocab_size: int, *, name: str, d
         return torch.randint(0, vocab_size, (batch_size * per_generation, prompt_len), device=device)
 
     def generate(model: PolicyAndReference, prompts: torch.Tensor) -> dict:
-        sequences = policy.decode(model.policy, prompts, new_tokens)
+        # a trace runs it once per shape and writes it again, or from the line through two sizes (trace/written.py)
+        sequences = shape_only_call(_decode_key(model.policy, prompts, new_tokens), prompts.shape[0], prompts.device,
+                                 lambda: policy.decode(model.policy, prompts, new_tokens))
         rewards = torch.randn(prompts.shape[0], device=prompts.device)
         groups = rewards.view(-1, group)
         advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1, 1)
@@ -187,6 +189,14 @@ def grpo_step(policy: Policy, rollout: Rollout, vocab_size: int, *, name: str, d
                     f"a KV cache" + (f", {per_generation} update steps per generation" if per_generation > 1 else "")
                     + ("" if rollout.reference else ", no reference model (beta 0)")
                     + (", LM head in fp32" if fp32 else ""))
+
+
+def _decode_key(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> tuple:
+    """Everything but the rows that what a decode loop allocates depends on (``trace/written.py``)."""
+    device = prompts.device.type
+    return ("decode", id(model), tuple(prompts.shape[1:]), prompts.dtype, new_tokens, torch.is_grad_enabled(),
+            torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device),
+            tuple(sorted({str(p.dtype) for p in model.parameters()})))
 
 
 def sample_token(last_logits: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
