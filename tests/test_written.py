@@ -12,6 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import batchfit.zoo.grpo as grpo
+from batchfit.trace import forked
 from batchfit.trace.memory import MemoryTracker
 from batchfit.trace.stream import _canonical
 from batchfit.workload import shape_only_call
@@ -66,7 +67,7 @@ def test_a_call_that_leaves_more_alive_than_its_result_is_never_written():
     assert calls.summary() == {"traced": [8, 16, 24, 32], "repeated": [], "line": [], "checked_at": []}
 
 
-def _grpo_points(monkeypatch, workload, *, write: bool, sizes, options):
+def _grpo_points(monkeypatch, workload, *, write: bool, sizes, options, ahead: bool = False):
     from batchfit.devices import get_device
     from batchfit.trace.point import TracedCurve
     from batchfit.workload import StepOptions
@@ -74,6 +75,8 @@ def _grpo_points(monkeypatch, workload, *, write: bool, sizes, options):
     if not write:
         monkeypatch.setattr(grpo, "shape_only_call", lambda key, rows, device, run: run())
     with TracedCurve(workload, StepOptions(**options), get_device("rtx4090-24gb"), keep_streams=True) as curve:
+        if ahead:  # the second size in a forked copy of the session, meanwhile (search.trace_first_sizes)
+            curve.trace_ahead(sizes[1])
         points = {b: (dataclasses.asdict(curve.point(b, fresh=True)), _canonical(curve._whole_streams[b]))
                   for b in sizes}
         written = curve._full.tracker.written
@@ -81,8 +84,8 @@ def _grpo_points(monkeypatch, workload, *, write: bool, sizes, options):
     return points, written.summary() if written else None
 
 
-def _same_written_as_run(monkeypatch, workload, options, sizes=(8, 16, 40, 24)):
-    written, summary = _grpo_points(monkeypatch, workload, write=True, sizes=sizes, options=options)
+def _same_written_as_run(monkeypatch, workload, options, sizes=(8, 16, 40, 24), ahead=False):
+    written, summary = _grpo_points(monkeypatch, workload, write=True, sizes=sizes, options=options, ahead=ahead)
     run, _ = _grpo_points(monkeypatch, workload, write=False, sizes=sizes, options=options)
     assert summary == {"traced": [8, 16, 40], "repeated": [8, 16, 40], "line": [24], "checked_at": [40]}
     for b in sizes:
@@ -91,14 +94,15 @@ def _same_written_as_run(monkeypatch, workload, options, sizes=(8, 16, 40, 24)):
 
 def test_a_small_grpo_step_written_is_the_step_run(monkeypatch):
     """The zoo's GRPO step on a 2-layer GPT-2 shape (6 new tokens): every traced figure and every allocation
-    event of a fresh process at four sizes, with the generation written, equal those with it run each time."""
+    event of a fresh process at four sizes, with the generation written (and the second size traced in a
+    forked copy of the session meanwhile, as estimate does), equal those with it run each time."""
     from batchfit.options import Rollout
     from batchfit.zoo.transformer import TransformerConfig
 
     rollout = Rollout(prompt_len=8, new_tokens=6, group_size=2)
     cfg = TransformerConfig(seq_len=14, vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64)
     workload = grpo.grpo_step(grpo._zoo_policy(cfg), rollout, cfg.vocab_size, name="small", description="small")
-    _same_written_as_run(monkeypatch, workload, {})
+    _same_written_as_run(monkeypatch, workload, {}, ahead=forked.can_fork())
 
 
 @pytest.mark.slow

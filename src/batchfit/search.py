@@ -93,7 +93,10 @@ def trace_first_sizes(curve, batch_sizes: list[int] | None, multiple_of: int, us
     """Trace ``batch_sizes`` on ``curve`` (a TracedCurve or plan's ShardedCurve: ``points`` by
     size, ``point(b)`` traces), or by default the first two multiples, the second only when the
     first fits ``usable_bytes`` (when the smallest does not fit, no larger one will)."""
-    for b in sorted(set(batch_sizes or [multiple_of, 2 * multiple_of])):
+    sizes = sorted(set(batch_sizes or [multiple_of, 2 * multiple_of]))
+    if len(sizes) > 1 and hasattr(curve, "trace_ahead"):  # a TracedCurve: the second on the second core, meanwhile
+        curve.trace_ahead(sizes[1])
+    for b in sizes:
         if batch_sizes is None and curve.points and curve.points[min(curve.points)].peak_bytes > usable_bytes:
             break
         curve.point(b)

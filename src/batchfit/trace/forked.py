@@ -142,3 +142,41 @@ class ForkedSessions:
                 self._process.kill()
                 self._process.join()
         self._connection.close()
+
+
+def _call(connection, parents_end, fn: Callable[[], Any]) -> None:
+    """The child of a :class:`ForkedCall`: run ``fn`` once and send back its value or its error."""
+    parents_end.close()
+    try:
+        connection.send(("ok", fn()))
+    except BaseException as error:  # noqa: BLE001 - sent back, raised in the parent
+        connection.send(("error", sendable(error, "tracing in the forked process")))
+
+
+class ForkedCall:
+    """``fn()`` run once in a forked child while this process goes on; :meth:`result` waits for its
+    value (picklable). ``fn`` works on the child's copy of this process: what it changes stays there."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        context = multiprocessing.get_context("fork")
+        self._connection, child = context.Pipe()
+        self._process = context.Process(target=_call, args=(child, self._connection, fn), daemon=True)
+        self._process.start()
+        child.close()
+
+    def result(self) -> Any:
+        try:
+            status, value = self._connection.recv()
+        except (EOFError, OSError) as error:
+            raise _died() from error
+        finally:
+            self.close()
+        if status == "error":
+            raise value
+        return value
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._process.terminate()
+        self._process.join(timeout=5)
+        self._connection.close()

@@ -25,7 +25,7 @@ from batchfit.search import (
     host_fits,  # noqa: F401 - estimator/ imports it from here
 )
 from batchfit.trace import cache as trace_cache
-from batchfit.trace import depth, forked, repeats, stream
+from batchfit.trace import depth, forked, repeats, stream, written
 from batchfit.trace.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocator
 from batchfit.trace.approximation import Approximation
 from batchfit.trace.curve import MemoryCurve, fit_curve
@@ -198,6 +198,8 @@ class TracedCurve:
         self._first: TraceSession | None = None
         self._seen = depth.Depth()
         self._by_depth, self._parallel = by_depth, parallel
+        self._ahead: tuple[int, forked.ForkedCall] | None = None
+        """A size traced whole, fresh, in a forked copy of the session meanwhile (:meth:`trace_ahead`)."""
         self._stack_repeats = False
         """A phase ran the stack of blocks more than once (generation, its cache growing): no size
         extrapolates (``depth._phase_lines``), so after the first every size is traced whole only."""
@@ -431,26 +433,61 @@ class TracedCurve:
                 self._cache.put(name, found)
         return found
 
+    def trace_ahead(self, batch_size: int) -> None:
+        """Start tracing ``batch_size`` whole and fresh in a forked copy of the session, on the second core,
+        while this process traces another size (``search.trace_first_sizes``): for a step that generates,
+        each size a whole generation loop (seed 003: 13 s each). The same bytes as tracing it here after
+        the other, which a fresh trace does not see; the loop it records joins this session's
+        (``trace/written.py``). Nothing starts where the size is cached, there is one core, or the
+        step does not generate; :meth:`point` takes the answer when the size is asked for."""
+        if (self.workload.generate is None or not self.keep_streams or not self._parallel or self._ahead is not None
+                or not forked.can_fork()):
+            return
+        if self._cache is not None and self._cache.get(f"whole-{batch_size}-fresh") is not None:
+            return
+        self._open_for_whole()
+        if self._full is None or self.by_depth:
+            return
+        session = self._full
+
+        def trace() -> tuple:
+            traced = session.trace(batch_size, fresh=True)
+            calls = session.tracker.written
+            how = calls.how.get(batch_size) if calls is not None else None
+            return traced, session.fresh_stream, written.traced_at(calls, batch_size), how
+
+        self.say(f"tracing batch size {batch_size} in a second process meanwhile")
+        self._ahead = (batch_size, forked.ForkedCall(trace))
+
     def _trace_whole(self, batch_size: int, fresh: bool) -> tuple[TracePoint, list | None]:
         """(the whole model's traced point, its fresh stream when ``fresh``)."""
+        if self._ahead is not None and self._ahead[0] == batch_size and fresh:
+            traced, events, calls, how = self._ahead[1].result()
+            self._ahead = None
+            if how:  # the step generated there: its loop joins this session's
+                tracker = self._full.tracker
+                tracker.written = tracker.written or written.WrittenCalls()
+                written.learn(tracker.written, calls, batch_size)
+                tracker.written.how[batch_size] |= how
+            return traced, events
         self._open_for_whole()
         if self._full is None:
             self.say(f"memory is not affine in depth here: building the whole {self.workload.name}")
             self._full = _new_session(self.workload, self.options)
         self.say(f"tracing batch size {batch_size}")
         traced = self._full.trace(batch_size, fresh=fresh)
-        written = self._full.tracker.written
-        if written is not None and "line" in written.how.get(batch_size, ()):
+        calls = self._full.tracker.written
+        if calls is not None and "line" in calls.how.get(batch_size, ()):
             self.say(f"batch size {batch_size}: its generation written from the traced sizes' line "
-                     f"(checked event for event at {', '.join(map(str, written.checked_at))})")
+                     f"(checked event for event at {', '.join(map(str, calls.checked_at))})")
         return traced, self._full.fresh_stream if fresh else None
 
     @property
     def written_generation(self) -> dict | None:
         """How each size's generation loop was had, where one was written instead of run
         (``trace/written.py``): ``WrittenCalls.summary``; None where nothing was."""
-        written = self._full.tracker.written if self._full is not None else None
-        summary = written.summary() if written is not None else None
+        calls = self._full.tracker.written if self._full is not None else None
+        summary = calls.summary() if calls is not None else None
         return summary if summary and (summary["repeated"] or summary["line"]) else None
 
     def _open_for_whole(self) -> None:
@@ -551,6 +588,8 @@ class TracedCurve:
     def close(self) -> None:
         if self._forked is not None:
             self._forked.close()
+        if self._ahead is not None:
+            self._ahead[1].close()
         opened = [s for s in [self._first, *self._shallow, self._full] if s is not None]
         for session in {id(s): s for s in opened}.values():
             session.close()

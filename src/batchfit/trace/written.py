@@ -24,8 +24,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # trace/point.py imports this module before anything needs torch (a cached answer never does)
+    import torch
 
 Item = tuple
 """("malloc", requested bytes, op, shape, dtype, module), ("free", index of the malloc among the
@@ -81,17 +83,35 @@ def written_call(tracker, key: Hashable, rows: int, device: torch.device,
         calls.how.setdefault(rows, set()).add(how)
         return _write(tracker, written, device, calls)
     out, recorded = _record(tracker, run)
-    calls.how.setdefault(rows, set()).add("traced")
-    if recorded is not None:
-        if len(known) >= 2 and calls.line_holds.get(key) is not False and rows not in known:
-            calls.line_holds[key] = _line(known, rows) == recorded
-            calls.checked_at.append(rows)
-        known.setdefault(rows, recorded)
+    learn(calls, {key: recorded}, rows)
     return out
+
+
+def learn(calls: WrittenCalls, recorded: dict[Hashable, Recorded | None], rows: int) -> None:
+    """Take the calls traced at ``rows`` (None: one that cannot be written): kept, and checked against
+    their line where one is known. Also for calls traced in a forked copy of the session (``trace/point.py``)."""
+    calls.how.setdefault(rows, set()).add("traced")
+    for key, made in recorded.items():
+        known = calls.recorded.setdefault(key, {})
+        if made is None:
+            continue
+        if len(known) >= 2 and calls.line_holds.get(key) is not False and rows not in known:
+            calls.line_holds[key] = _line(known, rows) == made
+            calls.checked_at.append(rows)
+        known.setdefault(rows, made)
+
+
+def traced_at(calls: WrittenCalls | None, rows: int) -> dict[Hashable, Recorded | None]:
+    """The calls traced at ``rows`` (what :func:`learn` takes), e.g. to send from a forked process."""
+    if calls is None or "traced" not in calls.how.get(rows, ()):
+        return {}
+    return {key: known.get(rows) for key, known in calls.recorded.items()}
 
 
 def _record(tracker, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Recorded | None]:
     """Run the call, and what it did where it can be written again (None where it cannot)."""
+    import torch
+
     start_event, start_clock, start_window = len(tracker.events), tracker.clock, len(tracker._window)
     phase, segment = tracker.current_phase, tracker._segment
     tracker.segment_marks = []
@@ -135,6 +155,8 @@ def _record(tracker, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Rec
 def _write(tracker, recorded: Recorded, device: torch.device, calls: WrittenCalls) -> torch.Tensor:
     """Count the recorded allocations, frees and moves again; the returned tensor is made for real
     (an empty one of its shape, counted as the op that made it)."""
+    import torch
+
     keys: list[int] = []
     result = None
     try:
