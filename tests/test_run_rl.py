@@ -209,3 +209,16 @@ def test_a_ppo_config_traces_trls_ppo_step(llama, tmp_path):
     # policy and value model trained (the same architecture here), reference and reward model frozen
     assert data["trainable_params"] * 2 == data["params"]
     assert any(a["what"].startswith("PPO: one update micro-batch traced") for a in data["approximations"])
+
+
+def test_plan_refuses_an_rl_step_in_one_line(llama):
+    # FSDP2 gathers the policy's shards around the root's forward, not around generation's calls of the
+    # policy alone (TRL gathers them itself): refused before anything is traced, not a DTensor error inside
+    from batchfit.devices import get_device
+    from batchfit.errors import OptionError
+    from batchfit.plan.engine import plan
+    from batchfit.plan.world import World
+
+    workload = hf_grpo_workload(llama, Rollout(prompt_len=8, new_tokens=2, group_size=2))
+    with pytest.raises(OptionError, match="generates \\(an RL step\\): plan does not trace generation"):
+        plan(workload, device=get_device("h100-80gb"), worlds=[World(2)], strategies="fsdp")

@@ -270,6 +270,12 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
         raise OptionError(f"`quantize` {options.quantize} (QLoRA) is traced on one GPU only, not under plan's "
                           "strategies yet: use `batchfit estimate` with the same options for one GPU's QLoRA step, "
                           "or plan without `quantize`")
+    if workload.generate is not None:
+        # the policy's generation runs a submodule of the wrapped model (model.policy), whose sharded
+        # parameters FSDP2 gathers only around the root's forward: TRL gathers them for generation itself
+        # (unwrap_model_for_generation), which no strategy here mirrors yet
+        raise OptionError(f"{workload.name} generates (an RL step): plan does not trace generation under its "
+                          "strategies yet; use `batchfit estimate` with the same options for one GPU's step")
     if options.accumulation_steps != 1:
         raise OptionError("plan chooses the accumulation steps itself (to reach `global_batch`): "
                           "drop `accumulation_steps`")
