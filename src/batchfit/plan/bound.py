@@ -3,12 +3,13 @@
 Every rank holds, at its optimizer step, its share of the parameters, their gradients and the
 optimizer state, whatever else the step keeps. That share has a floor computed from the parameter
 count alone (the model built on the meta device): DDP keeps everything on each rank, ZeRO-1/2
-keep the parameters whole on each rank (they shard the optimizer state, ZeRO-2 the gradients too), and any other
+keep the parameters whole on each rank (they shard the optimizer state, ZeRO-2 the gradients too), HSDP
+(``hsdp<R>``) shards them within groups of world / R GPUs and keeps R copies, and any other
 strategy spreads them over at most every GPU, so the rank that holds the most holds at least the
-whole divided by the world. When that floor plus the cuBLAS workspace passes the GPU's usable
+whole divided by its shard group (the world, for those). When that floor plus the cuBLAS workspace passes the GPU's usable
 memory, not even local batch 1 fits (reserved memory is never below allocated): the candidate is
-a skipped row saying so, with the figure, instead of a tracing session (a 70B model's DDP, ZeRO-1
-and ZeRO-2 on 80 GB GPUs). The floor is a lower bound only where every byte of it is certain:
+a skipped row saying so, with the figure, instead of a tracing session (a 70B model's DDP, ZeRO-1,
+ZeRO-2 and hsdp8 on 64 80 GB GPUs). The floor is a lower bound only where every byte of it is certain:
 all parameters trainable, AdamW's or Adam's two states per parameter (the default optimizer),
 nothing offloaded, quantized or frozen; otherwise nothing is set aside.
 """
@@ -73,6 +74,8 @@ def floor_bytes(strategy, model: ModelBytes) -> int:
         # the parameters stay whole on every rank; the state is split by whole parameters, largest first
         # (ZeroRedundancyOptimizer), so rank 0's share may be less than 1/dp: none of it is counted
         return p
+    if strategy.shard == "hsdp":  # each of the R replicas holds the whole, sharded over world / R ranks
+        return whole * strategy.replicas // strategy.world_size
     return spread
 
 

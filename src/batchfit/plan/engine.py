@@ -34,7 +34,7 @@ from batchfit.distributed.parallelisms import approximations as parallelism_appr
 from batchfit.distributed.parallelisms import runs_experts
 from batchfit.distributed.strategy_name import FSDP_SHARDS, field_degrees
 from batchfit.errors import OptionError
-from batchfit.plan import workers
+from batchfit.plan import by_bound, workers
 from batchfit.plan.derived import SharedTraces
 from batchfit.plan.derived import jobs as derived_jobs
 from batchfit.plan.request import DEFAULT_STRATEGIES, PlanRequest  # noqa: F401 - the API's names
@@ -290,8 +290,10 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     auto = request.strategies.strip().lower() == "auto"
     not_traced: list[StrategyPlan] = []
     if auto:  # every combination (plan/candidates.py); the ones that cannot apply listed, not traced
-        by_world, not_traced = _auto(workload, options, request.worlds, parse, facts, request.pp_schedule,
-                                     request.microbatches)
+        from batchfit.plan.candidates import model_facts
+
+        facts = facts or model_facts(workload, options)
+        by_world, not_traced = _auto(request.worlds, parse, facts, request.pp_schedule, request.microbatches)
     else:
         # every bad name before any trace
         by_world = [(world, parse(request.strategies, world.gpus)) for world in request.worlds]
@@ -352,8 +354,18 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
         return rows
 
     # a pipeline's session traces every rank's stages whole, not the model cut to 2-4 blocks: the longest
-    done = workers.run(one, derived_jobs(by_world), say, processes=request.processes if trace is None else 1,
-                       costly=lambda job: getattr(job[1], "pp", 1) > 1)
+    processes = request.processes if trace is None else 1
+
+    def run(function: Callable, jobs: list) -> list:
+        return workers.run(function, jobs, say, processes=processes, costly=lambda job: getattr(job[1], "pp", 1) > 1)
+
+    jobs = derived_jobs(by_world)
+    if auto:  # the candidates in the order of the tokens/s they could reach, none that cannot be first
+        done = by_bound.run_auto(one, jobs, say, run=run, workload=workload, options=options, device=device,
+                                 time_model=time_model, experts=facts.experts,
+                                 processes=processes or workers.default_processes(len(jobs)), row=_bounded_row)
+    else:
+        done = run(one, jobs)
     by_key = {(p.gpus, p.strategy): p for rows, _, _ in done for p in rows}
     plans = [by_key[(world.gpus, s.name)] for world, chosen in by_world for s in chosen] + not_traced
     params = next((n for _, n, _ in done if n is not None), None)
@@ -377,13 +389,11 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     )
 
 
-def _auto(workload: Workload, options: StepOptions, worlds: list[World], parse: Callable, facts,
-          pp_schedule: str, microbatches: int) -> tuple[list, list[StrategyPlan]]:
+def _auto(worlds: list[World], parse: Callable, facts, pp_schedule: str, microbatches: int) -> tuple[list, list]:
     """``--strategies auto``: per world, the strategies of ``candidates.candidates`` to trace, and a
     row (not traced, ``skipped`` saying why) for each combination that cannot apply to this model."""
-    from batchfit.plan.candidates import candidates, model_facts
+    from batchfit.plan.candidates import candidates
 
-    facts = facts or model_facts(workload, options)
     by_world, not_traced = [], []
     for world in worlds:
         listed = candidates(world, facts, pp_schedule=pp_schedule, microbatches=microbatches)
@@ -394,6 +404,12 @@ def _auto(workload: Workload, options: StepOptions, worlds: list[World], parse: 
                                     points=[], curve=None, max_local_batch=0,
                                     capped=False, skipped=c.skipped) for c in listed if c.skipped]
     return by_world, not_traced
+
+
+def _bounded_row(world: World, strategy, *, skipped: str, bound: float) -> StrategyPlan:
+    """An auto candidate not traced because its bound cannot beat the best traced row (``plan/by_bound.py``)."""
+    return StrategyPlan(**_row_base(world, strategy), points=[], curve=None, max_local_batch=0, capped=False,
+                        skipped=skipped, bound_tokens_per_s=bound)
 
 
 def _own_multiple(strategy, multiple_of: int) -> int:
