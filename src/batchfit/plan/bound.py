@@ -6,12 +6,13 @@ count alone (the model built on the meta device): DDP keeps everything on each r
 keep the parameters whole on each rank (they shard the optimizer state, ZeRO-2 the gradients too), HSDP
 (``hsdp<R>``) shards them within groups of world / R GPUs and keeps R copies, and any other
 strategy spreads them over at most every GPU, so the rank that holds the most holds at least the
-whole divided by its shard group (the world, for those). When that floor plus the cuBLAS workspace passes the GPU's usable
-memory, not even local batch 1 fits (reserved memory is never below allocated): the candidate is
-a skipped row saying so, with the figure, instead of a tracing session (a 70B model's DDP, ZeRO-1,
-ZeRO-2 and hsdp8 on 64 80 GB GPUs). The floor is a lower bound only where every byte of it is certain:
-all parameters trainable, AdamW's or Adam's two states per parameter (the default optimizer),
-nothing offloaded, quantized or frozen; otherwise nothing is set aside.
+whole divided by its shard group (the world, for those). When that floor plus the cuBLAS workspace
+passes the GPU's usable memory, not even local batch 1 fits (reserved memory is never below
+allocated): the candidate is a skipped row saying so, with the figure, instead of a tracing session
+(a 70B model's DDP, ZeRO-1, ZeRO-2 and hsdp8 on 64 80 GB GPUs). The floor is a lower bound only
+where every byte of it is certain: all parameters trainable, AdamW's or Adam's two states per
+parameter (the default optimizer), nothing offloaded, quantized or frozen; otherwise nothing is set
+aside.
 """
 
 from __future__ import annotations

@@ -1,16 +1,17 @@
 """``plan --strategies auto`` traces its candidates in the order of what they could reach, and stops.
 
-Each candidate has a bound on its tokens/s before it is traced (``plan/speed_bound.py``). The
-candidates are traced in rounds, the highest bounds first: a round is the untraced candidates of the
-highest bound and every one tied with it (all of them at once, as many processes as cores), and at
-least one per process. After each round, a candidate whose bound is below the best tokens/s traced
-on its GPU count cannot be ranked first there, and is not traced: its row says so, with the bound.
-So the answer never depends on the bounds: the best row is the one a plan that traced every
+Each candidate has a bound on its tokens/s before it is traced (``plan/speed_bound.py``), which the
+rows traced so far tighten (their FLOPs per token; TP's collective floor once a TP row held it). The
+candidates are traced in rounds of one per process (as many as cores, at once), the highest bounds
+first (ties in the order ``plan/candidates.py`` lists them: the data-parallel wraps first). Before each
+round, a candidate whose bound is below the best tokens/s traced on its GPU
+count cannot be ranked first there, and is not traced: its row says so, with the bound and its
+formula. So the bounds never change the answer: the best row is the one a plan that traced every
 candidate would rank first. Which rows are traced depends only on the bounds and the traced figures,
-never on timing. A candidate without a bound (None) is traced, in the first round.
+never on timing. A candidate without a bound (None) is traced first.
 
-Each traced row's FLOPs are checked against the floor the bounds rest on (``speed_bound.below_floor``):
-where one falls below it, no candidate is set aside any more (they are all traced).
+Each traced row is checked against the floors (``speed_bound.Evidence.learn``): where one falls below a
+floor that a candidate was set aside by, nothing is set aside any more, and what was is traced after all.
 """
 
 from __future__ import annotations
@@ -21,39 +22,48 @@ from typing import Any
 INFINITY = float("inf")
 
 
-def rounds_run(run: Callable[[list], list], jobs: Sequence, bounds: Sequence[float | None], gpus_of: Callable[[Any], int],
-               best_of: Callable[[Any], list[tuple[int, float, str]]], holds: Callable[[Any, Any], bool], *,
-               processes: int, say: Callable[[str], None]) -> tuple[list, dict[int, tuple[float, str]]]:
-    """``[run(jobs)...]`` in rounds (the module docstring): each job's result, or None for a job set
-    aside, and for each set-aside job's index the best (tokens/s, strategy) on its GPU count.
+def rounds_run(run: Callable[[list], list], jobs: Sequence, bound: Callable[[Any], float | None],
+               gpus_of: Callable[[Any], int], best_of: Callable[[Any], list[tuple[int, float, str]]],
+               learn: Callable[[Any, Any], bool], *, processes: int, say: Callable[[str], None],
+               set_aside: Callable[[Any], None] = lambda job: None) -> tuple[list, dict[int, tuple[float, str, float]]]:
+    """``run(jobs)`` in rounds (the module docstring): each job's result, or None for a job set aside,
+    and for each set-aside job's index the best (tokens/s, strategy) on its GPU count and its bound then.
 
-    ``run(some_jobs) -> their results``; ``gpus_of(job)``; ``best_of(result) -> [(gpus, tokens/s,
-    strategy)]`` for each of its rows that fits; ``holds(job, result)``: the floor held for its rows."""
-    order = sorted(range(len(jobs)), key=lambda i: -(INFINITY if bounds[i] is None else bounds[i]))
+    ``run(some_jobs) -> their results``; ``bound(job)``: what is known now (re-read before each round);
+    ``gpus_of(job)``; ``best_of(result) -> [(gpus, tokens/s, strategy)]`` for each of its rows that fits;
+    ``learn(job, result)``: read a result, False once a row broke what the bounds rest on (then every job
+    set aside is traced after all); ``set_aside(job)``: a job is set aside now."""
+    order = list(range(len(jobs)))
     results: list = [None] * len(jobs)
-    aside: dict[int, tuple[float, str]] = {}
+    aside: dict[int, tuple[float, str, float]] = {}
     best: dict[int, tuple[float, str]] = {}
     pruning = True
     while order:
-        if pruning:
-            for i in [i for i in order if bounds[i] is not None and bounds[i] < best.get(gpus_of(jobs[i]), (0.0,))[0]]:
-                aside[i] = best[gpus_of(jobs[i])]
+        bounds = {i: bound(jobs[i]) for i in order} if pruning else {}
+        order.sort(key=lambda i: -(INFINITY if bounds.get(i) is None else bounds[i]))
+        for i in list(order) if pruning else ():
+            floor = best.get(gpus_of(jobs[i]))
+            if bounds[i] is not None and floor is not None and bounds[i] < floor[0]:
+                aside[i] = (*floor, bounds[i])
+                set_aside(jobs[i])
                 order.remove(i)
         if not order:
             break
-        top = bounds[order[0]]
-        # every job tied with the highest bound (all that are left once nothing is set aside), one per process at least
-        count = max(processes, sum(1 for i in order if bounds[i] == top)) if pruning else len(order)
+        # one job per process (the rows they trace tighten the others' bounds), all that are left once nothing is
+        # set aside any more
+        count = processes if pruning else len(order)
         chosen, order = order[:count], order[count:]
         for i, result in zip(chosen, run([jobs[i] for i in chosen])):
             results[i] = result
-            if pruning and not holds(jobs[i], result):
-                pruning = False
-                say(f"{getattr(jobs[i][1], 'name', jobs[i])}: fewer FLOPs traced than the linear layers' floor; "
-                    "every candidate is traced")
             for gpus, tokens_per_s, name in best_of(result):
                 if tokens_per_s > best.get(gpus, (0.0, ""))[0]:
                     best[gpus] = (tokens_per_s, name)
+            if not learn(jobs[i], result) and pruning:
+                pruning = False
+                say(f"{getattr(jobs[i][1], 'name', jobs[i])}: a traced row fell below the floor the bounds rest on; "
+                    f"every candidate is traced{f', {len(aside)} set aside so far included' if aside else ''}")
+                order += sorted(aside)
+                aside.clear()
     return results, aside
 
 
@@ -71,25 +81,30 @@ def run_auto(one: Callable, jobs: list, say: Callable[[str], None], *, run: Call
     floor = speed_bound.linear_flops(workload, options, experts) if peak else None
     if floor is None:
         return run(one, jobs)
-    mfu = time_model.mfu
+    links = time_model.links(device)
+    evidence = speed_bound.Evidence(floor, peak, time_model.mfu,
+                                    max(links["intra_node_gb_per_s"], links["inter_node_gb_per_s"]))
+    said: dict[int, speed_bound.Bound] = {}
 
     def bound(job) -> float | None:  # a job that writes other worlds' rows too (derived) is traced
         world, strategy, derived = job
-        return None if derived else speed_bound.tokens_per_s_bound(floor, strategy, world, peak, mfu)
+        if derived:
+            return None
+        said[id(job)] = evidence.bound(strategy, world)
+        return said[id(job)].tokens_per_s
 
     def best_of(result) -> list[tuple[int, float, str]]:
         return [(p.gpus, p.tokens_per_s, p.strategy) for p in result[0] if p.fits and not p.skipped and p.tokens_per_s]
 
-    def holds(job, result) -> bool:
-        return not any(p.time and speed_bound.below_floor(floor, job[1], p.micro_batch, p.time.flops)
-                       for p in result[0])
+    def learn(job, result) -> bool:
+        return all([evidence.learn(job[1], p) for p in result[0]])
 
-    bounds = [bound(job) for job in jobs]
-    results, aside = rounds_run(lambda some: run(one, some), jobs, bounds, lambda job: job[0].gpus, best_of, holds,
-                                processes=processes, say=say)
-    for i, (best, name) in aside.items():
+    results, aside = rounds_run(lambda some: run(one, some), jobs, bound, lambda job: job[0].gpus, best_of, learn,
+                                processes=processes, say=say, set_aside=lambda job: evidence.set_aside(job[1]))
+    for i, (best, name, value) in aside.items():
         world, strategy, _ = jobs[i]
-        why = speed_bound.why_bounded(floor, strategy, world, peak, mfu, best, name)
+        why = (f"not traced: at most {value:,.0f} tokens/s, below {name}'s traced {best:,.0f} (bound: "
+               f"{said[id(jobs[i])].formula})")
         say(f"{strategy.name} on {world.gpus} GPUs: {why}")
-        results[i] = ([row(world, strategy, skipped=why, bound=bounds[i])], None, 0)
+        results[i] = ([row(world, strategy, skipped=why, bound=value)], None, 0)
     return results

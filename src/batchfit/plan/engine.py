@@ -12,7 +12,9 @@ For each GPU count and each strategy (DDP, FSDP2, HSDP, TP, FSDP+TP):
    traced.
 4. Compute the step time at that micro-batch from the FLOPs and collectives the trace
    counted (``time_model.py``), tokens/s and days for ``--tokens``.
-5. Recommend, per GPU count, the strategy with the most tokens/s.
+5. Recommend, per GPU count, the strategy with the most tokens/s. Under ``--strategies auto`` the
+   candidates are traced in the order of a bound on their tokens/s (``plan/by_bound.py``), and those
+   whose bound is below the best traced one's are not traced (their rows say so, with the bound).
 
 Each strategy is one tracing session (``plan/deep.py``: built once, at depths 2, 3 and 4
 for a deep model), traced at one local batch after another. The tracer is a parameter
@@ -246,7 +248,10 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     micro-batches).
     ``strategies='auto'``: every combination ``plan/candidates.py`` lists for the model (``facts``, a
     ``candidates.ModelFacts``, default read from the model built on the meta device); each pp<N>
-    searches multiples of its own micro-batches; those that cannot apply are rows with ``skipped``.
+    searches multiples of its own micro-batches; those that cannot apply are rows with ``skipped``;
+    the others are traced in the order of a bound on their tokens/s, and one whose bound is below the
+    best traced row's is a row ``skipped`` 'not traced: at most ...' with ``bound_tokens_per_s``
+    (``plan/by_bound.py``, ``plan/speed_bound.py``).
     ``cache``: read each strategy session's rows from the trace cache where an earlier plan asked the
     same of it, and write them there (``plan/row_cache.py``; the real tracer and a workload from
     ``load_workload`` only).

@@ -123,7 +123,9 @@ def ranking(plans, worlds, *, mfu: float, target_bytes: int) -> list[RankedRow]:
     rows: list[RankedRow] = []
     for world in worlds:
         mine = [p for p in plans if p.gpus == world.gpus]
-        mine.sort(key=lambda p: (order[_status(p)], -(_speed(p) or p.bound_tokens_per_s or 0.0), -(p.global_batch or p.max_global_batch), p.tp,
+        # a row not traced sorts by its bound, among its kind
+        mine.sort(key=lambda p: (order[_status(p)], -(_speed(p) or p.bound_tokens_per_s or 0.0),
+                                 -(p.global_batch or p.max_global_batch), p.tp,
                                  p.peak_reserved_bytes_at_micro or p.peak_bytes_at_micro or 0))
         best = next((_speed(p) for p in mine if p.fits and not p.skipped), 0.0)
         for i, p in enumerate(mine):
