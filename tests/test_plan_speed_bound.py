@@ -144,3 +144,38 @@ def test_auto_sets_aside_the_pipelines_that_cannot_be_first(monkeypatch):
     data = result.to_json()
     assert {p["strategy"]: p["bound_tokens_per_s"] for p in data["strategies"] if p["bound_tokens_per_s"]} == \
         {"pp2+fsdp": pytest.approx(222_222.2, abs=0.1), "pp2+tp2": pytest.approx(222_222.2, abs=0.1)}
+
+
+def test_a_row_below_a_floor_traces_what_was_set_aside():
+    """One process: a (5) sets c (3) aside; b's row then breaks a floor, so c is traced after all."""
+    jobs = [(World(4), name, []) for name in "abc"]
+    calls = []
+
+    def run(some):
+        calls.append([job[1] for job in some])
+        return [[(4, {"a": 5.0, "b": 4.0, "c": 2.0}[job[1]], job[1])] for job in some]
+
+    said = []
+    _, aside = rounds_run(run, jobs, lambda job: {"a": 10.0, "b": 9.0, "c": 3.0}[job[1]], lambda job: 4,
+                          lambda result: result, lambda job, result: job[1] != "b", processes=1, say=said.append)
+    assert calls == [["a"], ["b"], ["c"]] and aside == {}
+    assert said == ["b: a traced row fell below the floor the bounds rest on; every candidate is traced, "
+                    "1 set aside so far included"]
+
+
+def test_a_new_fake_world_forgets_dtensors_decisions():
+    """DTensor caches its sharding decisions by device mesh, and meshes of two worlds compare equal: a second
+    world must start without the first one's (whose groups are gone), or its collectives name dead groups."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, _redistribute, distribute_tensor
+
+    from batchfit.plan.fake_world import fake_world
+
+    cached = _redistribute._gen_transform_infos.cache_info  # how to move a placement to another, by mesh
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+        assert cached().currsize > 0
+    with fake_world(2):
+        assert cached().currsize == 0

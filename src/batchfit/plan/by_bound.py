@@ -60,7 +60,7 @@ def rounds_run(run: Callable[[list], list], jobs: Sequence, bound: Callable[[Any
                     best[gpus] = (tokens_per_s, name)
             if not learn(jobs[i], result) and pruning:
                 pruning = False
-                say(f"{getattr(jobs[i][1], 'name', jobs[i])}: a traced row fell below the floor the bounds rest on; "
+                say(f"{getattr(jobs[i][1], 'name', jobs[i][1])}: a traced row fell below the floor the bounds rest on; "
                     f"every candidate is traced{f', {len(aside)} set aside so far included' if aside else ''}")
                 order += sorted(aside)
                 aside.clear()
