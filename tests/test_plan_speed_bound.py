@@ -77,9 +77,14 @@ def test_the_bound_by_hand():
     assert evidence.bound(pp2, World(4)).formula == (
         "2 x 1,000 tokens a sample / (1,000 x 6.0 GFLOP per token = 6 x 1.00B linear weights / 2 ranks / "
         "(1,000 TFLOP/s x MFU 0.50) / (1 - bubble 0.333))")
-    # fsdp traced at 8 samples with 7e9 FLOPs a token (attention): the floor for what has no cp from then on
+    # fsdp traced at 8 samples with 7e9 FLOPs a token (attention): the floor for what has no cp from then on;
+    # cp2 keeps the linear floor (its ring counts other attention blocks) until a cp2 row is traced
+    cp2, cp2_tp2 = parse_strategy("fsdp+cp2", 4), parse_strategy("fsdp+cp2+tp2", 4)
     assert evidence.learn(fsdp, _row("fsdp", 8, 7e9 * 8000))
     assert evidence.bound(tp2, World(4)).tokens_per_s == pytest.approx(4 * 1000e12 * 0.5 / 7e9)
+    assert evidence.bound(cp2_tp2, World(4)).tokens_per_s == pytest.approx(4 * 1000e12 * 0.5 / 6e9)
+    assert evidence.learn(cp2, _row("fsdp+cp2", 2, 6.5e9 * 2000 / 2))  # 2 samples, half of each sequence
+    assert evidence.bound(cp2_tp2, World(4)).tokens_per_s == pytest.approx(4 * 1000e12 * 0.5 / 6.5e9)
     # TP: 10 blocks x 2 passes x 2 reductions x 1000 x 2 bytes, 2 x 1/2 of each sent: 80 kB a token, once held
     assert floor.tp_bytes_per_token(2) == 80_000 and floor.tp_bytes_per_token(4) == 120_000
     assert evidence.learn(tp2, _row("fsdp+tp2", 4, 7e9 * 4000 / 2, tp_bytes=80_000 * 4000)) and evidence.tp_held
