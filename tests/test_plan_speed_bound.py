@@ -95,11 +95,15 @@ def test_the_bound_by_hand():
     assert not evidence.learn(fsdp, _row("ddp", 2, 6.5e9 * 2000)) and evidence.broken
 
 
-def test_hsdp_floor_is_its_shard_group():
+def test_hsdp_and_noreshard_memory_floors_by_hand():
     model = model_bytes(tiny_workload(), OPTIONS)  # fp32, AdamW: 16 bytes a parameter in all
-    whole = 4 * model.param_bytes
-    assert floor_bytes(parse_strategy("hsdp2", 8), model) == whole // 4  # two copies, each over 4 ranks
-    assert floor_bytes(parse_strategy("fsdp", 8), model) == whole // 8
+    p = model.param_bytes // 4
+    assert floor_bytes(parse_strategy("hsdp2", 8), model) == 16 * p // 4  # two copies, each over 4 ranks
+    assert floor_bytes(parse_strategy("fsdp", 8), model) == 16 * p // 8
+    # fsdp-noreshard at the end of the forward: 12 bytes a parameter sharded over 8, every one gathered (2 bytes
+    # at least: half the fp32 weight), no gradient yet
+    assert floor_bytes(parse_strategy("fsdp-noreshard", 8), model) == 12 * p // 8 + 2 * p
+    assert floor_bytes(parse_strategy("fsdp-noreshard", 2), model) <= traced_rank0("fsdp-noreshard", 2).peak_bytes
 
 
 def _rounds(bounds, speeds, holds=True, processes=2):
