@@ -308,9 +308,12 @@ def _ranking_table(result) -> Table:
 
     for row in rows:
         head = [*([str(row.gpus)] if several else []), row.strategy]  # in rank order; the ranked ones first
-        if row.rank is None:
-            table.add_row(*head, "", "skipped" if row.status == "skipped" else "no fit",
-                          *[""] * (len(columns) - len(head) - 2))
+        if row.rank is None:  # a bound (not traced) in the speed column: at most that
+            cells = ["", {"skipped": "skipped", "not traced": "not traced"}.get(row.status, "no fit"),
+                     *[""] * (len(columns) - len(head) - 2)]
+            if row.bound_tokens_per_s:
+                cells[columns.index(unit) - len(head)] = f"<={row.bound_tokens_per_s:,.0f}"
+            table.add_row(*head, *cells)
             continue
         speed = row.tokens_per_s or row.samples_per_s
         table.add_row(*head, str(row.max_local_batch),

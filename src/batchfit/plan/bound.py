@@ -3,18 +3,23 @@
 Every rank holds, at its optimizer step, its share of the parameters, their gradients and the
 optimizer state, whatever else the step keeps. That share has a floor computed from the parameter
 count alone (the model built on the meta device): DDP keeps everything on each rank, ZeRO-1/2
-keep the parameters whole on each rank (they shard the optimizer state, ZeRO-2 the gradients too), and any other
+keep the parameters whole on each rank (they shard the optimizer state, ZeRO-2 the gradients too), HSDP
+(``hsdp<R>``) shards them within groups of world / R GPUs and keeps R copies, ``fsdp-noreshard`` holds
+every block's parameters gathered at the end of the forward (2 bytes each at least; its shards of the
+parameters and optimizer state then, the gradients not yet), and any other
 strategy spreads them over at most every GPU, so the rank that holds the most holds at least the
-whole divided by the world. When that floor plus the cuBLAS workspace passes the GPU's usable
-memory, not even local batch 1 fits (reserved memory is never below allocated): the candidate is
-a skipped row saying so, with the figure, instead of a tracing session (a 70B model's DDP, ZeRO-1
-and ZeRO-2 on 80 GB GPUs). The floor is a lower bound only where every byte of it is certain:
-all parameters trainable, AdamW's or Adam's two states per parameter (the default optimizer),
-nothing offloaded, quantized or frozen; otherwise nothing is set aside.
+whole divided by its shard group (the world, for those). When that floor plus the cuBLAS workspace
+passes the GPU's usable memory, not even local batch 1 fits (reserved memory is never below
+allocated): the candidate is a skipped row saying so, with the figure, instead of a tracing session
+(a 70B model's DDP, ZeRO-1, ZeRO-2, hsdp8 and fsdp-noreshard on 64 80 GB GPUs). The floor is a lower
+bound only where every byte of it is certain: all parameters trainable, AdamW's or Adam's two states per
+parameter (the default optimizer), nothing offloaded, quantized or frozen; otherwise nothing is set
+aside.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,7 +78,17 @@ def floor_bytes(strategy, model: ModelBytes) -> int:
         # the parameters stay whole on every rank; the state is split by whole parameters, largest first
         # (ZeroRedundancyOptimizer), so rank 0's share may be less than 1/dp: none of it is counted
         return p
+    if strategy.shard == "hsdp":  # each of the R replicas holds the whole, sharded over world / R ranks
+        return whole * strategy.replicas // strategy.world_size
+    if strategy.shard == "fsdp-noreshard":  # at the end of the forward: every block gathered, no gradient yet
+        return max(spread, (p + state) // strategy.world_size + gathered_bytes(model))
     return spread
+
+
+def gathered_bytes(model: ModelBytes) -> int:
+    """The least a rank holds of all parameters all-gathered: 2 bytes each (bf16 or fp16 compute, from fp32
+    or 2-byte weights: at least half of ``param_bytes``)."""
+    return model.param_bytes // 2
 
 
 def too_large(workload, options, device: Device) -> Callable[[object], str | None]:
@@ -86,7 +101,11 @@ def too_large(workload, options, device: Device) -> Callable[[object], str | Non
         floor = floor_bytes(strategy, model) + device.workspace_bytes
         if floor <= device.usable_bytes:
             return None
-        return (f"not traced: its parameters, gradients and AdamW state alone take at least {floor / GiB:,.1f} GiB "
-                f"per GPU (computed from the parameter count, with the cuBLAS workspace), over the "
-                f"{device.usable_bytes / GiB:.1f} GiB usable, so not even local batch 1 fits; fsdp shards all three")
+        what = ("its parameters and AdamW state with every block's parameters gathered at the end of the forward "
+                "(2 bytes each at least)" if strategy.shard == "fsdp-noreshard" and floor_bytes(strategy, model) >
+                floor_bytes(dataclasses.replace(strategy, shard="fsdp"), model)
+                else "its parameters, gradients and AdamW state alone")
+        return (f"not traced: {what} take at least {floor / GiB:,.1f} GiB per GPU (computed from the parameter "
+                f"count, with the cuBLAS workspace), over the {device.usable_bytes / GiB:.1f} GiB usable, so not "
+                "even local batch 1 fits; fsdp shards all three")
     return why

@@ -12,7 +12,9 @@ For each GPU count and each strategy (DDP, FSDP2, HSDP, TP, FSDP+TP):
    traced.
 4. Compute the step time at that micro-batch from the FLOPs and collectives the trace
    counted (``time_model.py``), tokens/s and days for ``--tokens``.
-5. Recommend, per GPU count, the strategy with the most tokens/s.
+5. Recommend, per GPU count, the strategy with the most tokens/s. Under ``--strategies auto`` the
+   candidates are traced in the order of a bound on their tokens/s (``plan/by_bound.py``), and those
+   whose bound is below the best traced one's are not traced (their rows say so, with the bound).
 
 Each strategy is one tracing session (``plan/deep.py``: built once, at depths 2, 3 and 4
 for a deep model), traced at one local batch after another. The tracer is a parameter
@@ -34,7 +36,7 @@ from batchfit.distributed.parallelisms import approximations as parallelism_appr
 from batchfit.distributed.parallelisms import runs_experts
 from batchfit.distributed.strategy_name import FSDP_SHARDS, field_degrees
 from batchfit.errors import OptionError
-from batchfit.plan import workers
+from batchfit.plan import by_bound, workers
 from batchfit.plan.derived import SharedTraces
 from batchfit.plan.derived import jobs as derived_jobs
 from batchfit.plan.request import DEFAULT_STRATEGIES, PlanRequest  # noqa: F401 - the API's names
@@ -246,7 +248,10 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     micro-batches).
     ``strategies='auto'``: every combination ``plan/candidates.py`` lists for the model (``facts``, a
     ``candidates.ModelFacts``, default read from the model built on the meta device); each pp<N>
-    searches multiples of its own micro-batches; those that cannot apply are rows with ``skipped``.
+    searches multiples of its own micro-batches; those that cannot apply are rows with ``skipped``;
+    the others are traced in the order of a bound on their tokens/s, and one whose bound is below the
+    best traced row's is a row ``skipped`` 'not traced: at most ...' with ``bound_tokens_per_s``
+    (``plan/by_bound.py``, ``plan/speed_bound.py``).
     ``cache``: read each strategy session's rows from the trace cache where an earlier plan asked the
     same of it, and write them there (``plan/row_cache.py``; the real tracer and a workload from
     ``load_workload`` only).
@@ -296,8 +301,10 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     auto = request.strategies.strip().lower() == "auto"
     not_traced: list[StrategyPlan] = []
     if auto:  # every combination (plan/candidates.py); the ones that cannot apply listed, not traced
-        by_world, not_traced = _auto(workload, options, request.worlds, parse, facts, request.pp_schedule,
-                                     request.microbatches)
+        from batchfit.plan.candidates import model_facts
+
+        facts = facts or model_facts(workload, options)
+        by_world, not_traced = _auto(request.worlds, parse, facts, request.pp_schedule, request.microbatches)
     else:
         # every bad name before any trace
         by_world = [(world, parse(request.strategies, world.gpus)) for world in request.worlds]
@@ -358,8 +365,18 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
         return rows
 
     # a pipeline's session traces every rank's stages whole, not the model cut to 2-4 blocks: the longest
-    done = workers.run(one, derived_jobs(by_world), say, processes=request.processes if trace is None else 1,
-                       costly=lambda job: getattr(job[1], "pp", 1) > 1)
+    processes = request.processes if trace is None else 1
+
+    def run(function: Callable, jobs: list) -> list:
+        return workers.run(function, jobs, say, processes=processes, costly=lambda job: getattr(job[1], "pp", 1) > 1)
+
+    jobs = derived_jobs(by_world)
+    if auto:  # the candidates in the order of the tokens/s they could reach, none that cannot be first
+        done = by_bound.run_auto(one, jobs, say, run=run, workload=workload, options=options, device=device,
+                                 time_model=time_model, experts=facts.experts,
+                                 processes=processes or workers.default_processes(len(jobs)), row=_bounded_row)
+    else:
+        done = run(one, jobs)
     by_key = {(p.gpus, p.strategy): p for rows, _, _ in done for p in rows}
     plans = [by_key[(world.gpus, s.name)] for world, chosen in by_world for s in chosen] + not_traced
     params = next((n for _, n, _ in done if n is not None), None)
@@ -383,13 +400,11 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     )
 
 
-def _auto(workload: Workload, options: StepOptions, worlds: list[World], parse: Callable, facts,
-          pp_schedule: str, microbatches: int) -> tuple[list, list[StrategyPlan]]:
+def _auto(worlds: list[World], parse: Callable, facts, pp_schedule: str, microbatches: int) -> tuple[list, list]:
     """``--strategies auto``: per world, the strategies of ``candidates.candidates`` to trace, and a
     row (not traced, ``skipped`` saying why) for each combination that cannot apply to this model."""
-    from batchfit.plan.candidates import candidates, model_facts
+    from batchfit.plan.candidates import candidates
 
-    facts = facts or model_facts(workload, options)
     by_world, not_traced = [], []
     for world in worlds:
         listed = candidates(world, facts, pp_schedule=pp_schedule, microbatches=microbatches)
@@ -400,6 +415,12 @@ def _auto(workload: Workload, options: StepOptions, worlds: list[World], parse: 
                                     points=[], curve=None, max_local_batch=0,
                                     capped=False, skipped=c.skipped) for c in listed if c.skipped]
     return by_world, not_traced
+
+
+def _bounded_row(world: World, strategy, *, skipped: str, bound: float) -> StrategyPlan:
+    """An auto candidate not traced because its bound cannot beat the best traced row (``plan/by_bound.py``)."""
+    return StrategyPlan(**_row_base(world, strategy), points=[], curve=None, max_local_batch=0, capped=False,
+                        skipped=skipped, bound_tokens_per_s=bound)
 
 
 def _own_multiple(strategy, multiple_of: int) -> int:

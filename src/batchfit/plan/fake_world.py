@@ -13,8 +13,8 @@ from batchfit.errors import OptionError
 
 _world: list[tuple[int, int]] = []
 """(world size, this process's rank) of the fake process group this module opened, once per session using it."""
-_last_rank: list[int] = [0]
-"""The rank the last fake world opened as (DTensor's caches hold that rank's process groups)."""
+_opened: list[int] = [0]
+"""Fake worlds opened in this process so far (DTensor's caches hold the last one's process groups)."""
 _meshes: dict = {}
 """The meshes built on that group, by strategy: sessions of one strategy share them (a second
 ``init_device_mesh`` of the same shape makes new groups that DTensor does not always use)."""
@@ -45,9 +45,9 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         if dist.is_initialized():
             raise OptionError("a torch.distributed process group is already running in this process: "
                               "run batchfit plan outside torchrun (it simulates every rank itself)")
-        if rank != _last_rank[0]:
+        if _opened[0]:
             _forget_dtensor_decisions()
-            _last_rank[0] = rank
+        _opened[0] += 1
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     _world.append((world_size, rank))
     try:
@@ -60,10 +60,11 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 def _forget_dtensor_decisions() -> None:
-    """Clear DTensor's caches of sharding and redistribution decisions before a world of another rank:
-    they are keyed by device meshes, which compare equal on every rank (``DeviceMesh.__eq__`` leaves out
-    the process groups), so the next rank's trace would send its collectives to the last rank's groups
-    (gone with its world: "Could not resolve the process group")."""
+    """Clear DTensor's caches of sharding and redistribution decisions before any new world: they are
+    keyed by device meshes, which compare equal across worlds (``DeviceMesh.__eq__`` leaves out the
+    process groups: another rank's mesh, or another strategy's sub-mesh of the same ranks), so the next
+    trace would send its collectives to the last world's groups (gone with it: "Could not resolve the
+    process group", hf:llama-3.1-70b's fsdp+cp2+tp2 traced after fsdp+tp2 in one process)."""
     import torch
     from torch.distributed.tensor import DTensor, _redistribute
 

@@ -5,7 +5,9 @@ Order, per GPU count: the combinations that fit, by tokens/s (samples/s for a mo
 tokens; with no time, by global batch), ties to the smaller TP degree, then the lower memory (so
 rank 1 is the plan's recommendation); a micro-batch that fits only above the target utilisation
 is ranked the same way and marked 'above target'; then those where not even the smallest local
-batch fits, then those not traced (``skipped``: the reason). Ranks count the fitting ones only.
+batch fits, then those auto did not trace because they cannot be first (``not traced``: at most their
+bound, highest first), then those not traced for another reason (``skipped``: the reason). Ranks count
+the fitting ones only.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class RankedRow:
     shard: str
     status: str
     """'fits', 'above target' (the micro-batch fits the GPU but not under --target-util),
-    'does not fit' (not even the smallest local batch) or 'skipped' (not traced)."""
+    'does not fit' (not even the smallest local batch), 'not traced' (auto: its bound cannot beat the
+    best traced row) or 'skipped' (not traced: a rule cannot apply, or it cannot fit)."""
     why: str | None
     """For 'does not fit' and 'skipped': the reason; for 'above target', by how much."""
     max_local_batch: int
@@ -58,12 +61,16 @@ class RankedRow:
     days: float | None
     mfu: float
     """The MFU the time assumes (the time model's: assumed, set or calibrated)."""
+    bound_tokens_per_s: float | None = None
+    """'not traced': the most tokens/s it could reach (``plan/speed_bound.py``), not a traced figure."""
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 def _status(p) -> str:
+    if p.bound_tokens_per_s is not None:
+        return "not traced"
     if p.skipped:
         return "skipped"
     if not p.fits:
@@ -72,6 +79,8 @@ def _status(p) -> str:
 
 
 def _why(p, target_bytes: int) -> str | None:
+    if p.bound_tokens_per_s is not None:  # the status says 'not traced' already
+        return p.skipped.removeprefix("not traced: ")
     if p.skipped:
         return p.skipped
     if not p.fits:
@@ -110,11 +119,13 @@ def ranked_by(rows) -> str:
 
 def ranking(plans, worlds, *, mfu: float, target_bytes: int) -> list[RankedRow]:
     """Every plan of every world, in rank order (the module docstring)."""
-    order = {"fits": 0, "above target": 0, "does not fit": 1, "skipped": 2}
+    order = {"fits": 0, "above target": 0, "does not fit": 1, "not traced": 2, "skipped": 3}
     rows: list[RankedRow] = []
     for world in worlds:
         mine = [p for p in plans if p.gpus == world.gpus]
-        mine.sort(key=lambda p: (order[_status(p)], -_speed(p), -(p.global_batch or p.max_global_batch), p.tp,
+        # a row not traced sorts by its bound, among its kind
+        mine.sort(key=lambda p: (order[_status(p)], -(_speed(p) or p.bound_tokens_per_s or 0.0),
+                                 -(p.global_batch or p.max_global_batch), p.tp,
                                  p.peak_reserved_bytes_at_micro or p.peak_bytes_at_micro or 0))
         best = next((_speed(p) for p in mine if p.fits and not p.skipped), 0.0)
         for i, p in enumerate(mine):
@@ -129,5 +140,6 @@ def ranking(plans, worlds, *, mfu: float, target_bytes: int) -> list[RankedRow]:
                 allocated_bytes=p.peak_bytes_at_micro, reserved_bytes=p.peak_reserved_bytes_at_micro,
                 compute_s=compute, exposed_comm_s=comm, bubble_s=bubble, step_time_s=p.step_time_s,
                 tokens_per_s=p.tokens_per_s, samples_per_s=p.samples_per_s,
-                vs_best=_speed(p) / best if fitting and best and _speed(p) else None, days=p.days, mfu=mfu))
+                vs_best=_speed(p) / best if fitting and best and _speed(p) else None, days=p.days, mfu=mfu,
+                bound_tokens_per_s=p.bound_tokens_per_s))
     return rows

@@ -137,6 +137,9 @@ class StrategyPlan:
     """When not even local batch 1 fits: what would (computed from its breakdown)."""
     skipped: str | None = None
     """Why this strategy was not traced (``auto`` on a model with no tensor-parallel plan)."""
+    bound_tokens_per_s: float | None = None
+    """Under auto, a candidate not traced because this bound on its tokens/s (``plan/speed_bound.py``) is
+    below the best traced one's (``skipped`` says so, with the formula); None for any other row."""
     tp_loss: str | None = None
     """Under TP, the loss the plan traced: sharded (loss_parallel), gathered or replicated; None without TP."""
     ep: int = 1
@@ -212,6 +215,7 @@ class StrategyPlan:
             "step_time_s_at_max": self.time_at_max.step_time_s if self.time_at_max else None,
             "tokens_per_s_at_max": self.tokens_per_s_at_max,
             "params_per_rank": self.params_per_rank, "fix": self.fix, "skipped": self.skipped,
+            "bound_tokens_per_s": self.bound_tokens_per_s,
             "tp_loss": self.tp_loss,
             "source": self.source, "derived_from_gpus": self.derived_from_gpus,
         }

@@ -150,7 +150,8 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
               "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for p in r.plans:
         if p.skipped:
-            lines.append(f"| {p.gpus} | {p.strategy} | {p.dp} | {p.tp} | skipped: {p.skipped} | | | | | | | | |")
+            why = p.skipped if p.bound_tokens_per_s is not None else f"skipped: {p.skipped}"  # 'not traced: ...'
+            lines.append(f"| {p.gpus} | {p.strategy} | {p.dp} | {p.tp} | {why} | | | | | | | | |")
             continue
         micro = (f"{p.micro_batch} x {p.accumulation_steps}" + (" (above target)" if p.above_target else "")
                  if p.fits else "does not fit")
@@ -227,16 +228,19 @@ def ranking_lines(r, plot_name: str = "plan.png") -> list[str]:
         out.append("| — | | nothing fits | | | | | | | | | | | | | | | |")
     others = [row for row in rows if row.rank is None]
     if others:
-        out += ["", "Not ranked: what does not fit even at the smallest local batch (traced), and what was not "
-                "traced (the rule that cannot apply to this model):", "",
+        out += ["", "Not ranked: what does not fit even at the smallest local batch (traced), what auto did not "
+                "trace because the most it could reach is below the best traced row (`not traced`: a bound, not a "
+                "traced figure), and what was not traced for another reason (the rule that cannot apply to this "
+                "model):", "",
                 "| GPUs | strategy | pp | dp | tp | status | why |", "|---:|---|---:|---:|---:|---|---|"]
         out += [f"| {row.gpus} | {row.strategy} | {row.pp} | {row.dp} | {row.tp} | {row.status} | "
                 f"{(row.why or '').replace('|', '/')} |" for row in others]
     if r.strategies_asked.strip().lower() == "auto":
         from batchfit.plan.candidates import bounds  # pure Python
 
-        out += ["", "`--strategies auto` traced every combination of `plan/candidates.py`'s rules; to bound the "
-                "tracing it leaves out (name any of them with --strategies to trace it):", "",
+        out += ["", "`--strategies auto` traced the combinations of `plan/candidates.py`'s rules in the order of "
+                "the tokens/s each could reach (`plan/speed_bound.py`), none whose bound is below the best traced "
+                "one's; to bound the tracing it leaves out (name any of them with --strategies to trace it):", "",
                 *[f"- {line}" for line in bounds()]]
     return out + [""]
 
