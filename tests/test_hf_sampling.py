@@ -34,7 +34,7 @@ def test_the_sampling_fields_and_generation_kwargs_become_logits_processors():
     used = {u.field: u for u in mapping.used}
     assert used["temperature"].option == "sampling with temperature 0.7"
     assert used["generation_kwargs"].option == "sampling with min_new_tokens 4"
-    assert "not read: num_beams" in used["generation_kwargs"].why
+    assert "not read, traced as plain sampling: num_beams" in used["generation_kwargs"].why
     unused = {u.field: u.why for u in mapping.unused}
     assert unused["top_p"] == unused["top_k"] == NO_MEMORY  # at TRL's defaults: no processor, no line said
     as_text = from_training_arguments({**GRPO, "generation_kwargs": '{"top_k": 20}'}, check_fields=False)

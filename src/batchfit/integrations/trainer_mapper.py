@@ -208,7 +208,7 @@ class Mapper:
         for name in read.from_fields:
             self.use(name, f"sampling with {name} {dict(read.settings)[name]}", why)
         if read.from_kwargs:
-            not_read = (f"; not read: {', '.join(read.kwargs_not_read)} (plain sampling traced for them)"
+            not_read = (f"; not read, traced as plain sampling: {', '.join(read.kwargs_not_read)}"
                         if read.kwargs_not_read else "")
             self.use("generation_kwargs", "sampling with " + ", ".join(
                 f"{name} {dict(read.settings)[name]}" for name in read.from_kwargs), why + not_read)
