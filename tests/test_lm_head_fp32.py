@@ -68,8 +68,8 @@ def test_a_step_that_is_not_trls_refuses_it():
 @pytest.mark.slow
 def test_each_phase_against_a_real_trl_step_with_the_head_in_fp32(tmp_path, monkeypatch):
     """trl 1.16.0, bf16 weights, a reference model, 4 completions per update (15 s here): reference, forward,
-    backward within 0.1%, the optimizer within 0.3% (-0.07%, -0.07%, -0.01%, -0.22% here); generation within 4%
-    (-3.2%: bf16 generation's own gap, the same without the field)."""
+    backward within 0.1%, the optimizer within 0.3% (-0.07%, -0.07%, -0.01%, -0.22% here); generation within 1 KB
+    (-428 B; 3.2% low before generation mirrored min_new_tokens' logits processors: ``zoo/hf_sampling.py``)."""
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
     from tests import trl_truth
@@ -92,6 +92,6 @@ def test_each_phase_against_a_real_trl_step_with_the_head_in_fp32(tmp_path, monk
     options = StepOptions(**{k: v for k, v in mapping.step.items() if k != "accumulation_steps"})
     with TraceSession(hf_grpo_workload(str(folder), mapping.rollout), options, cuda_semantics=False) as session:
         traced = session.trace(case.batch).snapshot.peak_by_phase
-    for phase, within in (("generate", 0.04), ("reference", 0.001), ("forward", 0.001), ("backward", 0.001),
-                          ("optimizer", 0.003)):
+    assert abs(traced["generate"] - real["generate"]) <= 1024, (traced["generate"], real["generate"])
+    for phase, within in (("reference", 0.001), ("forward", 0.001), ("backward", 0.001), ("optimizer", 0.003)):
         assert abs(traced[phase] - real[phase]) <= within * real[phase], (phase, traced[phase], real[phase])

@@ -42,21 +42,31 @@ def test_fused_logprobs_are_the_log_softmax_and_its_gradient():
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fused_grads, (hidden.grad, weight.grad)))
 
 
+TRUTH_CASES = ("fp32", "bf16", "bf16-warpers")
+
+
 @pytest.mark.slow
-def test_each_phase_against_a_real_trl_grpo_step(tmp_path):
-    """benchmarks/trl_grpo_truth.py's first case (a reference model, 4 completions per update): every phase of
-    the trace within 1.5% of TRL's, the reference and update within 0.1% (trl 1.16.0: -0.43%, -0.02%, -0.02%,
-    -0.01%, -1.18%; what is left is named in docs/run.md)."""
+@pytest.mark.parametrize("which", TRUTH_CASES)
+def test_each_phase_against_a_real_trl_grpo_step(tmp_path, which):
+    """benchmarks/trl_grpo_truth.py's first case (a reference model, 4 completions per update), with fp32 weights,
+    bf16 weights, and bf16 weights sampled through five logits processors more (temperature, top_k, top_p, min_p,
+    repetition_penalty): the generation within 1 KB of TRL's, the reference and update within 0.1%, the optimizer
+    within 1.5% (trl 1.16.0, generation: -332 B, +84 B, +116 B; what is left is named in docs/run.md). Before
+    generation mirrored transformers' logits processors and what generate keeps between tokens
+    (``zoo/hf_sampling.py``), the bf16 generation read 12,192 B (3.8%) low: its peak is at a new token, where
+    min_new_tokens' processors hold fp32 [rows, vocab] copies the trace did not make."""
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    from tests.trl_truth import CASES, tiny_llama, traced_phase_peaks, trl_phase_peaks
+    from tests.cpu_truth import same_kernels_on_any_x86
+    from tests.trl_truth import BF16_CASES, CASES, tiny_llama, traced_phase_peaks, trl_phase_peaks
 
-    case = CASES[0]
+    case = dict(zip(TRUTH_CASES, (CASES[0], *BF16_CASES)))[which]
     model = tiny_llama(tmp_path)
-    real = trl_phase_peaks(case, model)
+    with same_kernels_on_any_x86():  # bf16 matmuls: no oneDNN scratch (cpu_truth)
+        real = trl_phase_peaks(case, model)
     traced = traced_phase_peaks(case, model)
-    for phase, within in (("generate", 0.015), ("reference", 0.001), ("forward", 0.001), ("backward", 0.001),
-                          ("optimizer", 0.015)):
+    assert abs(traced["generate"] - real["generate"]) <= 1024, (traced["generate"], real["generate"])
+    for phase, within in (("reference", 0.001), ("forward", 0.001), ("backward", 0.001), ("optimizer", 0.015)):
         assert abs(traced[phase] - real[phase]) <= within * real[phase], (phase, traced[phase], real[phase])
 
 

@@ -30,7 +30,7 @@ VOCAB = 256
 
 @dataclass(frozen=True)
 class Case:
-    """One GRPOConfig of the comparison (fp32, AdamW, no gradient checkpointing, transformers' generate)."""
+    """One GRPOConfig of the comparison (AdamW, no gradient checkpointing, transformers' generate)."""
 
     label: str
     batch: int = 4
@@ -42,6 +42,10 @@ class Case:
     """max_completion_length (every completion runs to it: EOS is held back by min_new_tokens)."""
     steps_per_generation: int = 1
     beta: float = 0.04
+    dtype: str = "float32"
+    """The weights' dtype (``model_init_kwargs``; bfloat16 is traced as ``--precision bf16``)."""
+    sampling: tuple[tuple[str, float], ...] = ()
+    """GRPOConfig sampling fields (temperature, top_k, ...) beside the min_new_tokens every case has."""
 
 
 CASES = (
@@ -49,6 +53,15 @@ CASES = (
     Case("2 update steps per generation (old log-probs), group 4", group=4, steps_per_generation=2),
     Case("no reference model (beta 0), group 4", group=4, beta=0.0),
 )
+WARPERS = (("temperature", 0.7), ("top_k", 50), ("top_p", 0.9), ("min_p", 0.05), ("repetition_penalty", 1.1))
+"""Every sampling field of a GRPOConfig away from its default: five logits processors more at each new token."""
+BF16_CASES = (
+    Case("reference model (beta 0.04), bf16 weights", dtype="bfloat16"),
+    Case("reference model (beta 0.04), bf16 weights, temperature 0.7, top_k 50, top_p 0.9, min_p 0.05, "
+         "repetition_penalty 1.1", dtype="bfloat16", sampling=WARPERS),
+)
+"""bf16 weights: the prompt's activations halve while sampling stays fp32, so generation peaks at a new token
+(transformers' logits processors: min_new_tokens' two, and the five of WARPERS in the second case)."""
 
 
 def tiny_llama(folder: Path) -> Path:
@@ -74,12 +87,14 @@ def grpo_args(case: Case, folder: Path):
     import trl
 
     generate_every = case.steps_per_generation
+    weights = {} if case.dtype == "float32" else {"model_init_kwargs": {"dtype": case.dtype}}
     return trl.GRPOConfig(
         output_dir=str(folder / "out"), per_device_train_batch_size=case.batch, num_generations=case.group,
         steps_per_generation=case.steps_per_generation, max_completion_length=case.new_tokens, beta=case.beta,
         bf16=False, gradient_checkpointing=False, optim="adamw_torch", use_cpu=True, report_to="none",
         save_strategy="no", logging_steps=10_000, max_steps=generate_every + 1, seed=0,
-        generation_kwargs={"min_new_tokens": case.new_tokens}, dataloader_num_workers=0)
+        generation_kwargs={"min_new_tokens": case.new_tokens}, dataloader_num_workers=0, **weights,
+        **dict(case.sampling))
 
 
 def trl_phase_peaks(case: Case, folder: Path) -> dict[str, int]:
@@ -163,8 +178,9 @@ def config_json(case: Case, folder: Path) -> dict:
 
 def traced_phase_peaks(case: Case, folder: Path, *, cuda_semantics: bool = False) -> dict[str, int]:
     """batchfit's trace of the same GRPOConfig (``--trainer``'s mapping) at the same per-device batch."""
-    rollout = from_training_arguments(config_json(case, folder)).rollout
-    with TraceSession(hf_grpo_workload(str(folder), rollout), StepOptions(), cuda_semantics=cuda_semantics) as s:
+    mapping = from_training_arguments(config_json(case, folder))
+    options = StepOptions(**{k: v for k, v in mapping.step.items() if k != "accumulation_steps"})
+    with TraceSession(hf_grpo_workload(str(folder), mapping.rollout), options, cuda_semantics=cuda_semantics) as s:
         return s.trace(case.batch).snapshot.peak_by_phase
 
 

@@ -309,6 +309,29 @@ class ParamGroups:
         return f"decay:{self.weight_decay:g}" if self.decay_split else "one"
 
 
+SAMPLING_SETTINGS: tuple[str, ...] = ("repetition_penalty", "min_length", "min_new_tokens", "temperature", "top_k",
+                                     "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+"""The GenerationConfig settings that add a logits processor to transformers' sampling, as ``generate`` builds them
+(``GenerationMixin._get_logits_processor``), in its order; traced in ``zoo/hf_sampling.py``."""
+
+
+def adds_logits_processor(name: str, value: float) -> bool:
+    """Whether ``generate`` adds the logits processor of the sampling setting ``name`` at ``value``
+    (``_get_logits_processor``'s conditions; min_new_tokens always adds one: generate makes it a min_length of the
+    prompt's length plus it, whose processor runs even at 0)."""
+    if name in ("temperature", "repetition_penalty"):
+        return value != 1.0
+    if name in ("top_p", "typical_p"):
+        return value < 1.0
+    if name in ("epsilon_cutoff", "eta_cutoff"):
+        return 0.0 < value < 1.0
+    if name == "top_k":
+        return value != 0
+    if name == "min_length":
+        return value > 0
+    return True  # min_p, min_new_tokens
+
+
 @dataclass(frozen=True, kw_only=True)
 class Rollout:
     """An RL step's generation settings (``zoo/grpo.py``): from a TRL GRPOConfig / PPOConfig
@@ -336,12 +359,21 @@ class Rollout:
     """TRL's cast_lm_head_to_fp32 (GRPO): the policy's and the reference's LM head kept in fp32 whatever the
     precision (its weight, gradient and optimizer state), run outside autocast on an fp32 copy of the hidden
     states (``zoo/fused_logprobs.py``: fp32 tiles)."""
+    sampling: tuple[tuple[str, float], ...] = ()
+    """GenerationConfig settings (SAMPLING_SETTINGS) generation samples with, as TRL passes them to transformers'
+    ``generate`` (GRPOConfig's temperature, top_k, top_p, min_p, repetition_penalty and its generation_kwargs): each
+    adds a logits processor whose fp32 ``[rows, vocab]`` temporaries are traced at every new token. A setting at
+    its no-op value (temperature 1, top_k 0, top_p 1, ...) adds none, as in ``generate``."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("grpo", "ppo"):
             raise OptionError(f"unknown RL algorithm '{self.algorithm}': grpo or ppo")
         if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
             raise OptionError(f"the rollout's chunk_rows must be a positive integer, got {self.chunk_rows!r}")
+        for name, value in self.sampling:
+            if name not in SAMPLING_SETTINGS or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise OptionError(f"the rollout's sampling setting {name}={value!r} is not one batchfit traces: "
+                                  f"a number for one of {', '.join(SAMPLING_SETTINGS)}")
         for name in ("prompt_len", "new_tokens", "group_size", "steps_per_generation"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -67,7 +67,8 @@ RL_MEMORY_FIELDS_NOT_MAPPED: dict[str, str] = {
     "use_liger_loss": "Liger's fused GRPO loss is not traced: the log-probs come from TRL's own fused LM head",
     "cache_implementation": "the KV cache is traced as transformers' DynamicCache, not this implementation",
     "use_transformers_paged": "paged generation is not traced: DynamicCache is",
-    "generation_kwargs": "extra generation settings (beams, top-k) are not read: plain sampling is traced",
+    "generation_kwargs": "only its sampling settings (min_new_tokens, top_k, top_p, ...) are read; others (beams, "
+                         "no_repeat_ngram_size, bad_words_ids, ...) are not: plain sampling is traced",
     "top_entropy_quantile": "the entropies this computes (one more pass over the logits) are not traced",
     "ds3_gather_for_generation": "ZeRO-3 gathering the weights for generation is plan's, not estimate's",
     "num_generations_eval": "the eval loop of an RL trainer is not traced",

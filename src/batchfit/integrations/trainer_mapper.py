@@ -162,7 +162,7 @@ class Mapper:
                or bool(data.get("use_vllm") and data.get("vllm_importance_sampling_correction", True)))
         fp32_head = bool(data.get("cast_lm_head_to_fp32"))
         m.rollout = Rollout(prompt_len=prompt, new_tokens=new_tokens, group_size=group, steps_per_generation=per_step,
-                            reference=bool(beta), old_logprobs=old, fp32_head=fp32_head)
+                            reference=bool(beta), old_logprobs=old, fp32_head=fp32_head, sampling=self.sampling())
         rows = m.per_device_train_batch_size * per_step
         self.use("num_generations", f"GRPO group {group}", "rewards normalised within each group", group)
         self.use("max_prompt_length", f"{prompt}-token prompts", "every prompt traced at the longest" if
@@ -197,6 +197,22 @@ class Mapper:
                 use.why = ("each micro-batch traced with its own generation: those after the first generate beside "
                            "the accumulated gradients, which TRL's one generation per optimizer step does not (high "
                            "by the gradients' bytes in the generation and reference phases, never low)")
+
+    def sampling(self) -> tuple[tuple[str, float], ...]:
+        """The sampling settings TRL hands generate (``trainer_sampling.py``): each that adds a logits processor (a
+        field at a value that adds none, as TRL's defaults, is left to "does not change training memory")."""
+        from batchfit.integrations.trainer_sampling import sampling
+
+        read = sampling(self.data)
+        why = "transformers' logits processor for it runs on every new token's fp32 logits: its temporaries traced"
+        for name in read.from_fields:
+            self.use(name, f"sampling with {name} {dict(read.settings)[name]}", why)
+        if read.from_kwargs:
+            not_read = (f"; not read, traced as plain sampling: {', '.join(read.kwargs_not_read)}"
+                        if read.kwargs_not_read else "")
+            self.use("generation_kwargs", "sampling with " + ", ".join(
+                f"{name} {dict(read.settings)[name]}" for name in read.from_kwargs), why + not_read)
+        return read.settings
 
     def ppo_rollout(self) -> None:
         """A TRL PPOConfig (trl/experimental/ppo/ppo_config.py) -> TRL's PPO step (``zoo/hf_ppo.py``): a rollout
