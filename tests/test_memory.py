@@ -4,9 +4,13 @@ Checked against bytes worked out by hand, and torch's own code running for real 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from batchfit.trace.memory import rounded
 from batchfit.trace.session import TraceSession
@@ -181,3 +185,27 @@ def test_a_model_that_casts_itself_while_built_is_planned_with_ddp():
 
     point = trace_sharded(_cast_while_built(), StepOptions(), get_device("h100-80gb"), parse_strategy("ddp", 2), 4)
     assert point.breakdown["parameters"] == P // 2 and point.breakdown["optimizer_state"] == P
+
+
+def test_a_storage_keeps_its_key_while_any_tensor_holds_it():
+    """The tracker keys a storage by ``id(tensor.untyped_storage())`` and frees its record when that Python
+    object dies. torch keeps a storage's Python object alive while anything else holds the storage (the
+    refcount's ``kHasPyObject`` bit, c10/util/intrusive_ptr.h): a fake tensor's too, through a new Parameter
+    over it, a ``.data`` swap and a view, its only holders in turn. A torch that let it die early would free
+    the record of a live tensor: this fails first."""
+    died: list[str] = []
+    with FakeTensorMode():
+        tensor = torch.empty(256, 32)
+        key = id(tensor.untyped_storage())
+        weakref.finalize(tensor.untyped_storage(), died.append, "storage")
+        param = nn.Parameter(tensor)
+        del tensor
+        other = nn.Parameter(torch.empty(256, 32))
+        other.data = param.data
+        del param
+        view = other.view(-1)
+        del other
+        gc.collect()
+        assert id(view.untyped_storage()) == key and not died
+        del view
+    assert died == ["storage"]
