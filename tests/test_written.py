@@ -127,3 +127,26 @@ def test_seed_003s_grpo_step_written_is_the_step_run(monkeypatch):
     from batchfit.specs import load_workload
 
     _same_written_as_run(monkeypatch, load_workload("grpo-gpt2-124m", seq_len=4), {})
+
+
+@pytest.mark.slow
+def test_how_the_loop_was_had_is_read_back_from_the_trace_cache():
+    # estimate asked again reads its sizes from the cache: its JSON and report must still say which sizes'
+    # loops were written, and from which line (the same as the run that traced them)
+    from batchfit.devices import get_device
+    from batchfit.specs import load_workload
+    from batchfit.trace.point import TracedCurve
+    from batchfit.workload import StepOptions
+
+    workload, device = load_workload("grpo-gpt2-124m", seq_len=2), get_device("rtx4090-24gb")
+    sizes = [8, 16, 40, 24]
+    with TracedCurve(workload, StepOptions(), device, keep_streams=True, cache=True) as first:
+        for b in sizes:
+            first.point(b)
+        traced = first.written_generation
+    with TracedCurve(workload, StepOptions(), device, keep_streams=True, cache=True) as again:
+        for b in sizes:
+            again.point(b)
+        assert again._first is None  # read, nothing built
+        assert again.written_generation == traced == {
+            "traced": [8, 16, 40], "repeated": [8, 16, 40], "line": [24], "checked_at": [40]}

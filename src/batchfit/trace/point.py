@@ -198,6 +198,8 @@ class TracedCurve:
         self._first: TraceSession | None = None
         self._seen = depth.Depth()
         self._by_depth, self._parallel = by_depth, parallel
+        self._loops: dict[int, dict] = {}
+        """By size: how its generation loop was had (:meth:`_loop_at`), traced here or read from the cache."""
         self._ahead: tuple[int, forked.ForkedCall] | None = None
         """A size traced whole, fresh, in a forked copy of the session meanwhile (:meth:`trace_ahead`)."""
         self._stack_repeats = False
@@ -416,6 +418,8 @@ class TracedCurve:
         if found is None:  # not traced by depth, or not affine in depth: the whole model
             traced, events = self._from_cache(f"whole-{batch_size}-{warmth}",
                                               lambda: self._trace_whole(batch_size, fresh))
+            self._loops[batch_size] = self._from_cache(f"loop-{batch_size}-{warmth}",
+                                                       lambda: self._loop_at(batch_size))
             found = allocated_point(traced, workspace)
             if fresh:
                 self._whole_streams[batch_size] = events
@@ -482,13 +486,24 @@ class TracedCurve:
                      f"(checked event for event at {', '.join(map(str, calls.checked_at))})")
         return traced, self._full.fresh_stream if fresh else None
 
+    def _loop_at(self, batch_size: int) -> dict:
+        """How the generation loop of the step just traced at ``batch_size`` was had (``trace/written.py``):
+        {"how": traced / repeated / line, "checked_at": the sizes that checked its line}; {} where none ran."""
+        calls = self._full.tracker.written if self._full is not None else None
+        how = calls.how.get(batch_size) if calls is not None else None
+        return {"how": sorted(how), "checked_at": sorted(calls.checked_at)} if how else {}
+
     @property
     def written_generation(self) -> dict | None:
-        """How each size's generation loop was had, where one was written instead of run
-        (``trace/written.py``): ``WrittenCalls.summary``; None where nothing was."""
-        calls = self._full.tracker.written if self._full is not None else None
-        summary = calls.summary() if calls is not None else None
-        return summary if summary and (summary["repeated"] or summary["line"]) else None
+        """How each traced size's generation loop was had, where one was written instead of run (the
+        shape of ``WrittenCalls.summary``, over this curve's sizes, cached ones too); None where none was."""
+        loops = {b: self._loops[b] for b in self.points if self._loops.get(b)}
+        if not any({"repeated", "line"} & set(loop["how"]) for loop in loops.values()):
+            return None
+        sizes = lambda kind: sorted(b for b, loop in loops.items() if kind in loop["how"])  # noqa: E731
+        checked = {c for loop in loops.values() if "line" in loop["how"] for c in loop["checked_at"]}
+        return {"traced": sizes("traced"), "repeated": sizes("repeated"), "line": sizes("line"),
+                "checked_at": sorted(checked)}
 
     def _open_for_whole(self) -> None:
         """Open what a whole-model trace needs: where the traces read from the cache showed the stack
