@@ -68,7 +68,7 @@ class Steps:
         if finished < 1:
             return None
         per_session = (sum(self._done_traces) / len(self._done_traces)) if self._done_traces else TRACES_PER_SESSION
-        waiting = self.total - self.done - running
+        waiting = max(0, self.total - self.done - running)  # auto's rounds can end with sessions set aside unrun
         left = sum(max(per_session - n, 1) for n in self._traces.values()) + waiting * per_session
         per_trace = (time.perf_counter() - self._started) * min(self.processes, self.total) / finished  # process-s
         floor = any(n >= per_session for n in self._traces.values())
