@@ -158,7 +158,7 @@ def _gloo_main(rank: int, port: int, out_dir: str, families: tuple[str, ...]) ->
             torch.manual_seed(1 + rank)  # each rank its own samples
             step.run(B)
             folder = Path(out_dir) / f"{family}-{rank}"
-            folder.mkdir()
+            folder.mkdir(exist_ok=True)  # spawn_profiled_gloo runs the ranks again after a crash
             peaks[family] = agreed_profiled_peak(step, B, folder, best_of=2)
         del step
         torch.distributed.barrier()

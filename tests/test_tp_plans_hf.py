@@ -82,7 +82,7 @@ def _gloo_main(rank: int, port: int, out_dir: str, families: tuple[str, ...]) ->
     out = {}
     for family in families:
         folder = Path(out_dir) / f"{family}-{rank}"
-        folder.mkdir()
+        folder.mkdir(exist_ok=True)  # spawn_profiled_gloo runs the ranks again after a crash
         workload = _workload(FAMILIES[family], folder)  # one file per rank: the ranks never read a half-written file
         step = gloo_step(workload, StepOptions(), parse_strategy("tp2", 2), tp_plan_of=tp_plan)
         out[family] = agreed_profiled_peak(step, LOCAL_BATCH, folder, best_of=2)
