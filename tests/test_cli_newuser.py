@@ -190,3 +190,16 @@ def test_torchaos_import_notes_stay_off_the_terminal():
     err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stderr
     assert "Failed to load" not in err and "KernelPreference" not in err and "ScaleCalculationMode" not in err, err
     assert "another torchao warning" in err and "<class 'logging.Logger'> is an Enum subclass" in err  # not torchao's
+
+
+def test_plan_help_says_auto_sets_candidates_aside_by_a_bound():
+    """auto traces in the order of each candidate's tokens/s bound and leaves one below the best traced row as a
+    'not traced' row (docs/tracing/auto.md); the help said only 'at most 15 traced on 8'."""
+    import re
+
+    result = runner.invoke(app, ["plan", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    printed = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", result.output))
+    assert ("one whose bound is below the best traced row is a 'not traced' row with its bound and formula, never a "
+            "traced figure (docs/tracing/auto.md)") in printed
+    assert "15 traced on 8" not in printed
