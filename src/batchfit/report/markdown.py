@@ -173,7 +173,7 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
                   "Allocated memory fits at these sizes, but the caching allocator cannot reserve a segment "
                   "for a request (its message, as a GPU's `torch.OutOfMemoryError` would say it):", ""]
         lines += [f"- batch {p.batch_size}: {p.reserved_oom}" for p in refused]
-    fit = r.curve.to_json(max(best, r.points[-1].batch_size))
+    fit = r.curve.to_json(max(best, r.points[-1].batch_size), r.multiple_of)
     lines += ["", "## Memory curve (allocated)", "",
               "Each phase's peak is a line in the batch size; the step's peak is the largest of them, "
               "so the curve is made of pieces, each where one phase dominates:", "",
