@@ -67,6 +67,23 @@ def test_report_folders_differ_by_options():
     assert gathered == Path("reports/plan-hf_llama-3.1-70b-h100-80gb-tp-loss-gathered")  # not the sharded run's
 
 
+def test_report_folders_differ_by_the_trainers_rollout():
+    """Two GRPOConfigs of one model (plain, then with temperature and top_k) wrote the same folder, the second
+    report over the first; seed 003's zoo step (no --trainer, no rollout) keeps its folder."""
+    from batchfit.options import Rollout
+
+    target, name = parse_target("virtual:1GiB"), "grpo hf:qwen2.json"
+    plain = Rollout(prompt_len=16, new_tokens=8, group_size=4)
+    sampled = Rollout(prompt_len=16, new_tokens=8, group_size=4, sampling=(("temperature", 0.7), ("top_k", 50)))
+    folders = [common.report_folder(None, "estimate", name, target, StepOptions(), rollout=r) for r in (plain, sampled)]
+    assert folders[0] != folders[1]
+    assert all(str(f).startswith("reports/estimate-grpo_hf_qwen2.json-1GiB-rl-p16-c8-g4-") for f in folders)
+    assert common.report_folder(None, "estimate", name, target, StepOptions(), rollout=plain) == folders[0]
+    seed_003 = common.report_folder(None, "estimate", "grpo-gpt2-124m", parse_target("virtual:rtx4090-24gb"),
+                                    StepOptions())
+    assert seed_003 == Path("reports/estimate-grpo-gpt2-124m-rtx4090-24gb")
+
+
 @pytest.mark.parametrize("command,files", [("estimate", "estimate.json"), ("probe", "probe.json"),
                                            ("bench", "throughput.png")])
 def test_help_teaches_and_names_the_files(command, files):
