@@ -67,6 +67,23 @@ def test_report_folders_differ_by_options():
     assert gathered == Path("reports/plan-hf_llama-3.1-70b-h100-80gb-tp-loss-gathered")  # not the sharded run's
 
 
+def test_report_folders_differ_by_the_trainers_rollout():
+    """Two GRPOConfigs of one model (plain, then with temperature and top_k) wrote the same folder, the second
+    report over the first; seed 003's zoo step (no --trainer, no rollout) keeps its folder."""
+    from batchfit.options import Rollout
+
+    target, name = parse_target("virtual:1GiB"), "grpo hf:qwen2.json"
+    plain = Rollout(prompt_len=16, new_tokens=8, group_size=4)
+    sampled = Rollout(prompt_len=16, new_tokens=8, group_size=4, sampling=(("temperature", 0.7), ("top_k", 50)))
+    folders = [common.report_folder(None, "estimate", name, target, StepOptions(), rollout=r) for r in (plain, sampled)]
+    assert folders[0] != folders[1]
+    assert all(str(f).startswith("reports/estimate-grpo_hf_qwen2.json-1GiB-rl-p16-c8-g4-") for f in folders)
+    assert common.report_folder(None, "estimate", name, target, StepOptions(), rollout=plain) == folders[0]
+    seed_003 = common.report_folder(None, "estimate", "grpo-gpt2-124m", parse_target("virtual:rtx4090-24gb"),
+                                    StepOptions())
+    assert seed_003 == Path("reports/estimate-grpo-gpt2-124m-rtx4090-24gb")
+
+
 @pytest.mark.parametrize("command,files", [("estimate", "estimate.json"), ("probe", "probe.json"),
                                            ("bench", "throughput.png")])
 def test_help_teaches_and_names_the_files(command, files):
@@ -190,3 +207,16 @@ def test_torchaos_import_notes_stay_off_the_terminal():
     err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stderr
     assert "Failed to load" not in err and "KernelPreference" not in err and "ScaleCalculationMode" not in err, err
     assert "another torchao warning" in err and "<class 'logging.Logger'> is an Enum subclass" in err  # not torchao's
+
+
+def test_plan_help_says_auto_sets_candidates_aside_by_a_bound():
+    """auto traces in the order of each candidate's tokens/s bound and leaves one below the best traced row as a
+    'not traced' row (docs/tracing/auto.md); the help said only 'at most 15 traced on 8'."""
+    import re
+
+    result = runner.invoke(app, ["plan", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    printed = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", result.output))
+    assert ("one whose bound is below the best traced row is a 'not traced' row with its bound and formula, never a "
+            "traced figure (docs/tracing/auto.md)") in printed
+    assert "15 traced on 8" not in printed

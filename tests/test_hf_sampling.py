@@ -4,6 +4,7 @@ generation peaks at a new token): ``tests/test_trl_grpo.py``'s slow truth, withi
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -45,6 +46,32 @@ def test_a_setting_batchfit_does_not_trace_is_refused_in_one_line():
     with pytest.raises(OptionError, match="num_beams=4 is not one batchfit traces") as error:
         Rollout(sampling=(("num_beams", 4),))
     assert "\n" not in str(error.value)
+
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"temperature": 0.0}, "temperature=0.0 would make transformers' generate refuse: give temperature > 0"),
+    ({"top_k": -1}, "top_k=-1 would make transformers' generate refuse: give top_k > 0"),
+    ({"repetition_penalty": 0}, "repetition_penalty=0 would make transformers' generate refuse"),
+    ({"generation_kwargs": {"min_p": 1.5}}, "min_p=1.5 would make transformers' generate refuse: give min_p in"),
+    ({"temperature": "hot"}, "temperature='hot' is not a number"),
+    ({"top_k": 2.5}, "top_k=2.5 is not an integer"),
+])
+def test_a_sampling_value_generate_refuses_is_refused_before_the_trace(fields, says):
+    """transformers' processors raise on these in the middle of the traced step (temperature 0: "has to be a strictly
+    positive float"; repetition_penalty 0 as `penalty`); the mapping says which field, in one line, before."""
+    with pytest.raises(OptionError, match=re.escape(says)) as error:
+        from_training_arguments({**GRPO, **fields}, check_fields=False)
+    assert "\n" not in str(error.value)
+
+
+def test_sampling_values_are_typed_as_the_processors_take_them():
+    """A JSON 2 for a float setting is 2.0 (RepetitionPenaltyLogitsProcessor refuses the int 2), a 5.0 for top_k is
+    5; null is unset, and a value at which generate adds no processor is never refused (top_p 1.5: none)."""
+    args = {**GRPO, "temperature": 2, "repetition_penalty": 2, "top_k": 5.0, "min_p": None, "top_p": 1.5}
+    sampling = from_training_arguments(args, check_fields=False).rollout.sampling
+    assert sampling == (("repetition_penalty", 2.0), ("temperature", 2.0), ("top_k", 5))
+    assert [type(value) for _, value in sampling] == [float, float, int]
 
 
 R, P, V, N = 4, 8, 1024, 3

@@ -122,3 +122,32 @@ def test_an_interrupted_report_leaves_the_previous_one_whole(fp16_estimate, tmp_
     with pytest.raises(KeyboardInterrupt):
         write_estimate_report(fp16_estimate, tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_how_an_rl_steps_generation_loop_was_had_reads_the_right_way_round():
+    """The warm-up step's loop is traced and the measured step's written from its record (docs/tracing/generation.md),
+    not the other way round; the note points at that page."""
+    from types import SimpleNamespace
+
+    from batchfit.report.markdown import _written_note
+
+    written = {"traced": [8, 16, 96], "repeated": [8, 16, 96], "line": [64, 88], "checked_at": [96]}
+    note = _written_note(SimpleNamespace(written_generation=written))
+    assert ("the generation loop traced at batch sizes 8, 16, 96, each measured step's loop written again from its "
+            "warm-up step's record") in note
+    assert "at 64, 88 written from the line" in note and note.endswith("(docs/tracing/generation.md)")
+    assert _written_note(SimpleNamespace(written_generation=None)) == ""
+
+
+def test_an_empty_reserved_cell_is_explained_only_where_one_is_shown():
+    from types import SimpleNamespace
+
+    from batchfit.report.markdown import _unreplayed_note
+
+    point = lambda reserved, oom=None: SimpleNamespace(peak_reserved_bytes=reserved, reserved_oom=oom)  # noqa: E731
+    seed_003 = SimpleNamespace(limit="reserved", points=[point(None), point(2**30), point(None, "CUDA out of memory")])
+    assert "not replayed through the allocator model" in _unreplayed_note(seed_003)[1]
+    every_size_replayed = SimpleNamespace(limit="reserved", points=[point(2**30), point(None, "CUDA out of memory")])
+    assert _unreplayed_note(every_size_replayed) == []
+    allocated = _unreplayed_note(SimpleNamespace(limit="allocated", points=[point(None)]))
+    assert "(what had to fit is allocated memory)" in allocated[1]

@@ -59,6 +59,10 @@ def test_curve_is_the_envelope_of_the_phases():
     assert curve.max_batch_size(4000) == 0  # the optimizer step alone does not fit
     pieces = curve.pieces(100)
     assert [p["phase"] for p in pieces] == ["optimizer", "backward"] and pieces[1]["from_batch"] == 40
+    # an RL step runs multiples of its group: the pieces start at 8 and step by it (backward passes 5000 at 40)
+    grouped = curve.pieces(100, multiple_of=8)
+    assert [(p["phase"], p["from_batch"], p["to_batch"]) for p in grouped] == [("optimizer", 8, 32),
+                                                                                ("backward", 40, 96)]
 
 
 POLICY_CALLS = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import re
@@ -305,11 +306,13 @@ def check_outputs(json_path: str | None, out: Path | None, *files: tuple[str, Pa
 
 
 def report_folder(out: Path | None, command: str, workload: str, target: Target, options: StepOptions,
-                  seq_len: int | None = None) -> Path:
+                  seq_len: int | None = None, rollout=None) -> Path:
     """--out, or reports/<command>-<model>-<device>[-<what differs from the defaults>]/.
 
     Runs that differ only in options get their own folder (an fp16-mixed run does not
     overwrite the fp32 one); the device is named as typed (``24GiB``, ``t4-16gb``, ``cuda``).
+    So do two --trainer GRPOConfigs of one model (``rollout``: its lengths and group, then a digest of
+    every setting, sampling included).
     """
     if out is not None:
         return out
@@ -338,6 +341,9 @@ def report_folder(out: Path | None, command: str, workload: str, target: Target,
         parts.append("freeze-" + "+".join(options.frozen))
     if options.trainable:
         parts.append("train-" + "+".join(options.trainable))
+    if rollout is not None:
+        digest = hashlib.sha256(repr(rollout).encode()).hexdigest()[:8]
+        parts.append(f"rl-p{rollout.prompt_len}-c{rollout.new_tokens}-g{rollout.group_size}-{digest}")
     return Path("reports") / re.sub(r"[^A-Za-z0-9_.+-]+", "_", "-".join(parts))
 
 

@@ -171,7 +171,7 @@ def estimate_command(
         else:
             result = estimate_run(lambda n: load_workload(model, seq_len=n), lengths, config.run, config.request,
                                   **engine, progress=say)
-    folder = report_folder(out, "estimate", result.workload, config.target, options, seq_len)
+    folder = report_folder(out, "estimate", result.workload, config.target, options, seq_len, rollout)
     # GRPO: the answer is the update's batch at the args' steps_per_generation; a split for the same global
     # batch would change the generation batch (TRL's default follows gradient_accumulation_steps), never traced
     fitted = run_answer(door, result) if door is not None and rollout is None else None

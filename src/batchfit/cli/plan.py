@@ -100,9 +100,12 @@ def plan_command(
                                                  "pp<N>[+any of these] (pipeline stages: pp4+fsdp, "
                                                  "pp2+fsdp+tp2); or auto: every combination of plan/candidates.py's "
                                                  "rules (the 5 above, hsdp<R>, tp within a node, pp<N>+fsdp[+tp] when "
-                                                 "the layers split), ranked by tokens/s: at most 7 traced on 2 GPUs, "
-                                                 "11 on 4, 15 on 8, 17 on 64 (those that cannot apply are listed, not "
-                                                 "traced); a list traces only those.")]
+                                                 "the layers split), ranked by tokens/s: at most 7 candidates on 2 "
+                                                 "GPUs, 11 on 4, 15 on 8, 17 on 64 (those that cannot apply are "
+                                                 "listed, not traced), traced highest tokens/s bound first; one whose "
+                                                 "bound is below the best traced row is a 'not traced' row with its "
+                                                 "bound and formula, never a traced figure (docs/tracing/auto.md); a "
+                                                 "list traces all of its strategies.")]
     = DEFAULT_STRATEGIES,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step over all GPUs; the plan picks "
                                                           "micro-batch x accumulation to reach it.")] = None,

@@ -169,7 +169,7 @@ class EstimateResult(SizedForTarget):
             "params": self.params,
             "trainable_params": self.trainable_params,
             "points": [{**p.to_json(), "fits": self.fits(p), **self._run_json(p.batch_size)} for p in self.points],
-            "fit": self.curve.to_json(max(best, max(p.batch_size for p in self.points))),
+            "fit": self.curve.to_json(max(best, max(p.batch_size for p in self.points)), self.multiple_of),
             "target_util": self.target_util,
             "multiple_of": self.multiple_of,
             "capacity_bytes": self.capacity_bytes,

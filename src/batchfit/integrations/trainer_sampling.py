@@ -43,13 +43,46 @@ def generation_kwargs(data: Mapping) -> dict:
     return dict(value)
 
 
+INTEGER_SETTINGS = ("top_k", "min_length", "min_new_tokens")
+"""The sampling settings transformers' processors take as integers; the others are floats."""
+
+VALID = {"temperature": (lambda v: v > 0, "> 0 (1.0, TRL's default, samples unchanged; TRL always samples)"),
+         "top_k": (lambda v: v > 0, "> 0 (0 or null: no top-k)"),
+         "top_p": (lambda v: 0 <= v <= 1, "in [0, 1] (1.0: no top-p)"),
+         "min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (null: no min-p)"),
+         "repetition_penalty": (lambda v: v > 0, "> 0 (1.0: no penalty)"),
+         "typical_p": (lambda v: 0 < v <= 1, "in (0, 1] (1.0: no typical-p)"),
+         "min_length": (lambda v: v >= 0, ">= 0"),
+         "min_new_tokens": (lambda v: v >= 0, ">= 0")}
+"""What each setting's processor accepts where generate adds it (transformers 5's constructors raise otherwise, in
+the middle of the traced step); epsilon_cutoff and eta_cutoff add one only inside (0, 1), so none is refused."""
+
+
+def checked(name: str, value: object) -> int | float:
+    """``value`` of the sampling setting ``name`` as its processor takes it (a JSON 2 for a float setting is 2.0,
+    a 50.0 for top_k is 50), or one line saying what to give instead: refused before any trace, not as the traced
+    step's failure."""
+    whole = isinstance(value, float) and value.is_integer()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (name in INTEGER_SETTINGS and
+                                                                          isinstance(value, float) and not whole):
+        kind = "an integer" if name in INTEGER_SETTINGS else "a number"
+        raise OptionError(f"the trainer args' sampling setting {name}={value!r} is not {kind}: give {kind} "
+                          f"{VALID[name][1] if name in VALID else ''}".rstrip())
+    typed = int(value) if name in INTEGER_SETTINGS else float(value)
+    rule = VALID.get(name)
+    if rule and adds_logits_processor(name, typed) and not rule[0](typed):
+        raise OptionError(f"the trainer args' sampling setting {name}={value!r} would make transformers' generate "
+                          f"refuse: give {name} {rule[1]}")
+    return typed
+
+
 def sampling(data: Mapping) -> Sampling:
-    """The settings of ``data`` (a GRPOConfig as a dict) that add a logits processor to generation."""
+    """The settings of ``data`` (a GRPOConfig as a dict) that add a logits processor to generation (null: unset)."""
     extra = generation_kwargs(data)
     merged = {name: data[name] for name in TRL_SAMPLING_FIELDS if name in data}
     merged.update({name: value for name, value in extra.items() if name in SAMPLING_SETTINGS})
-    active = {name: value for name, value in merged.items() if isinstance(value, (int, float))
-              and not isinstance(value, bool) and adds_logits_processor(name, value)}
+    typed = {name: checked(name, value) for name, value in merged.items() if value is not None}
+    active = {name: value for name, value in typed.items() if adds_logits_processor(name, value)}
     return Sampling(settings=tuple((name, active[name]) for name in SAMPLING_SETTINGS if name in active),
                     from_fields=[n for n in TRL_SAMPLING_FIELDS if n in active and n not in extra],
                     from_kwargs=[n for n in extra if n in active],

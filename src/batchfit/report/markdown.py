@@ -54,11 +54,22 @@ def _written_note(r) -> str:
     sizes = lambda kind: ", ".join(map(str, w[kind]))  # noqa: E731
     note = f"; the generation loop traced at batch sizes {sizes('traced')}"
     if w["repeated"]:
-        note += ", its allocations written again for the warm-up step before each measured one"
+        note += ", each measured step's loop written again from its warm-up step's record (the same shapes)"
     if w["line"]:
         note += (f"; at {sizes('line')} written from the line through the first two traced sizes (each allocation's "
                  f"size is affine in the rows; checked event for event at {sizes('checked_at')})")
-    return note
+    return note + " (docs/tracing/generation.md)"
+
+
+def _unreplayed_note(r) -> list[str]:
+    """Why a row's reserved cell is empty: the search replays through the allocator model only the sizes that decide
+    the answer (``search.curve_search``), so a reader does not take "—" for a size that could not reserve."""
+    if all(p.peak_reserved_bytes is not None or p.reserved_oom for p in r.points):
+        return []
+    if r.limit != "reserved":
+        return ["", "Reserved \"—\": not replayed through the allocator model (what had to fit is allocated memory)."]
+    return ["", "Reserved \"—\": not replayed through the allocator model; only the sizes that decide the answer are "
+            "(a size that cannot reserve says so under fits)."]
 
 
 def approximation_lines(result) -> list[str]:
@@ -155,13 +166,14 @@ def estimate_markdown(result, plot_name: str = "memory.png") -> str:
         lines.append(f"| {p.batch_size} | {gib(p.peak_bytes)} | {gib(p.peak_reserved_bytes)} | {r.fits(p)} | "
                      f"{p.phase} | "
                      + " | ".join(gib(p.breakdown.get(k, 0)) for k in kinds) + " |")
+    lines += _unreplayed_note(r)
     refused = [p for p in r.points if p.reserved_oom]
     if refused:
         lines += ["", "## Where the allocator model runs out", "",
                   "Allocated memory fits at these sizes, but the caching allocator cannot reserve a segment "
                   "for a request (its message, as a GPU's `torch.OutOfMemoryError` would say it):", ""]
         lines += [f"- batch {p.batch_size}: {p.reserved_oom}" for p in refused]
-    fit = r.curve.to_json(max(best, r.points[-1].batch_size))
+    fit = r.curve.to_json(max(best, r.points[-1].batch_size), r.multiple_of)
     lines += ["", "## Memory curve (allocated)", "",
               "Each phase's peak is a line in the batch size; the step's peak is the largest of them, "
               "so the curve is made of pieces, each where one phase dominates:", "",

@@ -75,10 +75,11 @@ class MemoryCurve:
             return 1 << 30  # nothing grows with the batch: any batch fits
         return max(int(best // multiple_of) * multiple_of, 0)
 
-    def pieces(self, up_to_batch: int) -> list[dict]:
-        """The envelope as segments [from_batch, to_batch] with the phase that dominates each."""
+    def pieces(self, up_to_batch: int, multiple_of: int = 1) -> list[dict]:
+        """The envelope as segments [from_batch, to_batch] with the phase that dominates each, over the batch sizes
+        the step can run (multiples of ``multiple_of``: an RL step's group; seed 003's piece '1-4' was no size)."""
         out: list[dict] = []
-        for batch in range(1, max(up_to_batch, 1) + 1):
+        for batch in range(multiple_of, max(up_to_batch, multiple_of) + 1, multiple_of):
             line = self.dominant(batch)
             if out and out[-1]["phase"] == line.phase:
                 out[-1]["to_batch"] = batch
@@ -88,14 +89,14 @@ class MemoryCurve:
                             "bytes_per_sample": round(line.bytes_per_sample)})
         return out
 
-    def to_json(self, up_to_batch: int) -> dict:
+    def to_json(self, up_to_batch: int, multiple_of: int = 1) -> dict:
         steepest = max(self.lines, key=lambda line: line.bytes_per_sample)
         return {
             "model": "peak(b) = max over phases of fixed_bytes + bytes_per_sample * b",
             "fixed_bytes": round(steepest.fixed_bytes),
             "bytes_per_sample": round(steepest.bytes_per_sample),
             "lines": [asdict(line) for line in self.lines],
-            "pieces": self.pieces(up_to_batch),
+            "pieces": self.pieces(up_to_batch, multiple_of),
         }
 
 
