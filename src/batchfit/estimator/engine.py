@@ -79,8 +79,9 @@ class EstimateResult(SizedForTarget):
     streams were written from the depths' streams (``trace/stream.py``)."""
     written_generation: dict | None = None
     """Where an RL step's generation loop was written instead of run (``trace/written.py``): the batch
-    sizes it was traced at, written again at (the warm-up step's, repeated) and written from the line
-    through two traced sizes at, and where that line was checked; None where it ran at every size."""
+    sizes it was traced at, written again at (``repeated``: the measured step's, from the warm-up step's
+    record), written from the line through two traced sizes at (``line``), and where that line was
+    checked; None where it ran at every size."""
     known_limits: list[str] = field(default_factory=list)
     """What this model runs that the trace does not mirror (beyond docs/tracing/known-limits.md's list)."""
     approximations: list[Approximation] = field(default_factory=list)
