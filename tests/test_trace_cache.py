@@ -229,3 +229,14 @@ def test_a_repeating_stack_read_from_the_cache_builds_the_whole_model_only():
         assert again._shallow == [] and again._forked is None and again._full is again._first
     assert [m for m in said if m.startswith(("building", "tracing"))] == [
         "building grpo-gpt2-124m on fake tensors", "tracing batch size 16"]
+
+
+def test_an_empty_batchfit_cache_is_the_default_not_the_working_directory(monkeypatch, tmp_path):
+    # `BATCHFIT_CACHE=$d batchfit ...` with d unset once left a traces/ folder in a checkout
+    from batchfit.trace.cache import cache_root
+
+    monkeypatch.setenv("BATCHFIT_CACHE", "")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_root() == tmp_path / ".cache" / "batchfit"
+    monkeypatch.setenv("BATCHFIT_CACHE", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"

@@ -46,8 +46,9 @@ _STALE_TMP_S = 3600
 
 def cache_root() -> Path:
     """Where batchfit keeps what it computed once (traces here, tokens in ``runs/data.py``):
-    $BATCHFIT_CACHE, else ~/.cache/batchfit."""
-    return Path(os.environ.get("BATCHFIT_CACHE", Path.home() / ".cache" / "batchfit"))
+    $BATCHFIT_CACHE, else (unset or empty: ``BATCHFIT_CACHE=$d`` with ``d`` unset) ~/.cache/batchfit, not
+    the working directory."""
+    return Path(os.environ.get("BATCHFIT_CACHE", "").strip() or Path.home() / ".cache" / "batchfit")
 
 
 def traces_dir() -> Path:
