@@ -106,3 +106,15 @@ def test_sampling_holds_what_generate_holds_between_two_tokens():
     small = 256 + 256 + 320 + 352 + 352 + 32 + 32 + 32 + 32 + 8 + 8
     assert sampled_peak(()) == 4 * ROW_BYTES + small == 67_216
     assert sampled_peak((("temperature", 0.7),)) == 5 * ROW_BYTES + small
+
+
+def test_beams_or_more_sequences_per_completion_are_refused_in_one_line():
+    # each beam (or returned sequence) holds its own cache: traced as one, the generation would read too low
+    from batchfit.errors import OptionError
+    from batchfit.integrations.trainer_sampling import sampling
+
+    for name in ("num_beams", "num_return_sequences"):
+        with pytest.raises(OptionError, match=f"generation_kwargs {name}=4 is not traced.*drop {name}"):
+            sampling({"generation_kwargs": {name: 4}})
+    assert sampling({"generation_kwargs": {"num_beams": 1, "do_sample": True}}).kwargs_not_read == [
+        "num_beams", "do_sample"]

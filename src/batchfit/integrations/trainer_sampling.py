@@ -43,6 +43,10 @@ def generation_kwargs(data: Mapping) -> dict:
     return dict(value)
 
 
+MULTIPLYING = ("num_beams", "num_return_sequences")
+"""generation_kwargs that multiply what generate holds per completion (beams, or several sequences per prompt on
+top of TRL's num_generations): refused, since the trace generates one sequence per row."""
+
 INTEGER_SETTINGS = ("top_k", "min_length", "min_new_tokens")
 """The sampling settings transformers' processors take as integers; the others are floats."""
 
@@ -79,6 +83,11 @@ def checked(name: str, value: object) -> int | float:
 def sampling(data: Mapping) -> Sampling:
     """The settings of ``data`` (a GRPOConfig as a dict) that add a logits processor to generation (null: unset)."""
     extra = generation_kwargs(data)
+    for name in MULTIPLYING:
+        if isinstance(extra.get(name), (int, float)) and not isinstance(extra[name], bool) and extra[name] > 1:
+            raise OptionError(f"generation_kwargs {name}={extra[name]!r} is not traced: generate would hold "
+                              f"{extra[name]} sequences (each with its cache) per completion, where the trace holds "
+                              f"one, a figure too low; drop {name}")
     merged = {name: data[name] for name in TRL_SAMPLING_FIELDS if name in data}
     merged.update({name: value for name, value in extra.items() if name in SAMPLING_SETTINGS})
     typed = {name: checked(name, value) for name, value in merged.items() if value is not None}
