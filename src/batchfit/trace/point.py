@@ -418,8 +418,9 @@ class TracedCurve:
         if found is None:  # not traced by depth, or not affine in depth: the whole model
             traced, events = self._from_cache(f"whole-{batch_size}-{warmth}",
                                               lambda: self._trace_whole(batch_size, fresh))
-            self._loops[batch_size] = self._from_cache(f"loop-{batch_size}-{warmth}",
-                                                       lambda: self._loop_at(batch_size))
+            if self.workload.generate is not None:  # only a step that generates has a loop to say of
+                self._loops[batch_size] = self._from_cache(f"loop-{batch_size}-{warmth}",
+                                                           lambda: self._loop_at(batch_size))
             found = allocated_point(traced, workspace)
             if fresh:
                 self._whole_streams[batch_size] = events
@@ -498,12 +499,9 @@ class TracedCurve:
         """How each traced size's generation loop was had, where one was written instead of run (the
         shape of ``WrittenCalls.summary``, over this curve's sizes, cached ones too); None where none was."""
         loops = {b: self._loops[b] for b in self.points if self._loops.get(b)}
-        if not any({"repeated", "line"} & set(loop["how"]) for loop in loops.values()):
-            return None
-        sizes = lambda kind: sorted(b for b, loop in loops.items() if kind in loop["how"])  # noqa: E731
-        checked = {c for loop in loops.values() if "line" in loop["how"] for c in loop["checked_at"]}
-        return {"traced": sizes("traced"), "repeated": sizes("repeated"), "line": sizes("line"),
-                "checked_at": sorted(checked)}
+        found = written.summary({b: loop["how"] for b, loop in loops.items()},
+                                [c for loop in loops.values() if "line" in loop["how"] for c in loop["checked_at"]])
+        return found if found["repeated"] or found["line"] else None
 
     def _open_for_whole(self) -> None:
         """Open what a whole-model trace needs: where the traces read from the cache showed the stack

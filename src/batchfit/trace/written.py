@@ -22,7 +22,7 @@ the host, leaves alive anything but the tensor it returns) is never written: it 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -60,10 +60,16 @@ class WrittenCalls:
 
     def summary(self) -> dict:
         """For the result's JSON: which sizes' generation was traced, written again, or written from the line."""
-        def sizes(kind: str) -> list[int]:
-            return sorted(rows for rows, kinds in self.how.items() if kind in kinds)
-        return {"traced": sizes("traced"), "repeated": sizes("repeated"), "line": sizes("line"),
-                "checked_at": sorted(self.checked_at)}
+        return summary(self.how, self.checked_at)
+
+
+def summary(how: Mapping[int, Iterable[str]], checked_at: Iterable[int]) -> dict:
+    """``{"traced", "repeated", "line": batch sizes, "checked_at": sizes that checked the line}`` from each
+    size's kinds (``WrittenCalls.how``): estimate's ``written_generation``."""
+    def sizes(kind: str) -> list[int]:
+        return sorted(rows for rows, kinds in how.items() if kind in kinds)
+    return {"traced": sizes("traced"), "repeated": sizes("repeated"), "line": sizes("line"),
+            "checked_at": sorted(set(checked_at))}
 
 
 def written_call(tracker, key: Hashable, rows: int, device: torch.device,
