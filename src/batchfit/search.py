@@ -408,10 +408,12 @@ def reserved_guess(curve, trials: list[Trial], limit_bytes: int, multiple_of: in
     1.1625 at 2060): the largest size's, once a nearer one had failed, put the answer at 2060 again
     and again, each time clamped one micro-batch lower (2058, 2056)."""
 
+    replays = _replays(curve)
+
     def demand(batch_size: int) -> float | None:
         """What the step at ``batch_size`` reserves, or would have to (its reserved peak; when
         the allocator model ran out, what it held and asked for, scaled to the step's peak)."""
-        point = curve.points.get(batch_size)
+        point = replays.get(batch_size)
         if point is None or point.reserved_ratio is None:
             return None
         return point.peak_reserved_bytes if point.reserved_oom is None else point.reserved_ratio * point.peak_bytes
@@ -425,13 +427,19 @@ def reserved_guess(curve, trials: list[Trial], limit_bytes: int, multiple_of: in
         if r_fail > r_fit:
             return int(b_fit + (limit_bytes - r_fit) * (b_fail - b_fit) / (r_fail - r_fit))
     replayed = [(b, ok) for b, ok, _ in known] or [
-        (b, reserved_fits(curve.points[b], limit_bytes)) for b in curve.points if demand(b) is not None]
+        (b, reserved_fits(replays[b], limit_bytes)) for b in replays if demand(b) is not None]
     if not replayed:
         return None
     nearest = min((b for b, ok in replayed if not ok), default=max(b for b, _ in replayed))
     # reserved over the curve's own peak there: the curve is what limit / ratio is solved on
-    return curve.curve().max_batch_size(limit_bytes * curve.points[nearest].peak_bytes / demand(nearest),
+    return curve.curve().max_batch_size(limit_bytes * replays[nearest].peak_bytes / demand(nearest),
                                         multiple_of)
+
+
+def _replays(curve) -> dict:
+    """The sizes a search can read a replay of: the traced points, and (plan's curve) the sizes replayed
+    alone from a stream written by a line (``plan.curve.ReplayedSize``; a traced point wins)."""
+    return {**getattr(curve, "replayed_only", {}), **curve.points}
 
 
 def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, multiple_of: int) -> SearchResult:
@@ -446,15 +454,17 @@ def reserved_search(curve, found: SearchResult, limit_bytes: int, *, lo: int, mu
         return Trial(batch_size, "ok" if reserved_fits(point, limit_bytes) else "oom",
                      peak_allocated_bytes=point.peak_bytes, peak_reserved_bytes=point.peak_reserved_bytes)
 
+    probe = getattr(curve, "reserved_probe", curve.reserved)  # plan's: a size replayed alone, from a written stream
+
     def reserved_probe(batch_size: int) -> Trial:
-        return reserved_trial(batch_size, curve.reserved(batch_size))
+        return reserved_trial(batch_size, probe(batch_size))
 
     def predict(trials: list[Trial]) -> int:
         guess = reserved_guess(curve, trials, limit_bytes, multiple_of)
         return found.max_batch_size if guess is None else guess
 
     above = [Trial(found.next_size, "oom")] if found.next_size else []  # fails allocated: fails reserved
-    replayed = [reserved_trial(b, p) for b, p in curve.points.items()  # from the search of another limit
+    replayed = [reserved_trial(b, p) for b, p in _replays(curve).items()  # from the search of another limit
                 if p.reserved_ratio is not None and lo <= b <= found.max_batch_size]
     result = guided(reserved_probe, predict, lo=lo, hi=found.max_batch_size, multiple_of=multiple_of,
                     known=above + replayed)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from batchfit.trace import depth, stream
+from batchfit.trace.stream_line import StreamLine
 
 if TYPE_CHECKING:
     from batchfit.plan.sharded import Collective, ShardedPoint, Strategy
@@ -97,9 +98,13 @@ class DeepSession:
         """Local batches traced whole although the model was cut (not regular in depth there)."""
         self._depths: list = []
         self._whole = None
-        self._first_fresh: tuple[int, list[tuple[list, tuple[int, ...], dict]]] | None = None
+        self._first_fresh: tuple[int, list[tuple[list, tuple[int, ...], dict]] | None] | None = None
         """(local batch, each depth's fresh stream and step starts): the depth sessions' first
-        trace is a fresh process's, which a reserved replay at that size reuses."""
+        trace is a fresh process's, which a reserved replay at that size reuses; (local batch, None)
+        where the whole model's session traced first (its own ``fresh_stream``)."""
+        self.line = StreamLine()
+        """The fresh full-depth streams replayed so far, and the line through them that writes others
+        (``trace/stream_line.py``): a reserved probe between checked sizes traces nothing."""
         self._fresh_points: dict[int, ShardedPoint] = {}
         """Points a reserved replay traced, fresh, before the size was traced here (and where
         a fresh point is the steady one: no DDP bucket rebuild in it): :meth:`trace` takes them."""
@@ -134,7 +139,10 @@ class DeepSession:
             self.whole_traces.append(local_batch)
         if self._whole is None:
             self._whole = self._open(self.workload)
-        return self._whole.trace(local_batch)
+        found = self._whole.trace(local_batch)
+        if self._first_fresh is None and getattr(self._whole, "fresh_stream", None) is not None:
+            self._first_fresh = (local_batch, None)  # the whole model's first trace: a fresh process too
+        return found
 
     def reserved(self, local_batch: int):
         """Rank 0's reserved peak at ``local_batch`` (a ``plan.reserved.ReservedReplay``): the
@@ -142,9 +150,24 @@ class DeepSession:
         what the allocator model starts from), replayed step by step. For a cut model the full
         depth's stream is written from the three depths' (``trace/stream.py``, as ``estimate``
         does: checked event for event against the traced depths) and each step's start is on
-        the line through theirs; where it cannot be, the whole model is traced."""
+        the line through theirs; where it cannot be, the whole model is traced. Between batch
+        sizes whose streams lie on one checked line, the stream is written from it
+        (``trace/stream_line.py``; the replay says ``written``, and no point is traced for it)."""
         from batchfit.plan.reserved import replay_steps
 
+        written = self.line.at(local_batch)
+        if written is not None:
+            events, starts, streams = written
+            return replay_steps(events, starts, self.device, streams, written=True)
+        found = self._traced_stream(local_batch)
+        self.line.add(local_batch, found)
+        self._seed_line(local_batch)
+        events, starts, streams = found
+        return replay_steps(events, starts, self.device, streams)
+
+    def _traced_stream(self, local_batch: int) -> tuple[list, tuple[int, ...], dict]:
+        """A fresh process's stream at ``local_batch``: written from the depths' where they are regular,
+        else the whole model traced (fresh sessions either way)."""
         # once the depths' streams were not regular, they will not be at another size either
         found = self._extended(local_batch) if self._depths and not self.whole_reserved else None
         if found is None:
@@ -152,8 +175,25 @@ class DeepSession:
             points = []
             found = self._fresh(self.workload, local_batch, points)
             self._keep_fresh(local_batch, points[0], found[1])
-        events, starts, streams = found
-        return replay_steps(events, starts, self.device, streams)
+        return found
+
+    def _seed_line(self, local_batch: int) -> None:
+        """After the first stream traced for a replay, at a size above 2: one at a small size, the line's
+        other end, so that the probes after the next are written. The depth sessions' own first trace
+        (size 1, no tracing) where its events are the size's; else a fresh trace at 2 (at 1 a copy of a
+        tensor whose batch dimension is 1 can be a view: Llama-3.1-70B under fsdp+cp8 has 4 fewer events)."""
+        if len(self.line.traced) != 1 or local_batch <= 2:
+            return
+        if self._first_fresh is not None and self._first_fresh[0] < local_batch:
+            first, depths = self._first_fresh
+            if depths is None:  # the whole model's session
+                found = self._whole.fresh_stream, self._whole.fresh_steps, _side_streams(self._whole)
+            else:
+                found = None if self.whole_reserved else self._extended(first)
+            if found is not None:
+                self.line.add(first, found)
+        if self.line.alike(local_batch) < 2:
+            self.line.add(2, self._traced_stream(2))
 
     def _keep_fresh(self, local_batch: int, point: ShardedPoint, steps: tuple[int, ...]) -> None:
         """A fresh process's second step is the steady one but under DDP (its bucket rebuild, a third
@@ -169,7 +209,7 @@ class DeepSession:
             return session.fresh_stream, session.fresh_steps, _side_streams(session)
 
     def _extended(self, local_batch: int) -> tuple[list, tuple[int, ...], dict] | None:
-        if self._first_fresh is not None and self._first_fresh[0] == local_batch:
+        if self._first_fresh is not None and self._first_fresh[0] == local_batch and self._first_fresh[1] is not None:
             traced = self._first_fresh[1]  # the depth sessions' own first trace was this fresh process
         else:
             seen, points = depth.Depth(), []

@@ -37,6 +37,7 @@ from batchfit.distributed.parallelisms import runs_experts
 from batchfit.distributed.strategy_name import FSDP_SHARDS, field_degrees
 from batchfit.errors import OptionError
 from batchfit.plan import by_bound, workers
+from batchfit.plan.curve import PointSession, ShardedCurve  # noqa: F401 - the API's names
 from batchfit.plan.derived import SharedTraces
 from batchfit.plan.derived import jobs as derived_jobs
 from batchfit.plan.request import DEFAULT_STRATEGIES, PlanRequest  # noqa: F401 - the API's names
@@ -45,97 +46,16 @@ from batchfit.plan.row_cache import row_cache
 from batchfit.plan.time_model import TimeModel, step_time
 from batchfit.plan.world import CHINCHILLA_TOKENS_PER_PARAM, World, parse_tokens
 from batchfit.search import (
-    SearchResult,
     _check_limit,
     check_search_options,
     choose_micro,
-    curve_search,
     micro_candidates,
     trace_first_sizes,
 )
 from batchfit.targets import bytes_at_target
-from batchfit.trace.curve import MemoryCurve, envelope
 from batchfit.workload import StepOptions, Workload
 
 SECONDS_PER_DAY = 86400
-
-class PointSession:
-    """A session over a tracer of one point at a time: ``trace(workload, options, device,
-    strategy, local_batch)`` (a stand-in, or a caller's own), and ``replay`` of the same
-    arguments for the reserved peak (a ``plan.reserved.ReservedReplay``), when given."""
-
-    def __init__(self, trace: Callable, workload: Workload, options: StepOptions, device: Device, strategy, *,
-                 replay: Callable | None = None) -> None:
-        self.trace = lambda local_batch: trace(workload, options, device, strategy, local_batch)
-        if replay is not None:
-            self.reserved = lambda local_batch: replay(workload, options, device, strategy, local_batch)
-
-    def close(self) -> None:
-        pass
-
-
-class ShardedCurve:
-    """One strategy's step traced at local batch sizes on demand (each size once), with
-    ``estimate``'s fit and confirmation on top."""
-
-    def __init__(self, trace_point: Callable[[int], object], workspace_bytes: int,
-                 say: Callable[[str], None], replay: Callable[[int], object] | None = None,
-                 replay_first: bool = False, known: Callable[[int, bool], bool] | None = None) -> None:
-        self._trace, self._workspace, self._say, self._replay = trace_point, workspace_bytes, say, replay
-        self._replay_first = replay_first
-        """Replay a size not traced yet before tracing it: the replay's fresh trace gives its
-        point too (``DeepSession.replay_gives_point``), one trace of the size instead of two."""
-        self._known = known or (lambda local_batch, reserved: False)
-        """Whether a size (its trace, or with ``reserved`` its replay) costs nothing here: a row
-        derived from another's traces reads them without a progress line."""
-        self.points: dict[int, PlanPoint] = {}
-        self.first = None
-        """The first ShardedPoint traced (its parameter counts)."""
-
-    def point(self, local_batch: int) -> PlanPoint:
-        if local_batch not in self.points:
-            if not self._known(local_batch, False):
-                self._say(f"local batch {local_batch}")
-            traced = self._trace(local_batch)
-            self.first = self.first or traced
-            self.points[local_batch] = plan_point(traced, self._workspace)
-        return self.points[local_batch]
-
-    def reserved(self, local_batch: int) -> PlanPoint:
-        """The point with its reserved peak: rank 0's fresh process replayed through the
-        allocator model (``plan/reserved.py``), once per size. A size not traced yet is
-        replayed first where the replay's fresh trace gives its point too (``replay_first``)."""
-        if self._replay is None:
-            self.point(local_batch)
-            raise OptionError("this tracer cannot replay reserved memory: use `limit` allocated")
-        replayed = None
-        if self._replay_first and local_batch not in self.points:
-            self._say(f"local batch {local_batch}: reserved memory (allocator model)")
-            replayed = self._replay(local_batch)
-        point = self.point(local_batch)
-        if point.reserved is None:
-            if replayed is None:
-                if not self._known(local_batch, True):
-                    self._say(f"local batch {local_batch}: reserved memory (allocator model)")
-                replayed = self._replay(local_batch)
-            point.reserved = replayed
-        return point
-
-    def curve(self) -> MemoryCurve:
-        """``estimate``'s fit: the upper envelope of one line per phase (under pp<N>, per pipeline
-        rank too) through the two largest sizes traced (``trace.curve.envelope``), each fixed (the
-        rank's shards of parameters, gradients, optimizer state) plus per sample."""
-        return envelope({b: p.curve_peaks for b, p in self.points.items()})
-
-    def max_batch(self, limit_bytes: int, *, lo: int, hi: int, multiple_of: int,
-                  reserved: bool = False, host_limit_bytes: int | None = None) -> SearchResult:
-        """The largest multiple of ``multiple_of`` in [lo, hi] whose traced peak (reserved with
-        ``reserved``, searched at or below the allocated answer) is under ``limit_bytes`` (and whose
-        offloaded host bytes are under ``host_limit_bytes``, when given): ``search.curve_search``,
-        estimate's search too."""
-        return curve_search(self, limit_bytes, lo=lo, hi=hi, multiple_of=multiple_of, reserved=reserved,
-                            host_limit_bytes=host_limit_bytes)
-
 
 def _validate(target_util: float, multiple_of: int, max_batch: int, batch_sizes: list[int] | None,
               global_batch: int | None, limit: str) -> None:
@@ -523,6 +443,9 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
                                           multiple_of=multiple_of, max_batch=max_batch, target_bytes=target_bytes,
                                           limit=limit, host_limit_bytes=host_limit_bytes)
                 plan_row.whole_reserved = list(getattr(session, "whole_reserved", []))
+                line = getattr(session, "line", None)
+                plan_row.reserved_written = line.summary() if line is not None and line.written else {}
+                plan_row.replayed_only = [curve.replayed_only[b] for b in sorted(curve.replayed_only)]
                 plan_row.pp_layers_per_stage = getattr(session, "layers_per_stage", 0)
                 plan_row.derived_from_gpus = world.gpus if is_derived else 0
                 plan_row.points = [curve.points[b] for b in sorted(curve.points)]
@@ -559,6 +482,8 @@ def _plan_strategy(base: dict, curve: ShardedCurve, strategy, world: World, work
                             capped=found.capped, params_per_rank=curve.first.params_per_rank, limit=limit,
                             tp_loss=getattr(curve.first, "tp_loss", None))
     if plan_row.fits:
+        if found.max_batch_size in curve.replayed_only:  # replayed from a written stream: its step is traced
+            curve.reserved(found.max_batch_size)         # for the time at the max local batch
         _choose_micro(plan_row, curve, target_bytes, global_batch, multiple_of)
         _time(plan_row, curve, strategy, world, device, options, time_model, workload)
     else:

@@ -44,6 +44,9 @@ class ReservedReplay:
     peak_reserved_by_step: tuple[int, ...]
     """Reserved at the end of each piece's own peak (reserved never shrinks unless the allocator
     frees its cache to retry)."""
+    written: bool = False
+    """The stream was written from the line through streams traced at other sizes
+    (``trace/stream_line.py``), not traced at this one."""
 
     @property
     def peak_step_name(self) -> str:
@@ -58,11 +61,12 @@ class ReservedReplay:
 
 
 def replay_steps(events: list[tuple[str, int, int]], starts: tuple[int, ...], device: Device,
-                 streams: Mapping[int, int] | None = None) -> ReservedReplay:
+                 streams: Mapping[int, int] | None = None, *, written: bool = False) -> ReservedReplay:
     """Replay ``events`` (a fresh process's stream) on ``device``'s allocator model; ``starts``
     are where each piece after the build begins (two, or three under DDP: ``ShardedSession.fresh_steps``);
     ``streams`` names the side stream of each malloc made on one (``MemoryTracker.streams``: FSDP2's
-    all-gather and reduce-scatter buffers), whose blocks the allocator keeps apart."""
+    all-gather and reduce-scatter buffers), whose blocks the allocator keeps apart; ``written``: the
+    stream was written from a line through traced ones (:attr:`ReservedReplay.written`)."""
     steps = DDP_STEPS if len(starts) == 3 else STEPS
     bounds = (0, *starts, len(events))
     allocator = new_allocator(device)
@@ -77,11 +81,11 @@ def replay_steps(events: list[tuple[str, int, int]], starts: tuple[int, ...], de
             needed = (error.reserved_bytes + error.segment_bytes) / (error.allocated_bytes + error.requested_bytes)
             return ReservedReplay(peak_reserved_bytes=None, reserved_oom=str(error), reserved_ratio=needed,
                                   peak_step=i, steps=steps, peak_allocated_by_step=tuple(allocated),
-                                  peak_reserved_by_step=tuple(reserved))
+                                  peak_reserved_by_step=tuple(reserved), written=written)
         allocated.append(stats.peak_allocated_bytes)
         reserved.append(stats.peak_reserved_bytes)
     peak = max(reserved)
     at = reserved.index(peak)
     return ReservedReplay(peak_reserved_bytes=peak, reserved_oom=None, reserved_ratio=peak / max(allocated),
                           peak_step=at, steps=steps, peak_allocated_by_step=tuple(allocated),
-                          peak_reserved_by_step=tuple(reserved))
+                          peak_reserved_by_step=tuple(reserved), written=written)

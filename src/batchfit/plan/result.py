@@ -122,6 +122,11 @@ class StrategyPlan:
     """Where rank 0's reserved peak at the micro-batch happens ('steady step', 'first step', ...)."""
     whole_reserved: list[int] = field(default_factory=list)
     """Local batches whose reserved stream needed the whole model traced (not written from depths)."""
+    reserved_written: dict = field(default_factory=dict)
+    """Local batches whose fresh stream was written from the line through traced ones, and those sizes
+    (``trace.stream_line.StreamLine.summary``); empty when every replayed stream was traced."""
+    replayed_only: list = field(default_factory=list)
+    """The written sizes whose step was not traced: their replays alone (``plan.curve.ReplayedSize``)."""
     above_target: bool = False
     """No micro-batch that reaches the global batch stays under the target: the smallest is used."""
     time: StepTime | None = None
@@ -207,7 +212,9 @@ class StrategyPlan:
             "accumulation_steps": self.accumulation_steps, "global_batch": self.global_batch,
             "peak_bytes_at_micro": self.peak_bytes_at_micro, "limit": self.limit,
             "peak_reserved_bytes_at_micro": self.peak_reserved_bytes_at_micro, "peak_step": self.peak_step,
-            "whole_reserved": self.whole_reserved, "above_target": self.above_target,
+            "whole_reserved": self.whole_reserved, "reserved_written": self.reserved_written,
+            "replayed_only": [{"local_batch": p.local_batch, **p.reserved.to_json()} for p in self.replayed_only],
+            "above_target": self.above_target,
             "host_reserved_bytes_at_micro": (self.point(self.micro_batch).host_reserved_bytes
                                              if self.point(self.micro_batch) else None),
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "samples_per_s": self.samples_per_s,

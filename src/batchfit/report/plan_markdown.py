@@ -179,6 +179,13 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
             lines.append(f"| {p.gpus} | {_named(p)} | {pt.local_batch} | {gib(pt.peak_bytes)} | {reserved} | "
                          f"{replayed.peak_step_name if replayed else '—'} | {'yes' if fits else 'no'} | "
                          + " | ".join(gib(pt.breakdown.get(k, 0)) for k in kinds) + " |")
+        for only in p.replayed_only:  # replayed from a written stream, its step not traced
+            replayed = only.reserved
+            reserved = "cannot reserve" if replayed.reserved_oom else gib(replayed.peak_reserved_bytes)
+            fits = replayed.reserved_oom is None and replayed.peak_reserved_bytes <= r.capacity_bytes
+            lines.append(f"| {p.gpus} | {_named(p)} | {only.local_batch} | not traced | {reserved} | "
+                         f"{replayed.peak_step_name} | {'yes' if fits else 'no'} | " + " | " * len(kinds))
+    lines += _written_lines(r)
     misfits = [p for p in r.plans if not p.fits and not p.skipped]
     if misfits:
         lines += ["", "## What would make it fit", ""]
@@ -187,6 +194,21 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
             lines += [f"  - {fix}" for fix in p.fix[1:]]
     lines += ["", "## Known limits", "", KNOWN_LIMITS.format(limit=LIMITS[r.limit])]
     return "\n".join(lines)
+
+
+def _written_lines(r) -> list[str]:
+    """Where a reserved probe's stream was written from the line through traced ones (``trace/stream_line.py``)."""
+    out = []
+    for p in r.plans:
+        w = p.reserved_written
+        if w:
+            out.append(f"- {_named(p)} on {p.gpus} GPUs: the reserved peak at local batch "
+                       f"{', '.join(map(str, w['written']))} replayed from a fresh allocation stream written from "
+                       f"the line through the streams traced at {' and '.join(map(str, w['through']))} (each "
+                       f"allocation's bytes affine in the batch), checked event for event at "
+                       f"{', '.join(map(str, w['checked_at']))}: the traced stream wherever the step's events do not "
+                       "change between those sizes (`trace/stream_line.py`); a size only replayed has no traced row.")
+    return ["", *out] if out else []
 
 
 def _t(value: float | None) -> str:
