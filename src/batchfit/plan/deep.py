@@ -103,6 +103,7 @@ class DeepSession:
         trace is a fresh process's, which a reserved replay at that size reuses; (local batch, None)
         where the whole model's session traced first (its own ``fresh_stream``)."""
         self.line = StreamLine()
+        self._seeded = False
         """The fresh full-depth streams replayed so far, and the line through them that writes others
         (``trace/stream_line.py``): a reserved probe between checked sizes traces nothing."""
         self._fresh_points: dict[int, ShardedPoint] = {}
@@ -156,12 +157,13 @@ class DeepSession:
         from batchfit.plan.reserved import replay_steps
 
         written = self.line.at(local_batch)
+        if written is None and self._seed_line(local_batch):
+            written = self.line.at(local_batch)
         if written is not None:
             events, starts, streams = written
             return replay_steps(events, starts, self.device, streams, written=True)
         found = self._traced_stream(local_batch)
         self.line.add(local_batch, found)
-        self._seed_line(local_batch)
         events, starts, streams = found
         return replay_steps(events, starts, self.device, streams)
 
@@ -177,13 +179,16 @@ class DeepSession:
             self._keep_fresh(local_batch, points[0], found[1])
         return found
 
-    def _seed_line(self, local_batch: int) -> None:
-        """After the first stream traced for a replay, at a size above 2: one at a small size, the line's
-        other end, so that the probes after the next are written. The depth sessions' own first trace
-        (size 1, no tracing) where its events are the size's; else a fresh trace at 2 (at 1 a copy of a
-        tensor whose batch dimension is 1 can be a view: Llama-3.1-70B under fsdp+cp8 has 4 fewer events)."""
-        if len(self.line.traced) != 1 or local_batch <= 2:
-            return
+    def _seed_line(self, local_batch: int) -> bool:
+        """Before tracing a probe below two traced sizes that the line does not cover (once): a stream at
+        a small size instead, the line's other end, so that this probe and those after it are written. The
+        sessions' own first trace (size 1, nothing traced) where its events are the others'; else a fresh
+        trace at 2 (at 1 a copy of a tensor whose batch dimension is 1 can be a view: Llama-3.1-70B under
+        fsdp+cp8 has 4 events fewer at 1 than at 2 or 22). Not at a search's first two probes: one that
+        ends there (a max local batch of 4) would trace the small size for nothing."""
+        if self._seeded or local_batch <= 2 or len(self.line.traced) < 2 or local_batch > max(self.line.traced):
+            return False
+        self._seeded = True
         if self._first_fresh is not None and self._first_fresh[0] < local_batch:
             first, depths = self._first_fresh
             if depths is None:  # the whole model's session
@@ -192,8 +197,10 @@ class DeepSession:
                 found = None if self.whole_reserved else self._extended(first)
             if found is not None:
                 self.line.add(first, found)
-        if self.line.alike(local_batch) < 2:
-            self.line.add(2, self._traced_stream(2))
+        if not self.line.checked or min(self.line.checked) > local_batch:
+            if 2 not in self.line.traced:
+                self.line.add(2, self._traced_stream(2))
+        return True
 
     def _keep_fresh(self, local_batch: int, point: ShardedPoint, steps: tuple[int, ...]) -> None:
         """A fresh process's second step is the steady one but under DDP (its bucket rebuild, a third
