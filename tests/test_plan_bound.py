@@ -37,14 +37,17 @@ def test_auto_sets_aside_what_cannot_fit_and_traces_the_rest(standin):
     device = Device(name="t", display_name="t", total_bytes=usable, context_bytes=0, workspace_bytes=0)
     result = plan(tiny_workload(), device=device, worlds=[World(2)], strategies="auto", limit="allocated",
                   trace=standin.tracer["trace"], parse=standin.parse_strategies)
-    skipped = {p.strategy: p.skipped for p in result.plans if p.skipped and "not traced" in p.skipped}
+    skipped = {p.strategy: p.skipped for p in result.plans if p.skipped and "take at least" in p.skipped}
     assert list(skipped) == ["ddp"] and "AdamW state alone take at least" in skipped["ddp"]
+    # said once: the row's status is 'skipped' (not traced), its reason the floor ('skipped: not traced: ...' was)
+    (row,) = [row for row in result.ranking if row.strategy == "ddp"]
+    assert f"{row.status}: {row.why}".startswith("skipped: its parameters, gradients and AdamW state alone take ")
     assert {"fsdp", "zero1"} <= {p.strategy for p in result.plans if not p.skipped}
     small = Device(name="s", display_name="s", total_bytes=params, context_bytes=0, workspace_bytes=0)
     result = plan(tiny_workload(), device=small, worlds=[World(2)], strategies="auto", limit="allocated",
                   trace=standin.tracer["trace"], parse=standin.parse_strategies)
     # every candidate over its floor: all traced, so each row says what would make local batch 1 fit
-    assert not any(p.skipped and "not traced" in p.skipped for p in result.plans)
+    assert not any(p.skipped and "take at least" in p.skipped for p in result.plans)
 
 
 def test_plan_asked_again_reads_its_rows_as_no_cache_traces_them(tmp_path):

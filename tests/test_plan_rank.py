@@ -178,6 +178,27 @@ def test_the_report_shows_the_ranking(tmp_path):
     assert paths["ranking_png"].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_report_has_a_column_for_each_degree_a_row_has():
+    """report.md's tables: dp and tp always, pp, cp and ep where a row has them (fsdp+cp8 on 64 GPUs read
+    '| 1 | 8 | 1 |' under pp, dp and tp: its cp nowhere)."""
+    import dataclasses
+
+    from batchfit.report.plan_markdown import plan_markdown
+
+    result = plan(workload(), device=gpu(), worlds=[World(4)], options=StepOptions(precision="bf16"),
+                  strategies="fsdp,fsdp+tp2", time_model=TimeModel(mfu=0.5), limit="allocated", global_batch=64,
+                  trace=trace_sharded, parse=parse_strategies)
+    text = plan_markdown(result)
+    assert "| rank | GPUs | strategy | dp | tp | max local |" in text  # no pp, cp or ep: no column
+    assert "| GPUs | strategy | dp | tp | max local |" in text and "| 4 | fsdp | 4 | 1 | 96 |" in text
+    # the fsdp row as fsdp+cp2 would be (2 data-parallel ranks, each sample's sequence over 2): a cp column
+    result.plans[0] = dataclasses.replace(result.plans[0], strategy="fsdp+cp2", dp=2, cp=2)
+    text = plan_markdown(result)
+    assert "| rank | GPUs | strategy | dp | cp | tp | max local |" in text and "cp = context-parallel ranks" in text
+    assert "| 1 | 4 | fsdp+cp2 | 2 | 2 | 1 | 96 |" in text and "\n| 4 | fsdp+cp2 | 2 | 2 | 1 | 96 |" in text
+    assert "| 2 | 4 | fsdp+tp2 | 2 | 1 | 2 | 192 |" in text and "| GPUs | strategy | dp | cp | tp | max local |" in text
+
+
 def test_auto_end_to_end_on_the_real_tracer(tmp_path):
     """The real tracer, a 1-layer Llama (d 64) on 2 GPUs: its facts read from the model (4 query / 2 kv
     heads: tp2 applies; 1 layer: pp2 cannot), every other combination traced and ranked."""

@@ -75,13 +75,19 @@ def test_the_bound_by_hand():
     assert evidence.bound(tp2, World(4)).tokens_per_s == pytest.approx(4 * 1000e12 * 0.5 / 6e9)
     assert evidence.bound(pp2, World(4)).tokens_per_s == pytest.approx(4 * 1000e12 * 0.5 * (2 / 3) / 6e9)
     assert evidence.bound(pp2, World(4)).formula == (
-        "2 x 1,000 tokens a sample / (1,000 x 6.0 GFLOP per token = 6 x 1.00B linear weights / 2 ranks / "
-        "(1,000 TFLOP/s x MFU 0.50) / (1 - bubble 0.333))")
+        "2 x 1,000 tokens a sample / (1,000 x 6.0 GFLOP per token / 2 ranks / (1,000 TFLOP/s x MFU 0.50) / "
+        "(1 - bubble 0.333)); 6.0 GFLOP per token = 6 x 1.00B linear weights")
     # fsdp traced at 8 samples with 7e9 FLOPs a token (attention): the floor for what has no cp from then on;
     # cp2 keeps the linear floor (its ring counts other attention blocks) until a cp2 row is traced
     cp2, cp2_tp2 = parse_strategy("fsdp+cp2", 4), parse_strategy("fsdp+cp2+tp2", 4)
     assert evidence.learn(fsdp, _row("fsdp", 8, 7e9 * 8000))
     assert evidence.bound(tp2, World(4)).tokens_per_s == pytest.approx(4 * 1000e12 * 0.5 / 7e9)
+    # the formula names where its FLOPs per token came from, after it; one rank a sample is 'rank'
+    assert evidence.bound(fsdp, World(4)).formula == (
+        "4 x 1,000 tokens a sample / (1,000 x 7.0 GFLOP per token / 1 rank / (1,000 TFLOP/s x MFU 0.50)); "
+        "7.0 GFLOP per token from fsdp's trace")
+    assert evidence.bound(pp2, World(4)).formula.endswith(
+        "/ 2 ranks / (1,000 TFLOP/s x MFU 0.50) / (1 - bubble 0.333)); 7.0 GFLOP per token from fsdp's trace")
     assert evidence.bound(cp2_tp2, World(4)).tokens_per_s == pytest.approx(4 * 1000e12 * 0.5 / 6e9)
     assert evidence.learn(cp2, _row("fsdp+cp2", 2, 6.5e9 * 2000 / 2))  # 2 samples, half of each sequence
     assert evidence.bound(cp2_tp2, World(4)).tokens_per_s == pytest.approx(4 * 1000e12 * 0.5 / 6.5e9)
@@ -153,6 +159,28 @@ def test_auto_sets_aside_the_pipelines_that_cannot_be_first(monkeypatch):
     data = result.to_json()
     assert {p["strategy"]: p["bound_tokens_per_s"] for p in data["strategies"] if p["bound_tokens_per_s"]} == \
         {"pp2+fsdp": pytest.approx(222_222.2, abs=0.1), "pp2+tp2": pytest.approx(222_222.2, abs=0.1)}
+
+
+def test_only_the_traced_rows_are_said_to_be_approximated(monkeypatch, tmp_path):
+    """The approximations are those of the rows traced: the pipelines set aside by their bound (above) have no
+    figure of their own, so no output says how a pipeline rank is traced; zero1 and zero2's line stays."""
+    from batchfit.report.plan_markdown import write_plan_report
+
+    monkeypatch.setattr(speed_bound, "linear_flops", lambda w, o, e: LinearFlops(10**9, 0, 1000, 6, 10))
+    asked = dict(device=gpu(), worlds=[World(4)], options=StepOptions(precision="bf16"), time_model=TimeModel(mfu=0.5),
+                 limit="allocated", global_batch=64, trace=trace_sharded, parse=parse_strategies)
+    facts = ModelFacts(name="standin", n_layers=6, heads=8, tp_plan=True)
+    result = plan(workload(), strategies="auto", facts=facts, **asked)
+    assert {r.strategy for r in result.ranking if r.status == "not traced"} == {"pp2+fsdp", "pp2+tp2"}
+    lines = [a.line() for a in result.approximations]
+    assert any(line.startswith("zero1 and zero2 traced as torch's ZeroRedundancyOptimizer") for line in lines)
+    paths = write_plan_report(result, tmp_path)
+    for text in (*lines, paths["md"].read_text(), paths["json"].read_text()):
+        assert "pipeline rank" not in text
+    # named, the pipelines are traced, and said to be approximated
+    named = plan(workload(), strategies="fsdp,pp2+fsdp,pp2+tp2", **asked)
+    assert [a.what for a in named.approximations if a.what.startswith("pp2+fsdp (1f1b), pp2+tp2 (1f1b): each "
+                                                                      "pipeline rank's step traced")]
 
 
 def test_a_row_below_a_floor_traces_what_was_set_aside():

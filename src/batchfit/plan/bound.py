@@ -105,7 +105,7 @@ def too_large(workload, options, device: Device) -> Callable[[object], str | Non
                 "(2 bytes each at least)" if strategy.shard == "fsdp-noreshard" and floor_bytes(strategy, model) >
                 floor_bytes(dataclasses.replace(strategy, shard="fsdp"), model)
                 else "its parameters, gradients and AdamW state alone")
-        return (f"not traced: {what} take at least {floor / GiB:,.1f} GiB per GPU (computed from the parameter "
+        return (f"{what} take at least {floor / GiB:,.1f} GiB per GPU (computed from the parameter "
                 f"count, with the cuBLAS workspace), over the {device.usable_bytes / GiB:.1f} GiB usable, so not "
                 "even local batch 1 fits; fsdp shards all three")
     return why

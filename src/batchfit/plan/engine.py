@@ -245,24 +245,6 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
         _set_aside_too_large(workload, options, device, by_world, not_traced)
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    from batchfit.trace.approximation import attention_approximations, offload_approximations
-    from batchfit.trace.compiled import plan_compile_approximations, sharded_eager_reason, sharded_traces_compiled
-    from batchfit.trace.cuda_float8 import float8_approximations
-    from batchfit.trace.hf_packing import batch_passes_position_ids, packing_approximation
-    from batchfit.trace.routing import workload_routing_approximation
-
-    every = list({s.name: s for _, chosen in by_world for s in chosen}.values())
-    compiled = [s.name for s in every if sharded_traces_compiled(s, options)]
-    approximations = plan_compile_approximations(workload, options, compiled, {
-        s.name: sharded_eager_reason(s, options) or "" for s in every if s.name not in compiled})
-    approximations += float8_approximations(options)
-    every = [s for _, chosen in by_world for s in chosen]
-    approximations += workload_routing_approximation(
-        workload, options, expert_parallel=bool(every) and all(runs_experts(s) for s in every))
-    approximations += offload_approximations(options.offload_spec, options.compile)
-    approximations += attention_approximations(options.attention)
-    approximations += packing_approximation(int(batch_passes_position_ids(workload)))
-    approximations += parallelism_approximations(every, workload, options)  # each parallelism's own (registry)
     target_bytes = bytes_at_target(device, request.target_util)
     cached = request.cache and trace is None
 
@@ -304,6 +286,9 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     if params is None:
         raise OptionError(f"no strategy of '{request.strategies}' could be traced for {workload.name}: "
                           "every one was skipped (see above); name strategies with `strategies` ddp,fsdp")
+    # what was traced only: a candidate auto set aside by its bound, or skipped, has no figure to approximate
+    approximations = _approximations(workload, options, [s for world, chosen in by_world for s in chosen
+                                                         if not by_key[(world.gpus, s.name)].skipped])
     if tokens == "chinchilla":
         tokens = float(CHINCHILLA_TOKENS_PER_PARAM * params)
     for p in plans:
@@ -318,6 +303,29 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
         links=time_model.links(device), trace_seconds=time.perf_counter() - started, traces=traces,
         approximations=approximations, limit=request.limit, host_limit_bytes=request.host_memory_bytes,
     )
+
+
+def _approximations(workload: Workload, options: StepOptions, traced: list) -> list:
+    """Where the figures of the ``traced`` strategies (each row's, on each GPU count) approximate their step:
+    the compiled or eager trace, float8, routing, offload, attention, packing and each parallelism's own."""
+    from batchfit.trace.approximation import attention_approximations, offload_approximations
+    from batchfit.trace.compiled import plan_compile_approximations, sharded_eager_reason, sharded_traces_compiled
+    from batchfit.trace.cuda_float8 import float8_approximations
+    from batchfit.trace.hf_packing import batch_passes_position_ids, packing_approximation
+    from batchfit.trace.routing import workload_routing_approximation
+
+    every = list({s.name: s for s in traced}.values())
+    compiled = [s.name for s in every if sharded_traces_compiled(s, options)]
+    approximations = plan_compile_approximations(workload, options, compiled, {
+        s.name: sharded_eager_reason(s, options) or "" for s in every if s.name not in compiled})
+    approximations += float8_approximations(options)
+    approximations += workload_routing_approximation(
+        workload, options, expert_parallel=bool(traced) and all(runs_experts(s) for s in traced))
+    approximations += offload_approximations(options.offload_spec, options.compile)
+    approximations += attention_approximations(options.attention)
+    approximations += packing_approximation(int(batch_passes_position_ids(workload)))
+    approximations += parallelism_approximations(traced, workload, options)  # each parallelism's own (registry)
+    return approximations
 
 
 def _auto(worlds: list[World], parse: Callable, facts, pp_schedule: str, microbatches: int) -> tuple[list, list]:

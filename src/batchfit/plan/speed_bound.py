@@ -169,9 +169,10 @@ class Evidence:
     """Rows that fell below a floor a candidate was set aside by: then nothing is set aside."""
 
     def flops_per_token(self, strategy) -> tuple[float, str]:
+        """The FLOPs per token the bound takes for ``strategy``, and where they came from, in words."""
         per_token, name = self.traced.get(_split(strategy)[1], (0.0, ""))
         if per_token > self.linear.flops_per_token:
-            return per_token, f"{_flops(per_token)} per token ({name}'s traced)"
+            return per_token, f"{_flops(per_token)} per token from {name}'s trace"
         return self.linear.flops_per_token, self.linear.formula()
 
     def _tp_term(self, strategy) -> bool:
@@ -181,7 +182,7 @@ class Evidence:
         """The most tokens/s ``strategy`` on ``world`` could reach, with what is known now."""
         share, cp = _split(strategy)
         seq, idle = self.linear.tokens_per_sample, bubble(strategy)
-        per_token, flops_words = self.flops_per_token(strategy)
+        per_token, flops_source = self.flops_per_token(strategy)
         compute_s = seq * per_token / share / (self.peak_tflops * 1e12 * self.mfu) / (1 - idle)
         tp_s, tp_words = 0.0, ""
         if self._tp_term(strategy):
@@ -194,9 +195,10 @@ class Evidence:
                         f"sent; held by {self.tp_held}'s trace)")
         tokens_per_s = strategy.dp * seq / (compute_s + tp_s)
         bubble_words = f" / (1 - bubble {idle:.3f})" if idle else ""
-        return Bound(tokens_per_s, f"{strategy.dp} x {seq:,} tokens a sample / ({seq:,} x {flops_words} / "
-                                   f"{share} ranks / ({self.peak_tflops:,.0f} TFLOP/s x MFU {self.mfu:.2f})"
-                                   f"{bubble_words}{tp_words})")
+        # the formula with its figures, then where the FLOPs per token came from (a traced row's or the linear floor)
+        return Bound(tokens_per_s, f"{strategy.dp} x {seq:,} tokens a sample / ({seq:,} x {_flops(per_token)} per "
+                                   f"token / {share} rank{'s' if share > 1 else ''} / ({self.peak_tflops:,.0f} "
+                                   f"TFLOP/s x MFU {self.mfu:.2f}){bubble_words}{tp_words}); {flops_source}")
 
     def set_aside(self, strategy) -> None:
         """A candidate is set aside by its bound now: later rows must hold what it rested on."""

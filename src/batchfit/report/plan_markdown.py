@@ -85,6 +85,21 @@ SHARD_MEANING = {
 """What the strategies whose names do not say it do (docs/tracing/zero.md)."""
 
 
+DEGREES = ("pp", "dp", "cp", "tp", "ep")
+"""A row's parallel degrees, in the order of the world's product (pp x dp x cp x tp; ep borrows from dp x tp)."""
+DEGREE_WORDS = {"cp": "cp = context-parallel ranks (each holds 1/cp of every sample's sequence)",
+                "ep": "ep = expert-parallel ranks (borrowed from dp x tp: each holds 1/ep of the experts)"}
+
+
+def _degrees(rows) -> list[str]:
+    """The degree columns of a table of ``rows``: dp and tp always, pp, cp and ep where a row has one."""
+    return [k for k in DEGREES if k in ("dp", "tp") or any(getattr(row, k, 1) > 1 for row in rows)]
+
+
+def _degree_cells(row, keys: list[str]) -> str:
+    return "".join(f" {getattr(row, k)} |" for k in keys)
+
+
 def _named(p) -> str:
     """A row's strategy, and the trace it was derived from when it was not traced itself."""
     return p.strategy + (f" (derived from the {p.derived_from_gpus}-GPU trace)" if p.derived_from_gpus else "")
@@ -93,6 +108,7 @@ def _named(p) -> str:
 def plan_markdown(result, plot_name: str = "plan.png") -> str:
     r = result
     d = r.device
+    degrees = _degrees(r.plans)
     lines = [f"# Multi-GPU plan: {r.workload} on {d.display_name}, {r.options.precision}", ""]
     lines += approximation_lines(r)
     gb = f"global batch {r.global_batch}" if r.global_batch else "global batch = max local batch x dp"
@@ -145,17 +161,17 @@ def plan_markdown(result, plot_name: str = "plan.png") -> str:
               "Max global batch = max local batch x data-parallel degree (the ranks of one tensor-parallel group "
               "share their samples). At the max local batch, one step, no accumulation; then at the micro-batch "
               f"that reaches {gb}.", "",
-              "| GPUs | strategy | dp | tp | max local | max global | step s at max | tokens/s at max | "
-              "micro x accum | GiB at micro | step s | tokens/s | days |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+              f"| GPUs | strategy |{''.join(f' {k} |' for k in degrees)} max local | max global | step s at max | "
+              "tokens/s at max | micro x accum | GiB at micro | step s | tokens/s | days |",
+              f"|---:|---|{'---:|' * len(degrees)}---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for p in r.plans:
         if p.skipped:
             why = p.skipped if p.bound_tokens_per_s is not None else f"skipped: {p.skipped}"  # 'not traced: ...'
-            lines.append(f"| {p.gpus} | {p.strategy} | {p.dp} | {p.tp} | {why} | | | | | | | | |")
+            lines.append(f"| {p.gpus} | {p.strategy} |{_degree_cells(p, degrees)} {why} | | | | | | | | |")
             continue
         micro = (f"{p.micro_batch} x {p.accumulation_steps}" + (" (above target)" if p.above_target else "")
                  if p.fits else "does not fit")
-        lines.append(f"| {p.gpus} | {_named(p)} | {p.dp} | {p.tp} | {p.max_local_batch}"
+        lines.append(f"| {p.gpus} | {_named(p)} |{_degree_cells(p, degrees)} {p.max_local_batch}"
                      f"{' (cap)' if p.capped else ''} | {p.max_global_batch} | "
                      f"{_s(p.time_at_max.step_time_s if p.time_at_max else None)} | {_n(p.tokens_per_s_at_max)} | "
                      f"{micro} | {gib(_at_micro(p))} | {_s(p.step_time_s)} | {_n(p.tokens_per_s)} | "
@@ -224,38 +240,40 @@ def ranking_lines(r, plot_name: str = "plan.png") -> list[str]:
     unit = "tokens/s" if any(row.tokens_per_s for row in rows) else "samples/s"
     gb = f"global batch {r.global_batch}" if r.global_batch else "global batch = micro-batch x dp (no --global-batch)"
     ranking_plot = plot_name.replace(".png", "-ranking.png")
+    ranked = [row for row in rows if row.rank is not None]
+    degrees = _degrees(ranked)
     out = ["## Ranking: every combination by predicted throughput", "",
            f"Per GPU count, each combination traced, by {ranked_by(rows)} at {gb}"
            f"{' (computed)' if ranked_by(rows) == unit else ''}, with rank 0's memory at its "
            f"micro-batch (traced; GiB = 2^30): allocated, and reserved (the caching allocator model) where replayed. "
            f"Step time per optimizer step = compute (FLOPs / (peak x MFU {r.time_model.mfu:.2f}, "
            f"{r.time_model.mfu_source})) + exposed communication (collectives not hidden behind compute) + pipeline "
-           "bubble; dp = data-parallel ranks (samples split over them; a TP or pp group shares one rank's samples).",
+           "bubble; dp = data-parallel ranks (samples split over them; a TP or pp group shares one rank's samples)"
+           + "".join(f"; {DEGREE_WORDS[k]}" for k in DEGREE_WORDS if k in _degrees(rows)) + ".",
            "", f"![{unit} against memory per GPU, one point per combination]({ranking_plot})", "",
-           f"| rank | GPUs | strategy | pp | dp | tp | max local | max global | micro x accum | GiB allocated | "
-           f"GiB reserved | compute s | exposed comm s | bubble s | step s | {unit} | vs best | days |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for row in rows:
-        if row.rank is None:
-            continue
+           f"| rank | GPUs | strategy |{''.join(f' {k} |' for k in degrees)} max local | max global | micro x accum | "
+           f"GiB allocated | GiB reserved | compute s | exposed comm s | bubble s | step s | {unit} | vs best | days |",
+           f"|---:|---:|---|{'---:|' * len(degrees)}---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in ranked:
         speed = row.tokens_per_s or row.samples_per_s
         out.append(f"| {row.rank} | {row.gpus} | "
-                   f"{row.strategy}{' (above target)' if row.status == 'above target' else ''} | {row.pp} | {row.dp} | "
-                   f"{row.tp} | {row.max_local_batch} | {row.max_global_batch} | {row.micro_batch} x "
-                   f"{row.accumulation_steps} | {gib(row.allocated_bytes)} | "
+                   f"{row.strategy}{' (above target)' if row.status == 'above target' else ''} |"
+                   f"{_degree_cells(row, degrees)} {row.max_local_batch} | {row.max_global_batch} | "
+                   f"{row.micro_batch} x {row.accumulation_steps} | {gib(row.allocated_bytes)} | "
                    f"{gib(row.reserved_bytes) if row.reserved_bytes else '—'} | {_t(row.compute_s)} | "
                    f"{_t(row.exposed_comm_s)} | {_t(row.bubble_s)} | {_s(row.step_time_s, 3)} | {_n(speed)} | "
                    f"{'—' if row.vs_best is None else f'{row.vs_best:.2f}x'} | {_days(row.days)} |")
     if not any(row.rank for row in rows):
-        out.append("| — | | nothing fits | | | | | | | | | | | | | | | |")
+        out.append("| — | | nothing fits |" + " |" * (len(degrees) + 12))
     others = [row for row in rows if row.rank is None]
     if others:
         out += ["", "Not ranked: what does not fit even at the smallest local batch (traced), what auto did not "
                 "trace because the most it could reach is below the best traced row (`not traced`: a bound, not a "
                 "traced figure), and what was not traced for another reason (the rule that cannot apply to this "
                 "model):", "",
-                "| GPUs | strategy | pp | dp | tp | status | why |", "|---:|---|---:|---:|---:|---|---|"]
-        out += [f"| {row.gpus} | {row.strategy} | {row.pp} | {row.dp} | {row.tp} | {row.status} | "
+                f"| GPUs | strategy |{''.join(f' {k} |' for k in _degrees(others))} status | why |",
+                f"|---:|---|{'---:|' * len(_degrees(others))}---|---|"]
+        out += [f"| {row.gpus} | {row.strategy} |{_degree_cells(row, _degrees(others))} {row.status} | "
                 f"{(row.why or '').replace('|', '/')} |" for row in others]
     if r.strategies_asked.strip().lower() == "auto":
         from batchfit.plan.candidates import bounds  # pure Python
