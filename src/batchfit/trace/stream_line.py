@@ -30,9 +30,10 @@ guards:
   on one line, it is at each such size (its slope times ``d`` is), and the rounded value lies within one
   of the unrounded function between the ends (it does at each end, and the difference is affine), so it
   is the line's value there. Qwen3-MoE with 8 experts at 99 tokens (198 routed a sample): through 2 and 10,
-  checked at 6, the line wrote 199 tokens at 4 where the step routes 198
-  (benchmarks/stream_line_families.py). Bytes alone cannot tell such a count from a plain one (a ``[b, k]``
-  tensor is ``4k ceil((b - 2) / 4) + 2k`` bytes at 2, 6 and 10 as well), so the rule is by the step's kind.
+  checked at 6, the line gave an expert 99.5 tokens at 4 (1,592 bytes of indices) where the step routes
+  99 (1,584), and 8's replay differed (benchmarks/stream_line_families.py). Bytes alone cannot tell such
+  a count from a plain one (a ``[b, k]`` tensor's ``k b`` bytes are ``4k ceil((b - 2) / 4) + 2k`` at 2, 6
+  and 10 too), so the rule is by the step's kind.
 
 The allocator model then replays the written stream exactly as a traced one; the sizes written this way
 are named in the plan's JSON and report.
