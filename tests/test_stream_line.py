@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from batchfit.devices import DEFAULT_CONTEXT_BYTES, custom_device, get_device
-from batchfit.trace.stream_line import StreamLine
+from batchfit.trace.stream_line import StreamLine, rounds_by_batch
 from batchfit.workload import StepOptions
 from tiny import deep_workload
 
@@ -29,13 +29,54 @@ def test_the_line_writes_a_size_only_once_a_third_matched_it_and_only_between():
     line.add(1, stream(1))
     line.add(5, stream(5))
     assert line.at(3) is None and line.checked == ()  # two sizes: nothing checked the line yet
-    line.add(3, stream(3))
-    assert line.checked == (1, 5, 3)
+    line.add(2, stream(2))
+    assert line.checked == (1, 5, 2)
     events, starts, sides = line.at(4)
     assert events == [("malloc", 0, 100), ("malloc", 1, 44), ("free", 1, 0), ("malloc", 2, 32)]
     assert (starts, sides) == ((1,), {})
     assert line.at(6) is None and line.at(0) is None  # outside the traced sizes
-    assert line.summary() == {"written": [4], "through": [1, 5], "checked_at": [3]}
+    assert line.summary() == {"written": [4], "through": [1, 5], "checked_at": [2]}
+
+
+def test_a_count_rounded_from_the_batch_is_written_only_on_the_traced_sizes_lattice():
+    # an MoE's tokens per expert, balanced with a remainder: ceil(99 x 2 b / 8) tokens of 128 bytes; at 2, 6
+    # and 10 (49.5, 148.5, 247.5 routed over 8 experts) the first expert's 50, 149, 248 lie on one line
+    def moe(b: int):
+        return [("malloc", 0, 128 * -(-198 * b // 8))], (), {}
+
+    plain, line = StreamLine(), StreamLine(lattice=True)
+    for b in (2, 10, 6):
+        plain.add(b, moe(b))
+        line.add(b, moe(b))
+    assert line.checked == (2, 10, 6)
+    assert plain.at(4)[0] == [("malloc", 0, 12_736)]  # a plain line's 99.5 tokens: the step routes 99 (12,672 B)
+    assert line.at(4) is None and line.at(8) is None and line.at(3) is None  # off 2, 6, 10 (differences 4, 8)
+    odd = StreamLine(lattice=True)
+    for b in (2, 10, 5):
+        odd.add(b, moe(b))
+    assert odd.checked == ()  # 5: 124 tokens (123.75 routed), not the line's 124.25
+    assert rounds_by_batch(moe=True, expert_parallel=False, tokens_per_sample=4096)
+    assert rounds_by_batch(moe=False, expert_parallel=False, tokens_per_sample=99)  # ceil(rows / 32): the norm's
+    assert not rounds_by_batch(moe=False, expert_parallel=False, tokens_per_sample=8192, split=8)  # 1,024 a rank
+
+
+def test_other_events_inside_the_line_leave_it_unchecked():
+    # the fused-linear loss: 4 chunks at 4 and 8, 3 at 5 and 6 (train/losses.py: _chunk_size, 128-token rows)
+    line = StreamLine()
+    for b, chunks in ((4, 4), (8, 4), (5, 3), (6, 4)):
+        line.add(b, ([("malloc", i, 10 * b) for i in range(chunks)], (), {}))
+    assert line.checked == () and line.at(7) is None  # 5's three chunks: the line's events change between 4 and 8
+
+
+def test_a_step_that_chooses_its_chunks_by_the_batch_is_refused_by_name():
+    from batchfit.trace.stream_line import refusal
+
+    assert refusal(StepOptions(loss="chunked:4")) is None and refusal(StepOptions()) is None
+    assert "power of two" in refusal(StepOptions(loss="fused-linear"))
+    line = StreamLine(refused=refusal(StepOptions(loss="fused-linear")))
+    for b in (1, 5, 2):
+        line.add(b, stream(b))
+    assert line.checked == (1, 5, 2) and line.at(4) is None and line.summary()["written"] == []
 
 
 def test_a_third_size_that_differs_leaves_the_line_unchecked():
@@ -63,13 +104,13 @@ def test_a_written_replay_is_the_traced_one(strategy, gpus):
             DeepSession(deep_workload(), options, h100, s) as other:
         deep.trace(1)
         deep.reserved(5)  # traced; the depth sessions' first trace (size 1) is the line's other end
-        deep.reserved(3)  # traced: checks the line through 1 and 5
+        deep.reserved(4)  # traced: checks the line through 1 and 5
         before = len(opened)
-        written = deep.reserved(4)
+        written = deep.reserved(3)
         assert len(opened) == before and written.written  # no session opened: written from the line
         other.trace(1)
-        traced = other.reserved(4)
-    assert deep.line.summary() == {"written": [4], "through": [1, 5], "checked_at": [3]}
+        traced = other.reserved(3)
+    assert deep.line.summary() == {"written": [3], "through": [1, 5], "checked_at": [4]}
     assert not traced.written and written.to_json() == traced.to_json()
 
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from batchfit.distributed.parallelisms import degree_keys, degree_of, runs_experts
 from batchfit.trace import depth, stream
-from batchfit.trace.stream_line import StreamLine
+from batchfit.trace.stream_line import StreamLine, refusal, rounds_by_batch
 
 if TYPE_CHECKING:
     from batchfit.plan.sharded import Collective, ShardedPoint, Strategy
@@ -102,10 +104,11 @@ class DeepSession:
         """(local batch, each depth's fresh stream and step starts): the depth sessions' first
         trace is a fresh process's, which a reserved replay at that size reuses; (local batch, None)
         where the whole model's session traced first (its own ``fresh_stream``)."""
-        self.line = StreamLine()
-        self._seeded = False
+        self.line = StreamLine(refused=refusal(options))
         """The fresh full-depth streams replayed so far, and the line through them that writes others
         (``trace/stream_line.py``): a reserved probe between checked sizes traces nothing."""
+        self._seeded = False
+        """Whether a small size was added to the line's streams (:meth:`_seed_line`, once)."""
         self._fresh_points: dict[int, ShardedPoint] = {}
         """Points a reserved replay traced, fresh, before the size was traced here (and where
         a fresh point is the steady one: no DDP bucket rebuild in it): :meth:`trace` takes them."""
@@ -115,6 +118,10 @@ class DeepSession:
         # on 8 ranks rank 0 owns the same few, at 32 blocks four times as many)
         cut = options.blocks_alike and strategy.shard not in ("zero1", "zero2")
         first = self._open(depth.at_depth(workload, depth.DEPTHS[0], seen) if cut else workload)
+        routed = getattr(getattr(first, "session", None), "routed", None)  # the tests' stand-in sessions: none
+        split = math.prod(degree_of(strategy, key) for key in degree_keys())  # a bound on the sequence's split
+        self.line.lattice = rounds_by_batch(moe=routed is not None, expert_parallel=runs_experts(strategy),
+                                            tokens_per_sample=workload.tokens_per_sample, split=split)
         if seen.blocks and seen.blocks >= depth.MIN_BLOCKS:
             self.blocks = seen.blocks
             self._depths = [first]
