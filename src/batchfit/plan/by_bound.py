@@ -22,6 +22,7 @@ floor that a candidate was set aside by, nothing is set aside any more, and what
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,9 @@ INFINITY = float("inf")
 def rounds_run(sessions: Sessions | Callable[[list], list], jobs: Sequence, bound: Callable[[Any], float | None],
                gpus_of: Callable[[Any], int], best_of: Callable[[Any], list[tuple[int, float, str]]],
                learn: Callable[[Any, Any], bool], *, processes: int, say: Callable[[str], None],
-               set_aside: Callable[[Any], None] = lambda job: None) -> tuple[list, dict[int, tuple[float, str, float]]]:
+               set_aside: Callable[[Any], None] = lambda job: None,
+               foresee: Callable[[list], Callable[[Any], float | None]] | None = None,
+               ) -> tuple[list, dict[int, tuple[float, str, float]]]:
     """The jobs run by ``sessions`` (of these ``jobs``) in rounds (the module docstring): each job's result, or
     None for a job set aside, and for each set-aside job's index the best (tokens/s, strategy) on its GPU count
     and its bound then. ``sessions`` may also be ``run(some_jobs) -> their results`` (nothing starts ahead).
@@ -44,9 +47,10 @@ def rounds_run(sessions: Sessions | Callable[[list], list], jobs: Sequence, boun
     set aside is traced after all); ``set_aside(job)``: a job is set aside now.
 
     While a round runs, a process it leaves idle starts ahead the job the next round would take first by what
-    is known then (the bounds of this round, the rows of its jobs done so far: ``_next_round``). The rule above
-    alone still says what the next round takes: it uses such a job as it is (the same session, whenever it
-    starts), and one it sets aside is stopped, so the rows traced and set aside are the same as without."""
+    is known then (``_next_round``): the rows of the round's jobs done so far, and the bounds
+    ``foresee([(job, result), ...])`` gives once these are read too (without: this round's bounds). The rule
+    above alone still says what the next round takes: it uses such a job as it is (the same session, whenever
+    it starts), and one it sets aside is stopped, so the rows traced and set aside are the same as without."""
     if not isinstance(sessions, Sessions):
         sessions = _Batches(sessions, jobs)
     order = list(range(len(jobs)))
@@ -64,14 +68,15 @@ def rounds_run(sessions: Sessions | Callable[[list], list], jobs: Sequence, boun
                 set_aside(jobs[i])
                 order.remove(i)
                 if sessions.drop(i):
-                    say(f"{_name(jobs[i])}: its session started ahead is stopped (set aside by its bound)")
+                    say(f"{sessions.label(jobs[i])}: its session started ahead is stopped (set aside by its bound)")
         if not order:
             break
         # one job per process (the rows they trace tighten the others' bounds), all that are left once nothing is
         # set aside any more
         count = processes if pruning else len(order)
         chosen, order = order[:count], order[count:]
-        ahead = _next_round(list(order), bounds, dict(best), jobs, gpus_of, best_of, count) if pruning else None
+        ahead = _next_round(list(order), bounds, dict(best), jobs, gpus_of, best_of, count,
+                            foresee) if pruning else None  # once every job is in a round, none is left to start
         for i, result in zip(chosen, sessions.run(chosen, ahead)):
             results[i] = result
             _raise_best(best, result, best_of)
@@ -94,7 +99,7 @@ class _Batches:
         return self._run([self._jobs[i] for i in indices])
 
     def drop(self, index: int) -> bool:
-        return False
+        return False  # none started ahead
 
 
 def _below(bound: float | None, floor: tuple[float, str] | None) -> bool:
@@ -110,16 +115,21 @@ def _raise_best(best: dict[int, tuple[float, str]], result, best_of: Callable) -
 
 
 def _next_round(order: list[int], bounds: dict, best: dict, jobs: Sequence, gpus_of: Callable, best_of: Callable,
-                count: int) -> Callable[[dict[int, Any]], list[int]]:
-    """``ahead(done)``: the ``count`` jobs of ``order`` (in bound order) the next round would take given the
-    results ``done`` so far in this round: those not below the best traced on their GPU count. A guess only
-    (the bounds are this round's; the rows done will tighten them): the rule decides at the round's end."""
+                count: int, foresee: Callable | None) -> Callable[[dict[int, Any]], list[int]]:
+    """``ahead(done)``: the ``count`` jobs of ``order`` the next round would take if this round's results were
+    ``done`` (by index, so far): the highest bounds (``foresee``'s once ``done`` is read, else this round's) not
+    below the best traced on their GPU count. A guess: the rule decides at the round's end."""
 
     def ahead(done: dict[int, Any]) -> list[int]:
         known = dict(best)
         for result in done.values():
             _raise_best(known, result, best_of)
-        return [i for i in order if not _below(bounds[i], known.get(gpus_of(jobs[i])))][:count]
+        now = bounds
+        if foresee is not None:
+            guess = foresee([(jobs[i], result) for i, result in done.items()])
+            now = {i: guess(jobs[i]) for i in order}
+        ranked = sorted(order, key=lambda i: -(INFINITY if now[i] is None else now[i]))
+        return [i for i in ranked if not _below(now[i], known.get(gpus_of(jobs[i])))][:count]
 
     return ahead
 
@@ -161,9 +171,16 @@ def run_auto(one: Callable, jobs: list, say: Callable[[str], None], *, sessions:
     def learn(job, result) -> bool:
         return all([evidence.learn(job[1], p) for p in result[0]])
 
+    def foresee(done: list) -> Callable[[Any], float | None]:  # the bounds once ``done`` is read too: a guess
+        guess = copy.deepcopy(evidence)
+        for job, result in done:
+            for p in result[0]:
+                guess.learn(job[1], p)
+        return lambda job: None if job[2] else guess.bound(job[1], job[0]).tokens_per_s
+
     with sessions(one, jobs) as started:
         results, aside = rounds_run(started, jobs, bound, lambda job: job[0].gpus, best_of, learn, processes=processes,
-                                    say=say, set_aside=lambda job: evidence.set_aside(job[1]))
+                                    say=say, set_aside=lambda job: evidence.set_aside(job[1]), foresee=foresee)
     for i, (best, name, value) in aside.items():
         world, strategy, _ = jobs[i]
         why = (f"not traced: at most {value:,.0f} tokens/s, below {name}'s traced {best:,.0f} (bound: "

@@ -288,8 +288,9 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     processes = request.processes if trace is None else 1
 
     def sessions(function: Callable, jobs: list) -> workers.Sessions:
-        return workers.Sessions(function, jobs, say, processes=processes, label=lambda job: f"{job[1].name} on "
-                                f"{job[0].gpus} GPUs", costly=lambda job: getattr(job[1], "pp", 1) > 1)
+        return workers.Sessions(function, jobs, say, processes=processes,
+                                costly=lambda job: getattr(job[1], "pp", 1) > 1,
+                                label=lambda job: f"{job[1].name} on {job[0].gpus} GPU{'s' if job[0].gpus > 1 else ''}")
 
     def run(function: Callable, jobs: list) -> list:
         with sessions(function, jobs) as started:

@@ -157,8 +157,8 @@ class Sessions:
         last would leave the other cores idle while it runs alone); a session started ahead is waited for,
         not started again. The first error of these sessions (in ``indices`` order, of those finished when
         one fails) is raised here; a process that dies (killed for memory, say) is an error too.
-        ``ahead(done)``: while a process is idle, the sessions the next round would take, first first, given
-        ``done`` (this round's results so far, by index); they are started ahead."""
+        ``ahead(done)``: while a process is idle, the sessions the next round would take, the likeliest first,
+        given ``done`` (this round's results so far, by index, in ``indices`` order); they are started ahead."""
         indices = list(indices)
         steps = Steps(len(indices), min(self.processes, len(indices)))
         order = sorted(indices, key=lambda i: not self._costly(self.jobs[i]))
@@ -198,7 +198,7 @@ class Sessions:
                     self._start(waiting.pop(0))
                 if ahead is not None and self.idle:
                     if asked is None or asked[0] != len(counted):  # what is known changed: ask again
-                        asked = (len(counted), ahead({i: self._outcomes[i][1] for i in counted}))
+                        asked = (len(counted), ahead({i: self._outcomes[i][1] for i in indices if i in counted}))
                     for i in asked[1]:
                         if self.idle and i not in self._running and i not in self._outcomes and i not in indices:
                             self._start(i)
