@@ -166,3 +166,32 @@ def test_with_one_process_nothing_starts_ahead(tmp_path, monkeypatch, how):
     assert results == _rows("A", "B", "C", "D", "E") and list(aside) == [5]
     assert standin.lines() == [f"{when} {name}" for name in "ABCDE" for when in ("start", "end")]  # one by one
     assert not any("ahead" in m for m in said)
+
+
+@pytest.mark.slow
+@linux
+def test_an_auto_plan_on_two_processes_is_the_plan_on_one(tmp_path):
+    # the real tracer: a 1-layer Llama on 2 GPUs, every candidate's session on the engine's Sessions
+    import json
+
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+    from tiny import TINY_LLAMA_FILE
+
+    (tmp_path / "tiny.py").write_text(TINY_LLAMA_FILE)
+
+    def plan(processes: str) -> tuple[dict, str]:
+        out = CliRunner().invoke(app, ["plan", f"{tmp_path / 'tiny.py'}:workload", "--gpu", "h100-80gb", "--gpus", "2",
+                                       "--strategies", "auto", "--precision", "bf16-mixed", "--batch-sizes", "1,2",
+                                       "--max-batch", "2", "--limit", "allocated", "--no-cache", "--processes",
+                                       processes, "--json", str(tmp_path / f"{processes}.json"),
+                                       "--out", str(tmp_path / processes)])
+        assert out.exit_code == 0, out.output
+        data = json.loads((tmp_path / f"{processes}.json").read_text())
+        del data["created"], data["trace_seconds"]
+        return data, out.output
+
+    (two, said), (one, _) = plan("2"), plan("1")
+    assert two == one
+    assert "tracing 2 strategy sessions, 2 at a time" in said
