@@ -269,12 +269,18 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
     # a pipeline's session traces every rank's stages whole, not the model cut to 2-4 blocks: the longest
     processes = request.processes if trace is None else 1
 
+    def sessions(function: Callable, jobs: list) -> workers.Sessions:
+        return workers.Sessions(function, jobs, say, processes=processes,
+                                costly=lambda job: getattr(job[1], "pp", 1) > 1,
+                                label=lambda job: f"{job[1].name} on {job[0].gpus} GPU{'s' if job[0].gpus > 1 else ''}")
+
     def run(function: Callable, jobs: list) -> list:
-        return workers.run(function, jobs, say, processes=processes, costly=lambda job: getattr(job[1], "pp", 1) > 1)
+        with sessions(function, jobs) as started:
+            return started.run(range(len(jobs)))
 
     jobs = derived_jobs(by_world)
     if auto:  # the candidates in the order of the tokens/s they could reach, none that cannot be first
-        done = by_bound.run_auto(one, jobs, say, run=run, workload=workload, options=options, device=device,
+        done = by_bound.run_auto(one, jobs, say, sessions=sessions, workload=workload, options=options, device=device,
                                  time_model=time_model, experts=facts.experts,
                                  processes=processes or workers.default_processes(len(jobs)), row=_bounded_row)
     else:

@@ -1,12 +1,15 @@
-"""Strategies traced side by side: one process per strategy, as many at once as CPU cores.
+"""Strategies traced side by side: one process per strategy session, as many at once as CPU cores.
 
 Each strategy is its own tracing session on its own fake process group, and tracing is
 plain Python on one core, so a plan of four strategies on a 2-core machine takes about half
-as long traced two at a time. The processes are forked from this one (the model spec, the
-imports and the workload's closures come along without pickling); each sends its progress
-lines back through a pipe and its result (a ``StrategyPlan``) when done. Where a process
-cannot be forked (``trace.forked.can_fork``: not Linux, one core, ``BATCHFIT_PROCESSES=1``,
-CUDA initialized here), strategies run one after another.
+as long traced two at a time. Each session is a process forked from this one when it starts
+(the model spec, the imports and the workload's closures come along without pickling, and no
+session inherits another's state); it sends its progress lines and then its result (a
+``StrategyPlan``) back through a pipe of its own, so a session stopped halfway (one started
+ahead that its round does not take, ``plan/by_bound.py``) leaves the others' pipes whole.
+:class:`Sessions` starts them one at a time and collects them by rounds; :func:`run` is one round
+of every job. Where a process cannot be forked (``trace.forked.can_fork``: not Linux, one core,
+``BATCHFIT_PROCESSES=1``, CUDA initialized here), sessions run here one after another.
 """
 
 from __future__ import annotations
@@ -15,15 +18,12 @@ import multiprocessing
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Callable, Iterable, Sequence
+from multiprocessing.connection import wait
 from typing import Any
 
+from batchfit.errors import TraceError
 from batchfit.trace.forked import can_fork, sendable
-
-_JOB: tuple[Callable, Sequence, Any] | None = None
-"""(function, jobs, progress queue) for the forked workers: set before the pool forks."""
 
 
 def default_processes(jobs: int) -> int:
@@ -74,11 +74,16 @@ class Steps:
         floor = any(n >= per_session for n in self._traces.values())
         return per_trace * left / max(1, min(self.processes, self.total - self.done)), floor
 
+    def count(self, message: str, job: int = 0) -> None:
+        """A line of session ``job``: one size more started if it says so (also a line said before this
+        count began, by a session started ahead of its round)."""
+        if _TRACE.search(message):
+            self._traces[job] = self._traces.get(job, 0) + 1
+
     def tag(self, message: str, job: int = 0) -> str:
         """``message [2/5 sessions done, about 90 s left]`` for a line of session ``job``: a rough
         figure (strategies differ), and none before the first trace has finished."""
-        if _TRACE.search(message):
-            self._traces[job] = self._traces.get(job, 0) + 1
+        self.count(message, job)
         if self.total < 2:
             return message
         estimate = self._seconds_left()
@@ -86,68 +91,182 @@ class Steps:
         return f"{message} [{self.done}/{self.total} sessions done{left}]"
 
 
-def _run_index(index: int):
-    one, jobs, progress = _JOB
+
+
+DIED = ("a tracing process died (out of host memory, or killed): run with `processes` 1 to trace one strategy "
+        "at a time")
+
+
+def _session(one: Callable, job: Any, writer) -> None:
+    """A forked process: ``one(job, say)``; its lines, then its result or its error, sent back through ``writer``."""
     try:
-        return one(jobs[index], lambda message: progress.put((index, message)))
+        outcome = ("done", one(job, lambda message: writer.send(("say", message))))
     except BaseException as error:  # noqa: BLE001 - sent back whole, or as a TraceError saying what it was
-        portable = sendable(error, f"tracing {jobs[index]}")
-        if portable is error:
-            raise
-        raise portable from None
+        outcome = ("error", sendable(error, f"tracing {job}"))
+    try:
+        writer.send(outcome)
+    except Exception as error:  # noqa: BLE001 - a result that does not pickle: its error does
+        writer.send(("error", sendable(error, f"sending back the result of {job}")))
+    writer.close()
+
+
+class Sessions:
+    """The sessions of ``jobs``, each ``one(job, say)``, started one at a time, ``processes`` at once
+    (default: :func:`default_processes`), and collected by rounds (:meth:`run`).
+
+    A round may start sessions ahead of their round on the processes it leaves idle (``ahead``). A session
+    is the same whenever it starts (forked from this process, it depends on its job only), so the round
+    that takes it uses what it traced, never tracing it again; one that no round will take is stopped
+    (:meth:`drop`), and one still running when a round needs its process is stopped then, so a session
+    started ahead never delays one a round takes. Use it as a context manager: what still runs at the end
+    is stopped. ``label(job)`` names a job in the lines about starting it ahead. Where no process can be
+    forked (``can_fork``) or ``processes`` is 1, each round runs here, one job after another, and nothing
+    starts ahead."""
+
+    def __init__(self, one: Callable[[Any, Callable[[str], None]], Any], jobs: Sequence, say: Callable[[str], None],
+                 *, processes: int | None = None, costly: Callable[[Any], bool] | None = None,
+                 label: Callable[[Any], str] = str) -> None:
+        self.one, self.jobs, self.say, self.label = one, list(jobs), say, label
+        self.processes = default_processes(len(self.jobs)) if processes is None else max(1, min(processes, len(jobs)))
+        self.forked = self.processes > 1 and can_fork()  # not Linux, one core, BATCHFIT_PROCESSES=1, CUDA initialized
+        self._costly = costly or (lambda job: False)
+        self._context = multiprocessing.get_context("fork") if self.forked else None
+        self._running: dict[int, tuple[Any, Any]] = {}
+        """(process, its pipe's reading end) of each session running, by job index."""
+        self._outcomes: dict[int, tuple[str, Any]] = {}
+        """('done', result) or ('error', error) of each session finished and not yet collected."""
+        self._ahead: dict[int, tuple[float, list[str]]] = {}
+        """Sessions started ahead of their round, in the order started: when, and the lines they said."""
+        self._round: tuple[set[int], Steps] | None = None
+        self._exiting: list = []
+        """Processes that sent their outcome, reaped once they have exited."""
+
+    def __enter__(self) -> Sessions:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def idle(self) -> int:
+        """Processes free to start a session on now (none where sessions run here)."""
+        return self.processes - len(self._running) if self.forked else 0
+
+    def run(self, indices: Iterable[int], ahead: Callable[[dict[int, Any]], list[int]] | None = None) -> list:
+        """``[one(jobs[i], say) for i in indices]``, the ones ``costly`` says started first (a long job started
+        last would leave the other cores idle while it runs alone); a session started ahead is waited for,
+        not started again. The first error of these sessions (in ``indices`` order, of those finished when
+        one fails) is raised here; a process that dies (killed for memory, say) is an error too.
+        ``ahead(done)``: while a process is idle, the sessions the next round would take, the likeliest first,
+        given ``done`` (this round's results so far, by index, in ``indices`` order); they are started ahead."""
+        indices = list(indices)
+        steps = Steps(len(indices), min(self.processes, len(indices)))
+        order = sorted(indices, key=lambda i: not self._costly(self.jobs[i]))
+        if not self.forked:
+            out = {}
+            for i in order:
+                out[i] = self.one(self.jobs[i], lambda message, i=i: self.say(steps.tag(message, i)))
+                steps.finished(i)
+            return [out[i] for i in indices]
+        if len(indices) > 1:
+            self.say(f"tracing {len(indices)} strategy sessions, {steps.processes} at a time (one process each)")
+        for i in (i for i in indices if i in self._ahead):
+            started, lines = self._ahead.pop(i)
+            for line in lines:  # its sizes so far count for the time left
+                steps.count(line, i)
+            state = "done" if i in self._outcomes else f"tracing for {time.perf_counter() - started:.0f} s"
+            self.say(f"{self.label(self.jobs[i])}: this round takes it, started ahead ({state})")
+        waiting = [i for i in order if i not in self._running and i not in self._outcomes]
+        for i in reversed([i for i in self._ahead if i in self._running]):  # the last started first
+            if self.idle >= len(waiting):
+                break
+            self.drop(i)
+            self.say(f"{self.label(self.jobs[i])}: its session started ahead is stopped (this round needs its "
+                     "process; traced again if a round takes it)")
+        self._round, counted, asked = (set(indices), steps), set(), None
+        try:
+            while True:
+                for i in [i for i in indices if i in self._outcomes and i not in counted]:
+                    counted.add(i)
+                    steps.finished(i)
+                failed = next((i for i in indices if self._outcomes.get(i, ("",))[0] == "error"), None)
+                if failed is not None:
+                    raise self._outcomes.pop(failed)[1]
+                if len(counted) == len(indices):
+                    return [self._outcomes.pop(i)[1] for i in indices]
+                while waiting and self.idle:
+                    self._start(waiting.pop(0))
+                if ahead is not None and self.idle:
+                    if asked is None or asked[0] != len(counted):  # what is known changed: ask again
+                        asked = (len(counted), ahead({i: self._outcomes[i][1] for i in indices if i in counted}))
+                    for i in asked[1]:
+                        if self.idle and i not in self._running and i not in self._outcomes and i not in indices:
+                            self._start(i)
+                            self._ahead[i] = (time.perf_counter(), [])
+                            self.say(f"{self.label(self.jobs[i])}: started ahead of its round on an idle process "
+                                     "(used as it is if a round takes it)")
+                self._take()
+        finally:
+            self._round = None
+
+    def drop(self, index: int) -> bool:
+        """Forget session ``index``, started ahead and not to be collected: stop it if it still runs (an error
+        it raised is not raised). Whether it had been started."""
+        held = index in self._running or index in self._outcomes
+        if index in self._running:
+            process, reader = self._running.pop(index)
+            process.terminate()
+            process.join()
+            reader.close()
+        self._outcomes.pop(index, None)
+        self._ahead.pop(index, None)
+        return held
+
+    def close(self) -> None:
+        """Stop every session still running."""
+        for index in list(self._running):
+            self.drop(index)
+        for process in self._exiting:
+            process.terminate()
+            process.join()
+        self._exiting.clear()
+
+    def _start(self, index: int) -> None:
+        reader, writer = self._context.Pipe(duplex=False)
+        process = self._context.Process(target=_session, args=(self.one, self.jobs[index], writer), daemon=False)
+        process.start()  # not daemonic: a session may fork its own (trace/forked.py)
+        writer.close()  # the child's copy is then the only one: its death is the end of the pipe here
+        self._running[index] = (process, reader)
+
+    def _take(self) -> None:
+        """Wait for lines or outcomes from the sessions running, and take them."""
+        readers = {reader: index for index, (_, reader) in self._running.items()}
+        for reader in wait(list(readers)):
+            index = readers[reader]
+            try:
+                kind, payload = reader.recv()
+            except (EOFError, OSError):
+                kind, payload = "error", TraceError(DIED)
+            if kind == "say":
+                self._hear(index, payload)
+                continue
+            self._outcomes[index] = (kind, payload)
+            process, _ = self._running.pop(index)
+            reader.close()
+            self._exiting.append(process)
+        self._exiting = [process for process in self._exiting if process.is_alive()]  # is_alive() reaps
+
+    def _hear(self, index: int, message: str) -> None:
+        if self._round is not None and index in self._round[0]:
+            self.say(self._round[1].tag(message, index))
+        else:  # started ahead of its round: its sizes count once a round takes it
+            self._ahead.get(index, (0.0, []))[1].append(message)
+            self.say(f"{message} [started ahead]")
 
 
 def run(one: Callable[[Any, Callable[[str], None]], Any], jobs: Sequence, say: Callable[[str], None], *,
         processes: int | None = None, costly: Callable[[Any], bool] | None = None) -> list:
     """``[one(job, say) for job in jobs]``, in that order, ``processes`` at a time (default:
-    :func:`default_processes`). The first error raised by a job (in job order) is raised here,
-    and the other jobs are stopped; a worker that dies (killed for memory, say) is an error too.
-    The jobs ``costly`` says are start first (their results still come back in job order): a long
-    job started last would leave the other cores idle while it runs alone."""
-    global _JOB
-    processes = default_processes(len(jobs)) if processes is None else max(1, min(processes, len(jobs)))
-    steps = Steps(len(jobs), processes)
-    order = sorted(range(len(jobs)), key=lambda i: not costly(jobs[i])) if costly else list(range(len(jobs)))
-    if processes == 1 or not can_fork():  # not Linux, one core, BATCHFIT_PROCESSES=1, or CUDA initialized
-        out = {}
-        for index in order:
-            out[index] = one(jobs[index], lambda message, index=index: say(steps.tag(message, index)))
-            steps.finished(index)
-        return [out[index] for index in range(len(jobs))]
-    context = multiprocessing.get_context("fork")
-    progress = context.SimpleQueue()  # put() writes before the job goes on: no line arrives after its result
-    _JOB = (one, jobs, progress)
-    say(f"tracing {len(jobs)} strategy sessions, {processes} at a time (one process each)")
-    pool = ProcessPoolExecutor(processes, mp_context=context)
-    try:
-        submitted = {i: pool.submit(_run_index, i) for i in order}  # the pool starts them in this order
-        pending = [submitted[i] for i in range(len(jobs))]
-        counted: set[int] = set()
-        while not all(future.done() for future in pending):
-            if progress.empty():
-                time.sleep(0.05)
-            else:
-                say(steps.tag(*reversed(progress.get())))
-            for index in [i for i, future in enumerate(pending) if future.done() and i not in counted]:
-                counted.add(index)
-                steps.finished(index)
-            failed = next((f for f in pending if f.done() and f.exception() is not None), None)
-            if failed is not None:
-                break
-        while not progress.empty():
-            say(steps.tag(*reversed(progress.get())))
-        for future in pending:
-            if future.done() and future.exception() is not None:
-                error = future.exception()
-                if isinstance(error, BrokenProcessPool):
-                    from batchfit.errors import TraceError
-
-                    raise TraceError("a tracing process died (out of host memory, or killed): run with "
-                                     "`processes` 1 to trace one strategy at a time") from error
-                raise error
-        return [future.result() for future in pending]
-    finally:
-        for process in list(getattr(pool, "_processes", {}).values()):  # stop what still runs
-            process.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
-        _JOB = None
+    :func:`default_processes`): one round of :class:`Sessions` (its ``run`` says how errors come back)."""
+    with Sessions(one, jobs, say, processes=processes, costly=costly) as sessions:
+        return sessions.run(range(len(jobs)))
