@@ -172,6 +172,8 @@ def ring_attention(mesh, *, cpu: bool = False) -> Iterator[None]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
+    from batchfit.distributed.written_ring import written
+
     if _entered:
         if _entered[0] is not mesh:
             raise RuntimeError("a context-parallel ring over another mesh is open: close it first")
@@ -187,13 +189,12 @@ def ring_attention(mesh, *, cpu: bool = False) -> Iterator[None]:
     cp._dispatch_mode = cp._DispatchMode.MONKEY_PATCH
     cp._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=mesh)
     dispatcher = DTensor._op_dispatcher
+    handlers = {op: written(handler) for op, handler in cp.custom_ops.items()}  # repeats written: written_ring.py
     if cpu:
         aten = torch.ops.aten
-        dispatcher._custom_op_handlers = {
-            **dispatcher._custom_op_handlers,
-            aten._scaled_dot_product_flash_attention_for_cpu.default: _cpu_ring_forward,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_ring_backward,
-        }
+        handlers[aten._scaled_dot_product_flash_attention_for_cpu.default] = written(_cpu_ring_forward)
+        handlers[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = written(_cpu_ring_backward)
+    dispatcher._custom_op_handlers = {**dispatcher._custom_op_handlers, **handlers}
     try:
         yield
     finally:

@@ -114,17 +114,23 @@ def traced_at(calls: WrittenCalls | None, rows: int) -> dict[Hashable, Recorded 
     return {key: known.get(rows) for key, known in calls.recorded.items()}
 
 
+def run_marked(tracker, run: Callable[[], object]) -> tuple[object, list[tuple[int, int]]]:
+    """``run()``, and the segment moves it made (``MemoryTracker.segment_marks``: (event, segment))."""
+    tracker.segment_marks = []
+    try:
+        out = run()
+    finally:
+        marks, tracker.segment_marks = tracker.segment_marks, None
+    return out, marks
+
+
 def _record(tracker, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Recorded | None]:
     """Run the call, and what it did where it can be written again (None where it cannot)."""
     import torch
 
     start_event, start_clock, start_window = len(tracker.events), tracker.clock, len(tracker._window)
     phase, segment = tracker.current_phase, tracker._segment
-    tracker.segment_marks = []
-    try:
-        out = run()
-    finally:
-        marks, tracker.segment_marks = tracker.segment_marks, None
+    out, marks = run_marked(tracker, run)
     events = tracker.events[start_event:]
     if (not isinstance(out, torch.Tensor) or tracker.current_phase != phase
             or tracker.clock - start_clock != len(events)):  # a phase, or host memory (it moves the clock alone)
