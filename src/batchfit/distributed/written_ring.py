@@ -61,7 +61,7 @@ def written(handler: Callable) -> Callable:
     def write_or_run(op_call, args, kwargs):
         tracker = active_tracker()
         if not ENABLED or tracker is None or not hasattr(tracker, "calls") or tracker.segment_marks is not None \
-                or tracker._propagating or tracker.uncounted or tracker._on_host:
+                or tracker._propagating or tracker.uncounted or tracker._on_host or not _on_fake(args):
             return handler(op_call, args, kwargs)
         key = _key(tracker, op_call, args, kwargs)
         known = _known.setdefault(tracker, {})
@@ -73,6 +73,15 @@ def written(handler: Callable) -> Callable:
         return out
 
     return write_or_run
+
+
+def _on_fake(args) -> bool:
+    """Whether every tensor argument is a fake one (its local shard, for a DTensor): a step on real tensors (a
+    gloo truth) computes values, which a written call would not."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    tensors = [getattr(a, "_local_tensor", a) for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+    return bool(tensors) and all(isinstance(t, FakeTensor) for t in tensors)
 
 
 def _tensor_key(t: torch.Tensor, tracker, storages: dict) -> tuple:
