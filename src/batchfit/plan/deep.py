@@ -193,8 +193,9 @@ class DeepSession:
         trace at 2 (at 1 a copy of a tensor whose batch dimension is 1 can be a view: Llama-3.1-70B under
         fsdp+cp8 has 4 events fewer at 1 than at 2 or 22). Not at a search's first two probes: one that
         ends there (a max local batch of 4) would trace the small size for nothing."""
-        if self._seeded or local_batch <= 2 or len(self.line.traced) < 2 or local_batch > max(self.line.traced):
-            return False
+        if (self._seeded or self.line.refused or local_batch <= 2 or len(self.line.traced) < 2
+                or local_batch > max(self.line.traced)):
+            return False  # (a refused line writes nothing: its small end would be traced for nothing)
         self._seeded = True
         if self._first_fresh is not None and self._first_fresh[0] < local_batch:
             first, depths = self._first_fresh

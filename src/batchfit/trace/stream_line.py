@@ -45,6 +45,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from batchfit.trace.written import line_value
+
 Stream = tuple[list[tuple[str, int, int]], tuple[int, ...], Mapping[int, int]]
 """(events, where each step after the build starts, ident -> side stream): ``plan.deep``'s fresh stream."""
 
@@ -62,10 +64,10 @@ def _line(known: dict[int, Stream], size: int) -> Stream | None:
         if n1 == n2:
             events.append((kind, ident, n1))
             continue
-        step, left = divmod((n2 - n1) * (size - b1), b2 - b1)
-        if left or n1 + step < 0:
+        nbytes = line_value(n1, n2, b1, b2, size)
+        if nbytes is None:
             return None
-        events.append((kind, ident, n1 + step))
+        events.append((kind, ident, nbytes))
     return events, starts1, dict(sides1)
 
 
@@ -105,10 +107,6 @@ class StreamLine:
             return  # other events inside the line's sizes: they do not stay the same between its ends
         if checks and all(_line(line, b) == _normal(self.traced[b]) for b in checks):
             self.checked = (*ends, *checks)
-
-    def alike(self, size: int) -> int:
-        """How many sizes traced so far have the same shape as ``size``'s stream."""
-        return sum(shape == self._shapes.get(size) for shape in self._shapes.values())
 
     def at(self, size: int) -> Stream | None:
         """The stream at ``size`` written from the checked line; None outside its sizes, before it is checked,

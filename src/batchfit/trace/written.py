@@ -197,16 +197,19 @@ def _write(tracker, recorded: Recorded, device: torch.device, calls: WrittenCall
     return result
 
 
+def line_value(v1: int, v2: int, r1: int, r2: int, rows: int) -> int | None:
+    """The value at ``rows`` on the line through ``(r1, v1)`` and ``(r2, v2)``; None where it is not a whole,
+    non-negative number (bytes, a dimension). Also ``trace/stream_line.py``'s, for a stream's mallocs."""
+    step, left = divmod((v2 - v1) * (rows - r1), r2 - r1)
+    return None if left or v1 + step < 0 else v1 + step
+
+
 def _line(known: dict[int, Recorded], rows: int) -> Recorded | None:
     """The call at ``rows`` from the line through the first two recorded sizes; None where they
     differ in anything but sizes, or a size at ``rows`` is not a whole number of bytes."""
     (r1, a), (r2, b) = itertools.islice(known.items(), 2)
     if len(a.items) != len(b.items) or a.result != b.result or a.segment != b.segment:
         return None
-
-    def at(v1: int, v2: int) -> int | None:
-        step, left = divmod((v2 - v1) * (rows - r1), r2 - r1)
-        return None if left or v1 + step < 0 else v1 + step
 
     items = []
     for x, y in zip(a.items, b.items):
@@ -217,7 +220,7 @@ def _line(known: dict[int, Recorded], rows: int) -> Recorded | None:
             continue
         if y[0] != "malloc" or x[2:3] + x[4:] != y[2:3] + y[4:] or len(x[3]) != len(y[3]):
             return None
-        values = [at(v1, v2) for v1, v2 in zip((x[1], *x[3]), (y[1], *y[3]))]
+        values = [line_value(v1, v2, r1, r2, rows) for v1, v2 in zip((x[1], *x[3]), (y[1], *y[3]))]
         if None in values:
             return None
         items.append(("malloc", values[0], x[2], tuple(values[1:]), x[4], x[5]))
