@@ -81,7 +81,8 @@ def render(outcomes: list[dict]) -> str:
     def note(detail: str) -> int:
         return notes.setdefault(_clean(detail), len(notes) + 1)
 
-    tiers = {"fast": matrix.pairwise_rows(), "slow": matrix.slow_rows(), "defaults": matrix.default_rows()}
+    tiers = {"fast": matrix.pairwise_rows(), "slow": matrix.slow_rows() + matrix.extended_rows(),
+             "defaults": matrix.default_rows()}
     ids = {name: {matrix.row_id(r) for r in rows} for name, rows in tiers.items()}
     in_tier = {name: [o for o in outcomes if matrix.row_id(o["row"]) in ids[name]] for name in tiers}
     lines = ["# Support matrix", "",

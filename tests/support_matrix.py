@@ -146,9 +146,10 @@ def cost(row: dict) -> float:
 
 
 def covering_rows(dimensions: dict[str, tuple[str, ...]], wanted=lambda a, b: True, seed: int = 0,
-                  candidates: int = 30) -> list[dict]:
+                  candidates: int = 30, allowed=lambda row: True) -> list[dict]:
     """Rows over ``dimensions`` that hold every allowed pair of values of two dimensions that
-    ``wanted(a, b)`` asks for (a greedy covering array, deterministic for a seed)."""
+    ``wanted(a, b)`` asks for (a greedy covering array, deterministic for a seed), each row one that
+    ``allowed(row)`` takes (asked of partial rows too)."""
     dims = list(dimensions)
     uncovered = {((d1, v1), (d2, v2))
                  for d1, d2 in itertools.combinations(dims, 2)
@@ -164,7 +165,7 @@ def covering_rows(dimensions: dict[str, tuple[str, ...]], wanted=lambda a, b: Tr
             for dim in rng.sample(dims, len(dims)):
                 if dim in row:
                     continue
-                options = [v for v in dimensions[dim] if refusal({**row, dim: v}) is None]
+                options = [v for v in dimensions[dim] if refusal({**row, dim: v}) is None and allowed({**row, dim: v})]
                 rng.shuffle(options)
                 row[dim] = max(options, key=lambda v: (sum(
                     tuple(sorted(((dim, v), (d, row[d])), key=lambda p: dims.index(p[0]))) in uncovered
@@ -194,17 +195,51 @@ def pairwise_rows() -> list[dict]:
     return covering_rows(FAST, wanted=_fast_pair)
 
 
+COSTLY = (("compile", "model"), ("compile", "blocks"), ("precision", "fp8-rowwise"))
+"""The values that make a tiny trace several times dearer: inductor's compile, torchao's float8 subclasses."""
+WRAPS = tuple(("strategy", s) for s in ("single", "ddp", "fsdp", "hsdp2", "zero1", "zero2"))
+"""The strategies that wrap the model whole or block by block, without a plan of its code (TP, pipeline cuts,
+cp's ring, ep's experts): each family meets single and fsdp at its defaults in CI (:func:`default_rows`)."""
+COSTLY_FAMILIES = ("llama", "gemma2", "granite", "mixtral", "deepseek_v3", "gpt2", "t5")
+"""The families CI's slow tier pairs with :data:`COSTLY` values and :data:`WRAPS`: one of each kind of model
+(GQA decoder, softcapped eager attention, scaled logits, MoE, MLA + MoE, tied Conv1D GPT-2, encoder-decoder), as
+the support truths' ``IN_CI``. Every other family meets those in :func:`extended_rows` (``pytest -m extended``),
+and every other value in CI: the fast tier's array, and the slow tier's with the strategies that plan its code."""
+
+
+def _costly(row: dict) -> bool:
+    return any(row.get(dim) == value for dim, value in COSTLY + WRAPS)
+
+
+def _extended_pair(a: tuple[str, str], b: tuple[str, str]) -> bool:
+    """A family beyond :data:`COSTLY_FAMILIES` with a :data:`COSTLY` value or one of the :data:`WRAPS`."""
+    family = next((v for d, v in (a, b) if d == "family"), None)
+    return family is not None and family not in COSTLY_FAMILIES and any(p in COSTLY + WRAPS for p in (a, b))
+
+
+def _in_ci(row: dict) -> bool:
+    return row.get("family") in (None, *COSTLY_FAMILIES) or not _costly(row)
+
+
 @functools.cache
 def slow_rows() -> list[dict]:
     """The slow tier's rows: every other allowed pair (each family with each strategy; compile and float8
-    with every value)."""
-    return covering_rows(DIMENSIONS, wanted=lambda a, b: not _fast_pair(a, b))
+    with every value) but :func:`extended_rows`', no row pairing a costly value or a plain wrap with a family
+    beyond one of each kind."""
+    return covering_rows(DIMENSIONS, wanted=lambda a, b: not _fast_pair(a, b) and not _extended_pair(a, b),
+                         allowed=_in_ci)
+
+
+@functools.cache
+def extended_rows() -> list[dict]:
+    """Each family beyond :data:`COSTLY_FAMILIES` with each costly value and plain wrap (``pytest -m extended``)."""
+    return covering_rows(DIMENSIONS, wanted=_extended_pair)
 
 
 def all_pairs_covered() -> set:
-    """Every allowed pair the two arrays hold together."""
+    """Every allowed pair the three arrays hold together."""
     dims = list(DIMENSIONS)
-    return {pair for row in pairwise_rows() + slow_rows() for pair in _pairs(row, dims)}
+    return {pair for row in pairwise_rows() + slow_rows() + extended_rows() for pair in _pairs(row, dims)}
 
 
 def _pairs(row: dict, dims: list[str]):

@@ -125,3 +125,24 @@ def test_a_whole_models_replay_gives_its_point_too():
         steady = other.trace(3)
     fields = ("peak_bytes", "breakdown", "phase", "flops", "params_per_rank", "collectives")
     assert {f: getattr(point, f) for f in fields} == {f: getattr(steady, f) for f in fields}
+
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("fsdp+cp2", marks=pytest.mark.slow)])
+def test_shallow_depths_in_a_forked_process_trace_what_one_process_does(strategy):
+    """``fork``: depths 2 and 3 live in a forked child (trace/forked.py) while this process traces depth 4: the
+    same points, fresh streams, reserved replays (written from the stream line too) as one process, byte for byte."""
+    from batchfit.trace.forked import can_fork
+
+    if not can_fork():
+        pytest.skip("no second core here")
+    options = StepOptions(precision="bf16-mixed", checkpointing="full")
+
+    def traced(fork: bool):
+        with DeepSession(WORKLOAD, options, H100, parse_strategy(strategy, 4), fork=fork) as deep:
+            assert (deep._forked is not None) == fork
+            points = [deep.trace(b) for b in (1, 2, 3)]
+            replays = [deep.reserved(b).to_json() for b in (3, 1, 5, 4)]  # 5: fresh sessions; 4: from the line
+            return points + [deep.trace(5)], replays, deep.whole_reserved, deep.line.summary()
+
+    assert traced(True) == traced(False)

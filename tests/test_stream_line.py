@@ -91,7 +91,7 @@ def test_a_third_size_that_differs_leaves_the_line_unchecked():
     assert off.checked == (1, 5, 3) and off.at(2) is None  # 12.5 bytes at 2: not a whole number, not written
 
 
-@pytest.mark.parametrize("strategy,gpus", [("fsdp", 2), ("fsdp+cp2", 4)])
+@pytest.mark.parametrize("strategy,gpus", [pytest.param("fsdp", 2, marks=pytest.mark.slow), ("fsdp+cp2", 4)])
 def test_a_written_replay_is_the_traced_one(strategy, gpus):
     from batchfit.plan.deep import DeepSession
     from batchfit.plan.sharded import ShardedSession, parse_strategy

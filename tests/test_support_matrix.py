@@ -2,8 +2,10 @@
 
 Fast tier: a covering array of ~80 tiny traces (split between this file and test_support_matrix_b.py) holding every
 pair of values of two dimensions among fp32 / bf16-mixed / bf16 and no compile, but family x strategy.
-Slow tier: every other pair (each family with each strategy, compile and float8 with every value;
-~175 rows) and each family at its defaults with reserved memory replayed.
+Slow tier: every other pair (each family with each strategy, compile and float8 with every value; ~120 rows) but a
+family beyond one of each kind (``support_matrix.COSTLY_FAMILIES``) compiled, in float8 or under a plain wrap (single,
+ddp, fsdp, hsdp2, zero1, zero2): those ~60 rows are ``extended`` (``pytest -m extended``); and each family at its
+defaults with reserved memory replayed (single and fsdp).
 ``BATCHFIT_SUPPORT_RESULTS=path.jsonl`` keeps each row's outcome (benchmarks/support_table.py
 writes docs/support.md from them).
 """

@@ -58,11 +58,13 @@ since 2026-11-28: gemma2 (+4.3%) and granite (-5.1%) under compile were batchfit
 fusion; every compiled graph now runs inductor's generated code (trace/compiled.py), -0.002% on both."""
 FLAKY: set[tuple[str, str]] = set()
 """Known cells whose trace depends on what ran before it in the process: xfail, not strict."""
-IN_CI = {"compile": ("llama", "gemma2", "granite"), "gloo": ("llama", "gemma2", "mixtral", "gpt2", "t5")}
-"""The families CI's slow tier runs for the two costliest truths (inductor compiles, two gloo ranks): each kind
-of model once (GQA decoder, softcapped eager attention, scaled logits, MoE, tied Conv1D GPT-2, encoder-decoder),
-the two families batchfit's fusion model missed before 2026-11-28 among them; the rest are marked
-``extended`` (``pytest -m extended``: README, Tests)."""
+IN_CI = {"compile": ("llama", "gemma2", "granite"), "gloo": ("llama", "gemma2", "mixtral", "gpt2", "t5"),
+         "slow": matrix.COSTLY_FAMILIES}
+"""The families CI's slow tier runs for the costliest truths (inductor compiles, two gloo ranks) and for the
+slow tier's recipes: each kind of model once (GQA decoder, softcapped eager attention, scaled logits, MoE,
+MLA + MoE, tied Conv1D GPT-2, encoder-decoder), the two families batchfit's fusion model missed before
+2026-11-28 among them; the rest are marked ``extended`` (``pytest -m extended``: README, Tests). Every family
+runs the fast tier's recipe (fp32) in CI."""
 GLOO_WORLD = 2
 
 
@@ -112,7 +114,7 @@ def _cells(recipes) -> list:
     for recipe in recipes:
         for family in matrix.FAMILIES:
             marks = [] if recipe in FAST_RECIPES else [pytest.mark.slow]
-            if recipe in IN_CI and family not in IN_CI[recipe]:
+            if family not in IN_CI.get(recipe, () if recipe in FAST_RECIPES else IN_CI["slow"]):
                 marks.append(pytest.mark.extended)
             if (family, recipe) in KNOWN:
                 strict = (family, recipe) not in FLAKY

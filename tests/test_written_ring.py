@@ -57,8 +57,10 @@ def test_written_ring_is_what_running_it_makes(name, world, checkpointing, monke
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,world", [("fsdp+cp2", 4), ("fsdp+cp4+tp2", 8)])
-@pytest.mark.parametrize("checkpointing", ["full", "none"])
+@pytest.mark.parametrize("name,world,checkpointing", [
+    ("fsdp+cp4+tp2", 8, "full"), ("fsdp+cp2", 4, "none"),
+    pytest.param("fsdp+cp2", 4, "full", marks=pytest.mark.extended),  # CI's 30 minutes: the other two
+    pytest.param("fsdp+cp4+tp2", 8, "none", marks=pytest.mark.extended)])  # (the fast tier has all four)
 def test_written_ring_in_a_deep_session(name, world, checkpointing, monkeypatch):
     options = StepOptions(precision="bf16-mixed", checkpointing=checkpointing)
 
@@ -84,18 +86,31 @@ def test_repeats_are_written(monkeypatch):
     runs = []
     original = written_ring._record
 
-    def counted(tracker, run):
+    def counted(tracker, run, mesh):
         runs.append(1)
-        return original(tracker, run)
+        return original(tracker, run, mesh)
 
     monkeypatch.setattr(written_ring, "_record", counted)
+    monkeypatch.setattr(written_ring, "_known", type(written_ring._known)())
     options = StepOptions(precision="bf16-mixed", checkpointing="full")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with ShardedSession(tiny_llama_workload(CFG), options, get_device("h100-80gb"),
-                            parse_strategy("fsdp+cp2", 4)) as session:
-            session.trace(2)
-            known = written_ring._known[session.tracker]
+        for _ in range(2):  # a second session (its own fake world and mesh) writes what the first recorded
+            with ShardedSession(tiny_llama_workload(CFG), options, get_device("h100-80gb"),
+                                parse_strategy("fsdp+cp2", 4)) as session:
+                session.trace(2)
+    known = written_ring._known
     # 2 layers x (forward, recomputed forward, backward) x 2 steps = 12 calls; one per phase kept
     assert all(call is not None for call in known.values()), known
     assert len(runs) == len(known) == 3
+
+
+def test_a_session_writes_what_another_recorded(monkeypatch):
+    """Recorded calls are shared by the process's trackers (a reserved probe's fresh sessions, the depths): a
+    session opened after another, at the same and at other sizes, traces what it would with nothing written."""
+    options = StepOptions(precision="bf16-mixed", checkpointing="full")
+    monkeypatch.setattr(written_ring, "_known", type(written_ring._known)())
+    first = _sharded(tiny_llama_workload(CFG), "fsdp+cp2", 4, options, True, monkeypatch)
+    second = _sharded(tiny_llama_workload(CFG), "fsdp+cp2", 4, options, True, monkeypatch)
+    run = _sharded(tiny_llama_workload(CFG), "fsdp+cp2", 4, options, False, monkeypatch)
+    assert first == second == run

@@ -21,11 +21,12 @@ every call (tests/test_written_ring.py compares the two, event for event).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
-import weakref
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -38,8 +39,13 @@ ENABLED = os.environ.get("BATCHFIT_WRITE_RING", "1") != "0"
 """Write repeated ring calls (``BATCHFIT_WRITE_RING=0``: run every one)."""
 
 _keys = itertools.count(1)
-_known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""By tracker: the calls recorded so far, by key (None: one that cannot be written)."""
+KNOWN_CALLS = 4096
+"""How many recorded calls this process keeps (the least recently used go first)."""
+_known: OrderedDict[tuple, RingCall | None] = OrderedDict()
+"""The calls recorded so far in this process, by key (None: one that cannot be written). Shared by every
+tracker: the key holds all of a tracker's state the call depends on, and a call's collectives name their
+groups by mesh dimension, its results' specs no mesh: the depth sessions of one size, the fresh sessions
+a reserved probe opens and the steps after them write what the first recorded."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class RingCall:
     leaves: tuple
     spec: object
     calls: tuple
+    """The collectives, each one's group as the index of its mesh dimension (the mesh the arguments are on)."""
     flops: int
 
 
@@ -63,13 +70,16 @@ def written(handler: Callable) -> Callable:
         if not ENABLED or tracker is None or not hasattr(tracker, "calls") or tracker.segment_marks is not None \
                 or tracker._propagating or tracker.uncounted or tracker._on_host or not _on_fake(args):
             return handler(op_call, args, kwargs)
-        key = _key(tracker, op_call, args, kwargs)
-        known = _known.setdefault(tracker, {})
-        if key is not None and known.get(key) is not None:
-            return _write(tracker, known[key])
-        out, made = _record(tracker, lambda: handler(op_call, args, kwargs))
-        if key is not None:
-            known.setdefault(key, made)
+        mesh = _mesh(args, kwargs)
+        key = _key(tracker, op_call, args, kwargs) if mesh is not None else None
+        if key is not None and _known.get(key) is not None:
+            _known.move_to_end(key)
+            return _write(tracker, _known[key], mesh)
+        out, made = _record(tracker, lambda: handler(op_call, args, kwargs), mesh)
+        if key is not None and key not in _known:
+            _known[key] = made
+            while len(_known) > KNOWN_CALLS:
+                _known.popitem(last=False)
         return out
 
     return write_or_run
@@ -82,6 +92,25 @@ def _on_fake(args) -> bool:
 
     tensors = [getattr(a, "_local_tensor", a) for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
     return bool(tensors) and all(isinstance(t, FakeTensor) for t in tensors)
+
+
+def _mesh(args, kwargs):
+    """The one device mesh of the call's DTensor arguments, or None (none, or several)."""
+    meshes = {id(leaf.device_mesh): leaf.device_mesh for leaf in tree_flatten((args, kwargs))[0]
+              if isinstance(leaf, DTensor)}
+    return next(iter(meshes.values())) if len(meshes) == 1 else None
+
+
+def _mesh_key(mesh) -> tuple:
+    """What of a mesh a ring call depends on: torch's own equality of meshes (ranks, layout, device type,
+    dimension names; read without tensors: the mesh's tensor is not to be read under fake tensors) and this
+    rank's place in it. Two sessions' meshes alike by it have groups alike dimension by dimension."""
+    return (mesh._hash_key(), mesh.get_coordinate())
+
+
+def _groups(mesh) -> list[str]:
+    """The process group name of each of the mesh's dimensions."""
+    return [mesh.get_group(dim).group_name for dim in range(mesh.ndim)]
 
 
 def _tensor_key(t: torch.Tensor, tracker, storages: dict) -> tuple:
@@ -101,7 +130,7 @@ def _key(tracker, op_call, args, kwargs) -> tuple | None:
         if isinstance(leaf, DTensor):
             local = leaf._local_tensor
             parts.append(("D", _tensor_key(local, tracker, storages), tuple(leaf.shape), leaf.stride(),
-                          leaf.requires_grad, tuple(leaf.placements), id(leaf.device_mesh)))
+                          leaf.requires_grad, tuple(leaf.placements), _mesh_key(leaf.device_mesh)))
         elif isinstance(leaf, torch.Tensor):
             parts.append(("T", _tensor_key(leaf, tracker, storages)))
         elif leaf is None or isinstance(leaf, (bool, int, float, str)):
@@ -121,8 +150,9 @@ def _device(call: RingCall, at: int) -> torch.device:
     return next(r[5] for r in call.results if r is not None and r[0] == at)
 
 
-def _record(tracker, run: Callable) -> tuple[object, RingCall | None]:
-    """Run the call, and what it did where it can be written again (None where it cannot)."""
+def _record(tracker, run: Callable, mesh) -> tuple[object, RingCall | None]:
+    """Run the call, and what it did where it can be written again (None where it cannot), with no
+    reference to ``mesh`` (the arguments'): a tracker whose mesh is laid out alike writes it."""
     start_event, start_clock, start_window = len(tracker.events), tracker.clock, len(tracker._window)
     start_calls, start_flops, phase = len(tracker.calls), tracker.flops, tracker.current_phase
     module = tracker._module_stack[-1] if tracker._module_stack else None
@@ -176,19 +206,27 @@ def _record(tracker, run: Callable) -> tuple[object, RingCall | None]:
             if items[[i for i, item in enumerate(items) if item[0] == "malloc"][at]][1] != nbytes \
                     or nbytes % local.element_size():
                 return out, None
+        if dspec is not None:
+            if dspec.mesh is not mesh:
+                return out, None
+            dspec = copy.copy(dspec)
+            dspec.mesh, dspec._hash = None, None
         results.append((at, tuple(local.shape), local.stride(), local.storage_offset(), local.dtype, local.device,
                         dspec))
         kept.append(None)
-    if set(dtypes) != alive:  # something else survives the call
-        return out, None
-    return out, RingCall(tuple(items), tuple(results), tuple(kept), spec,
-                         tuple(tracker.calls[start_calls:]), tracker.flops - start_flops)
+    groups = _groups(mesh)
+    calls = tracker.calls[start_calls:]
+    if set(dtypes) != alive or any(c.group_name not in groups for c in calls):  # something else survives the call;
+        return out, None                                                     # a group off the mesh
+    calls = tuple(replace(c, group_name=groups.index(c.group_name)) for c in calls)
+    return out, RingCall(tuple(items), tuple(results), tuple(kept), spec, calls, tracker.flops - start_flops)
 
 
-def _write(tracker, call: RingCall) -> object:
-    """Count the recorded allocations and frees again, append its collectives and FLOPs; the results
-    are made for real: each result storage an empty tensor of its bytes (counted as the op that made it),
-    the results views of it at their shapes, strides and offsets (dK and dV share one buffer)."""
+def _write(tracker, call: RingCall, mesh) -> object:
+    """Count the recorded allocations and frees again, append its collectives (on ``mesh``'s groups) and FLOPs;
+    the results are made for real: each result storage an empty tensor of its bytes (counted as the op that
+    made it), the results views of it at their shapes, strides and offsets (dK and dV share one buffer), each
+    DTensor's spec on ``mesh``."""
     module = tracker._module_stack[-1] if tracker._module_stack else None
     kinds = {r[0]: r[4] for r in call.results if r is not None and r[0] is not None}  # malloc index: dtype
     bases: dict[int, torch.Tensor] = {}
@@ -215,7 +253,8 @@ def _write(tracker, call: RingCall) -> object:
             if key < 0:
                 tracker._free(key)
         raise
-    tracker.calls.extend(call.calls)
+    groups = _groups(mesh)
+    tracker.calls.extend(replace(c, group_name=groups[c.group_name]) for c in call.calls)
     tracker.flops += call.flops
     leaves = []
     for result, value in zip(call.results, call.leaves):
@@ -225,5 +264,8 @@ def _write(tracker, call: RingCall) -> object:
         at, shape, stride, offset, dtype, device, dspec = result
         local = (torch.empty_strided(shape, stride, dtype=dtype, device=device) if at is None
                  else bases[at].as_strided(shape, stride, offset))
+        if dspec is not None:
+            dspec = copy.copy(dspec)
+            dspec.mesh, dspec._hash = mesh, None
         leaves.append(local if dspec is None else DTensor(local, dspec, requires_grad=False))
     return tree_unflatten(leaves, call.spec)

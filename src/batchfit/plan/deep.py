@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from batchfit.distributed.parallelisms import degree_keys, degree_of, runs_experts
 from batchfit.trace import depth, stream
+from batchfit.trace.forked import ForkedWorker, can_fork
 from batchfit.trace.stream_line import StreamLine, refusal, rounds_by_batch
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ class DeepSession:
     """:meth:`reserved` at a size not traced yet leaves its point for :meth:`trace` (``ShardedCurve``)."""
 
     def __init__(self, workload, options, device, strategy: Strategy, *, session: Callable | None = None,
-                 cuda_semantics: bool = True) -> None:
+                 cuda_semantics: bool = True, fork: bool = False) -> None:
         if session is None:
             from batchfit.plan.sharded import ShardedSession as session
         extra = {} if cuda_semantics else {"cuda_semantics": False}  # stand-ins need not take it
@@ -99,6 +100,9 @@ class DeepSession:
         self.whole_traces: list[int] = []
         """Local batches traced whole although the model was cut (not regular in depth there)."""
         self._depths: list = []
+        self._forked = None
+        """With ``fork`` (where a process can be forked): the child that holds the depth-2 and depth-3 sessions
+        (:meth:`_fork_shallow`), ``self._depths`` then holding a :class:`_Forked` for each and depth 4's session."""
         self._whole = None
         self._first_fresh: tuple[int, list[tuple[list, tuple[int, ...], dict]] | None] | None = None
         """(local batch, each depth's fresh stream and step starts): the depth sessions' first
@@ -126,7 +130,10 @@ class DeepSession:
             self.blocks = seen.blocks
             self._depths = [first]
             try:
-                self._depths += [self._open(depth.at_depth(workload, d, seen)) for d in depth.DEPTHS[1:]]
+                if fork and can_fork():
+                    self._fork_shallow(first, seen)
+                else:
+                    self._depths += [self._open(depth.at_depth(workload, d, seen)) for d in depth.DEPTHS[1:]]
             except BaseException:
                 self.close()
                 raise
@@ -138,7 +145,7 @@ class DeepSession:
             return self._fresh_points.pop(local_batch)
         if self._depths:
             first = self._first_fresh is None and getattr(self._depths[0], "fresh_stream", None) is None
-            found = extrapolate([s.trace(local_batch) for s in self._depths], self.blocks)
+            found = extrapolate(self._trace_depths(local_batch), self.blocks)
             if first and all(getattr(s, "fresh_stream", None) is not None for s in self._depths):
                 self._first_fresh = (local_batch, [(s.fresh_stream, s.fresh_steps, _side_streams(s))
                                                    for s in self._depths])
@@ -151,6 +158,44 @@ class DeepSession:
         if self._first_fresh is None and getattr(self._whole, "fresh_stream", None) is not None:
             self._first_fresh = (local_batch, None)  # the whole model's first trace: a fresh process too
         return found
+
+    def _fork_shallow(self, first, seen: depth.Depth) -> None:
+        """Depths 2 and 3 in a forked child (it keeps this process's depth-2 session as it was forked, and opens
+        depth 3), which traces them while this process traces depth 4: the same sessions, each in one process,
+        so the same bytes; a session alone on a two-core machine (auto's last, or one strategy) in about 60% of
+        the time. This process's copy of the depth-2 session is closed."""
+        def open_at(d: int, seen: depth.Depth):
+            return self._open(depth.at_depth(self.workload, d, seen))
+
+        self._forked = ForkedWorker(lambda: (_Shallow([first, open_at(depth.DEPTHS[1], seen)], open_at), None))
+        first.close()
+        self._depths = [_Forked(), _Forked()]
+        self._depths.append(open_at(depth.DEPTHS[2], seen))
+        self._forked.result()  # the child's sessions opened (its error raised here)
+
+    def _trace_depths(self, local_batch: int) -> list[ShardedPoint]:
+        """Each depth's point at ``local_batch`` (depths 2 and 3 in the forked child, meanwhile, where there is one)."""
+        if self._forked is None:
+            return [s.trace(local_batch) for s in self._depths]
+        self._forked.start("trace", local_batch, doing=f"tracing local batch {local_batch}")
+        deepest = self._depths[-1].trace(local_batch)
+        shallow = self._forked.result()
+        for forked, (_, fresh) in zip(self._depths, shallow):
+            if fresh is not None:
+                forked.fresh_stream, forked.fresh_steps, forked.fresh_streams = fresh
+        return [point for point, _ in shallow] + [deepest]
+
+    def _fresh_depths(self, local_batch: int, points: list) -> list[tuple[list, tuple[int, ...], dict]]:
+        """A fresh process's stream at each depth (new sessions), their points appended to ``points``."""
+        seen = depth.Depth()
+        if self._forked is None:
+            return [self._fresh(depth.at_depth(self.workload, d, seen), local_batch, points) for d in depth.DEPTHS]
+        self._forked.start("fresh", local_batch, doing=f"tracing local batch {local_batch} in fresh sessions")
+        deepest: list = []
+        found = self._fresh(depth.at_depth(self.workload, depth.DEPTHS[-1], seen), local_batch, deepest)
+        shallow = self._forked.result()
+        points += [point for *_, point in shallow] + deepest
+        return [traced for *traced, _ in shallow] + [found]
 
     def reserved(self, local_batch: int):
         """Rank 0's reserved peak at ``local_batch`` (a ``plan.reserved.ReservedReplay``): the
@@ -217,18 +262,14 @@ class DeepSession:
             self._fresh_points[local_batch] = point
 
     def _fresh(self, workload, local_batch: int, points: list | None = None) -> tuple[list, tuple[int, ...], dict]:
-        with contextlib.closing(self._open(workload)) as session:
-            point = session.trace(local_batch)
-            if points is not None:
-                points.append(point)
-            return session.fresh_stream, session.fresh_steps, _side_streams(session)
+        return _fresh_trace(self._open(workload), local_batch, points)
 
     def _extended(self, local_batch: int) -> tuple[list, tuple[int, ...], dict] | None:
         if self._first_fresh is not None and self._first_fresh[0] == local_batch and self._first_fresh[1] is not None:
             traced = self._first_fresh[1]  # the depth sessions' own first trace was this fresh process
         else:
-            seen, points = depth.Depth(), []
-            traced = [self._fresh(depth.at_depth(self.workload, d, seen), local_batch, points) for d in depth.DEPTHS]
+            points = []
+            traced = self._fresh_depths(local_batch, points)
             if all(len(steps) == 2 for _, steps, _ in traced) and (found := extrapolate(points, self.blocks)):
                 self._keep_fresh(local_batch, found, traced[0][1])
         if len({len(steps) for _, steps, _ in traced}) != 1:
@@ -245,7 +286,8 @@ class DeepSession:
 
     def close(self) -> None:
         with contextlib.ExitStack() as stack:  # every session closes, even when one raises
-            for s in [*self._depths, *([self._whole] if self._whole is not None else [])]:
+            for s in [*([self._forked] if self._forked is not None else []), *self._depths,
+                      *([self._whole] if self._whole is not None else [])]:
                 stack.callback(s.close)
 
     def __enter__(self) -> DeepSession:
@@ -253,6 +295,56 @@ class DeepSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _fresh_trace(session, local_batch: int, points: list | None = None) -> tuple[list, tuple[int, ...], dict]:
+    """``session`` (just opened) traced at ``local_batch`` and closed: its fresh stream, step starts and side
+    streams; its point appended to ``points``."""
+    with contextlib.closing(session):
+        point = session.trace(local_batch)
+        if points is not None:
+            points.append(point)
+        return session.fresh_stream, session.fresh_steps, _side_streams(session)
+
+
+class _Shallow:
+    """In :meth:`DeepSession._fork_shallow`'s child: the depth-2 and depth-3 sessions."""
+
+    def __init__(self, sessions: list, open_at: Callable) -> None:
+        self.sessions, self._open_at = sessions, open_at
+
+    def trace(self, local_batch: int) -> list[tuple[ShardedPoint, tuple | None]]:
+        """Each session's point, and its fresh stream, step starts and side streams where this was its first trace."""
+        traced = []
+        for s in self.sessions:
+            first = s.fresh_stream is None
+            point = s.trace(local_batch)
+            traced.append((point, (s.fresh_stream, s.fresh_steps, _side_streams(s)) if first else None))
+        return traced
+
+    def fresh(self, local_batch: int) -> list[tuple]:
+        """(stream, step starts, side streams, point) of a fresh process at each of the two depths."""
+        seen, found = depth.Depth(), []
+        for d in depth.DEPTHS[:-1]:
+            points: list = []
+            found.append((*_fresh_trace(self._open_at(d, seen), local_batch, points), points[0]))
+        return found
+
+    def close(self) -> None:
+        with contextlib.ExitStack() as stack:  # the last opened closes first
+            for s in self.sessions:
+                stack.callback(s.close)
+
+
+class _Forked:
+    """This process's view of a depth session in the forked child: its first trace's fresh stream, once traced."""
+
+    fresh_stream: list | None = None
+    fresh_steps: tuple[int, ...] | None = None
+    fresh_streams: dict[int, int] = {}
+
+    def close(self) -> None:
+        pass
 
 
 def trace_deep(workload, options, device, strategy: Strategy, local_batch: int, *,

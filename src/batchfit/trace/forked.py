@@ -49,13 +49,13 @@ def sendable(error: BaseException, doing: str) -> BaseException:
         return TraceError(f"{doing} failed: {text}")
 
 
-def _serve(connection, parents_end, build: Callable[[], tuple[list, Any]]) -> None:
-    """The child: build the sessions, then trace them at each batch size asked for. Each answer
-    carries its request's number, so the parent never takes one answer for another."""
+def _serve(connection, parents_end, build: Callable[[], tuple[Any, Any]]) -> None:
+    """The child of a :class:`ForkedWorker`: build its object, then call the method each request names.
+    Each answer carries its request's number, so the parent never takes one answer for another."""
     parents_end.close()  # the parent's death then ends recv() below: no orphan left waiting
     try:
-        sessions, built = build()
-        connection.send((0, "ok", ([(s.params, s.trainable_params) for s in sessions], built)))
+        served, built = build()
+        connection.send((0, "ok", built))
     except BaseException as error:  # noqa: BLE001 - sent back, raised in the parent
         connection.send((0, "error", sendable(error, "building the model in the tracing process")))
         return
@@ -65,13 +65,13 @@ def _serve(connection, parents_end, build: Callable[[], tuple[list, Any]]) -> No
         except (EOFError, KeyboardInterrupt):
             return
         if request is None:
+            getattr(served, "close", lambda: None)()
             return
-        number, batch_size, fresh = request
+        number, method, args, doing = request
         try:
-            traced = [(s.trace(batch_size, fresh=fresh), s.fresh_folded if fresh else None) for s in sessions]
-            connection.send((number, "ok", traced))
+            connection.send((number, "ok", getattr(served, method)(*args)))
         except BaseException as error:  # noqa: BLE001 - sent back, raised in the parent
-            connection.send((number, "error", sendable(error, f"tracing batch size {batch_size}")))
+            connection.send((number, "error", sendable(error, doing)))
 
 
 def _died() -> TraceError:
@@ -79,11 +79,11 @@ def _died() -> TraceError:
                       "BATCHFIT_PROCESSES=1 to trace every depth in this process")
 
 
-class ForkedSessions:
-    """Sessions built by ``build`` in a forked child; ``build`` returns them and anything
-    picklable the caller needs from building them (:meth:`built`)."""
+class ForkedWorker:
+    """An object built by ``build`` in a forked child (``build() -> (the object, anything picklable the caller
+    needs from building it)``), whose methods the child runs one request at a time while this process goes on."""
 
-    def __init__(self, build: Callable[[], tuple[list, Any]]) -> None:
+    def __init__(self, build: Callable[[], tuple[Any, Any]]) -> None:
         context = multiprocessing.get_context("fork")
         self._connection, child = context.Pipe()
         self._process = context.Process(target=_serve, args=(child, self._connection, build), daemon=True)
@@ -92,29 +92,19 @@ class ForkedSessions:
         self._asked = 0
         """The number of the last request; the build is request 0."""
         self._answered = -1
-        self.params: list[int] = []
-        self.trainable_params: list[int] = []
 
-    def built(self) -> Any:
-        """Wait for the child to build its sessions (this process builds its own meanwhile):
-        what ``build`` returned beside them; :attr:`params` and :attr:`trainable_params` are set."""
-        counts, built = self.results()
-        self.params = [p for p, _ in counts]
-        self.trainable_params = [t for _, t in counts]
-        return built
-
-    def start(self, batch_size: int, *, fresh: bool) -> None:
-        """Ask the child to trace its sessions at ``batch_size``; :meth:`results` waits for them.
-        An earlier request whose answer was never taken (an error here, Ctrl-C) is skipped."""
+    def start(self, method: str, *args, doing: str = "tracing in the forked process") -> None:
+        """Ask the child to run ``method(*args)`` on its object; :meth:`result` waits for the value. An earlier
+        request whose answer was never taken (an error here, Ctrl-C) is skipped."""
         self._asked += 1
         try:
-            self._connection.send((self._asked, batch_size, fresh))
+            self._connection.send((self._asked, method, args, doing))
         except OSError as error:  # a broken pipe: the child is gone
             raise _died() from error
 
-    def results(self) -> list[tuple[Any, list | None]]:
-        """(TracePoint, fresh stream or None) for each session, in the order ``build`` gave them:
-        the answer to the last request (answers to earlier ones still in the pipe are dropped)."""
+    def result(self) -> Any:
+        """The answer to the last request (answers to earlier ones still in the pipe are dropped); the first
+        call, before any request, what ``build`` gave beside its object."""
         while True:
             try:
                 number, status, value = self._connection.recv()
@@ -128,7 +118,7 @@ class ForkedSessions:
         return value
 
     def close(self) -> None:
-        """Stop the child: at once when it is still tracing (an error here ended the step)."""
+        """Stop the child: at once when it is still working (an error here ended the step)."""
         if self._process.is_alive():
             if self._answered < self._asked:
                 self._process.terminate()
@@ -142,6 +132,47 @@ class ForkedSessions:
                 self._process.kill()
                 self._process.join()
         self._connection.close()
+
+
+class _Sessions:
+    """In the child of :class:`ForkedSessions`: its trace sessions."""
+
+    def __init__(self, sessions: list) -> None:
+        self.sessions = sessions
+
+    def trace(self, batch_size: int, fresh: bool) -> list[tuple[Any, list | None]]:
+        return [(s.trace(batch_size, fresh=fresh), s.fresh_folded if fresh else None) for s in self.sessions]
+
+
+def _sessions_built(build: Callable[[], tuple[list, Any]]) -> tuple[_Sessions, tuple[list, Any]]:
+    sessions, built = build()
+    return _Sessions(sessions), ([(s.params, s.trainable_params) for s in sessions], built)
+
+
+class ForkedSessions(ForkedWorker):
+    """Trace sessions built by ``build`` in a forked child; ``build`` returns them and anything
+    picklable the caller needs from building them (:meth:`built`)."""
+
+    def __init__(self, build: Callable[[], tuple[list, Any]]) -> None:
+        super().__init__(lambda: _sessions_built(build))
+        self.params: list[int] = []
+        self.trainable_params: list[int] = []
+
+    def built(self) -> Any:
+        """Wait for the child to build its sessions (this process builds its own meanwhile):
+        what ``build`` returned beside them; :attr:`params` and :attr:`trainable_params` are set."""
+        counts, built = self.result()
+        self.params = [p for p, _ in counts]
+        self.trainable_params = [t for _, t in counts]
+        return built
+
+    def start(self, batch_size: int, *, fresh: bool) -> None:
+        """Ask the child to trace its sessions at ``batch_size``; :meth:`results` waits for them."""
+        super().start("trace", batch_size, fresh, doing=f"tracing batch size {batch_size}")
+
+    def results(self) -> list[tuple[Any, list | None]]:
+        """(TracePoint, fresh stream or None) for each session, in the order ``build`` gave them."""
+        return self.result()
 
 
 def _call(connection, parents_end, fn: Callable[[], Any]) -> None:
