@@ -116,6 +116,44 @@ def test_the_tracing_process_ends_when_this_one_is_killed(tmp_path):
         pytest.fail("the forked tracing process outlived its parent")
 
 
+def _slow_worker():
+    class Slow:
+        def wait(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    return Slow(), None
+
+
+def test_a_busy_child_ends_when_its_parent_is_terminated(tmp_path):
+    """plan's Sessions stops a session set aside with SIGTERM (no clean-up runs): the session's own forked child,
+    busy with a request, must not trace on with no one to answer (the kernel ends it: PR_SET_PDEATHSIG)."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_forked import _slow_worker\n"
+        "from batchfit.trace.forked import ForkedWorker\n"
+        "worker = ForkedWorker(_slow_worker)\n"
+        "worker.result()\n"
+        "worker.start('wait', 60)\n"
+        "print(worker._process.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    child = int(parent.stdout.readline())
+    parent.terminate()
+    parent.wait()
+    for _ in range(100):
+        if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the busy forked process outlived its terminated parent")
+    assert "Traceback" not in parent.stderr.read()
+
+
 def test_batchfit_processes_1_keeps_every_depth_here(monkeypatch):
     monkeypatch.setenv("BATCHFIT_PROCESSES", "1")
     with TracedCurve(twelve_blocks(), StepOptions(), get_device("h100-80gb")) as traced:

@@ -216,7 +216,8 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
         from batchfit.plan.deep import DeepSession  # the tracer: torch, when a plan runs
         from batchfit.plan.pipeline import pipeline_or
 
-        open_session = pipeline_or(functools.partial(DeepSession, session=sharded.ShardedSession, fork=True))
+        open_session = pipeline_or(functools.partial(DeepSession, session=sharded.ShardedSession,
+                                                     fork=request.processes != 1))  # processes 1: one process
     multiple_of = workload.batch_multiple(request.multiple_of)
     auto = request.strategies.strip().lower() == "auto"
     not_traced: list[StrategyPlan] = []

@@ -49,10 +49,26 @@ def sendable(error: BaseException, doing: str) -> BaseException:
         return TraceError(f"{doing} failed: {text}")
 
 
-def _serve(connection, parents_end, build: Callable[[], tuple[Any, Any]]) -> None:
+def _end_with_parent(parent: int) -> None:
+    """Have the kernel stop this process when its parent dies (Linux's PR_SET_PDEATHSIG): a parent stopped by
+    a signal (plan's ``Sessions`` terminates a session set aside) runs no clean-up that would stop its child,
+    which would trace on, on a core meant for others, and find no one to answer."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # died before the request took: nothing will signal
+        os._exit(0)
+
+
+def _serve(connection, parents_end, build: Callable[[], tuple[Any, Any]], parent: int) -> None:
     """The child of a :class:`ForkedWorker`: build its object, then call the method each request names.
     Each answer carries its request's number, so the parent never takes one answer for another."""
     parents_end.close()  # the parent's death then ends recv() below: no orphan left waiting
+    _end_with_parent(parent)
     try:
         served, built = build()
         connection.send((0, "ok", built))
@@ -69,9 +85,13 @@ def _serve(connection, parents_end, build: Callable[[], tuple[Any, Any]]) -> Non
             return
         number, method, args, doing = request
         try:
-            connection.send((number, "ok", getattr(served, method)(*args)))
+            answer = (number, "ok", getattr(served, method)(*args))
         except BaseException as error:  # noqa: BLE001 - sent back, raised in the parent
-            connection.send((number, "error", sendable(error, doing)))
+            answer = (number, "error", sendable(error, doing))
+        try:
+            connection.send(answer)
+        except OSError:  # the parent is gone: no one to answer
+            return
 
 
 def _died() -> TraceError:
@@ -86,7 +106,8 @@ class ForkedWorker:
     def __init__(self, build: Callable[[], tuple[Any, Any]]) -> None:
         context = multiprocessing.get_context("fork")
         self._connection, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, self._connection, build), daemon=True)
+        self._process = context.Process(target=_serve, args=(child, self._connection, build, os.getpid()),
+                                        daemon=True)
         self._process.start()
         child.close()
         self._asked = 0
