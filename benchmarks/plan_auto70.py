@@ -95,7 +95,8 @@ def main() -> None:
                 "checkouts interleaved; CPU time is the process's and its children's (sessions, forked depths)",
         "command": command,
         "same_plan_json": same,
-        "runs": [{"command": command, "code": _commit(source), "cache": "empty (cold)", "runs": len(runs),
+        "runs": [{"command": command, "code": _commit(source), "cache": f"empty (cold); code {_commit(source)}",
+                  "runs": len(runs),
                   "load_average": [r["load_average"] for r in runs], **_figures(runs),
                   "answer": {name: list(row) for name, row in runs[0]["rows"].items()}}
                  for source, runs in timed.items()],
