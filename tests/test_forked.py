@@ -167,3 +167,22 @@ def test_no_fork_where_cuda_is_initialized(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with TracedCurve(twelve_blocks(), StepOptions(), get_device("h100-80gb")) as traced:
         assert traced._forked is None and len(traced._shallow) == 3
+
+
+def test_a_child_works_beside_its_parent_only_on_an_idle_core():
+    """plan's Sessions counts its sessions running: a deep session's forked child works beside it only while a core
+    is idle (else the parent waits for its answer), and gives the core back."""
+    import multiprocessing
+
+    from batchfit.trace import forked
+
+    busy = multiprocessing.get_context("fork").Value("i", 1)  # one session running on two cores
+    forked.share_cores(busy, 2)
+    try:
+        assert forked.claim_core() and busy.value == 2
+        assert not forked.claim_core() and busy.value == 2  # both cores busy: the parent will wait
+        forked.release_core()
+        assert busy.value == 1
+    finally:
+        forked.share_cores(None, 0)
+    assert forked.claim_core()  # no Sessions (estimate, a plan in one process): always beside

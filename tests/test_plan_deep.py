@@ -128,7 +128,7 @@ def test_a_whole_models_replay_gives_its_point_too():
 
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("fsdp+cp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("fsdp+cp2", marks=[pytest.mark.slow, pytest.mark.extended])])
 def test_shallow_depths_in_a_forked_process_trace_what_one_process_does(strategy):
     """``fork``: depths 2 and 3 live in a forked child (trace/forked.py) while this process traces depth 4: the
     same points, fresh streams, reserved replays (written from the stream line too) as one process, byte for byte."""

@@ -115,6 +115,7 @@ def test_a_written_replay_is_the_traced_one(strategy, gpus):
 
 
 @pytest.mark.slow  # two plans of the 12-block Llama, each size probed traced and written (about 45 s)
+@pytest.mark.extended  # CI's 30 minutes: the written replays' own truths above run in CI
 def test_a_plan_that_writes_its_probes_answers_what_tracing_them_answers(monkeypatch):
     from batchfit.plan.engine import plan
     from batchfit.plan.world import World

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from batchfit.distributed.parallelisms import degree_keys, degree_of, runs_experts
 from batchfit.trace import depth, stream
-from batchfit.trace.forked import ForkedWorker, can_fork
+from batchfit.trace.forked import ForkedWorker, can_fork, claim_core, release_core
 from batchfit.trace.stream_line import StreamLine, refusal, rounds_by_batch
 
 if TYPE_CHECKING:
@@ -178,12 +178,23 @@ class DeepSession:
         if self._forked is None:
             return [s.trace(local_batch) for s in self._depths]
         self._forked.start("trace", local_batch, doing=f"tracing local batch {local_batch}")
-        deepest = self._depths[-1].trace(local_batch)
-        shallow = self._forked.result()
+        shallow, deepest = self._beside(lambda: self._depths[-1].trace(local_batch))
         for forked, (_, fresh) in zip(self._depths, shallow):
             if fresh is not None:
                 forked.fresh_stream, forked.fresh_steps, forked.fresh_streams = fresh
         return [point for point, _ in shallow] + [deepest]
+
+    def _beside(self, here: Callable):
+        """(the forked child's answer to its request, ``here()``): run while the child works where a core is
+        idle (``forked.claim_core``), else after its answer (the same results either way)."""
+        if not claim_core():
+            shallow = self._forked.result()
+            return shallow, here()
+        try:
+            found = here()
+            return self._forked.result(), found
+        finally:
+            release_core()
 
     def _fresh_depths(self, local_batch: int, points: list) -> list[tuple[list, tuple[int, ...], dict]]:
         """A fresh process's stream at each depth (new sessions), their points appended to ``points``."""
@@ -192,8 +203,8 @@ class DeepSession:
             return [self._fresh(depth.at_depth(self.workload, d, seen), local_batch, points) for d in depth.DEPTHS]
         self._forked.start("fresh", local_batch, doing=f"tracing local batch {local_batch} in fresh sessions")
         deepest: list = []
-        found = self._fresh(depth.at_depth(self.workload, depth.DEPTHS[-1], seen), local_batch, deepest)
-        shallow = self._forked.result()
+        shallow, found = self._beside(lambda: self._fresh(depth.at_depth(self.workload, depth.DEPTHS[-1], seen),
+                                                          local_batch, deepest))
         points += [point for *_, point in shallow] + deepest
         return [traced for *traced, _ in shallow] + [found]
 

@@ -23,6 +23,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from batchfit.errors import TraceError
+from batchfit.trace import forked
 from batchfit.trace.forked import can_fork, sendable
 
 
@@ -140,6 +141,11 @@ class Sessions:
         self._round: tuple[set[int], Steps] | None = None
         self._exiting: list = []
         """Processes that sent their outcome, reaped once they have exited."""
+        self._busy = self._context.Value("i", 0) if self.forked else None
+        """Sessions running, plus their forked children working beside them (``forked.claim_core``)."""
+        if self.forked:
+            forked.share_cores(self._busy, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                               else (os.cpu_count() or 1))
 
     def __enter__(self) -> Sessions:
         return self
@@ -214,6 +220,7 @@ class Sessions:
         it raised is not raised). Whether it had been started."""
         held = index in self._running or index in self._outcomes
         if index in self._running:
+            self._count(-1)
             process, reader = self._running.pop(index)
             process.terminate()
             process.join()
@@ -230,6 +237,12 @@ class Sessions:
             process.terminate()
             process.join()
         self._exiting.clear()
+        if self._busy is not None:
+            forked.share_cores(None, 0)
+
+    def _count(self, sessions: int) -> None:
+        with self._busy.get_lock():
+            self._busy.value += sessions
 
     def _start(self, index: int) -> None:
         reader, writer = self._context.Pipe(duplex=False)
@@ -237,6 +250,7 @@ class Sessions:
         process.start()  # not daemonic: a session may fork its own (trace/forked.py)
         writer.close()  # the child's copy is then the only one: its death is the end of the pipe here
         self._running[index] = (process, reader)
+        self._count(+1)
 
     def _take(self) -> None:
         """Wait for lines or outcomes from the sessions running, and take them."""
@@ -251,6 +265,7 @@ class Sessions:
                 self._hear(index, payload)
                 continue
             self._outcomes[index] = (kind, payload)
+            self._count(-1)
             process, _ = self._running.pop(index)
             reader.close()
             self._exiting.append(process)
