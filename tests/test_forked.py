@@ -107,13 +107,17 @@ def test_the_tracing_process_ends_when_this_one_is_killed(tmp_path):
     child = int(parent.stdout.readline())
     parent.kill()  # SIGKILL: no atexit, no daemon clean-up
     parent.wait()
-    for _ in range(100):  # the child's recv() ends at once; it is reaped by init
+    _gone(child, "the forked tracing process outlived its parent")  # its recv() ends at once; reaped by init
+
+
+def _gone(child: int, failure: str) -> None:
+    """Wait up to 10 s for process ``child`` to end (or be a zombie); else kill it and fail with ``failure``."""
+    for _ in range(100):
         if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
-            break
+            return
         time.sleep(0.1)
-    else:
-        os.kill(child, signal.SIGKILL)
-        pytest.fail("the forked tracing process outlived its parent")
+    os.kill(child, signal.SIGKILL)
+    pytest.fail(failure)
 
 
 def _slow_worker():
@@ -144,13 +148,7 @@ def test_a_busy_child_ends_when_its_parent_is_terminated(tmp_path):
     child = int(parent.stdout.readline())
     parent.terminate()
     parent.wait()
-    for _ in range(100):
-        if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(child, signal.SIGKILL)
-        pytest.fail("the busy forked process outlived its terminated parent")
+    _gone(child, "the busy forked process outlived its terminated parent")
     assert "Traceback" not in parent.stderr.read()
 
 
