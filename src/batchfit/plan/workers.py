@@ -15,7 +15,6 @@ of every job. Where a process cannot be forked (``trace.forked.can_fork``: not L
 from __future__ import annotations
 
 import multiprocessing
-import os
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -29,8 +28,7 @@ from batchfit.trace.forked import can_fork, sendable
 
 def default_processes(jobs: int) -> int:
     """One process per CPU core this process may use, at most one per job."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, jobs))
+    return max(1, min(forked.cores(), jobs))
 
 
 TRACES_PER_SESSION = 5
@@ -144,8 +142,7 @@ class Sessions:
         self._busy = self._context.Value("i", 0) if self.forked else None
         """Sessions running, plus their forked children working beside them (``forked.claim_core``)."""
         if self.forked:
-            forked.share_cores(self._busy, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                               else (os.cpu_count() or 1))
+            forked.share_cores(self._busy, forked.cores())
 
     def __enter__(self) -> Sessions:
         return self

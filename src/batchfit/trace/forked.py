@@ -36,7 +36,12 @@ def can_fork() -> bool:
         return False
     import torch
 
-    return len(os.sched_getaffinity(0)) >= 2 and not torch.cuda.is_initialized()
+    return cores() >= 2 and not torch.cuda.is_initialized()
+
+
+def cores() -> int:
+    """The CPU cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 _cores: tuple[Any, int] | None = None
