@@ -146,3 +146,32 @@ def test_shallow_depths_in_a_forked_process_trace_what_one_process_does(strategy
             return points + [deep.trace(5)], replays, deep.whole_reserved, deep.line.summary()
 
     assert traced(True) == traced(False)
+
+
+def test_plans_first_sizes_larger_first_give_the_stream_line_its_small_end():
+    """plan traces a deep session's first two sizes the larger first (``trace_first_sizes(larger_first=True)``):
+    the sessions' first trace, a fresh process's at 2, is the stream line's small end, so a reserved search below
+    two fresh sizes opens no fresh sessions for it (traced 1 first, a model whose stream has fewer events at 1,
+    as Llama-3.1-70B's under fsdp+cp8, traced a fresh 2 for it). That the plan's figures do not change:
+    benchmarks/plan_auto70.py, the same plan.json as the order before (docs/accuracy.md)."""
+    from batchfit.search import trace_first_sizes
+
+    class Sizes:  # what trace_first_sizes reads of a curve
+        def __init__(self, deep):
+            self.points, self.point = {}, lambda b: self.points.setdefault(b, deep.trace(b))
+
+    options = StepOptions(precision="bf16-mixed")
+
+    def replays(larger_first: bool) -> tuple[dict, int]:
+        opened = []
+        counting = lambda *a, **k: opened.append(1) or ShardedSession(*a, **k)  # noqa: E731
+        with DeepSession(WORKLOAD, options, H100, parse_strategy("fsdp", 4), session=counting) as deep:
+            sizes = Sizes(deep)
+            trace_first_sizes(sizes, None, 1, H100.usable_bytes, larger_first=larger_first)
+            assert list(sizes.points) == ([2, 1] if larger_first else [1, 2])
+            for b in (6, 4, 5):  # 6, 4: fresh sessions; 5: from the line
+                deep.reserved(b)
+            return deep.line.summary(), len(opened)
+
+    assert replays(True) == ({"written": [5], "through": [2, 6], "checked_at": [4]},
+                             3 + 3 + 3)  # the depth sessions, then fresh ones at 6 and at 4: none at 2

@@ -89,11 +89,20 @@ def _check_limit(limit: str) -> None:
         raise OptionError(f"unknown `limit` '{limit}': use reserved (what a GPU runs out of) or allocated")
 
 
-def trace_first_sizes(curve, batch_sizes: list[int] | None, multiple_of: int, usable_bytes: int) -> None:
+def trace_first_sizes(curve, batch_sizes: list[int] | None, multiple_of: int, usable_bytes: int, *,
+                      larger_first: bool = False) -> None:
     """Trace ``batch_sizes`` on ``curve`` (a TracedCurve or plan's ShardedCurve: ``points`` by
     size, ``point(b)`` traces), or by default the first two multiples, the second only when the
-    first fits ``usable_bytes`` (when the smallest does not fit, no larger one will)."""
+    first fits ``usable_bytes`` (when the smallest does not fit, no larger one will).
+
+    ``larger_first``: the default two the larger first, then the smaller always (for a session whose first
+    trace is a fresh process's: plan's ``DeepSession`` keeps that stream as its stream line's small end, and a
+    batch of two has the events of larger ones where a batch of one can have fewer, ``plan/deep.py``)."""
     sizes = sorted(set(batch_sizes or [multiple_of, 2 * multiple_of]))
+    if larger_first and batch_sizes is None:
+        for b in reversed(sizes):
+            curve.point(b)
+        return
     if len(sizes) > 1 and hasattr(curve, "trace_ahead"):  # a TracedCurve: the second on the second core, meanwhile
         curve.trace_ahead(sizes[1])
     for b in sizes:

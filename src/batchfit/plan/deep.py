@@ -246,10 +246,11 @@ class DeepSession:
     def _seed_line(self, local_batch: int) -> bool:
         """Before tracing a probe below two traced sizes that the line does not cover (once): a stream at
         a small size instead, the line's other end, so that this probe and those after it are written. The
-        sessions' own first trace (size 1, nothing traced) where its events are the others'; else a fresh
-        trace at 2 (at 1 a copy of a tensor whose batch dimension is 1 can be a view: Llama-3.1-70B under
-        fsdp+cp8 has 4 events fewer at 1 than at 2 or 22). Not at a search's first two probes: one that
-        ends there (a max local batch of 4) would trace the small size for nothing."""
+        sessions' own first trace where its events are the others' (plan's is at 2, the larger of its first
+        two sizes: ``search.trace_first_sizes``); else a fresh trace at 2 (at 1 a copy of a tensor whose batch
+        dimension is 1 can be a view: Llama-3.1-70B under fsdp+cp8 has 4 events fewer at 1 than at 2 or 22).
+        Not at a search's first two probes: one that ends there (a max local batch of 4) would trace the small
+        size for nothing."""
         if (self._seeded or self.line.refused or local_batch <= 2 or len(self.line.traced) < 2
                 or local_batch > max(self.line.traced)):
             return False  # (a refused line writes nothing: its small end would be traced for nothing)

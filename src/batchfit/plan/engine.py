@@ -452,7 +452,8 @@ def _plan_one(open_session: Callable, workload: Workload, options: StepOptions, 
                                      replay=shared.reserved if shared.can_replay else None,
                                      replay_first=getattr(session, "replay_gives_point", False),
                                      known=shared.has if is_derived else None)
-                trace_first_sizes(curve, batch_sizes, multiple_of, device.usable_bytes)
+                trace_first_sizes(curve, batch_sizes, multiple_of, device.usable_bytes,
+                                  larger_first=hasattr(session, "line"))
                 plan_row = _plan_strategy(_row_base(row_world, row_strategy), curve, row_strategy, row_world,
                                           workload, device, options, time_model, global_batch=global_batch,
                                           multiple_of=multiple_of, max_batch=max_batch, target_bytes=target_bytes,
