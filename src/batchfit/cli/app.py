@@ -88,7 +88,34 @@ _plain_help(app)
 
 
 def main() -> None:
-    app()
+    """The command, then its exit without the interpreter's teardown: once the outputs are written and the
+    exit handlers have run (``multiprocessing``'s join of the sessions, ``weakref.finalize``'s temporary
+    folders), freeing every module and object one by one changes nothing a user sees and took 1.6-2.1 s after
+    a plan of Llama-3.1-70B (its traced modules and fake tensors)."""
+    try:
+        app()
+        code = 0
+    except SystemExit as done:
+        code = done.code
+    _exit(code)
+
+
+def _exit(code) -> None:
+    """Exit as ``sys.exit(code)`` would, skipping the teardown (:func:`main`)."""
+    import atexit
+    import os
+    import sys
+
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to write there
+            pass
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":
