@@ -139,6 +139,9 @@ def test_auto_skips_tensor_parallel_on_a_model_without_a_plan(standin):
     (dict(worlds=[World(4)], strategies="ddp,fsdp+tp4", global_batch=6), "ddp's 4 data-parallel ranks"),
     (dict(worlds=[World(4)], strategies="ddp", tokens="lots"), "chinchilla"),
     (dict(worlds=[World(4)], strategies="ddp", target_util=90), "0.9"),
+    # the step refuses it once the TP plan built the model: named first, it lost the rows traced before it
+    (dict(worlds=[World(4)], strategies="fsdp,fsdp+tp2", options=StepOptions(loss="chunked:4")),
+     "fsdp+tp2: `loss` chunked:4 does not run under tensor parallelism"),
 ])
 def test_bad_plans_are_refused_before_any_trace(standin, kwargs, message):
     traced = []
@@ -150,6 +153,22 @@ def test_bad_plans_are_refused_before_any_trace(standin, kwargs, message):
     with pytest.raises(OptionError, match=message.replace("+", r"\+")):
         plan(workload(), device=gpu(), trace=counting, parse=standin.parse_strategies, **kwargs)
     assert traced == []
+
+
+def test_auto_sets_aside_tensor_parallel_candidates_under_a_loss_they_refuse(standin):
+    from batchfit.plan.candidates import ModelFacts
+
+    traced = set()
+
+    def counting(workload, options, device, strategy, local_batch):
+        traced.add(strategy.name)
+        return trace_sharded(workload, options, device, strategy, local_batch)
+
+    result = plan(workload(), device=gpu(), worlds=[World(2)], options=StepOptions(loss="chunked:4"),
+                  strategies="auto", trace=counting, parse=standin.parse_strategies, time_model=HALF,
+                  limit="allocated", facts=ModelFacts(name="standin", tp_plan=True))
+    assert "does not run under tensor parallelism" in next(p.skipped for p in result.plans if p.strategy == "tp2")
+    assert "tp2" not in traced and "ddp" in traced
 
 
 def test_worlds_tokens_and_ring_bytes():

@@ -242,6 +242,7 @@ def plan(workload: Workload, request: PlanRequest | None = None, *, device: Devi
             _check_global_batch(request.global_batch, chosen, multiple_of)
     # the default strategies were not chosen by the user: a too-wide fsdp is a skipped row beside ddp's answer
     _refuse_wide_shards(workload, by_world, auto or request.strategies == DEFAULT_STRATEGIES, not_traced)
+    _refuse_tp_losses(workload, options, by_world, auto, not_traced)
     if auto:
         _set_aside_too_large(workload, options, device, by_world, not_traced)
     say = progress or (lambda message: None)
@@ -379,6 +380,17 @@ def _set_aside(world: World, chosen: list, why: Callable[[object], str | None], 
     return kept
 
 
+def _refuse_or_set_aside(by_world: list, why: Callable[[object], str | None], skip: bool,
+                         not_traced: list[StrategyPlan]) -> None:
+    """Each strategy ``why`` has a reason against: a skipped row with ``skip`` (:func:`_set_aside`), else the
+    first reason raised (one line, before any trace)."""
+    for world, chosen in by_world:
+        if skip:
+            chosen[:] = _set_aside(world, chosen, why, not_traced)
+        elif (reason := next(filter(None, map(why, chosen)), None)) is not None:
+            raise OptionError(reason)
+
+
 def _refuse_wide_shards(workload: Workload, by_world: list, skip: bool, not_traced: list[StrategyPlan]) -> None:
     """Before any trace: an FSDP2 shard group wider than the model's largest parameter
     (``plan/shard_limit.py``) stops a named strategy with one line, and is a skipped row with
@@ -386,11 +398,23 @@ def _refuse_wide_shards(workload: Workload, by_world: list, skip: bool, not_trac
     from batchfit.plan.shard_limit import too_wide
 
     why = too_wide(workload, [s for _, chosen in by_world for s in chosen])
-    for world, chosen in by_world:
-        if skip:
-            chosen[:] = _set_aside(world, chosen, why, not_traced)
-        elif (reason := next(filter(None, map(why, chosen)), None)) is not None:
-            raise OptionError(reason)
+    _refuse_or_set_aside(by_world, why, skip, not_traced)
+
+
+def _refuse_tp_losses(workload: Workload, options: StepOptions, by_world: list, skip: bool,
+                      not_traced: list[StrategyPlan]) -> None:
+    """Before any trace: a `loss` other than plain under a tensor-parallel plan batchfit ships (each records its
+    loss on the model, which the step refuses: ``train/step.py``) stops a named strategy with one line, and is a
+    skipped row with ``skip`` (auto). A model's own plan (``Workload.parallelize``) is left to its step."""
+    from batchfit.train.losses import tp_loss_refusal
+
+    if options.loss == "plain" or workload.parallelize is not None or workload.parallelize_all is not None:
+        return
+
+    def why(strategy) -> str | None:
+        return f"{strategy.name}: {tp_loss_refusal(options.loss)}" if strategy.tp > 1 else None
+
+    _refuse_or_set_aside(by_world, why, skip, not_traced)
 
 
 def _set_aside_too_large(workload: Workload, options: StepOptions, device: Device, by_world: list,

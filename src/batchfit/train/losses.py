@@ -70,6 +70,14 @@ def tp_loss_of(model: nn.Module) -> str | None:
     return getattr(getattr(model, "module", model), TP_LOSS_ATTR, None)
 
 
+def tp_loss_refusal(loss: str) -> str:
+    """Why ``loss`` (not plain) cannot run on a model a tensor-parallel plan built (one line): ``lm_parts``
+    multiplies by the head's weight itself, under TP a DTensor split by the vocabulary, which the chunked and
+    fused losses do not take."""
+    return (f"`loss` {loss} does not run under tensor parallelism: use `loss` plain (the TP plan's "
+            "vocabulary-sharded loss, `tp_loss` sharded, never gathers the logits either), or a ddp / fsdp strategy")
+
+
 def loss_context(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
     """What the loss's forward and backward run under: torch's ``loss_parallel()`` when the
     model's logits are sharded on the vocabulary, else nothing."""

@@ -51,7 +51,7 @@ from batchfit.phases import PHASES  # noqa: F401 - the names hooks.phase() recei
 from batchfit.train.attention import set_attention
 from batchfit.train.checkpointing import checkpointed_blocks, selective_context_fn
 from batchfit.train.float8 import convert_to_float8, precompute_scales_after_step
-from batchfit.train.losses import lm_loss, loss_context, tp_loss_of
+from batchfit.train.losses import lm_loss, loss_context, tp_loss_of, tp_loss_refusal
 from batchfit.train.model import apply_freezing, block_list, build_optimizer, move_module, optimizer_params
 from batchfit.train.offload import OffloadActivations
 from batchfit.workload import PARAMS_OFFLOAD_NEEDS_FSDP, StepOptions, Workload
@@ -229,11 +229,7 @@ class TrainingStep:
             # optimizer (and its state) must be built over those.
             self.model = wrap(self.model)
         if options.loss != "plain" and tp_loss_of(self.model) is not None:
-            # lm_parts multiplies by the head's weight itself: under TP a DTensor split by the
-            # vocabulary, which the chunked and fused losses do not take.
-            raise OptionError(f"`loss` {options.loss} does not run under tensor parallelism: use `loss` plain "
-                              "(the TP plan's vocabulary-sharded loss, `tp_loss` sharded, never gathers the "
-                              "logits either), or a ddp / fsdp strategy")
+            raise OptionError(tp_loss_refusal(options.loss))
         if options.offload_spec.params:
             _require_fsdp(self.model)
         self.offload: OffloadActivations | None = (OffloadActivations(self.model, device)
