@@ -109,11 +109,14 @@ def main() -> None:
 
 
 def _exit(code) -> None:
-    """Exit as ``sys.exit(code)`` would, skipping the teardown (:func:`main`)."""
+    """Exit as ``sys.exit(code)`` would, skipping the teardown (:func:`main`); under a profiler or a tracer
+    (``python -m cProfile``, a debugger, coverage) as ``sys.exit`` does: they write what they saw after it."""
     import atexit
     import os
     import sys
 
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(code)
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
