@@ -191,3 +191,16 @@ def test_main_exits_as_sys_exit_would_without_the_teardown():
     assert listed.stderr.strip().endswith("handler ran")
     wrong = run("estimate", "no-such-model", "--gpu", "h100-80gb")
     assert wrong.returncode == 2 and "error:" in wrong.stderr and wrong.stderr.strip().endswith("handler ran")
+
+
+def test_main_under_a_profiler_exits_through_sys_exit():
+    """``python -m cProfile`` writes its figures after the command returns: under a profiler ``main`` raises
+    SystemExit as ``sys.exit`` does instead of ending the process."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom batchfit.cli.app import main\nsys.argv = ['batchfit', 'gpus']\n"
+              "sys.setprofile(lambda *args: None)\n"
+              "try:\n    main()\nexcept SystemExit as done:\n    sys.setprofile(None)\n    print('exited', done.code)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("exited 0"), done.stdout[-300:] + done.stderr
