@@ -53,6 +53,7 @@ from batchfit.cli.common import (
     warn_about_precision,
     write_outputs,
 )
+from batchfit.cli.flags import as_flags
 from batchfit.cli.torchtitan import print_torchtitan
 from batchfit.cli.trainer import TrainerOpt, print_answer, print_data_rows, print_mapping
 from batchfit.config.step import StepFlags
@@ -258,7 +259,8 @@ def _print_summary(result, console, report_path: Path, written: list[Path]) -> N
                       f"{capped_words(capped[0].max_local_batch)}", soft_wrap=True)
     for row in rows:
         if row.rank is None and row.why:
-            console.print(escape(f"{row.strategy}{f' on {row.gpus} GPUs' if several else ''}: {row.status}: {row.why}"),
+            console.print(escape(f"{row.strategy}{f' on {row.gpus} GPUs' if several else ''}: {row.status}: "
+                                 f"{as_flags(row.why)}"),
                           soft_wrap=True)
     losses = dict.fromkeys(p.tp_loss for p in result.plans if p.tp_loss)
     if losses:
