@@ -411,9 +411,11 @@ def _refuse_tp_losses(workload: Workload, options: StepOptions, by_world: list, 
     if options.loss == "plain" or workload.parallelize is not None or workload.parallelize_all is not None:
         return
 
-    def why(strategy) -> str | None:  # a skipped row names its strategy; a refusal says which
-        return (tp_loss_refusal(options.loss) if skip else f"{strategy.name}: {tp_loss_refusal(options.loss)}"
-                ) if strategy.tp > 1 else None
+    def why(strategy) -> str | None:
+        if strategy.tp == 1:
+            return None
+        reason = tp_loss_refusal(options.loss)
+        return reason if skip else f"{strategy.name}: {reason}"  # a skipped row names its strategy itself
 
     _refuse_or_set_aside(by_world, why, skip, not_traced)
 
